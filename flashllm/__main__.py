@@ -1,0 +1,5 @@
+"""`python -m flashllm` runs the flashllm command."""
+
+from flashllm.cli import main
+
+raise SystemExit(main())

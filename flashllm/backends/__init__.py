@@ -1,0 +1,1 @@
+"""Built-in device backends; each registers through flashllm_register_backends."""

@@ -1,0 +1,103 @@
+"""The cpu backend: torch-native fast paths for x86/Arm CPUs; bf16 gated on native support."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from flashllm.registry.backend import Availability, Backend, DeviceAdapter
+from flashllm.registry.precision import DeviceProfile
+
+_ALL_FLOAT = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_CPU_QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8"})
+_CPU_KV = frozenset({torch.int8})
+
+# torch runs fp16/bf16 on every CPU; without native support it is an emulation that is far
+# slower than fp32 matmuls, which is why `--dtype auto` picks float32 there.
+CPU_PROFILES: tuple[DeviceProfile, ...] = (
+    DeviceProfile("x86 CPU (AVX512-BF16 / AMX)", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=True),
+    DeviceProfile(
+        "x86 CPU (AVX2 / AVX-512)", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=False,
+        notes="bf16/fp16 are emulated and slow: use float32",
+    ),
+    DeviceProfile(
+        "Arm CPU", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=False,
+        notes="bf16 native only with the BF16 extension (not detected yet)",
+    ),
+)
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where that file does not exist)."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return frozenset()
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str]) -> bool:
+    """AVX512-BF16 or AMX-BF16 (x86) makes bf16 matmuls fast."""
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def profile_for_flags(flags: frozenset[str], machine: str) -> DeviceProfile:
+    """The precision profile of a CPU with the given feature flags and `uname -m` machine."""
+    if machine in ("aarch64", "arm64"):
+        return CPU_PROFILES[2]
+    return CPU_PROFILES[0] if has_native_bf16(flags) else CPU_PROFILES[1]
+
+
+class CpuAdapter(DeviceAdapter):
+    """Host memory and no-op synchronization; gloo for tensor parallelism."""
+
+    dist_backend = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+    def set_device(self, device: torch.device) -> None:
+        return None
+
+    def synchronize(self, device: torch.device) -> None:
+        return None
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+class CpuBackend(Backend):
+    """Torch-native CPU kernels (IPEX paths register here when it imports)."""
+
+    def is_available(self) -> Availability:
+        return True, f"{os.cpu_count()} cores, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+    def device_profile(self, device: torch.device) -> DeviceProfile:
+        return profile_for_flags(cpu_flags(), os.uname().machine)
+
+    def known_profiles(self) -> list[DeviceProfile]:
+        return list(CPU_PROFILES)
+
+    def adapter(self) -> DeviceAdapter:
+        return CpuAdapter()
+
+
+def make_backend() -> Backend:
+    """Build the cpu backend and register its torch-native kernels."""
+    backend = CpuBackend(
+        name="cpu",
+        device_type="cpu",
+        priority=10,
+        description="torch-native CPU kernels",
+    )
+    from flashllm.backends.cpu import kernels
+
+    kernels.register(backend)
+    return backend

@@ -1,0 +1,98 @@
+"""Torch-native CPU kernels: fused rms_norm and SDPA-based paged attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashllm.ops import op_specs
+from flashllm.registry.backend import Backend, Caps
+
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+# Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
+# aten call or a memory copy): the cpu backend runs them as they are, by declaration.
+PORTABLE_OPS = ("rotary_embedding", "silu_and_mul", "gelu_and_mul", "write_kv_cache", "quant_matmul", "fused_moe")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm through aten's fused kernel; fp32 math, result in x.dtype."""
+    if residual is not None:
+        x = x + residual
+    out = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather each sequence's blocks once, then one scaled_dot_product_attention call.
+
+    Shapes as the op spec: q (T, Hq, D), caches (num_blocks, block_size, Hk, D).
+    """
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("cpu paged_attention: quantized KV caches are not supported yet")
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks]
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # (S, Hk, D)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        mask = _mask(q_end - q_start, seq_len, alibi_slopes, sliding_window, q.dtype, q.device)
+        o = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1),  # (Hq, L, D)
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None and q_end - q_start == seq_len and seq_len > 1,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+def _mask(
+    q_len: int,
+    seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """None when plain causal suffices (full prefill or one decode token); else a float mask."""
+    if alibi_slopes is None and sliding_window is None and (q_len == seq_len or q_len == 1):
+        return None
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= (q_pos - k_pos) < sliding_window
+    bias = torch.zeros(q_len, seq_len, device=device).masked_fill(~allowed, float("-inf"))
+    if alibi_slopes is not None:
+        bias = bias + alibi_slopes.float()[:, None, None] * (k_pos - q_pos)  # (Hq, L, S)
+    return bias.to(dtype)  # SDPA wants the mask in the query dtype
+
+
+def register(backend: Backend) -> None:
+    """Register the cpu kernels on `backend`."""
+    specs = op_specs()
+    backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
+    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=FLOATS))(paged_attention)
+    for name in PORTABLE_OPS:
+        backend.kernel(name, Caps(dtypes=FLOATS, kv_dtypes=FLOATS))(specs[name].reference)

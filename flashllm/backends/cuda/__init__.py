@@ -1,0 +1,94 @@
+"""The cuda backend: NVIDIA (and ROCm-as-cuda) GPUs; device rules by compute capability.
+
+Importing this module imports neither Triton nor initializes CUDA: both happen in
+`is_available()` and in the kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from flashllm.registry.backend import Availability, Backend, DeviceAdapter
+from flashllm.registry.precision import DeviceProfile
+
+_HALF = frozenset({torch.float32, torch.float16})
+_BF16 = _HALF | {torch.bfloat16}
+_WEIGHT_ONLY = frozenset({"none", "w8a16", "w4a16"})
+_INT8_KV = frozenset({torch.int8})
+_FP8_KV = frozenset({torch.int8, torch.float8_e4m3fn})
+
+# (minimum compute capability, profile). Volta and Turing lack bf16; fp8 needs Ada (sm89).
+# int8 tensor-core GEMMs (a8w8) exist from Turing (sm75).
+NVIDIA_PROFILES: tuple[tuple[tuple[int, int], DeviceProfile], ...] = (
+    ((9, 0), DeviceProfile("Hopper (sm90)", _BF16, _WEIGHT_ONLY | {"a8w8", "fp8"}, _FP8_KV)),
+    ((8, 9), DeviceProfile("Ada (sm89)", _BF16, _WEIGHT_ONLY | {"a8w8", "fp8"}, _FP8_KV)),
+    ((8, 0), DeviceProfile("Ampere (sm80/86)", _BF16, _WEIGHT_ONLY | {"a8w8"}, _INT8_KV)),
+    ((7, 5), DeviceProfile("Turing (sm75)", _HALF, _WEIGHT_ONLY | {"a8w8"}, _INT8_KV)),
+    ((7, 0), DeviceProfile("Volta (sm70)", _HALF, _WEIGHT_ONLY, _INT8_KV)),
+)
+ROCM_PROFILE = DeviceProfile(
+    "ROCm / Hygon DCU (gfx9)", _BF16, _WEIGHT_ONLY | {"a8w8"}, _INT8_KV, notes="HIP build of torch"
+)
+
+
+def profile_for_capability(major: int, minor: int) -> DeviceProfile:
+    """The precision profile of an NVIDIA GPU with compute capability major.minor."""
+    for (cap_major, cap_minor), profile in NVIDIA_PROFILES:
+        if (major, minor) >= (cap_major, cap_minor):
+            return profile
+    raise ValueError(f"compute capability {major}.{minor} is below the supported minimum 7.0 (Volta)")
+
+
+class CudaAdapter(DeviceAdapter):
+    """CUDA device services; NCCL for tensor parallelism; CUDA graphs for capture."""
+
+    dist_backend = "nccl"
+
+    def __init__(self) -> None:
+        super().__init__("cuda")
+
+    def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
+        return torch.cuda.graph(torch.cuda.CUDAGraph())
+
+
+class CudaBackend(Backend):
+    """Triton kernels on CUDA devices (kernels arrive with the Triton work)."""
+
+    def is_available(self) -> Availability:
+        if torch.version.cuda is None and torch.version.hip is None:
+            return False, f"this torch build ({torch.__version__}) has no CUDA or ROCm support"
+        if not torch.cuda.is_available():
+            return False, "torch has CUDA support but sees no GPU (driver missing or CUDA_VISIBLE_DEVICES empty)"
+        if importlib.util.find_spec("triton") is None:
+            return True, f"{torch.cuda.device_count()} GPU(s); triton not installed, every op uses the reference"
+        return True, f"{torch.cuda.device_count()} GPU(s), triton installed"
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_profile(self, device: torch.device) -> DeviceProfile:
+        if torch.version.hip is not None:
+            return ROCM_PROFILE
+        major, minor = torch.cuda.get_device_capability(device)
+        return profile_for_capability(major, minor)
+
+    def known_profiles(self) -> list[DeviceProfile]:
+        return [profile for _, profile in NVIDIA_PROFILES] + [ROCM_PROFILE]
+
+    def adapter(self) -> DeviceAdapter:
+        return CudaAdapter()
+
+
+def make_backend() -> Backend:
+    """Build the cuda backend object (cheap: no CUDA initialization, no Triton import)."""
+    return CudaBackend(
+        name="cuda",
+        device_type="cuda",
+        priority=100,
+        description="NVIDIA/ROCm GPUs through Triton kernels",
+        install_hint="pip install 'flashllm[cuda]' with a CUDA build of torch and an NVIDIA driver",
+    )

@@ -1,0 +1,35 @@
+"""The `flashllm` command: one module per subcommand, each with add_parser() and run()."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> module under flashllm.cli; modules are imported only when their command runs.
+COMMANDS: dict[str, str] = {
+    "devices": "devices",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashllm", description="LLM inference on any device.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `flashllm` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(f"{__name__}.{COMMANDS[args.command]}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""`flashllm devices`: backends available here and the precision capability matrix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from flashllm.registry.matrix import LEGEND, build_rows
+from flashllm.registry.plugins import make_plugin_manager
+from flashllm.registry.precision import PRECISIONS
+from flashllm.registry.resolve import DeviceSelectionError, select_device
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("devices", help="list backends and what each device can run")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def collect() -> dict[str, Any]:
+    """Backends with availability on this machine, the auto-selected device, and the matrix."""
+    plugins = make_plugin_manager()
+    backends = []
+    here: dict[str, str] = {}
+    for backend in plugins.backends().values():
+        ok, reason = backend.is_available()
+        profile = None
+        if ok and backend.device_type != "*":
+            profile = backend.device_profile(select_device(backend.device_type, plugins=plugins).device).name
+            here[backend.name] = profile
+        backends.append({
+            "name": backend.name, "device_type": backend.device_type, "priority": backend.priority,
+            "available": ok, "reason": reason, "device_profile_here": profile,
+            "install_hint": "" if ok else backend.install_hint,
+        })
+    try:
+        auto = str(select_device("auto", plugins=plugins).device)
+    except DeviceSelectionError as err:
+        auto = f"none: {err}"
+    rows = []
+    for row in build_rows(plugins):
+        available = next(b for b in backends if b["name"] == row.backend)
+        rows.append({
+            "backend": row.backend, "device": row.profile,
+            "here": here.get(row.backend) == row.profile or (row.backend == "reference"),
+            "available": available["available"], "reason": available["reason"],
+            "cells": {k: {"status": c.status, "detail": c.detail} for k, c in row.cells.items()},
+        })
+    failures = [f.describe() for f in plugins.failures]
+    return {"backends": backends, "auto_device": auto, "matrix": rows, "plugin_failures": failures}
+
+
+def run(args: argparse.Namespace) -> int:
+    data = collect()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print("Backends (highest priority first):")
+    for b in data["backends"]:
+        state = "available" if b["available"] else "UNAVAILABLE"
+        hint = f" [install: {b['install_hint']}]" if b["install_hint"] else ""
+        print(f"  {b['name']:<10} {b['device_type']:<5} prio {b['priority']:<4} {state}: {b['reason']}{hint}")
+    for failure in data["plugin_failures"]:
+        print(f"  ! {failure}")
+    print(f"\n--device auto selects: {data['auto_device']}\n")
+    print(_matrix_text(data["matrix"]))
+    print("\n" + LEGEND + "\n* = this machine; rows of unavailable backends show why.")
+    return 0
+
+
+def _matrix_text(rows: list[dict[str, Any]]) -> str:
+    from flashllm.registry.matrix import SYMBOLS
+
+    headers = ["backend", "device"] + [p.key for p in PRECISIONS] + ["here"]
+    table = [headers]
+    for row in rows:
+        cells = [_cell(row["cells"][p.key]) for p in PRECISIONS]
+        where = "*" if row["here"] and row["available"] else ("" if row["available"] else f"no: {row['reason']}")
+        table.append([row["backend"], row["device"]] + cells + [where])
+    widths = [max(_width(r[i]) for r in table) for i in range(len(headers) - 1)]
+    out = []
+    for r in table:
+        out.append("  ".join(c + " " * (w - _width(c)) for c, w in zip(r, widths)) + "  " + r[-1])
+    return "\n".join(out)
+
+
+def _cell(cell: dict[str, str]) -> str:
+    from flashllm.registry.matrix import SYMBOLS
+
+    # op lists of unimplemented cells are in docs/capabilities.md; the terminal keeps counts only
+    return SYMBOLS[cell["status"]] + (cell["detail"] if cell["status"] == "partial" else "")
+
+
+def _width(text: str) -> int:
+    # emoji symbols take two terminal columns
+    from flashllm.registry.matrix import SYMBOLS
+
+    return len(text) + sum(text.count(s) for s in SYMBOLS.values())

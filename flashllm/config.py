@@ -1,0 +1,65 @@
+"""Engine configuration: model, cache, scheduler, device and quantization settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and in which dtype."""
+
+    model: str | None = None          # HF directory; None = the built-in demo model
+    tokenizer: str | None = None      # defaults to `model`
+    dtype: str = "auto"               # auto | float32 | float16 | bfloat16
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped)
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 64
+    num_kv_blocks: int | None = None        # explicit block count wins over memory sizing
+    kv_cache_memory: int | None = None      # bytes for the KV cache; None = derived from the device
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048             # filled in from ModelConfig once the model is known
+
+
+@dataclass
+class DeviceConfig:
+    """Device and backend selection."""
+
+    device: str = "auto"                   # auto | cpu | cuda | cuda:1 | npu:0 | ...
+    backend: str | None = None             # force one backend (e.g. "reference")
+    strict_kernels: bool = False           # fallbacks to the reference become errors
+
+
+@dataclass
+class QuantConfig:
+    """Quantization scheme of weights (and later activations / KV cache)."""
+
+    quant_type: str = "none"
+    group_size: int = -1
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)

@@ -1,0 +1,1 @@
+"""Backend registry: plugins, backends, device selection, op resolution, capability matrix."""

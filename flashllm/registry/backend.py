@@ -1,0 +1,203 @@
+"""Backend, Kernel, Caps and DeviceAdapter: what a device backend declares to the registry."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from flashllm.ops import OpSpec, op_specs
+from flashllm.registry.precision import DeviceProfile
+
+ANY_DEVICE = "*"
+
+
+class KernelSignatureError(TypeError):
+    """A kernel's signature does not match its op spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """What one kernel can run. `None` for head_sizes / block_sizes means "any"."""
+
+    dtypes: frozenset[torch.dtype]
+    kv_dtypes: frozenset[torch.dtype] = frozenset()
+    quant: frozenset[str] = frozenset({"none"})
+    head_sizes: frozenset[int] | None = None
+    block_sizes: frozenset[int] | None = None
+    graph_safe: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class OpRequest:
+    """What the engine needs from one op: the activation dtype plus the fields the op uses."""
+
+    dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None
+    quant: str = "none"
+    head_size: int | None = None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """A backend's implementation of one op, with the caps it claims."""
+
+    op: str
+    fn: Callable[..., Any]
+    caps: Caps
+    backend: str
+
+    def mismatch(self, request: OpRequest, uses: frozenset[str]) -> str | None:
+        """Why this kernel cannot serve `request`, or None when it can.
+
+        Only the request fields the op declares in `uses` are compared, besides the dtype.
+        """
+        caps = self.caps
+        if request.dtype not in caps.dtypes:
+            return f"dtype {_dtype_name(request.dtype)} not in {_names(caps.dtypes)}"
+        if "kv_dtype" in uses and request.kv_dtype is not None and request.kv_dtype not in caps.kv_dtypes:
+            return f"kv dtype {_dtype_name(request.kv_dtype)} not in {_names(caps.kv_dtypes)}"
+        if "quant" in uses and request.quant not in caps.quant:
+            return f"quant {request.quant!r} not in {sorted(caps.quant)}"
+        if "head_size" in uses and not _allowed(request.head_size, caps.head_sizes):
+            return f"head size {request.head_size} not in {sorted(caps.head_sizes or ())}"
+        if "block_size" in uses and not _allowed(request.block_size, caps.block_sizes):
+            return f"block size {request.block_size} not in {sorted(caps.block_sizes or ())}"
+        return None
+
+
+class DeviceAdapter:
+    """The few device services the engine needs, implemented per device type.
+
+    The defaults go through `torch.get_device_module(device_type)`, which covers devices that
+    follow torch's accelerator conventions (cuda, xpu, npu with torch_npu, ...).
+    """
+
+    dist_backend: str = "gloo"
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def _module(self) -> Any:
+        return torch.get_device_module(self.device_type)
+
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` the current device of its type (no-op where there is no such notion)."""
+        if device.index is not None:
+            self._module().set_device(device.index)
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for all queued work on `device`."""
+        self._module().synchronize(device)
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(free_bytes, total_bytes) of device memory."""
+        return self._module().mem_get_info(device)
+
+    def graph_capture(self, device: torch.device) -> ContextManager[Any] | None:
+        """A context manager capturing a replayable graph, or None when the device has none."""
+        return None
+
+
+Availability = tuple[bool, str]
+"""(available, reason): the reason says why not, or what was found when available."""
+
+
+@dataclass
+class Backend:
+    """A device backend: a name, a torch device type, a priority and a table of kernels.
+
+    Subclass it (or pass callables) to describe the device: `is_available()` must explain itself
+    when it returns False, `device_profile()` says which precisions the device at hand can run,
+    `known_profiles()` lists the device generations rendered in the capability matrix.
+    """
+
+    name: str
+    device_type: str
+    priority: int
+    description: str = ""
+    install_hint: str = ""
+    kernels: dict[str, list[Kernel]] = field(default_factory=dict, repr=False)
+
+    def kernel(self, op: str, caps: Caps) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator registering `fn` as this backend's kernel for `op` with `caps`.
+
+        The function's signature must match the op spec exactly (names, order, kinds, defaults);
+        a mismatch raises KernelSignatureError at registration, not at the first call.
+        """
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            spec = _spec(op)
+            check_signature(fn, spec)
+            self.kernels.setdefault(op, []).append(Kernel(op, fn, caps, self.name))
+            return fn
+
+        return register
+
+    # -- device facts: override in subclasses -------------------------------------------------
+    def is_available(self) -> Availability:
+        """Whether this backend can run here, and why (not)."""
+        return True, "always available"
+
+    def device_count(self) -> int:
+        """How many devices of this backend's type are visible."""
+        return 1
+
+    def device_profile(self, device: torch.device) -> DeviceProfile:
+        """The precisions the given device can run (called only when available)."""
+        raise NotImplementedError(f"backend {self.name!r} does not describe its devices")
+
+    def known_profiles(self) -> list[DeviceProfile]:
+        """Device generations this backend documents, for the capability matrix."""
+        return []
+
+    def adapter(self) -> DeviceAdapter:
+        """The DeviceAdapter for this backend's devices."""
+        return DeviceAdapter(self.device_type)
+
+
+def check_signature(fn: Callable[..., Any], spec: OpSpec) -> None:
+    """Raise KernelSignatureError unless `fn` has exactly the parameters of `spec`."""
+    want = _param_shape(spec.signature)
+    got = _param_shape(inspect.signature(fn))
+    if want != got:
+        raise KernelSignatureError(
+            f"kernel {getattr(fn, '__qualname__', fn)!r} for op {spec.name!r} has parameters "
+            f"{_fmt(got)}; the op spec requires {_fmt(want)} (names, order, kinds and defaults)"
+        )
+
+
+def _param_shape(sig: inspect.Signature) -> list[tuple[str, str, Any]]:
+    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
+
+
+def _fmt(shape: list[tuple[str, str, Any]]) -> str:
+    parts = [n if d is inspect.Parameter.empty else f"{n}={d!r}" for n, _, d in shape]
+    return "(" + ", ".join(parts) + ")"
+
+
+_SPECS: dict[str, OpSpec] | None = None
+
+
+def _spec(op: str) -> OpSpec:
+    global _SPECS  # a cache of immutable data: op files are imported once per process
+    if _SPECS is None:
+        _SPECS = op_specs()
+    if op not in _SPECS:
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(_SPECS)}")
+    return _SPECS[op]
+
+
+def _allowed(value: int | None, allowed: frozenset[int] | None) -> bool:
+    return allowed is None or value is None or value in allowed
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(dtypes: frozenset[torch.dtype]) -> str:
+    return "{" + ", ".join(sorted(_dtype_name(d) for d in dtypes)) + "}"

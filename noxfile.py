@@ -1,0 +1,40 @@
+"""nox sessions: the default test run, per-backend conformance, and lint."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH_CPU = "torch==2.13.0"  # a CPU build; other pins (ipex, xla) live in their own sessions
+BACKENDS = ["reference", "cpu", "cuda"]
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(TORCH_CPU)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The whole CPU test suite: what .ci/run and the README run."""
+    _install(session, "test,serve")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("backend", BACKENDS)
+def conformance(session: nox.Session, backend: str) -> None:
+    """Every kernel of one backend against the reference; skips with the reason if unavailable."""
+    _install(session)
+    session.run("pytest", "-q", "tests/conformance", "-k", backend, *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff over the package and tests, and the capability page freshness check."""
+    session.install("ruff")
+    session.run("ruff", "check", "flashllm", "tests", "noxfile.py")
+    _install(session)
+    session.run("python", "-m", "flashllm.registry.matrix", "--check", "docs/capabilities.md")

@@ -1,0 +1,62 @@
+"""Generated from the registry: every kernel x every dtype it claims x every input case vs the reference."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from flashllm.ops import op_specs
+from flashllm.ops.testing import cases, make_inputs, run_case
+from flashllm.ops.tolerances import assert_close
+from flashllm.registry.backend import Backend, Kernel
+from flashllm.registry.plugins import make_plugin_manager
+
+DEFAULT_HEAD_SIZE, DEFAULT_BLOCK_SIZE = 64, 16
+
+
+class Case(NamedTuple):
+    backend: Backend
+    kernel: Kernel
+    dtype: torch.dtype
+    case: str
+
+
+def _generate() -> list:
+    params = []
+    specs = op_specs()
+    for backend in make_plugin_manager().backends().values():
+        if backend.name == "reference":
+            continue  # the reference is checked against naive computations in tests/unit
+        for op, kernels in backend.kernels.items():
+            for kernel in kernels:
+                if kernel.fn is specs[op].reference:
+                    continue  # a backend running the portable body as is: identical by construction
+                for dtype in sorted(kernel.caps.dtypes, key=str):
+                    for case in cases(op):
+                        name = f"{backend.name}-{op}-{str(dtype).removeprefix('torch.')}-{case}"
+                        params.append(pytest.param(Case(backend, kernel, dtype, case), id=name))
+    return params
+
+
+@pytest.mark.parametrize("c", _generate())
+def test_kernel_matches_reference(c: Case) -> None:
+    ok, reason = c.backend.is_available()
+    if not ok:
+        pytest.skip(f"backend {c.backend.name!r} unavailable: {reason}")
+    device = torch.device(c.backend.device_type)
+    profile = c.backend.device_profile(device)
+    if c.dtype not in profile.dtypes:
+        pytest.skip(f"{profile.name} cannot run {c.dtype}")
+    head_size = min(c.kernel.caps.head_sizes) if c.kernel.caps.head_sizes else DEFAULT_HEAD_SIZE
+    block_size = min(c.kernel.caps.block_sizes) if c.kernel.caps.block_sizes else DEFAULT_BLOCK_SIZE
+    inputs = make_inputs(c.kernel.op, c.dtype, device, head_size=head_size, block_size=block_size, case=c.case)
+    expected = run_case(op_specs()[c.kernel.op].reference, c.kernel.op, inputs)
+    actual = run_case(c.kernel.fn, c.kernel.op, inputs)
+    assert_close(actual, expected, c.dtype)
+
+
+def test_every_op_has_input_cases() -> None:
+    for op in op_specs():
+        assert len(list(cases(op))) >= 2, op

@@ -1,0 +1,48 @@
+"""Shared fixtures: fake installed distributions for plugin tests."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+PLUGIN_DIR = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture
+def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Make a distribution importable with entry points in group "flashllm", as pip would.
+
+    `install_dist(name, modules={"pkg": source or Path}, entry_points={"ep": "pkg"})` writes the
+    modules and a `<name>-<version>.dist-info` with METADATA and entry_points.txt into a fresh
+    site directory prepended to sys.path; everything is undone after the test.
+    """
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    monkeypatch.syspath_prepend(str(site))
+    added: list[str] = []
+
+    def install(name: str, modules: dict[str, str | Path], entry_points: dict[str, str], version: str = "0.1.0") -> Path:
+        for module, source in modules.items():
+            if isinstance(source, Path):
+                shutil.copytree(source, site / module)
+            else:
+                (site / f"{module}.py").write_text(textwrap.dedent(source))
+            added.append(module)
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        lines = "\n".join(f"{ep} = {target}" for ep, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[flashllm]\n{lines}\n")
+        importlib.invalidate_caches()
+        return site
+
+    yield install
+    for module in added:
+        for key in [k for k in sys.modules if k == module or k.startswith(module + ".")]:
+            del sys.modules[key]

@@ -1,0 +1,33 @@
+"""An example third-party backend: registers one silu_and_mul kernel for the CPU."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flashllm import hookimpl
+from flashllm.registry.backend import Backend, Caps
+from flashllm.registry.precision import DeviceProfile
+
+
+class ExampleBackend(Backend):
+    """Claims the CPU above the built-in cpu backend, with a single kernel."""
+
+    def device_profile(self, device: torch.device) -> DeviceProfile:
+        return DeviceProfile("example CPU", frozenset({torch.float32}))
+
+    def known_profiles(self) -> list[DeviceProfile]:
+        return [DeviceProfile("example CPU", frozenset({torch.float32}))]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+@hookimpl
+def flashllm_register_backends(register: Callable[[Backend], None]) -> None:
+    backend = ExampleBackend(name="example", device_type="cpu", priority=50, description="example plugin")
+    backend.kernel("silu_and_mul", Caps(dtypes=frozenset({torch.float32})))(silu_and_mul)
+    register(backend)
