@@ -1,0 +1,270 @@
+"""Random valid inputs for every op, shaped to stress kernels: odd lengths, block edges, GQA."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.ops.rope_cache import build_cos_sin_cache
+
+Inputs = dict[str, Any]
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, std: float = 1.0) -> Tensor:
+    # drawn in fp32 on the CPU so a seed gives the same values on every device and dtype
+    return (torch.randn(shape, generator=gen) * std).to(device=device, dtype=dtype)
+
+
+def random_block_tables(
+    gen: torch.Generator, seq_lens: list[int], block_size: int, spare_blocks: int = 3
+) -> tuple[Tensor, int]:
+    """Block tables (B, max_blocks) int32 over a shuffled pool, and the pool's num_blocks.
+
+    Blocks are drawn from a random permutation of the pool so no sequence gets contiguous or
+    ascending blocks; `spare_blocks` unused blocks stay in the pool, and each row is padded with
+    one extra 0 entry so kernels cannot rely on the table width.
+    """
+    per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(per_seq, default=0) + 1, dtype=torch.int32)
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+    return tables, num_blocks
+
+
+def _rms_norm(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    tokens, hidden = {"plain": (7, 256), "residual": (33, 128), "one_token": (1, 96)}[case]
+    inputs = {
+        "x": _randn(gen, tokens, hidden, dtype=dtype, device=device),
+        "weight": _randn(gen, hidden, dtype=dtype, device=device, std=0.5) + 1,
+        "eps": 1e-6,
+    }
+    if case == "residual":
+        inputs["residual"] = _randn(gen, tokens, hidden, dtype=dtype, device=device)
+    return inputs
+
+
+def _rotary_embedding(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    is_neox, rot_dim, tokens, heads, kv_heads = {
+        "neox": (True, head_size, 13, 8, 2),
+        "neox_partial": (True, head_size // 2, 5, 4, 4),
+        "interleaved": (False, head_size, 1, 7, 1),
+        "interleaved_partial": (False, head_size // 2, 2 * block_size + 1, 4, 2),
+    }[case]
+    max_position = 4 * block_size + 7
+    return {
+        "positions": torch.randint(0, max_position, (tokens,), generator=gen).to(device),
+        "q": _randn(gen, tokens, heads, head_size, dtype=dtype, device=device),
+        "k": _randn(gen, tokens, kv_heads, head_size, dtype=dtype, device=device),
+        "cos_sin_cache": build_cos_sin_cache(rot_dim, max_position, 10000.0).to(device),
+        "is_neox": is_neox,
+    }
+
+
+def _gated(gen: torch.Generator, dtype: torch.dtype, device: str, case: str, with_approximate: bool) -> Inputs:
+    tokens, inter = {"odd": (7, 96), "one_token": (1, 64), "tanh": (5, 80)}[case]
+    inputs: Inputs = {"x": _randn(gen, tokens, 2 * inter, dtype=dtype, device=device, std=2.0)}
+    if with_approximate:
+        inputs["approximate"] = "tanh" if case == "tanh" else "none"
+    return inputs
+
+
+def _kv_caches(
+    gen: torch.Generator,
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: str,
+) -> tuple[Tensor, Tensor]:
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    return _randn(gen, *shape, dtype=dtype, device=device), _randn(gen, *shape, dtype=dtype, device=device)
+
+
+def _write_kv_cache(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    seq_lens, kv_heads = {
+        "prefill": ([block_size + 3], 2),
+        "mixed_with_padding": ([block_size, 5, 2 * block_size - 1], 1),
+        "decode": ([1, 1, 1], 4),
+    }[case]
+    tables, num_blocks = random_block_tables(gen, seq_lens, block_size)
+    slots = []
+    for b, n in enumerate(seq_lens):
+        slots += [int(tables[b, i // block_size]) * block_size + i % block_size for i in range(n)]
+    if case == "mixed_with_padding":
+        slots[2], slots[-1] = -1, -1
+    tokens = len(slots)
+    k_cache, v_cache = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device)
+    return {
+        "k": _randn(gen, tokens, kv_heads, head_size, dtype=dtype, device=device),
+        "v": _randn(gen, tokens, kv_heads, head_size, dtype=dtype, device=device),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
+    }
+
+
+def _attention_layout(case: str, bs: int) -> tuple[list[int], list[int], int, int]:
+    """(q_lens, seq_lens, num_heads, num_kv_heads) of each paged_attention case."""
+    return {
+        "prefill": ([bs + 3], [bs + 3], 4, 4),
+        "prefill_block_edges": ([bs, 2 * bs], [bs, 2 * bs], 8, 4),
+        "cached_prefix": ([7, bs + 1], [2 * bs + 5, 3 * bs + 1], 8, 2),
+        "decode": ([1, 1, 1, 1], [1, bs, bs + 1, 3 * bs - 1], 7, 1),
+        "mixed": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 8, 2),
+        "sliding_window": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 4, 1),
+        "alibi": ([bs + 1, 1, 3], [bs + 1, bs, 2 * bs + 3], 8, 8),
+    }[case]
+
+
+def _paged_attention(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    q_lens, seq_lens, heads, kv_heads = _attention_layout(case, block_size)
+    tables, num_blocks = random_block_tables(gen, seq_lens, block_size)
+    k_cache, v_cache = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device)
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    inputs: Inputs = {
+        "q": _randn(gen, sum(q_lens), heads, head_size, dtype=dtype, device=device),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables.to(device),
+        "cu_seqlens_q": cu_seqlens_q.to(device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "scale": head_size**-0.5,
+    }
+    if case == "sliding_window":
+        inputs["sliding_window"] = block_size // 2 + 3
+    if case == "alibi":
+        # the geometric slopes ALiBi models use for 8 heads: 2^-1 .. 2^-8
+        inputs["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(heads)], device=device)
+    return inputs
+
+
+def _quant_matmul(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    tokens, in_features, out_features = {"bias": (7, 96, 80), "no_bias": (1, 128, 33)}[case]
+    inputs: Inputs = {
+        "x": _randn(gen, tokens, in_features, dtype=dtype, device=device),
+        "weight": QuantizedWeight.dense(
+            _randn(gen, out_features, in_features, dtype=dtype, device=device, std=in_features**-0.5)
+        ),
+    }
+    if case == "bias":
+        inputs["bias"] = _randn(gen, out_features, dtype=dtype, device=device)
+    return inputs
+
+
+def _fused_moe(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    tokens, hidden, inter, experts, top_k = {
+        "spread": (9, 64, 48, 6, 2),
+        "one_token": (1, 64, 32, 4, 2),
+        "skewed": (17, 32, 48, 8, 1),
+    }[case]
+    if case == "skewed":  # every token on one expert: the load-imbalanced extreme
+        topk_ids = torch.full((tokens, top_k), 3, dtype=torch.int64)
+    else:
+        topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    return {
+        "x": _randn(gen, tokens, hidden, dtype=dtype, device=device),
+        "w13": _randn(gen, experts, 2 * inter, hidden, dtype=dtype, device=device, std=hidden**-0.5),
+        "w2": _randn(gen, experts, hidden, inter, dtype=dtype, device=device, std=inter**-0.5),
+        "topk_weights": weights.to(device),
+        "topk_ids": topk_ids.to(device),
+    }
+
+
+def _silu(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str) -> Inputs:
+    return _gated(gen, dtype, device, case, with_approximate=False)
+
+
+def _gelu(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str) -> Inputs:
+    return _gated(gen, dtype, device, case, with_approximate=True)
+
+
+_BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
+    "rms_norm": (_rms_norm, ("plain", "residual", "one_token")),
+    "rotary_embedding": (_rotary_embedding, ("neox", "neox_partial", "interleaved", "interleaved_partial")),
+    "silu_and_mul": (_silu, ("odd", "one_token")),
+    "gelu_and_mul": (_gelu, ("odd", "one_token", "tanh")),
+    "write_kv_cache": (_write_kv_cache, ("prefill", "mixed_with_padding", "decode")),
+    "paged_attention": (
+        _paged_attention,
+        ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi"),
+    ),
+    "quant_matmul": (_quant_matmul, ("bias", "no_bias")),
+    "fused_moe": (_fused_moe, ("spread", "one_token", "skewed")),
+}
+
+
+def cases(op_name: str) -> Iterator[str]:
+    """The case names `make_inputs` knows for `op_name`, most representative first."""
+    if op_name not in _BUILDERS:
+        raise KeyError(f"no input builder for op {op_name!r}; known: {sorted(_BUILDERS)}")
+    yield from _BUILDERS[op_name][1]
+
+
+def make_inputs(
+    op_name: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    *,
+    head_size: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+    case: str | None = None,
+) -> Inputs:
+    """Keyword arguments for one call of `op_name`: random but valid, in `dtype` on `device`.
+
+    `case` picks a shape from `cases(op_name)` (default: the first). head_size applies to
+    rotary_embedding, write_kv_cache and paged_attention; block_size to the last two, whose
+    lengths are placed at and across block edges. The same seed gives the same values anywhere.
+    """
+    names = tuple(cases(op_name))
+    case = names[0] if case is None else case
+    if case not in names:
+        raise KeyError(f"op {op_name!r} has no input case {case!r}; known: {names}")
+    gen = torch.Generator().manual_seed(seed)
+    return _BUILDERS[op_name][0](gen, dtype, str(device), head_size, block_size, case)
+
+
+def clone_inputs(inputs: Inputs) -> Inputs:
+    """A deep copy of the tensors in `inputs` (kernels may write in place)."""
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.clone()
+        if isinstance(value, QuantizedWeight):
+            return QuantizedWeight(
+                value.scheme, copy(value.data), copy(value.scales), copy(value.zeros), value.group_size
+            )
+        return value
+
+    return {name: copy(value) for name, value in inputs.items()}
+
+
+def run_case(fn: Callable[..., Any], op_name: str, inputs: Inputs) -> Any:
+    """Call fn on a copy of inputs and return what to compare: the result, or the caches it wrote."""
+    args = clone_inputs(inputs)
+    result = fn(**args)
+    if op_name == "write_kv_cache":
+        return args["k_cache"], args["v_cache"]
+    return result
