@@ -10,6 +10,9 @@ import sys
 # subcommand -> module under flashllm.cli; modules are imported only when their command runs.
 COMMANDS: dict[str, str] = {
     "devices": "devices",
+    "generate": "generate",
+    "predict": "predict",
+    "bench": "bench",
 }
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: model shapes, workloads, the transformers baseline and the machine's limits."""

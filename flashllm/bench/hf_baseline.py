@@ -1,0 +1,49 @@
+"""The transformers baseline: `generate` on the same weights and dtype, static padded batches."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashllm.bench.workload import BenchRequest
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineResult:
+    batch_size: int
+    elapsed: float
+    output_tokens: int  # tokens the requests asked for (padding work in a static batch is not counted)
+    prompt_tokens: int
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.elapsed
+
+
+def load(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> BaselineResult:
+    """Left-padded batches of `batch_size` in request order; each batch decodes to its longest output."""
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        chunk = requests[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, r in enumerate(chunk):
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        new = max(r.output_len for r in chunk)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return BaselineResult(batch_size, elapsed, sum(r.output_len for r in requests),
+                          sum(len(r.prompt_token_ids) for r in requests))

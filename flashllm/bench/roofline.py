@@ -1,0 +1,55 @@
+"""The machine's limits, measured in the same run: memory bandwidth and matmul FLOP/s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """Measured limits. bandwidth counts bytes read + written per second."""
+
+    bandwidth: float  # bytes/s
+    matmul_flops: float  # FLOP/s in `dtype`
+    dtype: str
+
+    def decode_ceiling(self, batch: int, weight_bytes: int, kv_bytes_per_step: int = 0) -> float:
+        """tokens/s at batch B if every step reads all weights (and the KV of the batch) once."""
+        return batch * self.bandwidth / (weight_bytes + kv_bytes_per_step)
+
+    def compute_ceiling(self, flops_per_token: float) -> float:
+        """tokens/s if matmuls ran at the measured peak."""
+        return self.matmul_flops / flops_per_token
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm up: page faults, allocator, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Copy a buffer of `num_bytes` (far larger than any cache): (read + written bytes) / time."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_time(lambda: dst.copy_(src), repeats)
+    return 2 * num_bytes / seconds
+
+
+def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an n x n x n GEMM in `dtype`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _best_time(lambda: torch.mm(a, b), repeats)
+    return 2 * n**3 / seconds
+
+
+def measure(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Roofline:
+    return Roofline(measure_bandwidth(device=device), measure_matmul(dtype, device=device), str(dtype).removeprefix("torch."))

@@ -1,0 +1,65 @@
+"""Random-weight models with the exact shapes of real checkpoints (BENCHMARKS.md), cached locally."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_COMMON: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "head_dim": 64,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    },
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLASHLLM_CACHE_DIR", Path.home() / ".cache" / "flashllm"))
+
+
+def shape_model_dir(name: str, dtype: str = "float32") -> Path:
+    """Directory of the random-weight model `name` in `dtype`, built once (atomically) and cached."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    target = cache_root() / "shapes" / f"{name}-{dtype}"
+    if (target / "config.json").exists():
+        return target
+    from flashllm.testing.tiny_models import build_random_model_from_config
+    from flashllm.testing.tokenizer import train_tokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        train_tokenizer(work, vocab_size=512)
+        config = {**_COMMON, **SHAPES[name], "torch_dtype": dtype}
+        build_random_model_from_config(work, config, seed=0)
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def parameter_bytes(model_dir: Path) -> int:
+    """Bytes of weights in the directory's safetensors files (what one decode step must read)."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))

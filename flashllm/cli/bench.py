@@ -1,0 +1,110 @@
+"""`flashllm bench throughput|latency`: flashllm against transformers and the machine's limits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("bench", help="measure throughput or latency against baselines")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    for mode, defaults in (("throughput", ("32:256", "16:128", 16)), ("latency", ("128", "128", 1))):
+        p = modes.add_parser(mode)
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--model", default=None, help="HF model directory")
+        group.add_argument("--shape", default=None, help="a named shape of BENCHMARKS.md, e.g. qwen2.5-0.5b")
+        p.add_argument("--dataset", default="random", help="random | sharegpt")
+        p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
+        p.add_argument("--input-len", default=defaults[0])
+        p.add_argument("--output-len", default=defaults[1])
+        p.add_argument("--num-prompts", type=int, default=defaults[2])
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--backend", default=None)
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--baseline", choices=["none", "transformers"], default="none")
+        p.add_argument("--baseline-batch-sizes", default="1,16", help="static batch sizes tried for the baseline")
+        p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
+        p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from flashllm.bench import roofline as rl
+    from flashllm.bench.hf_baseline import load, run_static_batches
+    from flashllm.bench.shapes import parameter_bytes, shape_model_dir
+    from flashllm.llm import LLM
+    from flashllm.sampling_params import SamplingParams
+
+    model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=4096)
+    requests = _requests(args, llm)
+    result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "dtype": args.dtype,
+                              "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+                              "num_requests": len(requests), "weight_bytes": parameter_bytes(model_dir)}
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
+              for r in requests]
+    llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    result["flashllm"] = _engine_numbers(outputs, elapsed, out_tokens, in_tokens)
+    if args.baseline == "transformers":
+        del llm
+        model = load(model_dir, getattr(torch, args.dtype))
+        runs = [run_static_batches(model, requests, int(b)) for b in args.baseline_batch_sizes.split(",")]
+        result["transformers"] = [{"batch_size": r.batch_size, "elapsed_s": r.elapsed,
+                                   "output_tokens_per_s": r.output_throughput} for r in runs]
+        best = max(runs, key=lambda r: r.output_throughput)
+        result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
+    if args.roofline:
+        roof = rl.measure(getattr(torch, args.dtype))
+        result["roofline"] = {"bandwidth_gb_s": roof.bandwidth / 1e9, "matmul_gflop_s": roof.matmul_flops / 1e9}
+        ceiling = roof.decode_ceiling(1, result["weight_bytes"])
+        result["decode_ceiling_batch1_tokens_per_s"] = ceiling
+        if args.mode == "latency":
+            result["fraction_of_bandwidth_ceiling"] = result["flashllm"]["decode_tokens_per_s"] / ceiling
+    _print(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _requests(args: argparse.Namespace, llm: Any) -> list:
+    from flashllm.bench.workload import parse_range, random_requests, sharegpt_requests
+
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
+        return sharegpt_requests(Path(args.dataset_path), llm.tokenizer, args.num_prompts, seed=args.seed)
+    vocab = llm.engine.parts.hf_config.vocab_size
+    return random_requests(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
+
+
+def _engine_numbers(outputs: list, elapsed: float, out_tokens: int, in_tokens: int) -> dict[str, float]:
+    numbers = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+               "total_tokens_per_s": (out_tokens + in_tokens) / elapsed}
+    ttfts = [o.metrics.time_to_first_token for o in outputs]
+    numbers["mean_ttft_s"] = sum(ttfts) / len(ttfts)
+    if len(outputs) == 1:
+        o = outputs[0]
+        n = len(o.outputs[0].token_ids)
+        numbers["decode_tokens_per_s"] = (n - 1) / (o.metrics.latency - o.metrics.time_to_first_token)
+    return numbers
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(json.dumps(result, indent=2))

@@ -1,0 +1,41 @@
+"""`flashllm generate "prompt"`: a quick look at what a model says."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("generate", help="generate a completion for one prompt")
+    parser.add_argument("prompt", nargs="+", help="prompt text (several are batched)")
+    parser.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--backend", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashllm.llm import LLM
+    from flashllm.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(list(args.prompt), params)
+    if args.model is None:
+        print("(built-in demo model: random weights, the text is meaningless)")
+    for prompt, output in zip(args.prompt, outputs):
+        seconds = output.metrics.latency or 0.0
+        tokens = len(output.outputs[0].token_ids)
+        print(f"prompt: {prompt!r}\noutput: {output.text!r}\n({tokens} tokens, {output.outputs[0].finish_reason}, "
+              f"{seconds:.2f} s)")
+    return 0

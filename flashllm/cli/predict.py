@@ -1,0 +1,206 @@
+"""`flashllm predict` / `python -m flashllm.llm`: batch prediction with PaddleNLP predictor flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("greedy_search", "sampling", "beam_search")
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """Accept both the PaddleNLP snake_case spelling and kebab-case."""
+    names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*names, dest=name, **kwargs)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "model_name_or_path", default=None, help="HF model directory (default: the demo model)")
+    _flag(parser, "data_file", default=None, help="JSONL: {'src': ..., 'tgt': ...} or a list of chat messages")
+    _flag(parser, "output_file", default="output.json", help="JSONL results, one line per input")
+    _flag(parser, "batch_size", type=int, default=1, help="sequences generated at once (max_num_seqs)")
+    _flag(parser, "src_length", type=int, default=1024, help="max prompt tokens (longer prompts keep their end)")
+    _flag(parser, "max_length", type=int, default=1024, help="max generated tokens")
+    _flag(parser, "total_max_length", type=int, default=4096, help="max prompt + generated tokens")
+    _flag(parser, "dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    _flag(parser, "device", default="auto", help="auto | cpu | cuda | cuda:1 | ...")
+    _flag(parser, "backend", default=None, help="force a backend (e.g. reference)")
+    _flag(parser, "decode_strategy", default="sampling", choices=STRATEGIES)
+    _flag(parser, "top_k", type=int, default=0)
+    _flag(parser, "top_p", type=float, default=0.7)
+    _flag(parser, "temperature", type=float, default=0.95)
+    _flag(parser, "repetition_penalty", type=float, default=1.0)
+    _flag(parser, "seed", type=int, default=None)
+    _flag(parser, "block_size", type=int, default=64)
+    _flag(parser, "benchmark", type=_bool, nargs="?", const=True, default=False,
+          help="pad prompts to src_length, decode exactly max_length tokens, print timings")
+    _flag(parser, "inference_model", type=_bool, nargs="?", const=True, default=True,
+          help="accepted for compatibility: flashllm always runs its fused inference model")
+    _flag(parser, "block_attn", type=_bool, nargs="?", const=True, default=True,
+          help="accepted for compatibility: paged (block) attention is always on")
+    _flag(parser, "chat_template", type=_bool, nargs="?", const=True, default=True,
+          help="render prompts with the model's chat template when it has one (default true)")
+    _flag(parser, "strict_kernels", action="store_true", help="fail instead of falling back to reference kernels")
+
+
+def add_parser(sub: Any) -> None:
+    configure(sub.add_parser("predict", help="batch prediction over a JSONL file"))
+
+
+class DataFileError(ValueError):
+    """A bad line in --data_file; the message starts with the file and line number."""
+
+
+def read_data_file(path: str) -> list[dict[str, Any]]:
+    """Parse the JSONL data file into records with 'src' (str | list) or 'messages', and 'tgt'."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            records.append(_parse_line(line, f"{path} line {number}"))
+    if not records:
+        raise DataFileError(f"{path} holds no records; expected one JSON object per line")
+    return records
+
+
+def _parse_line(line: str, where: str) -> dict[str, Any]:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataFileError(f"{where}: not valid JSON ({err.msg})") from None
+    if isinstance(item, list):
+        item = {"messages": item}
+    if not isinstance(item, dict):
+        raise DataFileError(f"{where}: expected an object with 'src' or a list of chat messages")
+    if "messages" in item:
+        messages = item["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise DataFileError(f"{where}: chat messages must be objects with 'role' and 'content'")
+        return item
+    src = item.get("src")
+    if isinstance(src, list) and src and all(isinstance(s, str) for s in src):
+        return item
+    if not isinstance(src, str) or not src:
+        raise DataFileError(f"{where}: 'src' must be a non-empty string (or a list of strings)")
+    return item
+
+
+def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    if "messages" in record:
+        return record["messages"]
+    turns = record["src"] if isinstance(record["src"], list) else [record["src"]]
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def _prompt_ids(llm: Any, record: dict[str, Any], use_template: bool, src_length: int, pad: bool) -> list[int]:
+    if use_template:
+        ids = llm.render_chat(_messages(record))
+    else:
+        text = record["src"] if isinstance(record.get("src"), str) else "\n".join(m["content"] for m in _messages(record))
+        ids = llm.tokenizer.encode(text)
+    if len(ids) > src_length:
+        logger.warning("prompt of %d tokens truncated to its last %d (--src_length)", len(ids), src_length)
+        ids = ids[-src_length:]
+    if pad and len(ids) < src_length:
+        ids = (ids * (src_length // len(ids) + 1))[:src_length]  # --benchmark: exact prompt length
+    return ids
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from flashllm.sampling_params import SamplingParams
+
+    if args.decode_strategy == "beam_search":
+        raise SystemExit("flashllm predict: --decode_strategy beam_search is not implemented yet; "
+                         "use greedy_search or sampling")
+    greedy = args.decode_strategy == "greedy_search"
+    return SamplingParams(
+        temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+        top_k=-1 if greedy or args.top_k <= 0 else args.top_k, repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_length, ignore_eos=args.benchmark, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashllm.llm import LLM
+
+    if args.data_file is None and not args.benchmark:
+        raise SystemExit("flashllm predict: give --data_file (or --benchmark for synthetic prompts)")
+    try:
+        records = read_data_file(args.data_file) if args.data_file else [{"src": "Hello"}] * args.batch_size
+    except (DataFileError, OSError) as err:
+        print(f"flashllm predict: {err}", file=sys.stderr)
+        return 2
+    params = _sampling_params(args)
+    llm = LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
+              max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
+              strict_kernels=args.strict_kernels)
+    template = args.chat_template and _has_template(llm)
+    prompts = [_prompt_ids(llm, r, template, args.src_length, args.benchmark) for r in records]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    _write_results(Path(args.output_file), records, outputs)
+    if args.benchmark:
+        _print_benchmark(prompts, outputs, elapsed)
+    return 0
+
+
+def _has_template(llm: Any) -> bool:
+    from flashllm.models.tokenizer import chat_template_for
+
+    try:
+        chat_template_for(llm.engine.parts.model_dir, llm.tokenizer, None)
+    except ValueError:
+        return False
+    return True
+
+
+def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:
+    """Write all results, or nothing: a temp file in the same directory renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for record, output in zip(records, outputs):
+                line = {**record, "output": output.text, "finish_reason": output.outputs[0].finish_reason}
+                handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _print_benchmark(prompts: list[list[int]], outputs: list[Any], elapsed: float) -> None:
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    print(f"requests: {len(outputs)}  prompt tokens: {sum(map(len, prompts))}  generated tokens: {generated}")
+    print(f"elapsed: {elapsed:.3f} s  output throughput: {generated / elapsed:.2f} tokens/s  "
+          f"requests/s: {len(outputs) / elapsed:.3f}")
+    if ttfts:
+        print(f"time to first token: mean {sum(ttfts) / len(ttfts) * 1000:.1f} ms, max {max(ttfts) * 1000:.1f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashllm.llm", description=__doc__)
+    configure(parser)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(parser.parse_args(argv))

@@ -1,0 +1,143 @@
+"""Builds an engine's parts once: device, op table, model, tokenizer, KV cache size."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashllm.config import EngineConfig
+from flashllm.core.model_runner import ModelRunner
+from flashllm.models.hf_config import HFModelConfig, load_hf_config
+from flashllm.models.loader import load_generation_config, load_model, resolve_dtype
+from flashllm.models.registry import ModelRegistry
+from flashllm.registry.backend import OpRequest
+from flashllm.registry.plugins import FlashPlugins, make_plugin_manager
+from flashllm.registry.precision import parse_dtype
+from flashllm.registry.resolve import DeviceSelection, OpTable, resolve_ops, select_device
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit size, a CPU KV cache takes at most this share of the free host memory.
+CPU_KV_MEMORY_FRACTION = 0.25
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+class EngineConfigError(ValueError):
+    """The engine cannot start with this configuration; the message says which numbers clash."""
+
+
+@dataclass
+class EngineParts:
+    """Everything the engine steps with, built once."""
+
+    config: EngineConfig
+    selection: DeviceSelection
+    ops: OpTable
+    model: torch.nn.Module
+    hf_config: HFModelConfig
+    tokenizer: Any
+    generation_config: dict[str, Any]
+    eos_token_ids: list[int]
+    runner: ModelRunner
+    num_blocks: int
+    model_dir: Path
+
+
+def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None) -> EngineParts:
+    """Select the device, resolve ops, load model and tokenizer, and size the KV cache."""
+    plugins = plugins or make_plugin_manager()
+    selection = select_device(config.device.device, config.device.backend, plugins=plugins)
+    plugins.adjust_config(config, selection.backend)
+    model_dir = Path(config.model.model) if config.model.model else _demo_dir()
+    registry = ModelRegistry()
+    for architecture, target in plugins.model_targets().items():
+        registry.register(architecture, target)
+    hf_config = load_hf_config(model_dir, registry.architectures())
+    dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
+                          selection.device.type)
+    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else parse_dtype(config.cache.kv_cache_dtype)
+    request = OpRequest(dtype, kv_dtype, config.quant.quant_type, hf_config.head_dim, config.cache.block_size)
+    ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
+    selection.adapter.set_device(selection.device)
+    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry)
+    tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir))
+    generation_config = load_generation_config(model_dir)
+    _set_max_model_len(config, hf_config)
+    num_blocks = _num_kv_blocks(config, model, selection, kv_dtype)
+    runner = ModelRunner(model, selection.device, num_blocks, config.cache.block_size, kv_dtype)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks, config.cache.block_size,
+                num_blocks * config.cache.block_size, selection.device)
+    eos = _config_eos(generation_config)
+    if tokenizer is not None:
+        from flashllm.models.tokenizer import eos_token_ids
+
+        eos = eos_token_ids(tokenizer, generation_config)
+    return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
+                       num_blocks, model_dir)
+
+
+def _config_eos(generation_config: dict[str, Any]) -> list[int]:
+    eos = generation_config.get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _tokenizer(path: Path) -> Any:
+    """The directory's tokenizer; None when it has none (then prompts must be token ids)."""
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
+        return None
+    from flashllm.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(path))
+
+
+def _demo_dir() -> Path:
+    from flashllm.models.demo import demo_model_dir
+
+    logger.warning("no model given: using the built-in demo model (random weights, meaningless text)")
+    return demo_model_dir()
+
+
+def _set_max_model_len(config: EngineConfig, hf_config: HFModelConfig) -> None:
+    limit = hf_config.max_position_embeddings
+    wanted = config.model.max_model_len
+    if wanted is None:
+        wanted = min(limit, MAX_DEFAULT_MODEL_LEN)
+    elif wanted > limit:
+        raise EngineConfigError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+    config.model.max_model_len = wanted
+    config.scheduler.max_model_len = wanted
+    if not config.scheduler.enable_chunked_prefill and config.scheduler.max_num_batched_tokens < wanted:
+        config.scheduler.max_num_batched_tokens = wanted  # a whole prompt must fit in one step
+
+
+def _num_kv_blocks(
+    config: EngineConfig, model: torch.nn.Module, selection: DeviceSelection, kv_dtype: torch.dtype
+) -> int:
+    """Blocks from --num-kv-blocks, else --kv-cache-memory, else a share of the device's free memory."""
+    block_size = config.cache.block_size
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype)
+    blocks_per_seq = math.ceil(config.model.max_model_len / block_size)
+    if config.cache.num_kv_blocks is not None:
+        num_blocks = config.cache.num_kv_blocks
+    elif config.cache.kv_cache_memory is not None:
+        num_blocks = config.cache.kv_cache_memory // per_block
+    else:
+        free, _ = selection.adapter.memory_info(selection.device)
+        wanted = blocks_per_seq * config.scheduler.max_num_seqs
+        num_blocks = min(wanted, int(free * CPU_KV_MEMORY_FRACTION) // per_block)
+    if num_blocks < blocks_per_seq:
+        raise EngineConfigError(
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
+            f"max_model_len {config.model.max_model_len} needs {blocks_per_seq} blocks; raise --num-kv-blocks / "
+            f"--kv-cache-memory or lower --max-model-len"
+        )
+    return num_blocks

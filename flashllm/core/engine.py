@@ -1,0 +1,146 @@
+"""The engine: add_request / step / abort over the scheduler, model runner and sampler."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable
+
+from flashllm.config import EngineConfig
+from flashllm.core.block_manager import BlockManager
+from flashllm.core.builder import EngineParts, build_engine_parts
+from flashllm.core.request import Request
+from flashllm.core.sampler import Sampler
+from flashllm.core.scheduler import Scheduler
+from flashllm.core.sequence import FinishReason, Sequence
+from flashllm.outputs import RequestOutput
+from flashllm.registry.plugins import FlashPlugins
+from flashllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous batching: requests join the running batch between steps.
+
+    `step()` runs one forward pass over what the scheduler picked (prefill chunks and decodes
+    together), samples, applies stop conditions and returns the requests that progressed.
+    """
+
+    def __init__(self, config: EngineConfig, plugins: FlashPlugins | None = None) -> None:
+        self.parts: EngineParts = build_engine_parts(config, plugins)
+        self.config = config
+        self.tokenizer = self.parts.tokenizer
+        self.block_manager = BlockManager(self.parts.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = self.parts.runner
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.model.max_model_len or 0)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """Sampling defaults from the model's generation_config.json."""
+        return SamplingParams.from_generation_config(self.parts.generation_config)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Validation happens here."""
+        params = params or self.default_sampling_params()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+        text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        self._check_prompt(token_ids)
+        request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,
+                          self.runner.device)
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+            self._by_seq[seq.seq_id] = request
+        self.requests[request_id] = request
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.parts.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks return to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.abort(request_id)
+        for seq in request.seqs:
+            self._by_seq.pop(seq.seq_id, None)
+            request.finish(seq, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward + sampling round; outputs of every request that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.execute(batch)
+        sampling = [item.seq for item in batch.scheduled if item.produces_token]
+        states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
+        sampled = self.sampler(logits, states) if sampling else None
+        tokens = iter(sampled.token_ids if sampled else ())
+        token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
+        self.scheduler.update(batch, token_ids)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for row, seq in enumerate(sampling):
+            request = self._by_seq[seq.seq_id]
+            reason = request.on_token(seq, sampled, row, now, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            touched[request.request_id] = request
+        return [self._emit(request) for request in touched.values()]
+
+    def _emit(self, request: Request) -> RequestOutput:
+        output = request.output()
+        if output.finished:
+            self.requests.pop(request.request_id, None)
+            for seq in request.seqs:
+                self._by_seq.pop(seq.seq_id, None)
+        return output
+
+    def run_until_done(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
+        """Step until every request (or the given ones) finishes; their final outputs by id."""
+        wanted = set(request_ids) if request_ids is not None else set(self.requests)
+        final: dict[str, RequestOutput] = {}
+        while wanted - set(final) and self.has_unfinished():
+            for output in self.step():
+                if output.finished and output.request_id in wanted:
+                    final[output.request_id] = output
+        return final
+
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence (for tests and metrics)."""
+        return [*self.scheduler.waiting, *self.scheduler.running]

@@ -1,0 +1,101 @@
+"""The CLI as a user runs it: predict over JSONL files, generate, devices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashllm.cli import main
+from flashllm.testing.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=4)
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _predict(model: Path | None, data: Path, out: Path, *extra: str) -> int:
+    argv = ["predict", "--data_file", str(data), "--output_file", str(out), "--device", "cpu",
+            "--decode_strategy", "greedy_search", "--max_length", "8", "--batch_size", "4", *extra]
+    if model is not None:
+        argv += ["--model_name_or_path", str(model)]
+    return main(argv)
+
+
+def test_predict_writes_one_result_per_line(qwen_dir: Path, tmp_path: Path) -> None:
+    data = _write(tmp_path / "in.jsonl", [
+        json.dumps({"src": "Hello there", "tgt": "hi"}),
+        json.dumps({"src": ["What is 2+2?", "4", "And 3+3?"]}),
+        json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]),
+        "",
+        json.dumps({"src": "你好，世界"}),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert _predict(qwen_dir, data, out) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 4
+    assert rows[0]["src"] == "Hello there" and rows[0]["tgt"] == "hi"
+    assert all(isinstance(r["output"], str) and r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+def test_predict_kebab_case_and_paddle_flags_are_accepted(qwen_dir: Path, tmp_path: Path) -> None:
+    data = _write(tmp_path / "in.jsonl", [json.dumps({"src": "abc"})])
+    out = tmp_path / "out.jsonl"
+    argv = ["predict", "--model-name-or-path", str(qwen_dir), "--data-file", str(data), "--output-file", str(out),
+            "--inference_model", "--block_attn", "--dtype", "float32", "--decode-strategy", "sampling",
+            "--top_p", "0.8", "--temperature", "0.7", "--max-length", "4", "--seed", "3", "--device", "cpu"]
+    assert main(argv) == 0
+    assert len(out.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("lines", "bad_line", "message"), [
+    (['{"src": "ok"}', '{"src": "ok"', '{"src": "x"}'], 2, "not valid JSON"),
+    (['{"src": "ok"}', '', '{"tgt": "no src"}'], 3, "'src' must be a non-empty string"),
+    (['[{"role": "user"}]'], 1, "'role' and 'content'"),
+    (['42'], 1, "expected an object"),
+])
+def test_bad_data_file_fails_with_the_line_number_and_writes_nothing(
+    qwen_dir: Path, tmp_path: Path, capsys, lines, bad_line, message
+) -> None:
+    data = _write(tmp_path / "bad.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert _predict(qwen_dir, data, out) == 2
+    err = capsys.readouterr().err
+    assert f"bad.jsonl line {bad_line}" in err and message in err
+    assert not out.exists()
+    assert list(tmp_path.glob(".out.jsonl*")) == []
+
+
+def test_predict_on_the_demo_model(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FLASHLLM_CACHE_DIR", str(tmp_path / "cache"))
+    data = _write(tmp_path / "in.jsonl", [json.dumps({"src": "Once upon a time"}), json.dumps({"src": "Hi"})])
+    out = tmp_path / "out.jsonl"
+    assert _predict(None, data, out) == 0
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_generate_command(qwen_dir: Path, capsys) -> None:
+    assert main(["generate", "Hello", "--model", str(qwen_dir), "--max-tokens", "5", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt: 'Hello'" in out and "tokens" in out
+
+
+def test_python_dash_m_flashllm_llm_runs_the_predictor(qwen_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    data = _write(tmp_path / "in.jsonl", [json.dumps({"src": "abc"})])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "flashllm.llm", "--model_name_or_path", str(qwen_dir),
+                           "--data_file", str(data), "--output_file", str(out), "--max_length", "3",
+                           "--decode_strategy", "greedy_search", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 1
