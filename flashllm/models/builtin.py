@@ -1,0 +1,20 @@
+"""Built-in model architectures, registered through the same hook plugins use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flashllm.registry.hookspecs import hookimpl
+
+BUILTIN_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
+}
+
+
+@hookimpl
+def flashllm_register_models(register: Callable[[str, Any], None]) -> None:
+    """Register flashllm's own architectures lazily (modules import on first use)."""
+    for architecture, target in BUILTIN_MODELS.items():
+        register(architecture, target)

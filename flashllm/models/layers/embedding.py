@@ -1,0 +1,83 @@
+"""Token embedding and LM head, split over the vocabulary for tensor parallelism, optionally tied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashllm.models.layers.linear import copy_checked
+from flashllm.ops.quant_matmul import QuantizedWeight
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding table; rank r holds vocabulary rows [r * V_p, (r + 1) * V_p), V_p = ceil(V / tp).
+
+    weight: (V_p, hidden). Rows past the real vocabulary (padding of the last rank) stay zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        shape = (self.num_embeddings_per_partition, embedding_dim)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's rows of the (V, hidden) checkpoint table."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
+        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"embedding has shape {tuple(loaded_weight.shape)} but the model expects "
+                f"{(self.num_embeddings, self.embedding_dim)}; the checkpoint does not match its config.json"
+            )
+        rows = self.vocab_end - self.vocab_start
+        copy_checked(param.narrow(0, 0, rows), loaded_weight.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids (T,) int64 -> (T, hidden) in the weight dtype."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class LMHead(VocabEmbedding):
+    """hidden -> vocabulary logits through ops.quant_matmul; `tie_to` shares the embedding table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ops: Any, dtype: torch.dtype,
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype, device, tp_rank, tp_size)
+        self._quant_matmul = ops.quant_matmul
+        self.qweight: QuantizedWeight | None = None
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Use `embedding`'s table as this head's weight (Llama 3.2, small Qwen2.5)."""
+        self.weight = embedding.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Build the QuantizedWeight the forward multiplies by (dense for now)."""
+        self.qweight = QuantizedWeight.dense(self.weight)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden (N, hidden) -> logits (N, V) in hidden.dtype."""
+        if self.qweight is None:
+            raise RuntimeError("LMHead used before process_weights_after_loading(); load the model "
+                               "with flashllm.models.loader.load_model")
+        logits = self._quant_matmul(hidden, self.qweight, None)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,217 @@
+"""Llama 2 / 3 / 3.1 / 3.2 decoder (and the base Qwen2 reuses): GQA attention, RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from flashllm.models.hf_config import HFModelConfig, ModelLoadError
+from flashllm.models.layers.attention import Attention
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from flashllm.models.layers.mlp import GatedMLP
+from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    """qkv_proj -> RoPE -> paged attention -> o_proj for one layer."""
+
+    def __init__(self, config: HFModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+                 dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads,
+            qkv_bias, ops, dtype, device, tp_rank, tp_size,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, o_bias, ops, dtype, device,
+            tp_rank, tp_size,
+        )
+        self.rotary_emb = rotary_emb  # one table shared by every layer
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, ops,
+                              sliding_window=config.sliding_windows[layer_idx])
+
+    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """positions (T,), hidden (T, hidden) -> (T, hidden)."""
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused in the norms."""
+
+    def __init__(self, config: HFModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+                 dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device,
+                                        qkv_bias, o_bias, tp_rank, tp_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops,
+                            dtype, device, tp_rank, tp_size)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], attn_metadata: AttentionMetadata
+                ) -> tuple[Tensor, Tensor]:
+        """hidden (T, H) and the residual stream (T, H) (None before the first layer).
+
+        Returns (this block's output, the residual stream it was not yet added to).
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: HFModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device,
+                                           tp_rank, tp_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling, ops, device,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, qkv_bias, o_bias,
+                              tp_rank, tp_size)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder + LM head, with the model API the engine's model runner uses.
+
+    Checkpoint tensors keep HF names; `packed_modules_mapping` says which HF projections are
+    fused into one flashllm parameter, in shard order.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # checkpoint tensors with no flashllm parameter (RoPE tables are rebuilt from the config)
+    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: HFModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.max_position = config.max_position_embeddings
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device,
+                              tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @staticmethod
+    def attention_biases(config: HFModelConfig) -> tuple[bool, bool]:
+        """(qkv_proj has a bias, o_proj has a bias): Llama's `attention_bias` sets both."""
+        return config.attention_bias, config.attention_bias
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """Hidden states of a flat batch.
+
+        input_ids (T,) int64; positions (T,) int64 (< max_position); kv_caches: one
+        (k_cache, v_cache) per layer, each (num_blocks, block_size, num_kv_heads, head_dim) in the
+        cache dtype; returns (T, hidden) in the model dtype. Writes the tokens' K/V into the caches.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers; "
+                             "allocate one (k_cache, v_cache) pair per layer (see kv_cache_shape())")
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden (N, hidden) -> logits (N, vocab_size) in the model dtype."""
+        return self.lm_head(hidden)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads on this rank, head_dim) of the paged KV cache."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def _param_target(self, name: str) -> tuple[str, int | None]:
+        """HF tensor name -> (flashllm parameter name, shard index in its fused parameter)."""
+        for packed, shard_names in self.packed_modules_mapping.items():
+            for shard_id, shard in enumerate(shard_names):
+                if f".{shard}." in name:
+                    return name.replace(f".{shard}.", f".{packed}."), shard_id
+        return name, None
+
+    def _num_shards(self, param_name: str) -> int:
+        for packed, shard_names in self.packed_modules_mapping.items():
+            if f".{packed}." in param_name:
+                return len(shard_names)
+        return 1
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters through each parameter's weight_loader.
+
+        Returns the names of the parameters that were fully loaded (every shard of a fused one).
+        Raises ModelLoadError naming the tensor on a shape mismatch, and listing the checkpoint
+        tensors that match no parameter. A tied `lm_head.weight` in the checkpoint is skipped.
+        """
+        params = dict(self.named_parameters())
+        seen: defaultdict[str, set[int | None]] = defaultdict(set)
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(self.skipped_weight_suffixes):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            param_name, shard_id = self._param_target(name)
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            try:
+                param.weight_loader(param, tensor, shard_id)
+            except ValueError as exc:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from None
+            seen[param_name].add(shard_id)
+        if unexpected:
+            shown = ", ".join(unexpected[:5]) + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
+            raise ModelLoadError(
+                f"checkpoint has {len(unexpected)} tensor(s) {type(self).__name__} does not know: "
+                f"{shown}; the weights do not match config.json's architecture"
+            )
+        return {n for n, shards in seen.items() if len(shards) == self._num_shards(n)}

@@ -1,0 +1,231 @@
+"""Load a Hugging Face model directory: config -> model -> safetensors weights (never pickle)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config
+
+__all__ = [
+    "ModelLoadError",
+    "load_generation_config",
+    "load_model",
+    "resolve_dtype",
+    "safetensors_files",
+]
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def load_model(
+    model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
+    model_registry: Any, progress: bool = True,
+) -> tuple[torch.nn.Module, HFModelConfig]:
+    """Build the model `config.json` describes and fill it from the directory's safetensors.
+
+    ops: the bound op table the layers call; dtype: parameter dtype (checkpoint tensors are
+    converted on load); model_registry: a ModelRegistry resolving `architectures[0]`.
+    Everything that can be checked before allocating is: the config's sizes, the architecture,
+    the weight files (safetensors only, inside the directory). Raises ModelLoadError with one
+    line on any problem, including missing, unexpected or mis-shaped tensors.
+    Returns (model in eval mode, with process_weights_after_loading() applied; its config).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist or is not a directory")
+    config = load_hf_config(model_dir, model_registry.architectures())
+    files = safetensors_files(model_dir)
+    model_cls = model_registry.resolve(config.architecture)
+    model = model_cls(config, ops, dtype, torch.device(device))
+    seen: set[str] = set()
+    loaded = model.load_weights(_iter_tensors(files, progress, seen))
+    _check_complete(model, loaded, seen)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    return model.eval(), config
+
+
+def safetensors_files(model_dir: str | Path) -> dict[Path, set[str] | None]:
+    """The weight files to read: {path: tensor names the index promises in it (None: unindexed)}.
+
+    Prefers `model.safetensors.index.json` (sharded), then `model.safetensors`. Refuses pickle-only
+    directories with a conversion hint, and index entries that escape the directory or are missing.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        return _files_from_index(model_dir, index)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {_inside(model_dir, SINGLE_FILE, single.name): None}
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles[:3])}), which flashllm "
+            "never loads because unpickling can run code; convert them to safetensors first (e.g. "
+            "in a sandbox: model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise ModelLoadError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; expected safetensors weights")
+
+
+def _files_from_index(model_dir: Path, index: Path) -> dict[Path, set[str] | None]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index} has no 'weight_map' object mapping tensor names to files")
+    files: dict[Path, set[str] | None] = {}
+    resolved: dict[str, Path] = {}
+    for tensor_name, file_name in weight_map.items():
+        if not isinstance(file_name, str):
+            raise ModelLoadError(f"{index}: entry for {tensor_name!r} is not a file name: {file_name!r}")
+        if file_name not in resolved:
+            resolved[file_name] = _inside(model_dir, file_name, index.name)
+        files.setdefault(resolved[file_name], set()).add(tensor_name)
+    return files
+
+
+def _allowed_roots(model_dir: Path) -> list[Path]:
+    root = model_dir.resolve()
+    # A Hugging Face hub cache snapshot links its files to ../../blobs; that sibling is the one
+    # place outside the directory a weight file may resolve to.
+    if root.parent.name == "snapshots":
+        return [root, root.parent.parent / "blobs"]
+    return [root]
+
+
+def _inside(model_dir: Path, file_name: str, source: str) -> Path:
+    """`model_dir / file_name`, refusing absolute paths, `..`, symlinks out of the dir, missing files."""
+    relative = Path(file_name)
+    if relative.is_absolute() or ".." in relative.parts or file_name.startswith(("/", "\\")):
+        raise ModelLoadError(
+            f"{source} names {file_name!r}, a path outside the model directory; refusing to read it"
+        )
+    path = model_dir / relative
+    if not path.is_file():
+        raise ModelLoadError(f"{source} names {file_name!r}, which does not exist in {model_dir}")
+    real = path.resolve()
+    if not any(real.is_relative_to(root) for root in _allowed_roots(model_dir)):
+        raise ModelLoadError(
+            f"{file_name!r} in {model_dir} is a link to {real}, outside the model directory; "
+            "refusing to read it"
+        )
+    if real.suffix != ".safetensors" and path.suffix != ".safetensors":
+        raise ModelLoadError(f"{source} names {file_name!r}, which is not a .safetensors file")
+    return path
+
+
+def _iter_tensors(
+    files: dict[Path, set[str] | None], progress: bool, seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor in the file's dtype) from each file via mmap; names go to `seen`.
+
+    The weight loaders' copy into the parameters converts dtype and device in one pass.
+    """
+    total = sum(len(names) for names in files.values() if names is not None) or None
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, promised in files.items():
+            try:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    names = list(f.keys())
+                    _check_promised(path, promised, names)
+                    for name in names:
+                        seen.add(name)
+                        yield name, f.get_tensor(name)
+                        bar.update(1)
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{path.name} is not a valid safetensors file ({exc})") from None
+
+
+def _check_promised(path: Path, promised: set[str] | None, names: list[str]) -> None:
+    if promised is None:
+        return
+    absent = sorted(promised - set(names))
+    if absent:
+        raise ModelLoadError(
+            f"{INDEX_FILE} places {len(absent)} tensor(s) in {path.name} that it does not contain "
+            f"(e.g. {absent[0]!r}); the checkpoint is incomplete, re-download or re-convert it"
+        )
+
+
+def _check_complete(model: torch.nn.Module, loaded: set[str], seen: set[str]) -> None:
+    """Raise naming the checkpoint tensors whose parameters were not (fully) loaded."""
+    missing: list[str] = []
+    mapping = getattr(model, "packed_modules_mapping", {})
+    for name, _ in model.named_parameters():
+        if name in loaded:
+            continue
+        expected = [name]
+        for packed, shards in mapping.items():
+            if f".{packed}." in name:
+                expected = [name.replace(f".{packed}.", f".{shard}.") for shard in shards]
+        missing += [n for n in expected if n not in seen] or [name]
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}; "
+            "the weights are incomplete or do not match config.json"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ModelLoadError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refusing to parse it")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling defaults in `generation_config.json` ({} when the file is absent)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    return _read_json(path)
+
+
+def resolve_dtype(
+    dtype: str, checkpoint_dtype: torch.dtype | None, device_supports_bf16_natively: bool,
+    device_type: str,
+) -> torch.dtype:
+    """The parameter dtype for `--dtype auto|float32|float16|bfloat16`.
+
+    auto: on an accelerator, the checkpoint's dtype (bf16 falls back to fp16 where the device has
+    no native bf16; an undeclared dtype means fp32); on a CPU ("cpu"), fp32, since half-precision
+    matmuls are slow there, unless the CPU has native bf16 and the checkpoint is half precision.
+    An explicit dtype is returned as asked (the op table resolution checks the device runs it).
+    """
+    name = dtype.lower()
+    if name != "auto":
+        if name not in _DTYPE_NAMES:
+            raise ValueError(f"--dtype {dtype!r} is not one of: auto, float32, float16, bfloat16")
+        return _DTYPE_NAMES[name]
+    checkpoint_dtype = checkpoint_dtype or torch.float32
+    is_half = checkpoint_dtype in (torch.float16, torch.bfloat16)
+    if device_type == "cpu":
+        return torch.bfloat16 if is_half and device_supports_bf16_natively else torch.float32
+    if checkpoint_dtype == torch.bfloat16 and not device_supports_bf16_natively:
+        return torch.float16
+    return checkpoint_dtype if is_half or checkpoint_dtype == torch.float32 else torch.float32

@@ -1,0 +1,203 @@
+"""Random-weight Hugging Face model directories built locally: tiny for tests, full shapes for benchmarks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+# Tiny sizes: big enough for GQA (4 query heads over 2 kv heads), several KV blocks per sequence
+# and a position range past the llama3 preset's original context.
+TINY_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama3": ("LlamaForCausalLM", {
+        "rope_theta": 500000.0,
+        # original context 64 with head_dim 16 puts rope frequencies in all three llama3 bands
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }),
+    "llama-tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+}
+
+# A weight scale large enough that attention is far from uniform (scores of order 1) and logits
+# are of order 1, so parity tests notice position or masking mistakes.
+TINY_INIT_STD = 0.1
+TINY_TOKENIZER_VOCAB = 512
+DEFAULT_VOCAB_WITHOUT_TOKENIZER = 256
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_model(
+    out_dir: str | Path, arch: str = "llama", *, seed: int = 0, tokenizer: bool = True,
+    dtype: torch.dtype = torch.float32, max_shard_size: str | int | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random-weight transformers model (config, safetensors, tokenizer) to out_dir.
+
+    arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
+    embeddings, "qwen2" qkv bias + tied). Weights are drawn from `seed` (same seed, same files);
+    every parameter, biases and norm scales included, is random so none of them can be ignored.
+    tokenizer: also train and save a small tokenizer with a chatml template; the model's vocab
+    is then the tokenizer's. max_shard_size (e.g. "20KB") writes a sharded checkpoint.
+    config_overrides replace any config field. Returns out_dir.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in PRESETS:
+        raise ValueError(f"unknown tiny model preset {arch!r}; choose one of {sorted(PRESETS)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    architecture, preset = PRESETS[arch]
+    fields: dict[str, Any] = {**TINY_BASE, **preset, "vocab_size": DEFAULT_VOCAB_WITHOUT_TOKENIZER}
+    if tokenizer:
+        fields.update(_train_tokenizer(out_dir))
+    fields.update(config_overrides)
+    model_type = "qwen2" if architecture.startswith("Qwen2") else "llama"
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    _randomize_(model, seed)
+    model.to(dtype)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **save_kwargs)
+    return out_dir
+
+
+def _train_tokenizer(out_dir: Path) -> dict[str, Any]:
+    from flashllm.testing.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(out_dir, vocab_size=TINY_TOKENIZER_VOCAB, chat_template=CHATML_TEMPLATE)
+    fields: dict[str, Any] = {"vocab_size": len(tok)}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tok, key, None) is not None:
+            fields[key] = getattr(tok, key)
+    return fields
+
+
+@torch.no_grad()
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter: norm scales around 1, everything else N(0, TINY_INIT_STD)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * TINY_INIT_STD
+        if "norm" in name:
+            noise += 1.0
+        param.copy_(noise)
+
+
+def build_random_model_from_config(
+    out_dir: str | Path, hf_config_dict: dict[str, Any], seed: int = 0,
+    max_shard_bytes: int = 1 << 30,
+) -> Path:
+    """Write config.json and N(0, 0.02) weights (norm scales 1) for any Llama/Qwen2-shaped config.
+
+    No transformers model is built: tensors are drawn one at a time from a seeded generator and
+    written shard by shard (at most ~max_shard_bytes each, plus an index when there are several),
+    so a 0.5B shape needs about one shard of memory. The dtype is the config's "dtype" /
+    "torch_dtype" (float32 or bfloat16; float32 when absent). Returns out_dir.
+    """
+    from flashllm.models.builtin import BUILTIN_MODELS
+    from flashllm.models.hf_config import parse_hf_config
+
+    config = parse_hf_config(hf_config_dict, BUILTIN_MODELS, source="hf_config_dict")
+    dtype = config.torch_dtype or torch.float32
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(hf_config_dict, indent=2) + "\n")
+    generation = {k: hf_config_dict[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config_dict}
+    if generation:
+        (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    gen = torch.Generator().manual_seed(seed)
+    writer = _ShardWriter(out_dir, max_shard_bytes)
+    for name, shape, is_norm in _hf_tensor_shapes(config):
+        tensor = torch.ones(shape) if is_norm else torch.randn(shape, generator=gen) * 0.02
+        writer.add(name, tensor.to(dtype))
+    writer.close()
+    return out_dir
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes a safetensors shard whenever the next one would overflow."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.current and self.current_bytes + tensor.nbytes > self.max_shard_bytes:
+            self._flush()
+        self.current[name] = tensor
+        self.current_bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        file_name = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.current, self.out_dir / file_name, metadata={"format": "pt"})
+        self.files.append(file_name)
+        self.weight_map.update(dict.fromkeys(self.current, file_name))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write the last shard, then either rename a lone shard or write the index."""
+        self._flush()
+        if len(self.files) == 1:
+            (self.out_dir / self.files[0]).rename(self.out_dir / "model.safetensors")
+            return
+        index = {"metadata": {}, "weight_map": self.weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _hf_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(HF tensor name, shape, is a norm scale) of every tensor of a Llama/Qwen2 checkpoint."""
+    from flashllm.models.builtin import BUILTIN_MODELS
+    from flashllm.models.registry import ModelRegistry
+
+    registry = ModelRegistry()
+    for arch, target in BUILTIN_MODELS.items():
+        registry.register(arch, target)
+    qkv_bias, o_bias = registry.resolve(config.architecture).attention_biases(config)
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    yield "model.embed_tokens.weight", (config.vocab_size, h), False
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,), True
+        yield f"{p}.post_attention_layernorm.weight", (h,), True
+        for proj, out_features in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{p}.self_attn.{proj}.weight", (out_features, h), False
+            if qkv_bias:
+                yield f"{p}.self_attn.{proj}.bias", (out_features,), False
+        yield f"{p}.self_attn.o_proj.weight", (h, q), False
+        if o_bias:
+            yield f"{p}.self_attn.o_proj.bias", (h,), False
+        for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            yield f"{p}.mlp.{proj}.weight", shape, False
+            if config.mlp_bias:
+                yield f"{p}.mlp.{proj}.bias", (shape[0],), False
+    yield "model.norm.weight", (h,), True
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", (config.vocab_size, h), False
