@@ -10,9 +10,14 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """Measured limits. bandwidth counts bytes read + written per second."""
+    """Measured limits.
 
-    bandwidth: float  # bytes/s
+    bandwidth: bytes/s a read-only stream reaches (what a decode step does with the weights);
+    copy_bandwidth: bytes read + written per second by a large copy.
+    """
+
+    bandwidth: float
+    copy_bandwidth: float
     matmul_flops: float  # FLOP/s in `dtype`
     dtype: str
 
@@ -43,6 +48,13 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = 
     return 2 * num_bytes / seconds
 
 
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Sum a buffer of `num_bytes`: a read-only stream, like a GEMV reading weights."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    seconds = _best_time(lambda: src.sum(), repeats)
+    return num_bytes / seconds
+
+
 def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
     """FLOP/s of an n x n x n GEMM in `dtype`."""
     a = torch.randn(n, n, device=device).to(dtype)
@@ -52,4 +64,6 @@ def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: i
 
 
 def measure(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Roofline:
-    return Roofline(measure_bandwidth(device=device), measure_matmul(dtype, device=device), str(dtype).removeprefix("torch."))
+    """Read and copy bandwidth and GEMM FLOP/s of `device`, measured now."""
+    return Roofline(measure_read_bandwidth(device=device), measure_bandwidth(device=device),
+                    measure_matmul(dtype, device=device), str(dtype).removeprefix("torch."))

@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
     if args.roofline:
         roof = rl.measure(getattr(torch, args.dtype))
-        result["roofline"] = {"bandwidth_gb_s": roof.bandwidth / 1e9, "matmul_gflop_s": roof.matmul_flops / 1e9}
+        result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
+                              "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
+                              "matmul_gflop_s": roof.matmul_flops / 1e9}
         ceiling = roof.decode_ceiling(1, result["weight_bytes"])
         result["decode_ceiling_batch1_tokens_per_s"] = ceiling
         if args.mode == "latency":

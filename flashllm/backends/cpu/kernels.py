@@ -54,6 +54,9 @@ def paged_attention(
         k = k_cache[blocks].flatten(0, 1)[:seq_len]  # (S, Hk, D)
         v = v_cache[blocks].flatten(0, 1)[:seq_len]
         mask = _mask(q_end - q_start, seq_len, alibi_slopes, sliding_window, q.dtype, q.device)
+        if q_end - q_start == 1 and mask is None:
+            out[q_start] = _decode_gqa(q[q_start], k, v, scale)
+            continue
         o = F.scaled_dot_product_attention(
             q[q_start:q_end].transpose(0, 1),  # (Hq, L, D)
             k.transpose(0, 1),
@@ -65,6 +68,18 @@ def paged_attention(
         )
         out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def _decode_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token: (Hq, D) against (S, Hk, D); the Hq/Hk query heads of a KV head share one bmm.
+
+    SDPA with enable_gqa takes its slow math path on CPU; two bmm calls read the keys once.
+    """
+    num_kv_heads = k.shape[1]
+    q = q.view(num_kv_heads, -1, q.shape[-1])  # (Hk, G, D)
+    scores = torch.bmm(q, k.permute(1, 2, 0)).float() * scale  # (Hk, G, S)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.transpose(0, 1)).flatten(0, 1)  # (Hq, D)
 
 
 def _mask(
