@@ -1,0 +1,271 @@
+"""Sampler: turns the last-position logits of a batch into next tokens, one request per row.
+
+Processing order per row (HF `generate` / vLLM semantics):
+
+1. repetition penalty over prompt + output tokens (HF: positive logits divided, negative
+   multiplied by the penalty);
+2. frequency and presence penalties over output tokens (OpenAI: subtract
+   `frequency * count + presence * (count > 0)`);
+3. min_tokens: stop_token_ids and EOS (unless ignore_eos) are masked while fewer than
+   min_tokens were generated;
+4. temperature (greedy rows stop here and take the argmax);
+5. top-k, then top-p over what top-k kept, then min-p over what is left;
+6. draw: argmax of `probs / E` with `E ~ Exp(1)` drawn from the row's own generator, an
+   exact sample of `probs` that never looks at other rows, so a seeded request yields the
+   same tokens alone or in any batch.
+
+Logprobs are `log_softmax` of the logits after steps 1-4 (temperature applied; greedy rows
+use temperature 1), i.e. the processed distribution before top-k/top-p/min-p filtering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flashllm.sampling_params import MAX_SEED, SamplingParams
+
+# Mixes a request seed with a child index (n > 1) so siblings draw different streams while
+# child 0 keeps the user's seed unchanged.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+# Above this top-k a full vocabulary sort is cheaper than a partial one (torch.topk).
+_PARTIAL_SORT_MAX_K = 1024
+
+
+@dataclass
+class SamplingState:
+    """Per-sequence sampling state: params, private generator and the tokens seen so far.
+
+    `output_token_ids` is appended to by the engine after each step; the sampler only reads it.
+    `generator` is None for greedy requests (they draw nothing).
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: Sequence[int] = ()
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        device: torch.device | str,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Sequence[int] = (),
+        *,
+        index: int = 0,
+    ) -> SamplingState:
+        """State for one sequence; `index` tells the n siblings of one request apart.
+
+        With `params.seed` the generator is seeded from it (child 0 exactly, children i > 0
+        from a mix of seed and i); without one it is seeded from torch's global RNG, so runs
+        are reproducible under `torch.manual_seed` yet rows stay independent.
+        """
+        generator = None
+        if not params.is_greedy:
+            if params.seed is None:
+                seed = int(torch.randint(0, MAX_SEED, (1,)).item())
+            else:
+                seed = (params.seed + index * _GOLDEN_GAMMA) % (MAX_SEED + 1)
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+        return cls(params, generator, prompt_token_ids, eos_token_ids=eos_token_ids)
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens of a batch, in row order.
+
+    `logprobs[i]` is the chosen token's logprob (None when no row asked for logprobs);
+    `top_logprobs[i]` lists `(token_id, logprob)` of the `params.logprobs` most likely tokens,
+    most likely first (empty for rows that did not ask).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _flat_ids(rows: list[int], id_lists: list[Sequence[int]], vocab_size: int,
+              device: torch.device) -> tuple[Tensor, Tensor]:
+    """(row index, token id) pairs of ragged id lists; ids the logits cannot hold are dropped."""
+    counts = [len(ids) for ids in id_lists]
+    ids = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor(counts))
+    keep = (ids >= 0) & (ids < vocab_size)
+    return row_idx[keep].to(device), ids[keep].to(device)
+
+
+def _per_pair(states: list[SamplingState], rows: list[int], row_idx: Tensor, attr: str) -> Tensor:
+    """params.<attr> of each (row, token) pair's row, as a float tensor like row_idx."""
+    values = torch.zeros(len(states), device=row_idx.device)
+    values[rows] = torch.tensor([getattr(states[i].params, attr) for i in rows], device=row_idx.device)
+    return values[row_idx]
+
+
+def apply_repetition_penalty(logits: Tensor, states: list[SamplingState]) -> None:
+    """In place: HF repetition penalty over prompt + output tokens. logits (B, V) fp32."""
+    rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    if not rows:
+        return
+    seen_lists = [list(states[i].prompt_token_ids) + states[i].output_token_ids for i in rows]
+    row_idx, ids = _flat_ids(rows, seen_lists, logits.shape[1], logits.device)
+    penalty = _per_pair(states, rows, row_idx, "repetition_penalty")
+    values = logits[row_idx, ids]
+    # Only the seen tokens are touched. A token seen twice reads the same original value
+    # twice, so writing both results back is harmless.
+    logits[row_idx, ids] = torch.where(values < 0, values * penalty, values / penalty)
+
+
+def apply_frequency_presence_penalties(logits: Tensor, states: list[SamplingState]) -> None:
+    """In place: OpenAI frequency/presence penalties over output tokens. logits (B, V) fp32."""
+    rows = [i for i, s in enumerate(states)
+            if (s.params.frequency_penalty or s.params.presence_penalty) and s.output_token_ids]
+    if not rows:
+        return
+    vocab_size = logits.shape[1]
+    row_idx, ids = _flat_ids(rows, [states[i].output_token_ids for i in rows], vocab_size, logits.device)
+    pairs, counts = torch.unique(row_idx * vocab_size + ids, return_counts=True)
+    row_idx, ids = pairs // vocab_size, pairs % vocab_size
+    freq = _per_pair(states, rows, row_idx, "frequency_penalty")
+    presence = _per_pair(states, rows, row_idx, "presence_penalty")
+    logits[row_idx, ids] -= freq * counts + presence
+
+
+def apply_min_tokens(logits: Tensor, states: list[SamplingState]) -> None:
+    """In place: forbid EOS (unless ignore_eos) and stop_token_ids before min_tokens outputs."""
+    rows, banned = [], []
+    for i, s in enumerate(states):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            ids = list(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                ids += list(s.eos_token_ids)
+            rows.append(i)
+            banned.append(ids)
+    if rows:
+        row_idx, ids = _flat_ids(rows, banned, logits.shape[1], logits.device)
+        logits[row_idx, ids] = float("-inf")
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> None:
+    """In place: mask (to -inf) tokens outside top-k, then outside the top-p nucleus.
+
+    logits (B, V) fp32; top_k (B,) long with V meaning "off"; top_p (B,) fp32 with 1 = off.
+    Ties at the k-th value are all kept, and the most likely token always survives top-p,
+    matching transformers' TopKLogitsWarper / TopPLogitsWarper. When every row has a small
+    top-k, only the candidates are sorted (topk) instead of the whole vocabulary.
+    """
+    vocab_size = logits.shape[1]
+    if int(top_k.max()) > _PARTIAL_SORT_MAX_K:
+        _top_k_top_p_full_sort(logits, top_k, top_p)
+        return
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(0, vocab_size - 1).unsqueeze(1))
+    remove = logits < kth
+    if bool((top_p < 1).any()):
+        kept = int((~remove).sum(dim=1).max())
+        values, idx = logits.masked_fill(remove, float("-inf")).topk(kept, dim=-1)
+        values, idx = values.flip(1), idx.flip(1)  # ascending, as in the full sort
+        drop = values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # masked candidates have zero mass, so drop is already True for them
+        remove.scatter_(1, idx, drop)
+    logits.masked_fill_(remove, float("-inf"))
+
+
+def _top_k_top_p_full_sort(logits: Tensor, top_k: Tensor, top_p: Tensor) -> None:
+    sorted_logits, sorted_idx = logits.sort(dim=-1)  # ascending
+    vocab_size = logits.shape[1]
+    kth = sorted_logits.gather(1, (vocab_size - top_k).clamp(0, vocab_size - 1).unsqueeze(1))
+    remove = sorted_logits < kth
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove |= cumulative <= (1 - top_p).unsqueeze(1)
+    remove[:, -1] = False
+    logits.masked_fill_(remove.scatter(1, sorted_idx, remove), float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
+    """In place: mask tokens whose probability is below `min_p * max probability`. (B, V)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Picks the next token of every row of a batch; see the module docstring for the order."""
+
+    def __call__(self, logits: Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: (B, V), any float dtype, on the model's device (processed in fp32).
+        states: B SamplingState, row i of logits belongs to states[i].
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits must be (num_seqs, vocab_size) with one row per state; "
+                             f"got shape {tuple(logits.shape)} for {len(states)} states")
+        # A private fp32 copy: the penalties below work in place.
+        logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
+        apply_repetition_penalty(logits, states)
+        apply_frequency_presence_penalties(logits, states)
+        apply_min_tokens(logits, states)
+        temperature = torch.tensor(
+            [1.0 if s.params.is_greedy else s.params.temperature for s in states],
+            device=logits.device)
+        logits /= temperature.unsqueeze(1)
+        logprobs = self._logprobs(logits, states)
+        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
+        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            # _sample masks in place: it gets a copy unless no greedy row needs the originals.
+            rows = logits if not greedy else logits[sampled]
+            token_ids[sampled] = self._sample(rows, [states[i] for i in sampled])
+        chosen = token_ids.tolist()
+        if logprobs is None:
+            return SamplerOutput(chosen)
+        return SamplerOutput(chosen, *self._gather_logprobs(logprobs, token_ids, states))
+
+    @staticmethod
+    def _sample(logits: Tensor, states: list[SamplingState]) -> Tensor:
+        """Filtered draw for the non-greedy rows. logits (S, V) fp32 -> token ids (S,)."""
+        vocab_size = logits.shape[1]
+        top_k = [s.params.top_k if s.params.top_k > 0 else vocab_size for s in states]
+        top_p = [s.params.top_p for s in states]
+        if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+            apply_top_k_top_p(logits, torch.tensor(top_k, device=logits.device).clamp(max=vocab_size),
+                              torch.tensor(top_p, device=logits.device))
+        if any(s.params.min_p > 0 for s in states):
+            apply_min_p(logits, torch.tensor([s.params.min_p for s in states], device=logits.device))
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for row, state in enumerate(states):
+            torch.rand(vocab_size, generator=state.generator, out=noise[row])
+        # -log(U) ~ Exp(1); rand + log is several times faster than exponential_ on CPU. The
+        # clamp keeps E > 0: a masked token's 0 / 0 would be NaN, which argmax prefers.
+        noise = noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: Tensor, states: list[SamplingState]) -> Tensor | None:
+        if all(s.params.logprobs is None for s in states):
+            return None
+        return logits.log_softmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(logprobs: Tensor, token_ids: Tensor, states: list[SamplingState]
+                         ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        max_k = max(s.params.logprobs or 0 for s in states)
+        top: list[list[tuple[int, float]]] = [[] for _ in states]
+        if max_k > 0:
+            values, indices = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            for row, state in enumerate(states):
+                k = state.params.logprobs or 0
+                top[row] = list(zip(indices[row][:k], values[row][:k], strict=True))
+        return chosen, top

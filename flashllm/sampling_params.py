@@ -1,0 +1,185 @@
+"""SamplingParams: how one request is decoded, validated once when it is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is decoded greedily: dividing logits by a near-zero
+# temperature only amplifies noise in the argmax and can overflow in low precision.
+GREEDY_TEMPERATURE = 1e-5
+
+MAX_N = 128
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PENALTY = 2.0
+MAX_SEED = 2**63 - 1
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_ABS_LENGTH_PENALTY = 10.0
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    # bool is an int subclass; `n=True` is almost surely a bug in the caller.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    left = "(" if lo_open else "["
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number in {left}{lo}, {hi}], got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number in {left}{lo}, {hi}], got {value}")
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _normalize_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stops:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"each stop string must be a string of 1 to {MAX_STOP_STRING_CHARS} characters, "
+                f"got {s!r:.60}"
+            )
+    return list(stops)
+
+
+def _normalize_token_ids(name: str, ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name} has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for i, token_id in enumerate(ids):
+        _check_int(f"{name}[{i}]", token_id, 0, MAX_TOKEN_ID)
+    return list(ids)
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request (OpenAI / vLLM field names and meanings).
+
+    Validated once in `__post_init__`: every numeric field is bounded and finite, and a bad
+    value raises ValueError naming the field, the value and the allowed range.
+    `temperature=0` means greedy decoding; `top_k` of -1 or 0 and `top_p=1` switch those
+    filters off; `logprobs=k` returns the sampled token's logprob plus the k most likely.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: token ids only, no text (benchmarks, token-id clients)
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1, MAX_TOP_K)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                     lo_open=True)
+        _check_float("presence_penalty", self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        _check_float("frequency_penalty", self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        max_min_tokens = MAX_TOKENS_LIMIT if self.max_tokens is None else self.max_tokens
+        _check_int("min_tokens", self.min_tokens, 0, max_min_tokens)
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "use_beam_search"):
+            _check_bool(name, getattr(self, name))
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        _check_float("length_penalty", self.length_penalty, -MAX_ABS_LENGTH_PENALTY,
+                     MAX_ABS_LENGTH_PENALTY)
+        if self.beam_width is None:
+            return
+        _check_int("beam_width", self.beam_width, 1, MAX_N)
+        if not self.use_beam_search:
+            raise ValueError("beam_width is only meaningful with use_beam_search=True; "
+                             "set use_beam_search or drop beam_width")
+        if self.beam_width < self.n:
+            raise ValueError(f"beam_width ({self.beam_width}) must be >= n ({self.n}): "
+                             "n beams are returned out of beam_width kept")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature 0, or below GREEDY_TEMPERATURE)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def num_beams(self) -> int:
+        """Beams kept per step under beam search: beam_width, or n when beam_width is unset."""
+        return self.beam_width if self.beam_width is not None else self.n
+
+    @property
+    def max_stop_str_len(self) -> int:
+        """Length of the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any] | None, **overrides: Any) -> SamplingParams:
+        """Build params from a HF `generation_config.json` dict, then apply `overrides`.
+
+        Reads temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (JSON
+        nulls are skipped). An explicit `do_sample: false` means greedy (temperature 0), as
+        in transformers; a missing `do_sample` keeps the file's sampling values, because many
+        checkpoints ship tuned values without the flag. `overrides` win over the file.
+        """
+        config = config or {}
+        kwargs: dict[str, Any] = {}
+        for hf_name, name in (("temperature", "temperature"), ("top_p", "top_p"),
+                              ("top_k", "top_k"), ("min_p", "min_p"),
+                              ("repetition_penalty", "repetition_penalty"),
+                              ("max_new_tokens", "max_tokens")):
+            if config.get(hf_name) is not None:
+                kwargs[name] = config[hf_name]
+        if config.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        kwargs.update(overrides)
+        return cls(**kwargs)
