@@ -27,6 +27,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = Engine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._chat_template: Any = None
 
     def generate(
         self,
@@ -40,6 +41,20 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Prompt], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
+        """Beam search per prompt; each output holds its `beam_width` best hypotheses, best first.
+
+        Beams re-submit their tokens each step; their full KV blocks are shared through the
+        prefix cache, so only each beam's last partial block is recomputed.
+        """
+        from flashllm.core.beam_search import beam_search
+
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        results = beam_search(self.engine, ids, beam_width, max_tokens, length_penalty=length_penalty,
+                              ignore_eos=ignore_eos)
+        return [r.to_request_output(f"beam-{i}", tokenizer=self.tokenizer) for i, r in enumerate(results)]
 
     def chat(
         self,
@@ -56,13 +71,36 @@ class LLM:
 
     def render_chat(self, messages: list[Message], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the sandboxed chat template."""
-        from flashllm.models.tokenizer import chat_template_for, render_chat
+        """Token ids of a conversation rendered with the sandboxed chat template.
 
-        template = chat_template_for(self.engine.parts.model_dir, self.tokenizer, chat_template)
-        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+        `chat_template`: None = the model's own, a built-in name (chatml, llama-2, llama-3) or a
+        template source string.
+        """
+        text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_template(self, chat_template: str | None = None) -> Any:
+        """The ChatTemplate to render with (see render_chat); the model's own is loaded once."""
+        from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+
+        if chat_template in BUILTIN_TEMPLATES:
+            return ChatTemplate.builtin(chat_template)
+        if chat_template is not None:
+            return ChatTemplate(chat_template)
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.engine.parts.model_dir)
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; pass chat_template= a built-in name "
+                             f"({', '.join(BUILTIN_TEMPLATES)}) or a template string")
+        return self._chat_template
+
+    def has_chat_template(self) -> bool:
+        """Whether the model directory ships a chat template."""
+        try:
+            self.chat_template()
+        except ValueError:
+            return False
+        return True
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

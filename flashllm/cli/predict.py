@@ -38,11 +38,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "batch_size", type=int, default=1, help="sequences generated at once (max_num_seqs)")
     _flag(parser, "src_length", type=int, default=1024, help="max prompt tokens (longer prompts keep their end)")
     _flag(parser, "max_length", type=int, default=1024, help="max generated tokens")
-    _flag(parser, "total_max_length", type=int, default=4096, help="max prompt + generated tokens")
+    _flag(parser, "total_max_length", type=int, default=None,
+          help="max prompt + generated tokens (default: the model's context length, at most 8192)")
     _flag(parser, "dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     _flag(parser, "device", default="auto", help="auto | cpu | cuda | cuda:1 | ...")
     _flag(parser, "backend", default=None, help="force a backend (e.g. reference)")
     _flag(parser, "decode_strategy", default="sampling", choices=STRATEGIES)
+    _flag(parser, "num_beams", type=int, default=4, help="beams for --decode_strategy beam_search")
+    _flag(parser, "length_penalty", type=float, default=1.0, help="beam score = logprob / length**penalty")
     _flag(parser, "top_k", type=int, default=0)
     _flag(parser, "top_p", type=float, default=0.7)
     _flag(parser, "temperature", type=float, default=0.95)
@@ -128,9 +131,6 @@ def _prompt_ids(llm: Any, record: dict[str, Any], use_template: bool, src_length
 def _sampling_params(args: argparse.Namespace) -> Any:
     from flashllm.sampling_params import SamplingParams
 
-    if args.decode_strategy == "beam_search":
-        raise SystemExit("flashllm predict: --decode_strategy beam_search is not implemented yet; "
-                         "use greedy_search or sampling")
     greedy = args.decode_strategy == "greedy_search"
     return SamplingParams(
         temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
@@ -153,25 +153,18 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
               max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
               strict_kernels=args.strict_kernels)
-    template = args.chat_template and _has_template(llm)
+    template = args.chat_template and llm.has_chat_template()
     prompts = [_prompt_ids(llm, r, template, args.src_length, args.benchmark) for r in records]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    if args.decode_strategy == "beam_search":
+        outputs = llm.beam_search(prompts, args.num_beams, args.max_length, args.length_penalty, args.benchmark)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     _write_results(Path(args.output_file), records, outputs)
     if args.benchmark:
         _print_benchmark(prompts, outputs, elapsed)
     return 0
-
-
-def _has_template(llm: Any) -> bool:
-    from flashllm.models.tokenizer import chat_template_for
-
-    try:
-        chat_template_for(llm.engine.parts.model_dir, llm.tokenizer, None)
-    except ValueError:
-        return False
-    return True
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

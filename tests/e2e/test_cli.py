@@ -23,7 +23,7 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 def _predict(model: Path | None, data: Path, out: Path, *extra: str) -> int:
     argv = ["predict", "--data_file", str(data), "--output_file", str(out), "--device", "cpu",
-            "--decode_strategy", "greedy_search", "--max_length", "8", "--batch_size", "4", *extra]
+            "--max_length", "8", "--batch_size", "4", *(extra or ("--decode_strategy", "greedy_search"))]
     if model is not None:
         argv += ["--model_name_or_path", str(model)]
     return main(argv)
@@ -99,3 +99,11 @@ def test_python_dash_m_flashllm_llm_runs_the_predictor(qwen_dir: Path, tmp_path:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_predict_beam_search(qwen_dir: Path, tmp_path: Path) -> None:
+    data = _write(tmp_path / "in.jsonl", [json.dumps({"src": "abc"}), json.dumps({"src": "hello world"})])
+    out = tmp_path / "out.jsonl"
+    assert _predict(qwen_dir, data, out, "--decode_strategy", "beam_search", "--num_beams", "3") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(isinstance(r["output"], str) for r in rows)
