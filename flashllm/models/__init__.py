@@ -1,0 +1,1 @@
+"""Model architectures, their layers, and the Hugging Face directory loader."""

@@ -1,0 +1,1 @@
+"""Layers that call the bound op table: linear, norm, rotary, attention, MLP, embedding."""

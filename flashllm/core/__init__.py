@@ -1,0 +1,1 @@
+"""The engine: sequences, block manager, scheduler, model runner, sampler; device-agnostic."""
