@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -39,7 +40,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: Sequence[Prompt], beam_width: int, max_tokens: int,

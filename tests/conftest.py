@@ -6,8 +6,8 @@ import importlib
 import shutil
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from flashllm.registry.backend import Backend
 from flashllm.registry.hookspecs import hookimpl

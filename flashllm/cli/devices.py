@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _matrix_text(rows: list[dict[str, Any]]) -> str:
-    from flashllm.registry.matrix import SYMBOLS
 
     headers = ["backend", "device"] + [p.key for p in PRECISIONS] + ["here"]
     table = [headers]
@@ -80,7 +79,7 @@ def _matrix_text(rows: list[dict[str, Any]]) -> str:
     widths = [max(_width(r[i]) for r in table) for i in range(len(headers) - 1)]
     out = []
     for r in table:
-        out.append("  ".join(c + " " * (w - _width(c)) for c, w in zip(r, widths)) + "  " + r[-1])
+        out.append("  ".join(c + " " * (w - _width(c)) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
     return "\n".join(out)
 
 

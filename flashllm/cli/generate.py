@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.generate(list(args.prompt), params)
     if args.model is None:
         print("(built-in demo model: random weights, the text is meaningless)")
-    for prompt, output in zip(args.prompt, outputs):
+    for prompt, output in zip(args.prompt, outputs, strict=True):
         seconds = output.metrics.latency or 0.0
         tokens = len(output.outputs[0].token_ids)
         print(f"prompt: {prompt!r}\noutput: {output.text!r}\n({tokens} tokens, {output.outputs[0].finish_reason}, "

@@ -173,7 +173,7 @@ def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for record, output in zip(records, outputs):
+            for record, output in zip(records, outputs, strict=True):
                 line = {**record, "output": output.text, "finish_reason": output.outputs[0].finish_reason}
                 handle.write(json.dumps(line, ensure_ascii=False) + "\n")
         os.replace(tmp, path)

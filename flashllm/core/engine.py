@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager

@@ -84,13 +84,22 @@ def load_hf_config(
             f"{model_dir} has no config.json; expected a Hugging Face model directory "
             "(config.json + *.safetensors)"
         )
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelLoadError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; not a model config")
+    raw = read_json_object(path, MAX_CONFIG_BYTES)
+    return parse_hf_config(raw, supported_architectures, source=str(path))
+
+
+def read_json_object(path: Path, max_bytes: int) -> dict[str, Any]:
+    """Parse a JSON object file of at most `max_bytes`; ModelLoadError (one line) otherwise."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ModelLoadError(f"{path} is larger than {max_bytes} bytes ({size}); refusing to parse it")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
-    return parse_hf_config(raw, supported_architectures, source=str(path))
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def parse_hf_config(

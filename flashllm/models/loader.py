@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config
+from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 
 __all__ = [
     "ModelLoadError",
@@ -187,15 +186,7 @@ def _check_complete(model: torch.nn.Module, loaded: set[str], seen: set[str]) ->
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise ModelLoadError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refusing to parse it")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, MAX_JSON_BYTES)
 
 
 def load_generation_config(model_dir: str | Path) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.visitor import NodeTransformer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from flashllm.models.hf_config import read_json_object
+
 MAX_CONFIG_BYTES = 32 << 20          # tokenizer_config.json (added-token tables can be large)
 MAX_TEMPLATE_BYTES = 64 << 10        # chat template source
 MAX_RENDERED_CHARS = 1 << 20         # rendered prompt, and any string/list a template builds
@@ -39,15 +41,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ValueError(f"{path} is {path.stat().st_size} bytes; tokenizer configs are limited to {MAX_CONFIG_BYTES}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid UTF-8 JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, MAX_CONFIG_BYTES)
 
 
 def _token_text(value: Any) -> str | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Request fields an op's kernels can be gated on beyond the activation dtype (always checked).
 REQUEST_FIELDS = frozenset({"kv_dtype", "quant", "head_size", "block_size"})

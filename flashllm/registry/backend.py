@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 
@@ -97,7 +99,7 @@ class DeviceAdapter:
         """(free_bytes, total_bytes) of device memory."""
         return self._module().mem_get_info(device)
 
-    def graph_capture(self, device: torch.device) -> ContextManager[Any] | None:
+    def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
         """A context manager capturing a replayable graph, or None when the device has none."""
         return None
 

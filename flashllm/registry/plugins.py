@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 

@@ -45,7 +45,7 @@ class LogitRecorder:
         def execute(batch):
             logits = original(batch)
             samplers = [item.seq for item in batch.scheduled if item.produces_token]
-            for seq, row in zip(samplers, logits):
+            for seq, row in zip(samplers, logits, strict=True):
                 self.rows.append((seq.seq_id, list(seq.token_ids), row.clone()))
             return logits
 
@@ -64,7 +64,7 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.T
 
 
 def _check_against_hf(hf_model, prompts: list[list[int]], recorder: LogitRecorder, outputs) -> None:
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         tokens, hf_logits = _hf_greedy(hf_model, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         full = prompt + tokens
@@ -128,7 +128,7 @@ def test_twenty_mixed_requests_batched_equal_each_alone(model_dirs, hf_models) -
     prompts = _prompts(hf_models["llama-tied"].config.vocab_size, lengths, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + (i * 7) % 20, ignore_eos=True) for i in range(20)]
     together = llm.generate(prompts, params)
-    for prompt, sp, out in zip(prompts, params, together):
+    for prompt, sp, out in zip(prompts, params, together, strict=True):
         alone = llm.generate([prompt], sp)[0]
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
 
