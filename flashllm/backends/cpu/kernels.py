@@ -47,7 +47,17 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode) > 1 and alibi_slopes is None and sliding_window is None:
+        rows = torch.tensor([starts[b] for b in decode], device=q.device)
+        lengths = torch.tensor([lens[b] for b in decode], device=q.device)
+        out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[decode], lengths, scale)
+        done = set(decode)
+    else:
+        done = set()
     for b, seq_len in enumerate(lens):
+        if b in done:
+            continue
         q_start, q_end = starts[b], starts[b + 1]
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :num_blocks]
@@ -68,6 +78,28 @@ def paged_attention(
         )
         out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def _decode_batch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Decode rows of many sequences at once: one gather, two batched matmuls and one softmax.
+
+    q (B, Hq, D); block_tables (B, max_blocks); keys past each sequence's length are masked.
+    A per-sequence loop would issue a handful of tiny ops per sequence per layer.
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    k = k_cache[tables].flatten(1, 2).permute(0, 2, 3, 1)  # (B, Hk, D, S)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)  # (B, Hk, S, D)
+    batch = q.shape[0]
+    scores = torch.matmul(q.view(batch, num_kv_heads, -1, head_dim), k).float() * scale  # (B, Hk, G, S)
+    positions = torch.arange(scores.shape[-1], device=q.device)
+    scores.masked_fill_((positions[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, -1, head_dim)  # (B, Hq, D)
 
 
 def _decode_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
