@@ -40,7 +40,14 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, sp))
+        except BaseException:
+            for request_id in ids:  # a bad prompt later in the list must not leave earlier ones queued
+                self.engine.abort(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: Sequence[Prompt], beam_width: int, max_tokens: int,

@@ -51,7 +51,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "temperature", type=float, default=0.95)
     _flag(parser, "repetition_penalty", type=float, default=1.0)
     _flag(parser, "seed", type=int, default=None)
-    _flag(parser, "block_size", type=int, default=64)
+    _flag(parser, "block_size", type=int, default=64, help="tokens per paged KV block")
+    _flag(parser, "num_kv_blocks", type=int, default=None, help="KV cache size in blocks")
+    _flag(parser, "kv_cache_memory", type=int, default=None, help="KV cache size in bytes")
+    _flag(parser, "max_num_batched_tokens", type=int, default=2048, help="token budget of one step")
+    _flag(parser, "no_prefix_caching", action="store_true", help="disable prefix caching")
     _flag(parser, "benchmark", type=_bool, nargs="?", const=True, default=False,
           help="pad prompts to src_length, decode exactly max_length tokens, print timings")
     _flag(parser, "inference_model", type=_bool, nargs="?", const=True, default=True,
@@ -152,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
               max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
+              num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
               strict_kernels=args.strict_kernels)
     template = args.chat_template and llm.has_chat_template()
     prompts = [_prompt_ids(llm, r, template, args.src_length, args.benchmark) for r in records]

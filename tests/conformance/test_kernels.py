@@ -57,6 +57,17 @@ def test_kernel_matches_reference(c: Case) -> None:
     assert_close(actual, expected, c.dtype)
 
 
+@pytest.mark.parametrize("backend", list(make_plugin_manager().backends().values()), ids=lambda b: b.name)
+def test_backend_is_available_here(backend: Backend) -> None:
+    """One visible line per backend in `nox -s conformance(backend=...)`: runs, or why it cannot."""
+    ok, reason = backend.is_available()
+    if not ok:
+        pytest.skip(f"backend {backend.name!r} unavailable: {reason}")
+    if not any(k.fn is not op_specs()[op].reference for op, ks in backend.kernels.items() for k in ks):
+        pytest.skip(f"backend {backend.name!r} has no kernels of its own to check against the reference")
+    assert backend.device_count() >= 1
+
+
 def test_every_op_has_input_cases() -> None:
     for op in op_specs():
         assert len(list(cases(op))) >= 2, op

@@ -144,3 +144,17 @@ def test_same_seed_same_sample_alone_and_in_a_batch(model_dirs, hf_models) -> No
     assert alone == batch == again
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=4321, ignore_eos=True)
     assert llm.generate([prompts[0]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_engine_refuses_a_cache_that_cannot_hold_one_max_length_sequence(model_dirs) -> None:
+    from flashllm.core.builder import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=r"holds 8 blocks \(128 tokens\).*max_model_len 512 needs 32 blocks"):
+        _llm(model_dirs["llama"], num_kv_blocks=8)
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(model_dirs) -> None:
+    llm = _llm(model_dirs["llama"], max_model_len=64, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="the prompt has 64 tokens; max_model_len is 64"):
+        llm.generate([[1, 2, 3], list(range(64))], SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished() and llm.engine.num_free_blocks() == 8
