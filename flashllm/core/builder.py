@@ -59,7 +59,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         registry.register(architecture, target)
     hf_config = load_hf_config(model_dir, registry.architectures())
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
-                          selection.device.type)
+                          selection.profile.accelerator)
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else parse_dtype(config.cache.kv_cache_dtype)
     request = OpRequest(dtype, kv_dtype, config.quant.quant_type, hf_config.head_dim, config.cache.block_size)
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)

@@ -199,12 +199,12 @@ def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
 
 def resolve_dtype(
     dtype: str, checkpoint_dtype: torch.dtype | None, device_supports_bf16_natively: bool,
-    device_type: str,
+    accelerator: bool,
 ) -> torch.dtype:
     """The parameter dtype for `--dtype auto|float32|float16|bfloat16`.
 
     auto: on an accelerator, the checkpoint's dtype (bf16 falls back to fp16 where the device has
-    no native bf16; an undeclared dtype means fp32); on a CPU ("cpu"), fp32, since half-precision
+    no native bf16; an undeclared dtype means fp32); on a host CPU (accelerator=False), fp32, since half-precision
     matmuls are slow there, unless the CPU has native bf16 and the checkpoint is half precision.
     An explicit dtype is returned as asked (the op table resolution checks the device runs it).
     """
@@ -215,7 +215,7 @@ def resolve_dtype(
         return _DTYPE_NAMES[name]
     checkpoint_dtype = checkpoint_dtype or torch.float32
     is_half = checkpoint_dtype in (torch.float16, torch.bfloat16)
-    if device_type == "cpu":
+    if not accelerator:
         return torch.bfloat16 if is_half and device_supports_bf16_natively else torch.float32
     if checkpoint_dtype == torch.bfloat16 and not device_supports_bf16_natively:
         return torch.float16

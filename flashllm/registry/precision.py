@@ -16,6 +16,8 @@ class DeviceProfile:
     quant:       quantization schemes the hardware supports (e.g. "fp8" needs sm89+).
     kv_dtypes:   KV-cache storage dtypes beyond the activation dtypes.
     native_bf16: bf16 runs at full speed (on CPUs: AVX512-BF16 or AMX).
+    accelerator: a GPU-like device where `--dtype auto` keeps the checkpoint's half dtype; on a
+                 host CPU `auto` computes in fp32 unless bf16 is native.
     """
 
     name: str
@@ -24,6 +26,7 @@ class DeviceProfile:
     kv_dtypes: frozenset[torch.dtype] = frozenset()
     native_bf16: bool = True
     notes: str = ""
+    accelerator: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,12 +308,12 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     ("float32", BF16, True, "cuda", FP32),
 ])
 def test_resolve_dtype(requested, checkpoint, native_bf16, device_type, expected):
-    assert resolve_dtype(requested, checkpoint, native_bf16, device_type) == expected
+    assert resolve_dtype(requested, checkpoint, native_bf16, accelerator=device_type != "cpu") == expected
 
 
 def test_resolve_dtype_rejects_unknown_names():
     with pytest.raises(ValueError, match="float64.*auto, float32, float16, bfloat16"):
-        resolve_dtype("float64", FP32, True, "cpu")
+        resolve_dtype("float64", FP32, True, accelerator=False)
 
 
 # ---------------------------------------------------------------- config parsing

@@ -18,14 +18,14 @@ _CPU_KV = frozenset({torch.int8})
 # torch runs fp16/bf16 on every CPU; without native support it is an emulation that is far
 # slower than fp32 matmuls, which is why `--dtype auto` picks float32 there.
 CPU_PROFILES: tuple[DeviceProfile, ...] = (
-    DeviceProfile("x86 CPU (AVX512-BF16 / AMX)", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=True),
+    DeviceProfile("x86 CPU (AVX512-BF16 / AMX)", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=True, accelerator=False),
     DeviceProfile(
         "x86 CPU (AVX2 / AVX-512)", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=False,
-        notes="bf16/fp16 are emulated and slow: use float32",
+        notes="bf16/fp16 are emulated and slow: use float32", accelerator=False,
     ),
     DeviceProfile(
         "Arm CPU", _ALL_FLOAT, _CPU_QUANT, _CPU_KV, native_bf16=False,
-        notes="bf16 native only with the BF16 extension (not detected yet)",
+        notes="bf16 native only with the BF16 extension (not detected yet)", accelerator=False,
     ),
 )
 
