@@ -13,7 +13,7 @@ from flashllm.core.builder import EngineParts, build_engine_parts
 from flashllm.core.request import Request
 from flashllm.core.sampler import Sampler
 from flashllm.core.scheduler import Scheduler
-from flashllm.core.sequence import FinishReason, Sequence
+from flashllm.core.sequence import FinishReason
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
 from flashllm.sampling_params import SamplingParams
@@ -140,7 +140,3 @@ class Engine:
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
-
-    def sequences(self) -> list[Sequence]:
-        """Every unfinished sequence (for tests and metrics)."""
-        return [*self.scheduler.waiting, *self.scheduler.running]

@@ -102,14 +102,3 @@ class ModelRunner:
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
-
-    @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy KV blocks src -> dst in every layer (forked sequences' partial last blocks)."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]

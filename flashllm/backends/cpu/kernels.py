@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm.ops import op_specs
+from flashllm.ops._kv_checks import reject_quantized_kv
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -42,8 +43,7 @@ def paged_attention(
 
     Shapes as the op spec: q (T, Hq, D), caches (num_blocks, block_size, Hk, D).
     """
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("cpu paged_attention: quantized KV caches are not supported yet")
+    reject_quantized_kv("cpu paged_attention", k_cache, k_scale, v_scale)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()

@@ -32,8 +32,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    @property
-    def is_decode_only(self) -> bool:
-        """True when every sequence contributes exactly one query token."""
-        return self.max_seqlen_q == 1
