@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "generate": "generate",
     "predict": "predict",
     "bench": "bench",
+    "serve": "serve",
 }
 
 

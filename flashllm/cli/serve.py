@@ -1,0 +1,135 @@
+"""`flashllm serve [MODEL]`: the OpenAI-compatible HTTP server (flags, FLASHLLM_* env vars, --config YAML)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("flashllm.serve")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+# dest -> (type, default, help). Every option also reads FLASHLLM_<DEST> and the --config file;
+# precedence: command line > environment > config file > default.
+OPTIONS: dict[str, tuple[Any, Any, str]] = {
+    "host": (str, "127.0.0.1", "bind address (binding beyond loopback without --api-key logs a warning)"),
+    "port": (int, 8000, "TCP port"),
+    "served_model_name": (str, None, "model name in the API (default: the model directory's name)"),
+    "api_key": (str, None, "required bearer key; repeat for several (env FLASHLLM_API_KEY)"),
+    "max_queue": (int, 256, "requests waiting beyond --max-num-seqs before new ones get 503"),
+    "request_timeout": (float, 600.0, "seconds before a request is aborted with 408"),
+    "shutdown_drain_timeout": (float, 30.0, "seconds SIGTERM waits for requests in flight"),
+    "max_body_bytes": (int, 4 << 20, "largest request body accepted (413 above)"),
+    "ui": (_bool, False, "also serve the gradio chat page at /ui"),
+    "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
+    "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
+    "device": (str, "auto", "auto | cpu | cuda | cuda:1 | ..."),
+    "backend": (str, None, "force one backend (e.g. reference)"),
+    "max_model_len": (int, None, "context length (default: the model's, capped)"),
+    "block_size": (int, 64, "tokens per paged KV block"),
+    "num_kv_blocks": (int, None, "KV cache size in blocks"),
+    "kv_cache_memory": (int, None, "KV cache size in bytes"),
+    "max_num_seqs": (int, 64, "sequences in the running batch"),
+    "max_num_batched_tokens": (int, 2048, "token budget of one step"),
+    "no_prefix_caching": (_bool, False, "disable prefix caching"),
+    "strict_kernels": (_bool, False, "fail instead of falling back to reference kernels"),
+    "seed": (int, 0, "engine seed"),
+}
+FLAGS = {"ui", "no_prefix_caching", "strict_kernels"}
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming")
+    parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the demo model)")
+    parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
+    for dest, (kind, _, text) in OPTIONS.items():
+        flag = "--" + dest.replace("_", "-")
+        if dest in FLAGS:
+            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=None, help=text)
+        elif dest == "api_key":
+            parser.add_argument(flag, dest=dest, action="append", default=None, help=text)
+        else:
+            parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+
+
+def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every option's value: command line, then FLASHLLM_<NAME>, then --config, then the default."""
+    environ = dict(os.environ) if environ is None else environ
+    config = _read_config(args.config) if args.config else {}
+    values: dict[str, Any] = {"model": args.model or environ.get("FLASHLLM_MODEL") or config.pop("model", None)}
+    for dest, (kind, default, _) in OPTIONS.items():
+        given = getattr(args, dest)
+        env = environ.get(f"FLASHLLM_{dest.upper()}")
+        if given is not None:
+            values[dest] = given
+        elif env is not None:
+            values[dest] = [env] if dest == "api_key" else _convert(dest, kind, env, f"FLASHLLM_{dest.upper()}")
+        elif dest in config:
+            raw = config.pop(dest)
+            values[dest] = _config_value(dest, kind, raw)
+        else:
+            values[dest] = default
+    if config:
+        raise SystemExit(f"flashllm serve: unknown keys in {args.config}: {sorted(config)}; "
+                         f"known: {sorted(OPTIONS)}")
+    return values
+
+
+def _convert(dest: str, kind: Any, text: str, where: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError as exc:
+        raise SystemExit(f"flashllm serve: {where}={text!r} is not a valid {dest}: {exc}") from None
+
+
+def _config_value(dest: str, kind: Any, raw: Any) -> Any:
+    if dest == "api_key":
+        return [raw] if isinstance(raw, str) else [str(k) for k in raw]
+    if isinstance(raw, bool):
+        return raw if kind is _bool else _convert(dest, kind, "invalid", f"--config {dest}")
+    if kind is float and isinstance(raw, int):
+        return float(raw)
+    return raw if kind is not _bool and isinstance(raw, kind) else _convert(dest, kind, str(raw), f"--config {dest}")
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"flashllm serve: cannot read --config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"flashllm serve: --config {path} must hold a mapping of flag names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    options = resolve_options(args)
+    from flashllm.serving.server import build_server, serve
+
+    if not _is_loopback(options["host"]) and not options["api_key"]:
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use the model",
+                       options["host"])
+    server = build_server(options)
+    return serve(server, options)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False

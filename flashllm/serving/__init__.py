@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server, its async engine wrapper and the web UI."""

@@ -1,0 +1,232 @@
+"""The engine in its own thread, fed and drained through thread-safe queues for asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from flashllm.core.engine import Engine
+from flashllm.outputs import RequestOutput
+from flashllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Fault injection for the reliability suite; never read unless this variable is set.
+FAULT_ENV = "FLASHLLM_FAULT_INJECT"
+IDLE_WAIT_S = 0.05
+
+
+class ServerBusy(RuntimeError):
+    """The bounded queue is full: answer 503 with Retry-After."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread failed; every request in flight gets this error."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics, taken in the engine thread after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _FaultInjector:
+    """`FLASHLLM_FAULT_INJECT=forward_error_after:N`: the (N+1)-th engine step raises."""
+
+    def __init__(self, spec: str) -> None:
+        kind, _, count = spec.partition(":")
+        if kind != "forward_error_after" or not count.isdigit():
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected forward_error_after:N")
+        self.remaining = int(count)
+        logger.warning("FAULT INJECTION ACTIVE (%s=%s): the engine will fail on purpose", FAULT_ENV, spec)
+
+    def before_step(self) -> None:
+        if self.remaining == 0:
+            raise RuntimeError("injected forward failure (fault injection is on)")
+        self.remaining -= 1
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a daemon thread; asyncio code submits requests and awaits outputs.
+
+    Admission is bounded: at most `max_num_seqs + max_queue` requests are in flight (running or
+    waiting); beyond that `generate` raises ServerBusy at once, before anything is allocated.
+    Only the engine thread touches the engine: adds and aborts travel through an inbox queue,
+    outputs come back through per-request asyncio queues.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, on_fatal: Callable[[BaseException], None] | None = None
+                 ) -> None:
+        self.engine = engine
+        self.capacity = engine.config.scheduler.max_num_seqs + max_queue
+        self.on_fatal = on_fatal
+        self.error: BaseException | None = None
+        self.draining = False
+        self.stats = EngineStats(num_blocks_total=engine.block_manager.num_total_blocks)
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashllm-engine", daemon=True)
+        spec = os.environ.get(FAULT_ENV)
+        self._fault = _FaultInjector(spec) if spec else None
+
+    # ---- asyncio side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def reserve(self, request_ids: list[str]) -> None:
+        """Claim seats for these requests or raise ServerBusy / Draining / EngineDead (all-or-nothing)."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        if self.draining:
+            raise Draining("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if len(self._streams) + len(request_ids) > self.capacity:
+                raise ServerBusy(f"{len(self._streams)} requests in flight; the limit is {self.capacity}")
+            for request_id in request_ids:
+                self._streams[request_id] = _Stream(loop)
+
+    def release(self, request_id: str) -> None:
+        """Give back a seat (and abort the request if the engine still runs it)."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._inbox.put(("abort", request_id))
+            self._wake.set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one reserved request, step by step, the last one with `finished` set.
+
+        Leaving the iteration early (client disconnect, timeout, cancellation) aborts the
+        request and frees its KV blocks.
+        """
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise RuntimeError(f"request {request_id!r} has no seat: call reserve() first")
+        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.release(request_id)
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                if self._fault is not None:
+                    self._fault.before_step()
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+                self._snapshot()
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the engine; requests must learn it
+            self._fail(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "abort":
+                self.engine.abort(message[1])
+                continue
+            _, request_id, prompt_token_ids, params = message
+            with self._lock:
+                alive = request_id in self._streams
+            if not alive:
+                continue  # released before it reached the engine
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+        self._snapshot()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+        elif isinstance(item, RequestOutput) and not item.finished:
+            self.engine.abort(request_id)  # nobody listens any more
+
+    def _snapshot(self) -> None:
+        scheduler = self.engine.scheduler
+        self.stats = EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_blocks_total=self.engine.block_manager.num_total_blocks,
+            num_blocks_free=self.engine.num_free_blocks(),
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("the engine failed; failing every request in flight", exc_info=exc)
+        self.error = exc
+        dead = EngineDead(f"the engine failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(dead)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block (not in the event loop) until nothing is in flight or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.num_in_flight == 0

@@ -1,0 +1,73 @@
+"""Prometheus metrics of one server (names prefixed `flashllm:`), on a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from flashllm.outputs import RequestOutput
+from flashllm.serving.async_engine import EngineStats
+
+disable_created_metrics()  # the *_created series only add noise to every scrape
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    """Counters and histograms updated by the API layer; engine gauges read at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats = stats
+        labels = {"model_name": model_name}
+        self._labels = labels
+
+        def gauge(name: str, doc: str, read: Callable[[EngineStats], float]) -> None:
+            g = Gauge(f"flashllm:{name}", doc, list(labels), registry=self.registry)
+            g.labels(**labels).set_function(lambda: read(self._stats()))
+
+        gauge("num_requests_running", "sequences in the running batch", lambda s: s.num_running)
+        gauge("num_requests_waiting", "sequences waiting for admission", lambda s: s.num_waiting)
+        gauge("kv_blocks_total", "paged KV cache blocks", lambda s: s.num_blocks_total)
+        gauge("kv_blocks_free", "free paged KV cache blocks", lambda s: s.num_blocks_free)
+        gauge("num_preemptions", "sequences preempted (recomputed later) since start",
+              lambda s: s.num_preemptions)
+        self.aborted = Counter("flashllm:requests_aborted", "requests aborted, by reason",
+                               [*labels, "reason"], registry=self.registry)
+        self.rejected = Counter("flashllm:requests_rejected", "requests refused before running, by reason",
+                                [*labels, "reason"], registry=self.registry)
+        self.finished = Counter("flashllm:requests_finished", "requests finished, by finish reason",
+                                [*labels, "finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("flashllm:prompt_tokens", "prompt tokens processed", list(labels),
+                                     registry=self.registry)
+        self.generation_tokens = Counter("flashllm:generation_tokens", "tokens generated", list(labels),
+                                         registry=self.registry)
+        self.ttft = Histogram("flashllm:time_to_first_token_seconds", "arrival to first token", list(labels),
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("flashllm:inter_token_latency_seconds", "time between streamed outputs",
+                             list(labels), buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("flashllm:e2e_request_latency_seconds", "arrival to last token", list(labels),
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(**self._labels, reason=reason).inc()
+
+    def abort(self, reason: str) -> None:
+        self.aborted.labels(**self._labels, reason=reason).inc()
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.labels(**self._labels).observe(seconds)
+
+    def finish(self, output: RequestOutput) -> None:
+        """Record a finished request: tokens, reasons and latencies."""
+        self.prompt_tokens.labels(**self._labels).inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self.generation_tokens.labels(**self._labels).inc(len(completion.token_ids))
+            self.finished.labels(**self._labels, finish_reason=completion.finish_reason or "unknown").inc()
+        if output.metrics.time_to_first_token is not None:
+            self.ttft.labels(**self._labels).observe(output.metrics.time_to_first_token)
+        if output.metrics.latency is not None:
+            self.e2e.labels(**self._labels).observe(output.metrics.latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""POST /v1/completions and /v1/chat/completions: validation, templating, streamed and whole responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from flashllm.outputs import RequestOutput
+from flashllm.serving.generation import (
+    Generation,
+    ServerContext,
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+)
+from flashllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from flashllm.serving.tool_calls import ToolCallStreamParser, check_tool_choice, parse_tool_calls, validate_tools
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None) -> int:
+    """The generation budget, refusing prompts that leave no room (400 naming both numbers)."""
+    longest = max(len(p) for p in prompts)
+    room = ctx.max_model_len - longest
+    if any(not p for p in prompts):
+        raise APIError(400, "the prompt is empty: give at least one token", param="prompt")
+    if room < 1:
+        raise APIError(400, f"the prompt has {longest} tokens; this model's context is {ctx.max_model_len} "
+                       "tokens and must leave room for at least one generated token", param="messages",
+                       code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"max_tokens ({requested}) + prompt tokens ({longest}) exceed the context of "
+                       f"{ctx.max_model_len} tokens; lower max_tokens to at most {room}", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def _check_vocab(ctx: ServerContext, prompts: list[list[int]]) -> None:
+    vocab = ctx.engine.engine.parts.hf_config.vocab_size
+    for ids in prompts:
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+
+async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
+    req: CompletionRequest = parse_body(CompletionRequest, body)
+    req.check()
+    _check_model(ctx, req.model)
+    texts = req.prompts()
+    if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
+    prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                               for p in texts])
+    _check_vocab(ctx, prompts)
+    max_tokens = _max_tokens(ctx, prompts, req.max_tokens, default=16)
+    params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs)
+    gen = Generation(ctx, prompts, params)
+    gen.reserve()
+    echo = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in texts] \
+        if req.echo else None
+    if req.stream:
+        return StreamingResponse(_completion_stream(gen, req, echo), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        finals = await gen.final_outputs(http)
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    choices = []
+    for p, output in enumerate(finals):
+        for completion in output.outputs:
+            choices.append({
+                "index": p * req.n + completion.index,
+                "text": (echo[p] if echo else "") + completion.text,
+                "logprobs": completion_logprobs(ctx.tokenizer, completion, 0, len(completion.token_ids), 0),
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            })
+    return JSONResponse({"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created,
+                         "model": ctx.model_name, "choices": choices, "usage": usage(prompts, finals)})
+
+
+async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list[str] | None
+                             ) -> AsyncIterator[bytes]:
+    ctx = gen.ctx
+    sent: dict[tuple[int, int], int] = {}  # (prompt, seq) -> tokens already streamed
+    offsets: dict[tuple[int, int], int] = {}
+    finals: dict[int, RequestOutput] = {}
+    head = {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": ctx.model_name}
+    try:
+        async for p, output in gen.stream():
+            for c in output.outputs:
+                key = (p, c.index)
+                start, end = sent.get(key, 0), len(c.token_ids)
+                if start == end and not c.finished and not c.delta:
+                    continue
+                prefix = echo[p] if echo and key not in sent else ""
+                sent[key] = end
+                logprobs = completion_logprobs(ctx.tokenizer, c, start, end, offsets.get(key, 0))
+                offsets[key] = offsets.get(key, 0) + sum(len(t) for t in (logprobs or {}).get("tokens", []))
+                yield sse({**head, "choices": [{"index": p * req.n + c.index, "text": prefix + c.delta,
+                                                "logprobs": logprobs, "finish_reason": c.finish_reason}]})
+            if output.finished:
+                finals[p] = output
+    except APIError as err:
+        yield sse(err.body())
+        return
+    if req.include_usage:
+        yield sse({**head, "choices": [], "usage": usage(gen.prompts, list(finals.values()))})
+    yield sse("[DONE]")
+
+
+async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    req.check()
+    _check_model(ctx, req.model)
+    tool_names = _tool_names(req)
+    if ctx.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions or start the server with "
+                       "--chat-template", param="messages")
+    messages = [m.for_template() for m in req.messages]
+    tools = req.tools if tool_names is not None else None
+
+    def render() -> list[int]:
+        text = ctx.chat_template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt)
+        return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        prompt = await asyncio.to_thread(render)
+    except ValueError as exc:  # template errors, sandbox refusals and message checks
+        raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+    max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, default=None)
+    params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs())
+    gen = Generation(ctx, [prompt], params)
+    gen.reserve()
+    if req.stream:
+        return StreamingResponse(_chat_stream(gen, req, tool_names), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        (output,) = await gen.final_outputs(http)
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    choices = [_chat_choice(ctx, c, tool_names) for c in output.outputs]
+    return JSONResponse({"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created,
+                         "model": ctx.model_name, "choices": choices, "usage": usage(gen.prompts, [output])})
+
+
+def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
+    """Names of the tools the model may call, or None when tool calling is off for this request."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    try:
+        validate_tools(req.tools)
+        mode = check_tool_choice(req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    if mode == "none":
+        return None
+    return [t["function"]["name"] for t in req.tools]
+
+
+def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish = c.finish_reason
+    if tool_names is not None:
+        parsed = parse_tool_calls(c.text, tool_names)
+        if parsed.tool_calls:
+            message["content"] = parsed.content
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            finish = "tool_calls" if finish == "stop" else finish
+    return {"index": c.index, "message": message, "finish_reason": finish,
+            "logprobs": chat_logprobs(ctx.tokenizer, c, 0, len(c.token_ids))}
+
+
+async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: list[str] | None
+                       ) -> AsyncIterator[bytes]:
+    ctx = gen.ctx
+    head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
+            "model": ctx.model_name}
+    sent: dict[int, int] = {}
+    parsers = {i: ToolCallStreamParser(tool_names) for i in range(req.n)} if tool_names is not None else {}
+    num_calls: dict[int, int] = {}
+    final: RequestOutput | None = None
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]})
+
+    try:
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for _, output in gen.stream():
+            for c in output.outputs:
+                start, end = sent.get(c.index, 0), len(c.token_ids)
+                sent[c.index] = end
+                logprobs = chat_logprobs(ctx.tokenizer, c, start, end)
+                parser = parsers.get(c.index)
+                deltas = _tool_deltas(parser, c.delta, c.finished, num_calls, c.index) if parser \
+                    else ([{"content": c.delta}] if c.delta else [])
+                for delta in deltas or ([{}] if logprobs and logprobs["content"] else []):
+                    yield chunk(c.index, delta, logprobs=logprobs)
+                    logprobs = None
+                if c.finished:
+                    finish = "tool_calls" if num_calls.get(c.index) and c.finish_reason == "stop" else c.finish_reason
+                    yield chunk(c.index, {}, finish)
+            final = output if output.finished else final
+    except APIError as err:
+        yield sse(err.body())
+        return
+    if req.include_usage and final is not None:
+        yield sse({**head, "choices": [], "usage": usage(gen.prompts, [final])})
+    yield sse("[DONE]")
+
+
+def _tool_deltas(parser: ToolCallStreamParser, text: str, finished: bool, num_calls: dict[int, int],
+                 index: int) -> list[dict[str, Any]]:
+    events = parser.feed(text) if text else []
+    if finished:
+        events += parser.flush()
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if event.tool_call is None:
+            if event.content:
+                deltas.append({"content": event.content})
+            continue
+        k = num_calls.get(index, 0)
+        num_calls[index] = k + 1
+        deltas.append({"tool_calls": [{"index": k, **event.tool_call.to_openai()}]})
+    return deltas

@@ -1,0 +1,269 @@
+"""OpenAI request bodies with strict types and bounds; errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from flashllm.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    SamplingParams,
+)
+
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_MESSAGES = 1024
+MAX_NAME_CHARS = 256
+MAX_TEXT_CHARS = 1 << 20
+MAX_PROMPT_TOKEN_IDS = 1 << 17
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (never the input echo or a path)."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+class _Model(BaseModel):
+    # strict: "5" is not an int and true is not a number; NaN/Infinity are refused everywhere.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+Stop = str | list[str] | None
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras)."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Stop = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: Stop) -> Stop:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+        return ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported by flashllm; leave it out")
+        return bias
+
+    def _check_budget(self, max_tokens: int | None) -> None:
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           param="min_tokens")
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int, num_logprobs: int | None
+                        ) -> SamplingParams:
+        """SamplingParams for this request; unset fields take the model's generation_config defaults."""
+        chosen = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if getattr(self, k) is not None}
+        merged = {**defaults, **chosen}
+        return SamplingParams(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, **merged,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_TEXT_CHARS:
+                raise ValueError(f"the prompt is longer than {MAX_TEXT_CHARS} characters")
+            return prompt
+        if not prompt:
+            raise ValueError("the prompt list is empty")
+        if isinstance(prompt[0], list) or isinstance(prompt[0], str):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+            for item in prompt:
+                cls._check_prompt(item)
+            return prompt
+        if len(prompt) > MAX_PROMPT_TOKEN_IDS or any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise ValueError(f"token-id prompts hold at most {MAX_PROMPT_TOKEN_IDS} ids in [0, {MAX_TOKEN_ID}]")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by flashllm; leave it out", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of must equal n (flashllm returns every generated sequence)", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which flashllm does not compute",
+                           param="echo")
+        if len(self.prompts()) * self.n > MAX_PROMPTS:
+            raise APIError(400, f"prompts x n must be at most {MAX_PROMPTS}", param="n")
+        self._check_budget(self.max_tokens)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class FunctionCall(_Model):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    arguments: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class MessageToolCall(_Model):
+    id: str = Field(max_length=MAX_NAME_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=64)
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        if isinstance(content, str) and len(content) > MAX_TEXT_CHARS:
+            raise ValueError(f"message content is longer than {MAX_TEXT_CHARS} characters")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content a string; tool calls with dict arguments."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": text or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in self.tool_calls]
+        return message
+
+
+class ResponseFormat(_Model):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        self.num_logprobs()
+        self._check_budget(self.requested_max_tokens)
+
+
+def parse_body(model: type[_Model], body: bytes) -> Any:
+    """Validate a JSON body against `model`; APIError 400 on any problem."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        raise validation_error(exc) from None

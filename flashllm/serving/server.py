@@ -1,0 +1,136 @@
+"""Build the engine and app from resolved options and run uvicorn with draining and fatal-error exits."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from flashllm.core.engine import Engine
+from flashllm.llm import engine_config
+from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+from flashllm.serving.app import create_app
+from flashllm.serving.async_engine import AsyncEngine
+from flashllm.serving.generation import ServerContext
+from flashllm.serving.metrics import ServerMetrics
+
+logger = logging.getLogger("flashllm.serve")
+
+DEMO_MODEL_NAME = "flashllm-demo"
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MAX_HEADER_BYTES = 64 << 10
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
+
+
+@dataclass
+class BuiltServer:
+    app: FastAPI
+    ctx: ServerContext
+    engine: AsyncEngine
+
+
+def build_server(options: dict[str, Any]) -> BuiltServer:
+    """Load the model, start the engine thread and build the app (the model loads before binding)."""
+    config = engine_config(
+        options["model"], dtype=options["dtype"], device=options["device"], backend=options["backend"],
+        max_model_len=options["max_model_len"], block_size=options["block_size"],
+        num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
+        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
+        enable_prefix_caching=not options["no_prefix_caching"], strict_kernels=options["strict_kernels"],
+        seed=options["seed"],
+    )
+    engine = Engine(config)
+    name = options["served_model_name"] or (Path(options["model"]).resolve().name if options["model"]
+                                            else DEMO_MODEL_NAME)
+    defaults = engine.default_sampling_params()
+    async_engine = AsyncEngine(engine, options["max_queue"])
+    ctx = ServerContext(
+        engine=async_engine, tokenizer=engine.tokenizer, model_name=name, max_model_len=engine.max_model_len,
+        defaults={k: getattr(defaults, k) for k in SAMPLING_DEFAULT_KEYS},
+        request_timeout=options["request_timeout"],
+        metrics=ServerMetrics(name, lambda: async_engine.stats),
+        chat_template=_chat_template(engine, options["chat_template"]),
+    )
+    app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
+    if options["ui"]:
+        from flashllm.serving.webui import mount_webui
+
+        if options["api_key"]:
+            logger.warning("--ui with --api-key: the /ui page needs the key too (send it as a bearer header)")
+        base = f"http://{_client_host(options['host'])}:{options['port']}/v1"
+        mount_webui(app, base, name, (options["api_key"] or [None])[0])
+    return BuiltServer(app, ctx, async_engine)
+
+
+def _chat_template(engine: Engine, choice: str | None) -> ChatTemplate | None:
+    if choice is None:
+        return load_chat_template(engine.parts.model_dir) if engine.tokenizer is not None else None
+    if choice in BUILTIN_TEMPLATES:
+        return load_chat_template(engine.parts.model_dir, choice)
+    path = Path(choice)
+    if not path.is_file() or path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+        raise SystemExit(f"flashllm serve: --chat-template {choice!r} is neither a built-in template "
+                         f"({', '.join(BUILTIN_TEMPLATES)}) nor a readable .jinja file under 1 MiB")
+    return ChatTemplate(path.read_text(encoding="utf-8"), name=path.stem)
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class _DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: refuse new work (503), let requests in flight finish, then exit.
+
+    A second signal exits at once. The drain runs in a thread because it waits on the engine.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._drain_started = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_started:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_started = True
+        logger.warning("signal %s: draining %d request(s) for up to %.0f s", signal.Signals(sig).name,
+                       self.engine.num_in_flight, self.drain_timeout)
+        self.engine.draining = True
+        threading.Thread(target=self._drain, name="flashllm-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if not self.engine.wait_idle(self.drain_timeout):
+            logger.warning("drain timeout: %d request(s) still in flight are cut off", self.engine.num_in_flight)
+        self.should_exit = True
+
+
+def serve(built: BuiltServer, options: dict[str, Any]) -> int:
+    """Run until drained (exit 0) or until the engine fails (exit 1)."""
+    config = uvicorn.Config(built.app, host=options["host"], port=options["port"], log_level="warning",
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=5,
+                            access_log=False)
+    server = _DrainingServer(config, built.engine, options["shutdown_drain_timeout"])
+
+    def stop_serving(exc: BaseException) -> None:
+        # Give the failed requests a moment to receive their errors, then stop serving.
+        threading.Timer(0.5, lambda: setattr(server, "should_exit", True)).start()
+
+    built.engine.on_fatal = stop_serving
+    built.engine.start()
+    print(f"flashllm: serving {built.ctx.model_name!r} on http://{options['host']}:{options['port']}/v1", flush=True)
+    try:
+        server.run()
+    finally:
+        built.engine.stop()
+    if built.engine.error is not None:
+        logger.error("exiting with status 1 because the engine failed: %s", built.engine.error)
+        return 1
+    return 0

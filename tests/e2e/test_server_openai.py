@@ -1,0 +1,162 @@
+"""The real server on 127.0.0.1 driven by the `openai` client; answers checked against in-process LLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from flashllm import LLM, SamplingParams  # noqa: E402
+from flashllm.testing.server import ServerProcess, running_server  # noqa: E402
+from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+ENGINE_FLAGS = ["--max-model-len", "256", "--block-size", "16", "--num-kv-blocks", "96", "--max-num-seqs", "8"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("served"), "qwen2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[ServerProcess]:
+    with running_server([str(model_dir), *ENGINE_FLAGS]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), max_model_len=256, block_size=16, num_kv_blocks=96)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, model_dir: Path) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_dir.name]
+
+
+def test_chat_matches_in_process_generation(client: openai.OpenAI, llm: LLM) -> None:
+    reply = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=0, max_tokens=12)
+    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kwargs = dict(model=_model(client), messages=MESSAGES, temperature=0.8, seed=11, max_tokens=20)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stream_equals_non_stream_with_several_prompts(client: openai.OpenAI) -> None:
+    kwargs = dict(model=_model(client), prompt=["The sky is", "Once upon"], temperature=0.9, seed=5,
+                  max_tokens=10, n=2)
+    whole = client.completions.create(**kwargs)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2, 3]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in whole.choices}
+
+
+def test_completion_matches_in_process_generation(client: openai.OpenAI, llm: LLM) -> None:
+    whole = client.completions.create(model=_model(client), prompt="Hello there", temperature=0, max_tokens=8)
+    expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert whole.choices[0].text == expected.text
+    echoed = client.completions.create(model=_model(client), prompt="Hello there", temperature=0, max_tokens=8,
+                                       echo=True)
+    assert echoed.choices[0].text == "Hello there" + expected.text
+
+
+def test_token_id_prompt_equals_text_prompt(client: openai.OpenAI, llm: LLM) -> None:
+    ids = llm.tokenizer.encode("Hello there")
+    by_ids = client.completions.create(model=_model(client), prompt=ids, temperature=0, max_tokens=8)
+    by_text = client.completions.create(model=_model(client), prompt="Hello there", temperature=0, max_tokens=8)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_seeds_reproduce_and_differ(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        reply = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=1.0,
+                                               seed=seed, max_tokens=16)
+        return reply.choices[0].message.content
+
+    first = sample(7)
+    assert all(sample(7) == first for _ in range(4))
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_n_gives_distinct_choices(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=1.0, seed=3,
+                                           max_tokens=16, n=2, logprobs=True)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+
+
+def test_logprobs_match_in_process_values(client: openai.OpenAI, llm: LLM) -> None:
+    reply = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=0, max_tokens=6,
+                                           logprobs=True, top_logprobs=3)
+    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(expected.token_ids)
+    for entry, lp, tops in zip(content, expected.logprobs, expected.top_logprobs, strict=True):
+        assert entry.logprob == pytest.approx(lp, abs=1e-4)
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in tops], abs=1e-4)
+        assert entry.logprob <= 0 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    legacy = client.completions.create(model=_model(client), prompt="Hello", temperature=0, max_tokens=5, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 5
+    assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
+
+
+def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=_model(client), prompt="Once upon", temperature=0, max_tokens=24,
+                                     extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"the sample text {text!r} is too short to pick a stop string from"
+    cut = client.completions.create(model=_model(client), prompt="Once upon", temperature=0, max_tokens=24,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_extra_sampling_fields_are_honoured(client: openai.OpenAI) -> None:
+    greedy = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=0, max_tokens=10)
+    top1 = client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=1.5, seed=1,
+                                          max_tokens=10, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_validation_errors_are_openai_shaped(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=_model(client), messages=MESSAGES, temperature=7)
+    assert err.value.status_code == 400
+    assert "temperature" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="not-this-one", messages=MESSAGES)
