@@ -136,7 +136,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         raise APIError(400, "this model has no chat template; use /v1/completions or start the server with "
                        "--chat-template", param="messages")
     messages = [m.for_template() for m in req.messages]
-    tools = req.tools if tool_names is not None else None
+    tools = req.tools or None  # the template sees the tools even under tool_choice "none"
 
     def render() -> list[int]:
         text = ctx.chat_template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt)
