@@ -1,4 +1,4 @@
-"""`flashllm bench throughput|latency`: flashllm against transformers and the machine's limits."""
+"""`flashllm bench throughput|latency|serve`: flashllm against transformers, the machine's limits and a live server."""
 
 from __future__ import annotations
 
@@ -34,9 +34,44 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--baseline-batch-sizes", default="1,16", help="static batch sizes tried for the baseline")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    _add_serve_parser(modes)
+
+
+# engine flags passed to `flashllm serve` when bench serve starts the server itself
+SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
+                "max_num_batched_tokens")
+
+
+def _add_serve_parser(modes: Any) -> None:
+    p = modes.add_parser("serve", help="load an OpenAI-compatible server with Poisson arrivals")
+    p.add_argument("--url", default=None, help="API root, e.g. http://127.0.0.1:8000/v1 (default: start a server)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None,
+                   help="with --url: the API model name (default: the first of /v1/models); without: the model "
+                        "directory to serve (default: the demo model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for the prompts (default: --model's)")
+    p.add_argument("--dataset", nargs="+", default=["random"], metavar="KIND [FILE]",
+                   help="random | sharegpt FILE")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (same as --dataset sharegpt FILE)")
+    p.add_argument("--input-len", default="32:256")
+    p.add_argument("--output-len", default="16:128")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for flag in SERVER_FLAGS:
+        p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
+    p.add_argument("--no-prefix-caching", action="store_true", help="passed to the started server")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "serve":
+        from flashllm.bench.serve_run import run_serve
+
+        return run_serve(args)
     import torch
 
     from flashllm.bench import roofline as rl
