@@ -19,7 +19,7 @@ from flashllm.serving.generation import (
     usage,
 )
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
-from flashllm.serving.tool_calls import ToolCallStreamParser, check_tool_choice, parse_tool_calls, validate_tools
+from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, check_tool_choice, parse_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -157,32 +157,32 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         (output,) = await gen.final_outputs(http)
     except asyncio.CancelledError:
         return Response(status_code=499)
-    choices = [_chat_choice(ctx, c, tool_names) for c in output.outputs]
+    choices = [_chat_choice(ctx, c, tool_names, _max_calls(req)) for c in output.outputs]
     return JSONResponse({"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created,
                          "model": ctx.model_name, "choices": choices, "usage": usage(gen.prompts, [output])})
 
 
 def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
     """Names of the tools the model may call, or None when tool calling is off for this request."""
-    if not req.tools:
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None
     try:
-        validate_tools(req.tools)
         mode = check_tool_choice(req.tools, req.tool_choice)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from None
-    if mode == "none":
+        param = "tool_choice" if str(exc).startswith("tool_choice") else "tools"
+        raise APIError(400, str(exc), param=param) from None
+    if mode in (None, "none") or not req.tools:
         return None
     return [t["function"]["name"] for t in req.tools]
 
 
-def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None) -> dict[str, Any]:
+def _max_calls(req: ChatCompletionRequest) -> int:
+    return MAX_TOOL_CALLS if req.parallel_tool_calls else 1
+
+
+def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_calls: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     finish = c.finish_reason
     if tool_names is not None:
-        parsed = parse_tool_calls(c.text, tool_names)
+        parsed = parse_tool_calls(c.text, tool_names, max_tool_calls=max_calls)
         if parsed.tool_calls:
             message["content"] = parsed.content
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
@@ -197,7 +197,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
             "model": ctx.model_name}
     sent: dict[int, int] = {}
-    parsers = {i: ToolCallStreamParser(tool_names) for i in range(req.n)} if tool_names is not None else {}
+    parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} if tool_names is not None else {}
     num_calls: dict[int, int] = {}
     final: RequestOutput | None = None
 
