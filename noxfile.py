@@ -38,3 +38,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "flashllm", "tests", "noxfile.py")
     _install(session)
     session.run("python", "-m", "flashllm.registry.matrix", "--check", "docs/capabilities.md")
+
+
+@nox.session(python="3.11")
+def ui(session: nox.Session) -> None:
+    """The web UI in a real headless Chromium: needs Debian's chromium at /usr/bin/chromium
+    (`apt-get install chromium`); playwright drives it and never downloads a browser."""
+    _install(session, "test,serve,ui")
+    session.install("playwright")
+    session.run("pytest", "-q", "tests/ui", *session.posargs)

@@ -24,8 +24,12 @@ from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, ch
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Characters that str.splitlines() and some SSE clients treat as line breaks; JSON may escape them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
     return f"data: {data}\n\n".encode()
 
 
