@@ -67,7 +67,11 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
     """Every option's value: command line, then FLASHLLM_<NAME>, then --config, then the default."""
     environ = dict(os.environ) if environ is None else environ
     config = _read_config(args.config) if args.config else {}
-    values: dict[str, Any] = {"model": args.model or environ.get("FLASHLLM_MODEL") or config.pop("model", None)}
+    unknown = set(config) - set(OPTIONS) - {"model"}
+    if unknown:
+        raise SystemExit(f"flashllm serve: unknown keys in {args.config}: {sorted(unknown)}; "
+                         f"known: {sorted(OPTIONS)}")
+    values: dict[str, Any] = {"model": args.model or environ.get("FLASHLLM_MODEL") or config.get("model")}
     for dest, (kind, default, _) in OPTIONS.items():
         given = getattr(args, dest)
         env = environ.get(f"FLASHLLM_{dest.upper()}")
@@ -76,13 +80,9 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
         elif env is not None:
             values[dest] = [env] if dest == "api_key" else _convert(dest, kind, env, f"FLASHLLM_{dest.upper()}")
         elif dest in config:
-            raw = config.pop(dest)
-            values[dest] = _config_value(dest, kind, raw)
+            values[dest] = _config_value(dest, kind, config[dest])
         else:
             values[dest] = default
-    if config:
-        raise SystemExit(f"flashllm serve: unknown keys in {args.config}: {sorted(config)}; "
-                         f"known: {sorted(OPTIONS)}")
     return values
 
 

@@ -86,7 +86,8 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
 
     def post(path: str, handler: Handler) -> None:
         async def endpoint(request: Request) -> Response:
-            if request.headers.get("content-type", "application/json").split(";")[0].strip() != "application/json":
+            media_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+            if media_type.lower() != "application/json":  # media types are case-insensitive (RFC 9110)
                 raise APIError(415, "send the body as application/json", code="unsupported_media_type")
             return await handler(ctx, request, await read_body(request, max_body_bytes))
 
@@ -131,7 +132,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+        # the path is echoed back, so control characters in it are escaped rather than returned raw
+        path = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in request.url.path[:200])
+        message = f"{request.method} {path}: {exc.detail}"
         return error_response(APIError(exc.status_code, message, kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)

@@ -39,21 +39,22 @@ def _check_model(ctx: ServerContext, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None) -> int:
+def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None,
+                prompt_param: str, budget_param: str) -> int:
     """The generation budget, refusing prompts that leave no room (400 naming both numbers)."""
     longest = max(len(p) for p in prompts)
     room = ctx.max_model_len - longest
     if any(not p for p in prompts):
-        raise APIError(400, "the prompt is empty: give at least one token", param="prompt")
+        raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
     if room < 1:
         raise APIError(400, f"the prompt has {longest} tokens; this model's context is {ctx.max_model_len} "
-                       "tokens and must leave room for at least one generated token", param="messages",
+                       "tokens and must leave room for at least one generated token", param=prompt_param,
                        code="context_length_exceeded")
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise APIError(400, f"max_tokens ({requested}) + prompt tokens ({longest}) exceed the context of "
-                       f"{ctx.max_model_len} tokens; lower max_tokens to at most {room}", param="max_tokens",
+        raise APIError(400, f"{budget_param} ({requested}) + prompt tokens ({longest}) exceed the context of "
+                       f"{ctx.max_model_len} tokens; lower {budget_param} to at most {room}", param=budget_param,
                        code="context_length_exceeded")
     return requested
 
@@ -75,7 +76,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
                                                for p in texts])
     _check_vocab(ctx, prompts)
-    max_tokens = _max_tokens(ctx, prompts, req.max_tokens, default=16)
+    max_tokens = _max_tokens(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
     params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs)
     gen = Generation(ctx, prompts, params)
     gen.reserve()
@@ -106,12 +107,16 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
     ctx = gen.ctx
     sent: dict[tuple[int, int], int] = {}  # (prompt, seq) -> tokens already streamed
     offsets: dict[tuple[int, int], int] = {}
+    done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
     head = {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": ctx.model_name}
     try:
         async for p, output in gen.stream():
             for c in output.outputs:
                 key = (p, c.index)
+                if key in done:
+                    continue  # a finished choice is repeated in every later output of its request
+                done.update([key] if c.finished else [])
                 start, end = sent.get(key, 0), len(c.token_ids)
                 if start == end and not c.finished and not c.delta:
                     continue
@@ -150,7 +155,8 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         prompt = await asyncio.to_thread(render)
     except ValueError as exc:  # template errors, sandbox refusals and message checks
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
-    max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, default=None)
+    budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
     params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs())
     gen = Generation(ctx, [prompt], params)
     gen.reserve()
@@ -203,6 +209,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     sent: dict[int, int] = {}
     parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} if tool_names is not None else {}
     num_calls: dict[int, int] = {}
+    done: set[int] = set()
     final: RequestOutput | None = None
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -214,6 +221,9 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
             yield chunk(i, {"role": "assistant", "content": ""})
         async for _, output in gen.stream():
             for c in output.outputs:
+                if c.index in done:
+                    continue  # a finished choice is repeated in every later output of its request
+                done.update([c.index] if c.finished else [])
                 start, end = sent.get(c.index, 0), len(c.token_ids)
                 sent[c.index] = end
                 logprobs = chat_logprobs(ctx.tokenizer, c, start, end)

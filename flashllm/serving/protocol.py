@@ -39,11 +39,40 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# pydantic names the member of a union field in `loc` ("str", "list[int]", ...); those are not fields
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_union_tag(part: str | int) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
+def _msg(error: Any) -> str:
+    return str(error["msg"]).removeprefix("Value error, ")  # our validators' own words are enough
+
+
 def validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (never the input echo or a path)."""
-    first = exc.errors(include_url=False, include_input=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    """The first pydantic error as a 400 naming the field (never the input echo or a path).
+
+    For a union field (`stop`, `prompt`, message `content`, ...) every member fails; the message
+    names the field, the accepted forms and the error of the member that got furthest.
+    """
+    errors = exc.errors(include_url=False, include_input=False)
+    loc = errors[0]["loc"]
+    tag_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag_at is None:
+        param = ".".join(str(part) for part in loc) or None
+        message = _msg(errors[0]) if param is None else f"{param}: {_msg(errors[0])}"
+        return APIError(400, message, param=param, code="invalid_value")
+    field = loc[:tag_at]
+    param = ".".join(str(part) for part in field)
+    members = [e for e in errors if e["loc"][:tag_at] == field and len(e["loc"]) > tag_at]
+    forms = ", ".join(dict.fromkeys(str(e["loc"][tag_at]) for e in members))
+    message = f"{param}: matches none of the accepted forms ({forms})"
+    closest = max(members, key=lambda e: len(e["loc"]))
+    if len(closest["loc"]) > tag_at + 1:
+        where = ".".join(str(part) for part in closest["loc"] if not _is_union_tag(part))
+        message += f"; closest: {where}: {_msg(closest)}"
     return APIError(400, message, param=param, code="invalid_value")
 
 
@@ -108,9 +137,9 @@ class _SamplingRequest(_Model):
             raise ValueError("logit_bias is not supported by flashllm; leave it out")
         return bias
 
-    def _check_budget(self, max_tokens: int | None) -> None:
+    def _check_budget(self, max_tokens: int | None, name: str = "max_tokens") -> None:
         if max_tokens is not None and self.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed {name} ({max_tokens})",
                            param="min_tokens")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int, num_logprobs: int | None
@@ -256,7 +285,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.num_logprobs()
-        self._check_budget(self.requested_max_tokens)
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        self._check_budget(self.requested_max_tokens, name)
 
 
 def parse_body(model: type[_Model], body: bytes) -> Any:
@@ -264,6 +294,10 @@ def parse_body(model: type[_Model], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        if any(e["type"] == "json_invalid" for e in exc.errors()):
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        invalid = [e for e in exc.errors(include_url=False, include_input=False) if e["type"] == "json_invalid"]
+        if invalid:
+            # jiter's reason carries only a position (line, column) or the nesting limit, never the input
+            reason = invalid[0].get("ctx", {}).get("error", "")
+            raise APIError(400, f"the request body is not valid JSON ({reason}); send one JSON object",
+                           code="invalid_json") from None
         raise validation_error(exc) from None
