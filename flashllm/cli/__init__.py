@@ -14,6 +14,8 @@ COMMANDS: dict[str, str] = {
     "predict": "predict",
     "bench": "bench",
     "serve": "serve",
+    "chat": "chat",
+    "webui": "webui",
 }
 
 
