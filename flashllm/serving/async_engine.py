@@ -34,6 +34,10 @@ class EngineDead(RuntimeError):
     """The engine thread failed; every request in flight gets this error."""
 
 
+class CutOff(RuntimeError):
+    """The shutdown drain timeout passed before this request finished."""
+
+
 @dataclass
 class EngineStats:
     """A snapshot for /metrics, taken in the engine thread after each step."""
@@ -216,13 +220,21 @@ class AsyncEngine:
     def _fail(self, exc: BaseException) -> None:
         logger.error("the engine failed; failing every request in flight", exc_info=exc)
         self.error = exc
-        dead = EngineDead(f"the engine failed: {type(exc).__name__}: {exc}")
+        self._put_all(EngineDead(f"the engine failed: {type(exc).__name__}: {exc}"))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def cut_off(self) -> int:
+        """Fail every request in flight with CutOff (the drain timeout passed); returns how many."""
+        return self._put_all(CutOff("the server shut down before this request finished "
+                                    "(--shutdown-drain-timeout passed)"))
+
+    def _put_all(self, error: BaseException) -> int:
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
-            stream.put(dead)
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
+            stream.put(error)
+        return len(streams)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block (not in the event loop) until nothing is in flight or `timeout` passes."""

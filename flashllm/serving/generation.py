@@ -14,7 +14,7 @@ from starlette.requests import Request as HTTPRequest
 
 from flashllm.outputs import CompletionOutput, RequestOutput
 from flashllm.sampling_params import SamplingParams
-from flashllm.serving.async_engine import AsyncEngine, Draining, EngineDead, ServerBusy
+from flashllm.serving.async_engine import AsyncEngine, CutOff, Draining, EngineDead, ServerBusy
 from flashllm.serving.metrics import ServerMetrics
 from flashllm.serving.protocol import APIError
 
@@ -45,10 +45,17 @@ class Generation:
     request_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    aborted: str | None = field(default=None, init=False)  # why it ended early, counted once in /metrics
 
     def reserve(self) -> None:
         """Claim engine seats; 503 (busy, draining, engine failed) before anything is sent."""
         self.request_ids = [f"{self.id}-{i}" for i in range(len(self.prompts))]
+        capacity = self.ctx.engine.capacity
+        if len(self.request_ids) > capacity:
+            # Never admissible: a 503 with Retry-After would have clients retry forever.
+            raise APIError(400, f"the request has {len(self.request_ids)} prompts but this server admits at most "
+                           f"{capacity} at once (--max-num-seqs + --max-queue); send fewer prompts per request",
+                           param="prompt", code="too_many_prompts")
         try:
             self.ctx.engine.reserve(self.request_ids)
         except ServerBusy as exc:
@@ -66,6 +73,12 @@ class Generation:
     def release(self) -> None:
         for request_id in self.request_ids:
             self.ctx.engine.release(request_id)
+
+    def abort(self, reason: str) -> None:
+        """Record why this request ended early (once, however many paths notice it)."""
+        if self.aborted is None:
+            self.aborted = reason
+            self.ctx.metrics.abort(reason)
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as each engine step produces them, until all finish or a timeout.
@@ -94,6 +107,10 @@ class Generation:
                         continue
                     if isinstance(item, EngineDead):
                         raise APIError(503, str(item), "server_unavailable", code="engine_dead")
+                    if isinstance(item, CutOff):
+                        self.abort("shutdown")
+                        raise APIError(503, str(item), "server_unavailable", code="shutdown",
+                                       headers={"Retry-After": str(RETRY_AFTER_S)})
                     if isinstance(item, BaseException):
                         raise item
                     now = time.monotonic()
@@ -103,9 +120,14 @@ class Generation:
                         self.ctx.metrics.finish(item[1])
                     yield item
         except TimeoutError:
-            self.ctx.metrics.abort("timeout")
+            self.abort("timeout")
             raise APIError(408, f"the request did not finish within {self.ctx.request_timeout:g} s "
                            "(--request-timeout)", "timeout_error", code="request_timeout") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away mid-stream: a streaming client disconnected (Starlette cancels
+            # the response) or final_outputs gave up on a disconnected client.
+            self.abort("client_disconnect")
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -127,7 +149,7 @@ class Generation:
         finally:
             watcher.cancel()
             if not collector.done():
-                self.ctx.metrics.abort("client_disconnect")
+                self.abort("client_disconnect")
                 collector.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await collector

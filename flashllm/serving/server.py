@@ -12,8 +12,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
+from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
 from flashllm.serving.app import create_app
 from flashllm.serving.async_engine import AsyncEngine
@@ -26,6 +28,8 @@ DEMO_MODEL_NAME = "flashllm-demo"
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_HEADER_BYTES = 64 << 10
 MAX_TEMPLATE_FILE_BYTES = 1 << 20
+# After the drain timeout, how long the cut-off requests get to send their 503 before uvicorn stops.
+CUT_OFF_GRACE_S = 2.0
 
 
 @dataclass
@@ -36,16 +40,15 @@ class BuiltServer:
 
 
 def build_server(options: dict[str, Any]) -> BuiltServer:
-    """Load the model, start the engine thread and build the app (the model loads before binding)."""
-    config = engine_config(
-        options["model"], dtype=options["dtype"], device=options["device"], backend=options["backend"],
-        max_model_len=options["max_model_len"], block_size=options["block_size"],
-        num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
-        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
-        enable_prefix_caching=not options["no_prefix_caching"], strict_kernels=options["strict_kernels"],
-        seed=options["seed"],
-    )
-    engine = Engine(config)
+    """Load the model, start the engine thread and build the app (the model loads before binding).
+
+    A model or cache configuration that cannot work exits with one line naming the problem
+    (e.g. a KV cache too small for one max_model_len sequence), not a traceback.
+    """
+    try:
+        engine = _build_engine(options)
+    except (EngineConfigError, ModelLoadError) as exc:
+        raise SystemExit(f"flashllm serve: {exc}") from None
     name = options["served_model_name"] or (Path(options["model"]).resolve().name if options["model"]
                                             else DEMO_MODEL_NAME)
     defaults = engine.default_sampling_params()
@@ -66,6 +69,18 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         base = f"http://{_client_host(options['host'])}:{options['port']}/v1"
         mount_webui(app, base, name, (options["api_key"] or [None])[0])
     return BuiltServer(app, ctx, async_engine)
+
+
+def _build_engine(options: dict[str, Any]) -> Engine:
+    config = engine_config(
+        options["model"], dtype=options["dtype"], device=options["device"], backend=options["backend"],
+        max_model_len=options["max_model_len"], block_size=options["block_size"],
+        num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
+        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
+        enable_prefix_caching=not options["no_prefix_caching"], strict_kernels=options["strict_kernels"],
+        seed=options["seed"],
+    )
+    return Engine(config)
 
 
 def _chat_template(engine: Engine, choice: str | None) -> ChatTemplate | None:
@@ -101,21 +116,30 @@ class _DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self._drain_started = True
-        logger.warning("signal %s: draining %d request(s) for up to %.0f s", signal.Signals(sig).name,
+        logger.warning("signal %s: draining %d request(s) for up to %g s", signal.Signals(sig).name,
                        self.engine.num_in_flight, self.drain_timeout)
         self.engine.draining = True
         threading.Thread(target=self._drain, name="flashllm-drain", daemon=True).start()
 
     def _drain(self) -> None:
         if not self.engine.wait_idle(self.drain_timeout):
-            logger.warning("drain timeout: %d request(s) still in flight are cut off", self.engine.num_in_flight)
+            # Tell the unfinished requests (503, or an error event on a stream) instead of letting
+            # uvicorn drop their connections mid-response.
+            count = self.engine.cut_off()
+            logger.warning("drain timeout: %d request(s) still in flight are cut off with 503", count)
+            self.engine.wait_idle(CUT_OFF_GRACE_S)
         self.should_exit = True
 
 
 def serve(built: BuiltServer, options: dict[str, Any]) -> int:
-    """Run until drained (exit 0) or until the engine fails (exit 1)."""
+    """Run until drained (exit 0) or until the engine fails (exit 1).
+
+    A drain timeout that cuts requests off still exits 0: the stop was asked for and the timeout
+    is the operator's bound (the log counts the cut-off requests). Non-zero is kept for a failed
+    engine, where a supervisor should restart the server.
+    """
     config = uvicorn.Config(built.app, host=options["host"], port=options["port"], log_level="warning",
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=5,
+                            http="h11", h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=5,
                             access_log=False)
     server = _DrainingServer(config, built.engine, options["shutdown_drain_timeout"])
 
