@@ -1,7 +1,9 @@
 """The cuda backend: NVIDIA (and ROCm-as-cuda) GPUs; device rules by compute capability.
 
 Importing this module imports neither Triton nor initializes CUDA: both happen in
-`is_available()` and in the kernels.
+`is_available()` and in the kernels (`kernels.py` registers wrappers that import the `triton_*`
+launcher modules on first call). `python -m flashllm.backends.cuda.bench --kernel NAME` checks and
+times one kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class CudaAdapter(DeviceAdapter):
 
 
 class CudaBackend(Backend):
-    """Triton kernels on CUDA devices (kernels arrive with the Triton work)."""
+    """Triton kernels on CUDA devices; quant_matmul and fused_moe still run the reference."""
 
     def is_available(self) -> Availability:
         if torch.version.cuda is None and torch.version.hip is None:
@@ -64,7 +66,9 @@ class CudaBackend(Backend):
         if not torch.cuda.is_available():
             return False, "torch has CUDA support but sees no GPU (driver missing or CUDA_VISIBLE_DEVICES empty)"
         if importlib.util.find_spec("triton") is None:
-            return True, f"{torch.cuda.device_count()} GPU(s); triton not installed, every op uses the reference"
+            # the kernels are registered regardless (the capability matrix must not depend on
+            # whether triton happens to be installed), so without it the backend cannot run
+            return False, f"{torch.cuda.device_count()} GPU(s) but triton is not installed: pip install triton"
         return True, f"{torch.cuda.device_count()} GPU(s), triton installed"
 
     def device_count(self) -> int:
@@ -84,11 +88,15 @@ class CudaBackend(Backend):
 
 
 def make_backend() -> Backend:
-    """Build the cuda backend object (cheap: no CUDA initialization, no Triton import)."""
-    return CudaBackend(
+    """Build the cuda backend and register its Triton kernels (cheap: no CUDA init, no Triton import)."""
+    backend = CudaBackend(
         name="cuda",
         device_type="cuda",
         priority=100,
         description="NVIDIA/ROCm GPUs through Triton kernels",
         install_hint="pip install 'flashllm[cuda]' with a CUDA build of torch and an NVIDIA driver",
     )
+    from flashllm.backends.cuda import kernels
+
+    kernels.register(backend)
+    return backend

@@ -1,0 +1,123 @@
+"""The cuda backend's kernel table: Triton launchers behind thin wrappers that import triton lazily.
+
+Each wrapper has its op's exact signature (checked at registration) and forwards to the launcher
+in its `triton_*` module, imported on the first call: registering costs no triton import, and the
+capability matrix is the same whether or not triton is installed where it is rendered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from flashllm.registry.backend import Backend, Caps
+
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# Head sizes the attention kernel is proven on (tests/conformance/test_triton_interpret.py); the
+# kernel pads D to a power of two >= 16, so others likely work but are not claimed until tested.
+ATTENTION_HEAD_SIZES = frozenset({64, 80, 96, 128, 256})
+ATTENTION_BLOCK_SIZES = frozenset({16, 32, 64, 128})
+
+# op -> module under flashllm.backends.cuda holding its launcher (a function named like the op)
+KERNEL_MODULES: dict[str, str] = {
+    "rms_norm": "triton_norm",
+    "silu_and_mul": "triton_act",
+    "gelu_and_mul": "triton_act",
+    "rotary_embedding": "triton_rotary",
+    "write_kv_cache": "triton_kv",
+    "paged_attention": "triton_attention",
+}
+
+CAPS: dict[str, Caps] = {
+    "rms_norm": Caps(dtypes=FLOATS),
+    "silu_and_mul": Caps(dtypes=FLOATS),
+    "gelu_and_mul": Caps(dtypes=FLOATS),
+    # shape-generic: any even rotary dim, any head size, any block size
+    "rotary_embedding": Caps(dtypes=FLOATS),
+    "write_kv_cache": Caps(dtypes=FLOATS, kv_dtypes=FLOATS),
+    "paged_attention": Caps(
+        dtypes=FLOATS, kv_dtypes=FLOATS, head_sizes=ATTENTION_HEAD_SIZES, block_sizes=ATTENTION_BLOCK_SIZES
+    ),
+}
+
+
+def launcher_module(op: str) -> ModuleType:
+    """The module with `op`'s Triton launcher, imported (with triton) on first use."""
+    name = f"{__package__}.{KERNEL_MODULES[op]}"
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Triton RMSNorm, fused residual add (see triton_norm.rms_norm)."""
+    return launcher_module("rms_norm").rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """Triton SwiGLU gate (see triton_act.silu_and_mul)."""
+    return launcher_module("silu_and_mul").silu_and_mul(x)
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """Triton GeGLU gate (see triton_act.gelu_and_mul)."""
+    return launcher_module("gelu_and_mul").gelu_and_mul(x, approximate)
+
+
+def rotary_embedding(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool
+) -> tuple[Tensor, Tensor]:
+    """Triton RoPE, in place (see triton_rotary.rotary_embedding)."""
+    return launcher_module("rotary_embedding").rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+
+def write_kv_cache(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Triton paged-cache store (see triton_kv.write_kv_cache)."""
+    return launcher_module("write_kv_cache").write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    alibi_slopes: Tensor | None = None,
+    sliding_window: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """Triton paged attention: prefill tiles + split-K decode (see triton_attention.paged_attention)."""
+    return launcher_module("paged_attention").paged_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, alibi_slopes, sliding_window,
+        k_scale, v_scale,
+    )
+
+
+WRAPPERS = {
+    "rms_norm": rms_norm,
+    "silu_and_mul": silu_and_mul,
+    "gelu_and_mul": gelu_and_mul,
+    "rotary_embedding": rotary_embedding,
+    "write_kv_cache": write_kv_cache,
+    "paged_attention": paged_attention,
+}
+
+
+def register(backend: Backend) -> None:
+    """Register the Triton kernels on `backend` (quant_matmul and fused_moe run the reference)."""
+    for op, fn in WRAPPERS.items():
+        backend.kernel(op, CAPS[op])(fn)

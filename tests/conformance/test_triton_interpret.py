@@ -1,0 +1,354 @@
+"""The cuda backend's Triton kernels on the CPU: TRITON_INTERPRET=1 runs them against the op references.
+
+Triton reads TRITON_INTERPRET when `triton` is imported (its own library functions are decorated
+then), so the interpreted tests run in a child pytest started with the variable set:
+`test_interpreter_subprocess` below. Run them directly with
+`TRITON_INTERPRET=1 python -m pytest tests/conformance/test_triton_interpret.py`.
+The parent process compiles every kernel for sm80/sm90, which needs no GPU either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashllm.backends import cuda
+from flashllm.backends.cuda import kernels as cuda_kernels
+from flashllm.ops import op_specs
+from flashllm.ops.testing import cases, make_inputs, random_block_tables, run_case
+from flashllm.ops.tolerances import assert_close
+from flashllm.registry.backend import check_signature
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+SPECS = op_specs()
+# the claimed caps, read without importing triton: parametrization must work where it is missing
+BACKEND = cuda.make_backend()
+KERNELS = {op: kernels[0] for op, kernels in BACKEND.kernels.items()}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _triton_state() -> tuple[str | None, bool]:
+    """(why triton cannot be used or None, whether this process interprets Triton kernels)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)", False
+    try:
+        import triton
+    except Exception as error:  # a broken install must skip with its reason, not error the suite
+        return f"triton does not import: {error!r}", False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return None, bool(knobs.runtime.interpret)
+    return None, os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+TRITON_MISSING, INTERPRETING = _triton_state()
+needs_triton = pytest.mark.skipif(TRITON_MISSING is not None, reason=str(TRITON_MISSING))
+interpreted = pytest.mark.skipif(
+    not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process of test_interpreter_subprocess"
+)
+compiled = pytest.mark.skipif(INTERPRETING, reason="needs Triton's compiler, not the interpreter")
+pytestmark = needs_triton
+
+
+@compiled
+def test_interpreter_subprocess() -> None:
+    """Every interpreted test of this module, in a child pytest that imports triton interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(REPO)), "-q", "-p", "no:cacheprovider"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,  # inside pytest-timeout's 600 s
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{output[-8000:]}"
+    passed = re.search(r"(\d+) passed", output)
+    assert passed and int(passed.group(1)) >= len(_param_ids()), f"too few interpreted tests ran:\n{output[-3000:]}"
+
+
+def _param_ids() -> list[Any]:
+    params = []
+    for op, kernel in KERNELS.items():
+        for dtype in sorted(kernel.caps.dtypes, key=str):
+            for case in cases(op):
+                params.append(pytest.param(op, dtype, case, id=f"{op}-{str(dtype)[6:]}-{case}"))
+    return params
+
+
+def check(op: str, inputs: dict[str, Any], dtype: torch.dtype, fn: Any = None) -> None:
+    """The registered cuda kernel (or fn) against the op's reference body on the same inputs."""
+    expected = run_case(SPECS[op].reference, op, inputs)
+    actual = run_case(fn or KERNELS[op].fn, op, inputs)
+    assert_close(actual, expected, dtype)
+
+
+@interpreted
+def test_every_kernel_is_a_launcher_with_the_op_signature() -> None:
+    assert set(KERNELS) == set(cuda_kernels.KERNEL_MODULES)
+    for op in KERNELS:
+        launcher = getattr(cuda_kernels.launcher_module(op), op)
+        check_signature(launcher, SPECS[op])
+        assert "triton" in launcher.__module__
+
+
+@compiled
+def test_importing_the_backend_does_not_import_triton() -> None:
+    code = "import sys, flashllm.backends.cuda as c; c.make_backend(); assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@compiled
+def test_bench_refuses_to_time_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark would really run")
+    from flashllm.backends.cuda import bench
+
+    assert bench.main(["--kernel", "paged_attention"]) == bench.NO_GPU
+    assert "no CUDA/ROCm GPU" in capsys.readouterr().err
+
+
+@interpreted
+@pytest.mark.parametrize("argv", [[], ["--mode", "prefill"]], ids=["decode", "prefill"])
+def test_bench_inputs_pass_the_bench_correctness_check(argv: list[str]) -> None:
+    """The benchmark's own inputs and check, shrunk, on the CPU (a GPU run times them)."""
+    from flashllm.backends.cuda import bench
+
+    small = ["--dtype", "float32", "--tokens", "40", "--hidden", "96", "--intermediate", "80", "--heads", "4",
+             "--kv-heads", "2", "--head-size", "64", "--block-size", "16", "--seqs", "2", "--context", "20"]
+    for op in KERNELS:
+        inputs, nbytes = bench.check(bench.build_parser().parse_args(["--kernel", op, *small, *argv]), "cpu")
+        assert nbytes > 0 and inputs
+
+
+@interpreted
+@pytest.mark.parametrize(("op", "dtype", "case"), _param_ids())
+def test_kernel_matches_reference(op: str, dtype: torch.dtype, case: str) -> None:
+    caps = KERNELS[op].caps
+    head_size = min(caps.head_sizes) if caps.head_sizes else 64
+    block_size = min(caps.block_sizes) if caps.block_sizes else 16
+    check(op, make_inputs(op, dtype, head_size=head_size, block_size=block_size, case=case), dtype)
+
+
+# -- elementwise kernels: strided rows, chunked rows, several head sizes ------------------------
+
+
+@interpreted
+def test_rms_norm_chunked_and_strided_rows() -> None:
+    mod = cuda_kernels.launcher_module("rms_norm")
+    hidden = mod.MAX_BLOCK + 40  # two chunks, the second one partial
+    wide = torch.randn(3, hidden + 8)
+    x, residual = wide[:, :hidden], torch.randn(3, hidden)  # x rows are strided
+    check("rms_norm", {"x": x, "weight": torch.rand(hidden) + 0.5, "eps": 1e-5, "residual": residual},
+          torch.float32)
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp(-x) = inf: sigmoid 0, right
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_gated_activations_wide_and_strided(dtype: torch.dtype) -> None:
+    inter = 1100  # more than one column program of 1024
+    x = (torch.randn(3, 2 * inter + 6) * 3)[:, : 2 * inter].to(dtype)
+    check("silu_and_mul", {"x": x}, dtype)
+    check("gelu_and_mul", {"x": x, "approximate": "tanh"}, dtype)
+
+
+@interpreted
+@pytest.mark.parametrize(("head_size", "is_neox"), [(64, True), (80, False), (128, True), (128, False)])
+def test_rotary_on_views_of_a_fused_qkv(head_size: int, is_neox: bool) -> None:
+    heads, kv_heads, tokens = 4, 2, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=torch.bfloat16)
+    q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    cache = make_inputs("rotary_embedding", torch.float32, head_size=head_size, case="neox_partial")["cos_sin_cache"]
+    inputs = {
+        "positions": torch.randint(0, cache.shape[0], (tokens,)),
+        "q": q.view(tokens, heads, head_size),
+        "k": k.view(tokens, kv_heads, head_size),
+        "cos_sin_cache": cache,
+        "is_neox": is_neox,
+    }
+    check("rotary_embedding", inputs, torch.bfloat16)
+
+
+@interpreted
+@pytest.mark.parametrize(("head_size", "block_size", "dtype"), [(128, 64, torch.float16), (80, 32, torch.float32)])
+def test_write_kv_cache_shapes(head_size: int, block_size: int, dtype: torch.dtype) -> None:
+    inputs = make_inputs("write_kv_cache", dtype, head_size=head_size, block_size=block_size, case="mixed_with_padding")
+    check("write_kv_cache", inputs, dtype)
+
+
+@interpreted
+def test_write_kv_cache_converts_to_the_cache_dtype() -> None:
+    inputs = make_inputs("write_kv_cache", torch.float32, case="prefill")
+    inputs["k_cache"], inputs["v_cache"] = inputs["k_cache"].half(), inputs["v_cache"].half()
+    check("write_kv_cache", inputs, torch.float16)
+
+
+# -- paged attention: GQA ratios, head and block sizes, odd lengths, splits ------------------
+
+
+def attention_inputs(
+    q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, head_size: int, block_size: int,
+    dtype: torch.dtype, kv_dtype: torch.dtype | None = None, seed: int = 0, **extra: Any,
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = random_block_tables(gen, seq_lens, block_size)
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    kv_dtype = kv_dtype or dtype
+    return {
+        "q": torch.randn(sum(q_lens), heads, head_size, generator=gen).to(dtype),
+        "k_cache": torch.randn(shape, generator=gen).to(kv_dtype),
+        "v_cache": torch.randn(shape, generator=gen).to(kv_dtype),
+        "block_tables": tables,
+        "cu_seqlens_q": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "scale": head_size**-0.5,
+        **extra,
+    }
+
+
+def attend(partition_size: int) -> Any:
+    """The attention launcher with a short decode split, so short contexts use several splits."""
+    launcher = cuda_kernels.launcher_module("paged_attention")
+    return lambda **kw: launcher.attend(**kw, partition_size=partition_size)
+
+
+# (Hq, Hk, head_size, block_size, dtype): GQA ratios 1, 4 and 8; head sizes 64 and 128; blocks 16, 64
+ATTENTION_SHAPES = [
+    (2, 2, 64, 16, torch.float32),
+    (8, 2, 128, 64, torch.float32),
+    (8, 1, 64, 64, torch.bfloat16),
+    (4, 1, 128, 16, torch.float16),
+]
+
+
+@interpreted
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "block_size", "dtype"), ATTENTION_SHAPES,
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_attention_mixed_batch_odd_lengths_and_block_edges(
+    heads: int, kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+) -> None:
+    bs = block_size
+    # decode on a block edge, an odd append after a cached prefix, a prefill of exactly two blocks,
+    # an empty query (allowed by the op), an odd decode spanning several splits
+    q_lens, seq_lens = [1, 5, 2 * bs, 0, 1], [2 * bs, bs + 3, 2 * bs, 7, 3 * bs + 5]
+    inputs = attention_inputs(q_lens, seq_lens, heads, kv_heads, head_size, block_size, dtype)
+    check("paged_attention", inputs, dtype, attend(partition_size=64))
+
+
+@interpreted
+def test_attention_long_context_split_across_many_programs() -> None:
+    # 700 keys in splits of 64: 11 decode programs per KV head, merged; also the default split length
+    inputs = attention_inputs([1, 1, 3], [700, 130, 300], 4, 2, 64, 16, torch.float32)
+    check("paged_attention", inputs, torch.float32, attend(partition_size=64))
+    check("paged_attention", inputs, torch.float32)
+
+
+@interpreted
+def test_attention_window_and_alibi_skip_whole_splits() -> None:
+    slopes = torch.tensor([2.0 ** -(h + 1) for h in range(4)])
+    # window 70 over splits of 64: 197 leaves split 1 a single visible key (127), 198 starts at 128
+    inputs = attention_inputs([1, 9, 1, 1], [333, 200, 197, 198], 4, 2, 64, 16, torch.float32,
+                              sliding_window=70, alibi_slopes=slopes)
+    check("paged_attention", inputs, torch.float32, attend(partition_size=64))
+
+
+@interpreted
+@pytest.mark.parametrize("head_size", sorted(cuda_kernels.ATTENTION_HEAD_SIZES))
+def test_attention_every_claimed_head_size(head_size: int) -> None:
+    inputs = attention_inputs([1, 3], [40, 21], 2, 1, head_size, 16, torch.float32)
+    check("paged_attention", inputs, torch.float32, attend(partition_size=16))
+
+
+@interpreted
+@pytest.mark.parametrize("block_size", sorted(cuda_kernels.ATTENTION_BLOCK_SIZES))
+def test_attention_every_claimed_block_size(block_size: int) -> None:
+    inputs = attention_inputs([1, 4], [block_size + 1, 2 * block_size - 1], 2, 2, 64, block_size, torch.float16)
+    check("paged_attention", inputs, torch.float16, attend(partition_size=64))
+
+
+@interpreted
+def test_attention_cache_dtype_differs_from_activations() -> None:
+    inputs = attention_inputs([1, 6], [37, 20], 4, 2, 64, 16, torch.float16, kv_dtype=torch.float32)
+    check("paged_attention", inputs, torch.float16, attend(partition_size=16))
+
+
+@interpreted
+@settings(max_examples=8, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=3),
+    group=st.sampled_from([1, 2, 3]),
+)
+def test_attention_any_varlen_batch(lens: list[tuple[int, int]], group: int) -> None:
+    """Any mix of prefill, append, decode and empty rows matches the reference."""
+    q_lens = [min(a, b) for a, b in lens]
+    seq_lens = [max(a, b, 1) for a, b in lens]
+    if not sum(q_lens):
+        return
+    inputs = attention_inputs(q_lens, seq_lens, 2 * group, 2, 64, 16, torch.float32, seed=sum(seq_lens))
+    check("paged_attention", inputs, torch.float32, attend(partition_size=16))
+
+
+# -- a real compile for NVIDIA GPUs, without one -------------------------------------------------
+
+
+def _compile_instead_of_launch(targets: list[Any], compiled: list[str]) -> Any:
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        bound = dict(zip(self.arg_names, args, strict=False))
+        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        signature, constexprs = {}, {}
+        for i, param in enumerate(self.params):
+            value = bound[param.name]
+            signature[param.name] = "constexpr" if param.is_constexpr else mangle_type(value)
+            if param.is_constexpr:
+                constexprs[(i,)] = value
+        for target in targets:
+            triton.compile(ASTSource(self, signature, constexprs=constexprs), target=target, options=options)
+            compiled.append(f"{self.fn.__name__}@sm{target.arch}")
+
+    return run
+
+
+@compiled
+def test_kernels_compile_for_ampere_and_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launcher's real arguments, compiled to cubin for sm80 (fp16) and sm90 (bf16), no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    built: list[str] = []
+    # sm80: one decode split, written straight to out; sm90: several splits and the merge kernel
+    for dtype, arch, partition in ((torch.float16, 80, None), (torch.bfloat16, 90, 64)):
+        monkeypatch.setattr(JITFunction, "run", _compile_instead_of_launch([GPUTarget("cuda", arch, 32)], built))
+        for op in KERNELS:
+            case = {"paged_attention": "alibi" if arch == 80 else "sliding_window", "gelu_and_mul": "tanh"}
+            inputs = make_inputs(op, dtype, case=case.get(op), block_size=64)
+            fn = attend(partition) if op == "paged_attention" and partition else KERNELS[op].fn
+            fn(**inputs)
+    every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel", "_gated_kernel"}
+    assert {name.removesuffix("@sm80") for name in built if name.endswith("@sm80")} == every
+    assert {name.removesuffix("@sm90") for name in built if name.endswith("@sm90")} == every | {"merge_kernel"}
+
+
+@interpreted
+def test_the_kernels_really_ran_interpreted() -> None:
+    """Guards the child process: its kernels are Triton's interpreter functions, not GPU binaries."""
+    from flashllm.backends.cuda.launch import interpreted as is_interpreted
+
+    for op in KERNELS:
+        cuda_kernels.launcher_module(op)
+    modules = [m for name, m in sys.modules.items() if name.startswith("flashllm.backends.cuda.triton_")]
+    jitted = [v for m in modules for v in vars(m).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")]
+    assert len(jitted) >= len(KERNELS) and all(is_interpreted(fn) for fn in jitted)
