@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve",
     "chat": "chat",
     "webui": "webui",
+    "eval": "eval",
 }
 
 

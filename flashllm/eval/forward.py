@@ -1,0 +1,110 @@
+"""Full-window forwards for scoring: the engine's model over one token window, log-probs at every position."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from flashllm.config import CacheConfig
+from flashllm.core.builder import EngineParts, build_engine_parts
+from flashllm.models.hf_config import load_hf_config
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+
+DEFAULT_MAX_LENGTH = 1024  # the context of the HF perplexity guide; --max-length overrides it
+LOGITS_CHUNK_ROWS = 256    # logits rows materialised at once: 256 x 152k vocab x 4 B = 155 MB
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    """One engine configuration to score with: which model, on which device and backend, in which precision."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    backend: str | None = None
+    quant_type: str | None = None
+
+
+def resolve_max_length(model_dir: str, max_length: int | None) -> int:
+    """The window length to score with: `max_length`, or DEFAULT_MAX_LENGTH capped at the model's context.
+
+    Checked against config.json's max_position_embeddings before any weight is loaded.
+    """
+    limit = load_hf_config(model_dir).max_position_embeddings
+    if max_length is None:
+        return min(DEFAULT_MAX_LENGTH, limit)
+    if max_length > limit:
+        raise ValueError(f"--max-length {max_length} exceeds the model's max_position_embeddings {limit}; "
+                         f"pass --max-length {limit} or less")
+    return max_length
+
+
+def load_scoring_parts(config: ScoringConfig, max_length: int) -> EngineParts:
+    """Build the engine's parts (device, op table, model, tokenizer) with a KV cache for one window.
+
+    Scoring runs one sequence of at most `max_length` tokens at a time, so the cache holds
+    exactly the blocks of one such window and nothing more.
+    """
+    from flashllm.llm import engine_config
+
+    block_size = CacheConfig().block_size
+    engine = engine_config(
+        config.model, dtype=config.dtype, device=config.device, backend=config.backend,
+        quant_type=config.quant_type, max_model_len=max_length, max_num_seqs=1,
+        num_kv_blocks=math.ceil(max_length / block_size),
+    )
+    return build_engine_parts(engine)
+
+
+def parts_dtype(parts: EngineParts) -> torch.dtype:
+    """The floating-point dtype the loaded model computes in (its first floating parameter)."""
+    for param in parts.model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    raise ValueError("the loaded model has no floating-point parameter; cannot tell its compute dtype")
+
+
+@torch.inference_mode()
+def window_hidden(parts: EngineParts, token_ids: list[int]) -> torch.Tensor:
+    """Final hidden states of one window run as a single prefill: (T,) token ids -> (T, hidden).
+
+    The window is one sequence whose blocks are 0..n-1 of the runner's cache, so slot p holds
+    position p; whatever an earlier window wrote there is overwritten before attention reads it.
+    """
+    runner = parts.runner
+    num_tokens = len(token_ids)
+    num_blocks = math.ceil(num_tokens / runner.block_size)
+    capacity = runner.kv_caches[0][0].shape[0]
+    if num_blocks > capacity:
+        raise ValueError(f"a window of {num_tokens} tokens needs {num_blocks} KV blocks but the cache holds "
+                         f"{capacity}; build the parts with load_scoring_parts(config, max_length >= {num_tokens})")
+    device = runner.device
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        max_seqlen_q=num_tokens,
+        max_seqlen_k=num_tokens,
+    )
+    input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    return parts.model(input_ids, positions, runner.kv_caches, metadata)
+
+
+@torch.inference_mode()
+def iter_logprobs(parts: EngineParts, hidden: torch.Tensor, rows: torch.Tensor,
+                  chunk_rows: int = LOGITS_CHUNK_ROWS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Next-token log-probabilities at the given rows of a window, a chunk at a time.
+
+    hidden (T, hidden) from window_hidden; rows (R,) int64 indices into it. Yields
+    (rows of this chunk (r,), log_softmax of their logits (r, vocab) fp32) so that a large
+    vocabulary never needs all R rows of logits at once.
+    """
+    for start in range(0, rows.numel(), chunk_rows):
+        chunk = rows[start:start + chunk_rows]
+        logits = parts.model.compute_logits(hidden[chunk.to(hidden.device)]).float()
+        yield chunk, torch.log_softmax(logits, dim=-1)
