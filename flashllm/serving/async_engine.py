@@ -180,11 +180,15 @@ class AsyncEngine:
             self._fail(exc)
 
     def _drain_inbox(self) -> None:
+        changed = False
         while True:
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
+                if changed:  # an abort on an idle engine frees blocks that no step will report
+                    self._snapshot()
                 return
+            changed = True
             if message[0] == "abort":
                 self.engine.abort(message[1])
                 continue
@@ -197,7 +201,6 @@ class AsyncEngine:
                 self.engine.add_request(prompt_token_ids, params, request_id=request_id)
             except ValueError as exc:
                 self._deliver(request_id, exc)
-        self._snapshot()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
