@@ -28,6 +28,10 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--dtype", default="float32")
         p.add_argument("--device", default="auto")
         p.add_argument("--backend", default=None)
+        p.add_argument("--quant_type", "--quant-type", dest="quant_type", default="none",
+                       help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | w4a16_asym")
+        p.add_argument("--weightonly_group_size", "--weightonly-group-size", dest="weightonly_group_size",
+                       type=int, default=-1, help="-1 = per output channel, or 32 | 64 | 128")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--baseline", choices=["none", "transformers"], default="none")
@@ -78,14 +82,17 @@ def run(args: argparse.Namespace) -> int:
     from flashllm.bench.hf_baseline import load, run_static_batches
     from flashllm.bench.shapes import parameter_bytes, shape_model_dir
     from flashllm.llm import LLM
+    from flashllm.quant import weight_bytes
     from flashllm.sampling_params import SamplingParams
 
     model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=4096)
+              max_model_len=4096, quant_type=args.quant_type, group_size=args.weightonly_group_size)
     requests = _requests(args, llm)
     result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "dtype": args.dtype,
+                              "quant_type": args.quant_type, "group_size": args.weightonly_group_size,
+                              "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total,
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "num_requests": len(requests), "weight_bytes": parameter_bytes(model_dir)}
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
                               "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
                               "matmul_gflop_s": roof.matmul_flops / 1e9}
-        ceiling = roof.decode_ceiling(1, result["weight_bytes"])
+        ceiling = roof.decode_ceiling(1, result["loaded_weight_bytes"])  # quantized weights read fewer bytes
         result["decode_ceiling_batch1_tokens_per_s"] = ceiling
         if args.mode == "latency":
             result["fraction_of_bandwidth_ceiling"] = result["flashllm"]["decode_tokens_per_s"] / ceiling

@@ -65,6 +65,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "chat_template", type=_bool, nargs="?", const=True, default=True,
           help="render prompts with the model's chat template when it has one (default true)")
     _flag(parser, "strict_kernels", action="store_true", help="fail instead of falling back to reference kernels")
+    _flag(parser, "quant_type", default="none",
+          help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | weight_only_int4_asym (w4a16_asym): "
+               "quantize the linear weights at load")
+    _flag(parser, "weightonly_group_size", type=int, default=-1,
+          help="input features per weight scale: -1 = one per output channel, or 32 | 64 | 128")
 
 
 def add_parser(sub: Any) -> None:
@@ -145,12 +150,14 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from flashllm.llm import LLM
+    from flashllm.quant.spec import QuantConfigError, weight_quant_spec
 
     if args.data_file is None and not args.benchmark:
         raise SystemExit("flashllm predict: give --data_file (or --benchmark for synthetic prompts)")
     try:
+        weight_quant_spec(args.quant_type, args.weightonly_group_size)
         records = read_data_file(args.data_file) if args.data_file else [{"src": "Hello"}] * args.batch_size
-    except (DataFileError, OSError) as err:
+    except (DataFileError, OSError, QuantConfigError) as err:
         print(f"flashllm predict: {err}", file=sys.stderr)
         return 2
     params = _sampling_params(args)
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
               max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-              strict_kernels=args.strict_kernels)
+              strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size)
     template = args.chat_template and llm.has_chat_template()
     prompts = [_prompt_ids(llm, r, template, args.src_length, args.benchmark) for r in records]
     start = time.perf_counter()

@@ -15,6 +15,7 @@ from flashllm.core.model_runner import ModelRunner
 from flashllm.models.hf_config import HFModelConfig, load_hf_config
 from flashllm.models.loader import load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
+from flashllm.quant.spec import weight_quant_spec
 from flashllm.registry.backend import OpRequest
 from flashllm.registry.plugins import FlashPlugins, make_plugin_manager
 from flashllm.registry.precision import parse_dtype
@@ -61,10 +62,11 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else parse_dtype(config.cache.kv_cache_dtype)
-    request = OpRequest(dtype, kv_dtype, config.quant.quant_type, hf_config.head_dim, config.cache.block_size)
+    quant = weight_quant_spec(config.quant.quant_type, config.quant.group_size)
+    request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size)
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
-    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry)
+    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant)
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir))
     generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)
@@ -94,9 +96,15 @@ def _tokenizer(path: Path) -> Any:
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
         return None
+    from flashllm.models.hf_config import ModelLoadError
     from flashllm.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(str(path))
+    try:
+        return load_tokenizer(str(path))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed tokenizer.json
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def _demo_dir() -> Path:

@@ -12,6 +12,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
+from flashllm.models.layers.linear import LinearBase
+from flashllm.quant.spec import WeightQuantSpec
 
 __all__ = [
     "ModelLoadError",
@@ -37,12 +39,13 @@ _DTYPE_NAMES = {
 
 def load_model(
     model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
-    model_registry: Any, progress: bool = True,
+    model_registry: Any, progress: bool = True, quant: WeightQuantSpec | None = None,
 ) -> tuple[torch.nn.Module, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
     ops: the bound op table the layers call; dtype: parameter dtype (checkpoint tensors are
-    converted on load); model_registry: a ModelRegistry resolving `architectures[0]`.
+    converted on load); model_registry: a ModelRegistry resolving `architectures[0]`;
+    quant: how the linear layers store their weights once loaded (None: as loaded, in `dtype`).
     Everything that can be checked before allocating is: the config's sizes, the architecture,
     the weight files (safetensors only, inside the directory). Raises ModelLoadError with one
     line on any problem, including missing, unexpected or mis-shaped tensors.
@@ -56,10 +59,18 @@ def load_model(
     model_cls = model_registry.resolve(config.architecture)
     model = model_cls(config, ops, dtype, torch.device(device))
     seen: set[str] = set()
-    loaded = model.load_weights(_iter_tensors(files, progress, seen))
+    tensors = _iter_tensors(files, progress, seen)
+    try:
+        loaded = model.load_weights(tensors)
+    finally:
+        # A refused tensor leaves the generator suspended: close it now so the progress bar ends
+        # and the file is unmapped before the error is reported, not at interpreter exit.
+        tensors.close()
     _check_complete(model, loaded, seen)
     for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
+        if isinstance(module, LinearBase):
+            module.process_weights_after_loading(quant)
+        elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval(), config
 

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-USES: frozenset[str] = frozenset({"quant"})
+# Experts take float w13/w2: weight-only schemes quantize the linear layers, not the experts,
+# so fused_moe is not gated on "quant" until its weights become QuantizedWeight.
+USES: frozenset[str] = frozenset()
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
 
 Inputs = dict[str, Any]
@@ -155,19 +155,62 @@ def _paged_attention(
     return inputs
 
 
+# case -> (tokens, in_features, out_features, scheme, group_size, asymmetric, bias). Quantized
+# cases cover per-channel and grouped scales, int4 with and without zero points, one decode token
+# and several, and out_features that torch's CPU int4 layout can (N % 16 == 0) and cannot hold.
+_QUANT_MATMUL_CASES: dict[str, tuple[int, int, int, str, int, bool, bool]] = {
+    "bias": (7, 96, 80, "none", -1, False, True),
+    "no_bias": (1, 128, 33, "none", -1, False, False),
+    "w8a16_per_channel": (1, 96, 80, "w8a16", -1, False, True),
+    "w8a16_group64_tokens": (9, 128, 48, "w8a16", 64, False, False),
+    "w4a16_group32_sym": (1, 128, 64, "w4a16", 32, False, True),
+    "w4a16_group128_asym": (5, 256, 48, "w4a16", 128, True, False),
+    "w4a16_group64_asym_odd_n": (3, 64, 33, "w4a16", 64, True, True),
+    "w4a16_per_channel": (1, 256, 32, "w4a16", -1, False, False),
+}
+
+
+def _random_quantized(
+    gen: torch.Generator, n: int, k: int, scheme: str, group_size: int, asymmetric: bool, device: str
+) -> QuantizedWeight:
+    """Random codes and scales (not a quantized float matrix), so kernels meet every code value."""
+    groups = 1 if group_size == -1 else k // group_size
+    if scheme == "w8a16":
+        data = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale_std = k**-0.5 / 64
+    else:
+        data = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
+        scale_std = k**-0.5 / 4
+    scales = (torch.rand(n, groups, generator=gen) + 0.5) * scale_std
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8) if asymmetric else None
+    return QuantizedWeight(scheme, data.to(device), scales.to(device), None if zeros is None else zeros.to(device),
+                           group_size)
+
+
 def _quant_matmul(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
-    tokens, in_features, out_features = {"bias": (7, 96, 80), "no_bias": (1, 128, 33)}[case]
-    inputs: Inputs = {
-        "x": _randn(gen, tokens, in_features, dtype=dtype, device=device),
-        "weight": QuantizedWeight.dense(
+    tokens, in_features, out_features, scheme, group_size, asymmetric, bias = _QUANT_MATMUL_CASES[case]
+    inputs: Inputs = {"x": _randn(gen, tokens, in_features, dtype=dtype, device=device)}
+    if scheme == "none":
+        inputs["weight"] = QuantizedWeight.dense(
             _randn(gen, out_features, in_features, dtype=dtype, device=device, std=in_features**-0.5)
-        ),
-    }
-    if case == "bias":
+        )
+    else:
+        inputs["weight"] = _random_quantized(gen, out_features, in_features, scheme, group_size, asymmetric, device)
+    if bias:
         inputs["bias"] = _randn(gen, out_features, dtype=dtype, device=device)
     return inputs
+
+
+def case_quant(op_name: str, case: str) -> str:
+    """The quantization scheme an input case needs ("none" for every op but quant_matmul's quantized cases).
+
+    A kernel whose caps lack the scheme is not expected to run the case.
+    """
+    if op_name == "quant_matmul":
+        return _QUANT_MATMUL_CASES[case][3]
+    return "none"
 
 
 def _fused_moe(
@@ -210,7 +253,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
         _paged_attention,
         ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi"),
     ),
-    "quant_matmul": (_quant_matmul, ("bias", "no_bias")),
+    "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
     "fused_moe": (_fused_moe, ("spread", "one_token", "skewed")),
 }
 

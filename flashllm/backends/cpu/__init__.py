@@ -97,7 +97,8 @@ def make_backend() -> Backend:
         priority=10,
         description="torch-native CPU kernels",
     )
-    from flashllm.backends.cpu import kernels
+    from flashllm.backends.cpu import kernels, quant
 
     kernels.register(backend)
+    quant.register(backend)
     return backend

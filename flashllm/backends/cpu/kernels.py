@@ -13,7 +13,7 @@ FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 # Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
 # aten call or a memory copy): the cpu backend runs them as they are, by declaration.
-PORTABLE_OPS = ("rotary_embedding", "silu_and_mul", "gelu_and_mul", "write_kv_cache", "quant_matmul", "fused_moe")
+PORTABLE_OPS = ("rotary_embedding", "silu_and_mul", "gelu_and_mul", "write_kv_cache", "fused_moe")
 
 
 def rms_norm(

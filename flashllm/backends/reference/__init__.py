@@ -11,7 +11,7 @@ FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 # Quantization schemes each reference op implements; widened as quant/ adds schemes.
 REFERENCE_QUANT: dict[str, frozenset[str]] = {
-    "quant_matmul": frozenset({"none"}),
+    "quant_matmul": frozenset({"none", "w8a16", "w4a16"}),
     "fused_moe": frozenset({"none"}),
 }
 

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.quant.spec import WeightQuantSpec
+from flashllm.quant.weight_only import quantize_weight
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -76,9 +78,20 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
 
-    def process_weights_after_loading(self) -> None:
-        """Build the QuantizedWeight from the loaded float weight (dense for now)."""
-        self.qweight = QuantizedWeight.dense(self.weight)
+    def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
+        """Build the QuantizedWeight the forward multiplies by from the loaded float weight.
+
+        With an enabled `quant` spec the weight is quantized (see flashllm.quant.quantize_weight)
+        and the float parameter is dropped, so only the quantized copy stays in memory.
+        """
+        if quant is None or not quant.enabled:
+            self.qweight = QuantizedWeight.dense(self.weight)
+            return
+        try:
+            self.qweight = quantize_weight(self.weight.data, quant.scheme, quant.group_size, quant.symmetric)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__} {tuple(self.weight.shape)}: {err}") from None
+        self.weight = None
 
     def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.qweight is None:

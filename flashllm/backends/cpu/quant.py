@@ -1,0 +1,157 @@
+"""cpu quant_matmul: torch's packed int8/int4 kernels where torch vectorizes them, else chunked dequantize + GEMM.
+
+Measured on an AVX2 EPYC (torch 2.13, one thread, N=4864 K=896): fp32 GEMV 0.8 ms,
+`_weight_int8pack_mm` 4.2 ms, `_weight_int4pack_mm_for_cpu` 8.6 ms, both growing linearly with
+the token count (scalar code: torch has vectorized bodies for them only under
+CPU_CAPABILITY_AVX512), while dequantizing 1-4 MB row chunks and running the BLAS GEMM on each
+took 0.9-1.0 ms and scales like a GEMM. So the packed kernels run only where torch reports
+AVX512 and the batch is a few decode tokens (a rule from torch's source, not yet timed on an
+AVX512 machine); every other call takes the chunked path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, QuantizedWeight, integer_codes
+from flashllm.ops.quant_matmul import quant_matmul as reference
+from flashllm.registry.backend import Backend, Caps
+
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+QUANT = frozenset({"none", "w8a16", "w4a16"})
+
+PACKED_CAPABILITIES = frozenset({"AVX512"})
+PACKED_FAST = torch.backends.cpu.get_cpu_capability() in PACKED_CAPABILITIES
+# torch's packed kernels are GEMV-like tiny GEMMs (4-row blocks); past a decode batch a BLAS
+# GEMM over dequantized rows wins
+PACKED_MAX_TOKENS = 4
+INT4PACK_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
+INT4PACK_N_MULTIPLE = 16                   # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+# a dequantized chunk of about this size stays in the L2/L3 cache between its writes and the GEMM
+CHUNK_BYTES = 4 << 20
+MIN_CHUNK_ROWS = 64
+
+
+def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """y = x @ W.T + bias for x (T, K) float and any weight scheme; (T, N) in x.dtype.
+
+    "none" is the reference body; quantized weights run the path `choose_path` picks.
+    """
+    return run_path(choose_path(weight, x.shape[0], PACKED_FAST), x, weight, bias)
+
+
+def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """quant_matmul through one named body (see choose_path); tests force each one here."""
+    if path == "dense":
+        return reference(x, weight, bias)
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects {weight.in_features}")
+    if path == "int8pack":
+        out = torch._weight_int8pack_mm(x.contiguous(), weight.data, weight.scales.view(-1).to(x.dtype))
+    elif path == "int4pack":
+        packed, scales_and_zeros = int4pack_layout(weight, x.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, _int4pack_group(weight), scales_and_zeros)
+    elif path == "dequant":
+        return dequant_matmul(x, weight, bias)
+    else:
+        raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, int8pack, int4pack or dequant")
+    return out if bias is None else out.add_(bias.to(out.dtype))
+
+
+def choose_path(weight: QuantizedWeight, num_tokens: int, packed_fast: bool) -> str:
+    """Which body runs: "dense", "int8pack", "int4pack" or "dequant" (chunked dequantize + GEMM)."""
+    if weight.scheme == "none":
+        return "dense"
+    if not packed_fast or num_tokens > PACKED_MAX_TOKENS:
+        return "dequant"
+    if weight.scheme == "w8a16" and weight.num_groups == 1:
+        return "int8pack"
+    if weight.scheme == "w4a16" and int4pack_supported(weight):
+        return "int4pack"
+    return "dequant"
+
+
+def int4pack_supported(weight: QuantizedWeight) -> bool:
+    """Whether torch's CPU int4 kernel can hold this weight (N % 16, a group size it takes)."""
+    return weight.out_features % INT4PACK_N_MULTIPLE == 0 and _int4pack_group(weight) > 0
+
+
+def _int4pack_group(weight: QuantizedWeight) -> int:
+    """The group size handed to torch (0 if none fits); per-channel scales repeat over 256-wide groups."""
+    if weight.group_size != -1:
+        return weight.group_size if weight.group_size in INT4PACK_GROUP_SIZES else 0
+    return next((g for g in INT4PACK_GROUP_SIZES if weight.in_features % g == 0), 0)
+
+
+def int4pack_layout(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """torch's CPU int4 tile layout of a w4a16 weight, built once per dtype into weight.kernel_cache.
+
+    Returns (packed uint8 (N, K/2) in torch's tile order, scales_and_zeros (K/g, N, 2) in dtype).
+    torch dequantizes (code - 8) * scale + zero, so our (code - zp) * scale has zero = (8 - zp) * scale.
+    """
+    cache, key = weight.kernel_cache, "cpu_int4pack"
+    if key not in cache:
+        codes, zp = integer_codes(weight)
+        cache[key] = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # inner k tiles: unused on CPU
+        cache[key + ":zp"] = zp
+    if f"{key}:{dtype}" not in cache:
+        repeat = weight.in_features // _int4pack_group(weight) // weight.num_groups  # > 1 only per channel
+        scales = weight.scales.float().repeat_interleave(repeat, dim=1)
+        zero = (INT4_SYMMETRIC_ZERO - cache[key + ":zp"]).float().repeat_interleave(repeat, dim=1) * scales
+        cache[f"{key}:{dtype}"] = torch.stack((scales, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return cache[key], cache[f"{key}:{dtype}"]
+
+
+def dequant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """x (T, K) @ dequantized W.T + bias in fp32, a chunk of output rows at a time; (T, N) in x.dtype.
+
+    fp32 like the reference: half weights would round every element, and CPUs without native
+    half arithmetic run fp32 GEMMs faster anyway. Per-channel scales multiply the (T, N) output
+    instead of the (N, K) weight.
+    """
+    n, k = weight.out_features, weight.in_features
+    rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (k * 4))
+    buffer = torch.empty(min(rows, n), k, dtype=torch.float32, device=x.device)
+    x32 = x.float()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    per_channel = weight.num_groups == 1
+    scales = weight.scales.float()
+    zeros = None if weight.zeros is None else weight.zeros.float()
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        chunk = buffer[: end - start]
+        _dequant_rows(weight, start, end, chunk, None if per_channel else scales, zeros)
+        out[:, start:end] = F.linear(x32, chunk)
+    if per_channel:
+        out.mul_(scales.view(1, n))
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype)
+
+
+def _dequant_rows(
+    weight: QuantizedWeight, start: int, end: int, chunk: Tensor, scales: Tensor | None, zeros: Tensor | None
+) -> None:
+    """Write rows start:end of (code - zero) [* scale] into chunk (rows, K); scales None = leave unscaled."""
+    rows, k = chunk.shape
+    data = weight.data[start:end]
+    if weight.scheme == "w8a16":
+        chunk.copy_(data)
+    else:
+        pairs = chunk.view(rows, k // 2, 2)
+        pairs[..., 0].copy_(data & 0xF)
+        pairs[..., 1].copy_(data >> 4)
+        grouped = chunk.view(rows, weight.num_groups, k // weight.num_groups)
+        if zeros is None:
+            chunk.sub_(INT4_SYMMETRIC_ZERO)
+        else:
+            grouped.sub_(zeros[start:end, :, None])
+    if scales is not None:
+        chunk.view(rows, weight.num_groups, k // weight.num_groups).mul_(scales[start:end, :, None])
+
+
+def register(backend: Backend) -> None:
+    """Register the cpu quant_matmul kernel on `backend` for every float dtype and weight-only scheme."""
+    backend.kernel("quant_matmul", Caps(dtypes=FLOATS, kv_dtypes=FLOATS, quant=QUANT))(quant_matmul)

@@ -1,0 +1,27 @@
+"""Quantization: weight-only int8/int4 at load time (A8W8, FP8, KV-cache and GPTQ/AWQ land later)."""
+
+from __future__ import annotations
+
+from flashllm.quant.spec import QuantConfigError, WeightQuantSpec, weight_quant_spec
+from flashllm.quant.weight_only import (
+    QuantizedWeight,
+    WeightBytes,
+    dequantize,
+    pack_int4,
+    quantize_weight,
+    unpack_int4,
+    weight_bytes,
+)
+
+__all__ = [
+    "QuantConfigError",
+    "QuantizedWeight",
+    "WeightBytes",
+    "WeightQuantSpec",
+    "dequantize",
+    "pack_int4",
+    "quantize_weight",
+    "unpack_int4",
+    "weight_bytes",
+    "weight_quant_spec",
+]
