@@ -35,7 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(f"{__name__}.{COMMANDS[args.command]}")
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        # A model directory or configuration the user can fix: one line, no traceback.
+        print(f"flashllm {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from flashllm.core.builder import EngineConfigError
+    from flashllm.models.hf_config import ModelLoadError
+    from flashllm.models.tokenizer import ChatTemplateError
+
+    return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError))
 
 
 if __name__ == "__main__":
