@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -34,11 +35,18 @@ def add_parser(sub: Any) -> None:
                        type=int, default=-1, help="-1 = per output channel, or 32 | 64 | 128")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: 4096, or the model's own when shorter)")
         p.add_argument("--baseline", choices=["none", "transformers"], default="none")
         p.add_argument("--baseline-batch-sizes", default="1,16", help="static batch sizes tried for the baseline")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+        p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
+    plot = modes.add_parser("plot", help="chart saved --json records: serve runs as latency vs load")
+    plot.add_argument("records", nargs="+", type=Path, help="serve records (one per request rate) or one "
+                                                             "throughput/latency record")
+    plot.add_argument("--output", "-o", type=Path, required=True, help="PNG file to write")
 
 
 # engine flags passed to `flashllm serve` when bench serve starts the server itself
@@ -65,6 +73,7 @@ def _add_serve_parser(modes: Any) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="draw latency and throughput at this rate as a PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag in SERVER_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
@@ -72,10 +81,44 @@ def _add_serve_parser(modes: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode == "serve":
-        from flashllm.bench.serve_run import run_serve
+    from flashllm.bench import plot
 
+    try:
+        if args.mode == "plot":
+            plot.plot_records([plot.load_record(path) for path in args.records], args.output)
+            print(f"wrote {args.output}")
+            return 0
+        if args.plot:
+            plot.check_plot_target(args.plot)  # before the benchmark, which may run for minutes
+        return _serve(args) if args.mode == "serve" else _offline(args)
+    except plot.PlotError as exc:
+        raise SystemExit(f"flashllm bench: {exc}") from exc
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run `bench serve`; with --plot, chart the record it writes (to a temporary file without --json)."""
+    from flashllm.bench.plot import load_record, plot_serve
+    from flashllm.bench.serve_run import run_serve
+
+    if not args.plot:
         return run_serve(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.json = args.json or Path(tmp) / "serve.json"
+        code = run_serve(args)
+        plot_serve([load_record(args.json)], args.plot)
+    return code
+
+
+def _max_model_len(requested: int | None, model_dir: Path) -> int:
+    """The benchmark's context: what was asked, else 4096 capped by the model's max_position_embeddings."""
+    if requested is not None:
+        return requested
+    from flashllm.models.hf_config import load_hf_config
+
+    return min(4096, load_hf_config(model_dir).max_position_embeddings)
+
+
+def _offline(args: argparse.Namespace) -> int:
     import torch
 
     from flashllm.bench import roofline as rl
@@ -88,9 +131,10 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=4096, quant_type=args.quant_type, group_size=args.weightonly_group_size)
+              max_model_len=_max_model_len(args.max_model_len, model_dir), quant_type=args.quant_type, group_size=args.weightonly_group_size)
     requests = _requests(args, llm)
-    result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "dtype": args.dtype,
+    result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
+                              "device": str(llm.engine.parts.selection.device),
                               "quant_type": args.quant_type, "group_size": args.weightonly_group_size,
                               "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total,
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
@@ -124,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     _print(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from flashllm.bench.plot import plot_throughput
+
+        plot_throughput(result, args.plot)
     return 0
 
 
