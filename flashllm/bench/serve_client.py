@@ -103,17 +103,19 @@ def request_body(target: ServeTarget, request: ServeRequest) -> dict[str, Any]:
     return body
 
 
-def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
+def _carries_output(chunk: dict[str, Any], endpoint: str) -> bool:
+    """Whether a chunk reports generated tokens: text, or (completions) a mid-stream chunk whose
+    tokens decode to no text, as random-weight models with a small tokenizer produce."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return False
     if endpoint == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        return bool((choices[0].get("delta") or {}).get("content"))
+    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
 
 
 async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: ServeRequest) -> RequestResult:
-    """POST one streaming request and time the arrival of every chunk that carries text."""
+    """POST one streaming request and time the arrival of every chunk that carries output."""
     result = RequestResult(prompt_len=request.prompt_len)
     url = f"{target.url.rstrip('/')}{ENDPOINTS[target.endpoint]}"
     chunks, usage, done = 0, None, False
@@ -136,7 +138,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: 
                     result.error = f"error in stream: {chunk['error']}"
                     return result
                 usage = chunk.get("usage") or usage
-                if _chunk_text(chunk, target.endpoint):
+                if _carries_output(chunk, target.endpoint):
                     now = time.perf_counter()
                     if chunks:
                         result.itl.append(now - last)
@@ -150,7 +152,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: 
     if not done:
         result.error = "the stream ended without data: [DONE]"
     elif not chunks:
-        result.error = "the stream carried no generated text"
+        result.error = "the stream carried no generated output"
     else:
         result.success = True
         result.output_tokens = int(usage["completion_tokens"]) if usage else chunks

@@ -149,19 +149,22 @@ def test_send_request_times_text_chunks_and_reads_usage() -> None:
     assert (r.output_tokens, r.prompt_len) == (5, 11)  # the server's usage, not the 3 text chunks
 
 
-def test_send_request_without_usage_counts_text_chunks_and_reports_http_errors() -> None:
+def test_send_request_without_usage_counts_output_chunks_and_reports_http_errors() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         if json.loads(request.content)["prompt"] == "bad":
             return httpx.Response(400, json={"error": {"message": "too long", "type": "invalid_request_error"}})
-        chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("x", "", "y", "z")]
-        return httpx.Response(200, content=_sse(chunks, [0.0] * 4))
+        # A mid-stream chunk with empty text is a token that decoded to nothing (it counts);
+        # the closing chunk that only carries finish_reason is not a token.
+        chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("x", "", "y", "z")]
+        chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        return httpx.Response(200, content=_sse(chunks, [0.0] * 5))
 
     async def go(prompt: str) -> RequestResult:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             return await send_request(client, ServeTarget("http://test/v1", "m"), ServeRequest(prompt, 2, 4))
 
     ok, bad = asyncio.run(go("fine")), asyncio.run(go("bad"))
-    assert ok.success and ok.output_tokens == 3 and ok.prompt_len == 2
+    assert ok.success and ok.output_tokens == 4 and ok.prompt_len == 2 and len(ok.itl) == 3
     assert not bad.success and "HTTP 400" in bad.error and "too long" in bad.error
 
 
