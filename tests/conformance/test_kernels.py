@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashllm.ops import op_specs
-from flashllm.ops.testing import cases, make_inputs, run_case
+from flashllm.ops.testing import case_quant, cases, make_inputs, run_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import Backend, Kernel
 from flashllm.registry.plugins import make_plugin_manager
@@ -35,6 +35,8 @@ def _generate() -> list:
                     continue  # a backend running the portable body as is: identical by construction
                 for dtype in sorted(kernel.caps.dtypes, key=str):
                     for case in cases(op):
+                        if case_quant(op, case) not in kernel.caps.quant:
+                            continue  # the kernel does not claim this weight format; resolve never picks it
                         name = f"{backend.name}-{op}-{str(dtype).removeprefix('torch.')}-{case}"
                         params.append(pytest.param(Case(backend, kernel, dtype, case), id=name))
     return params
