@@ -77,17 +77,20 @@ def load_record(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- offline throughput
 
+BASELINES = ("transformers", "llama.cpp")  # record keys holding lists of baseline runs
+
 
 def throughput_bars(record: dict[str, Any]) -> ThroughputBars:
-    """Output tokens/s of flashllm and of each transformers static batch size in a throughput record."""
+    """Output tokens/s of flashllm and of each baseline run (transformers static batches, llama.cpp)."""
     _expect_mode(record, OFFLINE_MODES)
     labels, sizes = ["flashllm\n(continuous batching)"], [None]
     values = [float(_field(record["flashllm"], "output_tokens_per_s", "flashllm"))]
-    for run in record.get("transformers", []):
-        size = int(_field(run, "batch_size", "transformers"))
-        labels.append(f"transformers\nbatch {size}")
-        sizes.append(size)
-        values.append(float(_field(run, "output_tokens_per_s", "transformers")))
+    for engine in BASELINES:
+        for run in record.get(engine, []):
+            size = int(_field(run, "batch_size", engine))
+            labels.append(f"{engine}\nbatch {size}")
+            sizes.append(size)
+            values.append(float(_field(run, "output_tokens_per_s", engine)))
     ceiling = record.get("decode_ceiling_batch1_tokens_per_s")
     return ThroughputBars(labels, sizes, values, None if ceiling is None else float(ceiling))
 

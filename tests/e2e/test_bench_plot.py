@@ -95,6 +95,14 @@ def test_throughput_without_baseline_or_roofline_is_one_bar() -> None:
     assert [p.get_height() for p in throughput_figure(record).axes[0].patches] == [412.5]
 
 
+def test_llama_cpp_runs_get_their_own_bars() -> None:
+    record = {**throughput_record(), "llama.cpp": [{"batch_size": 1, "output_tokens_per_s": 31.5, "elapsed_s": 9.0}]}
+    bars = throughput_bars(record)
+    assert bars.tokens_per_s == [412.5, 23.25, 150.75, 31.5]
+    assert bars.labels[-1].startswith("llama.cpp")
+    assert [p.get_height() for p in throughput_figure(record).axes[0].patches] == [412.5, 23.25, 150.75, 31.5]
+
+
 # ---------------------------------------------------------------- serve chart
 
 
