@@ -2,8 +2,8 @@
 
 Triton reads TRITON_INTERPRET when `triton` is imported (its own library functions are decorated
 then), so the interpreted tests run in a child pytest started with the variable set:
-`test_interpreter_subprocess` below. Run them directly with
-`TRITON_INTERPRET=1 python -m pytest tests/conformance/test_triton_interpret.py`.
+`test_interpreter_subprocess` below (with test_triton_quant_interpret.py's: one triton import).
+Run them directly with `TRITON_INTERPRET=1 python -m pytest tests/conformance/test_triton_interpret.py`.
 The parent process compiles every kernel for sm80/sm90, which needs no GPU either.
 """
 
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from flashllm.backends import cuda
 from flashllm.backends.cuda import kernels as cuda_kernels
 from flashllm.ops import op_specs
-from flashllm.ops.testing import cases, make_inputs, random_block_tables, run_case
+from flashllm.ops.testing import case_kv_dtype, case_quant, cases, make_inputs, random_block_tables, run_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import check_signature
 
@@ -36,6 +36,8 @@ SPECS = op_specs()
 BACKEND = cuda.make_backend()
 KERNELS = {op: kernels[0] for op, kernels in BACKEND.kernels.items()}
 REPO = Path(__file__).resolve().parents[2]
+# interpreted tests of other modules, run by the same child process
+INTERPRETED_MODULES = (Path(__file__), Path(__file__).with_name("test_triton_quant_interpret.py"))
 
 
 def _triton_state() -> tuple[str | None, bool]:
@@ -63,10 +65,11 @@ pytestmark = needs_triton
 
 @compiled
 def test_interpreter_subprocess() -> None:
-    """Every interpreted test of this module, in a child pytest that imports triton interpreted."""
+    """Every interpreted test of INTERPRETED_MODULES, in a child pytest that imports triton interpreted."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    paths = [str(path.relative_to(REPO)) for path in INTERPRETED_MODULES]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(REPO)), "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540,  # inside pytest-timeout's 600 s
     )
     output = proc.stdout + proc.stderr
@@ -80,6 +83,11 @@ def _param_ids() -> list[Any]:
     for op, kernel in KERNELS.items():
         for dtype in sorted(kernel.caps.dtypes, key=str):
             for case in cases(op):
+                kv_dtype = case_kv_dtype(op, case)
+                if case_quant(op, case) not in kernel.caps.quant or (
+                    kv_dtype is not None and kv_dtype not in kernel.caps.kv_dtypes
+                ):
+                    continue  # a weight format or KV cache the kernel does not claim: resolve never picks it
                 params.append(pytest.param(op, dtype, case, id=f"{op}-{str(dtype)[6:]}-{case}"))
     return params
 
@@ -123,7 +131,8 @@ def test_bench_inputs_pass_the_bench_correctness_check(argv: list[str]) -> None:
     from flashllm.backends.cuda import bench
 
     small = ["--dtype", "float32", "--tokens", "40", "--hidden", "96", "--intermediate", "80", "--heads", "4",
-             "--kv-heads", "2", "--head-size", "64", "--block-size", "16", "--seqs", "2", "--context", "20"]
+             "--kv-heads", "2", "--head-size", "64", "--block-size", "16", "--seqs", "2", "--context", "20",
+             "--out-features", "48", "--group-size", "32", "--experts", "4"]
     for op in KERNELS:
         inputs, nbytes = bench.check(bench.build_parser().parse_args(["--kernel", op, *small, *argv]), "cpu")
         assert nbytes > 0 and inputs
@@ -329,15 +338,18 @@ def test_kernels_compile_for_ampere_and_hopper(monkeypatch: pytest.MonkeyPatch) 
     from triton.runtime.jit import JITFunction
 
     built: list[str] = []
-    # sm80: one decode split, written straight to out; sm90: several splits and the merge kernel
+    # sm80: one decode split, written straight to out; sm90: several splits and the merge kernel.
+    # quant_matmul: a GEMM (9 or 5 rows) and a GEMV (1 row) launch, int8 and int4 on each target
+    quant_cases = {80: ("w8a16_group64_tokens", "w4a16_group32_sym"), 90: ("w4a16_group128_asym", "w8a16_per_channel")}
     for dtype, arch, partition in ((torch.float16, 80, None), (torch.bfloat16, 90, 64)):
         monkeypatch.setattr(JITFunction, "run", _compile_instead_of_launch([GPUTarget("cuda", arch, 32)], built))
         for op in KERNELS:
             case = {"paged_attention": "alibi" if arch == 80 else "sliding_window", "gelu_and_mul": "tanh"}
-            inputs = make_inputs(op, dtype, case=case.get(op), block_size=64)
             fn = attend(partition) if op == "paged_attention" and partition else KERNELS[op].fn
-            fn(**inputs)
-    every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel", "_gated_kernel"}
+            for op_case in quant_cases[arch] if op == "quant_matmul" else (case.get(op),):
+                fn(**make_inputs(op, dtype, case=op_case, block_size=64))
+    every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel", "_gated_kernel",
+             "_gemv_kernel", "_gemm_kernel", "_gate_up_kernel", "_down_kernel"}
     assert {name.removesuffix("@sm80") for name in built if name.endswith("@sm80")} == every
     assert {name.removesuffix("@sm90") for name in built if name.endswith("@sm90")} == every | {"merge_kernel"}
 

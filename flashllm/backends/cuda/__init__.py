@@ -58,7 +58,7 @@ class CudaAdapter(DeviceAdapter):
 
 
 class CudaBackend(Backend):
-    """Triton kernels on CUDA devices; quant_matmul and fused_moe still run the reference."""
+    """Triton kernels on CUDA devices, every op including weight-only quant_matmul and fused_moe."""
 
     def is_available(self) -> Availability:
         if torch.version.cuda is None and torch.version.hip is None:

@@ -1,6 +1,8 @@
 """Micro-benchmark of one Triton kernel against its op's PyTorch reference, after a correctness check.
 
     python -m flashllm.backends.cuda.bench --kernel paged_attention --mode decode --dtype bfloat16
+    python -m flashllm.backends.cuda.bench --kernel quant_matmul --scheme w4a16 --tokens 1 --hidden 4096 --out-features 4096
+    python -m flashllm.backends.cuda.bench --kernel fused_moe --tokens 16 --experts 8 --top-k 2
 
 Needs an NVIDIA/ROCm GPU: elsewhere it says so and exits 2 (interpreter timings mean nothing).
 """
@@ -84,6 +86,62 @@ def _attention_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace)
     return inputs, kv_bytes + 2 * seqs * q_len * args.heads * args.head_size * dtype.itemsize
 
 
+def _quant_matmul_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    from flashllm.ops.quant_matmul import QuantizedWeight
+    from flashllm.quant.weight_only import quantize_weight
+
+    m, k, n = args.tokens, args.hidden, args.out_features
+    dense = _randn(n, k, dtype=torch.float32, device=device) * k**-0.5
+    weight = (QuantizedWeight.dense(dense.to(dtype)) if args.scheme == "none"
+              else quantize_weight(dense, args.scheme, args.group_size, symmetric=not args.asymmetric))
+    inputs = {"x": _randn(m, k, dtype=dtype, device=device), "weight": weight}
+    return inputs, weight.nbytes + (m * k + m * n) * dtype.itemsize
+
+
+def _fused_moe_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    t, h, i, e, k = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
+    scores = torch.randn(t, e, device=device)
+    topk_weights, topk_ids = torch.softmax(scores, dim=-1).topk(k, dim=-1)
+    inputs = {"x": _randn(t, h, dtype=dtype, device=device),
+              "w13": _randn(e, 2 * i, h, dtype=dtype, device=device) * h**-0.5,
+              "w2": _randn(e, h, i, dtype=dtype, device=device) * i**-0.5,
+              "topk_weights": topk_weights / topk_weights.sum(-1, keepdim=True), "topk_ids": topk_ids}
+    experts_hit = int(topk_ids.unique().numel())
+    return inputs, (experts_hit * 3 * i * h + 2 * t * h) * dtype.itemsize
+
+
+def _dense_matmul_baseline(inputs: Inputs) -> Callable[[], Any]:
+    """torch's own matmul on the weight dequantized once to x.dtype: what the quantized kernel must beat."""
+    from flashllm.ops.quant_matmul import dequantize
+
+    x = inputs["x"]
+    w = dequantize(inputs["weight"], x.dtype)
+    return lambda: torch.nn.functional.linear(x, w)
+
+
+def _expert_loop_baseline(inputs: Inputs) -> Callable[[], Any]:
+    """One torch matmul pair per expert hit, in x.dtype (the reference does the same in fp32)."""
+    x, w13, w2, weights, ids = (inputs[name] for name in ("x", "w13", "w2", "topk_weights", "topk_ids"))
+
+    def run() -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+            gate, up = (x[token_idx] @ w13[expert].T).chunk(2, dim=-1)
+            down = (torch.nn.functional.silu(gate) * up) @ w2[expert].T
+            out.index_add_(0, token_idx, down * weights[token_idx, slot_idx, None].to(x.dtype))
+        return out
+
+    return run
+
+
+# op -> (name, builder of a timed callable) compared beside the kernel and the op's reference
+BASELINES: dict[str, tuple[str, Callable[[Inputs], Callable[[], Any]]]] = {
+    "quant_matmul": ("torch dense matmul", _dense_matmul_baseline),
+    "fused_moe": ("torch expert loop", _expert_loop_baseline),
+}
+
+
 BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Inputs, int]]] = {
     "rms_norm": _norm_inputs,
     "silu_and_mul": _gated_inputs,
@@ -91,6 +149,8 @@ BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Input
     "rotary_embedding": _rotary_inputs,
     "write_kv_cache": _write_kv_inputs,
     "paged_attention": _attention_inputs,
+    "quant_matmul": _quant_matmul_inputs,
+    "fused_moe": _fused_moe_inputs,
 }
 
 
@@ -108,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--seqs", type=int, default=64, help="decode batch size")
     parser.add_argument("--context", type=int, default=4096, help="keys per sequence")
+    parser.add_argument("--out-features", type=int, default=4096, help="quant_matmul N (K is --hidden)")
+    parser.add_argument("--scheme", default="w4a16", choices=["none", "w8a16", "w4a16"], help="quant_matmul weights")
+    parser.add_argument("--group-size", type=int, default=128, help="quant_matmul scale group, -1 per channel")
+    parser.add_argument("--asymmetric", action="store_true", help="quant_matmul w4a16 with zero points")
+    parser.add_argument("--experts", type=int, default=8, help="fused_moe experts")
+    parser.add_argument("--top-k", type=int, default=2, help="fused_moe experts per token")
     return parser
 
 
@@ -148,9 +214,16 @@ def main(argv: list[str] | None = None) -> int:
 
     inputs, nbytes = check(args, "cuda")
     print(f"{args.kernel} ({args.dtype}): matches the reference within tolerances")
-    for name, fn in (("triton", kernels.WRAPPERS[args.kernel]), ("torch reference", op_specs()[args.kernel].reference)):
-        ms = do_bench(lambda fn=fn: fn(**inputs))
-        print(f"  {name:>16}: {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:8.1f} GB/s")
+    timed = [(name, lambda fn=fn: fn(**inputs))
+             for name, fn in (("triton", kernels.WRAPPERS[args.kernel]),
+                              ("torch reference", op_specs()[args.kernel].reference))]
+    if args.kernel in BASELINES:
+        name, build = BASELINES[args.kernel]
+        timed.append((name, build(inputs)))
+        print(f"  (GB/s for every row: the bytes the {args.kernel} kernel must move, over each one's time)")
+    for name, run in timed:
+        ms = do_bench(run)
+        print(f"  {name:>18}: {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:8.1f} GB/s")
     return 0
 
 

@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -21,6 +22,7 @@ FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # kernel pads D to a power of two >= 16, so others likely work but are not claimed until tested.
 ATTENTION_HEAD_SIZES = frozenset({64, 80, 96, 128, 256})
 ATTENTION_BLOCK_SIZES = frozenset({16, 32, 64, 128})
+QUANT_SCHEMES = frozenset({"none", "w8a16", "w4a16"})
 
 # op -> module under flashllm.backends.cuda holding its launcher (a function named like the op)
 KERNEL_MODULES: dict[str, str] = {
@@ -30,6 +32,8 @@ KERNEL_MODULES: dict[str, str] = {
     "rotary_embedding": "triton_rotary",
     "write_kv_cache": "triton_kv",
     "paged_attention": "triton_attention",
+    "quant_matmul": "triton_quant",
+    "fused_moe": "triton_moe",
 }
 
 CAPS: dict[str, Caps] = {
@@ -42,6 +46,11 @@ CAPS: dict[str, Caps] = {
     "paged_attention": Caps(
         dtypes=FLOATS, kv_dtypes=FLOATS, head_sizes=ATTENTION_HEAD_SIZES, block_sizes=ATTENTION_BLOCK_SIZES
     ),
+    # weight-only int8/int4 (any group size, symmetric or with zero points) in Triton, "none" in
+    # torch; a8w8 and fp8 weights resolve to the reference. No host sync: graph-capturable.
+    "quant_matmul": Caps(dtypes=FLOATS, quant=QUANT_SCHEMES),
+    # float experts; the topk_ids range check reads back to the host, and is skipped under capture
+    "fused_moe": Caps(dtypes=FLOATS),
 }
 
 
@@ -107,6 +116,16 @@ def paged_attention(
     )
 
 
+def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """Triton weight-only int8/int4 GEMV/GEMM, dequantized in registers (see triton_quant.quant_matmul)."""
+    return launcher_module("quant_matmul").quant_matmul(x, weight, bias)
+
+
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe)."""
+    return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
 WRAPPERS = {
     "rms_norm": rms_norm,
     "silu_and_mul": silu_and_mul,
@@ -114,10 +133,12 @@ WRAPPERS = {
     "rotary_embedding": rotary_embedding,
     "write_kv_cache": write_kv_cache,
     "paged_attention": paged_attention,
+    "quant_matmul": quant_matmul,
+    "fused_moe": fused_moe,
 }
 
 
 def register(backend: Backend) -> None:
-    """Register the Triton kernels on `backend` (quant_matmul and fused_moe run the reference)."""
+    """Register the Triton kernels on `backend` with their caps."""
     for op, fn in WRAPPERS.items():
         backend.kernel(op, CAPS[op])(fn)

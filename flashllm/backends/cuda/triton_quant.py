@@ -1,0 +1,256 @@
+"""Triton quant_matmul: w8a16 and w4a16 weights dequantized in registers, fp32 accumulation.
+
+Two kernels, picked by the number of rows M:
+- `_gemv_kernel` (M <= GEMV_MAX_ROWS, decode): one program per (row, N tile, K split), CUDA-core
+  multiply-and-sum; K is split across programs when the N tiles alone cannot fill the GPU, and
+  the fp32 partial sums are added by a second pass (deterministic, no atomics).
+- `_gemm_kernel` (larger M, prefill): (BLOCK_M, BLOCK_N) output tiles walking K with tl.dot.
+
+Numerics. Where a K tile lies inside one scale group (always for per-channel scales, and for
+groups that are a multiple of the tile), the tile's integer codes minus zero point, exact in
+fp16/bf16, go into the dot as is and the group's scale multiplies the fp32 partial sum: the same
+products the reference's fp32 dequantize-then-matmul makes, only summed in another order. Other
+group sizes dequantize each element in fp32, (code - zero) * scale, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
+from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, QuantizedWeight
+
+SCHEMES = ("none", "w8a16", "w4a16")
+GEMV_MAX_ROWS = 4  # more rows re-read each weight tile once per row: tiled tl.dot wins from here
+MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
+MAX_BLOCK_K = 128
+
+
+@triton.jit
+def _codes(w_ptr, stride_wn, n, k, mask, IS_INT4: tl.constexpr):
+    """Integer codes of W at rows n, columns k (broadcast shapes) as int32; 0 where masked."""
+    n = n.to(tl.int64)  # N x K passes 2**31 bytes on large vocab projections
+    if IS_INT4:
+        byte = tl.load(w_ptr + n * stride_wn + k // 2, mask=mask, other=0).to(tl.int32)
+        return (byte >> ((k % 2) * 4)) & 0xF  # low nibble holds the even column
+    return tl.load(w_ptr + n * stride_wn + k, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, stride_sn, stride_zn, n, g, mask, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr):
+    """(scale fp32, zero point int32) of group(s) g of rows n (broadcast shapes)."""
+    scale = tl.load(s_ptr + n * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + n * stride_zn + g, mask=mask, other=0).to(tl.int32)
+    else:
+        zero = tl.zeros_like(g) + ZERO
+    return scale, zero
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
+    N, K, k_per_split, group_size,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
+    IS_INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PER_ELEMENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
+        mask = n_mask[:, None] & k_mask[None, :]
+        codes = _codes(w_ptr, stride_wn, n[:, None], k[None, :], mask, IS_INT4)  # (BLOCK_N, BLOCK_K)
+        if PER_ELEMENT:
+            scale, zero = _group_params(s_ptr, z_ptr, stride_sn, stride_zn, n[:, None], k[None, :] // group_size,
+                                        mask, HAS_ZEROS, ZERO)
+            acc += tl.sum((codes - zero).to(tl.float32) * scale * x[None, :], axis=1)
+        else:
+            g = tl.zeros([BLOCK_N], dtype=tl.int32) + k0 // group_size
+            scale, zero = _group_params(s_ptr, z_ptr, stride_sn, stride_zn, n, g, n_mask, HAS_ZEROS, ZERO)
+            acc += tl.sum((codes - zero[:, None]).to(tl.float32) * x[None, :], axis=1) * scale
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + split * stride_os + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
+    M, N, K, group_size,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    IS_INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PER_ELEMENT: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < M, n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        mask = k_mask[:, None] & n_mask[None, :]
+        codes = _codes(w_ptr, stride_wn, n[None, :], k[:, None], mask, IS_INT4)  # (BLOCK_K, BLOCK_N)
+        if PER_ELEMENT:
+            scale, zero = _group_params(s_ptr, z_ptr, stride_sn, stride_zn, n[None, :], k[:, None] // group_size,
+                                        mask, HAS_ZEROS, ZERO)
+            w = (codes - zero).to(tl.float32) * scale
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            g = tl.zeros([BLOCK_N], dtype=tl.int32) + k0 // group_size
+            scale, zero = _group_params(s_ptr, z_ptr, stride_sn, stride_zn, n, g, n_mask, HAS_ZEROS, ZERO)
+            # code - zero is a small integer, exact in every activation dtype: full-rate tensor cores
+            if WIDEN:  # the interpreter also converts int -> bf16 wrongly: go through fp32 there
+                x = x.to(tl.float32)
+                w = (codes - zero[None, :]).to(tl.float32)
+            else:
+                w = (codes - zero[None, :]).to(x.dtype)
+            acc += tl.dot(x, w, input_precision="ieee") * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _block_k(group_size: int, k: int) -> tuple[int, bool]:
+    """(K tile, whether scales must be read per element): tiles stay inside one scale group if they can."""
+    whole_k = min(pow2(k, MIN_DOT), MAX_BLOCK_K)
+    if group_size == -1:
+        return whole_k, False
+    aligned = group_size & -group_size  # the largest power of two dividing the group
+    if aligned < MIN_DOT:
+        return min(whole_k, 64), True
+    return min(aligned, MAX_BLOCK_K), False
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: more programs only cost time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemv_split_k(rows: int, n_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """K splits so that rows x N tiles x splits fills the GPU about four programs deep."""
+    want = 4 * _num_sms(device)
+    return max(1, min(k_tiles, want // max(rows * n_tiles, 1)))
+
+
+def _weight_args(weight: QuantizedWeight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(scales, zeros or a dummy, the kernel's weight-format constants)."""
+    scales = weight.scales
+    zeros = weight.zeros if weight.zeros is not None else scales
+    consts = {
+        "IS_INT4": weight.scheme == "w4a16",
+        "HAS_ZEROS": weight.zeros is not None,
+        "ZERO": INT4_SYMMETRIC_ZERO if weight.scheme == "w4a16" else 0,
+    }
+    return scales, zeros, consts
+
+
+def _gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+          split_k: int | None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.out_features
+    block_k, per_element = _block_k(weight.group_size, k)
+    block_n = min(pow2(n, 16), 64)
+    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split_k = min(split_k or _gemv_split_k(m, n_tiles, k_tiles, x.device), k_tiles)
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty split
+    partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    scales, zeros, consts = _weight_args(weight, x.device)
+    group = k if weight.group_size == -1 else weight.group_size
+    _gemv_kernel[(n_tiles, split_k, m)](
+        x, weight.data, scales, zeros, bias if bias is not None else scales, partial,
+        n, k, k_per_split, group,
+        x.stride(0), weight.data.stride(0), scales.stride(0), zeros.stride(0), partial.stride(-2),
+        partial.stride(0) if split_k > 1 else 0,
+        HAS_BIAS=bias is not None and split_k == 1, PER_ELEMENT=per_element, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, **consts, **LAUNCH_OPTIONS,
+    )
+    if split_k > 1:
+        # the second pass: fp32 partials summed in a fixed order (deterministic, unlike atomics)
+        total = partial.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
+    return out
+
+
+def _gemm_tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for M rows: small M wastes less of a 16-row tile."""
+    block_m = min(pow2(m, MIN_DOT), 128)
+    return (block_m, 128, 8) if block_m >= 64 else (block_m, 64, 4)
+
+
+def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.out_features
+    block_k, per_element = _block_k(weight.group_size, k)
+    block_m, block_n, num_warps = _gemm_tiles(m)
+    scales, zeros, consts = _weight_args(weight, x.device)
+    group = k if weight.group_size == -1 else weight.group_size
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _gemm_kernel[grid](
+        x, weight.data, scales, zeros, bias if bias is not None else scales, out,
+        m, n, k, group,
+        x.stride(0), weight.data.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, PER_ELEMENT=per_element, WIDEN=widen_bf16(_gemm_kernel, x.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, 64), num_warps=num_warps, num_stages=3,
+        **consts, **LAUNCH_OPTIONS,
+    )
+    return out
+
+
+def matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
+           path: str | None = None, split_k: int | None = None) -> torch.Tensor:
+    """quant_matmul with its kernel choice exposed: path "gemv" or "gemm" (default: by rows), split_k for gemv.
+
+    Shapes as `quant_matmul`; tests use `path` and `split_k` to reach every launch on small inputs.
+    """
+    if weight.scheme not in SCHEMES:
+        raise NotImplementedError(
+            f"quant_matmul (cuda): scheme {weight.scheme!r} has no Triton kernel; this kernel runs {SCHEMES} "
+            "(resolve_ops should have bound the reference for it)"
+        )
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects {weight.in_features}")
+    if weight.input_perm is not None:  # act-order checkpoints: the columns are stored permuted
+        x = x.index_select(-1, weight.input_perm)
+    if weight.scheme == "none":
+        return F.linear(x, weight.data.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    x2 = x.reshape(-1, x.shape[-1])
+    unit_stride_last("quant_matmul", x=x2, data=weight.data, scales=weight.scales)
+    if weight.zeros is not None:
+        unit_stride_last("quant_matmul", zeros=weight.zeros)
+    out = torch.empty((x2.shape[0], weight.out_features), dtype=x.dtype, device=x.device)
+    if out.numel():
+        bias = None if bias is None else bias.contiguous()
+        path = path or ("gemv" if x2.shape[0] <= GEMV_MAX_ROWS else "gemm")
+        if path == "gemv":
+            _gemv(x2, weight, bias, out, split_k)
+        elif path == "gemm":
+            _gemm(x2, weight, bias, out)
+        else:
+            raise ValueError(f"quant_matmul: path {path!r} is unknown; use 'gemv', 'gemm' or None")
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for x (..., K) in fp16/bf16/fp32 and a none/w8a16/w4a16 weight; (..., N) in x.dtype.
+
+    Numerics as `flashllm.ops.quant_matmul`: fp32 accumulation, one rounding to x.dtype.
+    """
+    return matmul(x, weight, bias)
