@@ -47,3 +47,11 @@ def ui(session: nox.Session) -> None:
     _install(session, "test,serve,ui")
     session.install("playwright")
     session.run("pytest", "-q", "tests/ui", *session.posargs)
+
+
+@nox.session(python="3.11")
+def baselines(session: nox.Session) -> None:
+    """The lm-eval adapter and the llama.cpp baseline (llama-cpp-python builds llama.cpp: minutes)."""
+    _install(session, "test,bench,lm-eval,llamacpp")
+    session.run("pytest", "-q", "tests/e2e/test_lm_eval_adapter.py", "tests/e2e/test_gguf_export.py",
+                "tests/e2e/test_bench_llamacpp.py", *session.posargs)
