@@ -7,12 +7,29 @@ from collections.abc import Callable
 from flashllm.registry.backend import Backend
 from flashllm.registry.hookspecs import hookimpl
 
+# How each built-in backend's claims are proven (see registry.backend.PROOF_LEVELS). The vendor
+# adapters (npu, xpu, dcu, gcu) declare "mapped" themselves; these are the backends whose packages
+# predate the proof field. cuda stays "interpreter" until a GPU run proves it ("gpu").
+BUILTIN_PROOF: dict[str, str] = {
+    "reference": "conformance",
+    "cpu": "conformance",
+    "cuda": "interpreter",
+}
+
 
 @hookimpl
 def flashllm_register_backends(register: Callable[[Backend], None]) -> None:
-    """Register reference, cpu and cuda. Constructing them imports no vendor SDK."""
-    from flashllm.backends import cpu, cuda, reference
+    """Register reference, cpu, cuda and the vendor adapters. Constructing them imports no vendor SDK."""
+    from flashllm.backends import cpu, cuda, dcu, gcu, npu, reference, xpu
 
-    register(reference.make_backend())
-    register(cpu.make_backend())
-    register(cuda.make_backend())
+    for make_backend in (
+        reference.make_backend, cpu.make_backend, cuda.make_backend,
+        npu.make_backend, xpu.make_backend, dcu.make_backend, gcu.make_backend,
+    ):
+        register(_with_proof(make_backend()))
+
+
+def _with_proof(backend: Backend) -> Backend:
+    if backend.name in BUILTIN_PROOF:
+        backend.proof = BUILTIN_PROOF[backend.name]
+    return backend

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from flashllm.registry.matrix import LEGEND, build_rows
+from flashllm.registry.matrix import LEGEND, PROOF_LEGEND, build_rows
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import PRECISIONS
 from flashllm.registry.resolve import DeviceSelectionError, select_device
@@ -30,7 +30,7 @@ def collect() -> dict[str, Any]:
             here[backend.name] = profile
         backends.append({
             "name": backend.name, "device_type": backend.device_type, "priority": backend.priority,
-            "available": ok, "reason": reason, "device_profile_here": profile,
+            "proof": backend.proof, "available": ok, "reason": reason, "device_profile_here": profile,
             "install_hint": "" if ok else backend.install_hint,
         })
     try:
@@ -41,10 +41,10 @@ def collect() -> dict[str, Any]:
     for row in build_rows(plugins):
         available = next(b for b in backends if b["name"] == row.backend)
         rows.append({
-            "backend": row.backend, "device": row.profile,
+            "backend": row.backend, "device": row.profile, "proof": row.proof,
             "here": here.get(row.backend) == row.profile or (row.backend == "reference"),
             "available": available["available"], "reason": available["reason"],
-            "cells": {k: {"status": c.status, "detail": c.detail} for k, c in row.cells.items()},
+            "cells": {k: {"status": c.status, "detail": c.detail, "proof": c.proof} for k, c in row.cells.items()},
         })
     failures = [f.describe() for f in plugins.failures]
     return {"backends": backends, "auto_device": auto, "matrix": rows, "plugin_failures": failures}
@@ -58,24 +58,26 @@ def run(args: argparse.Namespace) -> int:
     print("Backends (highest priority first):")
     for b in data["backends"]:
         state = "available" if b["available"] else "UNAVAILABLE"
-        hint = f" [install: {b['install_hint']}]" if b["install_hint"] else ""
-        print(f"  {b['name']:<10} {b['device_type']:<5} prio {b['priority']:<4} {state}: {b['reason']}{hint}")
+        # a reason that already names the package to install need not repeat it
+        hint = f" [install: {b['install_hint']}]" if b["install_hint"] and b["install_hint"] not in b["reason"] else ""
+        print(f"  {b['name']:<10} {b['device_type']:<5} prio {b['priority']:<4} proof {b['proof']:<11} "
+              f"{state}: {b['reason']}{hint}")
     for failure in data["plugin_failures"]:
         print(f"  ! {failure}")
     print(f"\n--device auto selects: {data['auto_device']}\n")
     print(_matrix_text(data["matrix"]))
-    print("\n" + LEGEND + "\n* = this machine; rows of unavailable backends show why.")
+    print("\n" + LEGEND + "\n" + PROOF_LEGEND + "\n* = this machine; rows of unavailable backends show why.")
     return 0
 
 
 def _matrix_text(rows: list[dict[str, Any]]) -> str:
 
-    headers = ["backend", "device"] + [p.key for p in PRECISIONS] + ["here"]
+    headers = ["backend", "device", "proof"] + [p.key for p in PRECISIONS] + ["here"]
     table = [headers]
     for row in rows:
         cells = [_cell(row["cells"][p.key]) for p in PRECISIONS]
         where = "*" if row["here"] and row["available"] else ("" if row["available"] else f"no: {row['reason']}")
-        table.append([row["backend"], row["device"]] + cells + [where])
+        table.append([row["backend"], row["device"], row["proof"]] + cells + [where])
     widths = [max(_width(r[i]) for r in table) for i in range(len(headers) - 1)]
     out = []
     for r in table:

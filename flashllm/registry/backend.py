@@ -15,6 +15,16 @@ from flashllm.registry.precision import DeviceProfile
 
 ANY_DEVICE = "*"
 
+# How a backend's claims are proven. A backend declares one level for all its cells; third-party
+# backends that do not say are "mapped": claimed from documentation, never executed here.
+PROOF_LEVELS: dict[str, str] = {
+    "conformance": "kernels run and checked against the reference on real execution in CI",
+    "interpreter": "kernels checked against the reference under an interpreter (TRITON_INTERPRET=1 on CPU)",
+    "gpu": "kernels checked against the reference on the real accelerator",
+    "mapped": "ops mapped to the vendor's documented calls; not run on the hardware",
+}
+DEFAULT_PROOF = "mapped"
+
 
 class KernelSignatureError(TypeError):
     """A kernel's signature does not match its op spec."""
@@ -115,6 +125,7 @@ class Backend:
     Subclass it (or pass callables) to describe the device: `is_available()` must explain itself
     when it returns False, `device_profile()` says which precisions the device at hand can run,
     `known_profiles()` lists the device generations rendered in the capability matrix.
+    `proof` is one of PROOF_LEVELS: how the claims of this backend are proven.
     """
 
     name: str
@@ -123,6 +134,14 @@ class Backend:
     description: str = ""
     install_hint: str = ""
     kernels: dict[str, list[Kernel]] = field(default_factory=dict, repr=False)
+    proof: str = DEFAULT_PROOF
+
+    def __post_init__(self) -> None:
+        if self.proof not in PROOF_LEVELS:
+            raise ValueError(
+                f"backend {self.name!r} declares proof level {self.proof!r}; expected one of "
+                f"{', '.join(PROOF_LEVELS)} (omit it to default to {DEFAULT_PROOF!r})"
+            )
 
     def kernel(self, op: str, caps: Caps) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering `fn` as this backend's kernel for `op` with `caps`.

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from flashllm.ops import op_specs
-from flashllm.registry.backend import ANY_DEVICE, Backend, OpRequest
+from flashllm.registry.backend import ANY_DEVICE, PROOF_LEVELS, Backend, OpRequest
 from flashllm.registry.plugins import FlashPlugins, make_plugin_manager
 from flashllm.registry.precision import PRECISIONS, DeviceProfile, Precision, activation_dtype, device_supports
 
@@ -27,6 +27,9 @@ LEGEND = (
     "✅ every op has a kernel of this backend · 🟡 some ops run the reference kernel · "
     "🔵 every op runs the reference kernel · ❌ the device cannot run it · ⛔ not implemented yet"
 )
+# Cells whose status says something runs carry the proof level of their backend.
+PROVEN_STATUSES = frozenset({"native", "partial", "reference"})
+PROOF_LEGEND = "Proof levels: " + " · ".join(f"{level}: {why}" for level, why in PROOF_LEVELS.items())
 
 # The reference backend runs wherever torch runs: its row shows what it implements.
 ANY_PROFILE = DeviceProfile(
@@ -43,6 +46,7 @@ class Cell:
 
     status: str  # native | partial | reference | unsupported | missing
     detail: str
+    proof: str = ""  # a PROOF_LEVELS key where something runs, "" where nothing does
 
     def render(self) -> str:
         return f"{SYMBOLS[self.status]} {self.detail}".strip()
@@ -56,10 +60,18 @@ class MatrixRow:
     profile: str
     cells: dict[str, Cell]
     notes: str = ""
+    proof: str = ""
 
 
 def precision_cell(backend: Backend, reference: Backend, profile: DeviceProfile, precision: Precision) -> Cell:
-    """What `backend` offers for `precision` on a device described by `profile`."""
+    """What `backend` offers for `precision` on a device described by `profile`, and how it is proven."""
+    cell = _coverage_cell(backend, reference, profile, precision)
+    if cell.status in PROVEN_STATUSES:
+        return Cell(cell.status, cell.detail, backend.proof)
+    return cell
+
+
+def _coverage_cell(backend: Backend, reference: Backend, profile: DeviceProfile, precision: Precision) -> Cell:
     why_not = device_supports(precision, profile)
     if why_not is not None:
         return Cell("unsupported", "")
@@ -92,14 +104,14 @@ def build_rows(plugins: FlashPlugins) -> list[MatrixRow]:
         profiles = [ANY_PROFILE] if backend.device_type == ANY_DEVICE else backend.known_profiles()
         for profile in profiles:
             cells = {p.key: precision_cell(backend, reference, profile, p) for p in PRECISIONS}
-            rows.append(MatrixRow(backend.name, profile.name, cells, profile.notes))
+            rows.append(MatrixRow(backend.name, profile.name, cells, profile.notes, backend.proof))
     return rows
 
 
 def render_markdown(plugins: FlashPlugins) -> str:
     """The capability page: machine-independent, so it can be committed and checked."""
-    header = "| backend | device | " + " | ".join(p.label for p in PRECISIONS) + " | notes |"
-    sep = "|" + "---|" * (len(PRECISIONS) + 3)
+    header = "| backend | device | proof | " + " | ".join(p.label for p in PRECISIONS) + " | notes |"
+    sep = "|" + "---|" * (len(PRECISIONS) + 4)
     lines = [
         "# Capability matrix",
         "",
@@ -109,12 +121,14 @@ def render_markdown(plugins: FlashPlugins) -> str:
         "",
         LEGEND,
         "",
+        PROOF_LEGEND + ". Every runnable cell of a row is proven at the row's level.",
+        "",
         header,
         sep,
     ]
     for row in build_rows(plugins):
         cells = " | ".join(row.cells[p.key].render() for p in PRECISIONS)
-        lines.append(f"| {row.backend} | {row.profile} | {cells} | {row.notes} |")
+        lines.append(f"| {row.backend} | {row.profile} | {row.proof} | {cells} | {row.notes} |")
     lines += ["", "## Kernels by op", "", _kernel_table(plugins), ""]
     return "\n".join(lines)
 

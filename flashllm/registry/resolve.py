@@ -13,7 +13,7 @@ import torch
 from flashllm.ops import op_specs
 from flashllm.registry.backend import ANY_DEVICE, Backend, DeviceAdapter, Kernel, OpRequest
 from flashllm.registry.plugins import FlashPlugins
-from flashllm.registry.precision import DeviceProfile, dtype_name
+from flashllm.registry.precision import DeviceProfile, dtype_name, quant_requirement
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ def select_device(spec: str = "auto", backend: str | None = None, *, plugins: Fl
         return _select_named(backends[backend], spec, backends)
     candidates = [b for b in backends.values() if b.device_type != ANY_DEVICE]
     if spec != "auto":
-        wanted = torch.device(spec).type
+        # by string: torch.device("npu") only parses once torch_npu has registered the device type
+        wanted = spec.split(":", 1)[0]
         candidates = [b for b in candidates if b.device_type == wanted]
     else:
         candidates.sort(key=lambda b: (b.device_type == "cpu", -b.priority))
@@ -106,7 +107,10 @@ def select_device(spec: str = "auto", backend: str | None = None, *, plugins: Fl
         if ok:
             device = _device_for(candidate, spec)
             return _selection(candidate, device, candidate)
-    raise DeviceSelectionError(f"no available backend for device {spec!r}.\n{describe_backends(backends)}")
+    summary = f"no available backend for device {spec!r}"
+    if candidates:  # the device type is known: the first line says why none of its backends runs here
+        summary = f"device {spec!r} is unavailable: " + "; ".join(f"{c.name}: {c.is_available()[1]}" for c in candidates)
+    raise DeviceSelectionError(f"{summary}.\n{describe_backends(backends)}")
 
 
 def describe_backends(backends: Mapping[str, Backend]) -> str:
@@ -128,7 +132,7 @@ def _select_named(chosen: Backend, spec: str, backends: Mapping[str, Backend]) -
     # The reference runs anywhere; the device itself is described by the backend that owns it.
     owners = [b for b in backends.values() if b.device_type != ANY_DEVICE and b.is_available()[0]]
     if spec != "auto":
-        owners = [b for b in owners if b.device_type == torch.device(spec).type]
+        owners = [b for b in owners if b.device_type == spec.split(":", 1)[0]]
     else:
         owners.sort(key=lambda b: (b.device_type == "cpu", -b.priority))
     if not owners:
@@ -157,7 +161,9 @@ def check_precision(
         supported = ", ".join(sorted(dtype_name(d) for d in profile.dtypes))
         raise PrecisionError(f"{dtype_name(dtype)} is not supported on {where}; supported dtypes: {supported}")
     if quant not in profile.quant:
-        raise PrecisionError(f"quantization {quant!r} is not supported on {where}; supported: {sorted(profile.quant)}")
+        hint = quant_requirement(quant)
+        raise PrecisionError(f"quantization {quant!r} is not supported on {where}; supported: {sorted(profile.quant)}"
+                             + (f" ({hint})" if hint else ""))
     if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in profile.kv_dtypes:
         supported = ", ".join(sorted(dtype_name(d) for d in profile.kv_dtypes)) or "none beyond the model dtype"
         raise PrecisionError(f"KV cache dtype {dtype_name(kv_dtype)} is not supported on {where}; supported: {supported}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -42,6 +43,24 @@ def test_cells_follow_device_rules_and_kernel_coverage() -> None:
     assert matrix.precision_cell(partial, reference, no_bf16, by_key["fp16"]).status == "reference"
 
 
+def test_cells_carry_the_proof_level_of_their_backend() -> None:
+    plugins = make_plugin_manager(load_entry_points=False)
+    reference = plugins.backends()["reference"]
+    by_key = {p.key: p for p in PRECISIONS}
+    no_bf16 = DeviceProfile("old", frozenset({torch.float32, torch.float16}))
+    for level in ("conformance", "mapped"):
+        backend = Backend(f"b_{level}", "cpu", 1, proof=level)
+        backend.kernel("silu_and_mul", Caps(dtypes=frozenset({torch.float32})))(lambda x: x)
+        assert matrix.precision_cell(backend, reference, no_bf16, by_key["fp32"]).proof == level
+        assert matrix.precision_cell(backend, reference, no_bf16, by_key["bf16"]).proof == ""  # nothing runs
+    page = matrix.render_markdown(plugins)
+    assert matrix.PROOF_LEGEND in page and "| backend | device | proof |" in page
+    for name, backend in plugins.backends().items():
+        assert f"| {name} | " in page and backend.proof in matrix.PROOF_LEVELS
+        rows = [line for line in page.splitlines() if line.startswith(f"| {name} | ")]
+        assert rows and all(line.split(" | ")[2] == backend.proof for line in rows)
+
+
 def test_devices_command_shows_cuda_rows_unavailable_with_reason(capsys) -> None:
     assert main(["devices", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -55,3 +74,23 @@ def test_devices_command_shows_cuda_rows_unavailable_with_reason(capsys) -> None
     assert main(["devices"]) == 0
     text = capsys.readouterr().out
     assert "cuda" in text and "UNAVAILABLE" in text and "Volta (sm70)" in text
+
+
+def test_devices_command_shows_vendor_adapters_with_reasons_and_proof(capsys) -> None:
+    assert main(["devices", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    backends = {b["name"]: b for b in data["backends"]}
+    for name in ("npu", "xpu", "dcu", "gcu"):
+        rows = [r for r in data["matrix"] if r["backend"] == name]
+        assert rows and backends[name]["proof"] == "mapped" and all(r["proof"] == "mapped" for r in rows)
+        if not backends[name]["available"]:
+            assert backends[name]["reason"] and all(r["reason"] == backends[name]["reason"] for r in rows)
+    for row in data["matrix"]:
+        for cell in row["cells"].values():
+            runs = cell["status"] in ("native", "partial", "reference")
+            assert cell["proof"] == (row["proof"] if runs else "")
+    if importlib.util.find_spec("torch_npu") is None:
+        assert "torch_npu is not installed" in backends["npu"]["reason"]
+    assert main(["devices"]) == 0
+    text = capsys.readouterr().out
+    assert "Proof levels:" in text and " proof " in text and "Ascend 910B/910C (Atlas A2/A3)" in text
