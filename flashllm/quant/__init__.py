@@ -1,4 +1,4 @@
-"""Quantization: weight-only int8/int4 at load time (A8W8, FP8, KV-cache and GPTQ/AWQ land later)."""
+"""Quantization: weight-only int8/int4, SmoothQuant A8W8 and FP8 at load time (KV-cache and GPTQ/AWQ land later)."""
 
 from __future__ import annotations
 

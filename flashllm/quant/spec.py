@@ -1,10 +1,29 @@
-"""User quant_type spellings (PaddleNLP flags and plain aliases) -> the scheme the layers quantize to."""
+"""User quant_type spellings (PaddleNLP flags and plain aliases) -> the scheme the layers quantize to.
+
+Pre-quantized checkpoints. A linear layer `<prefix>` (e.g. `model.layers.0.mlp.down_proj`)
+whose checkpoint holds, instead of a float `<prefix>.weight`:
+
+    <prefix>.weight         int8 (N, K) codes in -127..127  -> scheme "a8w8"
+                            float8_e4m3fn (N, K)            -> scheme "fp8"
+    <prefix>.weight_scale   float (N, 1): W[n, k] = weight[n, k] * weight_scale[n]
+    <prefix>.smooth_factor  float (K,), optional: SmoothQuant factors the weight's columns were
+                            multiplied by (x is divided by them before quantization)
+
+loads without requantizing when `--quant_type` names the same scheme. A float weight may also
+carry `<prefix>.smooth_factor` alone (a smoothed float checkpoint): a8w8/fp8 quantize it and keep
+the factors, other schemes divide them back out. Fused projections (q/k/v, gate/up) read one
+input, so their shards must carry identical smooth factors. A pre-quantized weight loaded with
+another quant_type is dequantized (and unsmoothed) first, so e.g. `none` runs an fp8 checkpoint
+in the model dtype on a device without fp8. This is the layout the `flashllm quantize` tool
+writes; GPTQ/AWQ imports have their own names.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# quant_type -> (scheme, symmetric). PaddleNLP spells weight-only as weight_only_int8/int4.
+# quant_type -> (scheme, symmetric). PaddleNLP spells weight-only as weight_only_int8/int4 and
+# SmoothQuant as a8w8; FP8 as a8w8_fp8.
 WEIGHT_ONLY_TYPES: dict[str, tuple[str, bool]] = {
     "none": ("none", True),
     "weight_only_int8": ("w8a16", True),
@@ -14,11 +33,17 @@ WEIGHT_ONLY_TYPES: dict[str, tuple[str, bool]] = {
     "weight_only_int4_asym": ("w4a16", False),
     "w4a16_asym": ("w4a16", False),
 }
-# Spellings the issue names that later slices implement; refused with a pointer, not as unknown.
-NOT_YET: dict[str, str] = {
-    "a8w8": "A8W8 (SmoothQuant)", "w8a8": "A8W8 (SmoothQuant)",
-    "a8w8_fp8": "FP8", "fp8": "FP8",
+ACTIVATION_TYPES: dict[str, tuple[str, bool]] = {
+    "a8w8": ("a8w8", True),
+    "w8a8": ("a8w8", True),
+    "smoothquant": ("a8w8", True),
+    "a8w8_fp8": ("fp8", True),
+    "fp8": ("fp8", True),
 }
+QUANT_TYPES: dict[str, tuple[str, bool]] = {**WEIGHT_ONLY_TYPES, **ACTIVATION_TYPES}
+# checkpoint tensor suffixes of a pre-quantized linear layer, beside `<prefix>.weight`
+WEIGHT_SCALE_SUFFIX = "weight_scale"
+SMOOTH_FACTOR_SUFFIX = "smooth_factor"
 # torch's CPU int4 kernel and most GPU int4 kernels take these group sizes
 COMMON_GROUP_SIZES = (32, 64, 128)
 
@@ -31,7 +56,8 @@ class QuantConfigError(ValueError):
 class WeightQuantSpec:
     """How the linear layers store their weights after loading.
 
-    scheme: "none" | "w8a16" | "w4a16" (the capability-matrix key the op table is resolved for).
+    scheme: "none" | "w8a16" | "w4a16" | "a8w8" | "fp8" (the capability-matrix key the op table
+      is resolved for).
     group_size: input features sharing one scale, -1 for one scale per output channel.
     symmetric: int4 only: False adds a per-group zero point (asymmetric range).
     """
@@ -50,24 +76,23 @@ def weight_quant_spec(quant_type: str = "none", group_size: int = -1) -> WeightQ
     """Parse `--quant_type` and `--weightonly_group_size` into a WeightQuantSpec.
 
     quant_type: none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) |
-    weight_only_int4_asym (w4a16_asym). group_size: -1 (per output channel) or a positive
-    group of input features (32, 64, 128 are the common ones; it must divide every layer's
-    input size, which the layers check when they quantize).
+    weight_only_int4_asym (w4a16_asym) | a8w8 (w8a8, smoothquant) | a8w8_fp8 (fp8).
+    group_size: -1 (per output channel) or a positive group of input features (32, 64, 128 are
+    the common ones; it must divide every layer's input size, which the layers check when they
+    quantize); a8w8 and fp8 take -1 only.
     """
     key = quant_type.strip().lower()
-    if key in NOT_YET:
-        raise QuantConfigError(
-            f"quant_type {quant_type!r} ({NOT_YET[key]}) is not implemented yet; weight-only schemes are: "
-            f"{', '.join(WEIGHT_ONLY_TYPES)}"
-        )
-    if key not in WEIGHT_ONLY_TYPES:
-        raise QuantConfigError(f"unknown quant_type {quant_type!r}; choose one of: {', '.join(WEIGHT_ONLY_TYPES)}")
+    if key not in QUANT_TYPES:
+        raise QuantConfigError(f"unknown quant_type {quant_type!r}; choose one of: {', '.join(QUANT_TYPES)}")
+    scheme, symmetric = QUANT_TYPES[key]
+    if key in ACTIVATION_TYPES and group_size != -1:
+        raise QuantConfigError(f"quant_type {quant_type!r} has one weight scale per output channel; "
+                               f"drop --weightonly_group_size {group_size} (or pass -1)")
     if group_size != -1 and group_size < 2:
         raise QuantConfigError(
             f"weightonly_group_size {group_size} must be -1 (per output channel) or a group of input features, "
             f"e.g. {', '.join(map(str, COMMON_GROUP_SIZES))}"
         )
-    scheme, symmetric = WEIGHT_ONLY_TYPES[key]
     if scheme == "none":
         return WeightQuantSpec()
     return WeightQuantSpec(scheme, group_size, symmetric)

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization of float (N, K) weights, and weight-byte accounting."""
+"""Quantization of float (N, K) weights (int8, int4, per-channel A8W8 / FP8 weights) and weight-byte accounting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.ops.quant_matmul import (
+    FP8_E4M3_MAX,
     INT4_SYMMETRIC_ZERO,
+    INT8_MAX,
+    MIN_SCALE,
     QuantizedWeight,
     dequantize,
     pack_int4,
@@ -25,27 +28,34 @@ __all__ = [
     "weight_bytes",
 ]
 
-INT8_MAX = 127          # symmetric int8 uses -127..127 so that +-max are both representable
 INT4_SYMMETRIC_MAX = 7  # symmetric int4 codes -7..7 (stored +8); -8 would leave +max unrepresentable
 INT4_LEVELS = 15        # asymmetric int4 codes 0..15
-# a scale is never below this, so an all-zero group divides cleanly (its codes are all zero)
-_MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
-def quantize_weight(weight: Tensor, scheme: str, group_size: int = -1, symmetric: bool = True) -> QuantizedWeight:
+def quantize_weight(
+    weight: Tensor, scheme: str, group_size: int = -1, symmetric: bool = True, smooth: Tensor | None = None
+) -> QuantizedWeight:
     """Quantize a float (N, K) weight with round-to-nearest: each element's error is <= scale / 2.
 
     scheme "w8a16": symmetric int8, scale = max|w| / 127 per output channel (group_size -1) or
     per group of `group_size` input features. scheme "w4a16": int4 codes packed two per byte;
     symmetric: scale = max|w| / 7, codes -7..7 stored as 0..15 around zero point 8;
     asymmetric: the group's range [min(w, 0), max(w, 0)] over 15 steps with an integer zero
-    point. Scales are fp32 (N, num_groups). Math runs in fp32 on the weight's device.
+    point. scheme "a8w8": the w8a16 codes per output channel. scheme "fp8": per output
+    channel scale = max|w| / 448, codes = e4m3(w / scale) (error <= half an e4m3 step, i.e.
+    2**-4 relative for normal codes). "a8w8"/"fp8" take group_size -1 only, and `smooth` (K,):
+    SmoothQuant factors the weight was already multiplied by, kept for the op to divide x by.
+    Scales are fp32 (N, num_groups). Math runs in fp32 on the weight's device.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize_weight expects a float (N, K) weight, got {weight.dtype} {tuple(weight.shape)}")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("quantize_weight: the weight has non-finite values (inf/nan); the checkpoint is corrupt")
     n, k = weight.shape
+    if scheme in ("a8w8", "fp8"):
+        return _per_channel_activation_scheme(weight, scheme, group_size, symmetric, smooth)
+    if smooth is not None:
+        raise ValueError(f"smooth factors apply to a8w8/fp8, not {scheme!r}; divide the weight's columns by them")
     if group_size != -1 and (group_size <= 0 or k % group_size):
         raise ValueError(
             f"group_size {group_size} does not divide in_features {k}; use -1 (per output channel) or a "
@@ -65,12 +75,29 @@ def quantize_weight(weight: Tensor, scheme: str, group_size: int = -1, symmetric
         else:
             codes, scales, zeros = _asymmetric(w, INT4_LEVELS)
         return QuantizedWeight("w4a16", pack_int4(codes.reshape(n, k)), scales, zeros, group_size)
-    raise ValueError(f"quantize_weight: unknown scheme {scheme!r}; expected 'w8a16' or 'w4a16'")
+    raise ValueError(f"quantize_weight: unknown scheme {scheme!r}; expected 'w8a16', 'w4a16', 'a8w8' or 'fp8'")
+
+
+def _per_channel_activation_scheme(
+    weight: Tensor, scheme: str, group_size: int, symmetric: bool, smooth: Tensor | None
+) -> QuantizedWeight:
+    """a8w8 (int8 codes) or fp8 (e4m3 codes), one fp32 scale per output channel."""
+    if group_size != -1 or not symmetric:
+        raise ValueError(f"{scheme} weights are symmetric with one scale per output channel; got "
+                         f"group_size {group_size}, symmetric={symmetric}: use group_size -1")
+    w = weight.detach().to(torch.float32)[:, None, :]  # (N, 1, K)
+    smooth = None if smooth is None else smooth.to(device=weight.device, dtype=torch.float32)
+    if scheme == "a8w8":
+        codes, scales = _symmetric(w, INT8_MAX)
+        return QuantizedWeight("a8w8", codes.to(torch.int8)[:, 0], scales, smooth=smooth)
+    scales = (w.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
+    codes = (w / scales[:, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight("fp8", codes[:, 0], scales, smooth=smooth)
 
 
 def _symmetric(w: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     """(codes (N, G, K/G) fp32 in -qmax..qmax, scales (N, G) fp32)."""
-    scales = (w.abs().amax(dim=-1) / qmax).clamp(min=_MIN_SCALE)
+    scales = (w.abs().amax(dim=-1) / qmax).clamp(min=MIN_SCALE)
     codes = torch.round(w / scales[:, :, None]).clamp(-qmax, qmax)
     return codes, scales
 
@@ -84,7 +111,7 @@ def _asymmetric(w: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """
     low = w.amin(dim=-1).clamp(max=0)
     high = w.amax(dim=-1).clamp(min=0)
-    scales = ((high - low) / levels).clamp(min=_MIN_SCALE)
+    scales = ((high - low) / levels).clamp(min=MIN_SCALE)
     zeros = torch.round(-low / scales).clamp(0, levels)
     codes = (torch.round(w / scales[:, :, None]) + zeros[:, :, None]).clamp(0, levels)
     return codes, scales, zeros.to(torch.uint8)
@@ -139,6 +166,6 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     for module in model.modules():
         qweight = getattr(module, "qweight", None)
         if isinstance(module, LinearBase) and qweight is not None:
-            linear += count([qweight.data, qweight.scales, qweight.zeros])
+            linear += count(list(qweight.tensors))
     other = count([p for _, p in model.named_parameters()])
     return WeightBytes(linear, other)

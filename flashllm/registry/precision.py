@@ -51,6 +51,13 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("kv_int8", "INT8 KV cache", None, kv_dtype=torch.int8),
 )
 
+# What a scheme needs from the hardware, appended to the error of a device without it.
+QUANT_REQUIREMENTS: dict[str, str] = {
+    "fp8": "fp8 (e4m3) matmuls need an NVIDIA Ada (sm89) or Hopper (sm90) GPU or newer; elsewhere use "
+           "--quant_type a8w8, or load an fp8 checkpoint with --quant_type none to dequantize it",
+    "a8w8": "int8 matmuls need an NVIDIA Turing (sm75) GPU or newer, a ROCm GPU, or an x86/Arm CPU",
+}
+
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -91,3 +98,8 @@ def device_supports(precision: Precision, profile: DeviceProfile) -> str | None:
     if precision.kv_dtype is not None and precision.kv_dtype not in profile.kv_dtypes:
         return f"{profile.name} has no {dtype_name(precision.kv_dtype)} KV cache"
     return None
+
+
+def quant_requirement(scheme: str) -> str:
+    """A sentence naming the devices that run `scheme` ("" when every device does)."""
+    return QUANT_REQUIREMENTS.get(scheme, "")

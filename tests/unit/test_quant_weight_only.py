@@ -34,6 +34,7 @@ from flashllm.registry.resolve import (
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+WEIGHT_ONLY_CASES = [c for c in cases("quant_matmul") if case_quant("quant_matmul", c) in ("w8a16", "w4a16")]
 # (scheme, symmetric) -> (lowest code, highest code, implicit zero point or None for explicit zeros)
 SCHEMES = {("w8a16", True): (-127, 127, 0), ("w4a16", True): (0, 15, 8), ("w4a16", False): (0, 15, None)}
 
@@ -168,7 +169,7 @@ def test_quantized_weight_validates_its_layout() -> None:
 # -- the reference op ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [c for c in cases("quant_matmul") if case_quant("quant_matmul", c) != "none"])
+@pytest.mark.parametrize("case", WEIGHT_ONLY_CASES)
 def test_reference_is_x_times_dequantized_weight(case: str) -> None:
     inputs = make_inputs("quant_matmul", torch.float32, case=case)
     x, q, bias = inputs["x"], inputs["weight"], inputs.get("bias")
@@ -197,7 +198,7 @@ def _paths(weight: QuantizedWeight) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", [c for c in cases("quant_matmul") if case_quant("quant_matmul", c) != "none"])
+@pytest.mark.parametrize("case", WEIGHT_ONLY_CASES)
 def test_every_cpu_path_matches_the_reference(case: str, dtype: torch.dtype) -> None:
     """The packed bodies run in the engine only on AVX512; here they are forced on whatever CPU this is."""
     inputs = make_inputs("quant_matmul", dtype, case=case)
@@ -209,8 +210,7 @@ def test_every_cpu_path_matches_the_reference(case: str, dtype: torch.dtype) -> 
 
 
 def test_packed_paths_are_reached_somewhere() -> None:
-    reached = {p for c in cases("quant_matmul") for p in _paths(make_inputs("quant_matmul", torch.float32, case=c)["weight"])
-               if case_quant("quant_matmul", c) != "none"}
+    reached = {p for c in WEIGHT_ONLY_CASES for p in _paths(make_inputs("quant_matmul", torch.float32, case=c)["weight"])}
     assert reached == {"dequant", "int8pack", "int4pack"}
 
 
@@ -247,8 +247,11 @@ def test_quant_type_spellings() -> None:
     assert weight_quant_spec("weight_only_int4", 128) == WeightQuantSpec("w4a16", 128, True)
     assert weight_quant_spec("w4a16_asym", 64) == WeightQuantSpec("w4a16", 64, False)
     assert not weight_quant_spec("none", 64).enabled
-    with pytest.raises(QuantConfigError, match="not implemented yet"):
-        weight_quant_spec("a8w8")
+    assert weight_quant_spec("a8w8") == weight_quant_spec("W8A8") == weight_quant_spec("smoothquant") == \
+        WeightQuantSpec("a8w8")
+    assert weight_quant_spec("a8w8_fp8") == weight_quant_spec("fp8") == WeightQuantSpec("fp8")
+    with pytest.raises(QuantConfigError, match="one weight scale per output channel"):
+        weight_quant_spec("a8w8", 64)
     with pytest.raises(QuantConfigError, match="weight_only_int8"):
         weight_quant_spec("int3")
     with pytest.raises(QuantConfigError, match="group"):

@@ -7,20 +7,44 @@ CPU_CAPABILITY_AVX512), while dequantizing 1-4 MB row chunks and running the BLA
 took 0.9-1.0 ms and scales like a GEMM. So the packed kernels run only where torch reports
 AVX512 and the batch is a few decode tokens (a rule from torch's source, not yet timed on an
 AVX512 machine); every other call takes the chunked path.
+
+a8w8 (per-token int8 activations x per-channel int8 weights) runs fbgemm's dynamic int8 GEMM
+exactly: fbgemm quantizes its input per tensor (uint8, 0..127 with reduce_range), so it is fed
+the reference's own activation codes split into positive and negative parts, rows
+[max(c, 0); max(-c, 0)] (2T, K), each in 0..127 with a 127 present (every token's largest
+|code| is 127). fbgemm then picks scale 1 and zero point 0, quantizes losslessly, accumulates
+in int32 (no vpmaddubsw saturation: 2 * 127 * 127 < 2**15) and returns acc * s_w; the two
+halves subtract to the exact integer product. Only the fp32 epilogue order differs from the
+reference (about 1 ulp). Past A8W8_FBGEMM_MAX_TOKENS an fp32 GEMM over the integer codes takes
+over (exact while |partial sums| < 2**24, always for K <= 1040; relative 2**-24 otherwise).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, QuantizedWeight, integer_codes
+from flashllm.ops.quant_matmul import (
+    INT4_SYMMETRIC_ZERO,
+    INT8_MAX,
+    QuantizedWeight,
+    integer_codes,
+    quantize_activation_int8,
+)
 from flashllm.ops.quant_matmul import quant_matmul as reference
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
-QUANT = frozenset({"none", "w8a16", "w4a16"})
+QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8"})  # no fp8: see backends/cpu/__init__.py
+
+# fbgemm's packed int8 GEMM (the "x86" engine uses it too); qnnpack/onednn quantize differently
+FBGEMM_ENGINES = ("x86", "fbgemm")
+FBGEMM_READY = ("fbgemm" in torch.backends.quantized.supported_engines
+                and torch.backends.quantized.engine in FBGEMM_ENGINES)
+A8W8_FBGEMM_MAX_TOKENS = 64
 
 PACKED_CAPABILITIES = frozenset({"AVX512"})
 PACKED_FAST = torch.backends.cpu.get_cpu_capability() in PACKED_CAPABILITIES
@@ -48,6 +72,12 @@ def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None 
         return reference(x, weight, bias)
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects {weight.in_features}")
+    if weight.input_perm is not None:
+        x = x.index_select(-1, weight.input_perm)
+    if path == "a8w8_fbgemm":
+        return a8w8_fbgemm(x, weight, bias)
+    if path == "a8w8_dequant":
+        return a8w8_dequant(x, weight, bias)
     if path == "int8pack":
         out = torch._weight_int8pack_mm(x.contiguous(), weight.data, weight.scales.view(-1).to(x.dtype))
     elif path == "int4pack":
@@ -56,14 +86,18 @@ def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None 
     elif path == "dequant":
         return dequant_matmul(x, weight, bias)
     else:
-        raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, int8pack, int4pack or dequant")
+        raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, int8pack, int4pack, dequant, "
+                         "a8w8_fbgemm or a8w8_dequant")
     return out if bias is None else out.add_(bias.to(out.dtype))
 
 
-def choose_path(weight: QuantizedWeight, num_tokens: int, packed_fast: bool) -> str:
-    """Which body runs: "dense", "int8pack", "int4pack" or "dequant" (chunked dequantize + GEMM)."""
-    if weight.scheme == "none":
+def choose_path(weight: QuantizedWeight, num_tokens: int, packed_fast: bool, fbgemm: bool = FBGEMM_READY) -> str:
+    """Which body runs: "dense", "int8pack", "int4pack", "dequant" (chunked dequantize + GEMM),
+    "a8w8_fbgemm" or "a8w8_dequant"."""
+    if weight.scheme in ("none", "fp8"):  # fp8 is not claimed here; the reference body is the answer
         return "dense"
+    if weight.scheme == "a8w8":
+        return "a8w8_fbgemm" if fbgemm and num_tokens <= A8W8_FBGEMM_MAX_TOKENS else "a8w8_dequant"
     if not packed_fast or num_tokens > PACKED_MAX_TOKENS:
         return "dequant"
     if weight.scheme == "w8a16" and weight.num_groups == 1:
@@ -137,7 +171,7 @@ def _dequant_rows(
     """Write rows start:end of (code - zero) [* scale] into chunk (rows, K); scales None = leave unscaled."""
     rows, k = chunk.shape
     data = weight.data[start:end]
-    if weight.scheme == "w8a16":
+    if weight.scheme in ("w8a16", "a8w8"):
         chunk.copy_(data)
     else:
         pairs = chunk.view(rows, k // 2, 2)
@@ -152,6 +186,46 @@ def _dequant_rows(
         chunk.view(rows, weight.num_groups, k // weight.num_groups).mul_(scales[start:end, :, None])
 
 
+def fbgemm_packed(weight: QuantizedWeight) -> torch.ScriptObject:
+    """fbgemm's packed per-channel int8 layout of an a8w8 weight, built once into weight.kernel_cache."""
+    cache, key = weight.kernel_cache, "cpu_fbgemm_a8w8"
+    if key not in cache:
+        zero_points = torch.zeros(weight.out_features, dtype=torch.int64)
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm takes nothing else
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(
+                weight.data, weight.scales.view(-1).to(torch.float64), zero_points, 0
+            )
+            cache[key] = torch.ops.quantized.linear_prepack(qweight, None)
+    return cache[key]
+
+
+def a8w8_fbgemm(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """a8w8 through fbgemm's int8 GEMM, exact in the integer product (see the module docstring)."""
+    codes, x_scales = quantize_activation_int8(x, weight.smooth)  # (T, K) integers, (T, 1)
+    tokens = codes.shape[0]
+    split = torch.cat((codes.clamp(min=0), codes.neg().clamp_(min=0)))  # (2T, K) in 0..127
+    if tokens == 0 or float(split.amax()) != INT8_MAX:
+        # every token is (sub)normal-tiny or zero: fbgemm would pick another scale; stay exact
+        return a8w8_dequant(x, weight, bias, (codes, x_scales))
+    halves = torch.ops.quantized.linear_dynamic(split, fbgemm_packed(weight), True)  # (2T, N) = acc+- * s_w
+    out = (halves[:tokens] - halves[tokens:]).mul_(x_scales)
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype)
+
+
+def a8w8_dequant(
+    x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, quantized: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """a8w8 as an fp32 GEMM of the activation codes with the weight codes, chunked; then * s_w * s_x."""
+    codes, x_scales = quantized or quantize_activation_int8(x, weight.smooth)
+    out = dequant_matmul(codes, weight).mul_(x_scales)  # codes are fp32: dequant_matmul stays in fp32
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype)
+
+
 def register(backend: Backend) -> None:
-    """Register the cpu quant_matmul kernel on `backend` for every float dtype and weight-only scheme."""
+    """Register the cpu quant_matmul kernel on `backend` for every float dtype, weight-only schemes and a8w8."""
     backend.kernel("quant_matmul", Caps(dtypes=FLOATS, kv_dtypes=FLOATS, quant=QUANT))(quant_matmul)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from flashllm.ops.quant_matmul import QuantizedWeight
-from flashllm.quant.spec import WeightQuantSpec
+from flashllm.ops.quant_matmul import ACTIVATION_SCHEMES, QuantizedWeight, dequantize
+from flashllm.quant.spec import SMOOTH_FACTOR_SUFFIX, WEIGHT_SCALE_SUFFIX, WeightQuantSpec
 from flashllm.quant.weight_only import quantize_weight
+
+# checkpoint dtype of `<prefix>.weight` -> the scheme of a pre-quantized layer (see quant/spec.py)
+PREQUANTIZED_DTYPES: dict[torch.dtype, str] = {torch.int8: "a8w8", torch.float8_e4m3fn: "fp8"}
+_SCHEME_DTYPES = {scheme: dtype for dtype, scheme in PREQUANTIZED_DTYPES.items()}
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -44,13 +48,34 @@ def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return param
 
 
+def checkpoint_param(model: nn.Module, param_name: str) -> nn.Parameter | None:
+    """The parameter a pre-quantized checkpoint's extra tensor loads into, created on first use.
+
+    param_name: `<linear prefix>.weight_scale` or `<linear prefix>.smooth_factor` (see
+    quant/spec.py); None for any other name or when the prefix is not a linear layer. Models'
+    load_weights call this for names that match no parameter.
+    """
+    prefix, _, attr = param_name.rpartition(".")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    return module.checkpoint_param(attr) if isinstance(module, LinearBase) else None
+
+
 class LinearBase(nn.Module):
     """y = x @ W.T + b through `ops.quant_matmul`; W (output_size_per_partition, input_size_per_partition).
 
     Subclasses decide how a checkpoint tensor maps onto this rank's slice (`weight_loader`).
     `process_weights_after_loading()` must run once after loading: it builds the QuantizedWeight
-    the forward passes to the op, which is where weight quantization plugs in.
+    the forward passes to the op, which is where weight quantization plugs in. A pre-quantized
+    checkpoint (int8 / e4m3 weight + weight_scale [+ smooth_factor], quant/spec.py) is copied
+    into the float `weight` exactly (every int8 and e4m3 value is a float32/16 and bf16 value)
+    and turned back into its codes there, without requantizing.
     """
+
+    # row-parallel layers split the input features across ranks (weight columns, smooth_factor)
+    input_is_sharded: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -71,27 +96,119 @@ class LinearBase(nn.Module):
         self.output_size_per_partition = output_size_per_partition
         self._quant_matmul = ops.quant_matmul
         shape = (output_size_per_partition, input_size_per_partition)
-        self.weight = _new_param(shape, dtype, device, self.weight_loader)
+        self.weight = _new_param(shape, dtype, device, self._load_weight)
         self.bias = _new_param((output_size_per_partition,), dtype, device, self.weight_loader) if bias else None
+        # created by checkpoint_param() only when a pre-quantized checkpoint carries them
+        self.register_parameter("weight_scale", None)
+        self.register_parameter("smooth_factor", None)
+        self._stored_schemes: set[str] = set()
         self.qweight: QuantizedWeight | None = None
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
 
+    def _load_weight(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        """The weight's loader: notes whether the checkpoint stores it pre-quantized, then copies it."""
+        self._stored_schemes.add(PREQUANTIZED_DTYPES.get(loaded_weight.dtype, "none"))
+        if len(self._stored_schemes) > 1:
+            raise ValueError(f"the shards of this fused weight mix storage formats {sorted(self._stored_schemes)}; "
+                             "quantize every projection of the layer the same way")
+        self.weight_loader(param, loaded_weight, shard_id)
+
+    def checkpoint_param(self, attr: str) -> nn.Parameter | None:
+        """`weight_scale` (N, 1) / `smooth_factor` (K,) fp32 parameters of this rank, made on first use."""
+        if self.weight is None:  # already quantized, or holding a GPTQ/AWQ layer's packed tensors
+            return None
+        device = self.weight.device
+        if attr == WEIGHT_SCALE_SUFFIX:
+            if self.weight_scale is None:
+                shape = (self.output_size_per_partition, 1)
+                self.weight_scale = _new_param(shape, torch.float32, device, self._load_weight_scale)
+            return self.weight_scale
+        if attr == SMOOTH_FACTOR_SUFFIX:
+            if self.smooth_factor is None:
+                shape = (self.input_size_per_partition,)
+                self.smooth_factor = _new_param(shape, torch.float32, device, self._load_smooth_factor)
+                self._smooth_loaded = False
+            return self.smooth_factor
+        return None
+
+    def _load_weight_scale(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        """Per-channel scales (N,) or (N, 1) slice like the weight's rows."""
+        if loaded_weight.dim() == 1:
+            loaded_weight = loaded_weight[:, None]
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != 1:
+            raise ValueError(f"weight_scale must be per output channel, (N, 1) or (N,); got {tuple(loaded_weight.shape)}")
+        self.weight_loader(param, loaded_weight, shard_id)
+
+    def _load_smooth_factor(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        """(K,) factors of the input; every shard of a fused layer must bring the same ones."""
+        if self.input_is_sharded and self.tp_size > 1 and loaded_weight.dim() == 1:
+            size = param.shape[0]
+            loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        if self._smooth_loaded and not torch.equal(param.data, loaded_weight.to(param.dtype)):
+            raise ValueError("the fused projections read one input, so their smooth_factor tensors must be "
+                             "identical; re-export the checkpoint with one factor per input")
+        copy_checked(param, loaded_weight, "smooth_factor")
+        self._smooth_loaded = True
+
     def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
-        """Build the QuantizedWeight the forward multiplies by from the loaded float weight.
+        """Build the QuantizedWeight the forward multiplies by from the loaded weight.
 
         With an enabled `quant` spec the weight is quantized (see flashllm.quant.quantize_weight)
-        and the float parameter is dropped, so only the quantized copy stays in memory.
+        and the float parameter is dropped, so only the quantized copy stays in memory. A
+        pre-quantized checkpoint of the same scheme keeps its codes; of another scheme it is
+        dequantized first (and its smooth factors divided out unless the scheme takes them).
         """
-        if quant is None or not quant.enabled:
-            self.qweight = QuantizedWeight.dense(self.weight)
-            return
+        scheme = quant.scheme if quant is not None and quant.enabled else "none"
         try:
-            self.qweight = quantize_weight(self.weight.data, quant.scheme, quant.group_size, quant.symmetric)
+            stored = self._stored_scheme()
+            if stored != "none" and stored == scheme:
+                self.qweight = self._prequantized(stored)
+            else:
+                self.qweight = self._quantize(self._float_weight(stored, keep_smooth=scheme in ACTIVATION_SCHEMES),
+                                              quant)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__} {tuple(self.weight.shape)}: {err}") from None
-        self.weight = None
+        if scheme != "none":
+            self.weight = None
+        self.weight_scale = None
+        self.smooth_factor = None
+
+    def _stored_scheme(self) -> str:
+        stored = next(iter(self._stored_schemes), "none")
+        if stored != "none" and self.weight_scale is None:
+            raise ValueError(f"the checkpoint stores this weight as {_SCHEME_DTYPES[stored]} codes but has no "
+                             f"{WEIGHT_SCALE_SUFFIX} tensor beside it; the pre-quantized checkpoint is incomplete")
+        if stored == "none" and self.weight_scale is not None:
+            raise ValueError(f"the checkpoint has a {WEIGHT_SCALE_SUFFIX} for a float weight; pre-quantized "
+                             "weights are int8 (a8w8) or float8_e4m3fn (fp8)")
+        return stored
+
+    def _smooth(self) -> Tensor | None:
+        return None if self.smooth_factor is None else self.smooth_factor.data
+
+    def _prequantized(self, scheme: str) -> QuantizedWeight:
+        data = self.weight.data.to(_SCHEME_DTYPES[scheme])  # exact: the values were codes
+        return QuantizedWeight(scheme, data, self.weight_scale.data.clone(), smooth=self._smooth())
+
+    def _float_weight(self, stored: str, keep_smooth: bool) -> Tensor:
+        """The loaded weight as floats: dequantized when stored pre-quantized, unsmoothed unless kept."""
+        weight = self.weight.data
+        if stored != "none":
+            weight = dequantize(self._prequantized(stored))
+        smooth = self._smooth()
+        if smooth is not None and not keep_smooth:
+            weight = weight.to(torch.float32) / smooth
+        return weight
+
+    def _quantize(self, weight: Tensor, quant: WeightQuantSpec | None) -> QuantizedWeight:
+        if quant is None or not quant.enabled:
+            if weight.data_ptr() != self.weight.data_ptr():  # dequantized or unsmoothed: store it in place
+                self.weight.data.copy_(weight)
+            return QuantizedWeight.dense(self.weight)
+        smooth = self._smooth() if quant.scheme in ACTIVATION_SCHEMES else None
+        return quantize_weight(weight, quant.scheme, quant.group_size, quant.symmetric, smooth=smooth)
 
     def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.qweight is None:
@@ -137,6 +254,8 @@ class RowParallelLinear(LinearBase):
     The bias is held whole by every rank and added once, after the reduction.
     """
 
+    input_is_sharded: ClassVar[bool] = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool, ops: Any, dtype: torch.dtype,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
         inp = _divide(input_size, tp_size, "input_size")
@@ -145,7 +264,7 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
-        if self.tp_size > 1 and param.dim() == 2:
+        if self.tp_size > 1 and param is self.weight:  # bias and weight_scale are whole on every rank
             size = param.shape[1]
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
         copy_checked(param, loaded_weight)
