@@ -39,6 +39,34 @@ class ModelLoadError(ValueError):
     """A model directory or config that flashllm refuses to load; the message is one clear line."""
 
 
+# quant_method -> the checkpoint formats flashllm reads for it (GPTQ v1 stores zero points minus one)
+PREQUANTIZED_FORMATS: dict[str, tuple[str, ...]] = {"gptq": ("gptq", "gptq_v2"), "awq": ("gemm",)}
+PREQUANTIZED_BITS: dict[str, tuple[int, ...]] = {"gptq": (4, 8), "awq": (4,)}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuant:
+    """A pre-quantized (GPTQ / AWQ) checkpoint's `quantization_config`, validated.
+
+    method: "gptq" | "awq"; bits: 4 (or 8 for symmetric GPTQ); group_size: -1 or a divisor of
+    every linear layer's in_features; desc_act: GPTQ act order (g_idx permutes the groups);
+    sym: GPTQ symmetric zero points; checkpoint_format: "gptq" (v1: zero points stored minus
+    one) | "gptq_v2" for GPTQ, "gemm" (AWQ's GEMM packing) for AWQ.
+    """
+
+    method: str
+    bits: int
+    group_size: int
+    desc_act: bool = False
+    sym: bool = True
+    checkpoint_format: str = "gptq"
+
+    @property
+    def scheme(self) -> str:
+        """The QuantizedWeight scheme the layers hold: "w4a16" or "w8a16"."""
+        return "w4a16" if self.bits == 4 else "w8a16"
+
+
 @dataclass(frozen=True, slots=True)
 class HFModelConfig:
     """The fields of a decoder-only HF config that flashllm models use, validated.
@@ -47,6 +75,7 @@ class HFModelConfig:
     {"rope_type": "llama3", "factor": 8.0, ...}), the same layout whatever config.json used.
     `torch_dtype` is the checkpoint's declared dtype (None when config.json does not say).
     `sliding_windows[i]` is the attention window of layer i (None = full attention).
+    `quantization` describes a GPTQ / AWQ checkpoint's packed linear weights (None: float).
     """
 
     architecture: str
@@ -72,6 +101,7 @@ class HFModelConfig:
     eos_token_id: int | list[int] | None
     sliding_windows: tuple[int | None, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    quantization: CheckpointQuant | None = None
 
 
 def load_hf_config(
@@ -146,6 +176,7 @@ def parse_hf_config(
         eos_token_id=_token_ids(raw, "eos_token_id", source),
         sliding_windows=_sliding_windows(raw, sizes["num_hidden_layers"], source),
         raw=raw,
+        quantization=parse_quantization_config(raw.get("quantization_config"), _linear_inputs(sizes), source),
         **sizes,
     )
 
@@ -326,3 +357,78 @@ def _sliding_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple
     # Qwen2's legacy rule: layers from max_window_layers on use the window.
     first = raw.get("max_window_layers", 0)
     return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def _linear_inputs(sizes: dict[str, int]) -> tuple[int, ...]:
+    """in_features of the decoder's linear layers: hidden (qkv, gate_up), heads (o), intermediate (down)."""
+    return sizes["hidden_size"], sizes["num_attention_heads"] * sizes["head_dim"], sizes["intermediate_size"]
+
+
+def parse_quantization_config(qc: Any, in_features: tuple[int, ...] = (), source: str = "config.json"
+                              ) -> CheckpointQuant | None:
+    """`quantization_config` -> CheckpointQuant (None when absent), refusing what flashllm cannot load.
+
+    GPTQ: bits 4 or 8 (8 only with sym), group_size, desc_act, sym, checkpoint_format (or
+    format) gptq | gptq_v2; a quantized lm_head or per-module `dynamic` overrides are refused.
+    AWQ: bits (w_bit) 4, group_size (q_group_size), zero_point true, version gemm, no
+    modules_to_not_convert. group_size must be -1 or divide every entry of `in_features`.
+    """
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method not in PREQUANTIZED_FORMATS:
+        raise ModelLoadError(
+            f"{source}: quantization_config.quant_method={method!r} is not supported; flashllm loads "
+            f"{' and '.join(PREQUANTIZED_FORMATS)} checkpoints (or a float one quantized with --quant_type)"
+        )
+    where = f"{source}: {method} quantization_config"
+    bits = _quant_int(qc, ("bits", "w_bit"), None, where)
+    if bits not in PREQUANTIZED_BITS[method]:
+        raise ModelLoadError(f"{where}: bits={bits} is not supported; flashllm loads bits in {PREQUANTIZED_BITS[method]}")
+    group_size = _quant_int(qc, ("group_size", "q_group_size"), -1, where)
+    if group_size != -1 and not 2 <= group_size <= MAX_INTERMEDIATE_SIZE:
+        raise ModelLoadError(f"{where}: group_size={group_size} must be -1 or in 2..{MAX_INTERMEDIATE_SIZE}")
+    bad = [k for k in in_features if group_size != -1 and k % group_size]
+    if bad:
+        raise ModelLoadError(f"{where}: group_size={group_size} does not divide in_features {bad[0]}; "
+                             "flashllm needs equal groups")
+    if method == "awq":
+        return _awq_config(qc, bits, group_size, where)
+    return _gptq_config(qc, bits, group_size, where)
+
+
+def _gptq_config(qc: dict[str, Any], bits: int, group_size: int, where: str) -> CheckpointQuant:
+    fmt = qc.get("checkpoint_format", qc.get("format")) or "gptq"
+    if fmt not in PREQUANTIZED_FORMATS["gptq"]:
+        raise ModelLoadError(f"{where}: checkpoint_format={fmt!r} is not supported; expected one of "
+                             f"{PREQUANTIZED_FORMATS['gptq']} (convert other layouts with GPTQModel first)")
+    sym, desc_act = _flag(qc, "sym", where) if "sym" in qc else True, _flag(qc, "desc_act", where)
+    if bits == 8 and not sym:
+        raise ModelLoadError(f"{where}: asymmetric 8-bit GPTQ is not supported (flashllm's w8a16 is symmetric); "
+                             "use a sym=true or a 4-bit checkpoint")
+    if _flag(qc, "lm_head", where) or qc.get("dynamic"):
+        raise ModelLoadError(f"{where}: a quantized lm_head or per-module 'dynamic' settings are not supported; "
+                             "flashllm loads checkpoints that quantize every decoder linear the same way")
+    return CheckpointQuant("gptq", bits, group_size, desc_act, sym, fmt)
+
+
+def _awq_config(qc: dict[str, Any], bits: int, group_size: int, where: str) -> CheckpointQuant:
+    version = qc.get("version", "gemm")
+    if not isinstance(version, str) or version.lower() not in PREQUANTIZED_FORMATS["awq"]:
+        raise ModelLoadError(f"{where}: version={version!r} is not supported; flashllm reads AWQ's 'gemm' packing "
+                             "(re-export GEMV/Marlin/ExLlama checkpoints as gemm)")
+    if not (_flag(qc, "zero_point", where) if "zero_point" in qc else True):
+        raise ModelLoadError(f"{where}: zero_point=false is not supported; flashllm reads AWQ with zero points")
+    if qc.get("modules_to_not_convert"):
+        raise ModelLoadError(f"{where}: modules_to_not_convert={qc['modules_to_not_convert']!r} is not supported; "
+                             "flashllm loads AWQ checkpoints that quantize every decoder linear")
+    return CheckpointQuant("awq", bits, group_size, sym=False, checkpoint_format="gemm")
+
+
+def _quant_int(qc: dict[str, Any], keys: tuple[str, ...], default: int | None, where: str) -> int:
+    value = next((qc[k] for k in keys if k in qc), default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{where}: {keys[0]}={value!r} must be an integer")
+    return value

@@ -13,10 +13,12 @@ from tqdm.auto import tqdm
 
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 from flashllm.models.layers.linear import LinearBase
+from flashllm.models.layers.prequantized import finish_prequantized, prepare_prequantized
 from flashllm.quant.spec import WeightQuantSpec
 
 __all__ = [
     "ModelLoadError",
+    "checkpoint_quant_spec",
     "load_generation_config",
     "load_model",
     "resolve_dtype",
@@ -49,6 +51,8 @@ def load_model(
     Everything that can be checked before allocating is: the config's sizes, the architecture,
     the weight files (safetensors only, inside the directory). Raises ModelLoadError with one
     line on any problem, including missing, unexpected or mis-shaped tensors.
+    A GPTQ / AWQ checkpoint (config.json `quantization_config`) keeps its packed weights, as
+    w4a16 / w8a16; `quant` must then be None, disabled or the same scheme.
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -57,7 +61,9 @@ def load_model(
     config = load_hf_config(model_dir, model_registry.architectures())
     files = safetensors_files(model_dir)
     model_cls = model_registry.resolve(config.architecture)
+    checkpoint_quant_spec(config, quant)
     model = model_cls(config, ops, dtype, torch.device(device))
+    prepare_prequantized(model, config.quantization)
     seen: set[str] = set()
     tensors = _iter_tensors(files, progress, seen)
     try:
@@ -68,11 +74,33 @@ def load_model(
         tensors.close()
     _check_complete(model, loaded, seen)
     for module in model.modules():
+        if finish_prequantized(module):
+            continue
         if isinstance(module, LinearBase):
             module.process_weights_after_loading(quant)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval(), config
+
+
+def checkpoint_quant_spec(config: HFModelConfig, quant: WeightQuantSpec | None) -> WeightQuantSpec | None:
+    """The scheme the linear layers will hold: a GPTQ / AWQ checkpoint's own, else `quant`.
+
+    Resolve the op table for this spec. `--quant_type` with a pre-quantized checkpoint must name
+    the same scheme (and group size, when one is given); anything else is a ModelLoadError.
+    """
+    ckpt = config.quantization
+    if ckpt is None:
+        return quant
+    if quant is not None and quant.enabled and (
+        quant.scheme != ckpt.scheme or quant.group_size not in (-1, ckpt.group_size)
+    ):
+        raise ModelLoadError(
+            f"--quant_type asks for {quant.scheme} (group size {quant.group_size}) but the checkpoint is already "
+            f"{ckpt.method} {ckpt.bits}-bit ({ckpt.scheme}, group size {ckpt.group_size}); drop --quant_type "
+            "or load a float checkpoint"
+        )
+    return WeightQuantSpec(ckpt.scheme, ckpt.group_size, ckpt.sym)
 
 
 def safetensors_files(model_dir: str | Path) -> dict[Path, set[str] | None]:
