@@ -1,0 +1,398 @@
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2) to a GGUF file for the llama.cpp baseline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install gguf"
+# Bump when the written file changes for the same weights, so cached GGUFs are rebuilt.
+CONVERTER_VERSION = "1"
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+QUANT_BLOCK = 32  # Q8_0 packs rows in blocks of 32 values
+
+
+class GGUFExportError(ValueError):
+    """The model directory cannot be written as GGUF; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """How one HF architecture maps onto llama.cpp: its GGUF arch name and rope layout.
+
+    permute_qk: llama.cpp runs this arch with interleaved ("normal") rope, while HF rotates the
+    two halves of each head (neox), so Q and K rows must be reordered; qwen2 runs neox in both.
+    """
+
+    gguf_arch: str
+    permute_qk: bool
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
+    "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
+}
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """GGUF name of an HF tensor ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight").
+
+    None for buffers llama.cpp recomputes (rotary inv_freq); GGUFExportError for anything unknown.
+    """
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem.endswith("rotary_emb"):
+        return None
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+        return f"blk.{int(parts[2])}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    raise GGUFExportError(f"no GGUF name for tensor {hf_name!r}; the exporter knows Llama/Qwen2 "
+                          "checkpoints (embed_tokens, layers.N.self_attn/mlp/norms, norm, lm_head)")
+
+
+def permute_for_llama_rope(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Reorder Q/K projection rows from HF's half-split rope to llama.cpp's interleaved pairs.
+
+    rows: (num_heads * head_dim, ...) weight or (num_heads * head_dim,) bias. Within each head,
+    HF rotates feature i with i + head_dim/2; llama.cpp rotates 2i with 2i+1. Output row
+    2i of a head is input row i, output row 2i+1 is input row i + head_dim/2. Same shape/dtype.
+    """
+    head_dim = rows.shape[0] // num_heads
+    if head_dim * num_heads != rows.shape[0] or head_dim % 2:
+        raise GGUFExportError(f"cannot split {rows.shape[0]} rows into {num_heads} heads of even size")
+    split = rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:])
+    return split.swapaxes(1, 2).reshape(rows.shape)
+
+
+def weights_hash(model_dir: Path) -> str:
+    """sha256 (hex) of config, tokenizer and every safetensors file, plus the converter version."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(CONVERTER_VERSION.encode())
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    names += sorted(p.name for p in model_dir.glob("*.safetensors"))
+    for name in names:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        digest.update(name.encode())
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 23):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_gguf(model_dir: Path, file_type: str = "f32", cache_dir: Path | None = None) -> Path:
+    """The GGUF of `model_dir` in `file_type`, converted once into <cache>/gguf and reused.
+
+    The file is keyed by `weights_hash`, so changed weights (or a new converter) convert again.
+    cache_dir defaults to the shape cache root (FLASHLLM_CACHE_DIR or ~/.cache/flashllm).
+    """
+    from flashllm.bench.shapes import cache_root
+
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    target = root / "gguf" / f"{Path(model_dir).name}-{weights_hash(model_dir)[:20]}-{file_type}.gguf"
+    if not target.is_file():
+        export_gguf(model_dir, target, file_type)
+    return target
+
+
+def export_gguf(model_dir: Path, out_path: Path, file_type: str = "f32") -> Path:
+    """Write the model in `model_dir` as one GGUF file at `out_path` (atomically); returns out_path.
+
+    file_type: "f32" | "f16" | "bf16" | "q8_0"; 1-D tensors (norms, biases) stay F32, and Q8_0
+    falls back to F16 for a matrix whose rows are not a multiple of 32. Tensors are read and
+    written one at a time, so memory stays near the largest tensor.
+    """
+    gguf = _import_gguf()
+    from flashllm.models.hf_config import load_hf_config
+
+    if file_type not in FILE_TYPES:
+        raise GGUFExportError(f"unknown GGUF file type {file_type!r}; choose one of {', '.join(FILE_TYPES)}")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    config = load_hf_config(model_dir)
+    spec = ARCHS.get(config.architecture)
+    if spec is None:
+        raise GGUFExportError(f"{config.architecture} cannot be exported to GGUF; supported: {', '.join(ARCHS)}")
+    _check_supported(config, spec)
+    tensors = _plan_tensors(model_dir, config, spec, file_type, gguf)
+    writer = gguf.GGUFWriter(None, spec.gguf_arch)
+    _add_hparams(writer, config, spec, file_type, gguf)
+    _add_vocab(writer, model_dir, config, gguf)
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}-", dir=out_path.parent)
+    os.close(fd)
+    try:
+        writer.write_header_to_file(Path(tmp))
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(gguf.quants.quantize(t.load(), t.qtype))
+        writer.close()
+        os.replace(tmp, out_path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out_path
+
+
+def _check_supported(config: Any, spec: ArchSpec) -> None:
+    """Refuse configs llama.cpp would run differently from the checkpoint (silently wrong baselines)."""
+    if spec.permute_qk and config.rotary_dim != config.head_dim:
+        raise GGUFExportError(f"partial rotary ({config.rotary_dim} of {config.head_dim} features) has no "
+                              "GGUF export here; only full-head rope is supported")
+    if any(window is not None for window in config.sliding_windows):
+        raise GGUFExportError("sliding-window attention layers have no GGUF export here; llama.cpp's "
+                              f"{spec.gguf_arch} runs full attention")
+
+
+@dataclass(frozen=True, slots=True)
+class _PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    qtype: Any  # gguf.GGMLQuantizationType
+    nbytes: int
+    load: Any  # () -> the fp32 numpy array to write
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as exc:
+        raise GGUFExportError(f"GGUF export needs the gguf package, which is not installed; run: {INSTALL_HINT}") from exc
+    return gguf
+
+
+def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, gguf: Any) -> list[_PlannedTensor]:
+    """Name, shape, type and byte size of every tensor to write, without reading any data yet."""
+    planned = []
+    for hf_name, shape, source in _hf_tensors(model_dir, config, spec):
+        name = gguf_tensor_name(hf_name)
+        if name is None or (name == "output.weight" and config.tie_word_embeddings):
+            continue  # llama.cpp reuses token_embd when there is no output tensor
+        qtype = _tensor_qtype(shape, file_type, gguf)
+        nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
+        planned.append(_PlannedTensor(name, tuple(shape), qtype, nbytes, source))
+    names = {t.name for t in planned}
+    if "token_embd.weight" not in names:
+        raise GGUFExportError(f"{model_dir} has no model.embed_tokens.weight; is it a complete checkpoint?")
+    if "output.weight" not in names and not config.tie_word_embeddings:
+        # llama.cpp would quietly reuse token_embd as the output head
+        raise GGUFExportError(f"{model_dir} has no lm_head.weight and tie_word_embeddings is false; "
+                              "is it a complete checkpoint?")
+    factors = _llama3_rope_factors(config)
+    if factors is not None:
+        f32 = gguf.GGMLQuantizationType.F32
+        planned.append(_PlannedTensor("rope_freqs.weight", factors.shape, f32, factors.nbytes, lambda: factors))
+    return planned
+
+
+def _tensor_qtype(shape: tuple[int, ...], file_type: str, gguf: Any) -> Any:
+    q = gguf.GGMLQuantizationType
+    if len(shape) < 2 or file_type == "f32":
+        return q.F32
+    if file_type == "q8_0" and shape[-1] % QUANT_BLOCK == 0:
+        return q.Q8_0
+    return q.BF16 if file_type == "bf16" else q.F16
+
+
+def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[str, tuple[int, ...], Any]]:
+    """(HF name, shape, loader) for every tensor in the directory's safetensors files, in name order."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise GGUFExportError(f"{model_dir} has no *.safetensors files; GGUF export reads safetensors only")
+    heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
+    entries = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            entries += [(name, tuple(fh.get_slice(name).get_shape()), path) for name in fh.keys()]
+    for name, shape, path in sorted(entries):
+        proj = name.rsplit(".", 1)[0].split(".", 3)[-1]
+        num_heads = heads.get(proj) if spec.permute_qk else None
+        yield name, shape, _loader(path, name, num_heads)
+
+
+def _loader(path: Path, name: str, num_heads: int | None) -> Any:
+    def load() -> np.ndarray:
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            array = fh.get_tensor(name).to(torch.float32).numpy()
+        return permute_for_llama_rope(array, num_heads) if num_heads else array
+
+    return load
+
+
+def _llama3_rope_factors(config: Any) -> np.ndarray | None:
+    """Per-frequency divisors llama.cpp applies for llama3 rope (plain / scaled inverse frequency)."""
+    from flashllm.ops.rope_cache import rope_inv_freq, rope_type_of
+
+    if rope_type_of(config.rope_scaling) != "llama3":
+        return None
+    plain, _ = rope_inv_freq(config.rotary_dim, config.rope_theta, None)
+    scaled, _ = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
+    return (plain / scaled).float().numpy()
+
+
+def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf: Any) -> None:
+    from flashllm.ops.rope_cache import rope_type_of
+
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(_FILE_TYPE_IDS[file_type](gguf))
+    rope_type = rope_type_of(config.rope_scaling)
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))
+    elif rope_type not in ("default", "llama3"):  # llama3 travels as the rope_freqs tensor
+        raise GGUFExportError(f"rope type {rope_type!r} has no GGUF export here; supported: default, linear, llama3")
+
+
+_FILE_TYPE_IDS = {
+    "f32": lambda g: g.LlamaFileType.ALL_F32, "f16": lambda g: g.LlamaFileType.MOSTLY_F16,
+    "bf16": lambda g: g.LlamaFileType.MOSTLY_BF16, "q8_0": lambda g: g.LlamaFileType.MOSTLY_Q8_0,
+}
+
+
+def _add_vocab(writer: Any, model_dir: Path, config: Any, gguf: Any) -> None:
+    """BPE ("gpt2") vocabulary from tokenizer.json, padded with unused tokens to the embedding rows."""
+    vocab = read_bpe_vocab(model_dir, config, gguf)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    if vocab.bos_token_id is not None:
+        writer.add_bos_token_id(vocab.bos_token_id)
+    if vocab.eos_token_id is not None:
+        writer.add_eos_token_id(vocab.eos_token_id)
+    writer.add_add_bos_token(vocab.add_bos_token)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+# llama.cpp picks its pre-tokenizer regex by name; these are the split patterns of known tokenizers.
+_SPLIT_PATTERNS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BPEVocab:
+    """What GGUF's "gpt2" tokenizer model stores: one token text and type per embedding row."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    pre: str
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+
+
+def read_bpe_vocab(model_dir: Path, config: Any, gguf: Any) -> BPEVocab:
+    """Read `<model_dir>/tokenizer.json` (a byte-level BPE) as a GGUF vocabulary of config.vocab_size.
+
+    Rows the tokenizer does not use (random-weight shapes pair a big embedding with a small
+    tokenizer) become "[PAD<id>]" tokens of type UNUSED; added special tokens become CONTROL.
+    """
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise GGUFExportError(f"{model_dir} has no tokenizer.json; GGUF export needs a fast (tokenizers) BPE tokenizer")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise GGUFExportError(f"{path}: tokenizer model {model.get('type')!r} is not supported; expected BPE")
+    kinds = gguf.TokenType
+    tokens: list[str | None] = [None] * config.vocab_size
+    types = [int(kinds.NORMAL)] * config.vocab_size
+    for text, token_id in model.get("vocab", {}).items():
+        _place(tokens, token_id, text, path)
+    for added in data.get("added_tokens", []):
+        _place(tokens, added["id"], added["content"], path)
+        types[added["id"]] = int(kinds.CONTROL if added.get("special") else kinds.USER_DEFINED)
+    for token_id, text in enumerate(tokens):
+        if text is None:
+            tokens[token_id], types[token_id] = f"[PAD{token_id}]", int(kinds.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    tokenizer_config = _read_json(Path(model_dir) / "tokenizer_config.json")
+    add_bos = tokenizer_config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = _template_adds_special_first(data.get("post_processor"))
+    return BPEVocab([t for t in tokens if t is not None], types, merges, _pre_tokenizer_name(data.get("pre_tokenizer")),
+                    _first_id(config.bos_token_id), _first_id(config.eos_token_id), bool(add_bos))
+
+
+def _place(tokens: list[str | None], token_id: int, text: str, path: Path) -> None:
+    if not 0 <= token_id < len(tokens):
+        raise GGUFExportError(f"{path}: token {text!r} has id {token_id} but the model's embedding has "
+                              f"{len(tokens)} rows; the tokenizer does not belong to this model")
+    tokens[token_id] = text
+
+
+def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenization ("gpt-2", "llama-bpe", "qwen2")."""
+    pre = pre or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    for step in steps:
+        name = _SPLIT_PATTERNS.get(str((step.get("pattern") or {}).get("Regex")))
+        if step.get("type") == "Split" and name:
+            return name
+    logger.warning("pre-tokenizer %s is not one llama.cpp knows by name; writing 'default' (token ids given "
+                   "directly, as the benchmark does, are unaffected)", pre.get("type"))
+    return "default"
+
+
+def _template_adds_special_first(post: dict[str, Any] | None) -> bool:
+    """Whether a TemplateProcessing post-processor puts a special token (bos) before the text."""
+    post = post or {}
+    if post.get("type") != "TemplateProcessing":
+        return False
+    single = post.get("single") or [{}]
+    return "SpecialToken" in single[0]
+
+
+def _first_id(value: int | list[int] | None) -> int | None:
+    return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
