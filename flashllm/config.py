@@ -23,7 +23,8 @@ class CacheConfig:
     block_size: int = 64
     num_kv_blocks: int | None = None        # explicit block count wins over memory sizing
     kv_cache_memory: int | None = None      # bytes for the KV cache; None = derived from the device
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"            # auto (the model dtype) | float32 | float16 | bfloat16 | int8 | fp8
+    cachekv_int8_type: str = "dynamic"      # int8/fp8 caches: dynamic (per-token scales) | static (checkpoint's)
     enable_prefix_caching: bool = True
 
 

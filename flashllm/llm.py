@@ -21,8 +21,13 @@ class LLM:
 
     `model` is a Hugging Face model directory (None = the built-in demo model). Other keywords
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
-    kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    enable_chunked_prefill, strict_kernels, quant_type, seed.
+    kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed.
+
+    kv_cache_dtype "int8" or "fp8" (e4m3) stores the KV cache quantized, with scales chosen per
+    token and head (cachekv_int8_type "dynamic") or calibrated in the checkpoint ("static").
+    fp8 works on CPUs too: the cache is stored as e4m3 bytes and attention dequantizes it to
+    fp32, so it halves KV memory against fp16 without needing fp8 arithmetic.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -133,7 +138,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     groups = {
         "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer"}),
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
-                                "enable_prefix_caching"}),
+                                "cachekv_int8_type", "enable_prefix_caching"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels"}),
         "quant": (QuantConfig, {"quant_type", "group_size"}),

@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "chat": "chat",
     "webui": "webui",
     "eval": "eval",
+    "quantize": "quantize",
 }
 
 
@@ -41,8 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_user_error(exc):
             raise
         # A model directory or configuration the user can fix: one line, no traceback.
-        print(f"flashllm {args.command}: {exc}", file=sys.stderr)
+        print(f"flashllm {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _one_line(exc: Exception) -> str:
+    from flashllm.registry.resolve import DeviceSelectionError
+
+    if isinstance(exc, DeviceSelectionError):  # its first line names the missing piece; the rest lists every backend
+        return str(exc).splitlines()[0] + " (`flashllm devices` lists every backend)"
+    return str(exc)
 
 
 def _is_user_error(exc: Exception) -> bool:
@@ -50,7 +59,9 @@ def _is_user_error(exc: Exception) -> bool:
     from flashllm.models.hf_config import ModelLoadError
     from flashllm.models.tokenizer import ChatTemplateError
 
-    return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError))
+    from flashllm.registry.resolve import DeviceSelectionError, PrecisionError
+
+    return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError, DeviceSelectionError, PrecisionError))
 
 
 if __name__ == "__main__":

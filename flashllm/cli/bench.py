@@ -33,11 +33,16 @@ def add_parser(sub: Any) -> None:
                        help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | w4a16_asym")
         p.add_argument("--weightonly_group_size", "--weightonly-group-size", dest="weightonly_group_size",
                        type=int, default=-1, help="-1 = per output channel, or 32 | 64 | 128")
+        _add_kv_cache_flags(p)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: 4096, or the model's own when shorter)")
-        p.add_argument("--baseline", choices=["none", "transformers"], default="none")
+        p.add_argument("--baseline", nargs="+", action="extend", choices=BASELINES, default=None,
+                       help="engines run on the same requests after flashllm; several may be given "
+                            "(--baseline transformers llama.cpp)")
+        p.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
+                       help="llama.cpp baseline weights (default: the one matching --dtype)")
         p.add_argument("--baseline-batch-sizes", default="1,16", help="static batch sizes tried for the baseline")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
@@ -49,9 +54,22 @@ def add_parser(sub: Any) -> None:
     plot.add_argument("--output", "-o", type=Path, required=True, help="PNG file to write")
 
 
+def _add_kv_cache_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """--kv-cache-dtype and --cachekv_int8_type (also --cachekv-int8-type), as predict and serve take them."""
+    suffix = " (passed to the started server)" if server else ""
+    p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", dest="kv_cache_dtype", default=None if server else "auto",
+                   help="auto | float32 | float16 | bfloat16 | int8 | fp8 (e4m3)" + suffix)
+    p.add_argument("--cachekv_int8_type", "--cachekv-int8-type", dest="cachekv_int8_type",
+                   choices=("dynamic", "static"), default=None if server else "dynamic",
+                   help="int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)" + suffix)
+
+
+BASELINES = ("none", "transformers", "llama.cpp")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # gguf_export.FILE_TYPES, kept here so --help imports no numpy
+
 # engine flags passed to `flashllm serve` when bench serve starts the server itself
 SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                "max_num_batched_tokens")
+                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type")
 
 
 def _add_serve_parser(modes: Any) -> None:
@@ -76,7 +94,9 @@ def _add_serve_parser(modes: Any) -> None:
     p.add_argument("--plot", type=Path, default=None, help="draw latency and throughput at this rate as a PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag in SERVER_FLAGS:
-        p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
+        if flag not in ("kv_cache_dtype", "cachekv_int8_type"):
+            p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
+    _add_kv_cache_flags(p, server=True)
     p.add_argument("--no-prefix-caching", action="store_true", help="passed to the started server")
 
 
@@ -128,14 +148,19 @@ def _offline(args: argparse.Namespace) -> int:
     from flashllm.quant import weight_bytes
     from flashllm.sampling_params import SamplingParams
 
+    baselines = set(args.baseline or ()) - {"none"}
+    if "llama.cpp" in baselines:
+        _llama_cpp_ready()  # fail in one line before a benchmark that may run for minutes
     model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=_max_model_len(args.max_model_len, model_dir), quant_type=args.quant_type, group_size=args.weightonly_group_size)
+              max_model_len=_max_model_len(args.max_model_len, model_dir), quant_type=args.quant_type, group_size=args.weightonly_group_size,
+              kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type)
     requests = _requests(args, llm)
     result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
                               "device": str(llm.engine.parts.selection.device),
                               "quant_type": args.quant_type, "group_size": args.weightonly_group_size,
+                              "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
                               "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total,
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "num_requests": len(requests), "weight_bytes": parameter_bytes(model_dir)}
@@ -148,14 +173,19 @@ def _offline(args: argparse.Namespace) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result["flashllm"] = _engine_numbers(outputs, elapsed, out_tokens, in_tokens)
-    if args.baseline == "transformers":
-        del llm
+    del llm  # the baselines load their own copy of the weights
+    if "transformers" in baselines:
         model = load(model_dir, getattr(torch, args.dtype))
         runs = [run_static_batches(model, requests, int(b)) for b in args.baseline_batch_sizes.split(",")]
         result["transformers"] = [{"batch_size": r.batch_size, "elapsed_s": r.elapsed,
                                    "output_tokens_per_s": r.output_throughput} for r in runs]
         best = max(runs, key=lambda r: r.output_throughput)
         result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
+        del model
+    if "llama.cpp" in baselines:
+        result["llama.cpp"] = [_llama_cpp(args, model_dir, requests)]
+        result["speedup_vs_llama_cpp"] = (result["flashllm"]["output_tokens_per_s"]
+                                          / result["llama.cpp"][0]["output_tokens_per_s"])
     if args.roofline:
         roof = rl.measure(getattr(torch, args.dtype))
         result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
@@ -173,6 +203,27 @@ def _offline(args: argparse.Namespace) -> int:
 
         plot_throughput(result, args.plot)
     return 0
+
+
+def _llama_cpp_ready() -> None:
+    from flashllm.bench.llamacpp_baseline import LlamaCppUnavailable, require_llama_cpp
+
+    try:
+        require_llama_cpp()
+    except LlamaCppUnavailable as exc:
+        raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
+
+
+def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list) -> dict[str, Any]:
+    """The llama.cpp record: batch 1 over the same requests, on a GGUF of the same weights."""
+    from flashllm.bench.gguf_export import GGUFExportError
+    from flashllm.bench.llamacpp_baseline import GGUF_TYPE_FOR_DTYPE, run_baseline
+
+    file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
+    try:
+        return run_baseline(model_dir, requests, file_type)
+    except GGUFExportError as exc:
+        raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
 
 
 def _requests(args: argparse.Namespace, llm: Any) -> list:

@@ -54,6 +54,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "block_size", type=int, default=64, help="tokens per paged KV block")
     _flag(parser, "num_kv_blocks", type=int, default=None, help="KV cache size in blocks")
     _flag(parser, "kv_cache_memory", type=int, default=None, help="KV cache size in bytes")
+    _flag(parser, "kv_cache_dtype", default="auto",
+          help="auto (the model dtype) | float32 | float16 | bfloat16 | int8 | fp8 (e4m3); int8/fp8 caches "
+               "are dequantized to fp32 to attend, so fp8 works on CPUs too")
+    _flag(parser, "cachekv_int8_type", default="dynamic", choices=("dynamic", "static"),
+          help="int8/fp8 KV scales: dynamic (per token and head) or static (calibrated, from the checkpoint)")
     _flag(parser, "max_num_batched_tokens", type=int, default=2048, help="token budget of one step")
     _flag(parser, "no_prefix_caching", action="store_true", help="disable prefix caching")
     _flag(parser, "benchmark", type=_bool, nargs="?", const=True, default=False,
@@ -164,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
               max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+              kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
               strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size)
     template = args.chat_template and llm.has_chat_template()

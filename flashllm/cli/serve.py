@@ -40,6 +40,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "block_size": (int, 64, "tokens per paged KV block"),
     "num_kv_blocks": (int, None, "KV cache size in blocks"),
     "kv_cache_memory": (int, None, "KV cache size in bytes"),
+    "kv_cache_dtype": (str, "auto", "auto | float32 | float16 | bfloat16 | int8 | fp8 (e4m3; works on CPUs too)"),
+    "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
     "no_prefix_caching": (_bool, False, "disable prefix caching"),
@@ -47,6 +49,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "seed": (int, 0, "engine seed"),
 }
 FLAGS = {"ui", "no_prefix_caching", "strict_kernels"}
+# options also spelled the PaddleNLP way, with underscores
+UNDERSCORE_ALIASES = {"cachekv_int8_type"}
 
 
 def add_parser(sub: Any) -> None:
@@ -54,13 +58,13 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the demo model)")
     parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
     for dest, (kind, _, text) in OPTIONS.items():
-        flag = "--" + dest.replace("_", "-")
+        flags = ["--" + dest.replace("_", "-")] + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
         if dest in FLAGS:
-            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=None, help=text)
+            parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=None, help=text)
         elif dest == "api_key":
-            parser.add_argument(flag, dest=dest, action="append", default=None, help=text)
+            parser.add_argument(*flags, dest=dest, action="append", default=None, help=text)
         else:
-            parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+            parser.add_argument(*flags, dest=dest, type=kind, default=None, help=text)
 
 
 def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from flashllm.config import EngineConfig
-from flashllm.core.model_runner import ModelRunner
+from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.models.hf_config import HFModelConfig, load_hf_config
-from flashllm.models.loader import load_generation_config, load_model, resolve_dtype
+from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import weight_quant_spec
 from flashllm.registry.backend import OpRequest
@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 # Without an explicit size, a CPU KV cache takes at most this share of the free host memory.
 CPU_KV_MEMORY_FRACTION = 0.25
 MAX_DEFAULT_MODEL_LEN = 8192
+# --kv-cache-dtype names of the quantized caches; float names go through parse_dtype
+QUANTIZED_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 class EngineConfigError(ValueError):
@@ -61,8 +68,12 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     hf_config = load_hf_config(model_dir, registry.architectures())
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
-    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else parse_dtype(config.cache.kv_cache_dtype)
-    quant = weight_quant_spec(config.quant.quant_type, config.quant.group_size)
+    kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+    if config.cache.cachekv_int8_type not in KV_SCALE_TYPES:
+        raise EngineConfigError(f"--cachekv_int8_type {config.cache.cachekv_int8_type!r} is not one of "
+                                f"{', '.join(KV_SCALE_TYPES)}")
+    # a GPTQ/AWQ checkpoint brings its own scheme: resolve the op table for what the layers will hold
+    quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size))
     request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size)
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
@@ -71,7 +82,11 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)
     num_blocks = _num_kv_blocks(config, model, selection, kv_dtype)
-    runner = ModelRunner(model, selection.device, num_blocks, config.cache.block_size, kv_dtype)
+    try:
+        runner = ModelRunner(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
+                             config.cache.cachekv_int8_type)
+    except ValueError as exc:  # static KV scales the checkpoint lacks
+        raise EngineConfigError(str(exc)) from None
     logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks, config.cache.block_size,
                 num_blocks * config.cache.block_size, selection.device)
     eos = _config_eos(generation_config)
@@ -81,6 +96,21 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
                        num_blocks, model_dir)
+
+
+def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for --kv-cache-dtype: auto = the model `dtype`, int8, fp8 (e4m3) or a float."""
+    key = name.lower()
+    if key == "auto":
+        return dtype
+    if key in QUANTIZED_KV_CACHE_DTYPES:
+        return QUANTIZED_KV_CACHE_DTYPES[key]
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise EngineConfigError(
+            f"unknown --kv-cache-dtype {name!r}; expected auto, int8, fp8 (fp8_e4m3), float32, float16 or bfloat16"
+        ) from None
 
 
 def _config_eos(generation_config: dict[str, Any]) -> list[int]:
@@ -132,7 +162,7 @@ def _num_kv_blocks(
 ) -> int:
     """Blocks from --num-kv-blocks, else --kv-cache-memory, else a share of the device's free memory."""
     block_size = config.cache.block_size
-    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype)
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype, config.cache.cachekv_int8_type)
     blocks_per_seq = math.ceil(config.model.max_model_len / block_size)
     if config.cache.num_kv_blocks is not None:
         num_blocks = config.cache.num_kv_blocks

@@ -8,7 +8,12 @@ from itertools import accumulate
 import torch
 
 from flashllm.core.scheduler import SchedulerOutput
+from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+
+# How int8/fp8 KV caches get their scales (PaddleNLP's --cachekv_int8_type): per written token
+# and head, or calibrated per layer and stored in the checkpoint.
+KV_SCALE_TYPES = ("dynamic", "static")
 
 
 @dataclass(slots=True)
@@ -25,32 +30,48 @@ class ModelInput:
     logits_indices: torch.Tensor
 
 
+def _is_quantized(kv_dtype: torch.dtype) -> bool:
+    # the 1-byte KV dtypes are the quantized ones (int8, float8_e4m3fn); the ops validate which
+    return kv_dtype.itemsize == 1
+
+
 class ModelRunner:
     """Allocates `num_blocks` KV blocks per layer and runs the model on scheduled batches.
 
     The model must provide `forward(input_ids, positions, kv_caches, attn_metadata)`,
     `compute_logits(hidden)` and `kv_cache_shape() -> (num_layers, num_kv_heads, head_dim)`.
+    kv_caches holds one tuple per layer: (k_cache, v_cache) each (num_blocks, block_size, Hk, D)
+    in kv_dtype; int8/fp8 caches add (k_scale, v_scale) float32: scale caches (num_blocks,
+    block_size, Hk) with cachekv_int8_type "dynamic", or the layer's calibrated () / (Hk,)
+    scales (its Attention's k_scale / v_scale, loaded from the checkpoint) with "static".
+    cachekv_int8_type does not apply to float caches.
     """
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype
+        self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+        cachekv_int8_type: str = "dynamic",
     ) -> None:
+        if cachekv_int8_type not in KV_SCALE_TYPES:
+            raise ValueError(f"cachekv_int8_type {cachekv_int8_type!r} is not one of {KV_SCALE_TYPES}")
         self.model = model
         self.device = device
         self.block_size = block_size
-        num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
-        """Bytes of K and V, over all layers, that one block of `block_size` tokens takes."""
+    def kv_bytes_per_block(
+        model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype, cachekv_int8_type: str = "dynamic"
+    ) -> int:
+        """Bytes of K and V, over all layers, that one block of `block_size` tokens takes.
+
+        Dynamic int8/fp8 caches also count their fp32 scale per (slot, head) for K and for V, so
+        sizing by --kv-cache-memory stays honest; static scales are per layer, not per block.
+        """
         num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
-        itemsize = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        per_slot = num_kv_heads * head_dim * kv_dtype.itemsize
+        if _is_quantized(kv_dtype) and cachekv_int8_type == "dynamic":
+            per_slot += num_kv_heads * torch.float32.itemsize
+        return 2 * num_layers * block_size * per_slot
 
     def prepare(self, batch: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one varlen batch (read before Scheduler.update)."""
@@ -91,6 +112,10 @@ class ModelRunner:
             logits_indices=self._tensor(sampling_rows, torch.int64),
         )
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes the allocated KV caches (and their scales) take over all layers."""
+        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -102,3 +127,41 @@ class ModelRunner:
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+
+def allocate_kv_caches(
+    model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    cachekv_int8_type: str = "dynamic",
+) -> list[tuple[torch.Tensor, ...]]:
+    """One (k_cache, v_cache[, k_scale, v_scale]) tuple per layer, laid out as ModelRunner describes."""
+    num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def cache() -> torch.Tensor:
+        return torch.zeros(shape, dtype=kv_dtype, device=device)
+
+    if not _is_quantized(kv_dtype):
+        return [(cache(), cache()) for _ in range(num_layers)]
+    if cachekv_int8_type == "dynamic":
+        # unwritten slots are masked out but must still dequantize to finite values: code 0, scale 1
+        def scales() -> torch.Tensor:
+            return torch.ones(shape[:3], dtype=torch.float32, device=device)
+
+        return [(cache(), cache(), scales(), scales()) for _ in range(num_layers)]
+    return [(cache(), cache(), k_scale.to(device), v_scale.to(device))
+            for k_scale, v_scale in static_kv_scales(model, num_layers)]
+
+
+def static_kv_scales(model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's calibrated (k_scale, v_scale), in layer order; ValueError naming the first missing one."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != num_layers:
+        raise ValueError(f"static KV cache scales: found {len(layers)} attention layers for {num_layers} KV caches")
+    for index, attn in enumerate(layers):
+        if attn.k_scale is None or attn.v_scale is None:
+            raise ValueError(
+                f"--cachekv_int8_type static needs calibrated KV cache scales, but the checkpoint has none for "
+                f"layer {index} (model.layers.{index}.self_attn.k_scale / v_scale): run `flashllm quantize ... "
+                "--kv-scales` to add them, or use --cachekv_int8_type dynamic"
+            )
+    return [(attn.k_scale, attn.v_scale) for attn in layers]

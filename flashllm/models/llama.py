@@ -13,9 +13,10 @@ from flashllm.models.hf_config import HFModelConfig, ModelLoadError
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
-from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear, checkpoint_param
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.prequantized import load_prequantized
 from flashllm.models.layers.rotary import RotaryEmbedding
 
 
@@ -129,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
     }
     # checkpoint tensors with no flashllm parameter (RoPE tables are rebuilt from the config)
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # calibrated static int8/fp8 KV cache scales; optional, they live on each layer's Attention
+    kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
 
     def __init__(self, config: HFModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -183,6 +186,14 @@ class LlamaForCausalLM(nn.Module):
                 return len(shard_names)
         return 1
 
+    def _load_kv_scale(self, name: str, tensor: Tensor) -> None:
+        """`model.layers.N.self_attn.k_scale` (or v_scale) -> that layer's Attention buffer."""
+        module_name, which = name.rsplit(".", 1)
+        try:
+            self.get_submodule(f"{module_name}.attn").load_kv_scale(which, tensor)
+        except (AttributeError, ValueError) as exc:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from None
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters through each parameter's weight_loader.
 
@@ -198,8 +209,15 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if name.endswith(self.kv_scale_suffixes):
+                self._load_kv_scale(name, tensor)
+                continue
             param_name, shard_id = self._param_target(name)
             param = params.get(param_name)
+            if param is None and load_prequantized(self, param_name, tensor, shard_id):
+                continue  # a GPTQ / AWQ layer's qweight / qzeros / scales / g_idx
+            if param is None:  # a pre-quantized checkpoint's weight_scale / smooth_factor
+                param = checkpoint_param(self, param_name)
             if param is None:
                 unexpected.append(name)
                 continue

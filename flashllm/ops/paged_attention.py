@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 
 USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size"})
 
@@ -16,6 +16,16 @@ def _gather_context(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
     num_blocks = -(-seq_len // block_size)
     blocks = cache[block_table[:num_blocks].long()]  # (num_blocks, block_size, Hk, D)
     return blocks.flatten(0, 1)[:seq_len]  # (seq_len, Hk, D)
+
+
+def _context_kv(cache: Tensor, scale: Tensor | None, mode: str, block_table: Tensor, seq_len: int) -> Tensor:
+    """One sequence's keys or values (seq_len, Hk, D): as stored, or dequantized to fp32."""
+    stored = _gather_context(cache, block_table, seq_len)
+    if mode == "none":
+        return stored
+    if mode == "dynamic":
+        return dequantize_kv(stored, _gather_context(scale, block_table, seq_len).unsqueeze(-1))
+    return dequantize_kv(stored, static_scale_view(scale))
 
 
 def _score_bias(q_pos: Tensor, k_pos: Tensor, alibi_slopes: Tensor | None, sliding_window: int | None) -> Tensor:
@@ -86,9 +96,14 @@ def paged_attention(
     alibi_slopes[h] * (key_pos - p) when alibi_slopes (Hq,) fp32 is given.
     Numerics: scores, softmax and the weighted sum of V in fp32; returns (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] (batch padding) are unspecified.
-    k_scale / v_scale (quantized caches) raise NotImplementedError for now.
+
+    Quantized caches (torch.int8, torch.float8_e4m3fn) need float32 k_scale and v_scale: scale
+    caches (num_blocks, block_size, Hk) written by write_kv_cache (dynamic), or () / (Hk,)
+    calibrated scales (static). K and V are dequantized to code * scale per (slot, head) in fp32
+    and the attention math above runs on them in fp32. A float cache given scales, or a
+    quantized cache without them, raises ValueError.
     """
-    reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
+    mode = check_kv_scales("paged_attention", k_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     starts = cu_seqlens_q.tolist()
@@ -99,8 +114,8 @@ def paged_attention(
     for b, (start, q_len, seq_len) in enumerate(zip(starts[:-1], q_lens, lens, strict=True)):
         if q_len == 0:
             continue
-        k = _gather_context(k_cache, block_tables[b], seq_len)
-        v = _gather_context(v_cache, block_tables[b], seq_len)
+        k = _context_kv(k_cache, k_scale, mode, block_tables[b], seq_len)
+        v = _context_kv(v_cache, v_scale, mode, block_tables[b], seq_len)
         k_pos = torch.arange(seq_len, device=q.device)
         q_pos = k_pos[seq_len - q_len :]
         bias = _score_bias(q_pos, k_pos, alibi_slopes, sliding_window)

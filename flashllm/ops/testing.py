@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from flashllm.ops._kv_checks import KV_QMAX
 from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
 
@@ -80,6 +81,24 @@ def _gated(gen: torch.Generator, dtype: torch.dtype, device: str, case: str, wit
     return inputs
 
 
+# op -> quantized-KV case -> (float case whose layout it reuses, kv dtype, scales). Scales are
+# "dynamic" scale caches (num_blocks, block_size, Hk), "heads" static (Hk,) or "scalar" static ().
+_KV_QUANT_CASES: dict[str, dict[str, tuple[str, torch.dtype, str]]] = {
+    "write_kv_cache": {
+        "int8_dynamic": ("mixed_with_padding", torch.int8, "dynamic"),
+        "fp8_dynamic": ("prefill", torch.float8_e4m3fn, "dynamic"),
+        "int8_static_saturating": ("decode", torch.int8, "heads"),
+        "fp8_static_saturating": ("mixed_with_padding", torch.float8_e4m3fn, "scalar"),
+    },
+    "paged_attention": {
+        "int8_dynamic": ("mixed", torch.int8, "dynamic"),
+        "fp8_dynamic": ("decode", torch.float8_e4m3fn, "dynamic"),
+        "int8_static": ("cached_prefix", torch.int8, "heads"),
+        "fp8_static": ("prefill_block_edges", torch.float8_e4m3fn, "scalar"),
+    },
+}
+
+
 def _kv_caches(
     gen: torch.Generator,
     num_blocks: int,
@@ -88,14 +107,44 @@ def _kv_caches(
     head_size: int,
     dtype: torch.dtype,
     device: str,
-) -> tuple[Tensor, Tensor]:
+    kv_dtype: torch.dtype | None = None,
+    scales: str = "dynamic",
+) -> Inputs:
+    """k_cache, v_cache (num_blocks, block_size, kv_heads, head_size) of random content.
+
+    kv_dtype int8 / float8_e4m3fn: random codes over the whole code range plus float32 k_scale,
+    v_scale of the `scales` kind, sized so dequantized values are of order 1 (as keys are).
+    Static scales put +-qmax * scale at 1 to 3, so writing N(0, 1) keys saturates some codes.
+    """
     shape = (num_blocks, block_size, kv_heads, head_size)
-    return _randn(gen, *shape, dtype=dtype, device=device), _randn(gen, *shape, dtype=dtype, device=device)
+    if kv_dtype is None:
+        return {"k_cache": _randn(gen, *shape, dtype=dtype, device=device),
+                "v_cache": _randn(gen, *shape, dtype=dtype, device=device)}
+    qmax = KV_QMAX[kv_dtype]
+    scale_shape = {"dynamic": shape[:3], "heads": (kv_heads,), "scalar": ()}[scales]
+    inputs: Inputs = {}
+    for name in ("k", "v"):
+        if kv_dtype == torch.int8:
+            codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+        else:
+            codes = (torch.randn(shape, generator=gen) * qmax / 3).clamp(-qmax, qmax).to(kv_dtype)
+        inputs[f"{name}_cache"] = codes.to(device)
+        inputs[f"{name}_scale"] = ((torch.rand(scale_shape, generator=gen) + 0.5) * (2.0 / qmax)).to(device)
+    return inputs
+
+
+def case_kv_dtype(op_name: str, case: str) -> torch.dtype | None:
+    """The quantized KV cache dtype an input case needs (int8 / float8_e4m3fn), None for a float cache.
+
+    A kernel whose caps.kv_dtypes lack it is not expected to run the case.
+    """
+    return _KV_QUANT_CASES.get(op_name, {}).get(case, (case, None, ""))[1]
 
 
 def _write_kv_cache(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
+    case, kv_dtype, scales = _KV_QUANT_CASES["write_kv_cache"].get(case, (case, None, ""))
     seq_lens, kv_heads = {
         "prefill": ([block_size + 3], 2),
         "mixed_with_padding": ([block_size, 5, 2 * block_size - 1], 1),
@@ -108,12 +157,11 @@ def _write_kv_cache(
     if case == "mixed_with_padding":
         slots[2], slots[-1] = -1, -1
     tokens = len(slots)
-    k_cache, v_cache = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device)
+    caches = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device, kv_dtype, scales)
     return {
         "k": _randn(gen, tokens, kv_heads, head_size, dtype=dtype, device=device),
         "v": _randn(gen, tokens, kv_heads, head_size, dtype=dtype, device=device),
-        "k_cache": k_cache,
-        "v_cache": v_cache,
+        **caches,
         "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
     }
 
@@ -134,14 +182,14 @@ def _attention_layout(case: str, bs: int) -> tuple[list[int], list[int], int, in
 def _paged_attention(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
+    case, kv_dtype, scales = _KV_QUANT_CASES["paged_attention"].get(case, (case, None, ""))
     q_lens, seq_lens, heads, kv_heads = _attention_layout(case, block_size)
     tables, num_blocks = random_block_tables(gen, seq_lens, block_size)
-    k_cache, v_cache = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device)
+    caches = _kv_caches(gen, num_blocks, block_size, kv_heads, head_size, dtype, device, kv_dtype, scales)
     cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     inputs: Inputs = {
         "q": _randn(gen, sum(q_lens), heads, head_size, dtype=dtype, device=device),
-        "k_cache": k_cache,
-        "v_cache": v_cache,
+        **caches,
         "block_tables": tables.to(device),
         "cu_seqlens_q": cu_seqlens_q.to(device),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -155,51 +203,83 @@ def _paged_attention(
     return inputs
 
 
-# case -> (tokens, in_features, out_features, scheme, group_size, asymmetric, bias). Quantized
-# cases cover per-channel and grouped scales, int4 with and without zero points, one decode token
-# and several, and out_features that torch's CPU int4 layout can (N % 16 == 0) and cannot hold.
-_QUANT_MATMUL_CASES: dict[str, tuple[int, int, int, str, int, bool, bool]] = {
-    "bias": (7, 96, 80, "none", -1, False, True),
-    "no_bias": (1, 128, 33, "none", -1, False, False),
-    "w8a16_per_channel": (1, 96, 80, "w8a16", -1, False, True),
-    "w8a16_group64_tokens": (9, 128, 48, "w8a16", 64, False, False),
-    "w4a16_group32_sym": (1, 128, 64, "w4a16", 32, False, True),
-    "w4a16_group128_asym": (5, 256, 48, "w4a16", 128, True, False),
-    "w4a16_group64_asym_odd_n": (3, 64, 33, "w4a16", 64, True, True),
-    "w4a16_per_channel": (1, 256, 32, "w4a16", -1, False, False),
+class _QuantCase(NamedTuple):
+    """One quant_matmul input case: x (tokens, in_features), a weight (out_features, in_features)."""
+
+    tokens: int
+    in_features: int
+    out_features: int
+    scheme: str
+    group_size: int = -1
+    asymmetric: bool = False
+    bias: bool = False
+    smooth: bool = False      # SmoothQuant factors (a8w8 / fp8)
+    input_perm: bool = False  # GPTQ act-order column permutation
+
+
+# Quantized cases cover per-channel and grouped scales, int4 with and without zero points, one
+# decode token and several, out_features that torch's CPU int4 layout can (N % 16 == 0) and
+# cannot hold, and a8w8/fp8 with and without smoothing and act-order permutation (80 tokens
+# reach the cpu kernel's large-batch a8w8 body). Weight-only cases carry no input_perm: the
+# GPU/NPU weight-only kernels do not take it yet (tests/unit checks the reference and cpu paths).
+_QUANT_MATMUL_CASES: dict[str, _QuantCase] = {
+    "bias": _QuantCase(7, 96, 80, "none", bias=True),
+    "no_bias": _QuantCase(1, 128, 33, "none"),
+    "w8a16_per_channel": _QuantCase(1, 96, 80, "w8a16", bias=True),
+    "w8a16_group64_tokens": _QuantCase(9, 128, 48, "w8a16", 64),
+    "w4a16_group32_sym": _QuantCase(1, 128, 64, "w4a16", 32, bias=True),
+    "w4a16_group128_asym": _QuantCase(5, 256, 48, "w4a16", 128, asymmetric=True),
+    "w4a16_group64_asym_odd_n": _QuantCase(3, 64, 33, "w4a16", 64, asymmetric=True, bias=True),
+    "w4a16_per_channel": _QuantCase(1, 256, 32, "w4a16"),
+    "a8w8_decode": _QuantCase(1, 96, 80, "a8w8", bias=True),
+    "a8w8_tokens_smooth": _QuantCase(9, 128, 48, "a8w8", smooth=True),
+    "a8w8_prefill_smooth_perm": _QuantCase(80, 64, 40, "a8w8", bias=True, smooth=True, input_perm=True),
+    "fp8_decode": _QuantCase(1, 96, 33, "fp8", bias=True),
+    "fp8_tokens_smooth_perm": _QuantCase(6, 128, 48, "fp8", smooth=True, input_perm=True),
 }
+# e4m3 bit patterns that are NaN (S.1111.111); every other byte is a finite value
+_FP8_NAN_BYTES = (0x7F, 0xFF)
 
 
-def _random_quantized(
-    gen: torch.Generator, n: int, k: int, scheme: str, group_size: int, asymmetric: bool, device: str
-) -> QuantizedWeight:
+def _random_codes(gen: torch.Generator, n: int, k: int, scheme: str) -> tuple[Tensor, float]:
+    """(data in the scheme's storage dtype, a scale std that gives outputs of about unit size)."""
+    if scheme in ("w8a16", "a8w8"):
+        return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), k**-0.5 / 64
+    if scheme == "fp8":
+        raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        raw[(raw == _FP8_NAN_BYTES[0]) | (raw == _FP8_NAN_BYTES[1])] = 0
+        return raw.view(torch.float8_e4m3fn), k**-0.5 / 128
+    return pack_int4(torch.randint(0, 16, (n, k), generator=gen)), k**-0.5 / 4
+
+
+def _random_quantized(gen: torch.Generator, c: _QuantCase, device: str) -> QuantizedWeight:
     """Random codes and scales (not a quantized float matrix), so kernels meet every code value."""
-    groups = 1 if group_size == -1 else k // group_size
-    if scheme == "w8a16":
-        data = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scale_std = k**-0.5 / 64
-    else:
-        data = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-        scale_std = k**-0.5 / 4
+    n, k = c.out_features, c.in_features
+    groups = 1 if c.group_size == -1 else k // c.group_size
+    data, scale_std = _random_codes(gen, n, k, c.scheme)
     scales = (torch.rand(n, groups, generator=gen) + 0.5) * scale_std
-    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8) if asymmetric else None
-    return QuantizedWeight(scheme, data.to(device), scales.to(device), None if zeros is None else zeros.to(device),
-                           group_size)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8) if c.asymmetric else None
+    smooth = torch.exp(0.5 * torch.randn(k, generator=gen)) if c.smooth else None
+    perm = torch.randperm(k, generator=gen) if c.input_perm else None
+    return QuantizedWeight(
+        c.scheme, data.to(device), scales.to(device), None if zeros is None else zeros.to(device), c.group_size,
+        smooth=None if smooth is None else smooth.to(device), input_perm=None if perm is None else perm.to(device),
+    )
 
 
 def _quant_matmul(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
-    tokens, in_features, out_features, scheme, group_size, asymmetric, bias = _QUANT_MATMUL_CASES[case]
-    inputs: Inputs = {"x": _randn(gen, tokens, in_features, dtype=dtype, device=device)}
-    if scheme == "none":
+    c = _QUANT_MATMUL_CASES[case]
+    inputs: Inputs = {"x": _randn(gen, c.tokens, c.in_features, dtype=dtype, device=device)}
+    if c.scheme == "none":
         inputs["weight"] = QuantizedWeight.dense(
-            _randn(gen, out_features, in_features, dtype=dtype, device=device, std=in_features**-0.5)
+            _randn(gen, c.out_features, c.in_features, dtype=dtype, device=device, std=c.in_features**-0.5)
         )
     else:
-        inputs["weight"] = _random_quantized(gen, out_features, in_features, scheme, group_size, asymmetric, device)
-    if bias:
-        inputs["bias"] = _randn(gen, out_features, dtype=dtype, device=device)
+        inputs["weight"] = _random_quantized(gen, c, device)
+    if c.bias:
+        inputs["bias"] = _randn(gen, c.out_features, dtype=dtype, device=device)
     return inputs
 
 
@@ -209,7 +289,7 @@ def case_quant(op_name: str, case: str) -> str:
     A kernel whose caps lack the scheme is not expected to run the case.
     """
     if op_name == "quant_matmul":
-        return _QUANT_MATMUL_CASES[case][3]
+        return _QUANT_MATMUL_CASES[case].scheme
     return "none"
 
 
@@ -248,10 +328,12 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "rotary_embedding": (_rotary_embedding, ("neox", "neox_partial", "interleaved", "interleaved_partial")),
     "silu_and_mul": (_silu, ("odd", "one_token")),
     "gelu_and_mul": (_gelu, ("odd", "one_token", "tanh")),
-    "write_kv_cache": (_write_kv_cache, ("prefill", "mixed_with_padding", "decode")),
+    "write_kv_cache": (_write_kv_cache, ("prefill", "mixed_with_padding", "decode",
+                                         *_KV_QUANT_CASES["write_kv_cache"])),
     "paged_attention": (
         _paged_attention,
-        ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi"),
+        ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi",
+         *_KV_QUANT_CASES["paged_attention"]),
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
     "fused_moe": (_fused_moe, ("spread", "one_token", "skewed")),
@@ -297,7 +379,8 @@ def clone_inputs(inputs: Inputs) -> Inputs:
             return value.clone()
         if isinstance(value, QuantizedWeight):
             return QuantizedWeight(
-                value.scheme, copy(value.data), copy(value.scales), copy(value.zeros), value.group_size
+                value.scheme, copy(value.data), copy(value.scales), copy(value.zeros), value.group_size,
+                smooth=copy(value.smooth), input_perm=copy(value.input_perm),
             )
         return value
 
@@ -309,5 +392,6 @@ def run_case(fn: Callable[..., Any], op_name: str, inputs: Inputs) -> Any:
     args = clone_inputs(inputs)
     result = fn(**args)
     if op_name == "write_kv_cache":
-        return args["k_cache"], args["v_cache"]
+        # a quantized write also fills the dynamic scale caches (static scales must stay as they were)
+        return tuple(args[name] for name in ("k_cache", "v_cache", "k_scale", "v_scale") if name in args)
     return result

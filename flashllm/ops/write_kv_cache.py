@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops._kv_checks import check_kv_scales, dynamic_scales, quantize_kv, static_scale_view
 
 USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size"})
 
@@ -24,10 +24,16 @@ def write_kv_cache(
     slot_mapping (T,) int64 with slot = block * block_size + offset, or -1 for a token whose
     key/value must not be written (padding). Values are cast to the cache dtype; every other
     slot is left untouched. Two tokens must not share a slot (the result would be undefined).
-    k_scale / v_scale are reserved for quantized caches: passing one, or a cache in an
-    integer/fp8 dtype, raises NotImplementedError.
+
+    Quantized caches (torch.int8, torch.float8_e4m3fn) need k_scale and v_scale, float32:
+    * dynamic, scale caches (num_blocks, block_size, Hk): each written (slot, head) gets
+      scale = max|x| over D / qmax (qmax 127 for int8, 448 for e4m3; at least 1e-10) and
+      codes x / scale, so the largest element maps to +-qmax.
+    * static, () or (Hk,): calibrated and read-only; codes x / scale, saturating at +-qmax.
+    int8 codes round half to even; fp8 codes round to the nearest e4m3 value (see _kv_checks).
+    A float cache given scales, or a quantized cache without them, raises ValueError.
     """
-    reject_quantized_kv("write_kv_cache", k_cache, k_scale, v_scale)
+    mode = check_kv_scales("write_kv_cache", k_cache, k_scale, v_scale)
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
@@ -37,5 +43,12 @@ def write_kv_cache(
             f"blocks of {block_size}; expected slots in [0, {num_blocks * block_size}) or -1"
         )
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    for x, cache, scale in ((k[valid], k_cache, k_scale), (v[valid], v_cache, v_scale)):
+        if mode == "none":
+            cache[blocks, offsets] = x.to(cache.dtype)
+        elif mode == "dynamic":
+            row_scales = dynamic_scales(x, cache.dtype)  # (n, Hk)
+            cache[blocks, offsets] = quantize_kv(x, row_scales.unsqueeze(-1), cache.dtype)
+            scale[blocks, offsets] = row_scales
+        else:
+            cache[blocks, offsets] = quantize_kv(x, static_scale_view(scale), cache.dtype)

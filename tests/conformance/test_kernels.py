@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashllm.ops import op_specs
-from flashllm.ops.testing import case_quant, cases, make_inputs, run_case
+from flashllm.ops.testing import case_kv_dtype, case_quant, cases, make_inputs, run_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import Backend, Kernel
 from flashllm.registry.plugins import make_plugin_manager
@@ -37,6 +37,9 @@ def _generate() -> list:
                     for case in cases(op):
                         if case_quant(op, case) not in kernel.caps.quant:
                             continue  # the kernel does not claim this weight format; resolve never picks it
+                        kv_dtype = case_kv_dtype(op, case)
+                        if kv_dtype is not None and kv_dtype not in kernel.caps.kv_dtypes:
+                            continue  # the kernel does not claim this quantized KV cache; resolve never picks it
                         name = f"{backend.name}-{op}-{str(dtype).removeprefix('torch.')}-{case}"
                         params.append(pytest.param(Case(backend, kernel, dtype, case), id=name))
     return params
@@ -51,11 +54,23 @@ def test_kernel_matches_reference(c: Case) -> None:
     profile = c.backend.device_profile(device)
     if c.dtype not in profile.dtypes:
         pytest.skip(f"{profile.name} cannot run {c.dtype}")
+    kv_dtype = case_kv_dtype(c.kernel.op, c.case)
+    if kv_dtype is not None and kv_dtype not in profile.kv_dtypes:
+        pytest.skip(f"{profile.name} has no {kv_dtype} KV cache")
     head_size = min(c.kernel.caps.head_sizes) if c.kernel.caps.head_sizes else DEFAULT_HEAD_SIZE
     block_size = min(c.kernel.caps.block_sizes) if c.kernel.caps.block_sizes else DEFAULT_BLOCK_SIZE
     inputs = make_inputs(c.kernel.op, c.dtype, device, head_size=head_size, block_size=block_size, case=c.case)
     expected = run_case(op_specs()[c.kernel.op].reference, c.kernel.op, inputs)
     actual = run_case(c.kernel.fn, c.kernel.op, inputs)
+    if kv_dtype is not None and c.kernel.op == "write_kv_cache":
+        # quantized writes: codes exactly (one code off is a whole scale step); dynamic scales
+        # (max|x| / qmax in fp32) within 2 ulps, as a kernel may multiply by 1 / qmax instead
+        codes, scales = actual[:2], actual[2:]
+        torch.testing.assert_close(codes, expected[:2], atol=0, rtol=0)
+        torch.testing.assert_close(scales, expected[2:], atol=0, rtol=2.4e-7)
+        return
+    # paged_attention on a quantized cache: every kernel dequantizes the same codes and scales to
+    # the same fp32 values, so it keeps the activation dtype's tolerance
     assert_close(actual, expected, c.dtype)
 
 

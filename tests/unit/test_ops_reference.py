@@ -14,7 +14,7 @@ from flashllm.ops.gelu_and_mul import gelu_and_mul
 from flashllm.ops.quant_matmul import QuantizedWeight, quant_matmul
 from flashllm.ops.rms_norm import rms_norm
 from flashllm.ops.silu_and_mul import silu_and_mul
-from flashllm.ops.testing import cases, make_inputs, run_case
+from flashllm.ops.testing import case_kv_dtype, cases, make_inputs, run_case
 from flashllm.ops.tolerances import TOLERANCES, assert_close, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -146,9 +146,13 @@ def test_outputs_keep_the_activation_dtype_for_every_built_case(op_name: str, dt
         inputs = make_inputs(op_name, dtype, case=case, head_size=32, block_size=16)
         result = run_case(reference, op_name, inputs)
         outputs = result if isinstance(result, tuple) else (result,)
-        for output in outputs:
-            assert output.dtype == dtype, f"{op_name}/{case} returned {output.dtype}"
-            assert torch.isfinite(output).all(), f"{op_name}/{case} produced non-finite values"
+        expected = [dtype] * len(outputs)
+        kv_dtype = case_kv_dtype(op_name, case)
+        if kv_dtype is not None and op_name == "write_kv_cache":  # int8/fp8 codes, then float32 scales
+            expected = [kv_dtype, kv_dtype] + [torch.float32] * (len(outputs) - 2)
+        for output, want in zip(outputs, expected, strict=True):
+            assert output.dtype == want, f"{op_name}/{case} returned {output.dtype}"
+            assert torch.isfinite(output.float()).all(), f"{op_name}/{case} produced non-finite values"
 
 
 def test_make_inputs_is_seeded_and_does_not_share_tensors_with_run_case() -> None:

@@ -12,8 +12,13 @@ from flashllm.registry.backend import Availability, Backend, DeviceAdapter
 from flashllm.registry.precision import DeviceProfile
 
 _ALL_FLOAT = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# No fp8: x86/Arm CPUs have no fp8 arithmetic, so "fp8" here would be an emulation that widens
+# every e4m3 weight to fp32 at each call: the int8 paths' memory traffic without their int8 math,
+# numerics no faster than a8w8's. Refusing it names the GPUs that run fp8 (precision.py); an fp8
+# checkpoint still loads with --quant_type none (dequantized) or runs as a8w8 from a float one.
 _CPU_QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8"})
-_CPU_KV = frozenset({torch.int8})
+# KV cache storage beyond the activation dtypes; fp8 is storage only (dequantized to fp32 to attend)
+_CPU_KV = frozenset({torch.int8, torch.float8_e4m3fn})
 
 # torch runs fp16/bf16 on every CPU; without native support it is an emulation that is far
 # slower than fp32 matmuls, which is why `--dtype auto` picks float32 there.

@@ -1,4 +1,4 @@
-"""Torch-native CPU kernels: fused rms_norm and SDPA-based paged attention."""
+"""Torch-native CPU kernels: fused rms_norm and SDPA-based paged attention (float, int8 or fp8 KV)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from flashllm.ops import op_specs
-from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# fp8 caches only store e4m3 bytes on a CPU: attention dequantizes them to fp32 first, so they
+# halve (int8: quarter) KV memory against fp16 (fp32) without needing fp8 arithmetic.
+KV_DTYPES = FLOATS | {torch.int8, torch.float8_e4m3fn}
 
 # Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
 # aten call or a memory copy): the cpu backend runs them as they are, by declaration.
@@ -41,17 +44,21 @@ def paged_attention(
 ) -> torch.Tensor:
     """Gather each sequence's blocks once, then one scaled_dot_product_attention call.
 
-    Shapes as the op spec: q (T, Hq, D), caches (num_blocks, block_size, Hk, D).
+    Shapes and scale semantics as the op spec: q (T, Hq, D), caches (num_blocks, block_size, Hk, D).
+    Quantized caches are dequantized to fp32 as they are gathered, and attention runs in fp32.
     """
-    reject_quantized_kv("cpu paged_attention", k_cache, k_scale, v_scale)
+    mode = check_kv_scales("cpu paged_attention", k_cache, k_scale, v_scale)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
+    keys, values = _KVGather(k_cache, k_scale, mode), _KVGather(v_cache, v_scale, mode)
+    if mode != "none":
+        q = q.float()
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if len(decode) > 1 and alibi_slopes is None and sliding_window is None:
         rows = torch.tensor([starts[b] for b in decode], device=q.device)
         lengths = torch.tensor([lens[b] for b in decode], device=q.device)
-        out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[decode], lengths, scale)
+        out[rows] = _decode_batch(q[rows], keys, values, block_tables[decode], lengths, scale).to(out.dtype)
         done = set(decode)
     else:
         done = set()
@@ -60,12 +67,12 @@ def paged_attention(
             continue
         q_start, q_end = starts[b], starts[b + 1]
         num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[b, :num_blocks]
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # (S, Hk, D)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        blocks = block_tables[b, :num_blocks].long()
+        k = keys(blocks).flatten(0, 1)[:seq_len]  # (S, Hk, D)
+        v = values(blocks).flatten(0, 1)[:seq_len]
         mask = _mask(q_end - q_start, seq_len, alibi_slopes, sliding_window, q.dtype, q.device)
         if q_end - q_start == 1 and mask is None:
-            out[q_start] = _decode_gqa(q[q_start], k, v, scale)
+            out[q_start] = _decode_gqa(q[q_start], k, v, scale).to(out.dtype)
             continue
         o = F.scaled_dot_product_attention(
             q[q_start:q_end].transpose(0, 1),  # (Hq, L, D)
@@ -76,12 +83,32 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
+class _KVGather:
+    """Blocks of one cache by block id, dequantized to fp32 when the cache is int8 / fp8.
+
+    Dequantizing right after the gather touches only the blocks a batch reads, once per call.
+    """
+
+    def __init__(self, cache: torch.Tensor, scale: torch.Tensor | None, mode: str) -> None:
+        self.cache, self.scale, self.mode = cache, scale, mode
+        self.block_size, self.num_kv_heads, self.head_dim = cache.shape[1:]
+
+    def __call__(self, tables: torch.Tensor) -> torch.Tensor:
+        """tables (...) int64 block ids -> (..., block_size, Hk, D)."""
+        blocks = self.cache[tables]
+        if self.mode == "none":
+            return blocks
+        if self.mode == "dynamic":
+            return dequantize_kv(blocks, self.scale[tables].unsqueeze(-1))
+        return dequantize_kv(blocks, static_scale_view(self.scale))
+
+
 def _decode_batch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    q: torch.Tensor, keys: _KVGather, values: _KVGather, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Decode rows of many sequences at once: one gather, two batched matmuls and one softmax.
@@ -89,11 +116,11 @@ def _decode_batch(
     q (B, Hq, D); block_tables (B, max_blocks); keys past each sequence's length are masked.
     A per-sequence loop would issue a handful of tiny ops per sequence per layer.
     """
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = keys.block_size, keys.num_kv_heads, keys.head_dim
     num_blocks = -(-int(seq_lens.max()) // block_size)
     tables = block_tables[:, :num_blocks].long()
-    k = k_cache[tables].flatten(1, 2).permute(0, 2, 3, 1)  # (B, Hk, D, S)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)  # (B, Hk, S, D)
+    k = keys(tables).flatten(1, 2).permute(0, 2, 3, 1)  # (B, Hk, D, S)
+    v = values(tables).flatten(1, 2).transpose(1, 2)  # (B, Hk, S, D)
     batch = q.shape[0]
     scores = torch.matmul(q.view(batch, num_kv_heads, -1, head_dim), k).float() * scale  # (B, Hk, G, S)
     positions = torch.arange(scores.shape[-1], device=q.device)
@@ -140,6 +167,7 @@ def register(backend: Backend) -> None:
     """Register the cpu kernels on `backend`."""
     specs = op_specs()
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
-    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=FLOATS))(paged_attention)
+    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(paged_attention)
     for name in PORTABLE_OPS:
-        backend.kernel(name, Caps(dtypes=FLOATS, kv_dtypes=FLOATS))(specs[name].reference)
+        # write_kv_cache's reference body is the CPU implementation, int8/fp8 quantization included
+        backend.kernel(name, Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(specs[name].reference)

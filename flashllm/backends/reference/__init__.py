@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from flashllm.ops import op_specs
+from flashllm.ops.quant_matmul import SCHEMES as QUANT_MATMUL_SCHEMES
 from flashllm.registry.backend import ANY_DEVICE, Backend, Caps
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# write_kv_cache and paged_attention quantize / dequantize int8 and fp8 (e4m3) KV caches
+KV_DTYPES = FLOAT_DTYPES | {torch.int8, torch.float8_e4m3fn}
 
 # Quantization schemes each reference op implements; widened as quant/ adds schemes.
 REFERENCE_QUANT: dict[str, frozenset[str]] = {
-    "quant_matmul": frozenset({"none", "w8a16", "w4a16"}),
+    "quant_matmul": QUANT_MATMUL_SCHEMES,
     "fused_moe": frozenset({"none"}),
 }
 
@@ -27,7 +30,7 @@ def make_backend() -> Backend:
     for name, spec in op_specs().items():
         caps = Caps(
             dtypes=FLOAT_DTYPES,
-            kv_dtypes=FLOAT_DTYPES,
+            kv_dtypes=KV_DTYPES,
             quant=REFERENCE_QUANT.get(name, frozenset({"none"})),
         )
         backend.kernel(name, caps)(spec.reference)

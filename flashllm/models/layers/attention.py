@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from flashllm.models.layers.attention_metadata import AttentionMetadata
@@ -13,7 +14,11 @@ class Attention(nn.Module):
     """Causal (GQA) attention of a flat varlen batch over one layer's paged KV cache.
 
     Holds no weights: projections and RoPE belong to the model's attention block.
-    kv_cache: (k_cache, v_cache), each (num_blocks, block_size, num_kv_heads, head_dim).
+    kv_cache: (k_cache, v_cache), each (num_blocks, block_size, num_kv_heads, head_dim), plus
+    (k_scale, v_scale) for an int8/fp8 cache (see the write_kv_cache op for their shapes).
+    k_scale / v_scale buffers: this layer's calibrated static KV scales, () or (num_kv_heads,)
+    float32, when the checkpoint has them (None otherwise); the model runner hands them back in
+    kv_cache for `--cachekv_int8_type static`.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, ops: Any,
@@ -26,15 +31,34 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self._write_kv_cache = ops.write_kv_cache
         self._paged_attention = ops.paged_attention
+        self.register_buffer("k_scale", None, persistent=False)
+        self.register_buffer("v_scale", None, persistent=False)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+    def load_kv_scale(self, which: str, scale: Tensor) -> None:
+        """Set the static "k_scale" or "v_scale" from a checkpoint tensor of shape () or (num_kv_heads,).
+
+        Raises ValueError for another name or shape, or a scale that is not finite and positive.
+        """
+        if which not in ("k_scale", "v_scale"):
+            raise ValueError(f"unknown KV scale {which!r}; expected k_scale or v_scale")
+        if scale.dim() > 1 or (scale.dim() == 1 and scale.numel() != self.num_kv_heads):
+            raise ValueError(f"{which} has shape {tuple(scale.shape)}; expected () or ({self.num_kv_heads},), "
+                             "one scale per KV head of this layer")
+        scale = scale.to(torch.float32)
+        if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"{which} must be finite and positive, got {scale.tolist()}")
+        setattr(self, which, scale)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """q (T, Hq, D), k and v (T, Hk, D) of the new tokens -> (T, Hq * D)."""
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
+        k_scale, v_scale = scales if scales else (None, None)
         # the op reads the new tokens' keys from the cache, so they must land there first
-        self._write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        self._write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = self._paged_attention(
             q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
             attn_metadata.seq_lens, self.scale, sliding_window=self.sliding_window,
+            k_scale=k_scale, v_scale=v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
