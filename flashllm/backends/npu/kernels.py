@@ -145,6 +145,8 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
     8 - zero for asymmetric weights. Scales are (1, N) per channel or (K / group, N) per group
     (antiquant_group_size). The re-laid-out tensors are built once, in weight.kernel_cache.
     """
+    if weight.input_perm is not None:  # act-order (GPTQ desc_act) weights store their columns permuted
+        x = x.index_select(-1, weight.input_perm)
     if weight.scheme == "none":
         return F.linear(x, weight.data.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if x.shape[-1] != weight.in_features:
