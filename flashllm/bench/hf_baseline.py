@@ -47,3 +47,36 @@ def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> 
     elapsed = time.perf_counter() - start
     return BaselineResult(batch_size, elapsed, sum(r.output_len for r in requests),
                           sum(len(r.prompt_token_ids) for r in requests))
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyResult:
+    """Batch-1 latency of one request: time to the first token and the decode rate after it."""
+
+    ttft: float
+    total: float
+    output_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.output_tokens - 1) / (self.total - self.ttft)
+
+
+@torch.inference_mode()
+def run_latency(model, request: BenchRequest) -> LatencyResult:
+    """generate() of one request twice: one new token (the prefill), then all of them.
+
+    The decode rate is (output_len - 1) / (full time - one-token time); a generate call's fixed
+    cost cancels in the difference.
+    """
+    ids = torch.tensor([request.prompt_token_ids])
+
+    def timed(new: int) -> float:
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up: allocator, thread pool
+    ttft = timed(1)
+    return LatencyResult(ttft, timed(request.output_len), request.output_len)

@@ -63,3 +63,20 @@ def shape_model_dir(name: str, dtype: str = "float32") -> Path:
 def parameter_bytes(model_dir: Path) -> int:
     """Bytes of weights in the directory's safetensors files (what one decode step must read)."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def flops_per_token(model_dir: Path, mean_context: float) -> float:
+    """FLOPs one token costs in a forward pass: 2 x matmul parameters + attention at `mean_context`.
+
+    Matmul parameters per layer: q/k/v/o projections and the gated MLP's three matrices; plus the
+    LM head (vocab x hidden). Attention: q.k scores and the weighted sum of v over the context,
+    2 x 2 x heads x head_dim x context per layer. Embedding lookups and norms are not matmuls.
+    """
+    from flashllm.models.hf_config import load_hf_config
+
+    c = load_hf_config(model_dir)
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    attention = c.num_hidden_layers * 4 * q_dim * mean_context
+    return 2.0 * params + attention

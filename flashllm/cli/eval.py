@@ -28,6 +28,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, prefix: str = "", who: str = "
     p.add_argument(f"--{prefix}device", default="auto", help=f"{who}auto | cpu | cuda | cuda:1 | ...")
     p.add_argument(f"--{prefix}backend", default=None, help=f"{who}force one backend, e.g. reference or cpu")
     p.add_argument(f"--{prefix}quant-type", default=None, help=f"{who}weight quantization scheme")
+    p.add_argument(f"--{prefix}kv-cache-dtype", default="auto", help=f"{who}auto | int8 | fp8 (dynamic scales)")
 
 
 def _add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -97,7 +98,7 @@ def _windows(args: argparse.Namespace, model_dir: str) -> tuple[int, int]:
 def _scoring_config(args: argparse.Namespace, model: str, prefix: str = "") -> Any:
     from flashllm.eval.forward import ScoringConfig
 
-    return ScoringConfig(model, *(getattr(args, prefix + name) for name in ("dtype", "device", "backend", "quant_type")))
+    return ScoringConfig(model, *(getattr(args, prefix + name) for name in ("dtype", "device", "backend", "quant_type", "kv_cache_dtype")))
 
 
 def _run_ppl(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +137,8 @@ def _run_kl(args: argparse.Namespace) -> dict[str, Any]:
     token_ids = _encode(baseline, text)
     result = compare_configs(baseline, candidate, token_ids, max_length, stride, progress=not args.no_progress)
     print(f"KL(baseline || candidate): mean {result.mean_kl:.3e}  max {result.max_kl:.3e} nats over "
-          f"{result.num_positions} positions\ntop-1 agreement: {result.top1_agreement:.2%}\n"
+          f"{result.num_positions} positions\ntop-1 agreement: {result.top1_agreement:.2%}  relative logit error "
+          f"{result.relative_logit_error:.3e}\n"
           f"perplexity: baseline {result.baseline_perplexity:.4f}  candidate {result.candidate_perplexity:.4f}")
     described = {name: dataclasses.asdict(c) for name, c in configs.items()}
     return {**described, "text": str(args.text), "max_length": max_length, "stride": stride, **result.to_dict()}

@@ -21,6 +21,7 @@ class KLResult:
     mean_kl: float
     max_kl: float
     top1_agreement: float          # share of positions where both configurations' argmax agree
+    relative_logit_error: float    # ||l_cand - l_base|| / ||l_base|| over all positions, logits centred per row
     baseline_perplexity: float
     candidate_perplexity: float
     num_positions: int
@@ -51,6 +52,11 @@ def compare_logprobs(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor) -
     return kl, agree
 
 
+def centred(logprobs: torch.Tensor) -> torch.Tensor:
+    """(N, V) log-probs minus each row's mean: the logits up to softmax's free per-row shift, centred."""
+    return logprobs - logprobs.mean(dim=-1, keepdim=True)
+
+
 def compare_configs(baseline: EngineParts, candidate: EngineParts, token_ids: list[int], max_length: int,
                     stride: int, progress: bool = False) -> KLResult:
     """Run both configurations over the same sliding windows and compare their next-token distributions.
@@ -61,6 +67,7 @@ def compare_configs(baseline: EngineParts, candidate: EngineParts, token_ids: li
     windows = sliding_windows(len(token_ids), max_length, stride)
     kl_sum = kl_max = 0.0
     agree = count = 0
+    err_sq = ref_sq = 0.0  # squared norms of the centred-logit difference and of the baseline's centred logits
     nll = [0.0, 0.0]
     for window in tqdm(windows, desc="kl", unit="window", disable=not progress):
         ids = token_ids[window.begin:window.end]
@@ -75,8 +82,11 @@ def compare_configs(baseline: EngineParts, candidate: EngineParts, token_ids: li
             kl_max = max(kl_max, float(kl.max()))
             agree += int(same.sum())
             count += kl.numel()
+            base_c, cand_c = centred(base.double()), centred(cand.double())
+            err_sq += float((cand_c - base_c).square().sum())
+            ref_sq += float(base_c.square().sum())
             chunk_targets = targets[chunk - rows[0]].to(base.device).unsqueeze(1)
             nll[0] -= float(base.gather(1, chunk_targets).double().sum())
             nll[1] -= float(cand.gather(1, chunk_targets).double().sum())
-    return KLResult(kl_sum / count, kl_max, agree / count, math.exp(nll[0] / count), math.exp(nll[1] / count),
+    return KLResult(kl_sum / count, kl_max, agree / count, math.sqrt(err_sq / ref_sq), math.exp(nll[0] / count), math.exp(nll[1] / count),
                     count, len(windows))

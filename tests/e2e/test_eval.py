@@ -118,6 +118,7 @@ def test_kl_of_a_configuration_against_itself_is_zero(model_dir: Path, text_file
                    "--dtype", "float32", "--baseline-dtype", "float32")
     assert result["num_windows"] > 1
     assert result["mean_kl"] == 0.0 and result["max_kl"] == 0.0
+    assert result["relative_logit_error"] == 0.0
     assert result["top1_agreement"] == 1.0
     assert result["baseline_perplexity"] == result["candidate_perplexity"]
 
@@ -142,6 +143,11 @@ def test_kl_equals_direct_torch_computation(model_dir: Path, text_file: Path, hf
     assert result["max_kl"] == pytest.approx(float(kl.max()), rel=1e-4)
     agreement = float((base.argmax(-1) == cand.argmax(-1)).float().mean())
     assert result["top1_agreement"] == pytest.approx(agreement)
+    # logits centred per row (softmax ignores a per-row shift), then one Frobenius-norm ratio
+    base_l, cand_l = (x - x.mean(-1, keepdim=True) for x in logits)
+    rel = float((cand_l - base_l).norm() / base_l.norm())
+    assert rel > 0
+    assert result["relative_logit_error"] == pytest.approx(rel, rel=1e-3)
     expected_ppl, _ = _hf_sliding_window_ppl(hf_model, TEXT, 512, 256)
     assert result["baseline_perplexity"] == pytest.approx(expected_ppl, rel=1e-4)
 

@@ -1,0 +1,208 @@
+"""`flashllm bench throughput | latency`: flashllm, its baselines and the machine's ceilings in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from flashllm.bench.workload import BenchRequest
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    """Run the workload through flashllm (once per --quant_type), then each baseline; print and save the record."""
+    import torch
+
+    from flashllm.bench.shapes import parameter_bytes, shape_model_dir
+
+    baselines = set(args.baseline or ()) - {"none"}
+    if "llama.cpp" in baselines:
+        _llama_cpp_ready()  # fail in one line before a benchmark that may run for minutes
+    quant_types = [q.strip() for q in args.quant_type.split(",") if q.strip()] or ["none"]
+    model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
+    result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
+                              "quant_type": quant_types[0], "group_size": args.weightonly_group_size,
+                              "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
+                              "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+                              "weight_bytes": parameter_bytes(model_dir)}
+    runs = []
+    requests: list[BenchRequest] = []
+    for quant_type in quant_types:
+        numbers, info, requests = _flashllm_run(args, model_dir, quant_type, requests)
+        runs.append({"quant_type": quant_type, **info, **numbers})
+    result.update(device=runs[0]["device"], num_requests=len(requests), loaded_weight_bytes=runs[0]["loaded_weight_bytes"])
+    result["flashllm"] = {k: v for k, v in runs[0].items() if k not in ("quant_type", "device", "loaded_weight_bytes")}
+    if len(runs) > 1:
+        key = "decode_tokens_per_s" if args.mode == "latency" else "output_tokens_per_s"
+        for run in runs:
+            run["speedup_vs_first"] = run[key] / runs[0][key]
+        result["quant_runs"] = runs
+    if "transformers" in baselines:
+        _transformers(args, model_dir, requests, result)
+    if "llama.cpp" in baselines:
+        result["llama.cpp"] = [_llama_cpp(args, model_dir, requests)]
+        result["speedup_vs_llama_cpp"] = (result["flashllm"]["output_tokens_per_s"]
+                                          / result["llama.cpp"][0]["output_tokens_per_s"])
+    if args.roofline:
+        _roofline(args, model_dir, requests, result, getattr(torch, args.dtype))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from flashllm.bench.plot import plot_throughput
+
+        plot_throughput(result, args.plot)
+    return 0
+
+
+def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
+                  requests: list[BenchRequest]) -> tuple[dict[str, float], dict[str, Any], list[BenchRequest]]:
+    """One flashllm engine over the requests (drawn from its tokenizer on the first call); frees it after."""
+    import gc
+
+    from flashllm.llm import LLM
+    from flashllm.quant import weight_bytes
+    from flashllm.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
+              group_size=args.weightonly_group_size, kv_cache_dtype=args.kv_cache_dtype,
+              cachekv_int8_type=args.cachekv_int8_type)
+    requests = requests or _requests(args, llm)
+    info = {"device": str(llm.engine.parts.selection.device),
+            "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total}
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
+              for r in requests]
+    llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    numbers = engine_numbers(outputs, elapsed, out_tokens, in_tokens)
+    del llm
+    gc.collect()  # the next configuration or baseline loads its own copy of the weights
+    return numbers, info, requests
+
+
+def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],
+                  result: dict[str, Any]) -> None:
+    """transformers `generate` on the same weights: static batches, and batch-1 latency in latency mode."""
+    import torch
+
+    from flashllm.bench.hf_baseline import load, run_latency, run_static_batches
+
+    model = load(model_dir, getattr(torch, args.dtype))
+    runs = [run_static_batches(model, requests, int(b)) for b in args.baseline_batch_sizes.split(",")]
+    result["transformers"] = [{"batch_size": r.batch_size, "elapsed_s": r.elapsed,
+                               "output_tokens_per_s": r.output_throughput,
+                               "total_tokens_per_s": (r.output_tokens + r.prompt_tokens) / r.elapsed} for r in runs]
+    best = max(runs, key=lambda r: r.output_throughput)
+    result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
+    if args.mode == "latency":
+        latency = run_latency(model, requests[0])
+        result["transformers_latency"] = {"ttft_s": latency.ttft, "decode_tokens_per_s": latency.decode_tokens_per_s}
+        result["decode_speedup_vs_transformers"] = (result["flashllm"]["decode_tokens_per_s"]
+                                                    / latency.decode_tokens_per_s)
+
+
+def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], result: dict[str, Any],
+              dtype: Any) -> None:
+    """The machine's ceilings measured now, and every result as a fraction of its own ceiling.
+
+    Batch-1 decode is bandwidth-bound: ceiling = bandwidth / weight bytes read per step (the
+    quantized bytes when weights are quantized). A whole offline run is at best compute-bound:
+    ceiling = matmul FLOP/s / FLOPs per token, with FLOPs per token = 2 x matmul parameters +
+    attention at the workload's mean context (BENCHMARKS.md).
+    """
+    from flashllm.bench import roofline as rl
+    from flashllm.bench.shapes import flops_per_token
+
+    roof = rl.measure(dtype)
+    result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
+                          "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
+                          "matmul_gflop_s": roof.matmul_flops / 1e9}
+    ceiling = roof.decode_ceiling(1, result["loaded_weight_bytes"])
+    result["decode_ceiling_batch1_tokens_per_s"] = ceiling
+    mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
+    compute = roof.compute_ceiling(flops_per_token(model_dir, mean_context))
+    result["compute_ceiling_tokens_per_s"] = compute
+    result["fraction_of_compute_ceiling"] = {"flashllm": result["flashllm"]["total_tokens_per_s"] / compute}
+    for run in result.get("transformers", []):
+        result["fraction_of_compute_ceiling"][f"transformers_batch{run['batch_size']}"] = (
+            run["total_tokens_per_s"] / compute)
+    for run in result.get("llama.cpp", []):
+        result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
+    if args.mode == "latency":
+        fractions = {"flashllm": result["flashllm"]["decode_tokens_per_s"] / ceiling}
+        if "transformers_latency" in result:  # same float weights, so the float ceiling
+            float_ceiling = roof.decode_ceiling(1, result["weight_bytes"])
+            fractions["transformers"] = result["transformers_latency"]["decode_tokens_per_s"] / float_ceiling
+        for run in result.get("llama.cpp", []):
+            fractions["llama.cpp"] = run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["gguf_bytes"])
+        result["fraction_of_bandwidth_ceiling"] = fractions["flashllm"]
+        result["fractions_of_bandwidth_ceiling"] = fractions
+        for run in result.get("quant_runs", []):
+            run["fraction_of_bandwidth_ceiling"] = (
+                run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["loaded_weight_bytes"]))
+
+
+def max_model_len(requested: int | None, model_dir: Path) -> int:
+    """The benchmark's context: what was asked, else 4096 capped by the model's max_position_embeddings."""
+    if requested is not None:
+        return requested
+    from flashllm.models.hf_config import load_hf_config
+
+    return min(4096, load_hf_config(model_dir).max_position_embeddings)
+
+
+def _llama_cpp_ready() -> None:
+    from flashllm.bench.llamacpp_baseline import LlamaCppUnavailable, require_llama_cpp
+
+    try:
+        require_llama_cpp()
+    except LlamaCppUnavailable as exc:
+        raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
+
+
+def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]) -> dict[str, Any]:
+    """The llama.cpp record: batch 1 over the same requests, on a GGUF of the same weights."""
+    from flashllm.bench.gguf_export import GGUFExportError
+    from flashllm.bench.llamacpp_baseline import GGUF_TYPE_FOR_DTYPE, run_baseline
+
+    file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
+    try:
+        record = run_baseline(model_dir, requests, file_type)
+    except GGUFExportError as exc:
+        raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
+    record["gguf_bytes"] = Path(record["gguf"]).stat().st_size
+    return record
+
+
+def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
+    from flashllm.bench.workload import parse_range, random_requests, sharegpt_requests
+
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
+        return sharegpt_requests(Path(args.dataset_path), llm.tokenizer, args.num_prompts, seed=args.seed)
+    vocab = llm.engine.parts.hf_config.vocab_size
+    return random_requests(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
+
+
+def engine_numbers(outputs: list, elapsed: float, out_tokens: int, in_tokens: int) -> dict[str, float]:
+    """Throughput and latency numbers of one flashllm run (decode rate only for a single request)."""
+    numbers = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+               "total_tokens_per_s": (out_tokens + in_tokens) / elapsed}
+    ttfts = [o.metrics.time_to_first_token for o in outputs]
+    numbers["mean_ttft_s"] = sum(ttfts) / len(ttfts)
+    if len(outputs) == 1:
+        o = outputs[0]
+        n = len(o.outputs[0].token_ids)
+        numbers["decode_tokens_per_s"] = (n - 1) / (o.metrics.latency - o.metrics.time_to_first_token)
+    return numbers

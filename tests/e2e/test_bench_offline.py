@@ -1,0 +1,93 @@
+"""`flashllm bench throughput | latency` on a tiny model: a ShareGPT-layout file, baselines, roofline fractions, JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashllm.cli import main
+from flashllm.testing.tiny_models import build_tiny_model
+
+CONVERSATIONS = [
+    {"conversations": [{"from": "human", "value": "the quick brown fox jumps over the lazy dog " * 2},
+                       {"from": "gpt", "value": "a lazy dog sleeps all day long"}]},
+    {"conversations": [{"from": "gpt", "value": "a reply with no question is skipped"}]},
+    {"conversations": [{"from": "human", "value": "what is the capital of france and why"},
+                       {"from": "gpt", "value": "paris, because the kings lived there"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # the bench asks for a 4096-token context unless told otherwise
+    return build_tiny_model(tmp_path_factory.mktemp("bench") / "llama", "llama", seed=0,
+                            max_position_embeddings=4096)
+
+
+def _run(tmp_path: Path, *argv: str) -> dict:
+    out = tmp_path / "record.json"
+    assert main(["bench", *argv, "--device", "cpu", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_throughput_on_sharegpt_with_transformers_and_roofline(model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(CONVERSATIONS))
+    record = _run(tmp_path, "throughput", "--model", str(model_dir), "--dataset", "sharegpt", "--dataset-path",
+                  str(data), "--num-prompts", "5", "--baseline", "transformers", "--baseline-batch-sizes", "1,2",
+                  "--roofline")
+    from flashllm.llm import LLM
+
+    tokenizer = LLM(str(model_dir), device="cpu").tokenizer
+    usable = [c["conversations"] for c in CONVERSATIONS if c["conversations"][0]["from"] == "human"]
+    assert record["num_requests"] == len(usable) == 2
+    # EOS ignored: exactly the reply lengths are generated
+    assert record["flashllm"]["output_tokens"] == sum(len(tokenizer.encode(t[1]["value"])) for t in usable)
+    assert [r["batch_size"] for r in record["transformers"]] == [1, 2]
+    roof = record["roofline"]
+    assert roof["read_bandwidth_gb_s"] > 0 and roof["matmul_gflop_s"] > 0
+    # the fractions are each engine's own rate over the ceilings recorded beside them
+    assert record["fraction_of_compute_ceiling"]["flashllm"] == pytest.approx(
+        record["flashllm"]["total_tokens_per_s"] / record["compute_ceiling_tokens_per_s"])
+    assert set(record["fraction_of_compute_ceiling"]) == {"flashllm", "transformers_batch1", "transformers_batch2"}
+    assert record["decode_ceiling_batch1_tokens_per_s"] == pytest.approx(
+        roof["read_bandwidth_gb_s"] * 1e9 / record["loaded_weight_bytes"])
+
+
+def test_compute_ceiling_counts_the_model_flops(model_dir: Path) -> None:
+    """2 x matmul parameters + attention, from the module shapes of the loaded transformers model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flashllm.bench.shapes import flops_per_token
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+    cfg = hf.config
+    q_dim = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    context = 37.5
+    assert flops_per_token(model_dir, context) == pytest.approx(
+        2 * linear + cfg.num_hidden_layers * 4 * q_dim * context)
+
+
+def test_latency_compares_quant_types_and_transformers_in_one_run(model_dir: Path, tmp_path: Path) -> None:
+    record = _run(tmp_path, "latency", "--model", str(model_dir), "--input-len", "16", "--output-len", "12",
+                  "--quant_type", "none,w8a16,a8w8", "--baseline", "transformers", "--baseline-batch-sizes", "1",
+                  "--roofline")
+    runs = record["quant_runs"]
+    assert [r["quant_type"] for r in runs] == ["none", "w8a16", "a8w8"]
+    assert all(r["output_tokens"] == 12 and r["decode_tokens_per_s"] > 0 for r in runs)
+    assert runs[0]["speedup_vs_first"] == 1.0
+    assert runs[1]["speedup_vs_first"] == pytest.approx(runs[1]["decode_tokens_per_s"] / runs[0]["decode_tokens_per_s"])
+    # int8 weights hold fewer bytes than the float ones
+    assert runs[1]["loaded_weight_bytes"] < runs[0]["loaded_weight_bytes"]
+    assert record["flashllm"]["decode_tokens_per_s"] == runs[0]["decode_tokens_per_s"]
+    hf = record["transformers_latency"]
+    assert hf["ttft_s"] > 0 and hf["decode_tokens_per_s"] > 0
+    fractions = record["fractions_of_bandwidth_ceiling"]
+    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
+    assert fractions["transformers"] == pytest.approx(hf["decode_tokens_per_s"] * record["weight_bytes"] / bandwidth)
+    assert runs[2]["fraction_of_bandwidth_ceiling"] == pytest.approx(
+        runs[2]["decode_tokens_per_s"] * runs[2]["loaded_weight_bytes"] / bandwidth)
