@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import (
     INT4_SYMMETRIC_ZERO,
     INT8_MAX,
@@ -69,7 +70,7 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
 def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
     """quant_matmul through one named body (see choose_path); tests force each one here."""
     if path == "dense":
-        return reference(x, weight, bias)
+        return dense_matmul(x, weight, bias)
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects {weight.in_features}")
     if weight.input_perm is not None:
@@ -138,6 +139,17 @@ def int4pack_layout(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[Tensor
     return cache[key], cache[f"{key}:{dtype}"]
 
 
+def dense_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """The reference body, with a decode-sized float product split by rows across the cores."""
+    w = weight.data
+    if weight.scheme != "none" or weight.input_perm is not None or not parallel.should_split(x.shape[0], *w.shape):
+        return reference(x, weight, bias)
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects {weight.in_features}")
+    out = parallel.split_linear(x, w.to(x.dtype))
+    return out if bias is None else out.add_(bias.to(x.dtype))
+
+
 def dequant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
     """x (T, K) @ dequantized W.T + bias in fp32, a chunk of output rows at a time; (T, N) in x.dtype.
 
@@ -147,17 +159,24 @@ def dequant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = Non
     """
     n, k = weight.out_features, weight.in_features
     rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (k * 4))
-    buffer = torch.empty(min(rows, n), k, dtype=torch.float32, device=x.device)
     x32 = x.float()
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     per_channel = weight.num_groups == 1
     scales = weight.scales.float()
     zeros = None if weight.zeros is None else weight.zeros.float()
-    for start in range(0, n, rows):
-        end = min(start + rows, n)
-        chunk = buffer[: end - start]
-        _dequant_rows(weight, start, end, chunk, None if per_channel else scales, zeros)
-        out[:, start:end] = F.linear(x32, chunk)
+
+    def body(first: int, last: int) -> None:  # rows first:last, a chunk at a time through one buffer
+        buffer = torch.empty(min(rows, last - first), k, dtype=torch.float32, device=x.device)
+        for start in range(first, last, rows):
+            end = min(start + rows, last)
+            chunk = buffer[: end - start]
+            _dequant_rows(weight, start, end, chunk, None if per_channel else scales, zeros)
+            out[:, start:end] = F.linear(x32, chunk)
+
+    if parallel.should_split(x.shape[0], n, k):
+        parallel.run_shares(n, body)  # each core dequantizes and multiplies its own rows
+    else:
+        body(0, n)
     if per_channel:
         out.mul_(scales.view(1, n))
     if bias is not None:
