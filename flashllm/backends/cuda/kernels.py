@@ -138,7 +138,19 @@ WRAPPERS = {
 }
 
 
+def fp8_quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """fp8 weights and activations through torch._scaled_mm (see scaled_mm.quant_matmul)."""
+    from flashllm.backends.cuda.scaled_mm import quant_matmul as scaled
+
+    return scaled(x, weight, bias)
+
+
+# fp8 needs sm89+: the precision matrix refuses it on older GPUs before this kernel is resolved
+FP8_CAPS = Caps(dtypes=frozenset({torch.float16, torch.bfloat16}), quant=frozenset({"fp8"}))
+
+
 def register(backend: Backend) -> None:
-    """Register the Triton kernels on `backend` with their caps."""
+    """Register the Triton kernels on `backend` with their caps, and the fp8 _scaled_mm GEMM."""
     for op, fn in WRAPPERS.items():
         backend.kernel(op, CAPS[op])(fn)
+    backend.kernel("quant_matmul", FP8_CAPS)(fp8_quant_matmul)
