@@ -55,3 +55,21 @@ def baselines(session: nox.Session) -> None:
     _install(session, "test,bench,lm-eval,llamacpp")
     session.run("pytest", "-q", "tests/e2e/test_lm_eval_adapter.py", "tests/e2e/test_gguf_export.py",
                 "tests/e2e/test_bench_llamacpp.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def plugin(session: nox.Session) -> None:
+    """The third-party backend template, installed like a vendor's package (not editable): its own
+    conformance and engine tests, then flashllm's generated conformance suite over its kernels."""
+    _install(session)
+    template = "examples/flashllm-backend-template"
+    session.install(template)
+    session.run("pytest", "-q", "--rootdir", template, f"{template}/tests", *session.posargs)
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "-k", "template", *session.posargs)
+
+
+@nox.session(python="3.11")
+def onnx(session: nox.Session) -> None:
+    """Static-graph mode: `flashllm export --format onnx` and `--mode static` through onnxruntime (CPU)."""
+    _install(session, "test,onnx")
+    session.run("pytest", "-q", "tests/static", *session.posargs)

@@ -28,9 +28,24 @@ class LLM:
     token and head (cachekv_int8_type "dynamic") or calibrated in the checkpoint ("static").
     fp8 works on CPUs too: the cache is stored as e4m3 bytes and attention dequantizes it to
     fp32, so it halves KV memory against fp16 without needing fp8 arithmetic.
+
+    mode="static": `model` is a directory written by `flashllm export --format onnx`, and the
+    result is a `flashllm.static.StaticLLM` (onnxruntime) with the same generate / chat API; it
+    takes device, dtype, max_model_len, max_num_seqs and seed.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __new__(cls, model: str | None = None, mode: str = "dynamic", **kwargs: Any) -> Any:
+        if mode == "static":
+            from flashllm.static.runner import StaticLLM
+
+            if model is None:
+                raise ValueError("mode='static' needs the directory written by `flashllm export`")
+            return StaticLLM(model, **kwargs)  # not an LLM, so __init__ does not run on it
+        if mode != "dynamic":
+            raise ValueError(f"mode {mode!r} is not one of: dynamic, static")
+        return super().__new__(cls)
+
+    def __init__(self, model: str | None = None, mode: str = "dynamic", **kwargs: Any) -> None:
         self.engine = Engine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._chat_template: Any = None

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "webui": "webui",
     "eval": "eval",
     "quantize": "quantize",
+    "export": "export",
 }
 
 

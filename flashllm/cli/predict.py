@@ -75,6 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                "quantize the linear weights at load")
     _flag(parser, "weightonly_group_size", type=int, default=-1,
           help="input features per weight scale: -1 = one per output channel, or 32 | 64 | 128")
+    _flag(parser, "mode", default="dynamic", choices=("dynamic", "static"),
+          help="dynamic: the paged engine; static: run the ONNX graph that `flashllm export` wrote into "
+               "--model_name_or_path, through onnxruntime (engine flags such as --block_size do not apply)")
 
 
 def add_parser(sub: Any) -> None:
@@ -154,7 +157,6 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashllm.llm import LLM
     from flashllm.quant.spec import QuantConfigError, weight_quant_spec
 
     if args.data_file is None and not args.benchmark:
@@ -166,12 +168,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"flashllm predict: {err}", file=sys.stderr)
         return 2
     params = _sampling_params(args)
-    llm = LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
-              max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
-              num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-              kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-              strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size)
+    llm = _make_llm(args)
     template = args.chat_template and llm.has_chat_template()
     prompts = [_prompt_ids(llm, r, template, args.src_length, args.benchmark) for r in records]
     start = time.perf_counter()
@@ -184,6 +181,20 @@ def run(args: argparse.Namespace) -> int:
     if args.benchmark:
         _print_benchmark(prompts, outputs, elapsed)
     return 0
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from flashllm.llm import LLM
+
+    if args.mode == "static":
+        return LLM(args.model_name_or_path, mode="static", device=args.device, dtype=args.dtype,
+                   max_model_len=args.total_max_length, max_num_seqs=args.batch_size, seed=args.seed)
+    return LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
+               max_model_len=args.total_max_length, block_size=args.block_size, max_num_seqs=args.batch_size,
+               num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+               kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
+               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+               strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size)
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:
