@@ -73,3 +73,22 @@ def onnx(session: nox.Session) -> None:
     """Static-graph mode: `flashllm export --format onnx` and `--mode static` through onnxruntime (CPU)."""
     _install(session, "test,onnx")
     session.run("pytest", "-q", "tests/static", *session.posargs)
+
+
+IPEX_PINS = ("torch==2.8.*", "intel-extension-for-pytorch==2.8.*")  # IPEX x.y runs only on torch x.y
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@nox.session(python="3.11")
+def ipex(session: nox.Session) -> None:
+    """torch 2.8 + intel-extension-for-pytorch 2.8 (x86 CPU): the ipex kernels' conformance and a tiny Llama.
+
+    torch's CPU index is tried as an extra index: its 2.8.0+cpu sorts above PyPI's 2.8.0, which on
+    Linux is the CUDA build (about 3 GB with its nvidia wheels, runs on CPU too) and is what pip
+    installs where that index is unreachable. flashllm's own pin (torch>=2.4) keeps the 2.8 build.
+    """
+    session.install(*IPEX_PINS, "--extra-index-url", TORCH_CPU_INDEX)
+    session.install("-e", ".[test]")
+    session.run("python", "-c", "import torch, intel_extension_for_pytorch as ipex; print('torch', torch.__version__, 'ipex', ipex.__version__)")
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "-k", "ipex", *session.posargs)
+    session.run("pytest", "-q", "tests/backends/test_ipex.py", *session.posargs)
