@@ -109,18 +109,9 @@ class LLM:
 
     def chat_template(self, chat_template: str | None = None) -> Any:
         """The ChatTemplate to render with (see render_chat); the model's own is loaded once."""
-        from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
-
-        if chat_template in BUILTIN_TEMPLATES:
-            return ChatTemplate.builtin(chat_template)
-        if chat_template is not None:
-            return ChatTemplate(chat_template)
-        if self._chat_template is None:
-            self._chat_template = load_chat_template(self.engine.parts.model_dir)
-        if self._chat_template is None:
-            raise ValueError("this model has no chat template; pass chat_template= a built-in name "
-                             f"({', '.join(BUILTIN_TEMPLATES)}) or a template string")
-        return self._chat_template
+        template, self._chat_template = select_chat_template(chat_template, self._chat_template,
+                                                             self.engine.parts.model_dir)
+        return template
 
     def has_chat_template(self) -> bool:
         """Whether the model directory ships a chat template."""
@@ -184,3 +175,22 @@ if __name__ == "__main__":
     from flashllm.cli.predict import main
 
     raise SystemExit(main())
+
+
+def select_chat_template(chat_template: str | None, own: Any, model_dir: Any) -> tuple[Any, Any]:
+    """(the ChatTemplate to render with, the model's own template, loaded from model_dir on first need).
+
+    chat_template: a built-in name (chatml, llama-2, llama-3), a template source string, or None
+    for the model's own; a model without one raises ValueError naming the alternatives.
+    """
+    from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+
+    if chat_template in BUILTIN_TEMPLATES:
+        return ChatTemplate.builtin(chat_template), own
+    if chat_template is not None:
+        return ChatTemplate(chat_template), own
+    own = own if own is not None else load_chat_template(model_dir)
+    if own is None:
+        raise ValueError("this model has no chat template; pass chat_template= a built-in name "
+                         f"({', '.join(BUILTIN_TEMPLATES)}) or a template string")
+    return own, own

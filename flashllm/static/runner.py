@@ -226,18 +226,10 @@ class StaticLLM:
 
     def chat_template(self, chat_template: str | None = None) -> Any:
         """The ChatTemplate to render with: a built-in name, a template string, or the export's own."""
-        from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+        from flashllm.llm import select_chat_template
 
-        if chat_template in BUILTIN_TEMPLATES:
-            return ChatTemplate.builtin(chat_template)
-        if chat_template is not None:
-            return ChatTemplate(chat_template)
-        if self._chat_template is None:
-            self._chat_template = load_chat_template(self.model_dir)
-        if self._chat_template is None:
-            raise ValueError("this export has no chat template; pass chat_template= a built-in name "
-                             f"({', '.join(BUILTIN_TEMPLATES)}) or a template string")
-        return self._chat_template
+        template, self._chat_template = select_chat_template(chat_template, self._chat_template, self.model_dir)
+        return template
 
     def has_chat_template(self) -> bool:
         """Whether the export ships a chat template."""

@@ -19,15 +19,7 @@ import triton
 import triton.language as tl
 
 from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
-
-
-@triton.jit
-def _mma(a, b, WIDEN: tl.constexpr):
-    """a @ b with fp32 accumulation; fp32 inputs stay fp32 (no TF32: the op promises fp32 math)."""
-    if WIDEN:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+from flashllm.backends.cuda.triton_attention_kernels import _mma
 
 
 @triton.jit
