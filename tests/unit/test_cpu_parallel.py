@@ -50,7 +50,11 @@ def test_split_dense_matches_f_linear(three_threads, tokens: int, inference: boo
     assert parallel.should_split(tokens, *w.shape)
     with torch.inference_mode(inference):  # the engine runs under inference mode, which is per thread
         got = dense_matmul(x, QuantizedWeight.dense(w), bias)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # the native kernel sums in another order than BLAS: hold it to the fp32 dot-product error bound
+    # |err| <= K * 2**-24 * (|x| @ |w|.T) (+ the bias add), against a float64 product
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    bound = 520 * 2.0**-24 * (x.abs().double() @ w.abs().double().T + bias.abs().double())
+    assert bool(((got.double() - exact).abs() <= bound).all())
 
 
 def test_split_rows_are_really_computed_by_several_threads(three_threads, monkeypatch) -> None:
@@ -80,7 +84,7 @@ def test_split_dequant_matmul_matches_the_reference(three_threads, scheme, group
     gen = torch.Generator().manual_seed(1)
     weight = quantize_weight(torch.randn(2100, 512, generator=gen), scheme, group_size, symmetric)
     x = torch.randn(2, 512, generator=gen)
-    assert choose_path(weight, 2, packed_fast=False) == "dequant"
+    assert choose_path(weight, 2, packed_fast=False, native_ready=False) == "dequant"
     want = x @ dequantize(weight).T
     torch.testing.assert_close(dequant_matmul(x, weight), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(run_path("dequant", x, weight), reference(x, weight), rtol=1e-4, atol=1e-4)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashllm.backends.cpu import native
 from flashllm.backends.cpu import quant as cpu_quant
 from flashllm.ops.quant_matmul import QuantizedWeight, quant_matmul
 from flashllm.ops.testing import case_quant, cases, make_inputs, run_case
@@ -190,6 +193,8 @@ def test_reference_is_x_times_dequantized_weight(case: str) -> None:
 
 def _paths(weight: QuantizedWeight) -> list[str]:
     paths = ["dequant"]
+    if native.library() is not None and native.supports_quantized(weight, 1):
+        paths.append("native")
     if weight.scheme == "w8a16" and weight.num_groups == 1:
         paths.append("int8pack")
     if weight.scheme == "w4a16" and cpu_quant.int4pack_supported(weight):
@@ -211,7 +216,8 @@ def test_every_cpu_path_matches_the_reference(case: str, dtype: torch.dtype) -> 
 
 def test_packed_paths_are_reached_somewhere() -> None:
     reached = {p for c in WEIGHT_ONLY_CASES for p in _paths(make_inputs("quant_matmul", torch.float32, case=c)["weight"])}
-    assert reached == {"dequant", "int8pack", "int4pack"}
+    native_reached = {"native"} if native.library() is not None else set()
+    assert reached == {"dequant", "int8pack", "int4pack"} | native_reached
 
 
 def test_cpu_path_choice() -> None:
@@ -221,7 +227,7 @@ def test_cpu_path_choice() -> None:
     w4_odd_n = quantize_weight(torch.randn(24, 64), "w4a16", 32)
     w4_small_group = quantize_weight(torch.randn(32, 64), "w4a16", 16)
     dense = QuantizedWeight.dense(torch.randn(32, 64))
-    choose = cpu_quant.choose_path
+    choose = functools.partial(cpu_quant.choose_path, native_ready=False)
     assert choose(dense, 1, True) == "dense"
     assert [choose(w, 1, False) for w in (w8, w4)] == ["dequant", "dequant"]
     assert [choose(w, 1, True) for w in (w8, w4)] == ["int8pack", "int4pack"]

@@ -1,0 +1,141 @@
+"""The cpu backend's native decode kernels (csrc/decode_gemv.c) against float64 products and the reference.
+
+Every product is held to the fp32 dot-product error bound |err| <= K * 2**-24 * (|x| @ |W|.T)
+(Higham's gamma_K, with a slack factor for the scale multiply) against the same product in
+float64, W being the dequantized weight, so a kernel that reads a wrong code, zero, scale or row
+fails by far more than rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashllm.backends.cpu import native
+from flashllm.backends.cpu import quant as cpu_quant
+from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
+from flashllm.ops.quant_matmul import quant_matmul as reference
+from flashllm.quant import quantize_weight
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
+
+
+def assert_within_fp32_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got (T, N) fp32 against x (T, K) @ w (N, K).T in float64, within 2 * K * 2**-24 * |x| @ |w|.T."""
+    exact = x.double() @ w.double().T
+    bound = 2 * x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    excess = (got.double() - exact).abs() - bound
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert bool((excess <= 0).all()), f"worst excess over the bound: {excess.max().item():.3g}"
+
+
+@pytest.fixture
+def threads():
+    """Restore torch's thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, native.MAX_TOKENS), k=st.integers(1, 300), n=st.integers(1, 70))
+def test_f32_gemv_any_shape(tokens: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    x, w = torch.randn(tokens, k, generator=gen), torch.randn(n, k, generator=gen)
+    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
+
+
+QUANT_CASES = [  # scheme, group size, symmetric
+    ("w8a16", -1, True), ("w8a16", 32, True), ("w8a16", 128, True),
+    ("w4a16", -1, True), ("w4a16", 32, True), ("w4a16", 64, False), ("w4a16", 128, False),
+]
+
+
+@pytest.mark.parametrize("scheme,group_size,symmetric", QUANT_CASES)
+@pytest.mark.parametrize("tokens", [1, 2, native.MAX_TOKENS])
+def test_integer_weight_gemv_matches_the_dequantized_product(scheme, group_size, symmetric, tokens) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    weight = quantize_weight(torch.randn(77, 256, generator=gen), scheme, group_size, symmetric)
+    x = torch.randn(tokens, 256, generator=gen)
+    x[:, 3] *= 50  # an outlier channel, as real activations have
+    assert native.supports_quantized(weight, tokens)
+    assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
+
+
+def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
+    # every group of every row gets its own zero point: a kernel using one zero everywhere fails
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (40, 64), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (40, 4), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(40, 4, generator=gen) + 0.5
+    weight = QuantizedWeight("w4a16", codes, scales, zeros, group_size=32)
+    x = torch.randn(3, 128, generator=gen)
+    assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
+
+
+@pytest.mark.parametrize("scheme", ["none", "w8a16", "w4a16"])
+def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3000, 512, generator=gen)
+    x = torch.randn(2, 512, generator=gen)
+    weight = quantize_weight(w, scheme, 64) if scheme != "none" else None
+
+    def run() -> torch.Tensor:
+        return native.f32_linear(x, w) if weight is None else native.int_linear(x, weight)
+
+    threads(1)
+    single = run()
+    threads(3)
+    assert native.parallel.should_split(2, 3000, 512)
+    assert torch.equal(run(), single)  # each row is one thread's dot product, in the same order
+
+
+def test_engine_paths_choose_the_native_kernels_for_decode_batches() -> None:
+    w8 = quantize_weight(torch.randn(64, 128), "w8a16")
+    w4_group16 = quantize_weight(torch.randn(64, 128), "w4a16", 16)
+    assert cpu_quant.choose_path(w8, 1, packed_fast=True) == "native"
+    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "dequant"
+    assert cpu_quant.choose_path(w4_group16, 1, packed_fast=False) == "dequant"  # groups of 16: not taken
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    got = cpu_quant.run_path("native", x, w8, torch.ones(64))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, reference(x, w8, torch.ones(64)), atol=1e-2, rtol=1.6e-2)
+
+
+def test_dense_decode_products_take_the_native_kernel(monkeypatch) -> None:
+    calls = []
+    real = native.f32_linear
+    monkeypatch.setattr(native, "f32_linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    x, w = torch.randn(2, 64), torch.randn(48, 64)
+    got = cpu_quant.dense_matmul(x, QuantizedWeight.dense(w), torch.ones(48))
+    assert calls == [(2, 64)]
+    assert_within_fp32_bound(got - 1, x, w)
+    cpu_quant.dense_matmul(torch.randn(native.MAX_TOKENS + 1, 64), QuantizedWeight.dense(w))
+    cpu_quant.dense_matmul(x.bfloat16(), QuantizedWeight.dense(w.bfloat16()))
+    assert len(calls) == 1  # a prefill-sized batch and half precision stay on torch
+
+
+def test_switched_off_or_unbuildable_the_torch_paths_take_over(monkeypatch, tmp_path) -> None:
+    try:
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+        native.reset()
+        assert native.library() is None and native.ENV_SWITCH in native.unavailable_reason()
+        weight = quantize_weight(torch.randn(64, 128), "w8a16")
+        assert cpu_quant.choose_path(weight, 1, packed_fast=False) == "dequant"
+        assert not native.supports_dense(torch.randn(1, 128), torch.randn(64, 128))
+
+        monkeypatch.setenv(native.ENV_SWITCH, "1")
+        monkeypatch.setenv("FLASHLLM_CACHE_DIR", str(tmp_path))  # nothing built there yet
+        monkeypatch.setenv("CC", "false")                          # a "compiler" that always fails
+        native.reset()
+        assert native.library() is None
+        assert "building the native kernels failed" in native.unavailable_reason()
+        assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+    finally:
+        monkeypatch.undo()
+        native.reset()
+    assert native.library() is not None, os.environ.get(native.ENV_SWITCH)
