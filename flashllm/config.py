@@ -53,6 +53,7 @@ class QuantConfig:
 
     quant_type: str = "none"
     group_size: int = -1
+    quantize_lm_head: bool = False         # int8 LM head beside weight-only linears (quant/spec.py)
 
 
 @dataclass

@@ -147,7 +147,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
                                 "cachekv_int8_type", "enable_prefix_caching"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels"}),
-        "quant": (QuantConfig, {"quant_type", "group_size"}),
+        "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
     }
     known = set().union(*(keys for _, keys in groups.values()))
     unknown = set(kwargs) - known

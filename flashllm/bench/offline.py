@@ -26,6 +26,7 @@ def run_offline(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
     result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
                               "quant_type": quant_types[0], "group_size": args.weightonly_group_size,
+                              "quantize_lm_head": getattr(args, "quantize_lm_head", False),
                               "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "weight_bytes": parameter_bytes(model_dir)}
@@ -66,15 +67,20 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
 
     from flashllm.llm import LLM
     from flashllm.quant import weight_bytes
+    from flashllm.quant.spec import LM_HEAD_SCHEMES, QUANT_TYPES
     from flashllm.sampling_params import SamplingParams
+
+    # --quantize-lm-head applies to the weight-only runs of a comma list; the float run stays float
+    quantized_head = getattr(args, "quantize_lm_head", False) and QUANT_TYPES.get(quant_type.lower(), ("",))[0] in LM_HEAD_SCHEMES
 
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
               group_size=args.weightonly_group_size, kv_cache_dtype=args.kv_cache_dtype,
+              quantize_lm_head=quantized_head,
               cachekv_int8_type=args.cachekv_int8_type)
     requests = requests or _requests(args, llm)
-    info = {"device": str(llm.engine.parts.selection.device),
+    info = {"device": str(llm.engine.parts.selection.device), "quantized_lm_head": quantized_head,
             "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total}
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in requests]

@@ -75,6 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                "quantize the linear weights at load")
     _flag(parser, "weightonly_group_size", type=int, default=-1,
           help="input features per weight scale: -1 = one per output channel, or 32 | 64 | 128")
+    _flag(parser, "quantize_lm_head", action="store_true",
+          help="also store the LM head as per-channel int8 (with weight_only_int8/int4): a quarter of its fp32 "
+               "bytes per decoded token, a small logit error (docs/benchmarks.md)")
     _flag(parser, "mode", default="dynamic", choices=("dynamic", "static"),
           help="dynamic: the paged engine; static: run the ONNX graph that `flashllm export` wrote into "
                "--model_name_or_path, through onnxruntime (engine flags such as --block_size do not apply)")
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data_file is None and not args.benchmark:
         raise SystemExit("flashllm predict: give --data_file (or --benchmark for synthetic prompts)")
     try:
-        weight_quant_spec(args.quant_type, args.weightonly_group_size)
+        weight_quant_spec(args.quant_type, args.weightonly_group_size, args.quantize_lm_head)
         records = read_data_file(args.data_file) if args.data_file else [{"src": "Hello"}] * args.batch_size
     except (DataFileError, OSError, QuantConfigError) as err:
         print(f"flashllm predict: {err}", file=sys.stderr)
@@ -194,7 +197,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-               strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size)
+               strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
+               quantize_lm_head=args.quantize_lm_head)
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

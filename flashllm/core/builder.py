@@ -73,7 +73,8 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         raise EngineConfigError(f"--cachekv_int8_type {config.cache.cachekv_int8_type!r} is not one of "
                                 f"{', '.join(KV_SCALE_TYPES)}")
     # a GPTQ/AWQ checkpoint brings its own scheme: resolve the op table for what the layers will hold
-    quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size))
+    quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size,
+                                                                config.quant.quantize_lm_head))
     request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size)
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
+from flashllm.models.layers.embedding import LMHead
 from flashllm.models.layers.linear import LinearBase
 from flashllm.models.layers.prequantized import finish_prequantized, prepare_prequantized
 from flashllm.quant.spec import WeightQuantSpec
@@ -76,7 +77,7 @@ def load_model(
     for module in model.modules():
         if finish_prequantized(module):
             continue
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, LMHead)):
             module.process_weights_after_loading(quant)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

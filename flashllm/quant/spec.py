@@ -46,6 +46,8 @@ WEIGHT_SCALE_SUFFIX = "weight_scale"
 SMOOTH_FACTOR_SUFFIX = "smooth_factor"
 # torch's CPU int4 kernel and most GPU int4 kernels take these group sizes
 COMMON_GROUP_SIZES = (32, 64, 128)
+# the linear schemes beside which --quantize_lm_head may store the head as int8
+LM_HEAD_SCHEMES = frozenset({"w8a16", "w4a16"})
 
 
 class QuantConfigError(ValueError):
@@ -60,11 +62,16 @@ class WeightQuantSpec:
       is resolved for).
     group_size: input features sharing one scale, -1 for one scale per output channel.
     symmetric: int4 only: False adds a per-group zero point (asymmetric range).
+    lm_head: also store the LM head (tied or not) as per-channel int8 (w8a16), whatever the
+      linear layers' weight-only scheme; int8 rather than int4 because the logits feel every
+      error of the head directly, as llama.cpp keeps its output tensor at higher precision.
+      A tied embedding keeps its float table for lookups beside the int8 head.
     """
 
     scheme: str = "none"
     group_size: int = -1
     symmetric: bool = True
+    lm_head: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +79,7 @@ class WeightQuantSpec:
         return self.scheme != "none"
 
 
-def weight_quant_spec(quant_type: str = "none", group_size: int = -1) -> WeightQuantSpec:
+def weight_quant_spec(quant_type: str = "none", group_size: int = -1, lm_head: bool = False) -> WeightQuantSpec:
     """Parse `--quant_type` and `--weightonly_group_size` into a WeightQuantSpec.
 
     quant_type: none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) |
@@ -93,6 +100,9 @@ def weight_quant_spec(quant_type: str = "none", group_size: int = -1) -> WeightQ
             f"weightonly_group_size {group_size} must be -1 (per output channel) or a group of input features, "
             f"e.g. {', '.join(map(str, COMMON_GROUP_SIZES))}"
         )
+    if lm_head and scheme not in LM_HEAD_SCHEMES:
+        raise QuantConfigError(f"--quantize_lm_head stores the head as int8 beside weight-only int8/int4 linears; "
+                               f"quant_type {quant_type!r} is not weight-only (use weight_only_int8 or weight_only_int4)")
     if scheme == "none":
         return WeightQuantSpec()
-    return WeightQuantSpec(scheme, group_size, symmetric)
+    return WeightQuantSpec(scheme, group_size, symmetric, lm_head)

@@ -131,8 +131,9 @@ def max_abs_error(weight: Tensor, quantized: QuantizedWeight) -> Tensor:
 class WeightBytes:
     """Bytes a loaded model keeps for its weights.
 
-    linear: the linear layers' weights as stored (quantized data + scales + zeros, or float);
-    other: everything else (embeddings, norms, biases, an untied lm_head); total = both.
+    linear: the linear layers' weights as stored (quantized data + scales + zeros, or float),
+      and a quantized LM head's int8 copy (--quantize_lm_head);
+    other: everything else (embeddings, norms, biases, a float untied lm_head); total = both.
     Tensors shared between modules (tied embeddings, a dense QuantizedWeight over its
     parameter) are counted once.
     """
@@ -165,7 +166,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     linear = 0
     for module in model.modules():
         qweight = getattr(module, "qweight", None)
-        if isinstance(module, LinearBase) and qweight is not None:
+        if qweight is not None and (isinstance(module, LinearBase) or qweight.scheme != "none"):
             linear += count(list(qweight.tensors))
     other = count([p for _, p in model.named_parameters()])
     return WeightBytes(linear, other)

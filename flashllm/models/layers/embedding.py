@@ -10,6 +10,8 @@ from torch import Tensor, nn
 
 from flashllm.models.layers.linear import copy_checked
 from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.quant.spec import WeightQuantSpec
+from flashllm.quant.weight_only import quantize_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -66,9 +68,13 @@ class LMHead(VocabEmbedding):
         """Use `embedding`'s table as this head's weight (Llama 3.2, small Qwen2.5)."""
         self.weight = embedding.weight
 
-    def process_weights_after_loading(self) -> None:
-        """Build the QuantizedWeight the forward multiplies by (dense for now)."""
-        self.qweight = QuantizedWeight.dense(self.weight)
+    def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
+        """Build the QuantizedWeight the forward multiplies by: dense, or per-channel int8 when
+        quant.lm_head asks (see WeightQuantSpec); a tied embedding keeps its float table."""
+        if quant is not None and quant.lm_head:
+            self.qweight = quantize_weight(self.weight, "w8a16")
+        else:
+            self.qweight = QuantizedWeight.dense(self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden (N, hidden) -> logits (N, V) in hidden.dtype."""
