@@ -1,4 +1,4 @@
-"""`flashllm bench throughput|latency|serve`: flashllm against transformers, the machine's limits and a live server."""
+"""`flashllm bench`: throughput/latency vs baselines and ceilings, a live server, and flashllm's engines side by side."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from flashllm.bench import devices
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +32,8 @@ def add_parser(sub: Any) -> None:
                             "a comma list (none,w8a16,a8w8) runs each in turn and compares them with the first")
         p.add_argument("--weightonly_group_size", "--weightonly-group-size", dest="weightonly_group_size",
                        type=int, default=-1, help="-1 = per output channel, or 32 | 64 | 128")
+        p.add_argument("--quantize-lm-head", "--quantize_lm_head", dest="quantize_lm_head", action="store_true",
+                       help="with weight-only int8/int4 runs, store the LM head as int8 too")
         _add_kv_cache_flags(p)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -45,6 +49,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
+    devices.add_parser(modes)
     plot = modes.add_parser("plot", help="chart saved --json records: serve runs as latency vs load")
     plot.add_argument("records", nargs="+", type=Path, help="serve records (one per request rate) or one "
                                                              "throughput/latency record")
@@ -100,6 +105,8 @@ def _add_serve_parser(modes: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from flashllm.bench import plot
 
+    if args.mode == "devices":
+        return devices.run_devices(args)
     try:
         if args.mode == "plot":
             plot.plot_records([plot.load_record(path) for path in args.records], args.output)

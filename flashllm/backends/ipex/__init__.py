@@ -78,14 +78,18 @@ def make_backend() -> Backend:
         name="ipex",
         device_type="cpu",
         priority=20,
-        description="intel-extension-for-pytorch CPU kernels (rms_norm, rotary, gated activations, paged attention)",
+        description=(
+            "intel-extension-for-pytorch CPU kernels (rms_norm, rotary, gated activations, paged attention, "
+            "weight-only int8/int4 linear)"
+        ),
         install_hint=INSTALL_HINT,
         proof="conformance",
     )
     from flashllm.backends import cpu
-    from flashllm.backends.ipex import kernels
+    from flashllm.backends.ipex import kernels, woq
 
     kernels.register(backend)
+    woq.register(backend)
     # Ops (and cases) IPEX does not cover run the cpu backend's kernels, so selecting ipex never
     # drops an op to the reference; the Kernel records keep backend "cpu" to say where they come from.
     specs = op_specs()
