@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -92,3 +94,47 @@ def ipex(session: nox.Session) -> None:
     session.run("python", "-c", "import torch, intel_extension_for_pytorch as ipex; print('torch', torch.__version__, 'ipex', ipex.__version__)")
     session.run("pytest", "-q", "tests/conformance/test_kernels.py", "-k", "ipex", *session.posargs)
     session.run("pytest", "-q", "tests/backends/test_ipex.py", *session.posargs)
+    # IPEX's own weight-only linear runs by default only on AVX-512 CPUs; force it so its
+    # conformance is checked on machines without AVX-512 too
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "-k", "ipex and quant_matmul",
+                *session.posargs, env={"FLASHLLM_IPEX_WOQ": "1"})
+
+
+XLA_PINS = ("torch==2.9.*", "torch_xla==2.9.*")  # torch_xla x.y runs only on torch x.y
+
+
+@nox.session(python="3.11")
+def xla(session: nox.Session) -> None:
+    """torch 2.9 + torch_xla 2.9 on PJRT's CPU client: the xla kernels' conformance and a tiny Llama.
+
+    Not part of the default run (a few GB of wheels). PyPI's Linux torch 2.9 is the CUDA build,
+    which runs on the CPU too; PJRT_DEVICE=CPU makes torch_xla compile for the host, so the static
+    shape buckets and the compilation counts are checked without an accelerator.
+    """
+    session.install(*XLA_PINS)
+    session.install("-e", ".[test,xla]")
+    session.env["PJRT_DEVICE"] = "CPU"
+    session.run("python", "-c", "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__)")
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "-k", "xla", *session.posargs)
+    session.run("pytest", "-q", "tests/backends/test_xla.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def cuda(session: nox.Session) -> None:
+    """On a machine with an NVIDIA GPU: the cuda backend's conformance with Triton compiling for the GPU.
+
+    Skips before installing anything where no GPU is visible. PyPI's Linux torch wheel is the
+    CUDA build. TRITON_INTERPRET is removed so Triton compiles the kernels instead of interpreting
+    them (the interpreted run is part of `nox -s tests`).
+    """
+    if shutil.which("nvidia-smi") is None:
+        session.skip("no NVIDIA GPU here (nvidia-smi not found); run `nox -s cuda` on a machine with a CUDA GPU")
+    _install(session, "test,cuda")
+    session.env.pop("TRITON_INTERPRET", None)
+    session.run("python", "-c", "import torch; assert torch.cuda.is_available(), "
+                "f'torch {torch.__version__} sees no CUDA device (a CPU-only wheel, or no driver)'; "
+                "print(torch.__version__, torch.cuda.get_device_name())")
+    session.run("pytest", "-q", "tests/conformance", "-k", "cuda", *session.posargs)
+    session.run("pytest", "-q", "tests/conformance/test_triton_interpret.py",
+                "tests/conformance/test_triton_quant_interpret.py", *session.posargs)
+    session.run("pytest", "-q", "-m", "cuda", *session.posargs, success_codes=[0, 5])

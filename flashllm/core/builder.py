@@ -85,7 +85,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     num_blocks = _num_kv_blocks(config, model, selection, kv_dtype)
     try:
         runner = ModelRunner(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
-                             config.cache.cachekv_int8_type)
+                             config.cache.cachekv_int8_type, adapter=selection.adapter)
     except ValueError as exc:  # static KV scales the checkpoint lacks
         raise EngineConfigError(str(exc)) from None
     logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks, config.cache.block_size,

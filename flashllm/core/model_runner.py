@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from flashllm.core.scheduler import SchedulerOutput
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
 
 # How int8/fp8 KV caches get their scales (PaddleNLP's --cachekv_int8_type): per written token
 # and head, or calibrated per layer and stored in the checkpoint.
@@ -22,12 +23,53 @@ class ModelInput:
 
     input_ids, positions: (T,) int64 over all scheduled tokens, sequence after sequence.
     logits_indices:       (N,) int64, the last token of each sequence that samples this step.
+    num_logits:           None, or with shape buckets the number of real rows at the front of
+                          logits_indices (the rest are padding that points at token 0).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    num_logits: int | None = None
+
+
+@dataclass(slots=True)
+class _FlatBatch:
+    """The host-side lists prepare() turns into tensors, one entry per token or per sequence."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sampling_rows: list[int] = field(default_factory=list)
+
+
+# slot_mapping entry of a padding token: write_kv_cache skips it (see the op's contract)
+PAD_SLOT = -1
+
+
+def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
+    """Pad `flat` in place to the buckets' sizes (the block-table width is padded by prepare).
+
+    Padding tokens (token id 0, position 0, slot PAD_SLOT) follow the real ones and belong to no
+    sequence: they sit past cu_seqlens_q[-1], whose rows the attention op leaves unspecified.
+    Padding sequences have no tokens and no context (q_len = seq_len = 0, an empty block table).
+    Logits rows are padded to the padded sequence count with row 0, so their number never
+    depends on how many sequences sample this step.
+    """
+    num_tokens, num_seqs = len(flat.input_ids), len(flat.q_lens)
+    pad_tokens = buckets.tokens(num_tokens) - num_tokens
+    flat.input_ids.extend([0] * pad_tokens)
+    flat.positions.extend([0] * pad_tokens)
+    flat.slot_mapping.extend([PAD_SLOT] * pad_tokens)
+    padded_seqs = buckets.seqs(num_seqs)
+    flat.q_lens.extend([0] * (padded_seqs - num_seqs))
+    flat.seq_lens.extend([0] * (padded_seqs - num_seqs))
+    flat.block_tables.extend([] for _ in range(padded_seqs - num_seqs))
+    flat.sampling_rows.extend([0] * (padded_seqs - len(flat.sampling_rows)))
 
 
 def _is_quantized(kv_dtype: torch.dtype) -> bool:
@@ -45,16 +87,21 @@ class ModelRunner:
     block_size, Hk) with cachekv_int8_type "dynamic", or the layer's calibrated () / (Hk,)
     scales (its Attention's k_scale / v_scale, loaded from the checkpoint) with "static".
     cachekv_int8_type does not apply to float caches.
+    `adapter` (the selected device's DeviceAdapter; a do-nothing one by default) may ask for
+    shape buckets, and its end_step() runs after every forward pass.
     """
 
     def __init__(
         self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-        cachekv_int8_type: str = "dynamic",
+        cachekv_int8_type: str = "dynamic", adapter: DeviceAdapter | None = None,
     ) -> None:
         if cachekv_int8_type not in KV_SCALE_TYPES:
             raise ValueError(f"cachekv_int8_type {cachekv_int8_type!r} is not one of {KV_SCALE_TYPES}")
         self.model = model
         self.device = device
+        # the adapter's hooks: shape buckets (static-shape devices) and the end of each step
+        self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
+        self.shape_buckets = self.adapter.shape_buckets
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
@@ -74,43 +121,51 @@ class ModelRunner:
         return 2 * num_layers * block_size * per_slot
 
     def prepare(self, batch: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled sequences into one varlen batch (read before Scheduler.update)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sampling_rows: list[int] = []
+        """Flatten the scheduled sequences into one varlen batch (read before Scheduler.update).
+
+        With shape buckets, the batch is padded to them (see ShapeBuckets and _pad_to_buckets).
+        """
+        flat = self._flatten(batch)
+        num_logits = None
+        if self.shape_buckets is not None:
+            num_logits = len(flat.sampling_rows)
+            _pad_to_buckets(flat, self.shape_buckets)
+        width = max(len(t) for t in flat.block_tables)
+        if self.shape_buckets is not None:
+            width = self.shape_buckets.blocks(width)
+        padded = [t + [0] * (width - len(t)) for t in flat.block_tables]
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(flat.slot_mapping, torch.int64),
+            cu_seqlens_q=self._tensor([0, *accumulate(flat.q_lens)], torch.int32),
+            seq_lens=self._tensor(flat.seq_lens, torch.int32),
+            block_tables=self._tensor(padded, torch.int32),
+            max_seqlen_q=max(flat.q_lens),
+            max_seqlen_k=max(flat.seq_lens),
+        )
+        return ModelInput(
+            input_ids=self._tensor(flat.input_ids, torch.int64),
+            positions=self._tensor(flat.positions, torch.int64),
+            attn_metadata=metadata,
+            logits_indices=self._tensor(flat.sampling_rows, torch.int64),
+            num_logits=num_logits,
+        )
+
+    def _flatten(self, batch: SchedulerOutput) -> _FlatBatch:
+        flat = _FlatBatch()
         bs = self.block_size
         for item in batch.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            flat.input_ids.extend(seq.token_ids[start:end])
+            flat.positions.extend(range(start, end))
             table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(table)
+            flat.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            flat.q_lens.append(item.num_new_tokens)
+            flat.seq_lens.append(end)
+            flat.block_tables.append(table)
             if item.produces_token:
-                sampling_rows.append(len(input_ids) - 1)
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            cu_seqlens_q=self._tensor([0, *accumulate(q_lens)], torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(padded, torch.int32),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(seq_lens),
-        )
-        return ModelInput(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            attn_metadata=metadata,
-            logits_indices=self._tensor(sampling_rows, torch.int64),
-        )
+                flat.sampling_rows.append(len(flat.input_ids) - 1)
+        return flat
 
     def kv_cache_bytes(self) -> int:
         """Bytes the allocated KV caches (and their scales) take over all layers."""
@@ -119,14 +174,21 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order."""
+        with self.adapter.inference_mode():
+            return self._execute(batch)
+
+    def _execute(self, batch: SchedulerOutput) -> torch.Tensor:
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if inputs.logits_indices.numel() == 0:
+            self.adapter.end_step(self.device)
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        self.adapter.end_step(self.device)
+        # sliced after end_step: inside the step's graph, each row count would be another graph
+        return logits if inputs.num_logits is None else logits[: inputs.num_logits]
 
 
 def allocate_kv_caches(

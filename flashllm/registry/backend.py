@@ -81,14 +81,57 @@ class Kernel:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class ShapeBuckets:
+    """Sizes a static-shape device pads every batch up to, so one compiled graph serves many steps.
+
+    A graph compiler (XLA) compiles once per distinct set of input shapes. The model runner rounds
+    the token count T, the number of sequences B and the block-table width up to the next power
+    of two, at least these minimums: a decode reuses one graph until B or a context crosses a
+    bucket edge, and the number of graphs grows with log2 of the largest sizes. Padded tokens
+    write no KV (slot -1) and padded sequences have no tokens; neither is sampled.
+    """
+
+    min_tokens: int = 16
+    min_seqs: int = 8
+    min_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("min_tokens", "min_seqs", "min_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ShapeBuckets.{name} must be >= 1, got {getattr(self, name)}")
+
+    def tokens(self, n: int) -> int:
+        """Padded token count for n scheduled tokens."""
+        return next_bucket(n, self.min_tokens)
+
+    def seqs(self, n: int) -> int:
+        """Padded number of sequences (and of logits rows) for n sequences."""
+        return next_bucket(n, self.min_seqs)
+
+    def blocks(self, n: int) -> int:
+        """Padded block-table width for a widest table of n blocks."""
+        return next_bucket(n, self.min_blocks)
+
+
+def next_bucket(n: int, minimum: int) -> int:
+    """`minimum` when n <= minimum, else the smallest power of two >= n."""
+    if n <= minimum:
+        return minimum
+    return 1 << (n - 1).bit_length()
+
+
 class DeviceAdapter:
     """The few device services the engine needs, implemented per device type.
 
     The defaults go through `torch.get_device_module(device_type)`, which covers devices that
     follow torch's accelerator conventions (cuda, xpu, npu with torch_npu, ...).
+    `shape_buckets` is None for devices that run any shape as is; a static-shape device sets it
+    to have the model runner pad every batch (see ShapeBuckets).
     """
 
     dist_backend: str = "gloo"
+    shape_buckets: ShapeBuckets | None = None
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
@@ -111,6 +154,22 @@ class DeviceAdapter:
 
     def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
         """A context manager capturing a replayable graph, or None when the device has none."""
+        return None
+
+    def inference_mode(self) -> AbstractContextManager[Any]:
+        """The grad mode the model runner's forward pass runs in: torch.inference_mode() by default.
+
+        Devices whose tensors cannot be inference tensors (torch_xla: its functionalization sets
+        version counters) return torch.no_grad() instead.
+        """
+        return torch.inference_mode()
+
+    def end_step(self, device: torch.device) -> None:
+        """Called by the model runner after each forward pass, before sampling (a no-op by default).
+
+        Lazy-tensor devices (XLA) cut and run the traced graph here, so the KV cache updates of
+        one step do not pile up into the next step's graph.
+        """
         return None
 
 
