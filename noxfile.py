@@ -73,7 +73,7 @@ def plugin(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def onnx(session: nox.Session) -> None:
     """Static-graph mode: `flashllm export --format onnx` and `--mode static` through onnxruntime (CPU)."""
-    _install(session, "test,onnx")
+    _install(session, "test,onnx,serve")
     session.run("pytest", "-q", "tests/static", *session.posargs)
 
 

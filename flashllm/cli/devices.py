@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from flashllm.registry.matrix import LEGEND, PROOF_LEGEND, build_rows
+from flashllm.registry.matrix import LEGEND, PROOF_LEGEND, STATIC_LEGEND, MatrixRow, build_rows, static_graph_row
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import PRECISIONS
 from flashllm.registry.resolve import DeviceSelectionError, select_device
@@ -18,7 +18,11 @@ def add_parser(sub: Any) -> None:
 
 
 def collect() -> dict[str, Any]:
-    """Backends with availability on this machine, the auto-selected device, and the matrix."""
+    """Backends with availability on this machine, the auto-selected device, and the matrix.
+
+    Static-graph mode (onnxruntime running an exported graph) is not a backend: it is listed
+    under "static_graph" and its matrix row has kind "onnxruntime static graph".
+    """
     plugins = make_plugin_manager()
     backends = []
     here: dict[str, str] = {}
@@ -40,14 +44,29 @@ def collect() -> dict[str, Any]:
     rows = []
     for row in build_rows(plugins):
         available = next(b for b in backends if b["name"] == row.backend)
-        rows.append({
-            "backend": row.backend, "device": row.profile, "proof": row.proof,
-            "here": here.get(row.backend) == row.profile or (row.backend == "reference"),
-            "available": available["available"], "reason": available["reason"],
-            "cells": {k: {"status": c.status, "detail": c.detail, "proof": c.proof} for k, c in row.cells.items()},
-        })
+        here_row = here.get(row.backend) == row.profile or (row.backend == "reference")
+        rows.append(_row_json(row, here_row, available["available"], available["reason"]))
+    static = _static_graph()
+    rows.append(_row_json(static_graph_row(), static["available"], static["available"], static["reason"]))
     failures = [f.describe() for f in plugins.failures]
-    return {"backends": backends, "auto_device": auto, "matrix": rows, "plugin_failures": failures}
+    return {"backends": backends, "static_graph": static, "auto_device": auto, "matrix": rows,
+            "plugin_failures": failures}
+
+
+def _row_json(row: MatrixRow, here: bool, available: bool, reason: str) -> dict[str, Any]:
+    return {
+        "backend": row.backend, "kind": row.kind, "device": row.profile, "proof": row.proof, "here": here,
+        "available": available, "reason": reason,
+        "cells": {k: {"status": c.status, "detail": c.detail, "proof": c.proof} for k, c in row.cells.items()},
+    }
+
+
+def _static_graph() -> dict[str, Any]:
+    from flashllm.static import capabilities as static
+
+    ok, reason = static.onnxruntime_availability()
+    return {"name": static.ROW_NAME, "kind": static.ROW_KIND, "proof": static.PROOF, "available": ok,
+            "reason": reason, "why_not": dict(static.NOT_EXPORTED)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,9 +83,14 @@ def run(args: argparse.Namespace) -> int:
               f"{state}: {b['reason']}{hint}")
     for failure in data["plugin_failures"]:
         print(f"  ! {failure}")
+    g = data["static_graph"]
+    print(f"Static-graph mode (--mode static; not a backend: {g['kind']} runs the whole exported graph):")
+    print(f"  {g['name']:<10} {'':<5} {'':<9} proof {g['proof']:<11} "
+          f"{'available' if g['available'] else 'UNAVAILABLE'}: {g['reason']}")
     print(f"\n--device auto selects: {data['auto_device']}\n")
     print(_matrix_text(data["matrix"]))
-    print("\n" + LEGEND + "\n" + PROOF_LEGEND + "\n* = this machine; rows of unavailable backends show why.")
+    print("\n" + LEGEND + "\n" + PROOF_LEGEND + "\n" + STATIC_LEGEND +
+          " (--json says why)\n* = this machine; rows of unavailable backends show why.")
     return 0
 
 

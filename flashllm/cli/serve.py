@@ -33,6 +33,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "max_body_bytes": (int, 4 << 20, "largest request body accepted (413 above)"),
     "ui": (_bool, False, "also serve the gradio chat page at /ui"),
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
+    "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
+             "`flashllm export --format onnx` directory run by onnxruntime, one batch at a time"),
     "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
     "device": (str, "auto", "auto | cpu | cuda | cuda:1 | ..."),
     "backend": (str, None, "force one backend (e.g. reference)"),
@@ -49,6 +51,10 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "seed": (int, 0, "engine seed"),
 }
 FLAGS = {"ui", "no_prefix_caching", "strict_kernels"}
+MODES = ("dynamic", "static")
+# paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
+DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
+                "max_num_batched_tokens", "no_prefix_caching", "strict_kernels")
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type"}
 
@@ -87,7 +93,19 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
             values[dest] = _config_value(dest, kind, config[dest])
         else:
             values[dest] = default
+    _check_mode(values)
     return values
+
+
+def _check_mode(values: dict[str, Any]) -> None:
+    if values["mode"] not in MODES:
+        raise SystemExit(f"flashllm serve: --mode {values['mode']!r} is not one of: {', '.join(MODES)}")
+    if values["mode"] == "static":
+        given = [name for name in DYNAMIC_ONLY if values[name] != OPTIONS[name][1]]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise SystemExit(f"flashllm serve: {flags} configure the paged engine and do nothing with --mode "
+                             "static; drop them, or serve the original model directory with --mode dynamic")
 
 
 def _convert(dest: str, kind: Any, text: str, where: str) -> Any:

@@ -31,6 +31,12 @@ LEGEND = (
 PROVEN_STATUSES = frozenset({"native", "partial", "reference"})
 PROOF_LEGEND = "Proof levels: " + " · ".join(f"{level}: {why}" for level, why in PROOF_LEVELS.items())
 
+STATIC_LEGEND = ("The onnx row is static-graph mode (`flashllm export --format onnx`, then `--mode static`): ✅ the "
+                 "exporter writes this precision and onnxruntime runs the whole graph · ⛔ not exported")
+BACKEND_KIND = "registry backend"
+# cell detail of a precision static-graph mode does not export (the row's notes say why)
+NOT_EXPORTED_DETAIL = "not exported"
+
 # The reference backend runs wherever torch runs: its row shows what it implements.
 ANY_PROFILE = DeviceProfile(
     "any torch device",
@@ -54,13 +60,14 @@ class Cell:
 
 @dataclass(frozen=True, slots=True)
 class MatrixRow:
-    """One backend on one device generation, with a cell per precision."""
+    """One backend on one device generation (or static-graph mode), with a cell per precision."""
 
     backend: str
     profile: str
     cells: dict[str, Cell]
     notes: str = ""
     proof: str = ""
+    kind: str = BACKEND_KIND
 
 
 def precision_cell(backend: Backend, reference: Backend, profile: DeviceProfile, precision: Precision) -> Cell:
@@ -108,6 +115,20 @@ def build_rows(plugins: FlashPlugins) -> list[MatrixRow]:
     return rows
 
 
+def static_graph_row() -> MatrixRow:
+    """Static-graph mode's row: onnxruntime runs the whole exported graph, so it has no kernels to match.
+
+    Cells come from what the exporter writes (flashllm.static.capabilities); every other precision
+    is "missing" with the reason in NOT_EXPORTED.
+    """
+    from flashllm.static import capabilities as static
+
+    exported = set(static.EXPORTED_PRECISIONS.values())
+    cells = {p.key: Cell("native", "", static.PROOF) if p.key in exported else Cell("missing", NOT_EXPORTED_DETAIL)
+             for p in PRECISIONS}
+    return MatrixRow(static.ROW_NAME, static.ROW_KIND, cells, static.NOTES, static.PROOF, kind=static.ROW_KIND)
+
+
 def render_markdown(plugins: FlashPlugins) -> str:
     """The capability page: machine-independent, so it can be committed and checked."""
     header = "| backend | device | proof | " + " | ".join(p.label for p in PRECISIONS) + " | notes |"
@@ -123,10 +144,12 @@ def render_markdown(plugins: FlashPlugins) -> str:
         "",
         PROOF_LEGEND + ". Every runnable cell of a row is proven at the row's level.",
         "",
+        STATIC_LEGEND + " (the row's notes say why).",
+        "",
         header,
         sep,
     ]
-    for row in build_rows(plugins):
+    for row in [*build_rows(plugins), static_graph_row()]:
         cells = " | ".join(row.cells[p.key].render() for p in PRECISIONS)
         lines.append(f"| {row.backend} | {row.profile} | {row.proof} | {cells} | {row.notes} |")
     lines += ["", "## Kernels by op", "", _kernel_table(plugins), ""]

@@ -99,7 +99,8 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": started,
-                                            "owned_by": "flashllm", "max_model_len": ctx.max_model_len}]}
+                                            "owned_by": "flashllm", "max_model_len": ctx.max_model_len,
+                                            **ctx.model_info}]}
 
     @app.get("/health")
     async def health() -> Response:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from flashllm.core.engine import Engine
 from flashllm.outputs import RequestOutput
@@ -20,6 +21,31 @@ logger = logging.getLogger(__name__)
 # Fault injection for the reliability suite; never read unless this variable is set.
 FAULT_ENV = "FLASHLLM_FAULT_INJECT"
 IDLE_WAIT_S = 0.05
+
+
+class StepEngine(Protocol):
+    """An engine AsyncEngine drives besides the paged core.engine.Engine (static mode's StaticEngine).
+
+    The same add_request / step / abort / has_unfinished as Engine; no KV blocks, so /metrics
+    reports only its running and waiting sequences.
+    """
+
+    tokenizer: Any
+    max_num_seqs: int
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
 class ServerBusy(RuntimeError):
@@ -80,17 +106,21 @@ class AsyncEngine:
     Admission is bounded: at most `max_num_seqs + max_queue` requests are in flight (running or
     waiting); beyond that `generate` raises ServerBusy at once, before anything is allocated.
     Only the engine thread touches the engine: adds and aborts travel through an inbox queue,
-    outputs come back through per-request asyncio queues.
+    outputs come back through per-request asyncio queues. The engine is the paged Engine or a
+    StepEngine (static mode's, one batch at a time).
     """
 
-    def __init__(self, engine: Engine, max_queue: int, on_fatal: Callable[[BaseException], None] | None = None
-                 ) -> None:
-        self.engine = engine
-        self.capacity = engine.config.scheduler.max_num_seqs + max_queue
+    def __init__(self, engine: Engine | StepEngine, max_queue: int,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.engine: Any = engine
+        self.paged = isinstance(engine, Engine)
+        self.capacity = (engine.config.scheduler.max_num_seqs if isinstance(engine, Engine)
+                         else engine.max_num_seqs) + max_queue
         self.on_fatal = on_fatal
         self.error: BaseException | None = None
         self.draining = False
-        self.stats = EngineStats(num_blocks_total=engine.block_manager.num_total_blocks)
+        self.stats = EngineStats(num_blocks_total=engine.block_manager.num_total_blocks) \
+            if isinstance(engine, Engine) else EngineStats()
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -211,6 +241,9 @@ class AsyncEngine:
             self.engine.abort(request_id)  # nobody listens any more
 
     def _snapshot(self) -> None:
+        if not self.paged:
+            self.stats = EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting)
+            return
         scheduler = self.engine.scheduler
         self.stats = EngineStats(
             num_running=scheduler.num_running,

@@ -33,6 +33,8 @@ class ServerContext:
     request_timeout: float
     metrics: ServerMetrics
     chat_template: Any = None
+    vocab_size: int | None = None  # prompt token ids must be below it; None: the engine checks
+    model_info: dict[str, Any] = field(default_factory=dict)  # extra /v1/models fields (e.g. static mode's)
 
 
 @dataclass

@@ -60,7 +60,9 @@ def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | N
 
 
 def _check_vocab(ctx: ServerContext, prompts: list[list[int]]) -> None:
-    vocab = ctx.engine.engine.parts.hf_config.vocab_size
+    vocab = ctx.vocab_size
+    if vocab is None:
+        return
     for ids in prompts:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")

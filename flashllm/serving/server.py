@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,9 @@ from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+from flashllm.sampling_params import SamplingParams
 from flashllm.serving.app import create_app
-from flashllm.serving.async_engine import AsyncEngine
+from flashllm.serving.async_engine import AsyncEngine, StepEngine
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.metrics import ServerMetrics
 
@@ -39,6 +40,19 @@ class BuiltServer:
     engine: AsyncEngine
 
 
+@dataclass
+class ServedModel:
+    """A loaded model as the server sees it, whichever engine (paged or static graph) runs it."""
+
+    engine: Engine | StepEngine
+    tokenizer: Any
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    defaults: SamplingParams
+    info: dict[str, Any] = field(default_factory=dict)  # extra /v1/models fields
+
+
 def build_server(options: dict[str, Any]) -> BuiltServer:
     """Load the model, start the engine thread and build the app (the model loads before binding).
 
@@ -46,19 +60,19 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
     (e.g. a KV cache too small for one max_model_len sequence), not a traceback.
     """
     try:
-        engine = _build_engine(options)
+        served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
     except (EngineConfigError, ModelLoadError) as exc:
         raise SystemExit(f"flashllm serve: {exc}") from None
     name = options["served_model_name"] or (Path(options["model"]).resolve().name if options["model"]
                                             else DEMO_MODEL_NAME)
-    defaults = engine.default_sampling_params()
-    async_engine = AsyncEngine(engine, options["max_queue"])
+    async_engine = AsyncEngine(served.engine, options["max_queue"])
     ctx = ServerContext(
-        engine=async_engine, tokenizer=engine.tokenizer, model_name=name, max_model_len=engine.max_model_len,
-        defaults={k: getattr(defaults, k) for k in SAMPLING_DEFAULT_KEYS},
+        engine=async_engine, tokenizer=served.tokenizer, model_name=name, max_model_len=served.max_model_len,
+        defaults={k: getattr(served.defaults, k) for k in SAMPLING_DEFAULT_KEYS},
         request_timeout=options["request_timeout"],
         metrics=ServerMetrics(name, lambda: async_engine.stats),
-        chat_template=_chat_template(engine, options["chat_template"]),
+        chat_template=_chat_template(served, options["chat_template"]),
+        vocab_size=served.vocab_size, model_info=served.info,
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options["ui"]:
@@ -69,6 +83,12 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         base = f"http://{_client_host(options['host'])}:{options['port']}/v1"
         mount_webui(app, base, name, (options["api_key"] or [None])[0])
     return BuiltServer(app, ctx, async_engine)
+
+
+def _load_dynamic(options: dict[str, Any]) -> ServedModel:
+    engine = _build_engine(options)
+    return ServedModel(engine, engine.tokenizer, engine.parts.model_dir, engine.max_model_len,
+                       engine.parts.hf_config.vocab_size, engine.default_sampling_params())
 
 
 def _build_engine(options: dict[str, Any]) -> Engine:
@@ -84,11 +104,29 @@ def _build_engine(options: dict[str, Any]) -> Engine:
     return Engine(config)
 
 
-def _chat_template(engine: Engine, choice: str | None) -> ChatTemplate | None:
+def _load_static(options: dict[str, Any]) -> ServedModel:
+    """StaticLLM's engine over an export: one batch at a time (no continuous batching)."""
+    from flashllm.static.runner import StaticLLM
+
+    if options["model"] is None:
+        raise ModelLoadError("--mode static needs the directory written by `flashllm export MODEL --format onnx "
+                             "--output DIR`; pass it as the model")
+    if options["max_num_seqs"] < 1:
+        raise ModelLoadError(f"--max-num-seqs must be at least 1, got {options['max_num_seqs']}")
+    llm = StaticLLM(options["model"], device=options["device"], dtype=options["dtype"],
+                    max_model_len=options["max_model_len"], max_num_seqs=options["max_num_seqs"], seed=options["seed"])
+    info = {"mode": "static", "execution_provider": llm.graph.provider,
+            "batching": f"one batch of up to {llm.max_num_seqs} sequences at a time; requests that arrive while "
+                        "a batch decodes wait until it finishes (no continuous batching)"}
+    return ServedModel(llm.engine, llm.tokenizer, llm.model_dir, llm.max_model_len, llm.manifest.vocab_size,
+                       llm.default_sampling_params(), info)
+
+
+def _chat_template(served: ServedModel, choice: str | None) -> ChatTemplate | None:
     if choice is None:
-        return load_chat_template(engine.parts.model_dir) if engine.tokenizer is not None else None
+        return load_chat_template(served.model_dir) if served.tokenizer is not None else None
     if choice in BUILTIN_TEMPLATES:
-        return load_chat_template(engine.parts.model_dir, choice)
+        return load_chat_template(served.model_dir, choice)
     path = Path(choice)
     if not path.is_file() or path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
         raise SystemExit(f"flashllm serve: --chat-template {choice!r} is neither a built-in template "
@@ -150,7 +188,10 @@ def serve(built: BuiltServer, options: dict[str, Any]) -> int:
 
     built.engine.on_fatal = stop_serving
     built.engine.start()
-    print(f"flashllm: serving {built.ctx.model_name!r} on http://{options['host']}:{options['port']}/v1", flush=True)
+    info = built.ctx.model_info
+    how = f" (static graph on onnxruntime's {info['execution_provider']})" if info.get("mode") == "static" else ""
+    print(f"flashllm: serving {built.ctx.model_name!r}{how} on http://{options['host']}:{options['port']}/v1",
+          flush=True)
     try:
         server.run()
     finally:
