@@ -103,10 +103,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits = self.runner.execute(batch)
+        num_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
-        states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
-        sampled = self.sampler(logits, states) if sampling else None
+        # the device's step context covers sampling too (the cpu one keeps torch off its GEMV cores)
+        with self.runner.adapter.step_context(num_tokens):
+            logits = self.runner.execute(batch)
+            states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
+            sampled = self.sampler(logits, states) if sampling else None
         tokens = iter(sampled.token_ids if sampled else ())
         token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
         self.scheduler.update(batch, token_ids)

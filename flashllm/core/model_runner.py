@@ -176,11 +176,11 @@ class ModelRunner:
 
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order."""
-        with self.adapter.inference_mode():
-            return self._execute(batch)
-
-    def _execute(self, batch: SchedulerOutput) -> torch.Tensor:
         inputs = self.prepare(batch)
+        with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
+            return self._execute(inputs)
+
+    def _execute(self, inputs: ModelInput) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         if inputs.logits_indices.numel() == 0:
             self.adapter.end_step(self.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,14 @@ class DeviceAdapter:
         version counters) return torch.no_grad() instead.
         """
         return torch.inference_mode()
+
+    def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
+        """A context the model runner's forward pass of `num_tokens` flat tokens runs in (none by default).
+
+        The cpu adapter uses it to give decode-sized steps to its own GEMV threads (see
+        flashllm/backends/cpu/parallel.py: torch_single_threaded).
+        """
+        return nullcontext()
 
     def end_step(self, device: torch.device) -> None:
         """Called by the model runner after each forward pass, before sampling (a no-op by default).

@@ -97,3 +97,40 @@ def test_an_exception_in_a_worker_share_reaches_the_caller(three_threads) -> Non
 
     with pytest.raises(RuntimeError, match="share"):
         parallel.run_shares(3000, body)
+
+
+def test_torch_single_threaded_keeps_the_split_width_and_restores(three_threads) -> None:
+    assert parallel.workers() == 3
+    with parallel.torch_single_threaded():
+        assert torch.get_num_threads() == 1
+        assert parallel.workers() == 3  # flashllm's own GEMV threads still use every core
+        with parallel.torch_single_threaded():  # nested (engine step around the runner): no change
+            assert torch.get_num_threads() == 1 and parallel.workers() == 3
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 3 and parallel.workers() == 3
+    with pytest.raises(RuntimeError), parallel.torch_single_threaded():
+        raise RuntimeError("a failing step")
+    assert torch.get_num_threads() == 3 and parallel.workers() == 3
+
+
+def test_cpu_adapter_single_threads_torch_for_decode_sized_steps_only(three_threads) -> None:
+    from flashllm.backends.cpu import CpuAdapter
+
+    adapter = CpuAdapter()
+    with adapter.step_context(parallel.SPLIT_MAX_TOKENS):
+        assert torch.get_num_threads() == 1
+    with adapter.step_context(parallel.SPLIT_MAX_TOKENS + 1):  # a prefill: BLAS GEMMs want the threads
+        assert torch.get_num_threads() == 3
+
+
+def test_engine_steps_run_in_the_adapters_step_context(monkeypatch) -> None:
+    from flashllm.llm import LLM
+    from flashllm.models.demo import demo_model_dir
+    from flashllm.sampling_params import SamplingParams
+
+    llm = LLM(str(demo_model_dir()), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=16)
+    seen = []
+    real = llm.engine.runner.adapter.step_context
+    monkeypatch.setattr(llm.engine.runner.adapter, "step_context", lambda n: seen.append(n) or real(n))
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen[:2] == [5, 5] and set(seen[2:]) == {1}  # engine and runner, each step: a prefill, then decodes

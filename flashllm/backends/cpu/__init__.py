@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from flashllm.backends.cpu import parallel
 from flashllm.registry.backend import Availability, Backend, DeviceAdapter
 from flashllm.registry.precision import DeviceProfile
 
@@ -72,6 +75,10 @@ class CpuAdapter(DeviceAdapter):
 
     def synchronize(self, device: torch.device) -> None:
         return None
+
+    def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
+        """Decode-sized steps run torch single-threaded while the GEMVs use flashllm's own threads."""
+        return parallel.torch_single_threaded() if num_tokens <= parallel.SPLIT_MAX_TOKENS else nullcontext()
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")
