@@ -1,4 +1,4 @@
-"""The cpu backend's native decode kernels (csrc/decode_gemv.c) against float64 products and the reference.
+"""The cpu backend's native decode kernels (csrc/decode_kernels.c) against float64 products and the reference.
 
 Every product is held to the fp32 dot-product error bound |err| <= K * 2**-24 * (|x| @ |W|.T)
 (Higham's gamma_K, with a slack factor for the scale multiply) against the same product in

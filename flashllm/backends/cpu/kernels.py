@@ -1,12 +1,19 @@
-"""Torch-native CPU kernels: fused rms_norm and SDPA-based paged attention (float, int8 or fp8 KV)."""
+"""CPU kernels: rms_norm, rotary, KV write and paged attention (SDPA for prefill; int8/fp8 KV).
+
+fp32 decode-sized calls go to the native kernels of native_ops.py where they build; everything
+else runs torch: aten's fused rms_norm, SDPA, batched matmuls.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from flashllm.backends.cpu import native_ops
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
+from flashllm.ops.rotary_embedding import rotary_embedding as _reference_rotary
+from flashllm.ops.write_kv_cache import write_kv_cache as _reference_write_kv_cache
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -16,17 +23,38 @@ KV_DTYPES = FLOATS | {torch.int8, torch.float8_e4m3fn}
 
 # Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
 # aten call or a memory copy): the cpu backend runs them as they are, by declaration.
-PORTABLE_OPS = ("rotary_embedding", "silu_and_mul", "gelu_and_mul", "write_kv_cache", "fused_moe")
+PORTABLE_OPS = ("silu_and_mul", "gelu_and_mul", "fused_moe")
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm through aten's fused kernel; fp32 math, result in x.dtype."""
+    """RMSNorm: native for fp32 decode rows, else aten's fused kernel; fp32 math, result in x.dtype."""
+    fast = native_ops.rms_norm(x, weight, eps, residual)
+    if fast is not None:
+        return fast
     if residual is not None:
         x = x + residual
     out = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in place through the native kernel for fp32 q/k, else the portable body (the op's contract)."""
+    fast = native_ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    return fast if fast is not None else _reference_rotary(positions, q, k, cos_sin_cache, is_neox)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:
+    """One index_copy_ per cache for float caches without padding slots; else the portable body."""
+    if k_scale is None and v_scale is None and native_ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+        return
+    _reference_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -55,7 +83,12 @@ def paged_attention(
         q = q.float()
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) > 1 and alibi_slopes is None and sliding_window is None:
+    plain = mode == "none" and alibi_slopes is None and sliding_window is None
+    if decode and plain and native_ops.decode_attention(
+        q, k_cache, v_cache, block_tables, [starts[b] for b in decode], decode, lens, scale, out
+    ):
+        done = set(decode)
+    elif len(decode) > 1 and alibi_slopes is None and sliding_window is None:
         rows = torch.tensor([starts[b] for b in decode], device=q.device)
         lengths = torch.tensor([lens[b] for b in decode], device=q.device)
         out[rows] = _decode_batch(q[rows], keys, values, block_tables[decode], lengths, scale).to(out.dtype)
@@ -168,6 +201,8 @@ def register(backend: Backend) -> None:
     specs = op_specs()
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
     backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(paged_attention)
+    backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
+    backend.kernel("write_kv_cache", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(write_kv_cache)
     for name in PORTABLE_OPS:
         # write_kv_cache's reference body is the CPU implementation, int8/fp8 quantization included
         backend.kernel(name, Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(specs[name].reference)

@@ -1,4 +1,4 @@
-"""The cpu backend's native decode kernels (csrc/decode_gemv.c): built with the system C compiler
+"""The cpu backend's native decode kernels (csrc/decode_kernels.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
 on first use, loaded through ctypes, split by output rows across cores like parallel.split_linear.
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
@@ -32,7 +32,7 @@ from torch import Tensor
 from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_gemv.c"
+SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
@@ -47,6 +47,10 @@ _SIGNATURES = {
     "flashllm_f32_gemv": ([_P, _P, _P, _I64, _I64, _I64, _I64, _I64], None),
     "flashllm_w8_gemv": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64], None),
     "flashllm_w4_gemv": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64], None),
+    "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
+    "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
+    "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                   ctypes.c_float, _P, _P], None),
 }
 
 
@@ -66,7 +70,7 @@ def _compiler() -> str | None:
 def _build(compiler: str) -> Path:
     """Compile SOURCE into the cache (once per source and flags); returns the library's path."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_gemv-{digest}.so"
+    target = _cache_dir() / f"decode_kernels-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 torch vectorizes them, else chunked dequantize + GEMM.
 
 Decode batches (<= native.MAX_TOKENS tokens) of w8a16/w4a16 weights whose groups are a multiple
-of 32 features run the native kernels of csrc/decode_gemv.c when they build here (native.py):
+of 32 features run the native kernels of csrc/decode_kernels.c when they build here (native.py):
 0.19 / 0.15 ms per 4864 x 896 product with two threads against 0.53 ms for the native fp32 one.
 What follows is the choice where they do not.
 
@@ -105,7 +105,7 @@ def choose_path(
     weight: QuantizedWeight, num_tokens: int, packed_fast: bool, fbgemm: bool = FBGEMM_READY,
     native_ready: bool | None = None,
 ) -> str:
-    """Which body runs: "dense", "native" (csrc/decode_gemv.c), "int8pack", "int4pack", "dequant"
+    """Which body runs: "dense", "native" (csrc/decode_kernels.c), "int8pack", "int4pack", "dequant"
     (chunked dequantize + GEMM), "a8w8_fbgemm" or "a8w8_dequant". native_ready None = whether the
     native library loads here."""
     if weight.scheme in ("none", "fp8"):  # fp8 is not claimed here; the reference body is the answer

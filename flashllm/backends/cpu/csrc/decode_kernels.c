@@ -1,5 +1,8 @@
-/* Decode-sized matrix products for x86 CPUs with AVX2 and FMA: a few tokens times a large weight.
+/* The cpu backend's decode kernels for x86 CPUs with AVX2 and FMA: matrix products of a few tokens
+ * with a large weight, and the small per-layer ops (RMSNorm, rotary, one-token paged attention)
+ * whose torch versions cost more in per-call overhead than in arithmetic at decode sizes.
  *
+ * The products:
  * Every function works on the output rows n0 <= n < n1 only, so the caller can hand disjoint row
  * ranges to several threads (flashllm/backends/cpu/native.py does; ctypes drops the GIL around
  * each call). Weights are read once per call: all tokens of a row are done while the row is in L1.
@@ -11,6 +14,7 @@
  * team's AVX2 EPYC that ran ~18% faster on one core than widening a loaded register.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float hsum8(__m256 v) {
@@ -103,6 +107,99 @@ void flashllm_w4_gemv(const float *xe, const float *xo, int64_t T, int64_t K, co
                 total = _mm256_fmadd_ps(sum, _mm256_set1_ps(scales[n * G + g]), total);
             }
             y[t * ldy + n] = hsum8(total);
+        }
+    }
+}
+
+/* ---- the small per-layer ops of a decode step, where torch's per-call overhead dominates ---- */
+
+/* out[t] = s / rms(s) * weight with s = x[t] (+ residual[t]), fp32 rows of H; with a residual,
+ * summed[t] = s (the pre-norm sum the next layer adds to). Mean of squares in double. */
+void flashllm_rms_norm(const float *x, const float *residual, float *summed, const float *weight,
+                       float *out, int64_t T, int64_t H, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float *ot = out + t * H;
+        double sum = 0.0;
+        for (int64_t i = 0; i < H; i++) {
+            const float v = residual ? xt[i] + residual[t * H + i] : xt[i];
+            if (residual) summed[t * H + i] = v;
+            ot[i] = v;
+            sum += (double)v * v;
+        }
+        const float inverse = 1.0f / sqrtf((float)(sum / H) + eps);
+        for (int64_t i = 0; i < H; i++) ot[i] = ot[i] * inverse * weight[i];
+    }
+}
+
+/* Rotate, in place, the first `rot` features of each of H heads of x, token t at x + t * stride,
+ * heads of D contiguous; cache (max_position, rot): cos in the first rot/2 columns, sin in the
+ * rest. neox pairs feature i with i + rot/2, otherwise 2i with 2i + 1. */
+void flashllm_rotary(float *x, int64_t T, int64_t stride, int64_t H, int64_t D, int64_t rot,
+                     const float *cache, const int64_t *positions, int neox) {
+    const int64_t half = rot / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cos_ = cache + positions[t] * rot, *sin_ = cos_ + half;
+        for (int64_t h = 0; h < H; h++) {
+            float *v = x + t * stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+                const float x1 = v[a], x2 = v[b];
+                v[a] = x1 * cos_[i] - x2 * sin_[i];
+                v[b] = x2 * cos_[i] + x1 * sin_[i];
+            }
+        }
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum8(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* One query token per sequence against its paged fp32 keys and values (no mask beyond the length).
+ * Sequence b's query is row rows[b] of q (Hq heads of D, row stride q_stride), its context the
+ * first seq_lens[b] slots of blocks block_tables[b * width ...]; caches (blocks, block_size, Hk, D).
+ * out row rows[b] (Hq * D contiguous) gets softmax(q k^T * scale) v per head; query head h reads
+ * KV head h / (Hq / Hk). scores: scratch of at least max(seq_lens) floats. */
+void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t width, const int32_t *seq_lens,
+                               const int64_t *rows, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                               int64_t block_size, float scale, float *out, float *scores) {
+    const int64_t group = Hq / Hk, slot_stride = Hk * D;
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t *table = block_tables + b * width;
+        const int64_t length = seq_lens[b];
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + rows[b] * q_stride + h * D;
+            const int64_t kvh = h / group;
+            float top = -INFINITY;
+            for (int64_t s = 0; s < length; s++) {
+                const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+                scores[s] = dot_f32(qh, k_cache + slot * slot_stride + kvh * D, D) * scale;
+                top = scores[s] > top ? scores[s] : top;
+            }
+            float total = 0.0f;
+            for (int64_t s = 0; s < length; s++) {
+                scores[s] = expf(scores[s] - top);
+                total += scores[s];
+            }
+            float *oh = out + rows[b] * Hq * D + h * D;
+            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+            for (int64_t s = 0; s < length; s++) {
+                const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+                const float *vs = v_cache + slot * slot_stride + kvh * D;
+                const float p = scores[s] / total;
+                int64_t d = 0;
+                for (; d + 8 <= D; d += 8)
+                    _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(vs + d),
+                                                            _mm256_loadu_ps(oh + d)));
+                for (; d < D; d++) oh[d] += p * vs[d];
+            }
         }
     }
 }

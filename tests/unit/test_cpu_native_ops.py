@@ -1,0 +1,97 @@
+"""The native small ops (native_ops.py) against the portable reference bodies, and their refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashllm.backends.cpu import kernels, native, native_ops
+from flashllm.ops.paged_attention import paged_attention as reference_attention
+from flashllm.ops.rms_norm import rms_norm as reference_rms_norm
+from flashllm.ops.rope_cache import build_cos_sin_cache
+from flashllm.ops.rotary_embedding import rotary_embedding as reference_rotary
+from flashllm.ops.write_kv_cache import write_kv_cache as reference_write
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
+FP32 = {"rtol": 1e-5, "atol": 1e-5}  # flashllm/ops/tolerances.py for float32
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, native_ops.MAX_NORM_ROWS])
+def test_rms_norm(tokens: int, residual: bool) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    x, weight = torch.randn(tokens, 96, generator=gen) * 3, torch.rand(96, generator=gen) + 0.5
+    res = torch.randn(tokens, 96, generator=gen) if residual else None
+    got = native_ops.rms_norm(x, weight, 1e-6, res)
+    assert got is not None
+    torch.testing.assert_close(got, reference_rms_norm(x, weight, 1e-6, res), **FP32)
+    assert native_ops.rms_norm(x.double(), weight.double(), 1e-6) is None  # fp32 only
+    assert native_ops.rms_norm(torch.randn(native_ops.MAX_NORM_ROWS + 1, 96), weight, 1e-6) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 5), heads=st.sampled_from([(4, 2), (6, 1), (2, 2)]), head_dim=st.sampled_from([16, 64]),
+       partial=st.booleans(), neox=st.booleans())
+def test_rotary_matches_the_reference_on_fused_qkv_views(tokens, heads, head_dim, partial, neox) -> None:
+    gen = torch.Generator().manual_seed(tokens * 31 + head_dim)
+    hq, hk = heads
+    rot = head_dim // 2 if partial else head_dim
+    cache = build_cos_sin_cache(rot, 128, 10000.0)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen)  # q and k are strided views of it
+    q, k = qkv[:, : hq * head_dim].view(tokens, hq, head_dim), qkv[:, hq * head_dim:(hq + hk) * head_dim].view(tokens, hk, head_dim)
+    positions = torch.randint(0, 128, (tokens,), generator=gen)
+    want = reference_rotary(positions, q.clone(), k.clone(), cache, neox)
+    got = kernels.rotary_embedding(positions, q, k, cache, neox)
+    assert got[0].data_ptr() == q.data_ptr()  # rotated in place, through the native body
+    torch.testing.assert_close(got, want, **FP32)
+
+
+def test_rotary_leaves_out_of_range_positions_to_the_reference() -> None:
+    cache = build_cos_sin_cache(16, 8, 10000.0)
+    q, k = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    assert native_ops.rotary_embedding(torch.tensor([8]), q, k, cache, True) is None
+    with pytest.raises(IndexError):
+        kernels.rotary_embedding(torch.tensor([8]), q, k, cache, True)
+
+
+def test_write_kv_cache_takes_float_caches_without_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    slots = torch.tensor([5, 17, 2])
+    caches = [torch.zeros(4, 8, 2, 8) for _ in range(4)]
+    assert native_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
+    reference_write(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not native_ops.write_kv_cache(k, v, caches[0], caches[1], torch.tensor([5, -1, 2]))  # padding
+    assert not native_ops.write_kv_cache(k, v, caches[0], caches[1], torch.tensor([5, 32, 2]))  # out of range
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.write_kv_cache(k, v, caches[0], caches[1], torch.tensor([5, 32, 2]))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_decode_attention_matches_the_reference(heads) -> None:
+    gen = torch.Generator().manual_seed(1)
+    hq, hk = heads
+    k_cache, v_cache = torch.randn(12, 16, hk, 32, generator=gen), torch.randn(12, 16, hk, 32, generator=gen)
+    seq_lens = torch.tensor([1, 37, 16, 70], dtype=torch.int32)  # one token, a partial block, a full one
+    tables = torch.tensor([[3, 0, 0, 0, 0], [7, 1, 9, 0, 0], [2, 0, 0, 0, 0], [4, 5, 6, 8, 10]], dtype=torch.int32)
+    cu = torch.arange(5, dtype=torch.int32)
+    q = torch.randn(4, hq, 32, generator=gen)
+    want = reference_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.17)
+    torch.testing.assert_close(kernels.paged_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.17), want, **FP32)
+    out = torch.zeros_like(q)
+    assert native_ops.decode_attention(q, k_cache, v_cache, tables, [0, 1, 2, 3], [0, 1, 2, 3],
+                                       seq_lens.tolist(), 0.17, out)
+    torch.testing.assert_close(out, want, **FP32)
+
+
+def test_decode_attention_refuses_tables_outside_the_cache() -> None:
+    k_cache = v_cache = torch.randn(4, 16, 1, 32)
+    q, out = torch.randn(1, 2, 32), torch.zeros(1, 2, 32)
+    bad = torch.tensor([[4]], dtype=torch.int32)  # block 4 of a 4-block cache
+    assert not native_ops.decode_attention(q, k_cache, v_cache, bad, [0], [0], [10], 0.1, out)
+    too_long = torch.tensor([[1]], dtype=torch.int32)
+    assert not native_ops.decode_attention(q, k_cache, v_cache, too_long, [0], [0], [17], 0.1, out)
+    assert torch.equal(out, torch.zeros(1, 2, 32))
