@@ -107,6 +107,10 @@ def run_devices(args: argparse.Namespace) -> int:
     }
     record.update(_roofline(args, model_dir, workload))
     record["engines"] = [_run_engine(name, args, model_dir, workload, record) for name in engines]
+    _reprobe_bandwidth(args, record)
+    for engine in record["engines"]:
+        if engine["status"] == "ok":
+            _apply_ceilings(engine, record)
     print(format_table(record))
     text = json.dumps(record, indent=2)
     if args.json:
@@ -165,13 +169,32 @@ def _run_engine(name: str, args: argparse.Namespace, model_dir: Path, workload: 
         return {"engine": name, "status": "skipped", "reason": str(exc)}
     except Exception as exc:  # recorded and reported; the other engines still run
         return {"engine": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
-    result["decode_ceiling_tokens_per_s"] = bandwidth / result["weight_bytes"]
-    result["latency"]["fraction_of_bandwidth_ceiling"] = (result["latency"]["decode_tokens_per_s"]
-                                                          / result["decode_ceiling_tokens_per_s"])
-    result["throughput"]["fraction_of_compute_ceiling"] = (result["throughput"]["total_tokens_per_s"]
-                                                           / record["compute_ceiling_tokens_per_s"])
     return {"engine": name, "status": "ok", **result}
+
+
+def _reprobe_bandwidth(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """Probe the read bandwidth again after the engines and keep the higher of the two.
+
+    One probe at the start of a run on the team's VM once read 20 GB/s where every other probe
+    that hour read 34-35 GB/s, which made engines look faster than the memory allows; the machine's
+    limit is what it can do, so the ceiling uses the better probe and the record keeps both.
+    """
+    from flashllm.bench import roofline as rl
+
+    roof = record["roofline"]
+    roof["read_bandwidth_gb_s_start"] = roof["read_bandwidth_gb_s"]
+    roof["read_bandwidth_gb_s_end"] = rl.measure_read_bandwidth(args.roofline_mib << 20) / 1e9
+    roof["read_bandwidth_gb_s"] = max(roof["read_bandwidth_gb_s_start"], roof["read_bandwidth_gb_s_end"])
+
+
+def _apply_ceilings(engine: dict[str, Any], record: dict[str, Any]) -> None:
+    """An engine's decode ceiling and its fractions of the bandwidth and compute ceilings."""
+    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
+    engine["decode_ceiling_tokens_per_s"] = bandwidth / engine["weight_bytes"]
+    engine["latency"]["fraction_of_bandwidth_ceiling"] = (engine["latency"]["decode_tokens_per_s"]
+                                                          / engine["decode_ceiling_tokens_per_s"])
+    engine["throughput"]["fraction_of_compute_ceiling"] = (engine["throughput"]["total_tokens_per_s"]
+                                                           / record["compute_ceiling_tokens_per_s"])
 
 
 def measure_llm(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:

@@ -31,6 +31,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, prefix: str = "", who: str = "
     p.add_argument(f"--{prefix}kv-cache-dtype", default="auto", help=f"{who}auto | int8 | fp8 (dynamic scales)")
     p.add_argument(f"--{prefix}weightonly-group-size", dest=f"{prefix.replace('-', '_')}group_size", type=int,
                    default=-1, help=f"{who}-1 (per output channel) or 32 | 64 | 128")
+    p.add_argument(f"--{prefix}quantize-lm-head", action="store_true",
+                   help=f"{who}store the LM head as int8 too (with a weight-only int8/int4 quant type)")
 
 
 def _add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -100,7 +102,7 @@ def _windows(args: argparse.Namespace, model_dir: str) -> tuple[int, int]:
 def _scoring_config(args: argparse.Namespace, model: str, prefix: str = "") -> Any:
     from flashllm.eval.forward import ScoringConfig
 
-    return ScoringConfig(model, *(getattr(args, prefix + name) for name in ("dtype", "device", "backend", "quant_type", "kv_cache_dtype", "group_size")))
+    return ScoringConfig(model, *(getattr(args, prefix + name) for name in ("dtype", "device", "backend", "quant_type", "kv_cache_dtype", "group_size", "quantize_lm_head")))
 
 
 def _run_ppl(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class ScoringConfig:
     quant_type: str | None = None
     kv_cache_dtype: str = "auto"
     group_size: int = -1
+    quantize_lm_head: bool = False
 
 
 def resolve_max_length(model_dir: str, max_length: int | None) -> int:
@@ -55,7 +56,8 @@ def load_scoring_parts(config: ScoringConfig, max_length: int) -> EngineParts:
     block_size = CacheConfig().block_size
     engine = engine_config(
         config.model, dtype=config.dtype, device=config.device, backend=config.backend,
-        quant_type=config.quant_type, group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype, max_model_len=max_length, max_num_seqs=1,
+        quant_type=config.quant_type, group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype,
+        quantize_lm_head=config.quantize_lm_head or None, max_model_len=max_length, max_num_seqs=1,
         num_kv_blocks=math.ceil(max_length / block_size),
     )
     return build_engine_parts(engine)
