@@ -92,7 +92,7 @@ def ipex(session: nox.Session) -> None:
     session.install(*IPEX_PINS, "--extra-index-url", TORCH_CPU_INDEX)
     session.install("-e", ".[test]")
     session.run("python", "-c", "import torch, intel_extension_for_pytorch as ipex; print('torch', torch.__version__, 'ipex', ipex.__version__)")
-    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_engine_parity.py",
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_backend_greedy_parity.py",
                 "-k", "ipex", *session.posargs)
     session.run("pytest", "-q", "tests/backends/test_ipex.py", *session.posargs)
     # IPEX's own weight-only linear runs by default only on AVX-512 CPUs; force it so its
@@ -116,7 +116,7 @@ def xla(session: nox.Session) -> None:
     session.install("-e", ".[test,xla]")
     session.env["PJRT_DEVICE"] = "CPU"
     session.run("python", "-c", "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__)")
-    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_engine_parity.py",
+    session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_backend_greedy_parity.py",
                 "-k", "xla", *session.posargs)
     session.run("pytest", "-q", "tests/backends/test_xla.py", *session.posargs)
 
