@@ -139,3 +139,35 @@ def test_switched_off_or_unbuildable_the_torch_paths_take_over(monkeypatch, tmp_
         monkeypatch.undo()
         native.reset()
     assert native.library() is not None, os.environ.get(native.ENV_SWITCH)
+
+
+def test_concurrent_callers_each_get_their_own_product(threads) -> None:
+    # the worker pool takes one task at a time; a second caller runs its task on its own thread
+    import concurrent.futures
+
+    threads(2)
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(2048, 512, generator=gen) for _ in range(4)]
+    x = torch.randn(1, 512, generator=gen)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda w: [native.f32_linear(x, w) for _ in range(20)], weights))
+    for w, outs in zip(weights, results, strict=True):
+        for out in outs:
+            assert_within_fp32_bound(out, x, w)
+
+
+def test_a_forked_child_starts_its_own_workers(threads) -> None:
+    import multiprocessing
+
+    threads(2)
+    w, x = torch.randn(2048, 512), torch.randn(1, 512)
+    native.f32_linear(x, w)  # the parent's workers exist now
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:  # the child inherits the pool's state but none of its threads
+        child = pool.apply_async(_child_product, (x, w)).get(timeout=60)
+    assert_within_fp32_bound(child, x, w)
+
+
+def _child_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(2)
+    return native.f32_linear(x, w)

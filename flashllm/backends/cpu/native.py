@@ -1,5 +1,6 @@
-"""The cpu backend's native decode kernels (csrc/decode_kernels.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
-on first use, loaded through ctypes, split by output rows across cores like parallel.split_linear.
+"""The cpu backend's native decode kernels (csrc/decode_kernels.c; the small ops' wrappers are in
+native_ops.py): built with the system C compiler on first use, loaded through ctypes; the GEMVs
+split their output rows over the library's own spinning worker pool (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
 split over two threads, and it has no vectorized int8/int4-weight GEMV on AVX2 at all (see
@@ -23,7 +24,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +33,8 @@ from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+HEADERS = (Path(__file__).with_name("csrc") / "thread_pool.h",)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
@@ -47,6 +48,9 @@ _SIGNATURES = {
     "flashllm_f32_gemv": ([_P, _P, _P, _I64, _I64, _I64, _I64, _I64], None),
     "flashllm_w8_gemv": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64], None),
     "flashllm_w4_gemv": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64], None),
+    "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
+    "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
@@ -69,7 +73,8 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     """Compile SOURCE into the cache (once per source and flags); returns the library's path."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    text = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    digest = hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_kernels-{digest}.so"
     if target.exists():
         return target
@@ -134,12 +139,9 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr()
 
 
-def _rows(lib_call: Callable[[int, int], None], num_tokens: int, out_features: int, in_features: int) -> None:
-    """Run lib_call(n0, n1) over all output rows, split across cores when the product is large."""
-    if parallel.should_split(num_tokens, out_features, in_features):
-        parallel.run_shares(out_features, lib_call)
-    else:
-        lib_call(0, out_features)
+def _threads(num_tokens: int, out_features: int, in_features: int) -> int:
+    """Row shares for one product: every configured core when parallel.should_split says it pays."""
+    return parallel.workers() if parallel.should_split(num_tokens, out_features, in_features) else 1
 
 
 def supports_dense(x: Tensor, weight: Tensor) -> bool:
@@ -155,8 +157,7 @@ def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
     tokens, k = x.shape
     n = weight.shape[0]
     out = torch.empty(tokens, n, dtype=torch.float32)
-    _rows(lambda n0, n1: lib.flashllm_f32_gemv(_ptr(x), _ptr(weight), _ptr(out), tokens, k, n0, n1, n),
-          tokens, n, k)
+    lib.flashllm_f32_gemv_mt(_ptr(x), _ptr(weight), _ptr(out), tokens, k, n, n, _threads(tokens, n, k))
     return out
 
 
@@ -184,15 +185,11 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     n, groups = weight.out_features, weight.num_groups
     codes, scales, zeros = _layout(weight)
     out = torch.empty(tokens, n, dtype=torch.float32)
+    threads = _threads(tokens, n, k)
     if weight.scheme == "w4a16":
         even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # the nibbles' order
-        zero_ptr = None if zeros is None else _ptr(zeros)
-
-        def call(n0: int, n1: int) -> None:
-            lib.flashllm_w4_gemv(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales), zero_ptr, groups,
-                                 _ptr(out), n0, n1, n)
+        lib.flashllm_w4_gemv_mt(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales),
+                                None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, threads)
     else:
-        def call(n0: int, n1: int) -> None:
-            lib.flashllm_w8_gemv(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n0, n1, n)
-    _rows(call, tokens, n, k)
+        lib.flashllm_w8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n, threads)
     return out

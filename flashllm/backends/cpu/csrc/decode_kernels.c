@@ -17,6 +17,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "thread_pool.h"
+
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -202,4 +204,46 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
             }
         }
     }
+}
+
+/* ---- the GEMVs above over row shares of the worker pool (thread_pool.h) ---- */
+
+typedef struct {
+    const void *x, *x2, *w, *scales, *zeros;
+    float *y;
+    int64_t T, K, G, ldy;
+} gemv_args;
+
+static void f32_share(void *ctx, int64_t n0, int64_t n1) {
+    const gemv_args *a = ctx;
+    flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+}
+
+static void w8_share(void *ctx, int64_t n0, int64_t n1) {
+    const gemv_args *a = ctx;
+    flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
+}
+
+static void w4_share(void *ctx, int64_t n0, int64_t n1) {
+    const gemv_args *a = ctx;
+    flashllm_w4_gemv(a->x, a->x2, a->T, a->K, a->w, a->scales, a->zeros, a->G, a->y, n0, n1, a->ldy);
+}
+
+void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t N,
+                          int64_t ldy, int threads) {
+    gemv_args a = {x, NULL, w, NULL, NULL, y, T, K, 0, ldy};
+    flashllm_parallel_for(f32_share, &a, N, threads);
+}
+
+void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
+                         float *y, int64_t N, int64_t ldy, int threads) {
+    gemv_args a = {x, NULL, w, scales, NULL, y, T, K, G, ldy};
+    flashllm_parallel_for(w8_share, &a, N, threads);
+}
+
+void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
+                         const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy,
+                         int threads) {
+    gemv_args a = {xe, xo, w, scales, zeros, y, T, K, G, ldy};
+    flashllm_parallel_for(w4_share, &a, N, threads);
 }
