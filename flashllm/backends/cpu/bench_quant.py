@@ -21,7 +21,7 @@ from flashllm.ops.tolerances import assert_close
 from flashllm.quant import quantize_weight
 
 
-def _time_ms(fn: Callable[[], object], min_seconds: float, repeats: int = 5) -> float:
+def time_ms(fn: Callable[[], object], min_seconds: float, repeats: int = 5) -> float:
     """The best per-call time of `repeats` batches: the least disturbed by other work on the machine."""
     fn()
     best = float("inf")
@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, args.k, generator=gen)
         expected = quant_matmul(x, qweight)
-        row = [_time_ms(lambda x=x: F.linear(x, weight), args.seconds)]
+        row = [time_ms(lambda x=x: F.linear(x, weight), args.seconds)]
         for path in paths:
             assert_close(cpu_quant.run_path(path, x, qweight), expected, torch.float32)
-            row.append(_time_ms(lambda x=x, path=path: cpu_quant.run_path(path, x, qweight), args.seconds))
+            row.append(time_ms(lambda x=x, path=path: cpu_quant.run_path(path, x, qweight), args.seconds))
         if cpu_quant.FBGEMM_READY:
             packed = cpu_quant.fbgemm_packed(qweight)
-            row.append(_time_ms(lambda x=x, p=packed: torch.ops.quantized.linear_dynamic(x, p, True), args.seconds))
+            row.append(time_ms(lambda x=x, p=packed: torch.ops.quantized.linear_dynamic(x, p, True), args.seconds))
         print(f"{tokens:>6} " + " ".join(f"{v:>12.3f}" for v in row))
     return 0
 

@@ -10,13 +10,12 @@ down, plus N=4864 K=896): ms per call of the fp32 GEMM, then cpu and ipex bodies
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from flashllm.backends.cpu import quant as cpu_quant
+from flashllm.backends.cpu.bench_quant import time_ms
 from flashllm.backends.ipex import ipex_status
 from flashllm.backends.ipex.woq import woq_linear
 from flashllm.ops.quant_matmul import quant_matmul
@@ -28,30 +27,17 @@ QWEN_0_5B_SHAPES = "4864x896,1152x896,896x896,9728x896,896x4864"
 SCHEMES = (("w8a16", -1), ("w4a16", 128))
 
 
-def _time_ms(fn: Callable[[], object], min_seconds: float, repeats: int = 5) -> float:
-    """Best per-call ms over `repeats` batches of calls: the one least disturbed by other work on the machine."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < min_seconds / repeats or calls < 2:
-            fn()
-            calls += 1
-        best = min(best, elapsed / calls)
-    return 1e3 * best
-
-
 def _row(n: int, k: int, tokens: int, seconds: float, gen: torch.Generator) -> list[float]:
     weight = torch.randn(n, k, generator=gen) * k**-0.5
     x = torch.randn(tokens, k, generator=gen)
-    row = [_time_ms(lambda: F.linear(x, weight), seconds)]
+    row = [time_ms(lambda: F.linear(x, weight), seconds)]
     for scheme, group_size in SCHEMES:
         qweight = quantize_weight(weight, scheme, group_size if k % max(group_size, 1) == 0 else -1)
         expected = quant_matmul(x, qweight)
         assert_close(woq_linear(x, qweight), expected, torch.float32)
         assert_close(cpu_quant.quant_matmul(x, qweight), expected, torch.float32)
-        row.append(_time_ms(lambda q=qweight: cpu_quant.quant_matmul(x, q), seconds))
-        row.append(_time_ms(lambda q=qweight: woq_linear(x, q), seconds))
+        row.append(time_ms(lambda q=qweight: cpu_quant.quant_matmul(x, q), seconds))
+        row.append(time_ms(lambda q=qweight: woq_linear(x, q), seconds))
     return row
 
 
