@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from flashllm.chat_methods import ChatMethods
 from flashllm.models.hf_config import load_hf_config
 from flashllm.models.loader import load_generation_config
 from flashllm.outputs import RequestOutput
@@ -27,7 +28,7 @@ MAX_DEFAULT_MODEL_LEN = 8192
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-class StaticLLM:
+class StaticLLM(ChatMethods):
     """Generate with an exported static graph (`flashllm export --format onnx`) through onnxruntime.
 
     `engine` (a StaticEngine) left-pads up to `max_num_seqs` sequences into one prefill, then
@@ -57,7 +58,6 @@ class StaticLLM:
         self.generation_config = load_generation_config(self.model_dir)
         self.tokenizer, self.eos_token_ids = self._tokenizer()
         self.engine = StaticEngine(self.graph, self.tokenizer, self.eos_token_ids, self.max_model_len, max_num_seqs)
-        self._chat_template: Any = None
 
     @property
     def session(self) -> Any:
@@ -114,32 +114,5 @@ class StaticLLM:
         """Not available: beam search needs the dynamic engine's prefix-shared KV blocks."""
         raise StaticModelError("beam search is not available in static mode; use --mode dynamic")
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the chat template and generate (as LLM.chat)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, chat_template, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the sandboxed chat template (as LLM.render_chat)."""
-        text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def chat_template(self, chat_template: str | None = None) -> Any:
-        """The ChatTemplate to render with: a built-in name, a template string, or the export's own."""
-        from flashllm.llm import select_chat_template
-
-        template, self._chat_template = select_chat_template(chat_template, self._chat_template, self.model_dir)
-        return template
-
-    def has_chat_template(self) -> bool:
-        """Whether the export ships a chat template."""
-        try:
-            self.chat_template()
-        except ValueError:
-            return False
-        return True
+    def _template_dir(self) -> Path:
+        return self.model_dir
