@@ -49,6 +49,15 @@ def test_f32_gemv_any_shape(tokens: int, k: int, n: int) -> None:
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
+@pytest.mark.parametrize("tokens", [2, 3, 5, 16, native.MAX_TOKENS])
+def test_f32_tiles_cover_every_row_and_token(tokens: int) -> None:
+    # K a multiple of 8 takes the register tiles; 67 rows leave 3 for the one-row tiles, and
+    # token counts that are not multiples of 3 exercise the uneven sweeps
+    gen = torch.Generator().manual_seed(tokens)
+    x, w = torch.randn(tokens, 264, generator=gen), torch.randn(67, 264, generator=gen)
+    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
+
+
 QUANT_CASES = [  # scheme, group size, symmetric
     ("w8a16", -1, True), ("w8a16", 32, True), ("w8a16", 128, True),
     ("w4a16", -1, True), ("w4a16", 32, True), ("w4a16", 64, False), ("w4a16", 128, False),
@@ -77,11 +86,12 @@ def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
     assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
 
 
+@pytest.mark.parametrize("tokens", [2, 7])
 @pytest.mark.parametrize("scheme", ["none", "w8a16", "w4a16"])
-def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str) -> None:
+def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str, tokens: int) -> None:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(3000, 512, generator=gen)
-    x = torch.randn(2, 512, generator=gen)
+    x = torch.randn(tokens, 512, generator=gen)
     weight = quantize_weight(w, scheme, 64) if scheme != "none" else None
 
     def run() -> torch.Tensor:
@@ -90,8 +100,10 @@ def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: st
     threads(1)
     single = run()
     threads(3)
-    assert native.parallel.should_split(2, 3000, 512)
-    assert torch.equal(run(), single)  # each row is one thread's dot product, in the same order
+    assert native.parallel.should_split(tokens, 3000, 512)
+    got = run()
+    assert torch.equal(got, single)  # each row is one thread's dot product, in the same order
+    assert_within_fp32_bound(got, x, w if weight is None else dequantize(weight).float())
 
 
 def test_engine_paths_choose_the_native_kernels_for_decode_batches() -> None:

@@ -12,6 +12,7 @@ from flashllm.ops.paged_attention import paged_attention as reference_attention
 from flashllm.ops.rms_norm import rms_norm as reference_rms_norm
 from flashllm.ops.rope_cache import build_cos_sin_cache
 from flashllm.ops.rotary_embedding import rotary_embedding as reference_rotary
+from flashllm.ops.silu_and_mul import silu_and_mul as reference_silu_and_mul
 from flashllm.ops.write_kv_cache import write_kv_cache as reference_write
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
@@ -95,3 +96,17 @@ def test_decode_attention_refuses_tables_outside_the_cache() -> None:
     too_long = torch.tensor([[1]], dtype=torch.int32)
     assert not native_ops.decode_attention(q, k_cache, v_cache, too_long, [0], [0], [17], 0.1, out)
     assert torch.equal(out, torch.zeros(1, 2, 32))
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 13), (3, 64), (20, 4000)])  # the last splits over threads
+def test_silu_and_mul_matches_the_reference(tokens: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    x = torch.randn(tokens, 2 * inter, generator=gen) * 6
+    x[0, :4] = torch.tensor([100.0, -100.0, 88.5, -88.5])  # past the exp clamp on either side
+    x[-1, 5] = float("nan")
+    got = native_ops.silu_and_mul(x)
+    assert got is not None and got.shape == (tokens, inter)
+    torch.testing.assert_close(got, reference_silu_and_mul(x), equal_nan=True, **FP32)
+    assert kernels.silu_and_mul(x.double()).dtype == torch.float64  # other dtypes: the portable body
+    assert native_ops.silu_and_mul(x[:, 1:]) is None                  # not contiguous
+    assert native_ops.silu_and_mul(torch.randn(2, 7)) is None         # odd width

@@ -23,7 +23,7 @@ KV_DTYPES = FLOATS | {torch.int8, torch.float8_e4m3fn}
 
 # Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
 # aten call or a memory copy): the cpu backend runs them as they are, by declaration.
-PORTABLE_OPS = ("silu_and_mul", "gelu_and_mul", "fused_moe")
+PORTABLE_OPS = ("gelu_and_mul", "fused_moe")
 
 
 def rms_norm(
@@ -37,6 +37,12 @@ def rms_norm(
         x = x + residual
     out = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up through the native kernel for fp32, else the portable body."""
+    fast = native_ops.silu_and_mul(x)
+    return fast if fast is not None else op_specs()["silu_and_mul"].reference(x)
 
 
 def rotary_embedding(
@@ -202,6 +208,7 @@ def register(backend: Backend) -> None:
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
     backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(paged_attention)
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
+    backend.kernel("silu_and_mul", Caps(dtypes=FLOATS))(silu_and_mul)
     backend.kernel("write_kv_cache", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(write_kv_cache)
     for name in PORTABLE_OPS:
         # write_kv_cache's reference body is the CPU implementation, int8/fp8 quantization included

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,

@@ -18,7 +18,10 @@ from contextlib import contextmanager
 
 import torch
 
-SPLIT_MAX_TOKENS = 4           # a decode batch; past it the GEMM is compute-bound and BLAS threads it
+# A decode batch. Up to here flashllm threads the products itself: MKL's fp32 GEMM with 2..32 rows
+# ran at 6-8 GB/s of weight reads on the team's 2-core VM (5.5 ms for 16 x 896 by 9728 against
+# 2.5 ms for the native tiles of csrc/decode_kernels.c); from ~64 rows BLAS catches up.
+SPLIT_MAX_TOKENS = 32
 SPLIT_MIN_ELEMENTS = 1 << 20   # ~4 MB of fp32 weight: below it a hand-off (~20 us) costs more than it saves
 ROW_ALIGN = 16                 # share boundaries on whole cache lines of output
 

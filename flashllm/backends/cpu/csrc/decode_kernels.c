@@ -113,6 +113,137 @@ void flashllm_w4_gemv(const float *xe, const float *xo, int64_t T, int64_t K, co
     }
 }
 
+/* ---- small batches: register tiles of R weight rows x TT tokens ----
+ * One token is memory-bound, and the row-at-a-time loops above stream each row once. With a few
+ * tokens the product turns compute-bound, and row-at-a-time would load (and, for integer weights,
+ * widen and convert) every weight vector once per token. A tile loads each weight vector once for
+ * TT tokens and each activation vector once for R rows, keeping R x TT accumulators in registers
+ * (AVX2 has 16: 4 rows x 3 tokens takes 12, plus 3 activations and 1 weight). Integer codes are
+ * dequantized in registers the way the reference dequantizes them (code minus zero point,
+ * converted, times the group's scale, in fp32), so only the order of the sums differs from it.
+ *
+ * A tile's arguments: x / x2 the activations of its first token (x2: the odd features of an int4
+ * product, x the even ones), xs the stride between tokens, w its first weight row, ws the stride
+ * between rows (elements of the weight's type), scales / zeros the first row's (G per row). */
+typedef void (*tile_fn)(const float *x, const float *x2, int64_t xs, const void *w, int64_t ws,
+                        const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t ldy,
+                        const char *pf, int64_t pf_len);
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* A tile computes its R x TT dot products whole. While it runs it prefetches the pf_len bytes at
+ * pf, one cache line per step of 8 features: see tiled_product. */
+#define TILE_BEGIN(NAME, R, TT, W_T)                                                              \
+static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, int64_t ws,         \
+                 const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t ldy,     \
+                 const char *pf, int64_t pf_len) {                                                \
+    const W_T *w = w_;                                                                           \
+    const char *pf_end = pf + pf_len;                                                            \
+    __m256 acc[R][TT];                                                                           \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps(); \
+    const int64_t group = ws / G;                                                                \
+    for (int64_t g = 0; g < G; g++) {                                                            \
+        __m256 scale[R];                                                                         \
+        __m256i zero[R];                                                                         \
+        UNROLL for (int r = 0; r < R; r++) {                                                     \
+            scale[r] = _mm256_set1_ps(scales ? scales[r * G + g] : 1.0f);                         \
+            zero[r] = _mm256_set1_epi32(zeros ? zeros[r * G + g] : 8);                            \
+        }                                                                                        \
+        (void)scale; (void)zero; (void)x2;                                                       \
+        for (int64_t k = g * group; k < (g + 1) * group; k += 8) {                               \
+            if (pf < pf_end) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }                        \
+            __m256 xv[TT];
+
+/* one pass over the 8 weights at k of every row: `wv` from DEQUANT against activations `src` */
+#define TILE_PASS(R, TT, src, DEQUANT)                                                            \
+            UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm256_loadu_ps((src) + t * xs + k);     \
+            UNROLL for (int r = 0; r < R; r++) {                                                 \
+                const __m256 wv = DEQUANT;                                                       \
+                UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
+            }
+
+#define TILE_END(R, TT)                                                                           \
+        }                                                                                        \
+    }                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) y[t * ldy + r] = hsum8(acc[r][t]); \
+}
+
+#define DQ_F32 _mm256_loadu_ps(w + r * ws + k)
+#define DQ_I8 _mm256_mul_ps(WIDEN_I8(w + r * ws + k), scale[r])
+#define DQ_I4(SHIFT) _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(                            \
+    _mm256_and_si256(_mm256_srli_epi32(WIDEN_U8(w + r * ws + k), SHIFT), _mm256_set1_epi32(0x0F)), zero[r])), scale[r])
+
+#define DEFINE_F32_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, float) TILE_PASS(R, TT, x, DQ_F32) TILE_END(R, TT)
+#define DEFINE_I8_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, int8_t) TILE_PASS(R, TT, x, DQ_I8) TILE_END(R, TT)
+/* int4: bytes hold (even feature, odd feature) in (low, high) nibbles; x / x2 are deinterleaved */
+#define DEFINE_I4_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, uint8_t)                                  \
+    TILE_PASS(R, TT, x, DQ_I4(0)) TILE_PASS(R, TT, x2, DQ_I4(4)) TILE_END(R, TT)
+
+/* The tiles of one kind: R rows x 1..3 tokens, and 1 row (a block's leftover rows) x 1..3 tokens.
+ * R x 3 is the workhorse; it must fit the 16 registers with what the kind keeps per row: fp32 4 x 3
+ * (12 accumulators, 3 activations, 1 weight), int8 3 x 3 (+ 3 scales), int4 2 x 3 (+ 2 scales,
+ * 2 zero points). */
+#define DEFINE_TILES(KIND, DEFINE, R)                                                            \
+    DEFINE(KIND##_tile_Rx3, R, 3) DEFINE(KIND##_tile_Rx2, R, 2) DEFINE(KIND##_tile_Rx1, R, 1)    \
+    DEFINE(KIND##_tile_1x3, 1, 3) DEFINE(KIND##_tile_1x2, 1, 2) DEFINE(KIND##_tile_1x1, 1, 1)    \
+    static const tile_fn KIND##_TILES[2][3] = {{KIND##_tile_1x1, KIND##_tile_1x2, KIND##_tile_1x3},  \
+                                               {KIND##_tile_Rx1, KIND##_tile_Rx2, KIND##_tile_Rx3}};
+#define TILE_TOKENS 3
+
+DEFINE_TILES(f32, DEFINE_F32_TILE, 4)
+DEFINE_TILES(i8, DEFINE_I8_TILE, 3)
+DEFINE_TILES(i4, DEFINE_I4_TILE, 2)
+
+/* Rows n0..n1 of y[t * ldy + n] for T tokens: blocks of R rows (the last rows one at a time), each
+ * swept over the tokens 3 at a time while its rows stay in cache. A block's sweeps take long
+ * enough that the hardware prefetcher alone leaves DRAM idle through them and the next block then
+ * waits on memory (time = transfer + arithmetic); so each sweep prefetches its share of the next
+ * block's bytes (rows are contiguous) and the two overlap. ws: weights per row (elements of size
+ * elem), xs: activations per token. */
+static void tiled_product(const tile_fn tiles[2][3], int R, const float *x, const float *x2, int64_t T, int64_t xs,
+                          const void *w, int64_t ws, size_t elem, const float *scales, const int32_t *zeros,
+                          int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t row_bytes = ws * (int64_t)elem, sweeps = (T + TILE_TOKENS - 1) / TILE_TOKENS;
+    const char *end = (const char *)w + n1 * row_bytes;
+    for (int64_t n = n0; n < n1;) {
+        const int rows = n + R <= n1 ? R : 1;
+        const char *wn = (const char *)w + n * row_bytes, *next = wn + rows * row_bytes;
+        const int64_t share = (R * row_bytes / sweeps + 63) & ~(int64_t)63;
+        for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+            /* T split as evenly as the sweeps allow (16 = 3+3+3+3+2+2, not ...+3+1: a 1-token tile
+             * is load-bound) */
+            const int64_t tokens = (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
+            const char *pf = next + sweep * share;
+            const int64_t pf_len = pf >= end ? 0 : (end - pf < share ? end - pf : share);
+            tiles[rows == R][tokens - 1](x + t * xs, x2 ? x2 + t * xs : NULL, xs, wn, ws,
+                                         scales ? scales + n * G : NULL, zeros ? zeros + n * G : NULL,
+                                         G, y + t * ldy + n, ldy, pf, pf_len);
+            t += tokens;
+        }
+        n += rows;
+    }
+}
+
+
+/* flashllm_f32_gemv's product for K a multiple of 8, tiled */
+void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int64_t K,
+                       int64_t n0, int64_t n1, int64_t ldy) {
+    tiled_product(f32_TILES, 4, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
+}
+
+/* flashllm_w8_gemv's product, tiled */
+void flashllm_w8_gemm(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
+                      int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
+    tiled_product(i8_TILES, 3, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+}
+
+/* flashllm_w4_gemv's product, tiled */
+void flashllm_w4_gemm(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
+                      const float *scales, const int32_t *zeros, int64_t G, float *y,
+                      int64_t n0, int64_t n1, int64_t ldy) {
+    tiled_product(i4_TILES, 2, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
+}
+
 /* ---- the small per-layer ops of a decode step, where torch's per-call overhead dominates ---- */
 
 /* out[t] = s / rms(s) * weight with s = x[t] (+ residual[t]), fp32 rows of H; with a residual,
@@ -206,6 +337,44 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
     }
 }
 
+/* e^x for fp32 lanes, within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
+ * reduction is exact enough), e^r from a degree-7 polynomial (the classic Cephes expf
+ * coefficients), 2^n put into the exponent bits. Inputs are clamped to [-88.38, 88.38]: below,
+ * the result is 0 (the true value is subnormal); above, n = 128 encodes +inf. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* out[t * I + i] = silu(x[t * 2I + i]) * x[t * 2I + I + i] for the flat output elements e0 <= e < e1,
+ * silu(g) = g / (1 + e^-g); fp32 x (T, 2I) gate columns then up columns, out (T, I). */
+void flashllm_silu_and_mul(const float *x, float *out, int64_t I, int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1;) {
+        const int64_t t = e / I, i = e % I, row_end = (t + 1) * I < e1 ? (t + 1) * I : e1;
+        const float *gate = x + t * 2 * I, *up = gate + I;
+        int64_t j = i;
+        for (; j + 8 <= i + (row_end - e); j += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + j);
+            const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(out + t * I + j, _mm256_mul_ps(sig, _mm256_loadu_ps(up + j)));
+        }
+        for (; j < i + (row_end - e); j++) out[t * I + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        e = row_end;
+    }
+}
+
 /* ---- the GEMVs above over row shares of the worker pool (thread_pool.h) ---- */
 
 typedef struct {
@@ -216,17 +385,33 @@ typedef struct {
 
 static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    if (a->T > 1 && a->K % 8 == 0) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
 
 static void w8_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
+    if (a->T > 1) flashllm_w8_gemm(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
+    else flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
 }
 
 static void w4_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    flashllm_w4_gemv(a->x, a->x2, a->T, a->K, a->w, a->scales, a->zeros, a->G, a->y, n0, n1, a->ldy);
+    if (a->T > 1) flashllm_w4_gemm(a->x, a->x2, a->T, a->K, a->w, a->scales, a->zeros, a->G, a->y, n0, n1, a->ldy);
+    else flashllm_w4_gemv(a->x, a->x2, a->T, a->K, a->w, a->scales, a->zeros, a->G, a->y, n0, n1, a->ldy);
+}
+
+typedef struct { const float *x; float *out; int64_t I, total; } silu_args;
+
+static void silu_share(void *ctx, int64_t v0, int64_t v1) {  /* shares of 8-element runs of the output */
+    const silu_args *a = ctx;
+    flashllm_silu_and_mul(a->x, a->out, a->I, v0 * 8, v1 * 8 < a->total ? v1 * 8 : a->total);
+}
+
+/* flashllm_silu_and_mul over all T x I outputs, split over `threads` */
+void flashllm_silu_and_mul_mt(const float *x, float *out, int64_t T, int64_t I, int threads) {
+    silu_args a = {x, out, I, T * I};
+    flashllm_parallel_for(silu_share, &a, (T * I + 7) / 8, threads);
 }
 
 void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t N,
