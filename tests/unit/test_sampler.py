@@ -54,6 +54,18 @@ def test_greedy_takes_the_argmax(seed: int, rows: int, vocab: int, dtype: torch.
         assert row[token] == max(row)
 
 
+def test_plain_greedy_rows_skip_processing_but_penalised_rows_do_not() -> None:
+    # the all-plain-greedy shortcut must not swallow a penalty or a min_tokens ban in the batch
+    logits = torch.full((2, 5), 0.5)
+    logits[:, 3] = 1.0
+    plain = _state(SamplingParams(temperature=0.0), output=[3])
+    penalised = _state(SamplingParams(temperature=0.0, repetition_penalty=4.0), output=[3])
+    banned = _state(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), output=[1])
+    assert sampler(logits, [plain, plain]).token_ids == [3, 3]
+    assert sampler(logits, [plain, penalised]).token_ids == [3, 0]  # 1 / 4 < 0.5: token 0 wins
+    assert sampler(logits, [banned, plain]).token_ids == [0, 3]
+
+
 def _naive_processed(row: list[float], state: SamplingState) -> list[float]:
     """The documented order, one token at a time in float64."""
     p = state.params
