@@ -88,6 +88,23 @@ def test_decode_attention_matches_the_reference(heads) -> None:
     torch.testing.assert_close(out, want, **FP32)
 
 
+def test_decode_attention_over_several_softmax_chunks_and_threads() -> None:
+    # contexts of 600 and 1000 slots span several 256-slot chunks of the online softmax; the keys
+    # grow along the context so the running maximum moves in later chunks and earlier sums must be
+    # rescaled; 2 x 8 heads x 1000 slots is enough work to split over the threads
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(70, 16, 2, 32, generator=gen) * torch.linspace(0.2, 2.0, 70)[:, None, None, None]
+    v_cache = torch.randn(70, 16, 2, 32, generator=gen)
+    tables = torch.randperm(70, generator=gen)[:64].to(torch.int32).view(1, 64).repeat(2, 1)
+    tables[1] = tables[1].flip(0)
+    seq_lens = torch.tensor([600, 1000], dtype=torch.int32)
+    q = torch.randn(2, 8, 32, generator=gen)
+    want = reference_attention(q, k_cache, v_cache, tables, torch.arange(3, dtype=torch.int32), seq_lens, 0.3)
+    out = torch.zeros_like(q)
+    assert native_ops.decode_attention(q, k_cache, v_cache, tables, [0, 1], [0, 1], seq_lens.tolist(), 0.3, out)
+    torch.testing.assert_close(out, want, **FP32)
+
+
 def test_decode_attention_refuses_tables_outside_the_cache() -> None:
     k_cache = v_cache = torch.randn(4, 16, 1, 32)
     q, out = torch.randn(1, 2, 32), torch.zeros(1, 2, 32)

@@ -55,7 +55,7 @@ _SIGNATURES = {
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                   ctypes.c_float, _P, _P], None),
+                                   ctypes.c_float, _P, ctypes.c_int], None),
 }
 
 

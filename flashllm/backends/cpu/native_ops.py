@@ -18,6 +18,8 @@ from flashllm.backends.cpu import native, parallel
 MAX_NORM_ROWS = 64  # past a decode batch torch's threaded kernel is the better choice
 # below this many outputs one thread finishes silu_and_mul before a hand-off would pay
 SILU_SPLIT_ELEMENTS = 1 << 16
+# decode attention: below this many (sequence, head, context slot) triples one thread is done first
+ATTENTION_SPLIT_WORK = 1 << 12
 
 
 def _ready(*tensors: Tensor) -> bool:
@@ -104,11 +106,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
         return False
     rows_t = torch.tensor(rows, dtype=torch.int64)
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    scores = torch.empty(max(lens), dtype=torch.float32)
+    # (sequence, head) pairs over the cores once the keys read are worth a hand-off
+    threads = parallel.workers() if len(seqs) * q.shape[1] * max(lens) >= ATTENTION_SPLIT_WORK else 1
     native.library().flashllm_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens_t.data_ptr(), rows_t.data_ptr(), len(seqs), q.shape[1], num_kv_heads, head_dim, block_size,
-        scale, out.data_ptr(), scores.data_ptr())
+        scale, out.data_ptr(), threads)
     return True
 
 
