@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -102,6 +103,7 @@ class ModelRunner:
         # the adapter's hooks: shape buckets (static-shape devices) and the end of each step
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
         self.shape_buckets = self.adapter.shape_buckets
+        self._fused_decode: Callable[..., torch.Tensor | None] | None | bool = False  # built on first use
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
@@ -180,8 +182,16 @@ class ModelRunner:
         with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
             return self._execute(inputs)
 
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:
+        """The model's hidden states for the step: the adapter's fused decode step where it takes it."""
+        if self._fused_decode is False:  # built after loading, once the weights are final
+            self._fused_decode = self.adapter.fused_decode(self.model)
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self._fused_decode(*args) if self._fused_decode is not None else None
+        return self.model(*args) if hidden is None else hidden
+
     def _execute(self, inputs: ModelInput) -> torch.Tensor:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self._forward(inputs)
         if inputs.logits_indices.numel() == 0:
             self.adapter.end_step(self.device)
             return hidden.new_empty((0, 0), dtype=torch.float32)

@@ -172,6 +172,16 @@ class DeviceAdapter:
         """
         return nullcontext()
 
+    def fused_decode(self, model: torch.nn.Module) -> Callable[..., torch.Tensor | None] | None:
+        """A native replacement for `model`'s forward on decode steps, or None (the default).
+
+        The callable takes the forward's arguments (input_ids, positions, kv_caches,
+        attn_metadata) and returns the hidden states, or None for a step it does not take, when
+        the model's own forward runs. It must compute what that forward computes (the cpu
+        backend's runs the same native kernels in one call: flashllm/backends/cpu/decode_stack.py).
+        """
+        return None
+
     def end_step(self, device: torch.device) -> None:
         """Called by the model runner after each forward pass, before sampling (a no-op by default).
 

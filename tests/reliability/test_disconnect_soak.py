@@ -187,14 +187,24 @@ def test_one_hang_up_is_counted_and_frees_its_blocks(server: ServerProcess, help
         return serving_checks.sample(text, "requests_aborted_total", reason="client_disconnect")
 
     async def hang_up() -> None:
-        body = {"prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": stream}
+        # n x 200 tokens: long enough on the tiny model to hang up while they are being generated
+        body = {"prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": stream, "n": 4}
         async with httpx.AsyncClient(timeout=60) as client:
             if stream:
                 async with client.stream("POST", f"{server.url}/completions", json=body) as reply:
                     await anext(reply.aiter_lines())  # the first event: the request is running
                 return  # leaving the block closes the connection
-            with pytest.raises(TimeoutError):  # 200 tokens take far longer; cancelling closes the connection
-                await asyncio.wait_for(client.post(f"{server.url}/completions", json=body), 0.2)
+            reply = asyncio.create_task(client.post(f"{server.url}/completions", json=body))
+            deadline = time.monotonic() + 10
+            while not reply.done() and time.monotonic() < deadline:  # hang up once it runs, not on a timer
+                text = (await client.get(f"{server.base_url}/metrics")).text
+                if serving_checks.sample(text, "num_requests_running") > 0:
+                    break
+                await asyncio.sleep(0.005)
+            assert not reply.done(), "the request finished before the client could hang up"
+            reply.cancel()  # cancelling the post closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await reply
 
     before = aborted()
     asyncio.run(hang_up())

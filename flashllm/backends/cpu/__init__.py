@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 from pathlib import Path
@@ -79,6 +80,12 @@ class CpuAdapter(DeviceAdapter):
     def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
         """Decode-sized steps run torch single-threaded while the GEMVs use flashllm's own threads."""
         return parallel.torch_single_threaded() if num_tokens <= parallel.SPLIT_MAX_TOKENS else nullcontext()
+
+    def fused_decode(self, model: torch.nn.Module) -> Callable[..., torch.Tensor | None] | None:
+        """Decode steps of Llama-family models as one native call (see decode_stack.py)."""
+        from flashllm.backends.cpu import decode_stack
+
+        return decode_stack.build(model)
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -32,8 +32,9 @@ from torch import Tensor
 from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.c"
-HEADERS = (Path(__file__).with_name("csrc") / "thread_pool.h",)
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "decode_stack.c")
+HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
@@ -52,6 +53,8 @@ _SIGNATURES = {
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
+    "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
@@ -73,8 +76,8 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    """Compile SOURCE into the cache (once per source and flags); returns the library's path."""
-    text = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    """Compile SOURCES into the cache (once per sources, headers and flags); returns the library's path."""
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_kernels-{digest}.so"
     if target.exists():
@@ -83,7 +86,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "decode_kernels.h"
 #include "thread_pool.h"
 
 static inline float hsum8(__m256 v) {

@@ -1,0 +1,23 @@
+/* The entry points of decode_kernels.c that decode_stack.c calls (see decode_kernels.c for their contracts). */
+#ifndef FLASHLLM_DECODE_KERNELS_H
+#define FLASHLLM_DECODE_KERNELS_H
+#include <stdint.h>
+
+void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t N,
+                          int64_t ldy, int threads);
+void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
+                         float *y, int64_t N, int64_t ldy, int threads);
+void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
+                         const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy,
+                         int threads);
+void flashllm_rms_norm(const float *x, const float *residual, float *summed, const float *weight,
+                       float *out, int64_t T, int64_t H, float eps);
+void flashllm_rotary(float *x, int64_t T, int64_t stride, int64_t H, int64_t D, int64_t rot,
+                     const float *cache, const int64_t *positions, int neox);
+void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t width, const int32_t *seq_lens,
+                               const int64_t *rows, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                               int64_t block_size, float scale, float *out, int threads);
+void flashllm_silu_and_mul_mt(const float *x, float *out, int64_t T, int64_t I, int threads);
+
+#endif

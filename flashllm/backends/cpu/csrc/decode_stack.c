@@ -1,0 +1,117 @@
+/* A whole decode step of a Llama-family decoder stack in one native call.
+ *
+ * At batch 1 every layer makes ~12 op calls from Python (norms, three projections' wrappers, rotary,
+ * KV write, attention, activation), ~0.3 ms of interpreter and ctypes work per layer on the team's
+ * 2-core VM: 8 ms of a 72 ms token for the 0.5b shape. This file runs the same kernels in the
+ * same order for all layers of a decode step (every sequence brings one token), so the result is
+ * what the per-op native path computes; flashllm/backends/cpu/decode_stack.py decides when it
+ * applies and range-checks every index first.
+ *
+ * Per layer, with h the layer input and r the residual stream (r = h before the first layer):
+ *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); rotate q, k; cache[slot] = k, v;
+ *   a = attention(q, cache); h = a Wo^T (+b); r += h; x = rms(r) * w_post;
+ *   h = down(silu(gate(x)) * up(x)) (+b)
+ * and after the last layer out = rms(h + r) * w_final.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "decode_kernels.h"
+
+enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2 };
+
+typedef struct {
+    int64_t kind, N, K, G;           /* kind: LINEAR_*; weight (N, K) fp32, int8, or (N, K/2) int4 bytes */
+    const void *weight;
+    const float *scales;              /* (N, G), integer kinds */
+    const int32_t *zeros;             /* (N, G) int4 zero points, or NULL for 8 */
+    const float *bias;                /* (N,) or NULL */
+} stack_linear;
+
+typedef struct {
+    stack_linear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;  /* (H,) */
+    float *k_cache, *v_cache;             /* (blocks, block_size, Hk, D) fp32, contiguous */
+} stack_layer;
+
+typedef struct {
+    int64_t T, H, Hq, Hk, D, I, rot, neox, block_size, width;
+    float eps, scale;
+    const float *cos_sin;       /* (max_position, rot) */
+    const int64_t *positions;   /* (T,) */
+    const int64_t *slots;       /* (T,) cache slots of the new tokens */
+    const int64_t *rows;        /* (T,) 0..T-1: sequence b's query row */
+    const int32_t *tables;      /* (T, width) block tables */
+    const int32_t *seq_lens;    /* (T,) context lengths including the new token */
+    const float *final_norm;    /* (H,) */
+    int threads;
+    int64_t split_elements;     /* products with at least N x K of this many weights split over threads */
+} stack_step;
+
+/* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations */
+static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd) {
+    const int64_t T = s->T;
+    const int threads = l->N * l->K >= s->split_elements ? s->threads : 1;
+    if (l->kind == LINEAR_F32) {
+        flashllm_f32_gemv_mt(x, l->weight, y, T, l->K, l->N, l->N, threads);
+    } else if (l->kind == LINEAR_W8) {
+        flashllm_w8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, threads);
+    } else {
+        const int64_t half = l->K / 2;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < half; i++) {
+                even[t * half + i] = x[t * l->K + 2 * i];
+                odd[t * half + i] = x[t * l->K + 2 * i + 1];
+            }
+        flashllm_w4_gemv_mt(even, odd, T, l->K, l->weight, l->scales, l->zeros, l->G, y, l->N, l->N, threads);
+    }
+    if (l->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < l->N; n++) y[t * l->N + n] += l->bias[n];
+}
+
+/* Scratch floats flashllm_decode_stack needs for T tokens (the caller allocates them). */
+int64_t flashllm_decode_stack_scratch(const stack_step *s) {
+    const int64_t qkv = (s->Hq + 2 * s->Hk) * s->D, widest = s->I > s->H ? s->I : s->H;
+    return s->T * (s->H + qkv + s->Hq * s->D + 2 * s->I + s->I + widest);
+}
+
+/* hidden (T, H): the embedded tokens in, the final-normed hidden states out; residual (T, H) scratch. */
+void flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step *s, float *hidden,
+                           float *residual, float *scratch) {
+    const int64_t T = s->T, H = s->H, D = s->D, qkv_width = (s->Hq + 2 * s->Hk) * D;
+    const int64_t widest = s->I > H ? s->I : H;
+    float *x = scratch, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * s->Hq * D;
+    float *act = gate_up + T * 2 * s->I, *even = act + T * s->I, *odd = even + T * widest / 2;
+    const int64_t slot_floats = s->Hk * D;
+    int64_t longest = 0;
+    for (int64_t t = 0; t < T; t++) longest = s->seq_lens[t] > longest ? s->seq_lens[t] : longest;
+    /* the per-op path's rule (native_ops.ATTENTION_SPLIT_WORK); threads never change the result */
+    const int attention_threads = T * s->Hq * longest >= 4096 ? s->threads : 1;
+    for (int64_t l = 0; l < L; l++) {
+        const stack_layer *layer = layers + l;
+        if (l == 0) {
+            memcpy(residual, hidden, (size_t)(T * H) * sizeof(float));
+            flashllm_rms_norm(hidden, NULL, NULL, layer->input_norm, x, T, H, s->eps);
+        } else {
+            flashllm_rms_norm(hidden, residual, residual, layer->input_norm, x, T, H, s->eps);
+        }
+        linear(&layer->qkv, s, x, qkv, even, odd);
+        flashllm_rotary(qkv, T, qkv_width, s->Hq, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
+        flashllm_rotary(qkv + s->Hq * D, T, qkv_width, s->Hk, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
+        for (int64_t t = 0; t < T; t++) {
+            const float *k = qkv + t * qkv_width + s->Hq * D, *v = k + slot_floats;
+            memcpy(layer->k_cache + s->slots[t] * slot_floats, k, (size_t)slot_floats * sizeof(float));
+            memcpy(layer->v_cache + s->slots[t] * slot_floats, v, (size_t)slot_floats * sizeof(float));
+        }
+        flashllm_decode_attention(qkv, qkv_width, layer->k_cache, layer->v_cache, s->tables, s->width, s->seq_lens,
+                                  s->rows, T, s->Hq, s->Hk, D, s->block_size, s->scale, attn, attention_threads);
+        linear(&layer->o, s, attn, hidden, even, odd);
+        flashllm_rms_norm(hidden, residual, residual, layer->post_norm, x, T, H, s->eps);
+        linear(&layer->gate_up, s, x, gate_up, even, odd);
+        flashllm_silu_and_mul_mt(gate_up, act, T, s->I, T * s->I >= 65536 ? s->threads : 1);
+        linear(&layer->down, s, act, hidden, even, odd);
+    }
+    flashllm_rms_norm(hidden, residual, residual, s->final_norm, x, T, H, s->eps);
+    memcpy(hidden, x, (size_t)(T * H) * sizeof(float));
+}

@@ -1,0 +1,229 @@
+"""The cpu backend's fused decode step: a Llama-family decoder stack in one native call (csrc/decode_stack.c).
+
+The per-op path spends ~0.3 ms of interpreter and ctypes work per layer at batch 1 (8 ms of a
+72 ms token for the 0.5b shape on the team's 2-core VM). For a decode step this module hands the
+whole stack, embedding output to final norm, to one C call running the same native kernels in
+the same order, so its hidden states equal the per-op native path's (tests hold it to that).
+
+It takes a step only when everything is plain: a LlamaForCausalLM (Qwen2 included) on one rank
+whose layers bound the cpu backend's kernels (not the reference's, which shares the cpu adapter),
+every layer the standard pre-norm block with a SwiGLU MLP and no sliding window, fp32 norms and
+activations, fp32 or native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch
+(every sequence one new token, at most native.MAX_TOKENS of them). Anything else returns None
+and the model's own forward runs. Every index the C code follows is range-checked here first.
+FLASHLLM_CPU_FUSED_DECODE=0 turns it off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashllm.backends.cpu import native, parallel
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.quant_matmul import QuantizedWeight
+
+ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
+_KINDS = {"none": 0, "w8a16": 1, "w4a16": 2}
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("N", _I64), ("K", _I64), ("G", _I64),
+                ("weight", _P), ("scales", _P), ("zeros", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("T", "H", "Hq", "Hk", "D", "I", "rot", "neox", "block_size", "width")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
+        ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64)]
+
+
+def _fp32(t: Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
+
+
+class _Unsupported(Exception):
+    """The model is not one the fused step takes (the message says why; kept for debugging)."""
+
+
+def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
+    """The C descriptor of a flashllm LinearBase on one rank; keeps the tensors it points at alive."""
+    weight: QuantizedWeight | None = layer.qweight
+    if weight is None or layer.tp_size != 1 or weight.input_perm is not None or weight.scheme not in _KINDS:
+        raise _Unsupported(f"{type(layer).__name__}: not a plain fp32 / w8a16 / w4a16 weight on one rank")
+    bias = None if layer.bias is None else layer.bias.data
+    if not _fp32(bias):
+        raise _Unsupported("bias is not fp32")
+    desc = _Linear(kind=_KINDS[weight.scheme], N=weight.out_features, K=weight.in_features, G=1)
+    if weight.scheme == "none":
+        if not _fp32(weight.data) or not weight.data.is_contiguous():
+            raise _Unsupported("float weight is not contiguous fp32")
+        desc.weight = weight.data.data_ptr()
+        keep.append(weight.data)
+    else:
+        if not native.supports_quantized(weight, 1):
+            raise _Unsupported(f"{weight.scheme} weight the native kernels do not take")
+        codes, scales, zeros = native._layout(weight)
+        desc.G = weight.num_groups
+        desc.weight, desc.scales = codes.data_ptr(), scales.data_ptr()
+        desc.zeros = None if zeros is None else zeros.data_ptr()
+        keep.extend(t for t in (codes, scales, zeros) if t is not None)
+    if bias is not None:
+        bias = bias.contiguous()
+        desc.bias = bias.data_ptr()
+        keep.append(bias)
+    return desc
+
+
+def _check_cpu_kernels(stack: Any) -> None:
+    """The fused step stands in for the cpu backend's kernels only: a model whose layers bound
+    another backend's (the reference, which shares the cpu adapter, or ipex) keeps its own forward."""
+    from flashllm.backends.cpu import kernels, quant
+
+    for layer in stack.layers:
+        attn = layer.self_attn
+        bound = [(layer.input_layernorm._rms_norm, kernels.rms_norm),
+                 (layer.post_attention_layernorm._rms_norm, kernels.rms_norm),
+                 (attn.rotary_emb._rotary_embedding, kernels.rotary_embedding),
+                 (attn.attn._write_kv_cache, kernels.write_kv_cache),
+                 (attn.attn._paged_attention, kernels.paged_attention),
+                 (layer.mlp._silu_and_mul, kernels.silu_and_mul)]
+        bound += [(linear._quant_matmul, quant.quant_matmul)
+                  for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(got is not want for got, want in bound):
+            raise _Unsupported("the layers run another backend's kernels")
+    if stack.norm._rms_norm is not kernels.rms_norm:
+        raise _Unsupported("the final norm runs another backend's kernel")
+
+
+class FusedDecode:
+    """Callable(input_ids, positions, kv_caches, attn_metadata) -> final hidden (T, H), or None when
+    the step is not a plain decode step; built by `build` for a model it takes."""
+
+    def __init__(self, model: Any) -> None:
+        from flashllm.models.layers.mlp import GatedMLP
+        from flashllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+        if not isinstance(model, LlamaForCausalLM):
+            raise _Unsupported(f"{type(model).__name__} is not a Llama-family model")
+        stack = model.model
+        rotary = stack.rotary_emb
+        _check_cpu_kernels(stack)
+        self._keep: list[Tensor] = []
+        layers = []
+        for layer in stack.layers:
+            attn = layer.self_attn
+            if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not GatedMLP:
+                raise _Unsupported(f"{type(layer).__name__} is not the standard decoder block")
+            if attn.attn.sliding_window is not None or attn.rotary_emb is not rotary:
+                raise _Unsupported("sliding-window attention or a per-layer rotary table")
+            norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+            if not all(_fp32(n) and n.is_contiguous() for n in norms):
+                raise _Unsupported("norm weights are not fp32")
+            self._keep.extend(norms)
+            layers.append(_Layer(
+                qkv=_linear(attn.qkv_proj, self._keep), o=_linear(attn.o_proj, self._keep),
+                gate_up=_linear(layer.mlp.gate_up_proj, self._keep), down=_linear(layer.mlp.down_proj, self._keep),
+                input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr()))
+        first = stack.layers[0].self_attn
+        cos_sin = rotary.cos_sin_cache
+        if not (_fp32(cos_sin) and cos_sin.is_contiguous() and rotary.rotary_dim % 2 == 0 and _fp32(stack.norm.weight)):
+            raise _Unsupported("rotary table or final norm is not fp32")
+        if not all(n.eps == stack.norm.eps for layer in stack.layers
+                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            raise _Unsupported("norms with different eps")
+        self._layers = (_Layer * len(layers))(*layers)
+        self._embed = stack.embed_tokens
+        self._final_norm = stack.norm.weight.data.contiguous()
+        self._cos_sin = cos_sin
+        self._max_position = cos_sin.shape[0]
+        self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self._hidden = stack.norm.weight.shape[0]
+        self._inter = stack.layers[0].mlp.gate_up_proj.qweight.out_features // 2
+        self._static = dict(H=self._hidden, Hq=self._num_heads, Hk=self._num_kv_heads, D=self._head_dim,
+                            I=self._inter, rot=rotary.rotary_dim, neox=int(rotary.is_neox), eps=stack.norm.eps,
+                            scale=first.attn.scale, cos_sin=cos_sin.data_ptr(),
+                            final_norm=self._final_norm.data_ptr(), split_elements=parallel.SPLIT_MIN_ELEMENTS)
+        self._cache_ptrs: list[int] = []
+        self._scratch = torch.empty(0)
+
+    def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> tuple[int, int] | None:
+        """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take."""
+        shape = (self._num_kv_heads, self._head_dim)
+        ptrs = []
+        for cache in kv_caches:
+            if len(cache) != 2 or not all(c.dtype == torch.float32 and c.is_contiguous() and c.dim() == 4
+                                          and tuple(c.shape[2:]) == shape and c.shape == cache[0].shape
+                                          for c in cache):
+                return None
+            ptrs.extend(c.data_ptr() for c in cache)
+        if len(kv_caches) != len(self._layers):
+            return None
+        if ptrs != self._cache_ptrs:
+            for layer, k_ptr, v_ptr in zip(self._layers, ptrs[0::2], ptrs[1::2], strict=True):
+                layer.k_cache, layer.v_cache = k_ptr, v_ptr
+            self._cache_ptrs = ptrs
+        return kv_caches[0][0].shape[0], kv_caches[0][0].shape[1]
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                 md: AttentionMetadata) -> Tensor | None:
+        tokens = input_ids.numel()
+        if not (0 < tokens <= native.MAX_TOKENS and md.max_seqlen_q == 1 and md.seq_lens.numel() == tokens
+                and md.slot_mapping.numel() == tokens and int(md.cu_seqlens_q[-1]) == tokens):
+            return None
+        bound = self._bind_caches(kv_caches)
+        if bound is None:
+            return None
+        num_blocks, block_size = bound
+        tables, seq_lens = md.block_tables, md.seq_lens
+        if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tables.shape[0] != tokens:
+            return None
+        positions, slots = positions.contiguous(), md.slot_mapping.contiguous()
+        tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
+        # every index the C code follows, checked here: a bad one runs the checked torch path
+        low, high = torch.aminmax(seq_lens)
+        longest = int(high)
+        if int(low) < 1 or longest > tables.shape[1] * block_size:
+            return None
+        for values, limit in ((positions, self._max_position), (slots, num_blocks * block_size),
+                              (tables[:, : -(-longest // block_size)], num_blocks)):
+            low, high = torch.aminmax(values)
+            if int(low) < 0 or int(high) >= limit:
+                return None
+        hidden = self._embed(input_ids).contiguous()
+        if not _fp32(hidden):
+            return None
+        residual = torch.empty_like(hidden)
+        rows = torch.arange(tokens, dtype=torch.int64)
+        step = _Step(T=tokens, block_size=block_size, width=tables.shape[1], positions=positions.data_ptr(),
+                     slots=slots.data_ptr(), rows=rows.data_ptr(), tables=tables.data_ptr(),
+                     seq_lens=seq_lens.data_ptr(), threads=parallel.workers(), **self._static)
+        lib = native.library()
+        size = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.float32)
+        lib.flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
+                                  hidden.data_ptr(),
+                                  residual.data_ptr(), self._scratch.data_ptr())
+        return hidden
+
+
+def build(model: Any) -> FusedDecode | None:
+    """The fused decode step for `model`, or None where it does not apply (or is switched off)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or native.library() is None:
+        return None
+    try:
+        return FusedDecode(model)
+    except _Unsupported:
+        return None
