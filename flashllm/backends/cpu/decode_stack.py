@@ -154,7 +154,7 @@ class FusedDecode:
         self._static = dict(H=self._hidden, Hq=self._num_heads, Hk=self._num_kv_heads, D=self._head_dim,
                             I=self._inter, rot=rotary.rotary_dim, neox=int(rotary.is_neox), eps=stack.norm.eps,
                             scale=first.attn.scale, cos_sin=cos_sin.data_ptr(),
-                            final_norm=self._final_norm.data_ptr(), split_elements=parallel.SPLIT_MIN_ELEMENTS)
+                            final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS)
         self._cache_ptrs: list[int] = []
         self._scratch = torch.empty(0)
 

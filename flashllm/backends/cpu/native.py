@@ -39,6 +39,10 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
+# The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
+# parallel.py's Python pool, so products from 64 Ki weights split: the 896 x 896 o_proj of the
+# 0.5b shape read 3.2 MB on one core (~0.2 ms) at 1 Mi, 24 times a token.
+SPLIT_MIN_ELEMENTS = 1 << 16
 CAPABILITIES = frozenset({"AVX2", "AVX512"})
 
 _lock = threading.Lock()
@@ -144,8 +148,9 @@ def _ptr(t: Tensor) -> int:
 
 
 def _threads(num_tokens: int, out_features: int, in_features: int) -> int:
-    """Row shares for one product: every configured core when parallel.should_split says it pays."""
-    return parallel.workers() if parallel.should_split(num_tokens, out_features, in_features) else 1
+    """Row shares for one product: every configured core for a decode batch of SPLIT_MIN_ELEMENTS weights."""
+    split = 0 < num_tokens <= MAX_TOKENS and out_features * in_features >= SPLIT_MIN_ELEMENTS
+    return parallel.workers() if split and out_features >= 2 * parallel.ROW_ALIGN else 1
 
 
 def supports_dense(x: Tensor, weight: Tensor) -> bool:
