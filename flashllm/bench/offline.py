@@ -35,8 +35,10 @@ def run_offline(args: argparse.Namespace) -> int:
     for quant_type in quant_types:
         numbers, info, requests = _flashllm_run(args, model_dir, quant_type, requests)
         runs.append({"quant_type": quant_type, **info, **numbers})
-    result.update(device=runs[0]["device"], num_requests=len(requests), loaded_weight_bytes=runs[0]["loaded_weight_bytes"])
-    result["flashllm"] = {k: v for k, v in runs[0].items() if k not in ("quant_type", "device", "loaded_weight_bytes")}
+    result.update(device=runs[0]["device"], num_requests=len(requests), loaded_weight_bytes=runs[0]["loaded_weight_bytes"],
+                  streamed_weight_bytes=runs[0]["streamed_weight_bytes"])
+    result["flashllm"] = {k: v for k, v in runs[0].items()
+                          if k not in ("quant_type", "device", "loaded_weight_bytes", "streamed_weight_bytes")}
     if len(runs) > 1:
         key = "decode_tokens_per_s" if args.mode == "latency" else "output_tokens_per_s"
         for run in runs:
@@ -80,8 +82,9 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               quantize_lm_head=quantized_head,
               cachekv_int8_type=args.cachekv_int8_type)
     requests = requests or _requests(args, llm)
+    counted = weight_bytes(llm.engine.parts.model)
     info = {"device": str(llm.engine.parts.selection.device), "quantized_lm_head": quantized_head,
-            "loaded_weight_bytes": weight_bytes(llm.engine.parts.model).total}
+            "loaded_weight_bytes": counted.total, "streamed_weight_bytes": counted.streamed}
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in requests]
     llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
@@ -122,7 +125,8 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     """The machine's ceilings measured now, and every result as a fraction of its own ceiling.
 
     Batch-1 decode is bandwidth-bound: ceiling = bandwidth / weight bytes read per step (the
-    quantized bytes when weights are quantized). A whole offline run is at best compute-bound:
+    quantized bytes when weights are quantized; an input embedding table counts only when a float
+    LM head is that table: see WeightBytes.streamed). A whole offline run is at best compute-bound:
     ceiling = matmul FLOP/s / FLOPs per token, with FLOPs per token = 2 x matmul parameters +
     attention at the workload's mean context (BENCHMARKS.md).
     """
@@ -133,7 +137,7 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
                           "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
                           "matmul_gflop_s": roof.matmul_flops / 1e9}
-    ceiling = roof.decode_ceiling(1, result["loaded_weight_bytes"])
+    ceiling = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     result["decode_ceiling_batch1_tokens_per_s"] = ceiling
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
     compute = roof.compute_ceiling(flops_per_token(model_dir, mean_context))
@@ -155,7 +159,7 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
         result["fractions_of_bandwidth_ceiling"] = fractions
         for run in result.get("quant_runs", []):
             run["fraction_of_bandwidth_ceiling"] = (
-                run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["loaded_weight_bytes"]))
+                run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["streamed_weight_bytes"]))
 
 
 def max_model_len(requested: int | None, model_dir: Path) -> int:

@@ -136,10 +136,13 @@ class WeightBytes:
     other: everything else (embeddings, norms, biases, a float untied lm_head); total = both.
     Tensors shared between modules (tied embeddings, a dense QuantizedWeight over its
     parameter) are counted once.
+    streamed: what one decode step reads, the ceiling's denominator: total less the input
+      embedding table (a step reads one row of it per token) unless a float LM head is that table.
     """
 
     linear: int
     other: int
+    streamed: int = 0
 
     @property
     def total(self) -> int:
@@ -169,4 +172,15 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
         if qweight is not None and (isinstance(module, LinearBase) or qweight.scheme != "none"):
             linear += count(list(qweight.tensors))
     other = count([p for _, p in model.named_parameters()])
-    return WeightBytes(linear, other)
+    return WeightBytes(linear, other, linear + other - _unstreamed_embedding_bytes(model))
+
+
+def _unstreamed_embedding_bytes(model: nn.Module) -> int:
+    """Bytes of input embedding tables that no float LM head reads whole each step."""
+    from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+
+    heads = {m.weight.untyped_storage().data_ptr() for m in model.modules()
+             if isinstance(m, LMHead) and m.qweight is not None and m.qweight.scheme == "none"}
+    tables = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
+              for m in model.modules() if type(m) is VocabEmbedding}
+    return sum(size for ptr, size in tables.items() if ptr not in heads)

@@ -40,8 +40,14 @@ def test_the_head_is_int8_while_the_embedding_table_stays_float(model_dir: Path)
     assert bool((error <= head.qweight.scales * 0.5 + 1e-7).all())
     # the int8 copy is counted: a quarter of the fp32 table plus one fp32 scale per row
     vocab, hidden = head.weight.shape
-    added = weight_bytes(quantized.engine.parts.model).total - weight_bytes(plain.engine.parts.model).total
+    counted, plain_counted = weight_bytes(quantized.engine.parts.model), weight_bytes(plain.engine.parts.model)
+    added = counted.total - plain_counted.total
     assert added == vocab * hidden + vocab * 4
+    # a decode step streams the float table only while it is the head
+    table = head.weight.numel() * head.weight.element_size()
+    tied = head.weight.data_ptr() == quantized.engine.parts.model.model.embed_tokens.weight.data_ptr()
+    assert plain_counted.streamed == plain_counted.total - (0 if tied else table)
+    assert counted.streamed == counted.total - table
 
 
 def test_quantized_head_logits_and_greedy_tokens(model_dir: Path) -> None:
