@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashllm.backends.cpu import native, parallel
+from flashllm.backends.cpu import native, native_ops, parallel
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
 
@@ -46,7 +46,8 @@ class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("T", "H", "Hq", "Hk", "D", "I", "rot", "neox", "block_size", "width")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
-        ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64)]
+        ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
+        ("silu_split", _I64)]
 
 
 def _fp32(t: Tensor | None) -> bool:
@@ -154,7 +155,10 @@ class FusedDecode:
         self._static = dict(H=self._hidden, Hq=self._num_heads, Hk=self._num_kv_heads, D=self._head_dim,
                             I=self._inter, rot=rotary.rotary_dim, neox=int(rotary.is_neox), eps=stack.norm.eps,
                             scale=first.attn.scale, cos_sin=cos_sin.data_ptr(),
-                            final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS)
+                            final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS,
+                            attention_split=native_ops.ATTENTION_SPLIT_WORK,
+                            silu_split=native_ops.SILU_SPLIT_ELEMENTS)
+        self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_ptrs: list[int] = []
         self._scratch = torch.empty(0)
 
@@ -205,9 +209,8 @@ class FusedDecode:
         if not _fp32(hidden):
             return None
         residual = torch.empty_like(hidden)
-        rows = torch.arange(tokens, dtype=torch.int64)
         step = _Step(T=tokens, block_size=block_size, width=tables.shape[1], positions=positions.data_ptr(),
-                     slots=slots.data_ptr(), rows=rows.data_ptr(), tables=tables.data_ptr(),
+                     slots=slots.data_ptr(), rows=self._rows.data_ptr(), tables=tables.data_ptr(),
                      seq_lens=seq_lens.data_ptr(), threads=parallel.workers(), **self._static)
         lib = native.library()
         size = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))

@@ -46,6 +46,8 @@ typedef struct {
     const float *final_norm;    /* (H,) */
     int threads;
     int64_t split_elements;     /* products with at least N x K of this many weights split over threads */
+    int64_t attention_split;    /* attention splits from this many (sequence, head, slot) triples */
+    int64_t silu_split;         /* silu_and_mul splits from this many outputs */
 } stack_step;
 
 /* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations */
@@ -86,8 +88,8 @@ void flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_ste
     const int64_t slot_floats = s->Hk * D;
     int64_t longest = 0;
     for (int64_t t = 0; t < T; t++) longest = s->seq_lens[t] > longest ? s->seq_lens[t] : longest;
-    /* the per-op path's rule (native_ops.ATTENTION_SPLIT_WORK); threads never change the result */
-    const int attention_threads = T * s->Hq * longest >= 4096 ? s->threads : 1;
+    /* the per-op path's thresholds (native_ops.py); threads never change the result */
+    const int attention_threads = T * s->Hq * longest >= s->attention_split ? s->threads : 1;
     for (int64_t l = 0; l < L; l++) {
         const stack_layer *layer = layers + l;
         if (l == 0) {
@@ -109,7 +111,7 @@ void flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_ste
         linear(&layer->o, s, attn, hidden, even, odd);
         flashllm_rms_norm(hidden, residual, residual, layer->post_norm, x, T, H, s->eps);
         linear(&layer->gate_up, s, x, gate_up, even, odd);
-        flashllm_silu_and_mul_mt(gate_up, act, T, s->I, T * s->I >= 65536 ? s->threads : 1);
+        flashllm_silu_and_mul_mt(gate_up, act, T, s->I, T * s->I >= s->silu_split ? s->threads : 1);
         linear(&layer->down, s, act, hidden, even, odd);
     }
     flashllm_rms_norm(hidden, residual, residual, s->final_norm, x, T, H, s->eps);
