@@ -26,6 +26,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"            # auto (the model dtype) | float32 | float16 | bfloat16 | int8 | fp8
     cachekv_int8_type: str = "dynamic"      # int8/fp8 caches: dynamic (per-token scales) | static (checkpoint's)
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9     # accelerators: share of device memory for weights, activations and KV
 
 
 @dataclass
@@ -45,6 +46,7 @@ class DeviceConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:1 | npu:0 | ...
     backend: str | None = None             # force one backend (e.g. "reference")
     strict_kernels: bool = False           # fallbacks to the reference become errors
+    enforce_eager: bool = False            # never replay decode steps from device graphs (CUDA graphs)
 
 
 @dataclass

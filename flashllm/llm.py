@@ -23,7 +23,9 @@ class LLM(ChatMethods):
     `model` is a Hugging Face model directory (None = the built-in demo model). Other keywords
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed.
+    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed,
+    gpu_memory_utilization (accelerators: the share of device memory the engine may fill, 0.9) and
+    enforce_eager (never replay decode steps from CUDA graphs).
 
     kv_cache_dtype "int8" or "fp8" (e4m3) stores the KV cache quantized, with scales chosen per
     token and head (cachekv_int8_type "dynamic") or calibrated in the checkpoint ("static").
@@ -110,9 +112,9 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     groups = {
         "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer"}),
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
-                                "cachekv_int8_type", "enable_prefix_caching"}),
+                                "cachekv_int8_type", "enable_prefix_caching", "gpu_memory_utilization"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}),
-        "device": (DeviceConfig, {"device", "backend", "strict_kernels"}),
+        "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
     }
     known = set().union(*(keys for _, keys in groups.values()))

@@ -88,8 +88,14 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
                              config.cache.cachekv_int8_type, adapter=selection.adapter)
     except ValueError as exc:  # static KV scales the checkpoint lacks
         raise EngineConfigError(str(exc)) from None
-    logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks, config.cache.block_size,
-                num_blocks * config.cache.block_size, selection.device)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s", num_blocks,
+                config.cache.block_size, num_blocks * config.cache.block_size, runner.kv_cache_bytes() / 2**30,
+                selection.device)
+    reason = _no_graphs_reason(config, selection, ops)
+    if reason is None:
+        runner.capture_graphs(config.scheduler.max_num_seqs, int(config.model.max_model_len))
+    elif selection.profile.accelerator:
+        logger.info("decode steps run eagerly: %s", reason)
     eos = _config_eos(generation_config)
     if tokenizer is not None:
         from flashllm.models.tokenizer import eos_token_ids
@@ -97,6 +103,18 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
                        num_blocks, model_dir)
+
+
+def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpTable) -> str | None:
+    """Why decode steps cannot be captured as device graphs here, or None when they can."""
+    if config.device.enforce_eager:
+        return "--enforce-eager"
+    if selection.adapter.new_graph(selection.device) is None:
+        return f"the {selection.backend.name} backend's device has no graphs"
+    unsafe = [op for op in ops.sources if not ops.kernel(op).caps.graph_safe]
+    if unsafe:
+        return f"{', '.join(unsafe)} bound to kernels that read tensors on the host"
+    return None
 
 
 def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -169,6 +187,8 @@ def _num_kv_blocks(
         num_blocks = config.cache.num_kv_blocks
     elif config.cache.kv_cache_memory is not None:
         num_blocks = config.cache.kv_cache_memory // per_block
+    elif selection.profile.accelerator and (budget := _profiled_kv_budget(config, model, selection, kv_dtype)):
+        num_blocks = min(budget // per_block, MAX_PROFILED_BLOCKS)
     else:
         free, _ = selection.adapter.memory_info(selection.device)
         wanted = blocks_per_seq * config.scheduler.max_num_seqs
@@ -180,3 +200,73 @@ def _num_kv_blocks(
             f"--kv-cache-memory or lower --max-model-len"
         )
     return num_blocks
+
+
+# A bound on blocks sized from a memory profile: a tiny model on a large GPU would otherwise ask
+# the block manager for millions of blocks (one Python object each) it could never fill.
+MAX_PROFILED_BLOCKS = 1 << 17
+# Kept free beside the KV cache for what the memory profile does not see: the decode graphs'
+# private pool and the sampler's temporaries.
+GRAPH_RESERVE_BYTES = 512 << 20
+
+
+def _profiled_kv_budget(config: EngineConfig, model: torch.nn.Module, selection: DeviceSelection,
+                        kv_dtype: torch.dtype) -> int | None:
+    """Bytes for the KV cache: gpu_memory_utilization x device memory - what the worst step needs.
+
+    The worst step is profiled: one forward pass over max_num_batched_tokens prompt tokens (into a
+    throwaway cache just large enough for them) and the fp32 logits of max_num_seqs rows. Its
+    peak allocation (weights included, the throwaway cache not), memory held outside torch's
+    allocator (CUDA context, library handles), the decode graphs' logits buffer and
+    GRAPH_RESERVE_BYTES are subtracted. None when the device module lacks memory statistics
+    (the caller then sizes by free memory).
+    """
+    device = selection.device
+    module = torch.get_device_module(device.type)
+    if not all(hasattr(module, f) for f in ("reset_peak_memory_stats", "max_memory_allocated", "memory_reserved")):
+        return None
+    utilization = config.cache.gpu_memory_utilization
+    if not 0.0 < utilization <= 1.0:
+        raise EngineConfigError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    selection.adapter.synchronize(device)
+    module.reset_peak_memory_stats(device)
+    tokens = min(config.scheduler.max_num_batched_tokens, int(config.model.max_model_len))
+    rows = config.scheduler.max_num_seqs
+    throwaway, vocab = _profile_step(model, selection, config.cache.block_size, kv_dtype,
+                                     config.cache.cachekv_int8_type, tokens, rows)
+    selection.adapter.synchronize(device)
+    peak = module.max_memory_allocated(device) - throwaway
+    free, total = selection.adapter.memory_info(device)
+    outside_torch = max(total - free - module.memory_reserved(device), 0)
+    graph_logits = rows * vocab * torch.float32.itemsize
+    budget = int(total * utilization) - peak - outside_torch - graph_logits - GRAPH_RESERVE_BYTES
+    logger.info("memory profile: %.2f GiB peak for a %d-token step, %.2f GiB outside torch; %.2f of %.2f GiB "
+                "(gpu_memory_utilization %.2f) left for the KV cache", peak / 2**30, tokens, outside_torch / 2**30,
+                max(budget, 0) / 2**30, total / 2**30, utilization)
+    return max(budget, 0)
+
+
+def _profile_step(model: torch.nn.Module, selection: DeviceSelection, block_size: int, kv_dtype: torch.dtype,
+                  cachekv_int8_type: str, tokens: int, rows: int) -> tuple[int, int]:
+    """Run one prompt of `tokens` tokens and `rows` logits rows; (bytes of the throwaway cache, vocab size)."""
+    from flashllm.core.model_runner import allocate_kv_caches
+    from flashllm.models.layers.attention_metadata import AttentionMetadata
+
+    device = selection.device
+    num_blocks = math.ceil(tokens / block_size)
+    caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
+    throwaway = sum(t.numel() * t.element_size() for layer in caches for t in layer)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).view(1, -1),
+        max_seqlen_q=tokens, max_seqlen_k=tokens,
+    )
+    ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(tokens, dtype=torch.int64, device=device)
+    with selection.adapter.inference_mode():
+        hidden = model(ids, positions, caches, metadata)
+        rows_index = torch.arange(rows, device=device) % tokens  # a decode step of `rows` sequences samples them all
+        vocab = model.compute_logits(hidden[rows_index]).float().shape[-1]
+    return throwaway, vocab

@@ -9,6 +9,7 @@ from itertools import accumulate
 import torch
 
 from flashllm.core.scheduler import SchedulerOutput
+from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
@@ -48,8 +49,6 @@ class _FlatBatch:
     sampling_rows: list[int] = field(default_factory=list)
 
 
-# slot_mapping entry of a padding token: write_kv_cache skips it (see the op's contract)
-PAD_SLOT = -1
 
 
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
@@ -104,6 +103,7 @@ class ModelRunner:
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
         self.shape_buckets = self.adapter.shape_buckets
         self._fused_decode: Callable[..., torch.Tensor | None] | None | bool = False  # built on first use
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
@@ -176,8 +176,31 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Record decode steps of up to max_num_seqs sequences as device graphs (see core/step_graphs.py).
+
+        Call once the weights and KV caches are final: the graphs read them where they are now.
+        """
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.adapter, self.device, self.block_size,
+                                   max_model_len, graph_batch_sizes(max_num_seqs))
+        self.graphs.capture()
+
+    def _replay(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """The step's logits from a captured graph, or None when it is not a decode step a graph holds."""
+        graphs = self.graphs
+        if graphs is None or not all(item.num_new_tokens == 1 and item.produces_token for item in batch.scheduled):
+            return None
+        flat = self._flatten(batch)
+        if not graphs.fits(len(flat.q_lens), max(len(t) for t in flat.block_tables)):
+            return None
+        with self.adapter.inference_mode():
+            return graphs.run(flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens, flat.block_tables)
+
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order."""
+        logits = self._replay(batch)
+        if logits is not None:
+            return logits
         inputs = self.prepare(batch)
         with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
             return self._execute(inputs)

@@ -121,6 +121,24 @@ def next_bucket(n: int, minimum: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+class StepGraph:
+    """A recorded sequence of device work replayed on the tensors it was captured on.
+
+    `capture(pool)` is a context manager recording the work queued inside it (not running it);
+    `pool()` is the memory pool the capture allocated from, which later captures may share;
+    `replay()` queues the recorded work again. The cuda adapter wraps torch.cuda.CUDAGraph.
+    """
+
+    def capture(self, pool: Any = None) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def pool(self) -> Any:
+        raise NotImplementedError
+
+    def replay(self) -> None:
+        raise NotImplementedError
+
+
 class DeviceAdapter:
     """The few device services the engine needs, implemented per device type.
 
@@ -152,8 +170,12 @@ class DeviceAdapter:
         """(free_bytes, total_bytes) of device memory."""
         return self._module().mem_get_info(device)
 
-    def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
-        """A context manager capturing a replayable graph, or None when the device has none."""
+    def new_graph(self, device: torch.device) -> StepGraph | None:
+        """An empty replayable graph for `device` (see StepGraph), or None when the device has none.
+
+        The model runner captures decode steps into such graphs (flashllm/core/step_graphs.py)
+        unless --enforce-eager; devices with graphs of their own implement StepGraph on them.
+        """
         return None
 
     def inference_mode(self) -> AbstractContextManager[Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from flashllm.registry.backend import Availability, Backend, DeviceAdapter
+from flashllm.registry.backend import Availability, Backend, DeviceAdapter, StepGraph
 from flashllm.registry.precision import DeviceProfile
 
 _HALF = frozenset({torch.float32, torch.float16})
@@ -45,6 +45,22 @@ def profile_for_capability(major: int, minor: int) -> DeviceProfile:
     raise ValueError(f"compute capability {major}.{minor} is below the supported minimum 7.0 (Volta)")
 
 
+class CudaStepGraph(StepGraph):
+    """A torch.cuda.CUDAGraph (also HIP graphs on ROCm torch) behind the StepGraph interface."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, pool: Any = None) -> AbstractContextManager[Any]:
+        return torch.cuda.graph(self.graph, pool=pool)
+
+    def pool(self) -> Any:
+        return self.graph.pool()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class CudaAdapter(DeviceAdapter):
     """CUDA device services; NCCL for tensor parallelism; CUDA graphs for capture."""
 
@@ -53,8 +69,8 @@ class CudaAdapter(DeviceAdapter):
     def __init__(self) -> None:
         super().__init__("cuda")
 
-    def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
-        return torch.cuda.graph(torch.cuda.CUDAGraph())
+    def new_graph(self, device: torch.device) -> StepGraph | None:
+        return CudaStepGraph()
 
 
 class CudaBackend(Backend):

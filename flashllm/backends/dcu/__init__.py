@@ -9,12 +9,10 @@ NVIDIA builds it is unavailable and cuda is chosen. The kernels are the cuda bac
 from __future__ import annotations
 
 import importlib.util
-from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 
-from flashllm.registry.backend import Availability, Backend, DeviceAdapter
+from flashllm.registry.backend import Availability, Backend, DeviceAdapter, StepGraph
 from flashllm.registry.precision import DeviceProfile
 
 INSTALL_HINT = "a ROCm build of torch (Hygon DCUs: the DTK build from the vendor) and triton"
@@ -57,8 +55,10 @@ class DcuAdapter(DeviceAdapter):
     def __init__(self) -> None:
         super().__init__("cuda")
 
-    def graph_capture(self, device: torch.device) -> AbstractContextManager[Any] | None:
-        return torch.cuda.graph(torch.cuda.CUDAGraph())
+    def new_graph(self, device: torch.device) -> StepGraph | None:
+        from flashllm.backends.cuda import CudaStepGraph
+
+        return CudaStepGraph()
 
 
 class DcuBackend(Backend):

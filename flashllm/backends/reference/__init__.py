@@ -19,6 +19,11 @@ REFERENCE_QUANT: dict[str, frozenset[str]] = {
 }
 
 
+# Reference bodies that read tensor values on the host (lengths, expert ids, a range check): a
+# device graph cannot capture them, so the model runner stays eager when one of them is bound.
+HOST_SYNCING_OPS = frozenset({"paged_attention", "fused_moe", "write_kv_cache"})
+
+
 def make_backend() -> Backend:
     """Build the reference backend with one kernel per op: the op spec's own body."""
     backend = Backend(
@@ -32,6 +37,7 @@ def make_backend() -> Backend:
             dtypes=FLOAT_DTYPES,
             kv_dtypes=KV_DTYPES,
             quant=REFERENCE_QUANT.get(name, frozenset({"none"})),
+            graph_safe=name not in HOST_SYNCING_OPS,
         )
         backend.kernel(name, caps)(spec.reference)
     return backend
