@@ -70,6 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "chat_template", type=_bool, nargs="?", const=True, default=True,
           help="render prompts with the model's chat template when it has one (default true)")
     _flag(parser, "strict_kernels", action="store_true", help="fail instead of falling back to reference kernels")
+    _flag(parser, "enforce_eager", action="store_true", help="never replay decode steps from CUDA graphs")
+    _flag(parser, "gpu_memory_utilization", type=float, default=0.9,
+          help="accelerators: share of device memory the engine fills (KV cache sized from a profiled step)")
     _flag(parser, "quant_type", default="none",
           help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | weight_only_int4_asym (w4a16_asym): "
                "quantize the linear weights at load")
@@ -198,7 +201,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
-               quantize_lm_head=args.quantize_lm_head)
+               quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
+               gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

@@ -48,13 +48,17 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
     "no_prefix_caching": (_bool, False, "disable prefix caching"),
     "strict_kernels": (_bool, False, "fail instead of falling back to reference kernels"),
+    "enforce_eager": (_bool, False, "never replay decode steps from CUDA graphs"),
+    "gpu_memory_utilization": (float, 0.9, "accelerators: share of device memory for weights, activations and "
+                               "the KV cache (which takes what a profiled worst-case step leaves)"),
     "seed": (int, 0, "engine seed"),
 }
-FLAGS = {"ui", "no_prefix_caching", "strict_kernels"}
+FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
-                "max_num_batched_tokens", "no_prefix_caching", "strict_kernels")
+                "max_num_batched_tokens", "no_prefix_caching", "strict_kernels", "enforce_eager",
+                "gpu_memory_utilization")
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type"}
 
