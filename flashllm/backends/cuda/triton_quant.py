@@ -15,6 +15,8 @@ group sizes dequantize each element in fp32, (code - zero) * scale, as the refer
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -81,6 +83,67 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + split * stride_os + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _stream_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
+    N, K, k_per_split, group_size,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
+    IS_INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The decode GEMV for tiles inside one scale group: rows of W streamed with wide loads.
+
+    Products pile up in a (BLOCK_N, tile) fp32 accumulator, one multiply-add per weight, and are
+    summed across K once at the end (no cross-thread reduction per tile). An int4 tile is read as
+    bytes: the low nibble multiplies the even column of x, the high nibble the odd one. A grouped
+    weight scales each tile's products by its group's scale (BLOCK_K divides the group); a
+    per-channel one scales the row sum once.
+    """
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + row * stride_xm
+    WIDTH: tl.constexpr = BLOCK_K // 2 if IS_INT4 else BLOCK_K
+    cols = tl.arange(0, WIDTH)
+    acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    zero = tl.zeros([BLOCK_N], dtype=tl.int32) + ZERO
+    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        g = k0 // group_size
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + n * stride_zn + g, mask=n_mask, other=0).to(tl.int32)
+        if GROUPED:
+            scale = tl.load(s_ptr + n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        if IS_INT4:
+            k = k0 + 2 * cols  # the even column of each byte; K is even for packed int4
+            k_mask = k < k_end
+            byte = tl.load(w_rows + (k // 2)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32)
+            x_even = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + k + 1, mask=k_mask, other=0.0).to(tl.float32)
+            low = ((byte & 0xF) - zero[:, None]).to(tl.float32)
+            high = (((byte >> 4) & 0xF) - zero[:, None]).to(tl.float32)
+            part = low * x_even[None, :] + high * x_odd[None, :]
+        else:
+            k = k0 + cols
+            k_mask = k < k_end
+            codes = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32)
+            x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+            part = (codes - zero[:, None]).to(tl.float32) * x[None, :]
+        if GROUPED:
+            acc += part * scale[:, None]
+        else:
+            acc += part
+    total = tl.sum(acc, axis=1)
+    if not GROUPED:
+        total *= tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + split * stride_os + row * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -159,12 +222,31 @@ def _weight_args(weight: QuantizedWeight, device: torch.device) -> tuple[torch.T
     return scales, zeros, consts
 
 
+# (BLOCK_N, BLOCK_K cap, num_warps) of the streaming GEMV; FLASHLLM_GEMV_TILE="16,256,4" overrides
+# them for tile sweeps (benchmarks/gpu/gemv_sweep.py).
+STREAM_TILE = (16, 256, 4)
+
+
+def _stream_tile() -> tuple[int, int, int]:
+    override = os.environ.get("FLASHLLM_GEMV_TILE")
+    if not override:
+        return STREAM_TILE
+    block_n, block_k, warps = (int(v) for v in override.split(","))
+    return block_n, block_k, warps
+
+
 def _gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
           split_k: int | None) -> torch.Tensor:
     m, k = x.shape
     n = weight.out_features
     block_k, per_element = _block_k(weight.group_size, k)
-    block_n = min(pow2(n, 16), 64)
+    stream = not per_element and (weight.scheme != "w4a16" or k % 2 == 0)
+    if stream:
+        block_n, cap, num_warps = _stream_tile()
+        # a grouped tile must stay inside its group (block_k divides it); per-channel tiles may be wide
+        block_k = min(block_k, cap) if weight.group_size != -1 else min(pow2(k, MIN_DOT), cap)
+    else:
+        block_n, num_warps = min(pow2(n, 16), 64), 4
     n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split_k = min(split_k or _gemv_split_k(m, n_tiles, k_tiles, x.device), k_tiles)
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
@@ -172,14 +254,21 @@ def _gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, o
     partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     scales, zeros, consts = _weight_args(weight, x.device)
     group = k if weight.group_size == -1 else weight.group_size
-    _gemv_kernel[(n_tiles, split_k, m)](
-        x, weight.data, scales, zeros, bias if bias is not None else scales, partial,
-        n, k, k_per_split, group,
-        x.stride(0), weight.data.stride(0), scales.stride(0), zeros.stride(0), partial.stride(-2),
-        partial.stride(0) if split_k > 1 else 0,
-        HAS_BIAS=bias is not None and split_k == 1, PER_ELEMENT=per_element, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, **consts, **LAUNCH_OPTIONS,
-    )
+    args = (x, weight.data, scales, zeros, bias if bias is not None else scales, partial,
+            n, k, k_per_split, group,
+            x.stride(0), weight.data.stride(0), scales.stride(0), zeros.stride(0), partial.stride(-2),
+            partial.stride(0) if split_k > 1 else 0)
+    has_bias = bias is not None and split_k == 1
+    if stream:
+        _stream_kernel[(n_tiles, split_k, m)](
+            *args, HAS_BIAS=has_bias, GROUPED=weight.group_size != -1, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps, **consts, **LAUNCH_OPTIONS,
+        )
+    else:
+        _gemv_kernel[(n_tiles, split_k, m)](
+            *args, HAS_BIAS=has_bias, PER_ELEMENT=per_element, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps, **consts, **LAUNCH_OPTIONS,
+        )
     if split_k > 1:
         # the second pass: fp32 partials summed in a fixed order (deterministic, unlike atomics)
         total = partial.sum(0)
