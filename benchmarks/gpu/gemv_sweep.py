@@ -3,8 +3,8 @@
     python benchmarks/gpu/gemv_sweep.py [--json OUT.json]
 
 Every variant is checked against the reference first. Weights rotate over enough copies that
-their total passes 256 MB, so no call finds its weight in the 50 MB L2 of an H100; the times are
-do_bench medians (it also flushes L2 between calls).
+their total passes 256 MB, so no call finds its weight in the 50 MB L2 of an H100; each copy is
+called once inside one CUDA graph and the time per call is the median over graph replays.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 from flashllm.backends.cuda import triton_quant
 from flashllm.ops import op_specs
@@ -26,16 +26,41 @@ from flashllm.quant.weight_only import quantize_weight
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (3584, 18944), (18944, 3584), (896, 4864), (4864, 896)]
 SCHEMES = [("w8a16", -1), ("w4a16", 128)]
-TILES = [(8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 256, 8), (32, 512, 8), (64, 128, 4)]
+# ("gemv", BLOCK_N, BLOCK_K, warps) of the streaming kernel, ("gemm", BLOCK_N, BLOCK_K, warps, stages) of tl.dot
+TILES = [("gemv", 8, 256, 4), ("gemv", 16, 256, 4), ("gemv", 16, 512, 8), ("gemv", 32, 256, 8),
+         ("gemm", 16, 128, 4, 4), ("gemm", 32, 128, 4, 4), ("gemm", 16, 64, 4, 5), ("gemm", 64, 64, 4, 3)]
 
 
 def rotating(make, nbytes: int, total: int = 256 << 20) -> list:
-    return [make() for _ in range(max(2, -(-total // nbytes)))]
+    return [make() for _ in range(max(8, -(-total // nbytes)))]
 
 
-def timed(fn, sets: list) -> float:
-    it = itertools.cycle(sets)
-    return do_bench(lambda: fn(next(it)), warmup=25, rep=100, return_mode="median") * 1e3
+def timed(fn, sets: list, repeats: int = 10) -> float:
+    """Microseconds per call on the GPU: one CUDA graph calls fn once per input set; median over replays.
+
+    Timing eager calls would add the Python launch path whenever it is slower than the kernel
+    (it is, for small layers); in the engine these kernels run inside decode graphs too.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
+        for inputs in sets:
+            fn(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in sets:
+            fn(inputs)
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(sets))
+    return statistics.median(samples)
 
 
 def case(k: int, n: int, scheme: str, group: int, m: int) -> dict:
@@ -51,14 +76,16 @@ def case(k: int, n: int, scheme: str, group: int, m: int) -> dict:
     denses = rotating(lambda: dequantize(quantized(), torch.bfloat16), n * k * 2)
     row = {"k": k, "n": n, "scheme": scheme, "group": group, "m": m,
            "bf16_us": timed(lambda w: F.linear(x, w), denses), "tiles": {}}
-    for tile in TILES:
-        os.environ["FLASHLLM_GEMV_TILE"] = ",".join(map(str, tile))
+    for path, *tile in TILES:
+        variable = "FLASHLLM_GEMV_TILE" if path == "gemv" else "FLASHLLM_GEMM_TILE"
+        os.environ[variable] = ",".join(map(str, tile))
+        name = f"{path}{tuple(tile)}"
         try:
-            assert_close(triton_quant.quant_matmul(x, weight), reference(x, weight), torch.bfloat16)
-            row["tiles"][str(tile)] = timed(lambda w: triton_quant.quant_matmul(x, w), weights)
+            assert_close(triton_quant.matmul(x, weight, path=path), reference(x, weight), torch.bfloat16)
+            row["tiles"][name] = timed(lambda w, path=path: triton_quant.matmul(x, w, path=path), weights)
         except Exception as exc:  # a tile that fails to compile or check is reported, not fatal
-            row["tiles"][str(tile)] = f"FAIL {type(exc).__name__}: {str(exc)[:80]}"
-    os.environ.pop("FLASHLLM_GEMV_TILE", None)
+            row["tiles"][name] = f"FAIL {type(exc).__name__}: {str(exc)[:80]}"
+        os.environ.pop(variable, None)
     return row
 
 

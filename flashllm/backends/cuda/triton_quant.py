@@ -147,6 +147,21 @@ def _stream_kernel(
 
 
 @triton.jit
+def _split_sum_kernel(partial_ptr, b_ptr, out_ptr, N, total, splits, stride_om,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over splits of partial[s, m, n] (in split order) + bias[n], rounded once."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(splits):
+        acc += tl.load(partial_ptr + split * total + i, mask=mask, other=0.0)
+    n = i % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (i // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
     M, N, K, group_size,
@@ -271,24 +286,32 @@ def _gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, o
         )
     if split_k > 1:
         # the second pass: fp32 partials summed in a fixed order (deterministic, unlike atomics)
-        total = partial.sum(0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+        total, block = m * n, 1024
+        _split_sum_kernel[(triton.cdiv(total, block),)](
+            partial, bias if bias is not None else partial, out, n, total, split_k, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+        )
     return out
 
 
-def _gemm_tiles(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for M rows: small M wastes less of a 16-row tile."""
+def _gemm_tiles(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K cap, num_warps, num_stages) for M rows: small M wastes less of a 16-row tile.
+
+    FLASHLLM_GEMM_TILE="BLOCK_N,BLOCK_K,warps,stages" overrides all but BLOCK_M (tile sweeps).
+    """
     block_m = min(pow2(m, MIN_DOT), 128)
-    return (block_m, 128, 8) if block_m >= 64 else (block_m, 64, 4)
+    override = os.environ.get("FLASHLLM_GEMM_TILE")
+    if override:
+        block_n, block_k, warps, stages = (int(v) for v in override.split(","))
+        return block_m, block_n, block_k, warps, stages
+    return (block_m, 128, 64, 8, 3) if block_m >= 64 else (block_m, 64, 64, 4, 3)
 
 
 def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = weight.out_features
     block_k, per_element = _block_k(weight.group_size, k)
-    block_m, block_n, num_warps = _gemm_tiles(m)
+    block_m, block_n, block_k_cap, num_warps, num_stages = _gemm_tiles(m)
     scales, zeros, consts = _weight_args(weight, x.device)
     group = k if weight.group_size == -1 else weight.group_size
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
@@ -297,7 +320,8 @@ def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, o
         m, n, k, group,
         x.stride(0), weight.data.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, PER_ELEMENT=per_element, WIDEN=widen_bf16(_gemm_kernel, x.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, 64), num_warps=num_warps, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, block_k_cap), num_warps=num_warps,
+        num_stages=num_stages,
         **consts, **LAUNCH_OPTIONS,
     )
     return out
