@@ -85,6 +85,10 @@ def _gemv_kernel(
     tl.store(out_ptr + split * stride_os + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+MAGIC_BITS = tl.constexpr(0x4B000000)  # the bits of the float 2**23
+MAGIC_BIAS = tl.constexpr(8388608)  # 2**23
+
+
 @triton.jit
 def _stream_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
@@ -119,21 +123,24 @@ def _stream_kernel(
             zero = tl.load(z_ptr + n * stride_zn + g, mask=n_mask, other=0).to(tl.int32)
         if GROUPED:
             scale = tl.load(s_ptr + n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        # code -> float without int-to-float conversions (a slow unit): a code c in 0..255 OR-ed
+        # into the mantissa of 2**23 reads as 2**23 + c, and subtracting 2**23 + zero leaves
+        # c - zero exactly
+        offset = (zero + (MAGIC_BIAS if IS_INT4 else MAGIC_BIAS + 128)).to(tl.float32)[:, None]
         if IS_INT4:
-            k = k0 + 2 * cols  # the even column of each byte; K is even for packed int4
-            k_mask = k < k_end
-            byte = tl.load(w_rows + (k // 2)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32)
-            x_even = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + k + 1, mask=k_mask, other=0.0).to(tl.float32)
-            low = ((byte & 0xF) - zero[:, None]).to(tl.float32)
-            high = (((byte >> 4) & 0xF) - zero[:, None]).to(tl.float32)
+            byte_cols = k0 // 2 + cols  # the tile's bytes: low nibble = even column, high = odd (K is even)
+            byte = tl.load(w_rows + byte_cols[None, :], mask=n_mask[:, None] & (2 * byte_cols < k_end)[None, :],
+                           other=0).to(tl.int32)
+            low = ((byte & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+            high = (((byte >> 4) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+            x_even, x_odd = tl.split(tl.reshape(x, [WIDTH, 2]))
             part = low * x_even[None, :] + high * x_odd[None, :]
         else:
-            k = k0 + cols
-            k_mask = k < k_end
             codes = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32)
-            x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-            part = (codes - zero[:, None]).to(tl.float32) * x[None, :]
+            part = (((codes + 128) | MAGIC_BITS).to(tl.float32, bitcast=True) - offset) * x[None, :]
         if GROUPED:
             acc += part * scale[:, None]
         else:
