@@ -18,6 +18,10 @@ from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last
 from flashllm.ops._kv_checks import reject_quantized_kv
 
 PARTITION_SIZE = 512  # keys per decode split: long enough to amortize a split, short enough to fill SMs
+# Small decode batches shorten the splits (down to one key tile) until the grid holds this many
+# programs per multiprocessor: one sequence's 8 splits of 512 keys kept 16 programs busy on a
+# 132-SM H100, each walking its blocks one after another (5 us per layer at batch 1).
+PROGRAMS_PER_SM = 2
 PREFILL_ROWS = 64  # (token, head) rows per prefill tile
 SPLIT_CHUNK = 16  # partials the merge kernel reads per step
 
@@ -91,7 +95,7 @@ def attend(
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    partition_size: int = PARTITION_SIZE,
+    partition_size: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode split length exposed (tests force many splits with it)."""
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
@@ -125,13 +129,31 @@ def attend(
     return out
 
 
+def _partition(max_keys: int, rows: int, block_n: int, device: torch.device) -> int:
+    """Keys per decode split: PARTITION_SIZE, halved while rows x splits leaves SMs idle.
+
+    rows = sequences x KV heads. The grid depends only on shapes (block-table width, batch), so
+    a captured decode graph keeps one split count.
+    """
+    if device.type != "cuda":
+        return PARTITION_SIZE  # the interpreter: more programs only cost time
+    wanted = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    partition = PARTITION_SIZE
+    while partition > block_n and rows * triton.cdiv(max_keys, partition) < wanted:
+        partition //= 2
+    return max(partition, block_n)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, alibi: torch.Tensor, out: torch.Tensor,
-            strides: tuple[int, ...], shape: _Shape, partition_size: int, common: dict) -> None:
+            strides: tuple[int, ...], shape: _Shape, partition_size: int | None, common: dict) -> None:
     """Split-K over the context for every sequence with exactly one query token."""
-    partition = triton.cdiv(max(partition_size, shape.block_n), shape.block_n) * shape.block_n
-    num_splits = max(triton.cdiv(block_tables.shape[1] * shape.block_size, partition), 1)
     num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
+    max_keys = block_tables.shape[1] * shape.block_size
+    if partition_size is None:
+        partition_size = _partition(max_keys, num_seqs * k_cache.shape[2], shape.block_n, q.device)
+    partition = triton.cdiv(max(partition_size, shape.block_n), shape.block_n) * shape.block_n
+    num_splits = max(triton.cdiv(max_keys, partition), 1)
     if num_splits == 1:
         part_out = part_max = part_sum = out  # unused: the kernel writes out directly
     else:
