@@ -23,15 +23,23 @@ class BaselineResult:
         return self.output_tokens / self.elapsed
 
 
-def load(model_dir: Path, dtype: torch.dtype):
+def load(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+    """The transformers model on `device` (the device flashllm ran on, so both run on the same hardware)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def _sync(model) -> None:
+    """Wait for queued GPU work before a clock is read (CUDA launches return before they finish)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 @torch.inference_mode()
 def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> BaselineResult:
     """Left-padded batches of `batch_size` in request order; each batch decodes to its longest output."""
+    _sync(model)
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         chunk = requests[i : i + batch_size]
@@ -42,8 +50,9 @@ def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> 
             ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[row, width - len(r.prompt_token_ids):] = 1
         new = max(r.output_len for r in chunk)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0)
+        model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+    _sync(model)
     elapsed = time.perf_counter() - start
     return BaselineResult(batch_size, elapsed, sum(r.output_len for r in requests),
                           sum(len(r.prompt_token_ids) for r in requests))
@@ -69,12 +78,14 @@ def run_latency(model, request: BenchRequest) -> LatencyResult:
     The decode rate is (output_len - 1) / (full time - one-token time); a generate call's fixed
     cost cancels in the difference.
     """
-    ids = torch.tensor([request.prompt_token_ids])
+    ids = torch.tensor([request.prompt_token_ids], device=model.device)
 
     def timed(new: int) -> float:
+        _sync(model)
         start = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                        min_new_tokens=new, do_sample=False, pad_token_id=0)
+        _sync(model)
         return time.perf_counter() - start
 
     timed(2)  # warm-up: allocator, thread pool

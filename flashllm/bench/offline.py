@@ -1,4 +1,13 @@
-"""`flashllm bench throughput | latency`: flashllm, its baselines and the machine's ceilings in one run."""
+"""`flashllm bench throughput | latency`: flashllm, its baselines and the machine's ceilings in one run.
+
+The GPU workloads of BENCHMARKS.md (bf16; transformers runs on the same GPU):
+
+    flashllm bench latency --shape qwen2.5-7b --device cuda --dtype bfloat16 --baseline transformers \
+        --baseline-batch-sizes 1 --roofline
+    flashllm bench throughput --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --baseline transformers --baseline-batch-sizes 64,256 --roofline
+"""
 
 from __future__ import annotations
 
@@ -79,8 +88,9 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
               group_size=args.weightonly_group_size, kv_cache_dtype=args.kv_cache_dtype,
-              quantize_lm_head=quantized_head,
-              cachekv_int8_type=args.cachekv_int8_type)
+              quantize_lm_head=quantized_head, cachekv_int8_type=args.cachekv_int8_type,
+              enforce_eager=getattr(args, "enforce_eager", False),
+              gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None))
     requests = requests or _requests(args, llm)
     counted = weight_bytes(llm.engine.parts.model)
     info = {"device": str(llm.engine.parts.selection.device), "quantized_lm_head": quantized_head,
@@ -106,11 +116,22 @@ def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[Benc
 
     from flashllm.bench.hf_baseline import load, run_latency, run_static_batches
 
-    model = load(model_dir, getattr(torch, args.dtype))
-    runs = [run_static_batches(model, requests, int(b)) for b in args.baseline_batch_sizes.split(",")]
-    result["transformers"] = [{"batch_size": r.batch_size, "elapsed_s": r.elapsed,
-                               "output_tokens_per_s": r.output_throughput,
-                               "total_tokens_per_s": (r.output_tokens + r.prompt_tokens) / r.elapsed} for r in runs]
+    model = load(model_dir, getattr(torch, args.dtype), result["device"])
+    runs, records = [], []
+    for batch in (int(b) for b in args.baseline_batch_sizes.split(",")):
+        try:
+            run = run_static_batches(model, requests, batch)
+        except torch.cuda.OutOfMemoryError:  # a static batch too large for the device: recorded, not fatal
+            torch.cuda.empty_cache()
+            records.append({"batch_size": batch, "error": "out of memory"})
+            continue
+        runs.append(run)
+        records.append({"batch_size": run.batch_size, "elapsed_s": run.elapsed,
+                        "output_tokens_per_s": run.output_throughput,
+                        "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.elapsed})
+    result["transformers"] = records
+    if not runs:
+        raise SystemExit("flashllm bench: every transformers batch size ran out of memory")
     best = max(runs, key=lambda r: r.output_throughput)
     result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
     if args.mode == "latency":
@@ -133,10 +154,11 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     from flashllm.bench import roofline as rl
     from flashllm.bench.shapes import flops_per_token
 
-    roof = rl.measure(dtype)
+    roof = rl.measure(dtype, result["device"])
     result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
                           "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
-                          "matmul_gflop_s": roof.matmul_flops / 1e9}
+                          "matmul_gflop_s": roof.matmul_flops / 1e9,
+                          "ceiling_bandwidth": "copy" if result["device"].startswith("cuda") else "read stream"}
     ceiling = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     result["decode_ceiling_batch1_tokens_per_s"] = ceiling
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
@@ -144,8 +166,9 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     result["compute_ceiling_tokens_per_s"] = compute
     result["fraction_of_compute_ceiling"] = {"flashllm": result["flashllm"]["total_tokens_per_s"] / compute}
     for run in result.get("transformers", []):
-        result["fraction_of_compute_ceiling"][f"transformers_batch{run['batch_size']}"] = (
-            run["total_tokens_per_s"] / compute)
+        if "error" not in run:
+            result["fraction_of_compute_ceiling"][f"transformers_batch{run['batch_size']}"] = (
+                run["total_tokens_per_s"] / compute)
     for run in result.get("llama.cpp", []):
         result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
     if args.mode == "latency":
