@@ -76,6 +76,8 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     """One flashllm engine over the requests (drawn from its tokenizer on the first call); frees it after."""
     import gc
 
+    import torch
+
     from flashllm.llm import LLM
     from flashllm.quant import weight_bytes
     from flashllm.quant.spec import LM_HEAD_SCHEMES, QUANT_TYPES
@@ -106,6 +108,8 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     numbers = engine_numbers(outputs, elapsed, out_tokens, in_tokens)
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # and sizes its KV cache from what is free: hand the cached blocks back
     return numbers, info, requests
 
 

@@ -244,15 +244,16 @@ def _weight_args(weight: QuantizedWeight, device: torch.device) -> tuple[torch.T
     return scales, zeros, consts
 
 
-# (BLOCK_N, BLOCK_K cap, num_warps) of the streaming GEMV; FLASHLLM_GEMV_TILE="16,256,4" overrides
-# them for tile sweeps (benchmarks/gpu/gemv_sweep.py).
-STREAM_TILE = (16, 256, 4)
+# (BLOCK_N, BLOCK_K cap, num_warps) of the streaming GEMV per scheme, the fastest of the graph-timed
+# sweep on an H100 (benchmarks/gpu/gemv_sweep.py; docs/benchmarks.md); FLASHLLM_GEMV_TILE="16,256,4"
+# overrides them for sweeps. Grouped int4 tiles are cut to the group (128) whatever the cap.
+STREAM_TILES = {"w8a16": (16, 512, 8), "w4a16": (32, 256, 8)}
 
 
-def _stream_tile() -> tuple[int, int, int]:
+def _stream_tile(scheme: str) -> tuple[int, int, int]:
     override = os.environ.get("FLASHLLM_GEMV_TILE")
     if not override:
-        return STREAM_TILE
+        return STREAM_TILES[scheme]
     block_n, block_k, warps = (int(v) for v in override.split(","))
     return block_n, block_k, warps
 
@@ -264,7 +265,7 @@ def _gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, o
     block_k, per_element = _block_k(weight.group_size, k)
     stream = not per_element and (weight.scheme != "w4a16" or k % 2 == 0)
     if stream:
-        block_n, cap, num_warps = _stream_tile()
+        block_n, cap, num_warps = _stream_tile(weight.scheme)
         # a grouped tile must stay inside its group (block_k divides it); per-channel tiles may be wide
         block_k = min(block_k, cap) if weight.group_size != -1 else min(pow2(k, MIN_DOT), cap)
     else:
