@@ -30,8 +30,14 @@ def test_scaled_mm_path_equals_the_dequantized_fp8_product(tokens: int) -> None:
     # independent: widen both e4m3 operands, one fp32 GEMM, then both scales
     want = (codes.float() * scales) @ dequantize(weight).T + bias
     got = quant_matmul(x, weight, bias)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+    if DEVICE == "cpu":  # the CPU widens e4m3 and accumulates in IEEE fp32: the same sums
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+        return
+    # H100 fp8 tensor cores accumulate with fewer mantissa bits than IEEE fp32 (seen: 3e-4 on
+    # outputs of size ~1); a wrong scale or layout errs by O(1), far above this bound
+    for expected in (want, reference(x, weight, bias)):
+        assert ((got - expected).norm() / expected.norm()).item() < 5e-3
 
 
 def test_unaligned_shapes_and_other_schemes_take_the_reference_body(monkeypatch) -> None:
