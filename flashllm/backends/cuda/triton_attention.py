@@ -8,6 +8,7 @@ merge kernel combines the splits. Programs of sequences that belong to the other
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ PARTITION_SIZE = 512  # keys per decode split: long enough to amortize a split, 
 # 132-SM H100, each walking its blocks one after another (5 us per layer at batch 1).
 PROGRAMS_PER_SM = 2
 PREFILL_ROWS = 64  # (token, head) rows per prefill tile
+PREFILL_STAGES = 3  # Triton's default software-pipelining depth
 SPLIT_CHUNK = 16  # partials the merge kernel reads per step
 
 
@@ -118,15 +120,26 @@ def attend(
         block_tables.stride(0), out.stride(0), out.stride(1),
     )
     group_pad = pow2(shape.group)
-    block_q = max(PREFILL_ROWS // group_pad, 1)
+    rows, warps, stages = _prefill_tile(shape)
+    block_q = max(rows // group_pad, 1)
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
     kernels.prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, out, *strides,
-        num_seqs, shape.group, BLOCK_Q=block_q, GROUP_PAD=group_pad, **common,
+        num_seqs, shape.group, BLOCK_Q=block_q, GROUP_PAD=group_pad, **{**common, "num_warps": warps},
+        num_stages=stages,
     )
     _decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, out, strides, shape,
             partition_size, common)
     return out
+
+
+def _prefill_tile(shape: _Shape) -> tuple[int, int, int]:
+    """(rows per tile, num_warps, num_stages) of the prefill kernel; FLASHLLM_PREFILL_TILE overrides (sweeps)."""
+    override = os.environ.get("FLASHLLM_PREFILL_TILE")
+    if override:
+        rows, warps, stages = (int(v) for v in override.split(","))
+        return rows, warps, stages
+    return PREFILL_ROWS, shape.num_warps, PREFILL_STAGES
 
 
 def _partition(max_keys: int, rows: int, block_n: int, device: torch.device) -> int:
