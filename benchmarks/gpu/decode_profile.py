@@ -10,10 +10,9 @@ and the top kernels of one eager decode step by device time (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
-import torch
+from timing import median_ms
 
 from flashllm.bench.shapes import shape_model_dir
 from flashllm.llm import LLM
@@ -21,15 +20,7 @@ from flashllm.sampling_params import SamplingParams
 
 
 def replay_ms(graph, repeats: int = 50) -> float:
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return median_ms(graph.replay, repeats)
 
 
 def main() -> None:

@@ -13,10 +13,10 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
+from timing import median_ms
 
 from flashllm.backends.cuda import triton_quant
 from flashllm.ops import op_specs
@@ -52,15 +52,7 @@ def timed(fn, sets: list, repeats: int = 10) -> float:
         for inputs in sets:
             fn(inputs)
     graph.replay()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(sets))
-    return statistics.median(samples)
+    return median_ms(graph.replay, repeats) * 1e3 / len(sets)
 
 
 def case(k: int, n: int, scheme: str, group: int, m: int) -> dict:
