@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from flashllm.bench.roofline import synchronize
 from flashllm.bench.workload import BenchRequest
 
 
@@ -31,9 +35,30 @@ def load(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
 
 
 def _sync(model) -> None:
-    """Wait for queued GPU work before a clock is read (CUDA launches return before they finish)."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    """Wait for the model's queued device work before a clock is read (no-op on the CPU)."""
+    synchronize(model.device)
+
+
+def free_cached_memory(device: torch.device) -> None:
+    """Collect dropped tensors and hand the caching allocator's free blocks back to the device."""
+    gc.collect()
+    module = torch.get_device_module(device.type) if device.type != "meta" else None
+    if hasattr(module, "empty_cache"):  # accelerators cache freed blocks; the CPU allocator does not
+        module.empty_cache()
+
+
+def left_padded(chunk: list[BenchRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, longest prompt) int64 on `device`, prompts right-aligned.
+
+    Built on the host and moved in one copy each, not one small copy per row.
+    """
+    width = max(len(r.prompt_token_ids) for r in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)  # (B, T)
+    mask = torch.zeros(len(chunk), width, dtype=torch.long)  # (B, T)
+    for row, r in enumerate(chunk):
+        ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[row, width - len(r.prompt_token_ids):] = 1
+    return ids.to(device), mask.to(device)
 
 
 @torch.inference_mode()
@@ -43,19 +68,50 @@ def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> 
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         chunk = requests[i : i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, r in enumerate(chunk):
-            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - len(r.prompt_token_ids):] = 1
+        ids, mask = left_padded(chunk, model.device)
         new = max(r.output_len for r in chunk)
-        model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
     _sync(model)
     elapsed = time.perf_counter() - start
     return BaselineResult(batch_size, elapsed, sum(r.output_len for r in requests),
                           sum(len(r.prompt_token_ids) for r in requests))
+
+
+@torch.inference_mode()
+def warm_up(model, request: BenchRequest) -> None:
+    """One short generate before any clock (flashllm gets the same): kernels, cuBLAS handles, allocator."""
+    ids, mask = left_padded([BenchRequest(request.prompt_token_ids[:8], 2)], model.device)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                   pad_token_id=0)
+    _sync(model)
+
+
+def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int]) -> list[dict[str, Any]]:
+    """One record per static batch size; a size that runs out of device memory is recorded, not fatal.
+
+    A record is {"batch_size", "elapsed_s", "output_tokens_per_s", "total_tokens_per_s"}, or
+    {"batch_size", "error": "out of memory"} (the error's first line is printed to stderr).
+    """
+    warm_up(model, requests[0])
+    records = []
+    for batch in batch_sizes:
+        message = None
+        try:
+            run = run_static_batches(model, requests, batch)
+        except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is this class
+            message = (str(exc).splitlines() or ["out of memory"])[0]
+        if message is not None:
+            # outside the except block: its traceback kept the failed batch's tensors alive
+            free_cached_memory(model.device)
+            print(f"flashllm bench: transformers batch {batch} ran out of device memory ({message}); "
+                  "recorded as an error, trying the next --baseline-batch-sizes", file=sys.stderr)
+            records.append({"batch_size": batch, "error": "out of memory"})
+            continue
+        records.append({"batch_size": run.batch_size, "elapsed_s": run.elapsed,
+                        "output_tokens_per_s": run.output_throughput,
+                        "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.elapsed})
+    return records
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,27 @@
 """`flashllm bench throughput | latency`: flashllm, its baselines and the machine's ceilings in one run.
 
-The GPU workloads of BENCHMARKS.md (bf16; transformers runs on the same GPU):
+The GPU workloads of BENCHMARKS.md, bf16, each engine on the same GPU (transformers is loaded onto
+the device flashllm ran on; clocks are read after a device synchronize):
 
-    flashllm bench latency --shape qwen2.5-7b --device cuda --dtype bfloat16 --baseline transformers \
-        --baseline-batch-sizes 1 --roofline
+    # decode latency: batch 1, prompt 128, 128 new tokens
+    flashllm bench latency --shape qwen2.5-0.5b --device cuda --dtype bfloat16 \
+        --baseline transformers --baseline-batch-sizes 1 --roofline --json latency-0.5b.json
+    flashllm bench latency --shape qwen2.5-7b --device cuda --dtype bfloat16 \
+        --baseline transformers --baseline-batch-sizes 1 --roofline --json latency-7b.json
+    # offline throughput: 256 requests, input and output lengths uniform in [100, 1024] (nano-vllm's recipe)
     flashllm bench throughput --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --baseline transformers --baseline-batch-sizes 64,256 --roofline
+        --baseline transformers --baseline-batch-sizes 64,256 --roofline --json throughput-0.5b.json
+    flashllm bench throughput --shape qwen2.5-7b --device cuda --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --baseline transformers --baseline-batch-sizes 64,256 --roofline --json throughput-7b.json
+
+The first run of a shape writes its random weights (qwen2.5-7b: ~15 GB of bf16 safetensors, a
+tensor at a time) under $FLASHLLM_CACHE_DIR or ~/.cache/flashllm. A transformers batch size that
+runs out of GPU memory is recorded as {"batch_size": b, "error": "out of memory"} and the others
+still run. On cuda the roofline measures a 2 GiB copy (bytes read + written), a read-only stream
+and an 8192^3 GEMM in the benchmark dtype, and the decode ceiling divides by the copy bandwidth
+("ceiling_bandwidth": "copy"); on the CPU it divides by the read stream (see roofline.PLANS).
 """
 
 from __future__ import annotations
@@ -115,34 +130,28 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
 
 def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],
                   result: dict[str, Any]) -> None:
-    """transformers `generate` on the same weights: static batches, and batch-1 latency in latency mode."""
+    """transformers `generate` on the same weights and device: static batches, and batch-1 latency in latency mode.
+
+    A batch size that runs out of device memory is recorded as {"batch_size", "error"}; the
+    speedup is over the best batch size that ran (None, with the errors recorded, when none did).
+    """
     import torch
 
-    from flashllm.bench.hf_baseline import load, run_latency, run_static_batches
+    from flashllm.bench.hf_baseline import free_cached_memory, load, run_batch_sizes, run_latency
 
     model = load(model_dir, getattr(torch, args.dtype), result["device"])
-    runs, records = [], []
-    for batch in (int(b) for b in args.baseline_batch_sizes.split(",")):
-        try:
-            run = run_static_batches(model, requests, batch)
-        except torch.cuda.OutOfMemoryError:  # a static batch too large for the device: recorded, not fatal
-            torch.cuda.empty_cache()
-            records.append({"batch_size": batch, "error": "out of memory"})
-            continue
-        runs.append(run)
-        records.append({"batch_size": run.batch_size, "elapsed_s": run.elapsed,
-                        "output_tokens_per_s": run.output_throughput,
-                        "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.elapsed})
-    result["transformers"] = records
-    if not runs:
-        raise SystemExit("flashllm bench: every transformers batch size ran out of memory")
-    best = max(runs, key=lambda r: r.output_throughput)
-    result["speedup_vs_best_transformers"] = result["flashllm"]["output_tokens_per_s"] / best.output_throughput
+    result["transformers"] = run_batch_sizes(model, requests, args.baseline_batch_sizes)
+    ran = [r for r in result["transformers"] if "error" not in r]
+    best = max((r["output_tokens_per_s"] for r in ran), default=None)
+    result["speedup_vs_best_transformers"] = None if best is None else result["flashllm"]["output_tokens_per_s"] / best
     if args.mode == "latency":
         latency = run_latency(model, requests[0])
         result["transformers_latency"] = {"ttft_s": latency.ttft, "decode_tokens_per_s": latency.decode_tokens_per_s}
         result["decode_speedup_vs_transformers"] = (result["flashllm"]["decode_tokens_per_s"]
                                                     / latency.decode_tokens_per_s)
+    device = model.device
+    del model
+    free_cached_memory(device)  # the roofline's 2 GiB buffers come next
 
 
 def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], result: dict[str, Any],
@@ -159,10 +168,10 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     from flashllm.bench.shapes import flops_per_token
 
     roof = rl.measure(dtype, result["device"])
-    result["roofline"] = {"read_bandwidth_gb_s": roof.bandwidth / 1e9,
+    result["roofline"] = {"read_bandwidth_gb_s": roof.read_bandwidth / 1e9,
                           "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
                           "matmul_gflop_s": roof.matmul_flops / 1e9,
-                          "ceiling_bandwidth": "copy" if result["device"].startswith("cuda") else "read stream"}
+                          "ceiling_bandwidth": roof.ceiling}
     ceiling = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     result["decode_ceiling_batch1_tokens_per_s"] = ceiling
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """Measured limits.
+    """Measured limits of one device.
 
-    bandwidth: bytes/s a read-only stream reaches (what a decode step does with the weights);
-    copy_bandwidth: bytes read + written per second by a large copy.
+    read_bandwidth: bytes/s a read-only stream reaches (a reduction over a large buffer);
+    copy_bandwidth: bytes read + written per second by a large copy (BENCHMARKS.md's "memory
+    bandwidth"); ceiling: which of the two the decode ceiling divides by ("read stream" | "copy").
     """
 
-    bandwidth: float
+    read_bandwidth: float
     copy_bandwidth: float
     matmul_flops: float  # FLOP/s in `dtype`
     dtype: str
+    ceiling: str
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s the decode ceiling assumes a step streams its weights at."""
+        return self.read_bandwidth if self.ceiling == "read stream" else self.copy_bandwidth
 
     def decode_ceiling(self, batch: int, weight_bytes: int, kv_bytes_per_step: int = 0) -> float:
         """tokens/s at batch B if every step reads all weights (and the KV of the batch) once."""
@@ -30,56 +38,92 @@ class Roofline:
         return self.matmul_flops / flops_per_token
 
 
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Sizes and repeats of one device type's measurements, and the bandwidth its decode ceiling uses.
+
+    calls_per_timing: calls between two clock reads, so that one synchronize's cost (tens of us
+    on a GPU) is small beside a ~1 ms copy; the time per call is the best timing / calls.
+    """
+
+    copy_bytes: int
+    read_bytes: int
+    matmul_n: int
+    repeats: int
+    calls_per_timing: int
+    ceiling: str
 
 
-def _best_time(fn, repeats: int, device: str = "cpu") -> float:
-    fn()  # warm up: page faults, allocator, thread pool, library handles
+# The CPU keeps its read-stream convention: a CPU decode step is a GEMV streaming its weights,
+# and a CPU copy's write-allocate traffic makes "read + written" understate what a read reaches
+# (docs/benchmarks.md reports ~17.5 GB/s read on the 2-core machine). Every other device uses
+# BENCHMARKS.md's definition, a 2 GiB device copy counted as bytes read + written, and an 8192^3
+# GEMM in the benchmark dtype.
+CPU_PLAN = Plan(copy_bytes=1 << 30, read_bytes=1 << 30, matmul_n=2048, repeats=5, calls_per_timing=1,
+                ceiling="read stream")
+ACCELERATOR_PLAN = Plan(copy_bytes=2 << 30, read_bytes=2 << 30, matmul_n=8192, repeats=10, calls_per_timing=10,
+                        ceiling="copy")
+PLANS: dict[str, Plan] = {"cpu": CPU_PLAN}
+
+
+def plan_for(device: str | torch.device) -> Plan:
+    """The measurement plan of `device`'s type: PLANS' entry, else ACCELERATOR_PLAN (BENCHMARKS.md's)."""
+    return PLANS.get(torch.device(device).type, ACCELERATOR_PLAN)
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on `device`: an accelerator launch returns before it is done, so
+    a clock read without this times the launch, not the work (no-op on the CPU)."""
+    kind = torch.device(device).type
+    if kind != "meta":  # meta tensors (shape-only, in tests) queue no work and have no device module
+        torch.get_device_module(kind).synchronize(device)
+
+
+def _best_time(fn: Callable[[], object], repeats: int, device: str | torch.device, calls: int = 1) -> float:
+    """Seconds per call of `fn`: the best of `repeats` timings of `calls` calls, after one warm-up call."""
+    fn()  # warm up: page faults, allocator, thread pool, library handles (cuBLAS)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)  # a GPU launch returns before the work is done
-        best = min(best, time.perf_counter() - start)
+        synchronize(device)
+        start = perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        best = min(best, (perf_counter() - start) / calls)
     return best
 
 
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1) -> float:
     """Copy a buffer of `num_bytes` (far larger than any cache): (read + written bytes) / time."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), repeats, device)
+    seconds = _best_time(lambda: dst.copy_(src), repeats, device, calls)
     return 2 * num_bytes / seconds
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1) -> float:
     """Sum a buffer of `num_bytes`: a read-only stream, like a GEMV reading weights."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    seconds = _best_time(lambda: src.sum(), repeats, device)
+    seconds = _best_time(lambda: src.sum(), repeats, device, calls)
     return num_bytes / seconds
 
 
-def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
-    """FLOP/s of an n x n x n GEMM in `dtype`."""
+def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5, device: str = "cpu",
+                   calls: int = 1) -> float:
+    """FLOP/s of an n x n x n GEMM in `dtype` on random data (zeros could take a faster path)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _best_time(lambda: torch.mm(a, b), repeats, device)
+    seconds = _best_time(lambda: torch.mm(a, b), repeats, device, calls)
     return 2 * n**3 / seconds
 
 
-def measure(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Roofline:
-    """Read and copy bandwidth and GEMM FLOP/s of `device`, measured now.
+def measure(dtype: torch.dtype = torch.float32, device: str = "cpu", plan: Plan | None = None) -> Roofline:
+    """Read and copy bandwidth and GEMM FLOP/s of `device`, measured now with `plan_for(device)`.
 
-    On a GPU the decode ceiling uses the copy bandwidth (bytes read + written by a 2 GiB copy:
-    BENCHMARKS.md's definition) and the matmul is 8192^3 on random data in `dtype`; on the CPU
-    it uses a read-only stream, which is what a CPU decode step does with its weights.
+    The buffers are freed on return, before the caller's next allocation.
     """
-    if torch.device(device).type == "cuda":
-        copy = measure_bandwidth(2 << 30, repeats=10, device=device)
-        return Roofline(copy, copy, measure_matmul(dtype, n=8192, repeats=10, device=device),
-                        str(dtype).removeprefix("torch."))
-    return Roofline(measure_read_bandwidth(device=device), measure_bandwidth(device=device),
-                    measure_matmul(dtype, device=device), str(dtype).removeprefix("torch."))
+    plan = plan or plan_for(device)
+    return Roofline(read_bandwidth=measure_read_bandwidth(plan.read_bytes, plan.repeats, device, plan.calls_per_timing),
+                    copy_bandwidth=measure_bandwidth(plan.copy_bytes, plan.repeats, device, plan.calls_per_timing),
+                    matmul_flops=measure_matmul(dtype, plan.matmul_n, plan.repeats, device, plan.calls_per_timing),
+                    dtype=str(dtype).removeprefix("torch."), ceiling=plan.ceiling)

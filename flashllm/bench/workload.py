@@ -23,6 +23,17 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def parse_batch_sizes(text: str) -> list[int]:
+    """"1,16,64" -> [1, 16, 64]: the static batch sizes of a baseline, in the order they run."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"bad batch sizes {text!r}: expected positive integers separated by commas, e.g. 1,16,64")
+    return sizes
+
+
 def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
                     seed: int = 0) -> list[BenchRequest]:
     """`num` requests with lengths uniform in the ranges and random prompt token ids."""

@@ -47,7 +47,9 @@ def add_parser(sub: Any) -> None:
                             "(--baseline transformers llama.cpp)")
         p.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                        help="llama.cpp baseline weights (default: the one matching --dtype)")
-        p.add_argument("--baseline-batch-sizes", default="1,16", help="static batch sizes tried for the baseline")
+        p.add_argument("--baseline-batch-sizes", type=_batch_sizes, default="1,16",
+                       help="static batch sizes tried for the transformers baseline, comma-separated; one that runs "
+                            "out of device memory is recorded as an error and the rest still run")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
@@ -67,6 +69,15 @@ def _add_kv_cache_flags(p: argparse.ArgumentParser, server: bool = False) -> Non
     p.add_argument("--cachekv_int8_type", "--cachekv-int8-type", dest="cachekv_int8_type",
                    choices=("dynamic", "static"), default=None if server else "dynamic",
                    help="int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)" + suffix)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    from flashllm.bench.workload import parse_batch_sizes
+
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 BASELINES = ("none", "transformers", "llama.cpp")

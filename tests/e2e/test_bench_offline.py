@@ -47,7 +47,10 @@ def test_throughput_on_sharegpt_with_transformers_and_roofline(model_dir: Path, 
     assert record["flashllm"]["output_tokens"] == sum(len(tokenizer.encode(t[1]["value"])) for t in usable)
     assert [r["batch_size"] for r in record["transformers"]] == [1, 2]
     roof = record["roofline"]
-    assert roof["read_bandwidth_gb_s"] > 0 and roof["matmul_gflop_s"] > 0
+    assert roof["read_bandwidth_gb_s"] > 0 and roof["copy_bandwidth_gb_s"] > 0 and roof["matmul_gflop_s"] > 0
+    assert roof["ceiling_bandwidth"] == "read stream"  # the CPU's convention; a GPU run divides by the copy
+    assert record["speedup_vs_best_transformers"] == pytest.approx(
+        record["flashllm"]["output_tokens_per_s"] / max(r["output_tokens_per_s"] for r in record["transformers"]))
     # the fractions are each engine's own rate over the ceilings recorded beside them
     assert record["fraction_of_compute_ceiling"]["flashllm"] == pytest.approx(
         record["flashllm"]["total_tokens_per_s"] / record["compute_ceiling_tokens_per_s"])

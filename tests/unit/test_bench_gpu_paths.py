@@ -1,0 +1,150 @@
+"""The bench's device paths without a GPU: roofline plans and timing, the transformers baseline's device and OOM handling."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from flashllm.bench import hf_baseline, roofline
+from flashllm.bench.workload import BenchRequest, parse_batch_sizes
+from flashllm.cli import build_parser
+
+
+def test_each_device_type_gets_its_plan() -> None:
+    # the CPU keeps its sizes and its read-stream ceiling; a GPU gets BENCHMARKS.md's copy and an 8192^3 GEMM
+    assert roofline.plan_for("cpu") == roofline.CPU_PLAN
+    assert (roofline.CPU_PLAN.copy_bytes, roofline.CPU_PLAN.matmul_n, roofline.CPU_PLAN.repeats) == (1 << 30, 2048, 5)
+    assert roofline.CPU_PLAN.ceiling == "read stream"
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        plan = roofline.plan_for(device)
+        assert (plan.copy_bytes, plan.read_bytes, plan.matmul_n, plan.ceiling) == (2 << 30, 2 << 30, 8192, "copy")
+        assert plan.repeats > 1 and plan.calls_per_timing > 1
+
+
+def test_accelerator_timings_are_synchronized_and_divided_by_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device that is not the CPU (meta: shapes only, no work) every clock read follows a synchronize."""
+    events: list[str] = []
+    clock = iter(range(10_000))
+
+    def fake_clock() -> float:
+        events.append("clock")
+        return float(next(clock))  # one second between consecutive reads
+
+    monkeypatch.setattr(roofline, "perf_counter", fake_clock)
+    monkeypatch.setattr(roofline, "synchronize", lambda device: events.append(f"sync {device}"))
+    roof = roofline.measure(torch.bfloat16, "meta")
+    plan = roofline.ACCELERATOR_PLAN
+    assert events == ["sync meta", "clock", "sync meta", "clock"] * (3 * plan.repeats)
+    seconds = 1.0 / plan.calls_per_timing
+    assert roof.read_bandwidth == pytest.approx(plan.read_bytes / seconds)
+    assert roof.copy_bandwidth == pytest.approx(2 * plan.copy_bytes / seconds)  # bytes read + written
+    assert roof.matmul_flops == pytest.approx(2 * plan.matmul_n**3 / seconds)
+    assert (roof.dtype, roof.ceiling, roof.bandwidth) == ("bfloat16", "copy", roof.copy_bandwidth)
+    assert roof.decode_ceiling(2, 1000, 24) == pytest.approx(2 * roof.copy_bandwidth / 1024)
+
+
+def test_cpu_ceiling_uses_the_read_stream() -> None:
+    small = roofline.Plan(copy_bytes=1 << 20, read_bytes=1 << 20, matmul_n=64, repeats=2, calls_per_timing=1,
+                          ceiling=roofline.CPU_PLAN.ceiling)
+    roof = roofline.measure(torch.float32, "cpu", plan=small)
+    assert roof.read_bandwidth > 0 and roof.copy_bandwidth > 0 and roof.matmul_flops > 0
+    assert roof.bandwidth == roof.read_bandwidth
+    assert roof.decode_ceiling(1, 4096) == pytest.approx(roof.read_bandwidth / 4096)
+
+
+class FakeModel:
+    """`generate` that records its inputs and runs out of memory above `max_batch` rows."""
+
+    def __init__(self, device: str = "cpu", max_batch: int = 1 << 30) -> None:
+        self.device, self.max_batch = torch.device(device), max_batch
+        self.calls: list[tuple[torch.device, torch.device, tuple[int, ...], int]] = []
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, **_: object) -> None:
+        if input_ids.shape[0] > self.max_batch:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        self.calls.append((input_ids.device, attention_mask.device, tuple(input_ids.shape), max_new_tokens))
+
+
+REQUESTS = [BenchRequest([5, 6, 7], 4), BenchRequest([8], 2), BenchRequest([9, 10], 3)]
+
+
+def test_left_padded_aligns_prompts_right() -> None:
+    ids, mask = hf_baseline.left_padded(REQUESTS[:2], torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_static_batches_run_on_the_models_device() -> None:
+    model = FakeModel("meta")  # not the CPU: inputs built on the host must be moved
+    result = hf_baseline.run_static_batches(model, REQUESTS, batch_size=2)
+    assert [(c[0].type, c[1].type) for c in model.calls] == [("meta", "meta")] * 2
+    # each batch is as wide as its longest prompt and decodes to its longest output
+    assert [(c[2], c[3]) for c in model.calls] == [((2, 3), 4), ((1, 2), 3)]
+    assert (result.output_tokens, result.prompt_tokens) == (9, 6)
+
+
+def test_load_puts_the_model_on_the_given_device(tmp_path) -> None:
+    from flashllm.testing.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "llama", "llama", seed=0, tokenizer=False)
+    model = hf_baseline.load(model_dir, torch.float32, "meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.device.type == "meta"
+
+
+def test_a_batch_size_out_of_memory_is_recorded_and_the_others_run(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    freed: list[torch.device] = []
+    monkeypatch.setattr(hf_baseline, "free_cached_memory", freed.append)
+    model = FakeModel(max_batch=2)
+    records = hf_baseline.run_batch_sizes(model, REQUESTS, [1, 4, 2])
+    assert [r["batch_size"] for r in records] == [1, 4, 2]
+    assert records[1] == {"batch_size": 4, "error": "out of memory"}
+    assert all(r["output_tokens_per_s"] > 0 for r in (records[0], records[2]))
+    assert freed == [model.device]
+    assert "transformers batch 4 ran out of device memory (CUDA out of memory" in capsys.readouterr().err
+    # the warm-up ran before any timed batch: a 2-token generate of at most 8 prompt tokens
+    assert model.calls[0][2:] == ((1, 3), 2)
+
+
+@pytest.mark.parametrize("max_batch", [2, 0])
+def test_speedup_is_over_the_best_batch_that_ran(monkeypatch: pytest.MonkeyPatch, max_batch: int) -> None:
+    from flashllm.bench import offline
+
+    model = FakeModel(max_batch=max_batch)
+    if max_batch == 0:  # even the warm-up's single row fails: let it through to test "every size failed"
+        monkeypatch.setattr(hf_baseline, "warm_up", lambda *_: None)
+    monkeypatch.setattr(hf_baseline, "load", lambda *_: model)
+    args = argparse.Namespace(dtype="float32", baseline_batch_sizes=[1, 4, 2], mode="throughput")
+    result = {"device": "cpu", "flashllm": {"output_tokens_per_s": 1000.0}}
+    offline._transformers(args, None, REQUESTS, result)
+    ran = [r["output_tokens_per_s"] for r in result["transformers"] if "error" not in r]
+    assert len(ran) == (2 if max_batch == 2 else 0)
+    assert {"batch_size": 4, "error": "out of memory"} in result["transformers"]
+    expected = 1000.0 / max(ran) if ran else None
+    assert result["speedup_vs_best_transformers"] == (pytest.approx(expected) if ran else None)
+
+
+def test_baseline_batch_sizes_flag() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["bench", "throughput", "--baseline-batch-sizes", "64,128,256"])
+    assert args.baseline_batch_sizes == [64, 128, 256]
+    assert parser.parse_args(["bench", "latency"]).baseline_batch_sizes == [1, 16]
+    for bad in ("0,2", "a", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "throughput", "--baseline-batch-sizes", bad])
+        with pytest.raises(ValueError, match="positive integers"):
+            parse_batch_sizes(bad)
+
+
+def test_gpu_workload_lengths_parse() -> None:
+    from flashllm.bench.shapes import SHAPES
+    from flashllm.bench.workload import parse_range
+
+    assert parse_range("100:1024") == (100, 1024)
+    seven = SHAPES["qwen2.5-7b"]
+    assert (seven["num_hidden_layers"], seven["hidden_size"], seven["num_attention_heads"],
+            seven["num_key_value_heads"], seven["intermediate_size"], seven["vocab_size"],
+            seven["tie_word_embeddings"]) == (28, 3584, 28, 4, 18944, 152064, False)
