@@ -87,6 +87,8 @@ def throughput_bars(record: dict[str, Any]) -> ThroughputBars:
     values = [float(_field(record["flashllm"], "output_tokens_per_s", "flashllm"))]
     for engine in BASELINES:
         for run in record.get(engine, []):
+            if "error" in run:  # a static batch that did not run (out of memory): no bar
+                continue
             size = int(_field(run, "batch_size", engine))
             labels.append(f"{engine}\nbatch {size}")
             sizes.append(size)

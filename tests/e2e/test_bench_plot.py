@@ -95,6 +95,13 @@ def test_throughput_without_baseline_or_roofline_is_one_bar() -> None:
     assert [p.get_height() for p in throughput_figure(record).axes[0].patches] == [412.5]
 
 
+def test_a_baseline_batch_that_ran_out_of_memory_gets_no_bar() -> None:
+    record = throughput_record()
+    record["transformers"] = [*record["transformers"], {"batch_size": 256, "error": "out of memory"}]
+    bars = throughput_bars(record)
+    assert bars.tokens_per_s == [412.5, 23.25, 150.75] and bars.batch_sizes == [None, 1, 16]
+
+
 def test_llama_cpp_runs_get_their_own_bars() -> None:
     record = {**throughput_record(), "llama.cpp": [{"batch_size": 1, "output_tokens_per_s": 31.5, "elapsed_s": 9.0}]}
     bars = throughput_bars(record)
