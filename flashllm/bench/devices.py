@@ -142,7 +142,7 @@ def _roofline(args: argparse.Namespace, model_dir: Path, workload: Workload) -> 
 
     size = args.roofline_mib << 20
     roof = rl.Roofline(rl.measure_read_bandwidth(size), rl.measure_bandwidth(size),
-                       rl.measure_matmul(getattr(torch, args.dtype)), args.dtype)
+                       rl.measure_matmul(getattr(torch, args.dtype)), args.dtype, "read stream")
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in workload.requests) / len(workload.requests)
     return {"roofline": {"read_bandwidth_gb_s": roof.bandwidth / 1e9, "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
                          "matmul_gflop_s": roof.matmul_flops / 1e9, "probe_bytes": size},
