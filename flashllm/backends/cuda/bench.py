@@ -1,29 +1,46 @@
-"""Micro-benchmark of one Triton kernel against its op's PyTorch reference, after a correctness check.
+"""Micro-benchmark of the Triton kernels: checked against the reference, then timed beside torch's equivalent.
+
+Each line gives the time, GB/s or TFLOP/s and the fraction of the device's peaks, measured in the same run.
 
     python -m flashllm.backends.cuda.bench --kernel paged_attention --mode decode --dtype bfloat16
+    python -m flashllm.backends.cuda.bench --kernel paged_attention --mode prefill --tokens 2048 --context 2048
     python -m flashllm.backends.cuda.bench --kernel quant_matmul --scheme w4a16 --tokens 1 --hidden 4096 --out-features 4096
     python -m flashllm.backends.cuda.bench --kernel fused_moe --tokens 16 --experts 8 --top-k 2
+    python -m flashllm.backends.cuda.bench --suite [--json kernels.json] [--only decode,w4a16]
 
+--suite measures the peaks once, then runs every case of SUITE (the issue's H100 targets) in one
+process and prints a table last. A row whose check or timing fails is marked FAIL and the others
+still run; the exit code is 1 when a row FAILed (a missed target, MISS, is a measurement: 0).
 Needs an NVIDIA/ROCm GPU: elsewhere it says so and exits 2 (interpreter timings mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import itertools
+import json
+import math
 import sys
-from collections.abc import Callable
-from typing import Any
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from flashllm.backends.cuda import kernels
 from flashllm.ops import op_specs
+from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.ops.testing import clone_inputs
 from flashllm.ops.tolerances import assert_close
 
 Inputs = dict[str, Any]
+Row = dict[str, Any]
 NO_GPU = 2
-
 
 def _randn(*shape: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.randn(shape, device=device).to(dtype)
@@ -73,9 +90,17 @@ def _write_kv_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) 
     return inputs, 4 * t * hk * d * dtype.itemsize + 8 * t
 
 
+def _attention_batch(args: argparse.Namespace) -> tuple[int, int]:
+    """(sequences, new tokens each): decode has --seqs of 1; prefill --tokens in sequences of
+    --context keys whose first --num-cached-tokens are already cached."""
+    if args.mode == "decode":
+        return args.seqs, 1
+    q_len = args.context - args.num_cached_tokens
+    return max(args.tokens // q_len, 1), q_len
+
+
 def _attention_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
-    decode = args.mode == "decode"
-    seqs, q_len = (args.seqs, 1) if decode else (max(args.tokens // args.context, 1), args.context)
+    seqs, q_len = _attention_batch(args)
     inputs, kv_bytes = _paged(dtype, device, seqs, args.context, args)
     inputs.update(
         q=_randn(seqs * q_len, args.heads, args.head_size, dtype=dtype, device=device),
@@ -110,35 +135,119 @@ def _fused_moe_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace)
     return inputs, (experts_hit * 3 * i * h + 2 * t * h) * dtype.itemsize
 
 
-def _dense_matmul_baseline(inputs: Inputs) -> Callable[[], Any]:
-    """torch's own matmul on the weight dequantized once to x.dtype: what the quantized kernel must beat."""
+
+def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor, context: int) -> torch.Tensor:
+    """(num_blocks, block_size, Hk, D) paged cache -> (seqs, Hk, context, D) contiguous, in block-table order."""
+    return cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+
+
+def _attention_flops(args: argparse.Namespace) -> float:
+    """QK^T and PV multiply-adds: a query sees the cached prefix and, causally, half the new tokens."""
+    seqs, q_len = _attention_batch(args)
+    keys = args.context if args.mode == "decode" else args.num_cached_tokens + q_len / 2
+    return 4 * seqs * q_len * args.heads * args.head_size * keys
+
+
+# op -> FLOPs of one call at the parsed shape; ops missing here are judged by bytes only
+FLOPS: dict[str, Callable[[argparse.Namespace], float]] = {
+    "paged_attention": _attention_flops,
+    "quant_matmul": lambda args: 2 * args.tokens * args.hidden * args.out_features,
+    "fused_moe": lambda args: 2 * args.tokens * args.top_k * 3 * args.intermediate * args.hidden,
+}
+
+
+class Timed(NamedTuple):
+    """A callable to time: fn(inputs) is one call; graphed rows are timed inside a CUDA graph."""
+
+    name: str
+    fn: Callable[[Inputs], Any]
+    inputs: Inputs
+    graphed: bool = False
+    note: str = ""
+
+
+def _dense_matmul_baseline(inputs: Inputs, args: argparse.Namespace, kernel: Callable[..., Any]) -> Timed:
+    """torch's F.linear on the weight dequantized once to x.dtype: what the quantized kernel must beat."""
     from flashllm.ops.quant_matmul import dequantize
 
     x = inputs["x"]
-    w = dequantize(inputs["weight"], x.dtype)
-    return lambda: torch.nn.functional.linear(x, w)
+    dense = {"x": x, "w": dequantize(inputs["weight"], x.dtype)}
+    return Timed("F.linear", lambda s: F.linear(s["x"], s["w"]), dense, graphed=True)
 
 
-def _expert_loop_baseline(inputs: Inputs) -> Callable[[], Any]:
+def _expert_loop(inputs: Inputs) -> torch.Tensor:
     """One torch matmul pair per expert hit, in x.dtype (the reference does the same in fp32)."""
     x, w13, w2, weights, ids = (inputs[name] for name in ("x", "w13", "w2", "topk_weights", "topk_ids"))
-
-    def run() -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
-            gate, up = (x[token_idx] @ w13[expert].T).chunk(2, dim=-1)
-            down = (torch.nn.functional.silu(gate) * up) @ w2[expert].T
-            out.index_add_(0, token_idx, down * weights[token_idx, slot_idx, None].to(x.dtype))
-        return out
-
-    return run
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+        gate, up = (x[token_idx] @ w13[expert].T).chunk(2, dim=-1)
+        down = (F.silu(gate) * up) @ w2[expert].T
+        out.index_add_(0, token_idx, down * weights[token_idx, slot_idx, None].to(x.dtype))
+    return out
 
 
-# op -> (name, builder of a timed callable) compared beside the kernel and the op's reference
-BASELINES: dict[str, tuple[str, Callable[[Inputs], Callable[[], Any]]]] = {
-    "quant_matmul": ("torch dense matmul", _dense_matmul_baseline),
-    "fused_moe": ("torch expert loop", _expert_loop_baseline),
+def _expert_loop_baseline(inputs: Inputs, args: argparse.Namespace, kernel: Callable[..., Any]) -> Timed:
+    return Timed("expert loop", _expert_loop, inputs)
+
+
+def _sdpa_candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> list[Timed]:
+    """SDPA on (seqs, heads, tokens, D) q/k/v, in order of preference: flash first, the default last."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    wide = {"q": q, "k": k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+            "v": v.repeat_interleave(q.shape[1] // v.shape[1], 1)}
+    if q.shape[2] != k.shape[2]:
+        # is_causal aligns the mask top-left when q_len != keys; a cached prefix needs it bottom-right
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        flash = q.is_cuda and can_use_flash_attention(SDPAParams(q, wide["k"], wide["v"], None, 0.0, False, False))
+        return [Timed("SDPA flash" if flash else "SDPA default",
+                      lambda s: F.scaled_dot_product_attention(s["q"], s["k"], s["v"], attn_mask=mask, scale=scale),
+                      wide, note="lower-right causal mask, K/V heads repeated; "
+                      + ("flash path" if flash else "flash refused these inputs: efficient or math path"))]
+
+    def sdpa(s: Inputs, backend: Any = None, gqa: bool = False) -> torch.Tensor:
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+
+    flash = SDPBackend.FLASH_ATTENTION
+    return [Timed("SDPA flash", lambda s: sdpa(s, flash, gqa=True), {"q": q, "k": k, "v": v}, note="enable_gqa"),
+            Timed("SDPA flash", lambda s: sdpa(s, flash), wide, note="K/V heads repeated"),
+            Timed("SDPA default", sdpa, wide, note="NOT the flash path (refused, see above); K/V heads repeated")]
+
+
+def _sdpa_baseline(inputs: Inputs, args: argparse.Namespace, kernel: Callable[..., Any]) -> Timed | None:
+    """torch SDPA on the same prefill laid out contiguously, flash where torch takes it; decode: None."""
+    if args.mode == "decode":
+        return None
+    seqs, q_len = _attention_batch(args)
+    q = inputs["q"].view(seqs, q_len, args.heads, args.head_size).transpose(1, 2).contiguous()
+    k, v = (_contiguous_kv(inputs[name], inputs["block_tables"], args.context) for name in ("k_cache", "v_cache"))
+    want = kernel(**clone_inputs(inputs)).view(seqs, q_len, args.heads, args.head_size).transpose(1, 2).float()
+    refused = []
+    for candidate in _sdpa_candidates(q, k, v, inputs["scale"]):
+        try:
+            got = candidate.fn(candidate.inputs).float()
+        except RuntimeError as exc:  # this backend refuses the inputs: the next candidate, and the row says so
+            refused.append(f"{candidate.name} ({candidate.note}): {str(exc).strip().splitlines()[0][:120]}")
+            continue
+        err = ((got - want).norm() / want.norm()).item()
+        if err > 2e-2:
+            raise AssertionError(f"{candidate.name} differs from the checked kernel by {err:.1e} (relative norm): "
+                                 "the comparison would not time the same attention")
+        return candidate._replace(note="; ".join([candidate.note, *(f"refused: {r}" for r in refused)]))
+    raise RuntimeError("no SDPA backend ran: " + "; ".join(refused))
+
+
+# op -> builder of the torch equivalent timed beside the kernel (None or missing: the op's reference)
+BASELINES: dict[str, Callable[[Inputs, argparse.Namespace, Callable[..., Any]], Timed | None]] = {
+    "quant_matmul": _dense_matmul_baseline,
+    "fused_moe": _expert_loop_baseline,
+    "paged_attention": _sdpa_baseline,
 }
 
 
@@ -154,9 +263,371 @@ BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Input
 }
 
 
+# -- timing --------------------------------------------------------------------------------------
+# triton.testing.do_bench (the same body in triton 3.4 through 3.9, so 3.6 too) zeroes a 256 MB
+# buffer before every timed call, which evicts the inputs from the L2 (50 MB on an H100). Eager
+# rows rely on that flush and use one input set. It also makes each call timed alone: the launch
+# latency (~5-10 us) and any wrapper time beyond the flush's own ~90 us are part of it (the copy
+# peak is timed the same way, so the bandwidth fractions compare like with like). The
+# quant_matmul layers are small enough for that to dominate (their Python launch path took 70-190
+# us, docs/benchmarks.md), so they are timed as the engine runs them, in a CUDA graph: the graph
+# calls the op once per copy of its inputs, the copies together >= ROTATE_BYTES so that no call
+# finds its weight in L2, and a call's time is the replay's median over the number of copies.
+WARMUP_MS, REP_MS = 25, 100
+ROTATE_BYTES = 256 << 20
+MIN_COPIES, MAX_COPIES = 8, 64  # >= 8 calls per replay amortize the graph launch
+GRAPHED = frozenset({"quant_matmul"})
+
+# (fn, input sets, graphed) -> milliseconds per call of fn(one set); injected so tests need no GPU
+Timer = Callable[[Callable[[Inputs], Any], Sequence[Inputs], bool], float]
+
+
+def _capture(fn: Callable[[Inputs], Any], sets: Sequence[Inputs]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, first-call caches, allocator pools
+        for inputs in sets:
+            fn(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in sets:
+            fn(inputs)
+    return graph
+
+
+def gpu_timer(fn: Callable[[Inputs], Any], sets: Sequence[Inputs], graphed: bool) -> float:
+    """Milliseconds per call of fn: do_bench's median of eager calls cycling over sets, or of one
+    CUDA graph's replays (one call per set) divided by len(sets)."""
+    from triton.testing import do_bench
+
+    if graphed:
+        graph = _capture(fn, sets)
+        return do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") / len(sets)
+    cycle = itertools.cycle(sets)
+    return do_bench(lambda: fn(next(cycle)), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def _nbytes(inputs: Inputs) -> int:
+    return sum(v.nbytes for v in inputs.values() if isinstance(v, torch.Tensor | QuantizedWeight))
+
+
+def _copies(inputs: Inputs) -> list[Inputs]:
+    """inputs and enough clones that together they pass ROTATE_BYTES (MIN_COPIES..MAX_COPIES sets)."""
+    count = min(max(math.ceil(ROTATE_BYTES / max(_nbytes(inputs), 1)), MIN_COPIES), MAX_COPIES)
+    return [inputs] + [clone_inputs(inputs) for _ in range(count - 1)]
+
+
+def _time(timer: Timer, timed: Timed) -> tuple[float, str]:
+    """(ms per call, note); a graph capture that fails is timed eagerly and the note says so."""
+    if not timed.graphed:
+        return timer(timed.fn, [timed.inputs], False), timed.note
+    sets = _copies(timed.inputs)
+    try:
+        return timer(timed.fn, sets, True), timed.note
+    except RuntimeError as exc:
+        traceback.print_exc()
+        note = f"graph capture failed ({str(exc).strip()[:80]}): timed EAGERLY, launch path included"
+        return timer(timed.fn, sets[:1], False), "; ".join(filter(None, [timed.note, note]))
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """The device's ceilings, measured in the run: what every fraction divides by."""
+
+    copy_gbps: float  # device-to-device copy: bytes read + written, per second / 1e9
+    matmul_tflops: float  # bf16 dense matmul
+
+
+def measure_peaks(timer: Timer, device: str = "cuda", copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> Peaks:
+    """Copy bandwidth (a copy_bytes device-to-device copy) and the bf16 matmul_n^3 torch.matmul rate."""
+    src = torch.randint(0, 256, (copy_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timer(lambda _: dst.copy_(src), [{}], False)
+    a, b = (torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16) for _ in range(2))
+    matmul_ms = timer(lambda _: torch.matmul(a, b), [{}], False)
+    return Peaks(copy_gbps=2 * copy_bytes / copy_ms / 1e6, matmul_tflops=2 * matmul_n**3 / matmul_ms / 1e9)
+
+
+# -- one measurement -----------------------------------------------------------------------------
+
+
+def check(args: argparse.Namespace, device: str, kernel: Callable[..., Any] | None = None) -> tuple[Inputs, int]:
+    """Build the benchmark inputs and assert the kernel (default: the Triton one) matches the reference.
+
+    Returns (inputs, bytes one call must move at least). Raises AssertionError on a mismatch.
+    """
+    dtype = getattr(torch, args.dtype)
+    inputs, nbytes = BUILDERS[args.kernel](dtype, device, args)
+    kernel = kernel or kernels.WRAPPERS[args.kernel]
+    reference = op_specs()[args.kernel].reference
+    copies = [clone_inputs(inputs) for _ in range(2)]
+    actual, expected = kernel(**copies[0]), reference(**copies[1])
+    if args.kernel == "write_kv_cache":
+        actual, expected = (copies[0]["k_cache"], copies[0]["v_cache"]), (copies[1]["k_cache"], copies[1]["v_cache"])
+    assert_close(actual, expected, dtype)
+    return inputs, nbytes
+
+
+def _error(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _timing(timer: Timer, name: str, build: Callable[[], Timed]) -> dict[str, Any]:
+    """Build and time one entry; a failure is printed and recorded in the entry, not raised."""
+    try:
+        timed = build()
+        ms, note = _time(timer, timed)
+        return {"name": timed.name, "ms": ms, "graphed": timed.graphed, "note": note}
+    except Exception as exc:  # one failing entry must not stop the others: its row records why
+        traceback.print_exc()
+        return {"name": name, "ms": None, "error": _error(exc)}
+
+
+# per-row values derived from the timings; a target names one of the first four
+ROW_VALUES = ("of_copy", "of_matmul", "speedup", "slowdown", "us", "gbps", "tflops", "baseline", "baseline_us")
+
+
+def measure(args: argparse.Namespace, peaks: Peaks, timer: Timer, *, device: str = "cuda",
+            kernel: Callable[..., Any] | None = None, prepare: Callable[..., tuple[Inputs, int]] = check,
+            with_reference: bool = False) -> Row:
+    """Check one kernel configuration, then time it, its torch equivalent and (with_reference, where
+    that is another callable) the op's reference. A failed check or kernel timing gives status FAIL.
+
+    prepare(args, device, kernel) -> (inputs, bytes moved) builds and checks (default `check`).
+    """
+    kernel = kernel or kernels.WRAPPERS[args.kernel]
+    row: Row = {"kernel": args.kernel, "status": "FAIL", "error": None, "bytes": None, "flops": None,
+                "timings": [], **dict.fromkeys(ROW_VALUES)}
+    try:
+        inputs, nbytes = prepare(args, device, kernel)
+    except Exception as exc:  # a kernel that fails its check (or compile) FAILs its row; the suite goes on
+        traceback.print_exc()
+        return {**row, "error": "check: " + _error(exc)}
+    row.update(bytes=nbytes, flops=FLOPS[args.kernel](args) if args.kernel in FLOPS else None)
+    reference = op_specs()[args.kernel].reference
+    as_reference = Timed("torch reference", lambda s: reference(**s), inputs)
+    build_baseline = BASELINES.get(args.kernel, lambda *_: None)
+    entries = [("triton", lambda: Timed("triton", lambda s: kernel(**s), inputs, graphed=args.kernel in GRAPHED)),
+               ("baseline", lambda: build_baseline(inputs, args, kernel) or as_reference)]
+    for name, build in entries:
+        row["timings"].append(_timing(timer, name, build))
+    if with_reference and row["timings"][1]["name"] != as_reference.name:
+        row["timings"].append(_timing(timer, as_reference.name, lambda: as_reference))
+    _derive(row, peaks)
+    return row
+
+
+def _derive(row: Row, peaks: Peaks) -> None:
+    kernel_ms, baseline = row["timings"][0]["ms"], row["timings"][1]
+    if kernel_ms is None:
+        row["error"] = "timing: " + row["timings"][0]["error"]
+        return
+    row.update(status="ok", us=kernel_ms * 1e3, gbps=row["bytes"] / kernel_ms / 1e6, baseline=baseline["name"])
+    row["of_copy"] = row["gbps"] / peaks.copy_gbps
+    if row["flops"]:
+        row["tflops"] = row["flops"] / kernel_ms / 1e9
+        row["of_matmul"] = row["tflops"] / peaks.matmul_tflops
+    if baseline["ms"] is not None:
+        row.update(baseline_us=baseline["ms"] * 1e3, speedup=baseline["ms"] / kernel_ms,
+                   slowdown=kernel_ms / baseline["ms"])
+
+
+# metric -> (">=" or "<=": how a value meets the goal, how it reads in the table)
+METRICS: dict[str, tuple[str, str]] = {
+    "of_copy": (">=", "of copy"),
+    "of_matmul": (">=", "of matmul"),
+    "speedup": (">=", "x faster"),
+    "slowdown": ("<=", "x its time"),
+}
+
+
+def judge(row: Row, metric: str | None, goal: float | None) -> Row:
+    """Set row's target fields; status MISS when a measured row misses it, FAIL when it cannot be judged."""
+    row.update(metric=metric, goal=goal, value=None, met=None)
+    if metric is None or row["status"] == "FAIL":
+        return row
+    value = row[metric]
+    if value is None:
+        baseline = row["timings"][1]
+        row.update(status="FAIL", error=f"no {metric}: {baseline['name']}: {baseline.get('error')}")
+        return row
+    met = value >= goal if METRICS[metric][0] == ">=" else value <= goal
+    row.update(value=value, met=met, status="ok" if met else "MISS")
+    return row
+
+
+# -- the suite -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One suite row: the single-kernel flags that build it and, where the issue sets one, its target."""
+
+    label: str
+    argv: tuple[str, ...]
+    metric: str | None = None  # a key of METRICS
+    goal: float | None = None
+
+
+# (K, N) = (in, out) features of the issue's "4096x4096 and larger" layers (Llama-3-8B, Qwen2-7B MLPs)
+QUANT_LAYERS = ((4096, 4096), (4096, 14336), (14336, 4096), (3584, 18944), (18944, 3584))
+# scheme, group size, the issue's M=1 speedup over the bf16 matmul
+QUANT_SCHEMES = (("w8a16", -1, 1.7), ("w4a16", 128, 3.0))
+_ATTENTION = ("--heads", "32", "--kv-heads", "8", "--head-size", "128", "--block-size", "64")
+
+
+def _suite_cases() -> list[Case]:
+    """The issue's H100 targets (bf16): bandwidth fractions, M=1 GEMV speedups, prefill vs SDPA flash."""
+    def kernel(name: str, *flags: str) -> tuple[str, ...]:
+        return ("--kernel", name, "--dtype", "bfloat16", *flags)
+
+    cases = [
+        Case("rms_norm + residual 16384x4096", kernel("rms_norm", "--tokens", "16384", "--hidden", "4096"),
+             "of_copy", 0.8),
+        Case("silu_and_mul 16384x11008", kernel("silu_and_mul", "--tokens", "16384", "--intermediate", "11008"),
+             "of_copy", 0.8),
+        Case("gelu_and_mul 16384x11008", kernel("gelu_and_mul", "--tokens", "16384", "--intermediate", "11008")),
+        Case("rotary 16384 tokens 32/8x128", kernel("rotary_embedding", "--tokens", "16384", *_ATTENTION)),
+        Case("write_kv_cache 16384 tokens 8x128", kernel("write_kv_cache", "--tokens", "16384", *_ATTENTION)),
+    ]
+    for seqs, context in ((64, 4096), (8, 16384)):
+        cases.append(Case(f"decode attn {seqs} seqs x {context}", kernel(
+            "paged_attention", "--mode", "decode", "--seqs", str(seqs), "--context", str(context), *_ATTENTION),
+            "of_copy", 0.7))
+    prefill = kernel("paged_attention", "--mode", "prefill", "--tokens", "2048", *_ATTENTION)
+    cases += [Case("prefill attn 2048", (*prefill, "--context", "2048"), "slowdown", 1.5),
+              Case("prefill attn 2048 + 2048 cached", (*prefill, "--context", "4096", "--num-cached-tokens", "2048"))]
+    for m, (k, n), (scheme, group, goal) in itertools.product((1, 4, 16), QUANT_LAYERS, QUANT_SCHEMES):
+        cases.append(Case(
+            f"{scheme}{f' g{group}' if group > 0 else ''} M={m} K={k} N={n}",
+            kernel("quant_matmul", "--scheme", scheme, "--group-size", str(group), "--tokens", str(m),
+                   "--hidden", str(k), "--out-features", str(n)),
+            *(("speedup", goal) if m == 1 else ())))
+    for tokens in (16, 256):
+        cases.append(Case(f"fused_moe {tokens} tokens 8e top2 4096/14336", kernel(
+            "fused_moe", "--tokens", str(tokens), "--experts", "8", "--top-k", "2", "--hidden", "4096",
+            "--intermediate", "14336")))
+    return cases
+
+
+SUITE = _suite_cases()
+
+
+def run_suite(cases: Sequence[Case], peaks: Peaks, timer: Timer, *, device: str = "cuda",
+              kernel_table: dict[str, Callable[..., Any]] | None = None,
+              prepare: Callable[..., tuple[Inputs, int]] = check,
+              on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Measure and judge every case in order (a FAIL does not stop the rest); on_row(rows so far) after each."""
+    parser, rows = build_parser(), []
+    for case in cases:
+        started = time.perf_counter()
+        args = parser.parse_args(case.argv)
+        kernel = (kernel_table or kernels.WRAPPERS)[args.kernel]
+        row = measure(args, peaks, timer, device=device, kernel=kernel, prepare=prepare)
+        row = judge({"case": case.label, "argv": list(case.argv), **row}, case.metric, case.goal)
+        row["seconds"] = round(time.perf_counter() - started, 2)
+        rows.append(row)
+        print(_progress(len(rows), len(cases), row), flush=True)
+        on_row(rows)
+        if device.startswith("cuda"):  # the next case's inputs may need what this one held
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _peak(row: Row) -> str:
+    fractions = [(row[key], name) for key, name in (("of_copy", "copy"), ("of_matmul", "mma")) if row[key] is not None]
+    return "-" if not fractions else "{:.2f} {}".format(*max(fractions))
+
+
+def _target(row: Row) -> str:
+    if row["metric"] is None:
+        return ""
+    compare, unit = METRICS[row["metric"]]
+    return f"{_num(row['value'], '.2f')} {compare} {row['goal']:.2f} {unit}"
+
+
+def _progress(index: int, total: int, row: Row) -> str:
+    return (f"[{index}/{total}] {row['case']}: {row['status']}  {_num(row['us'], '.1f')} us  "
+            f"{_num(row['gbps'], '.0f')} GB/s  {_num(row['tflops'], '.1f')} TFLOP/s  {_peak(row)}  "
+            f"{row['baseline'] or ''} {_num(row['baseline_us'], '.1f')} us  {row['seconds']} s"
+            + (f"  ({row['error']})" if row["error"] else ""))
+
+
+COLUMNS = ("#", "case", "status", "us", "GB/s", "TFLOP/s", "of peak", "baseline", "base us", "speedup", "target")
+
+
+def legend(peaks: Peaks, meta: dict[str, Any]) -> str:
+    """What the table's numbers are: the device, the measured peaks and how every time was taken."""
+    return "\n".join([
+        f"device: {meta.get('device')}; torch {meta.get('torch')}, triton {meta.get('triton')}",
+        f"peaks, measured in this run: copy {peaks.copy_gbps:.0f} GB/s (2 GiB device-to-device copy, read + write",
+        f"  bytes / median time), bf16 matmul {peaks.matmul_tflops:.0f} TFLOP/s (8192^3 torch.matmul)",
+        "every row is checked against the op's reference first, then timed: do_bench medians (warmup "
+        f"{WARMUP_MS} ms, rep {REP_MS} ms).",
+        "  do_bench zeroes 256 MB before each call: every call starts with a cold L2 and runs alone, so its",
+        "  launch latency (~5-10 us) is part of its time, which weighs on kernels under ~50 us.",
+        "  quant_matmul rows (triton and F.linear) instead time one CUDA graph that calls the op once per copy",
+        f"  of its inputs (>= {ROTATE_BYTES >> 20} MB of copies: no weight in L2); time = replay / copies, no launch.",
+        "GB/s, TFLOP/s: what the kernel must move (reads + writes; attention: K/V + q + out) and compute, over its",
+        "  time; of peak: the larger of GB/s / copy and TFLOP/s / matmul (mma).",
+        "baselines: torch reference = the op's reference (fp32 math); F.linear = torch's bf16 F.linear (cuBLAS) on",
+        "  the weight dequantized once; expert loop = a torch matmul pair per expert hit; SDPA = torch",
+        "  scaled_dot_product_attention, causal, on contiguous (seqs, heads, tokens, D) q/k/v, path in the notes.",
+        "speedup = baseline time / triton time; the prefill target is triton time / SDPA time.",
+        "status: ok, MISS (target missed), FAIL (check or timing failed, or the target's baseline did not run).",
+    ])
+
+
+def _notes(row: Row) -> list[str]:
+    """The row's error, then each timed callable's error or note (which SDPA path, a capture fallback)."""
+    details = [f"{t['name']}: {t.get('error') or t.get('note')}" for t in row["timings"] if t.get("error") or t.get("note")]
+    return ([row["error"]] if row["error"] else []) + details
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as an aligned text table, then notes (errors, baseline details) and a status count."""
+    cells = [[str(i), row["case"], row["status"], _num(row["us"], ".1f"), _num(row["gbps"], ".0f"),
+              _num(row["tflops"], ".1f"), _peak(row), row["baseline"] or "-", _num(row["baseline_us"], ".1f"),
+              _num(row["speedup"], ".2f"), _target(row)] for i, row in enumerate(rows, 1)]
+    widths = [max(len(line[c]) for line in [list(COLUMNS), *cells]) for c in range(len(COLUMNS))]
+    left = {"case", "status", "baseline", "target"}
+    lines = ["  ".join(text.ljust(w) if name in left else text.rjust(w)
+                       for name, text, w in zip(COLUMNS, line, widths, strict=True)).rstrip()
+             for line in [list(COLUMNS), *cells]]
+    notes = [f"  #{i} {row['case']}: " + "; ".join(_notes(row)) for i, row in enumerate(rows, 1) if _notes(row)]
+    counts = {status: sum(row["status"] == status for row in rows) for status in ("ok", "MISS", "FAIL")}
+    return "\n".join([*lines, "notes:", *notes, "rows: " + ", ".join(f"{n} {s}" for s, n in counts.items())])
+
+
+def report(rows: Sequence[Row], peaks: Peaks, meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document of a run: meta, peaks, timing method and every row."""
+    timing = {"tool": "triton.testing.do_bench", "return_mode": "median", "warmup_ms": WARMUP_MS, "rep_ms": REP_MS,
+              "l2": "do_bench zeroes 256 MB before each call", "graphed_ops": sorted(GRAPHED),
+              "graph_rotation_bytes": ROTATE_BYTES}
+    return {**meta, "peaks": {"copy_gbps": peaks.copy_gbps, "matmul_tflops": peaks.matmul_tflops},
+            "timing": timing, "rows": list(rows)}
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flashllm.backends.cuda.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--kernel", required=True, choices=sorted(kernels.WRAPPERS))
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--kernel", choices=sorted(kernels.WRAPPERS), help="check and time this one kernel")
+    what.add_argument("--suite", action="store_true", help="every case of the issue's targets in one run (each "
+                      "case sets its own shape flags: those given here are ignored)")
+    parser.add_argument("--only", default="", help="--suite: the cases whose label contains one of these "
+                        "comma-separated words")
+    parser.add_argument("--json", metavar="PATH", help="also write the peaks and rows as JSON (rewritten after "
+                        "each suite row)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--mode", default="decode", choices=["decode", "prefill"], help="paged_attention batch kind")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens (prefill: total new tokens)")
@@ -167,7 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--seqs", type=int, default=64, help="decode batch size")
-    parser.add_argument("--context", type=int, default=4096, help="keys per sequence")
+    parser.add_argument("--context", type=int, default=4096, help="keys per sequence (prefill: cached + new)")
+    parser.add_argument("--num-cached-tokens", type=int, default=0,
+                        help="prefill: keys of each sequence already cached; --context minus these are new")
     parser.add_argument("--out-features", type=int, default=4096, help="quant_matmul N (K is --hidden)")
     parser.add_argument("--scheme", default="w4a16", choices=["none", "w8a16", "w4a16"], help="quant_matmul weights")
     parser.add_argument("--group-size", type=int, default=128, help="quant_matmul scale group, -1 per channel")
@@ -187,44 +660,80 @@ def _no_gpu_reason() -> str | None:
     return None
 
 
-def check(args: argparse.Namespace, device: str) -> tuple[Inputs, int]:
-    """Build the benchmark inputs and assert the kernel matches the reference on them.
+def _meta() -> dict[str, Any]:
+    triton = sys.modules.get("triton")
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": getattr(triton, "__version__", None)}
 
-    Returns (inputs, bytes one call must move at least). Raises AssertionError on a mismatch.
-    """
-    dtype = getattr(torch, args.dtype)
-    inputs, nbytes = BUILDERS[args.kernel](dtype, device, args)
-    kernel, reference = kernels.WRAPPERS[args.kernel], op_specs()[args.kernel].reference
-    copies = [clone_inputs(inputs) for _ in range(2)]
-    actual, expected = kernel(**copies[0]), reference(**copies[1])
-    if args.kernel == "write_kv_cache":
-        actual, expected = (copies[0]["k_cache"], copies[0]["v_cache"]), (copies[1]["k_cache"], copies[1]["v_cache"])
-    assert_close(actual, expected, dtype)
-    return inputs, nbytes
+
+def _write_json(path: str | None, rows: Sequence[Row], peaks: Peaks, meta: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report(rows, peaks, meta), f, indent=1)
+
+
+def _print_single(row: Row, peaks: Peaks) -> None:
+    """The single-kernel report: one line per timed callable, rated by the kernel's bytes and FLOPs."""
+    print(f"  (GB/s and TFLOP/s on every line: what the {row['kernel']} kernel must move and compute, over that "
+          "line's time; fractions of the peaks above)")
+    for timing in row["timings"]:
+        if timing["ms"] is None:
+            print(f"  {timing['name']:>16}: FAILED {timing['error']}")
+            continue
+        ms = timing["ms"]
+        rates = f"{row['bytes'] / ms / 1e6:8.1f} GB/s {row['bytes'] / ms / 1e6 / peaks.copy_gbps:5.2f} of copy"
+        if row["flops"]:
+            tflops = row["flops"] / ms / 1e9
+            rates += f"  {tflops:7.1f} TFLOP/s {tflops / peaks.matmul_tflops:5.2f} of matmul"
+        how = "; ".join(filter(None, ["CUDA graph" if timing["graphed"] else "", timing["note"]]))
+        note = f"  [{how}]" if how else ""
+        print(f"  {timing['name']:>16}: {ms * 1e3:9.1f} us  {rates}{note}")
+    if row["speedup"] is not None:
+        print(f"  triton time / {row['baseline']} time: {row['slowdown']:.2f} ({row['speedup']:.2f}x faster)")
+
+
+def _single(args: argparse.Namespace, peaks: Peaks) -> int:
+    if args.kernel == "paged_attention" and not 0 <= args.num_cached_tokens < args.context:
+        print(f"bench: --num-cached-tokens must be in [0, --context {args.context}), got "
+              f"{args.num_cached_tokens}", file=sys.stderr)
+        return 1
+    row = measure(args, peaks, gpu_timer, with_reference=True)
+    if row["status"] == "FAIL":
+        print(f"{args.kernel} ({args.dtype}): FAIL {row['error']}", file=sys.stderr)
+        return 1
+    print(f"{args.kernel} ({args.dtype}): matches the reference within tolerances")
+    _print_single(row, peaks)
+    _write_json(args.json, [row], peaks, _meta())
+    return 0
+
+
+def _suite(args: argparse.Namespace, peaks: Peaks) -> int:
+    words = [word for word in args.only.split(",") if word]
+    cases = [case for case in SUITE if not words or any(word in case.label for word in words)]
+    if not cases:
+        print(f"bench: --only {args.only!r} matches no suite case; labels: "
+              + ", ".join(case.label for case in SUITE), file=sys.stderr)
+        return 1
+    meta, started = _meta(), time.perf_counter()
+    rows = run_suite(cases, peaks, gpu_timer, on_row=lambda rows: _write_json(args.json, rows, peaks, meta))
+    print(f"\n{legend(peaks, meta)}\n\n{format_table(rows)}\nsuite: {time.perf_counter() - started:.0f} s")
+    return 1 if any(row["status"] == "FAIL" for row in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check the kernel against the reference, then print both timings and GB/s. Returns the exit code."""
+    """Check, then time one kernel (--kernel) or the whole suite (--suite) beside the measured peaks.
+
+    Returns the exit code: 0, 1 when a check or timing failed, NO_GPU without a GPU.
+    """
     args = build_parser().parse_args(argv)
     reason = _no_gpu_reason()
     if reason is not None:
         print(f"bench: {reason}", file=sys.stderr)
         return NO_GPU
-    from triton.testing import do_bench
-
-    inputs, nbytes = check(args, "cuda")
-    print(f"{args.kernel} ({args.dtype}): matches the reference within tolerances")
-    timed = [(name, lambda fn=fn: fn(**inputs))
-             for name, fn in (("triton", kernels.WRAPPERS[args.kernel]),
-                              ("torch reference", op_specs()[args.kernel].reference))]
-    if args.kernel in BASELINES:
-        name, build = BASELINES[args.kernel]
-        timed.append((name, build(inputs)))
-        print(f"  (GB/s for every row: the bytes the {args.kernel} kernel must move, over each one's time)")
-    for name, run in timed:
-        ms = do_bench(run)
-        print(f"  {name:>18}: {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:8.1f} GB/s")
-    return 0
+    peaks = measure_peaks(gpu_timer)
+    print(f"device peaks (measured now): copy {peaks.copy_gbps:.0f} GB/s, bf16 matmul {peaks.matmul_tflops:.0f} "
+          f"TFLOP/s on {torch.cuda.get_device_name()}", flush=True)
+    return _suite(args, peaks) if args.suite else _single(args, peaks)
 
 
 if __name__ == "__main__":
