@@ -371,20 +371,31 @@ def make_inputs(
     return _BUILDERS[op_name][0](gen, dtype, str(device), head_size, block_size, case)
 
 
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """`value` with fn applied to each tensor of a Tensor, a QuantizedWeight or a dict of them (others as they are)."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, QuantizedWeight):  # a new weight: its kernel_cache starts empty
+        return QuantizedWeight(
+            value.scheme, fn(value.data), _map_tensors(value.scales, fn), _map_tensors(value.zeros, fn),
+            value.group_size, smooth=_map_tensors(value.smooth, fn), input_perm=_map_tensors(value.input_perm, fn),
+        )
+    if isinstance(value, dict):
+        return {name: _map_tensors(item, fn) for name, item in value.items()}
+    return value
+
+
 def clone_inputs(inputs: Inputs) -> Inputs:
     """A deep copy of the tensors in `inputs` (kernels may write in place)."""
+    return _map_tensors(inputs, Tensor.clone)
 
-    def copy(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return value.clone()
-        if isinstance(value, QuantizedWeight):
-            return QuantizedWeight(
-                value.scheme, copy(value.data), copy(value.scales), copy(value.zeros), value.group_size,
-                smooth=copy(value.smooth), input_perm=copy(value.input_perm),
-            )
-        return value
 
-    return {name: copy(value) for name, value in inputs.items()}
+def to_device(value: Any, device: str | torch.device) -> Any:
+    """A Tensor, QuantizedWeight or Inputs dict with every tensor moved to `device` (dtypes kept).
+
+    A strided view arrives contiguous, so tests of strided inputs take their views after moving.
+    """
+    return _map_tensors(value, lambda tensor: tensor.to(device))
 
 
 def run_case(fn: Callable[..., Any], op_name: str, inputs: Inputs) -> Any:

@@ -4,6 +4,7 @@ Triton reads TRITON_INTERPRET when `triton` is imported (its own library functio
 then), so the interpreted tests run in a child pytest started with the variable set:
 `test_interpreter_subprocess` below (with test_triton_quant_interpret.py's: one triton import).
 Run them directly with `TRITON_INTERPRET=1 python -m pytest tests/conformance/test_triton_interpret.py`.
+On a GPU the same tests also run compiled, in the parent process, on cuda tensors (DEVICE).
 The parent process compiles every kernel for sm80/sm90, which needs no GPU either.
 """
 
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from flashllm.backends import cuda
 from flashllm.backends.cuda import kernels as cuda_kernels
 from flashllm.ops import op_specs
-from flashllm.ops.testing import case_kv_dtype, case_quant, cases, make_inputs, random_block_tables, run_case
+from flashllm.ops.testing import case_kv_dtype, case_quant, cases, make_inputs, random_block_tables, run_case, to_device
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import check_signature
 
@@ -55,12 +56,33 @@ def _triton_state() -> tuple[str | None, bool]:
 
 
 TRITON_MISSING, INTERPRETING = _triton_state()
+# where the kernels run: the interpreter takes CPU tensors; compiled kernels need a GPU's
+DEVICE = "cuda" if not INTERPRETING and torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(TRITON_MISSING is not None, reason=str(TRITON_MISSING))
-interpreted = pytest.mark.skipif(
-    not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process of test_interpreter_subprocess"
+# kernel tests: interpreted in the child process, and compiled on DEVICE where a GPU is here
+interpreted_or_gpu = pytest.mark.skipif(
+    not INTERPRETING and DEVICE == "cpu",
+    reason="runs in the TRITON_INTERPRET=1 child process of test_interpreter_subprocess (and compiled on a GPU)",
+)
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETING, reason="checks the interpreter itself: runs in the TRITON_INTERPRET=1 child process only"
 )
 compiled = pytest.mark.skipif(INTERPRETING, reason="needs Triton's compiler, not the interpreter")
 pytestmark = needs_triton
+
+
+def dev(value: Any) -> Any:
+    """A tensor, QuantizedWeight or inputs dict built on the CPU (seeded), moved to DEVICE; slice views after."""
+    return to_device(value, DEVICE)
+
+
+def skip_unless_the_device_runs(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
+    """On a GPU, skip what its profile lacks (bf16 before sm80, an fp8 KV cache before sm89), as resolve does."""
+    if DEVICE == "cpu":
+        return
+    profile = BACKEND.device_profile(torch.device(DEVICE))
+    if dtype not in profile.dtypes or (kv_dtype is not None and kv_dtype not in profile.kv_dtypes):
+        pytest.skip(f"{profile.name} cannot run {dtype} activations with a {kv_dtype} KV cache")
 
 
 @compiled
@@ -93,13 +115,17 @@ def _param_ids() -> list[Any]:
 
 
 def check(op: str, inputs: dict[str, Any], dtype: torch.dtype, fn: Any = None) -> None:
-    """The registered cuda kernel (or fn) against the op's reference body on the same inputs."""
+    """The registered cuda kernel (or fn) against the op's reference body on the same inputs, all on DEVICE."""
+    skip_unless_the_device_runs(dtype)
+    tensors = {name: value for name, value in inputs.items() if isinstance(value, torch.Tensor)}
+    elsewhere = [name for name, tensor in tensors.items() if tensor.device.type != DEVICE]
+    assert not elsewhere, f"inputs {elsewhere} are not on {DEVICE}: build them with dev()"
     expected = run_case(SPECS[op].reference, op, inputs)
     actual = run_case(fn or KERNELS[op].fn, op, inputs)
     assert_close(actual, expected, dtype)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_every_kernel_is_a_launcher_with_the_op_signature() -> None:
     assert set(KERNELS) == set(cuda_kernels.KERNEL_MODULES)
     for op in KERNELS:
@@ -124,61 +150,63 @@ def test_bench_refuses_to_time_without_a_gpu(capsys: pytest.CaptureFixture[str])
     assert "no CUDA/ROCm GPU" in capsys.readouterr().err
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize("argv", [[], ["--mode", "prefill"]], ids=["decode", "prefill"])
 def test_bench_inputs_pass_the_bench_correctness_check(argv: list[str]) -> None:
-    """The benchmark's own inputs and check, shrunk, on the CPU (a GPU run times them)."""
+    """The benchmark's own inputs and check, shrunk, on DEVICE (a GPU run of the benchmark times them)."""
     from flashllm.backends.cuda import bench
 
     small = ["--dtype", "float32", "--tokens", "40", "--hidden", "96", "--intermediate", "80", "--heads", "4",
              "--kv-heads", "2", "--head-size", "64", "--block-size", "16", "--seqs", "2", "--context", "20",
              "--out-features", "48", "--group-size", "32", "--experts", "4"]
     for op in KERNELS:
-        inputs, nbytes = bench.check(bench.build_parser().parse_args(["--kernel", op, *small, *argv]), "cpu")
+        inputs, nbytes = bench.check(bench.build_parser().parse_args(["--kernel", op, *small, *argv]), DEVICE)
         assert nbytes > 0 and inputs
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("op", "dtype", "case"), _param_ids())
 def test_kernel_matches_reference(op: str, dtype: torch.dtype, case: str) -> None:
     caps = KERNELS[op].caps
     head_size = min(caps.head_sizes) if caps.head_sizes else 64
     block_size = min(caps.block_sizes) if caps.block_sizes else 16
-    check(op, make_inputs(op, dtype, head_size=head_size, block_size=block_size, case=case), dtype)
+    skip_unless_the_device_runs(dtype, case_kv_dtype(op, case))
+    check(op, make_inputs(op, dtype, DEVICE, head_size=head_size, block_size=block_size, case=case), dtype)
 
 
 # -- elementwise kernels: strided rows, chunked rows, several head sizes ------------------------
 
 
-@interpreted
+@interpreted_or_gpu
 def test_rms_norm_chunked_and_strided_rows() -> None:
     mod = cuda_kernels.launcher_module("rms_norm")
     hidden = mod.MAX_BLOCK + 40  # two chunks, the second one partial
-    wide = torch.randn(3, hidden + 8)
-    x, residual = wide[:, :hidden], torch.randn(3, hidden)  # x rows are strided
-    check("rms_norm", {"x": x, "weight": torch.rand(hidden) + 0.5, "eps": 1e-5, "residual": residual},
+    wide = dev(torch.randn(3, hidden + 8))
+    x, residual = wide[:, :hidden], dev(torch.randn(3, hidden))  # x rows are strided
+    check("rms_norm", {"x": x, "weight": dev(torch.rand(hidden) + 0.5), "eps": 1e-5, "residual": residual},
           torch.float32)
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp(-x) = inf: sigmoid 0, right
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_gated_activations_wide_and_strided(dtype: torch.dtype) -> None:
     inter = 1100  # more than one column program of 1024
-    x = (torch.randn(3, 2 * inter + 6) * 3)[:, : 2 * inter].to(dtype)
+    x = dev(torch.randn(3, 2 * inter + 6) * 3)[:, : 2 * inter].to(dtype)
     check("silu_and_mul", {"x": x}, dtype)
     check("gelu_and_mul", {"x": x, "approximate": "tanh"}, dtype)
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("head_size", "is_neox"), [(64, True), (80, False), (128, True), (128, False)])
 def test_rotary_on_views_of_a_fused_qkv(head_size: int, is_neox: bool) -> None:
     heads, kv_heads, tokens = 4, 2, 9
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=torch.bfloat16)
+    qkv = dev(torch.randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=torch.bfloat16))
     q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
-    cache = make_inputs("rotary_embedding", torch.float32, head_size=head_size, case="neox_partial")["cos_sin_cache"]
+    cache = make_inputs("rotary_embedding", torch.float32, DEVICE, head_size=head_size, case="neox_partial")
+    cache = cache["cos_sin_cache"]
     inputs = {
-        "positions": torch.randint(0, cache.shape[0], (tokens,)),
+        "positions": dev(torch.randint(0, cache.shape[0], (tokens,))),
         "q": q.view(tokens, heads, head_size),
         "k": k.view(tokens, kv_heads, head_size),
         "cos_sin_cache": cache,
@@ -187,16 +215,18 @@ def test_rotary_on_views_of_a_fused_qkv(head_size: int, is_neox: bool) -> None:
     check("rotary_embedding", inputs, torch.bfloat16)
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("head_size", "block_size", "dtype"), [(128, 64, torch.float16), (80, 32, torch.float32)])
 def test_write_kv_cache_shapes(head_size: int, block_size: int, dtype: torch.dtype) -> None:
-    inputs = make_inputs("write_kv_cache", dtype, head_size=head_size, block_size=block_size, case="mixed_with_padding")
+    inputs = make_inputs(
+        "write_kv_cache", dtype, DEVICE, head_size=head_size, block_size=block_size, case="mixed_with_padding"
+    )
     check("write_kv_cache", inputs, dtype)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_write_kv_cache_converts_to_the_cache_dtype() -> None:
-    inputs = make_inputs("write_kv_cache", torch.float32, case="prefill")
+    inputs = make_inputs("write_kv_cache", torch.float32, DEVICE, case="prefill")
     inputs["k_cache"], inputs["v_cache"] = inputs["k_cache"].half(), inputs["v_cache"].half()
     check("write_kv_cache", inputs, torch.float16)
 
@@ -212,7 +242,7 @@ def attention_inputs(
     tables, num_blocks = random_block_tables(gen, seq_lens, block_size)
     shape = (num_blocks, block_size, kv_heads, head_size)
     kv_dtype = kv_dtype or dtype
-    return {
+    return dev({
         "q": torch.randn(sum(q_lens), heads, head_size, generator=gen).to(dtype),
         "k_cache": torch.randn(shape, generator=gen).to(kv_dtype),
         "v_cache": torch.randn(shape, generator=gen).to(kv_dtype),
@@ -221,7 +251,7 @@ def attention_inputs(
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
         "scale": head_size**-0.5,
         **extra,
-    }
+    })
 
 
 def attend(partition_size: int) -> Any:
@@ -239,7 +269,7 @@ ATTENTION_SHAPES = [
 ]
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size", "block_size", "dtype"), ATTENTION_SHAPES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_attention_mixed_batch_odd_lengths_and_block_edges(
@@ -253,7 +283,7 @@ def test_attention_mixed_batch_odd_lengths_and_block_edges(
     check("paged_attention", inputs, dtype, attend(partition_size=64))
 
 
-@interpreted
+@interpreted_or_gpu
 def test_attention_long_context_split_across_many_programs() -> None:
     # 700 keys in splits of 64: 11 decode programs per KV head, merged; also the default split length
     inputs = attention_inputs([1, 1, 3], [700, 130, 300], 4, 2, 64, 16, torch.float32)
@@ -261,7 +291,7 @@ def test_attention_long_context_split_across_many_programs() -> None:
     check("paged_attention", inputs, torch.float32)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_attention_window_and_alibi_skip_whole_splits() -> None:
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(4)])
     # window 70 over splits of 64: 197 leaves split 1 a single visible key (127), 198 starts at 128
@@ -270,27 +300,27 @@ def test_attention_window_and_alibi_skip_whole_splits() -> None:
     check("paged_attention", inputs, torch.float32, attend(partition_size=64))
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize("head_size", sorted(cuda_kernels.ATTENTION_HEAD_SIZES))
 def test_attention_every_claimed_head_size(head_size: int) -> None:
     inputs = attention_inputs([1, 3], [40, 21], 2, 1, head_size, 16, torch.float32)
     check("paged_attention", inputs, torch.float32, attend(partition_size=16))
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize("block_size", sorted(cuda_kernels.ATTENTION_BLOCK_SIZES))
 def test_attention_every_claimed_block_size(block_size: int) -> None:
     inputs = attention_inputs([1, 4], [block_size + 1, 2 * block_size - 1], 2, 2, 64, block_size, torch.float16)
     check("paged_attention", inputs, torch.float16, attend(partition_size=64))
 
 
-@interpreted
+@interpreted_or_gpu
 def test_attention_cache_dtype_differs_from_activations() -> None:
     inputs = attention_inputs([1, 6], [37, 20], 4, 2, 64, 16, torch.float16, kv_dtype=torch.float32)
     check("paged_attention", inputs, torch.float16, attend(partition_size=16))
 
 
-@interpreted
+@interpreted_or_gpu
 @settings(max_examples=8, deadline=None)
 @given(
     lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=3),
@@ -355,7 +385,7 @@ def test_kernels_compile_for_ampere_and_hopper(monkeypatch: pytest.MonkeyPatch) 
     assert {name.removesuffix("@sm90") for name in built if name.endswith("@sm90")} == every | {"merge_kernel"}
 
 
-@interpreted
+@interpreter_only
 def test_the_kernels_really_ran_interpreted() -> None:
     """Guards the child process: its kernels are Triton's interpreter functions, not GPU binaries."""
     from flashllm.backends.cuda.launch import interpreted as is_interpreted

@@ -3,6 +3,7 @@
 The interpreted tests run in the TRITON_INTERPRET=1 child pytest that
 tests/conformance/test_triton_interpret.py::test_interpreter_subprocess starts; run them alone with
 `TRITON_INTERPRET=1 python -m pytest tests/conformance/test_triton_quant_interpret.py`.
+On a GPU they also run compiled, in the parent process, on cuda tensors (DEVICE).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from hypothesis import strategies as st
 from flashllm.backends import cuda
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
+from flashllm.ops.testing import to_device
 from flashllm.ops.tolerances import assert_close
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 SPECS = op_specs()
-KERNELS = {op: kernels[0] for op, kernels in cuda.make_backend().kernels.items()}
+BACKEND = cuda.make_backend()
+KERNELS = {op: kernels[0] for op, kernels in BACKEND.kernels.items()}
 
 
 def _interpreting() -> bool | None:
@@ -41,10 +44,25 @@ def _interpreting() -> bool | None:
 
 
 INTERPRETING = _interpreting()
+# where the kernels run: the interpreter takes CPU tensors; compiled kernels need a GPU's
+DEVICE = "cuda" if not INTERPRETING and torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(INTERPRETING is None, reason="triton is not installed (pip install triton)")
-interpreted = pytest.mark.skipif(
-    not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process of test_interpreter_subprocess"
+# kernel tests: interpreted in the child process, and compiled on DEVICE where a GPU is here
+interpreted_or_gpu = pytest.mark.skipif(
+    not INTERPRETING and DEVICE == "cpu",
+    reason="runs in the TRITON_INTERPRET=1 child process of test_interpreter_subprocess (and compiled on a GPU)",
 )
+
+
+def dev(value: Any) -> Any:
+    """A tensor, QuantizedWeight or inputs dict built on the CPU (seeded), moved to DEVICE; slice views after."""
+    return to_device(value, DEVICE)
+
+
+def skip_unless_the_device_runs(dtype: torch.dtype) -> None:
+    """On a GPU, skip an activation dtype its profile lacks (bf16 before sm80), as resolve does."""
+    if DEVICE != "cpu" and dtype not in (profile := BACKEND.device_profile(torch.device(DEVICE))).dtypes:
+        pytest.skip(f"{profile.name} cannot run {dtype}")
 
 
 def _launcher(op: str) -> Any:
@@ -67,7 +85,7 @@ def random_weight(gen: torch.Generator, n: int, k: int, scheme: str, group_size:
 # -- quant_matmul ------------------------------------------------------------------------------
 
 
-@interpreted
+@interpreted_or_gpu
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.integers(1, 20),
@@ -91,33 +109,34 @@ def test_quant_matmul_any_layout_path_and_split(
     through the GEMV (with K split 1-4 ways) and GEMM kernels, matches the reference op."""
     scheme, group_size, k = layout
     gen = torch.Generator().manual_seed(seed)
-    weight = random_weight(gen, n, k, scheme, group_size, asym and scheme == "w4a16")
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    skip_unless_the_device_runs(dtype)
+    weight = dev(random_weight(gen, n, k, scheme, group_size, asym and scheme == "w4a16"))
+    x = dev(torch.randn(rows, k, generator=gen).to(dtype))
+    b = dev(torch.randn(n, generator=gen).to(dtype)) if bias else None
     actual = _launcher("quant_matmul").matmul(x, weight, b, path=path, split_k=split_k)
     assert_close(actual, SPECS["quant_matmul"].reference(x, weight, b), dtype)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_quant_matmul_keeps_leading_dims_and_reads_strided_rows() -> None:
     gen = torch.Generator().manual_seed(1)
-    weight = random_weight(gen, 24, 64, "w4a16", 32, True)
-    wide = torch.randn(2, 3, 80, generator=gen).half()
+    weight = dev(random_weight(gen, 24, 64, "w4a16", 32, True))
+    wide = dev(torch.randn(2, 3, 80, generator=gen).half())
     x = wide[..., :64]  # rows strided by 80
     actual = KERNELS["quant_matmul"].fn(x, weight)
     assert actual.shape == (2, 3, 24)
     assert_close(actual, SPECS["quant_matmul"].reference(x.reshape(6, 64), weight).view(2, 3, 24), torch.float16)
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("scheme", "rows"), [("w4a16", 3), ("w8a16", 7), ("none", 2)])
 def test_quant_matmul_applies_input_perm_before_the_kernel(scheme: str, rows: int) -> None:
     """Act-order weights: y = x[:, perm] @ W.T, W stored in permuted column order."""
     gen = torch.Generator().manual_seed(2)
-    weight = (QuantizedWeight.dense(torch.randn(40, 128, generator=gen)) if scheme == "none"
-              else random_weight(gen, 40, 128, scheme, 32, False))
-    perm = torch.randperm(128, generator=gen)
-    x = torch.randn(rows, 128, generator=gen)
+    weight = dev(QuantizedWeight.dense(torch.randn(40, 128, generator=gen)) if scheme == "none"
+                 else random_weight(gen, 40, 128, scheme, 32, False))
+    perm = dev(torch.randperm(128, generator=gen))
+    x = dev(torch.randn(rows, 128, generator=gen))
     actual = KERNELS["quant_matmul"].fn(x, dataclasses.replace(weight, input_perm=perm))
     assert_close(actual, SPECS["quant_matmul"].reference(x[:, perm], weight), torch.float32)
 
@@ -129,13 +148,13 @@ def moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, d
                seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k]  # k distinct experts per token
-    return {
+    return dev({
         "x": torch.randn(tokens, hidden, generator=gen).to(dtype),
         "w13": (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype),
         "w2": (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype),
         "topk_weights": torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1),
         "topk_ids": ids,
-    }
+    })
 
 
 @pytest.mark.skipif(INTERPRETING is None, reason="triton is not installed")
@@ -146,7 +165,7 @@ def test_align_by_expert_tiles_hold_one_expert_and_every_pair_once(
     tokens: int, experts: int, top_k: int, block_m: int, seed: int
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    ids = dev(torch.randint(0, experts, (tokens, top_k), generator=gen))
     sorted_pairs, block_expert = _launcher("fused_moe").align_by_expert(ids, experts, block_m)
     num_pairs = tokens * top_k
     real = sorted_pairs[sorted_pairs < num_pairs]
@@ -162,18 +181,19 @@ def test_align_by_expert_tiles_hold_one_expert_and_every_pair_once(
     assert used == sorted(used) and block_expert.tolist()[len(used):] == [-1] * (len(block_expert) - len(used))
 
 
-@interpreted
+@interpreted_or_gpu
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens=st.integers(1, 24), hidden=st.sampled_from([16, 40, 96]), inter=st.sampled_from([16, 24, 80]),
        experts=st.integers(1, 9), top_k=st.integers(1, 3), dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16))
 def test_fused_moe_any_routing(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int
 ) -> None:
+    skip_unless_the_device_runs(dtype)
     inputs = moe_inputs(tokens, hidden, inter, experts, min(top_k, experts), dtype, seed)
     assert_close(KERNELS["fused_moe"].fn(**inputs), SPECS["fused_moe"].reference(**inputs), dtype)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_fused_moe_many_tokens_use_wide_tiles_and_no_tokens_give_empty() -> None:
     inputs = moe_inputs(200, 32, 48, 4, 2, torch.float16, seed=5)  # 100 pairs per expert: 64-row tiles
     assert_close(KERNELS["fused_moe"].fn(**inputs), SPECS["fused_moe"].reference(**inputs), torch.float16)
@@ -183,7 +203,7 @@ def test_fused_moe_many_tokens_use_wide_tiles_and_no_tokens_give_empty() -> None
     assert KERNELS["fused_moe"].fn(**empty).shape == (0, 32)
 
 
-@interpreted
+@interpreted_or_gpu
 def test_fused_moe_rejects_expert_ids_out_of_range() -> None:
     inputs = moe_inputs(3, 16, 16, 4, 2, torch.float32, seed=0)
     inputs["topk_ids"][1, 0] = 4
@@ -200,24 +220,25 @@ def _forward(model: torch.nn.Module, tokens: list[int], block_size: int = 16) ->
 
     num_layers, kv_heads, head_dim = model.kv_cache_shape()
     num_blocks = len(tokens) // block_size + 2
-    caches = [tuple(torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan")) for _ in range(2))
+    caches = [tuple(dev(torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))) for _ in range(2))
               for _ in range(num_layers)]
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     slots = [int(table[i // block_size]) * block_size + i % block_size for i in range(len(tokens))]
     logits = []
     for start, end in ((0, len(tokens) - 1), (len(tokens) - 1, len(tokens))):
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots[start:end]), cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table[None], max_seqlen_q=end - start,
-            max_seqlen_k=end,
+            slot_mapping=dev(torch.tensor(slots[start:end])),
+            cu_seqlens_q=dev(torch.tensor([0, end - start], dtype=torch.int32)),
+            seq_lens=dev(torch.tensor([end], dtype=torch.int32)), block_tables=dev(table[None]),
+            max_seqlen_q=end - start, max_seqlen_k=end,
         )
         with torch.inference_mode():
-            hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches, metadata)
+            hidden = model(dev(torch.tensor(tokens[start:end])), dev(torch.arange(start, end)), caches, metadata)
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
 
 
-@interpreted
+@interpreted_or_gpu
 @pytest.mark.parametrize(("quant_type", "group_size"), [("none", -1), ("w4a16", 32)])
 def test_tiny_model_on_cuda_kernels_matches_the_reference_table(
     tmp_path: Path, quant_type: str, group_size: int
@@ -235,7 +256,8 @@ def test_tiny_model_on_cuda_kernels_matches_the_reference_table(
     from flashllm.registry.resolve import OpTable
     from flashllm.testing.tiny_models import build_tiny_model
 
-    model_dir = build_tiny_model(tmp_path, "llama", seed=2, tokenizer=False)
+    # head size 64: compiled on a GPU, attention runs a head size the cuda backend claims (16 is not)
+    model_dir = build_tiny_model(tmp_path, "llama", seed=2, tokenizer=False, hidden_size=256)
     registry = ModelRegistry()
     flashllm_register_models(registry.register)
     reference_kernels = {op: kernels[0] for op, kernels in make_backend().kernels.items()}
@@ -244,6 +266,6 @@ def test_tiny_model_on_cuda_kernels_matches_the_reference_table(
     assert cuda_table.sources["quant_matmul"] == "cuda" and cuda_table.sources["paged_attention"] == "cuda"
     quant = weight_quant_spec(quant_type, group_size)
     tokens = torch.randint(0, 200, (21,), generator=torch.Generator().manual_seed(3)).tolist()
-    logits = [_forward(load_model(model_dir, table, torch.float32, "cpu", registry, progress=False, quant=quant)[0],
+    logits = [_forward(load_model(model_dir, table, torch.float32, DEVICE, registry, progress=False, quant=quant)[0],
                        tokens) for table in (cuda_table, reference)]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
