@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from timing import median_ms
 
 from flashllm.backends.cuda import triton_quant
+from flashllm.backends.cuda.bench import _capture
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import dequantize
 from flashllm.ops.tolerances import assert_close
@@ -41,16 +42,7 @@ def timed(fn, sets: list, repeats: int = 10) -> float:
     Timing eager calls would add the Python launch path whenever it is slower than the kernel
     (it is, for small layers); in the engine these kernels run inside decode graphs too.
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
-        for inputs in sets:
-            fn(inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for inputs in sets:
-            fn(inputs)
+    graph = _capture(fn, sets)  # the cuda bench's capture: warm-up on a side stream, one call per set
     graph.replay()
     return median_ms(graph.replay, repeats) * 1e3 / len(sets)
 
