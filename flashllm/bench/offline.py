@@ -91,8 +91,6 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     """One flashllm engine over the requests (drawn from its tokenizer on the first call); frees it after."""
     import gc
 
-    import torch
-
     from flashllm.llm import LLM
     from flashllm.quant import weight_bytes
     from flashllm.quant.spec import LM_HEAD_SCHEMES, QUANT_TYPES
@@ -121,10 +119,10 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     numbers = engine_numbers(outputs, elapsed, out_tokens, in_tokens)
+    selection = llm.engine.parts.selection
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # and sizes its KV cache from what is free: hand the cached blocks back
+    selection.adapter.empty_cache(selection.device)  # and sizes its KV cache from what is free
     return numbers, info, requests
 
 

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class DecodeGraphs:
             t.numpy() for t in (self._host_tokens, self._host_lens, self._host_tables))
         self._np_tokens[2] = PAD_SLOT
         self.tokens.copy_(self._host_tokens)
-        self._copied: torch.cuda.Event | None = None  # the last step's host-to-device copies
+        self._copied: Any = None  # an event after the last step's host-to-device copies
         self.logits: torch.Tensor | None = None  # (max_batch, vocab) fp32, written by every graph
         self.graphs: dict[int, StepGraph] = {}
 
@@ -129,9 +130,7 @@ class DecodeGraphs:
         self.tokens.copy_(self._host_tokens, non_blocking=True)
         self.seq_lens[:batch].copy_(self._host_lens[:batch], non_blocking=True)
         self.block_tables[:batch].copy_(self._host_tables[:batch], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copied = self.adapter.record_event(self.device)
         self.graphs[batch].replay()
         assert self.logits is not None
         return self.logits[:real]

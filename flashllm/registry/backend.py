@@ -166,6 +166,18 @@ class DeviceAdapter:
         """Wait for all queued work on `device`."""
         self._module().synchronize(device)
 
+    def record_event(self, device: torch.device) -> Any:
+        """An event recorded now on `device`'s current stream; its synchronize() waits for the work before it."""
+        event = self._module().Event()
+        event.record()
+        return event
+
+    def empty_cache(self, device: torch.device) -> None:
+        """Hand memory the framework caches but no tensor holds back to the device (no-op where there is none)."""
+        release = getattr(self._module(), "empty_cache", None)
+        if release is not None:
+            release()
+
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         """(free_bytes, total_bytes) of device memory."""
         return self._module().mem_get_info(device)
