@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from flashllm.backends.cuda import bench
+from flashllm.backends.cuda import bench, bench_suite
 from flashllm.ops import op_specs
 
 REFERENCES = {op: spec.reference for op, spec in op_specs().items()}
@@ -49,13 +49,13 @@ def cpu_check(args: argparse.Namespace, device: str, kernel: Any) -> tuple[dict[
     return bench.check(args, "cpu", kernel)
 
 
-def run(cases: list[bench.Case], timer: FakeTimer | None = None, prepare: Any = cpu_check) -> list[dict[str, Any]]:
-    return bench.run_suite(cases, PEAKS, timer or FakeTimer(), device="cpu", kernel_table=REFERENCES,
+def run(cases: list[bench_suite.Case], timer: FakeTimer | None = None, prepare: Any = cpu_check) -> list[dict[str, Any]]:
+    return bench_suite.run_suite(cases, PEAKS, timer or FakeTimer(), device="cpu", kernel_table=REFERENCES,
                            prepare=prepare)
 
 
-def case(label: str) -> bench.Case:
-    return next(c for c in bench.SUITE if c.label == label)
+def case(label: str) -> bench_suite.Case:
+    return next(c for c in bench_suite.SUITE if c.label == label)
 
 
 def test_suite_without_a_gpu_exits_with_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,7 +74,7 @@ def test_suite_and_kernel_exclude_each_other() -> None:
 
 def test_the_suite_holds_the_issues_targets() -> None:
     parser = bench.build_parser()
-    parsed = [(c, parser.parse_args(c.argv)) for c in bench.SUITE]
+    parsed = [(c, parser.parse_args(c.argv)) for c in bench_suite.SUITE]
     assert all(args.dtype == "bfloat16" for _, args in parsed)
     targets = {(args.kernel, args.mode if args.kernel == "paged_attention" else None, c.metric, c.goal)
                for c, args in parsed if c.goal is not None}
@@ -91,15 +91,15 @@ def test_the_suite_holds_the_issues_targets() -> None:
         for scheme, group, goal in (("w8a16", -1, 1.7), ("w4a16", 128, 3.0)):
             layers = {(a.hidden, a.out_features) for a, g in quant
                       if (a.tokens, a.scheme, a.group_size) == (m, scheme, group) and g == (goal if m == 1 else None)}
-            assert layers == set(bench.QUANT_LAYERS)
-    assert min(k * n for k, n in bench.QUANT_LAYERS) >= 4096 * 4096
+            assert layers == set(bench_suite.QUANT_LAYERS)
+    assert min(k * n for k, n in bench_suite.QUANT_LAYERS) >= 4096 * 4096
     assert {args.kernel for _, args in parsed} == set(bench.kernels.WRAPPERS)
 
 
 def test_every_case_builds_checks_and_is_timed_with_its_baseline() -> None:
     timer = FakeTimer(ms=1.0)
-    rows = run(bench.SUITE, timer)
-    assert [row["case"] for row in rows] == [c.label for c in bench.SUITE]
+    rows = run(bench_suite.SUITE, timer)
+    assert [row["case"] for row in rows] == [c.label for c in bench_suite.SUITE]
     assert all(row["status"] in ("ok", "MISS") and row["us"] == 1000.0 for row in rows), [
         (row["case"], row["error"]) for row in rows if row["status"] == "FAIL"]
     for row in rows:
@@ -139,11 +139,11 @@ def test_a_failed_check_marks_its_row_and_the_suite_goes_on() -> None:
             raise AssertionError("Tensor-likes are not close!")
         return cpu_check(args, device, kernel)
 
-    rows = run(bench.SUITE[:3], prepare=failing)
+    rows = run(bench_suite.SUITE[:3], prepare=failing)
     assert [row["status"] == "FAIL" for row in rows] == [False, True, False]
     assert rows[2]["us"] == 1000.0  # measured after the failure
     assert rows[1]["error"].startswith("check: AssertionError") and rows[1]["us"] is None
-    table = bench.format_table(rows)
+    table = bench_suite.format_table(rows)
     assert "FAIL" in table and "Tensor-likes are not close" in table and table.endswith(", 1 FAIL")
 
 
@@ -165,14 +165,14 @@ def test_targets_are_judged_against_their_goal() -> None:
 def test_table_and_json_carry_every_row() -> None:
     rows = run([case("rms_norm + residual 16384x4096"), case("w4a16 g128 M=1 K=4096 N=4096")], FakeTimer(ms=0.5))
     meta = {"device": "fake", "torch": torch.__version__, "triton": None}
-    table = bench.format_table(rows)
+    table = bench_suite.format_table(rows)
     header = table.splitlines()[0].split()
     assert header[:3] == ["#", "case", "status"] and "speedup" in header and "target" in header
     for row in rows:
         assert row["case"] in table
     assert ">= 3.00 x faster" in table and ">= 0.80 of copy" in table
-    assert "launch latency" in bench.legend(PEAKS, meta)
-    document = json.loads(json.dumps(bench.report(rows, PEAKS, meta)))
+    assert "launch latency" in bench_suite.legend(PEAKS, meta)
+    document = json.loads(json.dumps(bench_suite.report(rows, PEAKS, meta)))
     assert document["peaks"] == {"copy_gbps": 3000.0, "matmul_tflops": 700.0}
     assert [r["case"] for r in document["rows"]] == [row["case"] for row in rows]
     assert document["timing"]["return_mode"] == "median"
@@ -182,7 +182,7 @@ def test_a_refused_graph_capture_is_timed_eagerly_and_said() -> None:
     rows = run([case("w8a16 M=1 K=4096 N=4096")], FakeTimer(refuse_graphs=True))
     assert rows[0]["status"] in ("ok", "MISS")
     assert all("timed EAGERLY" in timing["note"] for timing in rows[0]["timings"])
-    assert "timed EAGERLY" in bench.format_table(rows)
+    assert "timed EAGERLY" in bench_suite.format_table(rows)
 
 
 def test_peaks_are_bytes_and_flops_over_the_measured_time() -> None:
