@@ -49,8 +49,6 @@ class _FlatBatch:
     sampling_rows: list[int] = field(default_factory=list)
 
 
-
-
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
     """Pad `flat` in place to the buckets' sizes (the block-table width is padded by prepare).
 
