@@ -14,6 +14,7 @@
 
 #define FLASHLLM_MAX_WORKERS 64
 #define FLASHLLM_ROW_ALIGN 16
+#define SHARES_PER_THREAD 4         /* shares are claimed dynamically, about this many per thread */
 #define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
 
 typedef void (*flashllm_share_fn)(void *ctx, int64_t n0, int64_t n1);
@@ -23,23 +24,30 @@ static struct {
     pthread_cond_t wake;
     pthread_mutex_t caller;        /* one task at a time */
     atomic_long generation;        /* bumped once per task */
-    atomic_int pending;            /* worker shares of the current task not yet finished */
+    atomic_int pending;            /* workers still claiming shares of the current task */
+    atomic_int next_share;         /* the next unclaimed share */
     int workers;                   /* started worker threads */
     flashllm_share_fn fn;
     void *ctx;
     int64_t n, step;               /* rows and rows per share of the current task */
-    int parts;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0};
+    int parts, helpers;            /* shares of the current task; workers taking part in it */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
-static void run_share(int index) {
-    const int64_t start = (int64_t)index * pool.step;
-    if (start < pool.n) pool.fn(pool.ctx, start, start + pool.step < pool.n ? start + pool.step : pool.n);
+/* Every participant claims shares until none is left: a vCPU the host stalls for a while leaves
+ * its rows to the others instead of making the whole task wait for it. */
+static void run_shares(void) {
+    for (;;) {
+        const int i = atomic_fetch_add_explicit(&pool.next_share, 1, memory_order_relaxed);
+        if (i >= pool.parts) return;
+        const int64_t start = (int64_t)i * pool.step;
+        pool.fn(pool.ctx, start, start + pool.step < pool.n ? start + pool.step : pool.n);
+    }
 }
 
 static long start_generation[FLASHLLM_MAX_WORKERS];  /* the generation a worker was started at */
 
 static void *worker_main(void *arg) {
-    const int index = (int)(intptr_t)arg;  /* share index: the caller runs share 0 */
+    const int index = (int)(intptr_t)arg;  /* worker number; the caller is 0 */
     long seen = start_generation[index];   /* not a fresh load: the task that started it is newer */
     for (;;) {
         long now = seen;
@@ -53,8 +61,8 @@ static void *worker_main(void *arg) {
             pthread_mutex_unlock(&pool.lock);
         }
         seen = now;
-        if (index < pool.parts) {
-            run_share(index);
+        if (index <= pool.helpers) {
+            run_shares();
             atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
         }
     }
@@ -94,18 +102,20 @@ void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threa
     pthread_mutex_lock(&pool.lock);
     int workers = pool_grow(threads - 1);
     if (workers > threads - 1) workers = threads - 1;  /* the pool may be larger than this call wants */
-    int64_t step = (n + workers) / (workers + 1);
+    int64_t step = (n + SHARES_PER_THREAD * (workers + 1) - 1) / (SHARES_PER_THREAD * (workers + 1));
     step = (step + FLASHLLM_ROW_ALIGN - 1) / FLASHLLM_ROW_ALIGN * FLASHLLM_ROW_ALIGN;
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n = n;
     pool.step = step;
     pool.parts = (int)((n + step - 1) / step);
-    atomic_store(&pool.pending, pool.parts - 1);
+    pool.helpers = workers;
+    atomic_store(&pool.next_share, 0);
+    atomic_store(&pool.pending, workers);
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    run_share(0);
+    run_shares();
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) _mm_pause();
     pthread_mutex_unlock(&pool.caller);
 }
