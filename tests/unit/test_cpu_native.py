@@ -24,10 +24,13 @@ from flashllm.quant import quantize_weight
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
 
 
-def assert_within_fp32_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """got (T, N) fp32 against x (T, K) @ w (N, K).T in float64, within 2 * K * 2**-24 * |x| @ |w|.T."""
+def assert_within_fp32_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                             magnitude: torch.Tensor | None = None) -> None:
+    """got (T, N) fp32 against x (T, K) @ w (N, K).T in float64, within 2 * K * 2**-24 * |x| @ |m|.T,
+    m the magnitudes the kernel's fp32 terms have (w itself unless given)."""
     exact = x.double() @ w.double().T
-    bound = 2 * x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    m = w if magnitude is None else magnitude
+    bound = 2 * x.shape[1] * 2.0**-24 * (x.double().abs() @ m.double().abs().T) + 1e-30
     excess = (got.double() - exact).abs() - bound
     assert got.dtype == torch.float32 and got.shape == exact.shape
     assert bool((excess <= 0).all()), f"worst excess over the bound: {excess.max().item():.3g}"
@@ -64,15 +67,52 @@ QUANT_CASES = [  # scheme, group size, symmetric
 ]
 
 
+def check_integer_product(weight: QuantizedWeight, x: torch.Tensor) -> None:
+    """int_linear against the dequantized product; for int4 x int8 activations, against the product
+    of the activations as that kernel rounds them, its fp32 terms being scale x code and scale x zero."""
+    got = native.int_linear(x, weight)
+    w = dequantize(weight).float()
+    if not native.int8_activations(weight):
+        assert_within_fp32_bound(got, x, w)
+        return
+    scales = weight.scales.float().repeat_interleave(weight.in_features // weight.num_groups, dim=1)
+    assert_within_fp32_bound(got, native.int8_rounded(x.double()), w, magnitude=30 * scales)  # codes, zeros <= 15
+
+
+@pytest.fixture(params=["int8", "fp32"])
+def int4_activations(request, monkeypatch) -> str:
+    monkeypatch.setenv(native.INT4_ACTIVATIONS_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("scheme,group_size,symmetric", QUANT_CASES)
-@pytest.mark.parametrize("tokens", [1, 2, native.MAX_TOKENS])
-def test_integer_weight_gemv_matches_the_dequantized_product(scheme, group_size, symmetric, tokens) -> None:
+@pytest.mark.parametrize("tokens", [1, 2, 5, native.MAX_TOKENS])
+def test_integer_weight_gemv_matches_the_dequantized_product(scheme, group_size, symmetric, tokens,
+                                                             int4_activations) -> None:
     gen = torch.Generator().manual_seed(tokens)
     weight = quantize_weight(torch.randn(77, 256, generator=gen), scheme, group_size, symmetric)
     x = torch.randn(tokens, 256, generator=gen)
     x[:, 3] *= 50  # an outlier channel, as real activations have
     assert native.supports_quantized(weight, tokens)
-    assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
+    expect_int8 = int4_activations == "int8" and scheme == "w4a16" and group_size != 32  # groups of 64 features
+    assert native.int8_activations(weight) == expect_int8
+    check_integer_product(weight, x)
+
+
+def test_int8_activations_are_within_half_a_step_of_the_exact_product() -> None:
+    # the one approximation of the int4 x int8 path, bounded: |got - x W^T| <= |W| (absmax / 254)
+    # per block, plus fp32 rounding; a zero block must stay exact
+    gen = torch.Generator().manual_seed(9)
+    weight = quantize_weight(torch.randn(40, 384, generator=gen), "w4a16", 64, False)
+    x = torch.randn(3, 384, generator=gen)
+    x[1, 64:128] = 0.0
+    assert native.int8_activations(weight)
+    w = dequantize(weight).double()
+    step = x.reshape(3, -1, native.A8_BLOCK).abs().amax(-1, keepdim=True).expand(-1, -1, native.A8_BLOCK)
+    bound = (step.reshape(3, -1).double() / 254) @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T)
+    error = (native.int_linear(x, weight).double() - x.double() @ w.T).abs()
+    assert bool((error <= bound).all())
+    assert error.max() > 0  # it is an approximation: an exact result would mean the fp32 kernel ran
 
 
 def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
@@ -84,11 +124,16 @@ def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
     weight = QuantizedWeight("w4a16", codes, scales, zeros, group_size=32)
     x = torch.randn(3, 128, generator=gen)
     assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
+    wide = QuantizedWeight("w4a16", codes.reshape(20, 128), scales.reshape(20, 8)[:, ::2].contiguous(),
+                           zeros.reshape(20, 8)[:, ::2].contiguous(), group_size=64)
+    assert native.int8_activations(wide)  # the int4 x int8 kernel reads them the same way
+    check_integer_product(wide, torch.randn(3, 256, generator=gen))
 
 
 @pytest.mark.parametrize("tokens", [2, 7])
 @pytest.mark.parametrize("scheme", ["none", "w8a16", "w4a16"])
-def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str, tokens: int) -> None:
+def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str, tokens: int,
+                                                            int4_activations) -> None:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(3000, 512, generator=gen)
     x = torch.randn(tokens, 512, generator=gen)
@@ -103,7 +148,10 @@ def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: st
     assert native.parallel.should_split(tokens, 3000, 512)
     got = run()
     assert torch.equal(got, single)  # each row is one thread's dot product, in the same order
-    assert_within_fp32_bound(got, x, w if weight is None else dequantize(weight).float())
+    if weight is None:
+        assert_within_fp32_bound(got, x, w)
+    else:
+        check_integer_product(weight, x)
 
 
 def test_engine_paths_choose_the_native_kernels_for_decode_batches() -> None:

@@ -29,6 +29,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
 _KINDS = {"none": 0, "w8a16": 1, "w4a16": 2}
+_W4A8 = 3  # csrc/decode_stack.c's LINEAR_W4A8: a w4a16 weight the per-op path runs against int8 activations
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -77,6 +78,8 @@ def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
             raise _Unsupported(f"{weight.scheme} weight the native kernels do not take")
         codes, scales, zeros = native._layout(weight)
         desc.G = weight.num_groups
+        if native.int8_activations(weight):  # the per-op path's choice, made once for the step
+            desc.kind = _W4A8
         desc.weight, desc.scales = codes.data_ptr(), scales.data_ptr()
         desc.zeros = None if zeros is None else zeros.data_ptr()
         keep.extend(t for t in (codes, scales, zeros) if t is not None)

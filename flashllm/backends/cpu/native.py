@@ -33,11 +33,15 @@ from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "decode_stack.c")
+SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "decode_stack.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
+# int4 weights meet int8 activations (csrc/int4_int8_kernels.c) unless this says "fp32"; the
+# activations are quantized per block of A8_BLOCK features, so groups must be multiples of it
+INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
+A8_BLOCK = 64
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
 # parallel.py's Python pool, so products from 64 Ki weights split: the 896 x 896 o_proj of the
@@ -56,6 +60,7 @@ _SIGNATURES = {
     "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
@@ -177,6 +182,27 @@ def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
     return (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0 and library() is not None
 
 
+def int8_activations(weight: QuantizedWeight) -> bool:
+    """Whether this w4a16 weight's native products quantize the activations to int8 (the default
+    where its groups are whole activation blocks; FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off)."""
+    mode = os.environ.get(INT4_ACTIVATIONS_ENV, "int8")
+    if mode not in ("int8", "fp32"):
+        raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be int8 or fp32, got {mode!r}")
+    group = weight.in_features // weight.num_groups
+    return mode == "int8" and weight.scheme == "w4a16" and group % A8_BLOCK == 0
+
+
+def int8_rounded(x: Tensor) -> Tensor:
+    """x (T, K) as the int4 x int8 kernel sees it, in x's dtype: per token and block of A8_BLOCK
+    features, round-half-even(x * (127 / absmax)) in fp32 times absmax / 127 (tests and docs use it
+    to state that kernel's one approximation)."""
+    tokens, k = x.shape
+    blocks = x.float().reshape(tokens, k // A8_BLOCK, A8_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse).double() * (amax / 127.0).double()).reshape(tokens, k).to(x.dtype)
+
+
 def _layout(weight: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
     """(codes, fp32 scales, int32 zeros or None) contiguous, built once into weight.kernel_cache."""
     key = "cpu_native"
@@ -187,7 +213,8 @@ def _layout(weight: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
 
 
 def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
-    """x (T, K) float @ dequantized W.T for a w8a16/w4a16 weight -> (T, N) fp32, computed in fp32."""
+    """x (T, K) float @ dequantized W.T for a w8a16/w4a16 weight -> (T, N) fp32, computed in fp32
+    (w4a16 against int8-quantized activations where int8_activations(weight) says so)."""
     lib = library()
     x = x.float().contiguous()
     tokens, k = x.shape
@@ -195,7 +222,12 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     codes, scales, zeros = _layout(weight)
     out = torch.empty(tokens, n, dtype=torch.float32)
     threads = _threads(tokens, n, k)
-    if weight.scheme == "w4a16":
+    if int8_activations(weight):
+        status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
+                                           None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, None, threads)
+        if status != 0:
+            raise MemoryError("the int4 x int8 kernel could not allocate its activation scratch")
+    elif weight.scheme == "w4a16":
         even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # the nibbles' order
         lib.flashllm_w4_gemv_mt(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales),
                                 None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, threads)

@@ -1,4 +1,5 @@
-/* The entry points of decode_kernels.c that decode_stack.c calls (see decode_kernels.c for their contracts). */
+/* The entry points of decode_kernels.c and int4_int8_kernels.c that decode_stack.c calls (see those files for
+ * their contracts). */
 #ifndef FLASHLLM_DECODE_KERNELS_H
 #define FLASHLLM_DECODE_KERNELS_H
 #include <stdint.h>
@@ -10,6 +11,9 @@ void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, 
 void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
                          const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy,
                          int threads);
+int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
+                          const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
+                          int threads);
 void flashllm_rms_norm(const float *x, const float *residual, float *summed, const float *weight,
                        float *out, int64_t T, int64_t H, float eps);
 void flashllm_rotary(float *x, int64_t T, int64_t stride, int64_t H, int64_t D, int64_t rot,

@@ -18,7 +18,7 @@
 
 #include "decode_kernels.h"
 
-enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2 };
+enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2, LINEAR_W4A8 = 3 };  /* W4A8: int4 x int8 activations */
 
 typedef struct {
     int64_t kind, N, K, G;           /* kind: LINEAR_*; weight (N, K) fp32, int8, or (N, K/2) int4 bytes */
@@ -50,7 +50,8 @@ typedef struct {
     int64_t silu_split;         /* silu_and_mul splits from this many outputs */
 } stack_step;
 
-/* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations */
+/* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations
+ * (the two together, T x K floats, hold the int8 ones and their scales for LINEAR_W4A8) */
 static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd) {
     const int64_t T = s->T;
     const int threads = l->N * l->K >= s->split_elements ? s->threads : 1;
@@ -58,6 +59,8 @@ static void linear(const stack_linear *l, const stack_step *s, const float *x, f
         flashllm_f32_gemv_mt(x, l->weight, y, T, l->K, l->N, l->N, threads);
     } else if (l->kind == LINEAR_W8) {
         flashllm_w8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, threads);
+    } else if (l->kind == LINEAR_W4A8) {  /* even, then odd: T x widest floats, more than it needs */
+        flashllm_w4a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->zeros, l->G, y, l->N, l->N, even, threads);
     } else {
         const int64_t half = l->K / 2;
         for (int64_t t = 0; t < T; t++)

@@ -1,0 +1,180 @@
+/* int4 weights against int8 activations: the cpu backend's default decode product for w4a16.
+ *
+ * Why: dequantizing int4 codes to fp32 (unpack, subtract the zero point, convert, FMA) costs more
+ * instructions per weight than widening int8 codes, so the exact fp32 int4 kernel in
+ * decode_kernels.c is compute-bound and no faster than int8 per token on AVX2, though it reads
+ * half the bytes. Here each token's activations are quantized to int8 (symmetric, one fp32 scale
+ * per block of 64 features) and the codes meet them in integer multiply-adds (vpmaddubsw, 32 code
+ * x activation products per instruction, then vpmaddwd), as llama.cpp's Q4 x Q8 dot products and
+ * IPEX's INT8 compute mode do. The only approximation is the activations' rounding: at most half
+ * a step, absmax / 254, per feature. FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 keeps the exact kernel
+ * (flashllm/backends/cpu/native.py decides).
+ *
+ * Layout: the int4 weight w (N, K/2) bytes, byte i = code 2i (low nibble) | code 2i + 1 (high),
+ * codes 0..15, zero points zeros (N, G) int32 (NULL: 8), scales (N, G) fp32. A block of 64
+ * features is 32 bytes of a row: its low nibbles are the even features, its high ones the odd. The
+ * quantized activations of block b of token t are stored as those even features then the odd ones,
+ * so one 32-byte load of codes, split into nibbles, lines up with two 32-byte loads of activations.
+ *
+ * Per row n and token t, with d[t, b] the activation scale of block b and q the int8 activations:
+ *   y = sum_g scales[n, g] * (sum_{b in g} d[t, b] * sum_{k in b} code[n, k] * q[t, k]
+ *                             - zero[n, g] * sum_{b in g} d[t, b] * sum_{k in b} q[t, k])
+ * The inner sums are exact integers (at most 64 * 15 * 127 < 2^24, so their fp32 conversion is
+ * exact too); the zero-point term is one product per group, from per-token sums computed once.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define A8_BLOCK 64  /* features per activation scale: 32 bytes of int4 codes */
+/* Rows are read in order, one line per two blocks, and the hardware prefetcher alone left DRAM
+ * half idle: 9728 x 896 codes took 0.45 ms for one token on the team's 2-core VM, 0.33 ms when
+ * each step prefetches the line this far ahead (512 to 4096 bytes measured alike, within noise). */
+#define PREFETCH_AHEAD 1024
+
+typedef void (*share_fn)(void *ctx, int64_t n0, int64_t n1);
+void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads);  /* thread_pool.h */
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+
+/* Token t's K features -> q (K int8, each block's even features then its odd ones), d (K / 64
+ * scales) and qsum (G per-group sums of d[b] * sum q over the group's blocks). The scale is
+ * absmax / 127 in fp32; a feature becomes round-to-nearest-even(x * (127 / absmax)), an all-zero
+ * block scale 0 and codes 0. */
+void flashllm_quantize_activations_a8(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum) {
+    const int64_t blocks = K / A8_BLOCK, per_group = blocks / G;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t g = 0; g < G; g++) {
+        float group_sum = 0.0f;
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+            const float *v = x + b * A8_BLOCK;
+            __m256 top = _mm256_setzero_ps();
+            for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+            const float amax = _mm_cvtss_f32(m), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t codes[A8_BLOCK];
+            for (int i = 0; i < A8_BLOCK; i += 8)
+                _mm256_storeu_si256((__m256i *)(codes + i),
+                                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
+            int8_t *out = q + b * A8_BLOCK;
+            int32_t total = 0;
+            for (int i = 0; i < A8_BLOCK / 2; i++) {
+                out[i] = (int8_t)codes[2 * i];
+                out[A8_BLOCK / 2 + i] = (int8_t)codes[2 * i + 1];
+                total += codes[2 * i] + codes[2 * i + 1];
+            }
+            d[b] = amax / 127.0f;
+            group_sum += d[b] * (float)total;
+        }
+        qsum[g] = group_sum;
+    }
+}
+
+/* sum over one block of code * q, as 8 int32 lanes: 32 bytes of codes against 64 activations */
+static inline __m256i block_dot(__m256i low, __m256i high, const int8_t *q) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)q)),
+                                           _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(q + 32))));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+typedef struct {
+    const uint8_t *w;
+    const float *scales;
+    const int32_t *zeros;
+    const int8_t *q;        /* (T, K) */
+    const float *d, *qsum;  /* (T, K / 64), (T, G) */
+    float *y;
+    int64_t T, K, G, ldy;
+} a8_args;
+
+/* sum_g scales[g] * zeros[g] * qsum[g] over G groups, 8 at a time (masked loads for the tail) */
+static inline float zero_term(const float *scales, const int32_t *zeros, const float *qsum, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 8) {
+        const int64_t left = G - g < 8 ? G - g : 8;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 zero = zeros ? _mm256_cvtepi32_ps(_mm256_maskload_epi32(zeros + g, mask)) : _mm256_set1_ps(8.0f);
+        const __m256 sz = _mm256_mul_ps(_mm256_maskload_ps(scales + g, mask), zero);
+        acc = _mm256_fmadd_ps(sz, _mm256_maskload_ps(qsum + g, mask), acc);
+    }
+    return hsum(acc);
+}
+
+/* Rows n0..n1 for tokens t0..t0 + TT (TT <= 4): each block's codes are split into nibbles once for
+ * all TT tokens; the group's scale changes every per_group blocks (1 with groups of 64). */
+static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, const int TT) {
+    const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int8_t *q[4];
+    const float *d[4];
+    for (int j = 0; j < TT; j++) {
+        q[j] = a->q + (t0 + j) * a->K;
+        d[j] = a->d + (t0 + j) * blocks;
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->w + n * half;
+        const float *scales = a->scales + n * G;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 scale = _mm256_set1_ps(scales[0]);
+        for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++, left--) {
+            if (left == 0) {
+                scale = _mm256_set1_ps(scales[++g]);
+                left = per_group;
+            }
+            if (b & 1) _mm_prefetch((const char *)(row + b * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + b * 32));
+            const __m256i low = _mm256_and_si256(bytes, nibble);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            for (int j = 0; j < TT; j++) {
+                const __m256 dot = _mm256_cvtepi32_ps(block_dot(low, high, q[j] + b * A8_BLOCK));
+                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_broadcast_ss(d[j] + b)), acc[j]);
+            }
+        }
+        const int32_t *zeros = a->zeros ? a->zeros + n * G : NULL;
+        for (int j = 0; j < TT; j++)
+            a->y[(t0 + j) * a->ldy + n] = hsum(acc[j]) - zero_term(scales, zeros, a->qsum + (t0 + j) * G, G);
+    }
+}
+
+static void a8_share(void *ctx, int64_t n0, int64_t n1) {
+    const a8_args *a = ctx;
+    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {
+        switch (a->T - t0 < 4 ? a->T - t0 : 4) {  /* constant TT: the token loop unrolls */
+            case 1: rows_for_tokens(a, n0, n1, t0, 1); break;
+            case 2: rows_for_tokens(a, n0, n1, t0, 2); break;
+            case 3: rows_for_tokens(a, n0, n1, t0, 3); break;
+            default: rows_for_tokens(a, n0, n1, t0, 4); break;
+        }
+    }
+}
+
+/* Bytes of scratch flashllm_w4a8_gemv_mt needs for T tokens: the int8 activations and their scales. */
+int64_t flashllm_w4a8_scratch_bytes(int64_t T, int64_t K, int64_t G) {
+    return T * K + (int64_t)sizeof(float) * T * (K / A8_BLOCK + G);
+}
+
+/* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K and K / G multiples of
+ * 64; rows split over `threads`. scratch: flashllm_w4a8_scratch_bytes, 4-byte aligned, or NULL to
+ * allocate it here. Returns 0, or -1 when it could not be allocated. */
+int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
+                          const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
+                          int threads) {
+    const int64_t blocks = K / A8_BLOCK;
+    void *owned = scratch ? NULL : malloc((size_t)flashllm_w4a8_scratch_bytes(T, K, G));
+    if (!scratch && !owned) return -1;
+    float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
+    int8_t *q = (int8_t *)(qsum + T * G);
+    for (int64_t t = 0; t < T; t++)
+        flashllm_quantize_activations_a8(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G);
+    a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
+    flashllm_parallel_for(a8_share, &a, N, threads);
+    free(owned);
+    return 0;
+}
