@@ -40,6 +40,9 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per window (default: 1024, capped at the model's max_position_embeddings)")
     p.add_argument("--stride", type=int, default=None, help="tokens each window moves by (default: max-length / 2)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="run each window as chunked prefill steps of this many tokens, through the kernels "
+                        "a decode batch of that size takes (default: one prefill per window)")
 
 
 def _add_ppl_parser(p: argparse.ArgumentParser) -> None:
@@ -114,7 +117,8 @@ def _run_ppl(args: argparse.Namespace) -> dict[str, Any]:
     max_length, stride = _windows(args, args.model)
     parts = load_scoring_parts(_scoring_config(args, args.model), max_length)
     token_ids = _encode(parts, text)
-    result = perplexity(parts, token_ids, max_length, stride, progress=not args.no_progress)
+    result = perplexity(parts, token_ids, max_length, stride, progress=not args.no_progress,
+                        chunk_tokens=args.chunk_tokens)
     print(f"perplexity: {result.perplexity:.4f}  (mean NLL {result.mean_nll:.4f} nats over {result.num_tokens} "
           f"tokens, {result.num_windows} windows of {max_length} moving by {stride})")
     return {"model": args.model, "text": str(args.text), **result.to_dict()}
@@ -139,13 +143,15 @@ def _run_kl(args: argparse.Namespace) -> dict[str, Any]:
     baseline = load_scoring_parts(configs["baseline"], max_length)
     candidate = load_scoring_parts(configs["candidate"], max_length)
     token_ids = _encode(baseline, text)
-    result = compare_configs(baseline, candidate, token_ids, max_length, stride, progress=not args.no_progress)
+    result = compare_configs(baseline, candidate, token_ids, max_length, stride, progress=not args.no_progress,
+                             chunk_tokens=args.chunk_tokens)
     print(f"KL(baseline || candidate): mean {result.mean_kl:.3e}  max {result.max_kl:.3e} nats over "
           f"{result.num_positions} positions\ntop-1 agreement: {result.top1_agreement:.2%}  relative logit error "
           f"{result.relative_logit_error:.3e}\n"
           f"perplexity: baseline {result.baseline_perplexity:.4f}  candidate {result.candidate_perplexity:.4f}")
     described = {name: dataclasses.asdict(c) for name, c in configs.items()}
-    return {**described, "text": str(args.text), "max_length": max_length, "stride": stride, **result.to_dict()}
+    return {**described, "text": str(args.text), "max_length": max_length, "stride": stride,
+            "chunk_tokens": args.chunk_tokens, **result.to_dict()}
 
 
 def _run_rouge(args: argparse.Namespace) -> dict[str, Any]:

@@ -72,31 +72,42 @@ def parts_dtype(parts: EngineParts) -> torch.dtype:
 
 
 @torch.inference_mode()
-def window_hidden(parts: EngineParts, token_ids: list[int]) -> torch.Tensor:
-    """Final hidden states of one window run as a single prefill: (T,) token ids -> (T, hidden).
+def window_hidden(parts: EngineParts, token_ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
+    """Final hidden states of one window: (T,) token ids -> (T, hidden).
 
+    The window runs as one prefill, or as chunked prefill steps of `chunk_tokens` tokens each
+    attending to the cache the earlier chunks wrote: the kernels a decode batch of that many tokens
+    takes (on the cpu backend, chunks of up to native.MAX_TOKENS run its native decode products).
     The window is one sequence whose blocks are 0..n-1 of the runner's cache, so slot p holds
     position p; whatever an earlier window wrote there is overwritten before attention reads it.
     """
     runner = parts.runner
     num_tokens = len(token_ids)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     num_blocks = math.ceil(num_tokens / runner.block_size)
     capacity = runner.kv_caches[0][0].shape[0]
     if num_blocks > capacity:
         raise ValueError(f"a window of {num_tokens} tokens needs {num_blocks} KV blocks but the cache holds "
                          f"{capacity}; build the parts with load_scoring_parts(config, max_length >= {num_tokens})")
     device = runner.device
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        max_seqlen_q=num_tokens,
-        max_seqlen_k=num_tokens,
-    )
-    input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
-    return parts.model(input_ids, positions, runner.kv_caches, metadata)
+    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0)
+    step = chunk_tokens or num_tokens
+    hidden = []
+    for start in range(0, num_tokens, step):
+        end = min(start + step, num_tokens)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            max_seqlen_q=end - start,
+            max_seqlen_k=end,
+        )
+        input_ids = torch.tensor(token_ids[start:end], dtype=torch.int64, device=device)
+        positions = torch.arange(start, end, dtype=torch.int64, device=device)
+        hidden.append(parts.model(input_ids, positions, runner.kv_caches, metadata))
+    return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
 
 @torch.inference_mode()

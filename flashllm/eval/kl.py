@@ -58,11 +58,12 @@ def centred(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def compare_configs(baseline: EngineParts, candidate: EngineParts, token_ids: list[int], max_length: int,
-                    stride: int, progress: bool = False) -> KLResult:
+                    stride: int, progress: bool = False, chunk_tokens: int | None = None) -> KLResult:
     """Run both configurations over the same sliding windows and compare their next-token distributions.
 
     Positions are the ones sliding-window perplexity scores (every token but the first, each
-    once), so the two perplexities come for free from the same log-probs.
+    once), so the two perplexities come for free from the same log-probs. chunk_tokens: run the
+    windows as chunked prefill steps of that many tokens (window_hidden).
     """
     windows = sliding_windows(len(token_ids), max_length, stride)
     kl_sum = kl_max = 0.0
@@ -73,8 +74,8 @@ def compare_configs(baseline: EngineParts, candidate: EngineParts, token_ids: li
         ids = token_ids[window.begin:window.end]
         rows = torch.tensor(list(window.logit_rows()), dtype=torch.int64)
         targets = torch.tensor(token_ids[window.score_from:window.end], dtype=torch.int64)
-        pairs = zip(iter_logprobs(baseline, window_hidden(baseline, ids), rows),
-                    iter_logprobs(candidate, window_hidden(candidate, ids), rows), strict=True)
+        pairs = zip(iter_logprobs(baseline, window_hidden(baseline, ids, chunk_tokens), rows),
+                    iter_logprobs(candidate, window_hidden(candidate, ids, chunk_tokens), rows), strict=True)
         for (chunk, base), (_, cand) in pairs:
             cand = cand.to(base.device)
             kl, same = compare_logprobs(base, cand)

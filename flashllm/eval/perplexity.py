@@ -33,9 +33,11 @@ class PerplexityResult:
         return {**asdict(self), "mean_nll": self.mean_nll}
 
 
-def target_logprobs(parts: EngineParts, token_ids: list[int], window: Window) -> torch.Tensor:
-    """Log-probabilities (num_scored,) fp32 of the window's scored targets given their context."""
-    hidden = window_hidden(parts, token_ids[window.begin:window.end])
+def target_logprobs(parts: EngineParts, token_ids: list[int], window: Window,
+                    chunk_tokens: int | None = None) -> torch.Tensor:
+    """Log-probabilities (num_scored,) fp32 of the window's scored targets given their context
+    (chunk_tokens: the window as chunked prefill steps, see window_hidden)."""
+    hidden = window_hidden(parts, token_ids[window.begin:window.end], chunk_tokens)
     rows = torch.tensor(list(window.logit_rows()), dtype=torch.int64)
     targets = torch.tensor(token_ids[window.score_from:window.end], dtype=torch.int64)
     picked = []
@@ -47,7 +49,7 @@ def target_logprobs(parts: EngineParts, token_ids: list[int], window: Window) ->
 
 
 def perplexity(parts: EngineParts, token_ids: list[int], max_length: int, stride: int,
-               progress: bool = False) -> PerplexityResult:
+               progress: bool = False, chunk_tokens: int | None = None) -> PerplexityResult:
     """Perplexity of `token_ids` with windows of `max_length` tokens moving by `stride`.
 
     Each window is one prefill forward through the engine's model; only the tokens it adds
@@ -56,7 +58,7 @@ def perplexity(parts: EngineParts, token_ids: list[int], max_length: int, stride
     windows = sliding_windows(len(token_ids), max_length, stride)
     nll_sum, num_tokens = 0.0, 0
     for window in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
-        logprobs = target_logprobs(parts, token_ids, window)
+        logprobs = target_logprobs(parts, token_ids, window, chunk_tokens)
         nll_sum -= float(logprobs.double().sum())
         num_tokens += logprobs.numel()
     return PerplexityResult(math.exp(nll_sum / num_tokens), nll_sum, num_tokens, len(windows), max_length, stride)

@@ -112,6 +112,42 @@ def test_ppl_equals_transformers_sliding_window_loss(model_dir: Path, text_file:
     assert result["perplexity"] == pytest.approx(math.exp(result["nll_sum"] / result["num_tokens"]), rel=1e-12)
 
 
+def test_ppl_in_chunked_prefill_steps_equals_transformers(model_dir: Path, text_file: Path, hf_model,
+                                                          tmp_path: Path) -> None:
+    # chunks of 7 tokens cross the 16-token KV blocks at every offset; each attends to what the
+    # earlier chunks of its window wrote
+    result = _eval(tmp_path, "ppl", "--model", str(model_dir), "--text", str(text_file), "--dtype", "float32",
+                   "--device", "cpu", "--max-length", "48", "--stride", "30", "--chunk-tokens", "7")
+    expected, count = _hf_sliding_window_ppl(hf_model, TEXT, 48, 30)
+    assert result["num_tokens"] == count
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 8])
+def test_kl_chunk_tokens_reach_the_decode_kernels(model_dir: Path, text_file: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch, chunk_tokens: int | None) -> None:
+    # int4 weights on the cpu backend: a 64-token window in one prefill takes the dequantize + GEMM
+    # path; in 8-token steps every product goes through the native decode kernels (where the
+    # int4 one rounds activations to int8), and their distributions are what get compared
+    from flashllm.backends.cpu import native
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    calls = []
+    real = native.int_linear
+    monkeypatch.setattr(native, "int_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    chunk = [] if chunk_tokens is None else ["--chunk-tokens", str(chunk_tokens)]
+    result = _eval(tmp_path, "kl", "--model", str(model_dir), "--text", str(text_file), "--max-length", "64",
+                   "--backend", "cpu", "--baseline-backend", "cpu", "--dtype", "float32", "--baseline-dtype",
+                   "float32", "--quant-type", "w4a16", "--weightonly-group-size", "64", *chunk)
+    assert result["chunk_tokens"] == chunk_tokens
+    assert 0 < result["mean_kl"] < 1.0 and result["num_positions"] > 64
+    if chunk_tokens is None:
+        assert calls == []
+    else:
+        assert calls and set(calls) <= set(range(1, chunk_tokens + 1))
+
+
 def test_kl_of_a_configuration_against_itself_is_zero(model_dir: Path, text_file: Path, tmp_path: Path) -> None:
     result = _eval(tmp_path, "kl", "--model", str(model_dir), "--text", str(text_file), "--max-length", "40",
                    "--stride", "24", "--backend", "cpu", "--baseline-backend", "cpu",
