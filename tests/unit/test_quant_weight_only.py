@@ -214,8 +214,8 @@ def test_every_cpu_path_matches_the_reference(case: str, dtype: torch.dtype) -> 
         if path == "native" and native.int8_activations(inputs["weight"]):
             # that kernel rounds the activations to int8 first (its one approximation, bounded in
             # test_cpu_native.py); on the same rounded activations it is the reference's fp32 product
-            rounded = {key: v.float() if key in ("x", "bias") else v for key, v in inputs.items()}
-            rounded["x"] = native.int8_rounded(rounded["x"])
+            rounded = cpu_quant.rounded_inputs(inputs)
+            assert rounded is not inputs  # decode-sized: the engine would take this path too
             assert_close(actual, run_case(quant_matmul, "quant_matmul", rounded).to(dtype), dtype)
         else:
             assert_close(actual, expected, dtype)

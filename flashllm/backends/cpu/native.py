@@ -35,7 +35,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "decode_stack.c")
-HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "thread_pool.h")
+HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time

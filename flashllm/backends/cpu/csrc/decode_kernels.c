@@ -18,15 +18,8 @@
 #include <stdint.h>
 
 #include "decode_kernels.h"
+#include "simd.h"
 #include "thread_pool.h"
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(lo);
-}
 
 /* y[t * ldy + n] = sum_k x[t * K + k] * w[n * K + k] for t < T and n0 <= n < n1 (fp32). */
 void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int64_t K,

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define A8_BLOCK 64  /* features per activation scale: 32 bytes of int4 codes */
 /* Rows are read in order, one line per two blocks, and the hardware prefetcher alone left DRAM
  * half idle: 9728 x 896 codes took 0.45 ms for one token on the team's 2-core VM, 0.33 ms when
@@ -35,18 +37,11 @@
 typedef void (*share_fn)(void *ctx, int64_t n0, int64_t n1);
 void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads);  /* thread_pool.h */
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(lo);
-}
-
 /* Token t's K features -> q (K int8, each block's even features then its odd ones), d (K / 64
  * scales) and qsum (G per-group sums of d[b] * sum q over the group's blocks). The scale is
  * absmax / 127 in fp32; a feature becomes round-to-nearest-even(x * (127 / absmax)), an all-zero
  * block scale 0 and codes 0. */
-void flashllm_quantize_activations_a8(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum) {
+static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum) {
     const int64_t blocks = K / A8_BLOCK, per_group = blocks / G;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t g = 0; g < G; g++) {
@@ -104,7 +99,7 @@ static inline float zero_term(const float *scales, const int32_t *zeros, const f
         const __m256 sz = _mm256_mul_ps(_mm256_maskload_ps(scales + g, mask), zero);
         acc = _mm256_fmadd_ps(sz, _mm256_maskload_ps(qsum + g, mask), acc);
     }
-    return hsum(acc);
+    return hsum8(acc);
 }
 
 /* Rows n0..n1 for tokens t0..t0 + TT (TT <= 4): each block's codes are split into nibbles once for
@@ -139,7 +134,7 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
         }
         const int32_t *zeros = a->zeros ? a->zeros + n * G : NULL;
         for (int j = 0; j < TT; j++)
-            a->y[(t0 + j) * a->ldy + n] = hsum(acc[j]) - zero_term(scales, zeros, a->qsum + (t0 + j) * G, G);
+            a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) - zero_term(scales, zeros, a->qsum + (t0 + j) * G, G);
     }
 }
 
@@ -156,23 +151,23 @@ static void a8_share(void *ctx, int64_t n0, int64_t n1) {
 }
 
 /* Bytes of scratch flashllm_w4a8_gemv_mt needs for T tokens: the int8 activations and their scales. */
-int64_t flashllm_w4a8_scratch_bytes(int64_t T, int64_t K, int64_t G) {
+static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
     return T * K + (int64_t)sizeof(float) * T * (K / A8_BLOCK + G);
 }
 
 /* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K and K / G multiples of
- * 64; rows split over `threads`. scratch: flashllm_w4a8_scratch_bytes, 4-byte aligned, or NULL to
+ * 64; rows split over `threads`. scratch: scratch_bytes, 4-byte aligned, or NULL to
  * allocate it here. Returns 0, or -1 when it could not be allocated. */
 int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
                           const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
                           int threads) {
     const int64_t blocks = K / A8_BLOCK;
-    void *owned = scratch ? NULL : malloc((size_t)flashllm_w4a8_scratch_bytes(T, K, G));
+    void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
     if (!scratch && !owned) return -1;
     float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
     int8_t *q = (int8_t *)(qsum + T * G);
     for (int64_t t = 0; t < T; t++)
-        flashllm_quantize_activations_a8(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G);
+        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G);
     a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
     flashllm_parallel_for(a8_share, &a, N, threads);
     free(owned);
