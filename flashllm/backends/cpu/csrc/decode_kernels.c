@@ -162,6 +162,14 @@ static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, in
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) y[t * ldy + r] = hsum8(acc[r][t]); \
 }
 
+/* TILE_END for one group per row (G == 1): each row's scale multiplies its finished sums once */
+#define TILE_END_ROW_SCALED(R, TT)                                                                \
+        }                                                                                        \
+    }                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)                       \
+        y[t * ldy + r] = hsum8(acc[r][t]) * scales[r];                                           \
+}
+
 #define DQ_F32 _mm256_loadu_ps(w + r * ws + k)
 #define DQ_I8 _mm256_mul_ps(WIDEN_I8(w + r * ws + k), scale[r])
 #define DQ_I4(SHIFT) _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(                            \
@@ -169,6 +177,10 @@ static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, in
 
 #define DEFINE_F32_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, float) TILE_PASS(R, TT, x, DQ_F32) TILE_END(R, TT)
 #define DEFINE_I8_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, int8_t) TILE_PASS(R, TT, x, DQ_I8) TILE_END(R, TT)
+/* int8 with one scale per row: the codes' sums are scaled at the end (as flashllm_w8_gemv does), not
+ * every code, which saves one multiply per 8 weights and the scale registers (4 rows fit, as fp32) */
+#define DEFINE_I8_ROW_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, int8_t) TILE_PASS(R, TT, x, WIDEN_I8(w + r * ws + k)) \
+    TILE_END_ROW_SCALED(R, TT)
 /* int4: bytes hold (even feature, odd feature) in (low, high) nibbles; x / x2 are deinterleaved */
 #define DEFINE_I4_TILE(NAME, R, TT) TILE_BEGIN(NAME, R, TT, uint8_t)                                  \
     TILE_PASS(R, TT, x, DQ_I4(0)) TILE_PASS(R, TT, x2, DQ_I4(4)) TILE_END(R, TT)
@@ -186,6 +198,7 @@ static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, in
 
 DEFINE_TILES(f32, DEFINE_F32_TILE, 4)
 DEFINE_TILES(i8, DEFINE_I8_TILE, 3)
+DEFINE_TILES(i8row, DEFINE_I8_ROW_TILE, 4)
 DEFINE_TILES(i4, DEFINE_I4_TILE, 2)
 
 /* Rows n0..n1 of y[t * ldy + n] for T tokens: blocks of R rows (the last rows one at a time), each
@@ -228,7 +241,8 @@ void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int6
 /* flashllm_w8_gemv's product, tiled */
 void flashllm_w8_gemm(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                       int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
-    tiled_product(i8_TILES, 3, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    if (G == 1) tiled_product(i8row_TILES, 4, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    else tiled_product(i8_TILES, 3, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
 }
 
 /* flashllm_w4_gemv's product, tiled */
