@@ -87,18 +87,22 @@ def warm_up(model, request: BenchRequest) -> None:
     _sync(model)
 
 
-def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int]) -> list[dict[str, Any]]:
+def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
     """One record per static batch size; a size that runs out of device memory is recorded, not fatal.
 
     A record is {"batch_size", "elapsed_s", "output_tokens_per_s", "total_tokens_per_s"}, or
-    {"batch_size", "error": "out of memory"} (the error's first line is printed to stderr).
+    {"batch_size", "error": "out of memory"} (the error's first line is printed to stderr). With
+    repeats > 1 each size runs that many times and its record is the median run, all runs under
+    "runs" (bench/repeats.py).
     """
+    from flashllm.bench.repeats import median_run
+
     warm_up(model, requests[0])
     records = []
     for batch in batch_sizes:
         message = None
         try:
-            run = run_static_batches(model, requests, batch)
+            runs = [_batch_record(run_static_batches(model, requests, batch)) for _ in range(repeats)]
         except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is this class
             message = (str(exc).splitlines() or ["out of memory"])[0]
         if message is not None:
@@ -108,10 +112,13 @@ def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int])
                   "recorded as an error, trying the next --baseline-batch-sizes", file=sys.stderr)
             records.append({"batch_size": batch, "error": "out of memory"})
             continue
-        records.append({"batch_size": run.batch_size, "elapsed_s": run.elapsed,
-                        "output_tokens_per_s": run.output_throughput,
-                        "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.elapsed})
+        records.append(median_run(runs, "output_tokens_per_s"))
     return records
+
+
+def _batch_record(run: BaselineResult) -> dict[str, Any]:
+    return {"batch_size": run.batch_size, "elapsed_s": run.elapsed, "output_tokens_per_s": run.output_throughput,
+            "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.elapsed}
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,13 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from datetime import date
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_runs, median_run
 from flashllm.bench.workload import BenchRequest
 
 
@@ -64,7 +67,7 @@ def run_offline(args: argparse.Namespace) -> int:
     result["flashllm"] = {k: v for k, v in runs[0].items()
                           if k not in ("quant_type", "device", "loaded_weight_bytes", "streamed_weight_bytes")}
     if len(runs) > 1:
-        key = "decode_tokens_per_s" if args.mode == "latency" else "output_tokens_per_s"
+        key = _rate_key(args)
         for run in runs:
             run["speedup_vs_first"] = run[key] / runs[0][key]
         result["quant_runs"] = runs
@@ -113,17 +116,38 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in requests]
     llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    numbers = engine_numbers(outputs, elapsed, out_tokens, in_tokens)
     selection = llm.engine.parts.selection
+    runs = bracketed_runs(partial(_timed_generate, llm, requests, params), args.repeats,
+                          _bracket_probe(args, selection.device))
+    numbers = median_run(runs, _rate_key(args))
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
     selection.adapter.empty_cache(selection.device)  # and sizes its KV cache from what is free
     return numbers, info, requests
+
+
+def _timed_generate(llm: Any, requests: list[BenchRequest], params: list[Any]) -> dict[str, float]:
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return engine_numbers(outputs, elapsed, out_tokens, sum(len(r.prompt_token_ids) for r in requests))
+
+
+def _rate_key(args: argparse.Namespace) -> str:
+    """The number a run is ranked by: the decode rate in latency mode, output tokens/s otherwise."""
+    return "decode_tokens_per_s" if args.mode == "latency" else "output_tokens_per_s"
+
+
+def _bracket_probe(args: argparse.Namespace, device: Any) -> Callable[[], float] | None:
+    """The probe that brackets each timed latency run (see bench/repeats.py), where --roofline asked
+    for ceilings and the device's plan brackets its runs; None otherwise."""
+    from flashllm.bench import roofline as rl
+
+    plan = rl.plan_for(device)
+    if not (args.roofline and args.mode == "latency" and plan.bracket_runs):
+        return None
+    return lambda: rl.measure_ceiling_bandwidth(device, plan)
 
 
 def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],
@@ -138,15 +162,16 @@ def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[Benc
     from flashllm.bench.hf_baseline import free_cached_memory, load, run_batch_sizes, run_latency
 
     model = load(model_dir, getattr(torch, args.dtype), result["device"])
-    result["transformers"] = run_batch_sizes(model, requests, args.baseline_batch_sizes)
+    result["transformers"] = run_batch_sizes(model, requests, args.baseline_batch_sizes, args.repeats)
     ran = [r for r in result["transformers"] if "error" not in r]
     best = max((r["output_tokens_per_s"] for r in ran), default=None)
     result["speedup_vs_best_transformers"] = None if best is None else result["flashllm"]["output_tokens_per_s"] / best
     if args.mode == "latency":
-        latency = run_latency(model, requests[0])
-        result["transformers_latency"] = {"ttft_s": latency.ttft, "decode_tokens_per_s": latency.decode_tokens_per_s}
+        runs = [run_latency(model, requests[0]) for _ in range(args.repeats)]
+        result["transformers_latency"] = median_run(
+            [{"ttft_s": r.ttft, "decode_tokens_per_s": r.decode_tokens_per_s} for r in runs], "decode_tokens_per_s")
         result["decode_speedup_vs_transformers"] = (result["flashllm"]["decode_tokens_per_s"]
-                                                    / latency.decode_tokens_per_s)
+                                                    / result["transformers_latency"]["decode_tokens_per_s"])
     device = model.device
     del model
     free_cached_memory(device)  # the roofline's 2 GiB buffers come next
@@ -183,17 +208,23 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     for run in result.get("llama.cpp", []):
         result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
     if args.mode == "latency":
-        fractions = {"flashllm": result["flashllm"]["decode_tokens_per_s"] / ceiling}
+        def fraction(record: dict[str, Any], streamed_bytes: int) -> float:
+            # against the probes bracketing the record's own runs where there are some, else the one above
+            paired = bandwidth_fraction(record, "decode_tokens_per_s", streamed_bytes)
+            return paired if paired is not None else record["decode_tokens_per_s"] / roof.decode_ceiling(1, streamed_bytes)
+
+        fractions = {"flashllm": fraction(result["flashllm"], result["streamed_weight_bytes"])}
         if "transformers_latency" in result:  # same float weights, so the float ceiling
-            float_ceiling = roof.decode_ceiling(1, result["weight_bytes"])
-            fractions["transformers"] = result["transformers_latency"]["decode_tokens_per_s"] / float_ceiling
+            fractions["transformers"] = fraction(result["transformers_latency"], result["weight_bytes"])
         for run in result.get("llama.cpp", []):
-            fractions["llama.cpp"] = run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["gguf_bytes"])
+            fractions["llama.cpp"] = fraction(run, run["gguf_bytes"])
         result["fraction_of_bandwidth_ceiling"] = fractions["flashllm"]
         result["fractions_of_bandwidth_ceiling"] = fractions
+        result["bandwidth_fraction_method"] = (
+            "median over runs, each against the higher of the probes just before and after it"
+            if "ceiling_bandwidth_gb_s" in result["flashllm"] else "against the roofline probe after all runs")
         for run in result.get("quant_runs", []):
-            run["fraction_of_bandwidth_ceiling"] = (
-                run["decode_tokens_per_s"] / roof.decode_ceiling(1, run["streamed_weight_bytes"]))
+            run["fraction_of_bandwidth_ceiling"] = fraction(run, run["streamed_weight_bytes"])
 
 
 def max_model_len(requested: int | None, model_dir: Path) -> int:
@@ -221,7 +252,8 @@ def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRe
 
     file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
     try:
-        record = run_baseline(model_dir, requests, file_type)
+        record = run_baseline(model_dir, requests, file_type, repeats=args.repeats,
+                              probe=_bracket_probe(args, "cpu"))
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size

@@ -52,6 +52,7 @@ class Plan:
     repeats: int
     calls_per_timing: int
     ceiling: str
+    bracket_runs: bool = False  # probe the ceiling's bandwidth before and after each timed run (bench/repeats.py)
 
 
 # The CPU keeps its read-stream convention: a CPU decode step is a GEMV streaming its weights,
@@ -59,8 +60,11 @@ class Plan:
 # (docs/benchmarks.md reports ~17.5 GB/s read on the 2-core machine). Every other device uses
 # BENCHMARKS.md's definition, a 2 GiB device copy counted as bytes read + written, and an 8192^3
 # GEMM in the benchmark dtype.
+# A CPU's runs are bracketed by read probes: on the team's shared 2-core VM the read stream drifted
+# between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
+# the engine's KV cache holds while it is loaded, and HBM bandwidth did not drift in the team's runs.
 CPU_PLAN = Plan(copy_bytes=1 << 30, read_bytes=1 << 30, matmul_n=2048, repeats=5, calls_per_timing=1,
-                ceiling="read stream")
+                ceiling="read stream", bracket_runs=True)
 ACCELERATOR_PLAN = Plan(copy_bytes=2 << 30, read_bytes=2 << 30, matmul_n=8192, repeats=10, calls_per_timing=10,
                         ceiling="copy")
 PLANS: dict[str, Plan] = {"cpu": CPU_PLAN}
@@ -127,3 +131,11 @@ def measure(dtype: torch.dtype = torch.float32, device: str = "cpu", plan: Plan 
                     copy_bandwidth=measure_bandwidth(plan.copy_bytes, plan.repeats, device, plan.calls_per_timing),
                     matmul_flops=measure_matmul(dtype, plan.matmul_n, plan.repeats, device, plan.calls_per_timing),
                     dtype=str(dtype).removeprefix("torch."), ceiling=plan.ceiling)
+
+
+def measure_ceiling_bandwidth(device: str | torch.device, plan: Plan | None = None) -> float:
+    """The bandwidth the decode ceiling divides by (the plan's read stream or copy), measured now."""
+    plan = plan or plan_for(device)
+    if plan.ceiling == "read stream":
+        return measure_read_bandwidth(plan.read_bytes, plan.repeats, str(device), plan.calls_per_timing)
+    return measure_bandwidth(plan.copy_bytes, plan.repeats, str(device), plan.calls_per_timing)

@@ -51,6 +51,9 @@ def add_parser(sub: Any) -> None:
                        help="static batch sizes tried for the transformers baseline, comma-separated; one that runs "
                             "out of device memory is recorded as an error and the rest still run")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
+        p.add_argument("--repeats", type=_positive, default=1,
+                       help="time each engine (and baseline batch size) this many times and report the median run; "
+                            "on a CPU with --roofline each latency run is bracketed by bandwidth probes")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
@@ -78,6 +81,16 @@ def _batch_sizes(text: str) -> list[int]:
         return parse_batch_sizes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 BASELINES = ("none", "transformers", "llama.cpp")

@@ -94,5 +94,48 @@ def test_latency_compares_quant_types_and_transformers_in_one_run(model_dir: Pat
     fractions = record["fractions_of_bandwidth_ceiling"]
     bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
     assert fractions["transformers"] == pytest.approx(hf["decode_tokens_per_s"] * record["weight_bytes"] / bandwidth)
-    assert runs[2]["fraction_of_bandwidth_ceiling"] == pytest.approx(
-        runs[2]["decode_tokens_per_s"] * runs[2]["streamed_weight_bytes"] / bandwidth)
+    # flashllm's own runs are bracketed by read probes on the CPU; the ceiling is the higher of the two
+    a8w8 = runs[2]
+    assert a8w8["ceiling_bandwidth_gb_s"] == max(a8w8["probe_gb_s"])
+    assert a8w8["fraction_of_bandwidth_ceiling"] == pytest.approx(
+        a8w8["decode_tokens_per_s"] * a8w8["streamed_weight_bytes"] / (a8w8["ceiling_bandwidth_gb_s"] * 1e9))
+
+
+def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_dir: Path, tmp_path: Path) -> None:
+    record = _run(tmp_path, "latency", "--model", str(model_dir), "--input-len", "16", "--output-len", "8",
+                  "--quant_type", "none,w8a16", "--baseline", "transformers", "--baseline-batch-sizes", "1",
+                  "--repeats", "3", "--roofline")
+    flash = record["flashllm"]
+    runs = flash["runs"]
+    assert len(runs) == 3 and all(r["output_tokens"] == 8 for r in runs)
+    # the record is its median run, a run that happened
+    rates = sorted(r["decode_tokens_per_s"] for r in runs)
+    assert flash["decode_tokens_per_s"] == rates[1]
+    # each run between two CPU read probes, consecutive runs sharing the probe between them
+    assert all(len(r["probe_gb_s"]) == 2 and min(r["probe_gb_s"]) > 0 for r in runs)
+    assert [r["probe_gb_s"][1] for r in runs[:-1]] == [r["probe_gb_s"][0] for r in runs[1:]]
+    own = sorted(r["decode_tokens_per_s"] * record["streamed_weight_bytes"] / (max(r["probe_gb_s"]) * 1e9)
+                 for r in runs)
+    assert record["fraction_of_bandwidth_ceiling"] == pytest.approx(own[1])
+    assert record["bandwidth_fraction_method"].startswith("median over runs")
+    w8 = record["quant_runs"][1]
+    assert len(w8["runs"]) == 3 and w8["fraction_of_bandwidth_ceiling"] == pytest.approx(sorted(
+        r["decode_tokens_per_s"] * w8["streamed_weight_bytes"] / (r["ceiling_bandwidth_gb_s"] * 1e9)
+        for r in w8["runs"])[1])
+    # the baseline is repeated too (not bracketed: its fraction is against the roofline probe)
+    hf = record["transformers_latency"]
+    assert len(hf["runs"]) == 3 and hf["decode_tokens_per_s"] == sorted(r["decode_tokens_per_s"] for r in hf["runs"])[1]
+    assert len(record["transformers"][0]["runs"]) == 3
+
+
+def test_a_single_run_without_roofline_keeps_the_flat_record(model_dir: Path, tmp_path: Path) -> None:
+    record = _run(tmp_path, "latency", "--model", str(model_dir), "--input-len", "16", "--output-len", "4")
+    assert "runs" not in record["flashllm"] and "probe_gb_s" not in record["flashllm"]
+    assert record["flashllm"]["output_tokens"] == 4
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_repeats_must_be_a_positive_whole_number(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--repeats", bad])
+    assert "--repeats: must be a whole number of at least 1" in capsys.readouterr().err

@@ -21,6 +21,15 @@ def test_each_device_type_gets_its_plan() -> None:
         plan = roofline.plan_for(device)
         assert (plan.copy_bytes, plan.read_bytes, plan.matmul_n, plan.ceiling) == (2 << 30, 2 << 30, 8192, "copy")
         assert plan.repeats > 1 and plan.calls_per_timing > 1
+        # only the CPU brackets each timed run with probes: a GPU's copy probe would need memory the KV cache holds
+        assert roofline.CPU_PLAN.bracket_runs and not plan.bracket_runs
+
+
+def test_the_ceiling_probe_measures_the_bandwidth_the_plan_divides_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda size, repeats, device, calls: ("read", size, device))
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda size, repeats, device, calls: ("copy", size, device))
+    assert roofline.measure_ceiling_bandwidth("cpu") == ("read", 1 << 30, "cpu")
+    assert roofline.measure_ceiling_bandwidth("cuda:1") == ("copy", 2 << 30, "cuda:1")
 
 
 def test_accelerator_timings_are_synchronized_and_divided_by_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +126,7 @@ def test_speedup_is_over_the_best_batch_that_ran(monkeypatch: pytest.MonkeyPatch
     if max_batch == 0:  # even the warm-up's single row fails: let it through to test "every size failed"
         monkeypatch.setattr(hf_baseline, "warm_up", lambda *_: None)
     monkeypatch.setattr(hf_baseline, "load", lambda *_: model)
-    args = argparse.Namespace(dtype="float32", baseline_batch_sizes=[1, 4, 2], mode="throughput")
+    args = argparse.Namespace(dtype="float32", baseline_batch_sizes=[1, 4, 2], mode="throughput", repeats=1)
     result = {"device": "cpu", "flashllm": {"output_tokens_per_s": 1000.0}}
     offline._transformers(args, None, REQUESTS, result)
     ran = [r["output_tokens_per_s"] for r in result["transformers"] if "error" not in r]
