@@ -72,6 +72,13 @@ class LLM(ChatMethods):
             raise
         return self._run(ids, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, so the next requests compute their prompts in full (a benchmark
+        repeating its prompts must not time cache hits). Refused while requests are running."""
+        if self.engine.has_unfinished():
+            raise RuntimeError("reset_prefix_cache: requests are still running")
+        self.engine.block_manager.reset_prefix_cache()
+
     def beam_search(self, prompts: Sequence[Prompt], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
         """Beam search per prompt; each output holds its `beam_width` best hypotheses, best first.

@@ -127,11 +127,16 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
 
 
 def _timed_generate(llm: Any, requests: list[BenchRequest], params: list[Any]) -> dict[str, float]:
+    """One timed run over the requests; every run starts with an empty prefix cache, so a repeat
+    computes the prompts an earlier run cached (its hit rate, recorded, counts hits within the run)."""
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests], params)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return engine_numbers(outputs, elapsed, out_tokens, sum(len(r.prompt_token_ids) for r in requests))
+    numbers = engine_numbers(outputs, elapsed, out_tokens, sum(len(r.prompt_token_ids) for r in requests))
+    numbers["prefix_cache_hit_rate"] = llm.engine.block_manager.prefix_cache_hit_rate
+    return numbers
 
 
 def _rate_key(args: argparse.Namespace) -> str:

@@ -139,3 +139,27 @@ def test_repeats_must_be_a_positive_whole_number(bad: str, capsys: pytest.Captur
     with pytest.raises(SystemExit):
         main(["bench", "latency", "--repeats", bad])
     assert "--repeats: must be a whole number of at least 1" in capsys.readouterr().err
+
+
+def test_repeated_throughput_runs_compute_their_prompts_again(model_dir: Path, tmp_path: Path) -> None:
+    # 130-token prompts fill two 64-token blocks: without the reset between runs the second run
+    # would find every full block of every prompt in the prefix cache and skip its prefill
+    record = _run(tmp_path, "throughput", "--model", str(model_dir), "--num-prompts", "3", "--input-len", "130",
+                  "--output-len", "2", "--repeats", "2")
+    runs = record["flashllm"]["runs"]
+    assert [r["prefix_cache_hit_rate"] for r in runs] == [0.0, 0.0]
+    assert record["flashllm"]["output_tokens_per_s"] == min(r["output_tokens_per_s"] for r in runs)
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompt(model_dir: Path) -> None:
+    from flashllm.llm import LLM
+    from flashllm.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), device="cpu", max_model_len=512)
+    prompt, params = list(range(5, 135)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert llm.engine.block_manager.prefix_cache_hit_rate == 0.5  # the second prompt's two blocks hit
+    llm.reset_prefix_cache()
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert llm.engine.block_manager.prefix_cache_hit_rate == 0.0
