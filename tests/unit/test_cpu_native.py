@@ -61,6 +61,14 @@ def test_f32_tiles_cover_every_row_and_token(tokens: int) -> None:
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
+@pytest.mark.parametrize("k", [896, 2056])
+def test_one_token_products_on_both_sides_of_the_long_row_switch(k: int) -> None:
+    # one token: rows of up to 2048 features stream row by row, longer ones through the 4-row tiles
+    gen = torch.Generator().manual_seed(k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(67, k, generator=gen)
+    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
+
+
 QUANT_CASES = [  # scheme, group size, symmetric
     ("w8a16", -1, True), ("w8a16", 32, True), ("w8a16", 128, True),
     ("w4a16", -1, True), ("w4a16", 32, True), ("w4a16", 64, False), ("w4a16", 128, False),
