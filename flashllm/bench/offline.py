@@ -213,23 +213,25 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     for run in result.get("llama.cpp", []):
         result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
     if args.mode == "latency":
-        def fraction(record: dict[str, Any], streamed_bytes: int) -> float:
-            # against the probes bracketing the record's own runs where there are some, else the one above
-            paired = bandwidth_fraction(record, "decode_tokens_per_s", streamed_bytes)
-            return paired if paired is not None else record["decode_tokens_per_s"] / roof.decode_ceiling(1, streamed_bytes)
-
-        fractions = {"flashllm": fraction(result["flashllm"], result["streamed_weight_bytes"])}
+        fractions = {"flashllm": _decode_fraction(result["flashllm"], result["streamed_weight_bytes"], roof)}
         if "transformers_latency" in result:  # same float weights, so the float ceiling
-            fractions["transformers"] = fraction(result["transformers_latency"], result["weight_bytes"])
+            fractions["transformers"] = _decode_fraction(result["transformers_latency"], result["weight_bytes"], roof)
         for run in result.get("llama.cpp", []):
-            fractions["llama.cpp"] = fraction(run, run["gguf_bytes"])
+            fractions["llama.cpp"] = _decode_fraction(run, run["gguf_bytes"], roof)
         result["fraction_of_bandwidth_ceiling"] = fractions["flashllm"]
         result["fractions_of_bandwidth_ceiling"] = fractions
         result["bandwidth_fraction_method"] = (
             "median over runs, each against the higher of the probes just before and after it"
             if "ceiling_bandwidth_gb_s" in result["flashllm"] else "against the roofline probe after all runs")
         for run in result.get("quant_runs", []):
-            run["fraction_of_bandwidth_ceiling"] = fraction(run, run["streamed_weight_bytes"])
+            run["fraction_of_bandwidth_ceiling"] = _decode_fraction(run, run["streamed_weight_bytes"], roof)
+
+
+def _decode_fraction(record: dict[str, Any], streamed_bytes: int, roof: Any) -> float:
+    """A batch-1 record's fraction of the bandwidth ceiling: against the probes bracketing its own
+    runs where it has them (bench/repeats.py), else against the roofline measured after all runs."""
+    paired = bandwidth_fraction(record, "decode_tokens_per_s", streamed_bytes)
+    return paired if paired is not None else record["decode_tokens_per_s"] / roof.decode_ceiling(1, streamed_bytes)
 
 
 def max_model_len(requested: int | None, model_dir: Path) -> int:

@@ -427,7 +427,8 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     /* one token with long rows too: the 4-row tiles' next-block prefetch streamed the down projection
      * (K 4864) at ~35 GB/s against ~29 for the row-at-a-time loop (the team's 2-core VM, two threads);
      * with K 896 the row loop's single stream took 4-5% less time than the tiles (qkv, o, gate_up and
-     * the LM head of the 0.5b shape, paired runs on the sixth session's host), the tiles 6% less on down */
+     * the LM head of the 0.5b shape, paired runs on a later host of the same VM type; docs/benchmarks.md),
+     * the tiles 6% less on down */
     if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
