@@ -79,6 +79,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant)
+    selection.adapter.place_weights(model)
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir))
     generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)

@@ -182,6 +182,11 @@ class DeviceAdapter:
         """(free_bytes, total_bytes) of device memory."""
         return self._module().mem_get_info(device)
 
+    def place_weights(self, model: torch.nn.Module) -> None:
+        """Once, after the model loaded onto this device: move its weights into the memory layout
+        the device streams fastest (no-op by default; the cpu adapter uses huge pages)."""
+        return None
+
     def new_graph(self, device: torch.device) -> StepGraph | None:
         """An empty replayable graph for `device` (see StepGraph), or None when the device has none.
 

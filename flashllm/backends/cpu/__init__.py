@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -14,6 +15,8 @@ import torch
 from flashllm.backends.cpu import parallel
 from flashllm.registry.backend import Availability, Backend, DeviceAdapter
 from flashllm.registry.precision import DeviceProfile
+
+logger = logging.getLogger(__name__)
 
 _ALL_FLOAT = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # No fp8: x86/Arm CPUs have no fp8 arithmetic, so "fp8" here would be an emulation that widens
@@ -86,6 +89,14 @@ class CpuAdapter(DeviceAdapter):
         from flashllm.backends.cpu import decode_stack
 
         return decode_stack.build(model)
+
+    def place_weights(self, model: torch.nn.Module) -> None:
+        """Large weights into transparent huge pages (see huge_pages.py)."""
+        from flashllm.backends.cpu import huge_pages
+
+        moved = huge_pages.place_weights(model)
+        if moved:
+            logger.info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,78 @@
+"""Weights in transparent huge pages: the cpu backend's `place_weights` after a model loads.
+
+A decode step streams every weight once. With 4 KiB pages it walks a page table entry per 4 KiB,
+and the hardware prefetchers stop at every page boundary. In paired runs in one process on the
+team's 2-core AVX2 EPYC (Linux THP mode "madvise"), the native one-token product over a 544 MB
+fp32 weight read 4-9% faster from 2 MiB pages (18-19 -> 19-20 GB/s), and the 16-token product
+ran 3-7% faster.
+
+Each float or integer weight of at least HUGE_PAGE bytes is copied into an anonymous mapping whose
+2 MiB-aligned interior is advised MADV_HUGEPAGE before it is written, so the kernel backs it with
+huge pages as it faults the pages in (no khugepaged wait). Tied weights stay tied: a storage is
+moved once and every tensor on it follows. Where the OS has no MADV_HUGEPAGE, or with
+FLASHLLM_CPU_HUGE_PAGES=0 (A/B runs), nothing moves. Results do not change: the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+from torch import Tensor, nn
+
+from flashllm.ops.quant_matmul import QuantizedWeight
+
+ENV_SWITCH = "FLASHLLM_CPU_HUGE_PAGES"
+HUGE_PAGE = 2 << 20
+
+
+def enabled() -> bool:
+    """Whether place_weights moves anything here (the OS has MADV_HUGEPAGE and the switch is not 0)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def huge_page_copy(t: Tensor) -> Tensor:
+    """A contiguous copy of the CPU tensor t in memory advised for 2 MiB pages (t itself if it is
+    smaller than one page). The tensor keeps its mapping alive."""
+    if t.nbytes < HUGE_PAGE:
+        return t
+    mapping = mmap.mmap(-1, t.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE  # page-aligned: the mapping starts on a page
+    mapping.madvise(mmap.MADV_HUGEPAGE, start, t.nbytes // HUGE_PAGE * HUGE_PAGE or HUGE_PAGE)
+    copy = raw[start : start + t.nbytes].view(t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
+def place_weights(model: nn.Module) -> int:
+    """Move model's large parameters, buffers and QuantizedWeight tensors into huge pages;
+    returns the bytes moved (0 when not enabled())."""
+    if not enabled():
+        return 0
+    moved: dict[int, Tensor] = {}  # storage data_ptr -> its copy, so tied tensors stay one
+
+    def place(t: Tensor | None) -> Tensor | None:
+        # only tensors that are their whole storage: moving one view of a shared storage would
+        # split it from the others
+        if (t is None or t.device.type != "cpu" or t.nbytes < HUGE_PAGE or not t.is_contiguous()
+                or t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes):
+            return t
+        key = t.data_ptr()
+        if key not in moved:
+            copy = huge_page_copy(t)
+            moved[key] = moved[copy.data_ptr()] = copy  # a tied tensor met again after its move
+        return moved[key]
+
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                param.data = place(param.data)
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, place(buffer))
+            for value in vars(module).values():
+                if isinstance(value, QuantizedWeight):
+                    value.data, value.scales, value.zeros = place(value.data), place(value.scales), place(value.zeros)
+                    value.kernel_cache.clear()  # re-layouts of the old storage are rebuilt on first use
+    return sum(t.nbytes for key, t in moved.items() if key != t.data_ptr())
