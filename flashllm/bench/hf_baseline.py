@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from flashllm.bench.repeats import median_run
 from flashllm.bench.roofline import synchronize
 from flashllm.bench.workload import BenchRequest
 
@@ -95,8 +96,6 @@ def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int],
     repeats > 1 each size runs that many times and its record is the median run, all runs under
     "runs" (bench/repeats.py).
     """
-    from flashllm.bench.repeats import median_run
-
     warm_up(model, requests[0])
     records = []
     for batch in batch_sizes:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashllm.bench.repeats import bracketed_runs, median_run
 from flashllm.bench.workload import BenchRequest
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
@@ -122,8 +123,6 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
     repeats / probe: run the requests that many times, bracketed by the probe, and record the
     median run (bench/repeats.py).
     """
-    from flashllm.bench.repeats import bracketed_runs, median_run
-
     llama_cpp = require_llama_cpp()
     from flashllm.bench.gguf_export import cached_gguf
 

@@ -73,6 +73,8 @@ def place_weights(model: nn.Module) -> int:
                 setattr(module, name, place(buffer))
             for value in vars(module).values():
                 if isinstance(value, QuantizedWeight):
-                    value.data, value.scales, value.zeros = place(value.data), place(value.scales), place(value.zeros)
-                    value.kernel_cache.clear()  # re-layouts of the old storage are rebuilt on first use
+                    placed = place(value.data), place(value.scales), place(value.zeros)
+                    if any(new is not old for new, old in zip(placed, (value.data, value.scales, value.zeros), strict=True)):
+                        value.data, value.scales, value.zeros = placed
+                        value.kernel_cache.clear()  # re-layouts of the old storage are rebuilt on first use
     return sum(t.nbytes for key, t in moved.items() if key != t.data_ptr())
