@@ -414,7 +414,15 @@ void flashllm_silu_and_mul(const float *x, float *out, int64_t I, int64_t e0, in
     }
 }
 
-/* ---- the GEMVs above over row shares of the worker pool (thread_pool.h) ---- */
+/* ---- the GEMVs above over row shares of the worker pool (thread_pool.h) ----
+ * Shares per thread: a tiled share starts with its first block not prefetched, so where tiles read
+ * fast enough for that to show (int8 and int4 codes for one token) a thread takes few shares; fp32
+ * products and 16-token integer ones take many, so a thread the host slows down hands its rows to
+ * the other. Interleaved runs of the 0.5b shape's 97 products of a token, two threads on the
+ * team's 2-core VM, fine (32) against coarse (4): fp32 one token +4% (9 of 12 rounds), 16 tokens
+ * +7% (6 of 6); int8 16 tokens +4% (5 of 6), one token -3% (2 of 12 faster). */
+#define COARSE_SHARES 4
+#define FINE_SHARES 32
 
 typedef struct {
     const void *x, *x2, *w, *scales, *zeros;
@@ -457,7 +465,7 @@ static void silu_share(void *ctx, int64_t v0, int64_t v1) {  /* shares of 8-elem
 /* flashllm_silu_and_mul over all T x I outputs, split over `threads` */
 void flashllm_silu_and_mul_mt(const float *x, float *out, int64_t T, int64_t I, int threads) {
     silu_args a = {x, out, I, T * I};
-    flashllm_parallel_for(silu_share, &a, (T * I + 7) / 8, threads);
+    flashllm_parallel_for(silu_share, &a, (T * I + 7) / 8, threads, COARSE_SHARES);
 }
 
 static void attention_share(void *ctx, int64_t p0, int64_t p1) { attend_pairs(ctx, p0, p1); }
@@ -469,24 +477,24 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
                                int64_t block_size, float scale, float *out, int threads) {
     attention_args a = {q, k_cache, v_cache, block_tables, seq_lens, rows, q_stride, width, Hq, Hk, D,
                         block_size, scale, out};
-    flashllm_parallel_for(attention_share, &a, B * Hq, threads);
+    flashllm_parallel_for(attention_share, &a, B * Hq, threads, COARSE_SHARES);
 }
 
 void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t N,
                           int64_t ldy, int threads) {
     gemv_args a = {x, NULL, w, NULL, NULL, y, T, K, 0, ldy};
-    flashllm_parallel_for(f32_share, &a, N, threads);
+    flashllm_parallel_for(f32_share, &a, N, threads, FINE_SHARES);
 }
 
 void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
                          float *y, int64_t N, int64_t ldy, int threads) {
     gemv_args a = {x, NULL, w, scales, NULL, y, T, K, G, ldy};
-    flashllm_parallel_for(w8_share, &a, N, threads);
+    flashllm_parallel_for(w8_share, &a, N, threads, T > 1 ? FINE_SHARES : COARSE_SHARES);
 }
 
 void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
                          const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy,
                          int threads) {
     gemv_args a = {xe, xo, w, scales, zeros, y, T, K, G, ldy};
-    flashllm_parallel_for(w4_share, &a, N, threads);
+    flashllm_parallel_for(w4_share, &a, N, threads, COARSE_SHARES);
 }

@@ -35,7 +35,8 @@
 #define PREFETCH_AHEAD 1024
 
 typedef void (*share_fn)(void *ctx, int64_t n0, int64_t n1);
-void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads);  /* thread_pool.h */
+#define COARSE_SHARES 4  /* per thread: each share's tiles start without their first block prefetched */
+void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread);  /* thread_pool.h */
 
 /* Token t's K features -> q (K int8, each block's even features then its odd ones), d (K / 64
  * scales) and qsum (G per-group sums of d[b] * sum q over the group's blocks). The scale is
@@ -169,7 +170,7 @@ int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w
     for (int64_t t = 0; t < T; t++)
         quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G);
     a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
-    flashllm_parallel_for(a8_share, &a, N, threads);
+    flashllm_parallel_for(a8_share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
 }

@@ -14,7 +14,6 @@
 
 #define FLASHLLM_MAX_WORKERS 64
 #define FLASHLLM_ROW_ALIGN 16
-#define SHARES_PER_THREAD 4         /* shares are claimed dynamically, about this many per thread */
 #define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
 
 typedef void (*flashllm_share_fn)(void *ctx, int64_t n0, int64_t n1);
@@ -93,8 +92,11 @@ static int pool_grow(int wanted) {  /* called with pool.lock held; returns the w
     return pool.workers;
 }
 
-/* Run fn over [0, n) in `threads` row shares (aligned to FLASHLLM_ROW_ALIGN rows). */
-void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threads) {
+/* Run fn over [0, n) in row shares (aligned to FLASHLLM_ROW_ALIGN rows) that `threads` threads
+ * claim dynamically, about `shares_per_thread` each: finer shares balance threads the host runs at
+ * different speeds, coarser ones keep a kernel's per-share start-up (a tile's prefetch of its
+ * first block) rare; the callers pick per kernel. */
+void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread) {
     if (threads <= 1 || n <= FLASHLLM_ROW_ALIGN || pthread_mutex_trylock(&pool.caller) != 0) {
         fn(ctx, 0, n);
         return;
@@ -102,7 +104,8 @@ void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threa
     pthread_mutex_lock(&pool.lock);
     int workers = pool_grow(threads - 1);
     if (workers > threads - 1) workers = threads - 1;  /* the pool may be larger than this call wants */
-    int64_t step = (n + SHARES_PER_THREAD * (workers + 1) - 1) / (SHARES_PER_THREAD * (workers + 1));
+    const int64_t parts = (int64_t)shares_per_thread * (workers + 1);
+    int64_t step = (n + parts - 1) / parts;
     step = (step + FLASHLLM_ROW_ALIGN - 1) / FLASHLLM_ROW_ALIGN * FLASHLLM_ROW_ALIGN;
     pool.fn = fn;
     pool.ctx = ctx;
