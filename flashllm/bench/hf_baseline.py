@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from flashllm.bench.repeats import median_run
 from flashllm.bench.roofline import synchronize
 from flashllm.bench.workload import BenchRequest
 
@@ -88,20 +87,19 @@ def warm_up(model, request: BenchRequest) -> None:
     _sync(model)
 
 
-def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
+def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int]) -> list[dict[str, Any]]:
     """One record per static batch size; a size that runs out of device memory is recorded, not fatal.
 
     A record is {"batch_size", "elapsed_s", "output_tokens_per_s", "total_tokens_per_s"}, or
-    {"batch_size", "error": "out of memory"} (the error's first line is printed to stderr). With
-    repeats > 1 each size runs that many times and its record is the median run, all runs under
-    "runs" (bench/repeats.py).
+    {"batch_size", "error": "out of memory"} (the error's first line is printed to stderr). One run
+    per size: `bench --repeats` calls this once per round (bench/offline.py).
     """
     warm_up(model, requests[0])
     records = []
     for batch in batch_sizes:
         message = None
         try:
-            runs = [_batch_record(run_static_batches(model, requests, batch)) for _ in range(repeats)]
+            record = _batch_record(run_static_batches(model, requests, batch))
         except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is this class
             message = (str(exc).splitlines() or ["out of memory"])[0]
         if message is not None:
@@ -111,7 +109,7 @@ def run_batch_sizes(model, requests: list[BenchRequest], batch_sizes: list[int],
                   "recorded as an error, trying the next --baseline-batch-sizes", file=sys.stderr)
             records.append({"batch_size": batch, "error": "out of memory"})
             continue
-        records.append(median_run(runs, "output_tokens_per_s"))
+        records.append(record)
     return records
 
 

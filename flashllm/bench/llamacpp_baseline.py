@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bracketed_runs, median_run
+from flashllm.bench.repeats import bracketed_run
 from flashllm.bench.workload import BenchRequest
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
@@ -114,14 +114,14 @@ def run_requests(llm: Any, requests: list[BenchRequest]) -> LlamaCppResult:
 
 
 def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str = "f32",
-                 cache_dir: Path | None = None, n_threads: int | None = None, repeats: int = 1,
+                 cache_dir: Path | None = None, n_threads: int | None = None,
                  probe: Callable[[], float] | None = None) -> dict[str, Any]:
     """Convert (or reuse) the GGUF of `model_dir`, warm up, run `requests`; returns the JSON record.
 
     The record carries the transformers baseline's keys (batch_size, elapsed_s, output_tokens_per_s)
     plus output_tokens, total_tokens_per_s, mean_ttft_s, decode_tokens_per_s and the GGUF used.
-    repeats / probe: run the requests that many times, bracketed by the probe, and record the
-    median run (bench/repeats.py).
+    probe: bracket the timed run with it (bench/repeats.py). One run per call: `bench --repeats`
+    calls this once per round (bench/offline.py).
     """
     llama_cpp = require_llama_cpp()
     from flashllm.bench.gguf_export import cached_gguf
@@ -132,10 +132,9 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
     llm = load(gguf_path, n_ctx=max(longest, n_batch), n_batch=n_batch, n_threads=n_threads)
     try:
         greedy_generate(llm, requests[0].prompt_token_ids[:8], 2)  # warm-up, as flashllm gets
-        runs = bracketed_runs(lambda: run_requests(llm, requests).record(), repeats, probe)
+        record = bracketed_run(lambda: run_requests(llm, requests).record(), probe)
     finally:
         llm.close()  # frees the model and KV cache before anything else is measured
-    record = median_run(runs, "decode_tokens_per_s" if "decode_tokens_per_s" in runs[0] else "output_tokens_per_s")
     record.update({"gguf": str(gguf_path), "gguf_type": file_type, "n_threads": n_threads or num_cores(),
                    "llama_cpp_version": getattr(llama_cpp, "__version__", "unknown")})
     return record

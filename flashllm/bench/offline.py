@@ -36,12 +36,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bandwidth_fraction, bracketed_runs, median_run
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio
 from flashllm.bench.workload import BenchRequest
 
 
 def run_offline(args: argparse.Namespace) -> int:
-    """Run the workload through flashllm (once per --quant_type), then each baseline; print and save the record."""
+    """Run the workload through flashllm (once per --quant_type) and each baseline, --repeats rounds of
+    them all; print and save the record."""
     import torch
 
     from flashllm.bench.shapes import parameter_bytes, shape_model_dir
@@ -57,26 +58,37 @@ def run_offline(args: argparse.Namespace) -> int:
                               "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "weight_bytes": parameter_bytes(model_dir)}
-    runs = []
     requests: list[BenchRequest] = []
-    for quant_type in quant_types:
-        numbers, info, requests = _flashllm_run(args, model_dir, quant_type, requests)
-        runs.append({"quant_type": quant_type, **info, **numbers})
-    result.update(device=runs[0]["device"], num_requests=len(requests), loaded_weight_bytes=runs[0]["loaded_weight_bytes"],
-                  streamed_weight_bytes=runs[0]["streamed_weight_bytes"])
-    result["flashllm"] = {k: v for k, v in runs[0].items()
-                          if k not in ("quant_type", "device", "loaded_weight_bytes", "streamed_weight_bytes")}
-    if len(runs) > 1:
-        key = _rate_key(args)
-        for run in runs:
-            run["speedup_vs_first"] = run[key] / runs[0][key]
-        result["quant_runs"] = runs
-    if "transformers" in baselines:
-        _transformers(args, model_dir, requests, result)
-    if "llama.cpp" in baselines:
-        result["llama.cpp"] = [_llama_cpp(args, model_dir, requests)]
-        result["speedup_vs_llama_cpp"] = (result["flashllm"]["output_tokens_per_s"]
-                                          / result["llama.cpp"][0]["output_tokens_per_s"])
+    flash: dict[str, list[dict[str, Any]]] = {q: [] for q in quant_types}
+    infos: dict[str, dict[str, Any]] = {}
+    hf_rounds: list[tuple[list[dict[str, Any]], dict[str, float] | None]] = []
+    llama_rounds: list[dict[str, Any]] = []
+    # Round-robin: each round runs every engine once, so a slow phase of a shared host falls on one
+    # round of every engine rather than on all runs of one; ratios are taken within a round.
+    for _ in range(args.repeats):
+        for quant_type in quant_types:
+            numbers, infos[quant_type], requests = _flashllm_run(args, model_dir, quant_type, requests)
+            flash[quant_type].append(numbers)
+        if "transformers" in baselines:
+            hf_rounds.append(_transformers_round(args, model_dir, requests, infos[quant_types[0]]["device"]))
+        if "llama.cpp" in baselines:
+            llama_rounds.append(_llama_cpp(args, model_dir, requests))
+    first = infos[quant_types[0]]
+    result.update(device=first["device"], num_requests=len(requests), loaded_weight_bytes=first["loaded_weight_bytes"],
+                  streamed_weight_bytes=first["streamed_weight_bytes"])
+    key = _rate_key(args)
+    result["flashllm"] = {"quantized_lm_head": first["quantized_lm_head"], **median_run(flash[quant_types[0]], key)}
+    if len(quant_types) > 1:
+        result["quant_runs"] = [{"quant_type": q, **infos[q], **median_run(flash[q], key),
+                                 "speedup_vs_first": paired_ratio(flash[q], flash[quant_types[0]], key)}
+                                for q in quant_types]
+    if hf_rounds:
+        _transformers_record(args, hf_rounds, flash[quant_types[0]], result)
+    if llama_rounds:
+        result["llama.cpp"] = [median_run(llama_rounds, key)]
+        result["speedup_vs_llama_cpp"] = paired_ratio(flash[quant_types[0]], llama_rounds, "output_tokens_per_s")
+    if args.repeats > 1:
+        result["speedup_method"] = "median over rounds of the ratio within a round (each round runs every engine once)"
     if args.roofline:
         _roofline(args, model_dir, requests, result, getattr(torch, args.dtype))
     print(json.dumps(result, indent=2))
@@ -91,7 +103,8 @@ def run_offline(args: argparse.Namespace) -> int:
 
 def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
                   requests: list[BenchRequest]) -> tuple[dict[str, float], dict[str, Any], list[BenchRequest]]:
-    """One flashllm engine over the requests (drawn from its tokenizer on the first call); frees it after."""
+    """One timed run of a fresh flashllm engine over the requests (drawn from its tokenizer on the
+    first call), bracketed by probes where _bracket_probe says so; frees the engine after."""
     import gc
 
     from flashllm.llm import LLM
@@ -117,9 +130,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               for r in requests]
     llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
     selection = llm.engine.parts.selection
-    runs = bracketed_runs(partial(_timed_generate, llm, requests, params), args.repeats,
-                          _bracket_probe(args, selection.device))
-    numbers = median_run(runs, _rate_key(args))
+    numbers = bracketed_run(partial(_timed_generate, llm, requests, params), _bracket_probe(args, selection.device))
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
     selection.adapter.empty_cache(selection.device)  # and sizes its KV cache from what is free
@@ -155,31 +166,43 @@ def _bracket_probe(args: argparse.Namespace, device: Any) -> Callable[[], float]
     return lambda: rl.measure_ceiling_bandwidth(device, plan)
 
 
-def _transformers(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],
-                  result: dict[str, Any]) -> None:
-    """transformers `generate` on the same weights and device: static batches, and batch-1 latency in latency mode.
-
-    A batch size that runs out of device memory is recorded as {"batch_size", "error"}; the
-    speedup is over the best batch size that ran (None, with the errors recorded, when none did).
-    """
+def _transformers_round(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],
+                        device: str) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    """One round of transformers `generate` on the same weights and device: a run of each static
+    batch size (an out-of-memory size is recorded as {"batch_size", "error"}), and in latency mode
+    one batch-1 latency run."""
     import torch
 
     from flashllm.bench.hf_baseline import free_cached_memory, load, run_batch_sizes, run_latency
 
-    model = load(model_dir, getattr(torch, args.dtype), result["device"])
-    result["transformers"] = run_batch_sizes(model, requests, args.baseline_batch_sizes, args.repeats)
-    ran = [r for r in result["transformers"] if "error" not in r]
-    best = max((r["output_tokens_per_s"] for r in ran), default=None)
-    result["speedup_vs_best_transformers"] = None if best is None else result["flashllm"]["output_tokens_per_s"] / best
+    model = load(model_dir, getattr(torch, args.dtype), device)
+    batches = run_batch_sizes(model, requests, args.baseline_batch_sizes)
+    latency = None
     if args.mode == "latency":
-        runs = [run_latency(model, requests[0]) for _ in range(args.repeats)]
-        result["transformers_latency"] = median_run(
-            [{"ttft_s": r.ttft, "decode_tokens_per_s": r.decode_tokens_per_s} for r in runs], "decode_tokens_per_s")
-        result["decode_speedup_vs_transformers"] = (result["flashllm"]["decode_tokens_per_s"]
-                                                    / result["transformers_latency"]["decode_tokens_per_s"])
-    device = model.device
+        run = run_latency(model, requests[0])
+        latency = {"ttft_s": run.ttft, "decode_tokens_per_s": run.decode_tokens_per_s}
+    model_device = model.device
     del model
-    free_cached_memory(device)  # the roofline's 2 GiB buffers come next
+    free_cached_memory(model_device)  # the next engine, or the roofline's 2 GiB buffers, come next
+    return batches, latency
+
+
+def _transformers_record(args: argparse.Namespace, rounds: list[tuple[list[dict[str, Any]], dict[str, float] | None]],
+                         flash: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    """The transformers records (each batch size's median run) and flashllm's speedups over them,
+    within each round: over that round's best batch size that ran (None where none ran)."""
+    result["transformers"] = []
+    for i in range(len(args.baseline_batch_sizes)):
+        runs = [batches[i] for batches, _ in rounds]
+        failed = [run for run in runs if "error" in run]
+        result["transformers"].append(failed[0] if failed else median_run(runs, "output_tokens_per_s"))
+    best = [max((r["output_tokens_per_s"] for r in batches if "error" not in r), default=None) for batches, _ in rounds]
+    result["speedup_vs_best_transformers"] = (None if None in best else paired_ratio(
+        flash, [{"output_tokens_per_s": b} for b in best], "output_tokens_per_s"))
+    if args.mode == "latency":
+        latency = [run for _, run in rounds]
+        result["transformers_latency"] = median_run(latency, "decode_tokens_per_s")
+        result["decode_speedup_vs_transformers"] = paired_ratio(flash, latency, "decode_tokens_per_s")
 
 
 def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], result: dict[str, Any],
@@ -253,14 +276,13 @@ def _llama_cpp_ready() -> None:
 
 
 def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]) -> dict[str, Any]:
-    """The llama.cpp record: batch 1 over the same requests, on a GGUF of the same weights."""
+    """One llama.cpp run: batch 1 over the same requests, on a GGUF of the same weights."""
     from flashllm.bench.gguf_export import GGUFExportError
     from flashllm.bench.llamacpp_baseline import GGUF_TYPE_FOR_DTYPE, run_baseline
 
     file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
     try:
-        record = run_baseline(model_dir, requests, file_type, repeats=args.repeats,
-                              probe=_bracket_probe(args, "cpu"))
+        record = run_baseline(model_dir, requests, file_type, probe=_bracket_probe(args, "cpu"))
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size

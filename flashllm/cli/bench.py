@@ -52,8 +52,9 @@ def add_parser(sub: Any) -> None:
                             "out of device memory is recorded as an error and the rest still run")
         p.add_argument("--roofline", action="store_true", help="measure bandwidth and FLOP/s in the same run")
         p.add_argument("--repeats", type=_positive, default=1,
-                       help="time each engine (and baseline batch size) this many times and report the median run; "
-                            "on a CPU with --roofline each latency run is bracketed by bandwidth probes")
+                       help="run this many rounds, each timing every engine (and baseline batch size) once, and "
+                            "report each engine's median run and ratios paired within rounds; on a CPU with "
+                            "--roofline each latency run is bracketed by bandwidth probes")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)

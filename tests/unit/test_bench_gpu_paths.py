@@ -127,8 +127,9 @@ def test_speedup_is_over_the_best_batch_that_ran(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(hf_baseline, "warm_up", lambda *_: None)
     monkeypatch.setattr(hf_baseline, "load", lambda *_: model)
     args = argparse.Namespace(dtype="float32", baseline_batch_sizes=[1, 4, 2], mode="throughput", repeats=1)
-    result = {"device": "cpu", "flashllm": {"output_tokens_per_s": 1000.0}}
-    offline._transformers(args, None, REQUESTS, result)
+    result: dict = {}
+    rounds = [offline._transformers_round(args, None, REQUESTS, "cpu")]
+    offline._transformers_record(args, rounds, [{"output_tokens_per_s": 1000.0}], result)
     ran = [r["output_tokens_per_s"] for r in result["transformers"] if "error" not in r]
     assert len(ran) == (2 if max_batch == 2 else 0)
     assert {"batch_size": 4, "error": "out of memory"} in result["transformers"]

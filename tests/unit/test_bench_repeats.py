@@ -1,18 +1,17 @@
-"""bench/repeats.py: repeated timed runs, the probes around each, the median run and the paired fractions."""
+"""bench/repeats.py: the probes around a timed run, the median run, paired fractions and ratios."""
 
 from __future__ import annotations
 
-import itertools
+import json
 
 import pytest
 
-from flashllm.bench.repeats import bandwidth_fraction, bracketed_runs, median_run
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio
 
 
-def test_each_run_sits_between_two_probes_and_takes_the_higher() -> None:
+def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
     events: list[str] = []
-    bandwidths = iter([20e9, 25e9, 18e9, 22e9])  # before run 0, after run 0, after run 1, after run 2
-    rates = itertools.count(10)
+    bandwidths = iter([20e9, 25e9, 18e9, 22e9])
 
     def probe() -> float:
         events.append("probe")
@@ -20,21 +19,30 @@ def test_each_run_sits_between_two_probes_and_takes_the_higher() -> None:
 
     def timed() -> dict[str, float]:
         events.append("run")
-        return {"decode_tokens_per_s": float(next(rates))}
+        return {"decode_tokens_per_s": 10.0}
 
-    runs = bracketed_runs(timed, 3, probe)
-    assert events == ["probe", "run", "probe", "run", "probe", "run", "probe"]
-    assert [r["probe_gb_s"] for r in runs] == [[20.0, 25.0], [25.0, 18.0], [18.0, 22.0]]
+    first, second = bracketed_run(timed, probe), bracketed_run(timed, probe)
+    assert events == ["probe", "run", "probe"] * 2
+    assert [first["probe_gb_s"], second["probe_gb_s"]] == [[20.0, 25.0], [18.0, 22.0]]
     # the higher neighbour: a dip on one side never raises the run's fraction
-    assert [r["ceiling_bandwidth_gb_s"] for r in runs] == [25.0, 25.0, 22.0]
+    assert [first["ceiling_bandwidth_gb_s"], second["ceiling_bandwidth_gb_s"]] == [25.0, 22.0]
 
 
-def test_without_a_probe_runs_carry_no_bandwidth_and_no_fraction() -> None:
-    runs = bracketed_runs(lambda: {"decode_tokens_per_s": 5.0}, 2, None)
+def test_without_a_probe_a_run_carries_no_bandwidth_and_no_fraction() -> None:
+    runs = [bracketed_run(lambda: {"decode_tokens_per_s": 5.0}, None) for _ in range(2)]
     assert runs == [{"decode_tokens_per_s": 5.0}] * 2
     assert bandwidth_fraction(median_run(runs, "decode_tokens_per_s"), "decode_tokens_per_s", 100) is None
-    with pytest.raises(ValueError, match="at least 1"):
-        bracketed_runs(lambda: {}, 0, None)
+
+
+def test_a_paired_ratio_compares_within_rounds() -> None:
+    # per round 2, 3 and 1: median 2; the ratio of the two medians (4 / 4) would divide runs of
+    # different rounds
+    fast = [{"rate": 10.0}, {"rate": 3.0}, {"rate": 4.0}]
+    slow = [{"rate": 5.0}, {"rate": 1.0}, {"rate": 4.0}]
+    assert paired_ratio(fast, slow, "rate") == 2.0
+    assert paired_ratio([{"rate": 3.0}, {"rate": 6.0}], [{"rate": 1.0}, {"rate": 1.0}], "rate") == 4.5
+    with pytest.raises(ValueError, match="same number of runs"):
+        paired_ratio(fast, slow[:2], "rate")
 
 
 @pytest.mark.parametrize("rates,median", [([3.0], 3.0), ([9.0, 1.0, 5.0], 5.0), ([4.0, 8.0, 2.0, 6.0], 4.0)])
@@ -57,3 +65,53 @@ def test_the_fraction_is_the_median_of_each_runs_own_fraction() -> None:
     assert record["decode_tokens_per_s"] == 8.0
     assert bandwidth_fraction(record, "decode_tokens_per_s", 10**9) == pytest.approx(0.8)
     assert [r["fraction_of_bandwidth_ceiling"] for r in record["runs"]] == pytest.approx([0.8, 0.45, 1.0])
+
+
+def test_repeats_run_rounds_of_every_engine_and_pair_ratios_within_rounds(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path) -> None:
+    from flashllm.bench import offline, shapes
+    from flashllm.cli import build_parser
+
+    events: list[str] = []
+    flash = {"none": [10.0, 5.0, 8.0], "w8a16": [25.0, 12.5, 20.0]}  # 2.5x fp32 in every round
+    llama = [9.0, 5.0, 10.0]      # flashllm / llama.cpp per round: 1.11, 1.0, 0.8
+    hf_best = [8.0, 4.0, 6.4]     # flashllm / best transformers batch: 1.25 in every round
+
+    def flashllm_run(args, model_dir, quant_type, requests):
+        events.append(quant_type)
+        rate = flash[quant_type][events.count(quant_type) - 1]
+        info = {"device": "cpu", "quantized_lm_head": False, "loaded_weight_bytes": 1, "streamed_weight_bytes": 1}
+        return {"output_tokens_per_s": rate, "decode_tokens_per_s": rate}, info, ["request"]
+
+    def transformers_round(args, model_dir, requests, device):
+        events.append("transformers")
+        best = hf_best[events.count("transformers") - 1]
+        return ([{"batch_size": 1, "output_tokens_per_s": best / 2}, {"batch_size": 16, "output_tokens_per_s": best}],
+                {"ttft_s": 0.1, "decode_tokens_per_s": best})
+
+    def llama_cpp(args, model_dir, requests):
+        events.append("llama.cpp")
+        rate = llama[events.count("llama.cpp") - 1]
+        return {"batch_size": 1, "output_tokens_per_s": rate, "decode_tokens_per_s": rate, "gguf": "m.gguf"}
+
+    monkeypatch.setattr(offline, "_flashllm_run", flashllm_run)
+    monkeypatch.setattr(offline, "_transformers_round", transformers_round)
+    monkeypatch.setattr(offline, "_llama_cpp", llama_cpp)
+    monkeypatch.setattr(offline, "_llama_cpp_ready", lambda: None)
+    monkeypatch.setattr(shapes, "parameter_bytes", lambda model_dir: 1)
+    out = tmp_path / "record.json"
+    args = build_parser().parse_args(["bench", "latency", "--model", str(tmp_path), "--quant_type", "none,w8a16",
+                                      "--baseline", "transformers", "llama.cpp", "--baseline-batch-sizes", "1,16",
+                                      "--repeats", "3", "--json", str(out)])
+    assert offline.run_offline(args) == 0
+    assert events == ["none", "w8a16", "transformers", "llama.cpp"] * 3
+    record = json.loads(out.read_text())
+    assert record["flashllm"]["decode_tokens_per_s"] == 8.0 and len(record["flashllm"]["runs"]) == 3
+    assert [r["speedup_vs_first"] for r in record["quant_runs"]] == [1.0, 2.5]
+    # paired within rounds: the median of 1.11, 1.0 and 0.8, not the medians' ratio 8 / 9
+    assert record["speedup_vs_llama_cpp"] == 1.0
+    assert record["speedup_vs_best_transformers"] == pytest.approx(1.25)
+    assert record["decode_speedup_vs_transformers"] == pytest.approx(1.25)
+    assert [r["output_tokens_per_s"] for r in record["transformers"]] == [3.2, 6.4]
+    assert record["llama.cpp"][0]["decode_tokens_per_s"] == 9.0 and record["llama.cpp"][0]["gguf"] == "m.gguf"
+    assert record["speedup_method"].startswith("median over rounds")
