@@ -1,7 +1,8 @@
 """`flashllm bench devices`: batch-1 decode and offline throughput of reference, cpu, ipex and onnx static mode in one run.
 
 Every engine runs the same requests on the same weights, one after the other, against the
-memory-bandwidth and matmul ceilings measured at the start of the run (BENCHMARKS.md):
+matmul ceiling measured at the start of the run and a memory-bandwidth ceiling read just before
+and just after that engine ran (the higher of the two; bench/repeats.py says why) (BENCHMARKS.md):
 reference and cpu in this process with the backend forced; ipex in a subprocess of the
 interpreter that has IPEX (torch 2.8, `nox -s ipex`), which runs this module with --worker;
 onnx through static mode (`StaticLLM`), exported once into a cache directory keyed by the
@@ -106,8 +107,7 @@ def run_devices(args: argparse.Namespace) -> int:
                      "output_len": args.output_len},
     }
     record.update(_roofline(args, model_dir, workload))
-    record["engines"] = [_run_engine(name, args, model_dir, workload, record) for name in engines]
-    _reprobe_bandwidth(args, record)
+    record["engines"] = [_bracketed_engine(name, args, model_dir, workload, record) for name in engines]
     for engine in record["engines"]:
         if engine["status"] == "ok":
             _apply_ceilings(engine, record)
@@ -172,24 +172,24 @@ def _run_engine(name: str, args: argparse.Namespace, model_dir: Path, workload: 
     return {"engine": name, "status": "ok", **result}
 
 
-def _reprobe_bandwidth(args: argparse.Namespace, record: dict[str, Any]) -> None:
-    """Probe the read bandwidth again after the engines and keep the higher of the two.
+def _bracketed_engine(name: str, args: argparse.Namespace, model_dir: Path, workload: Workload,
+                      record: dict[str, Any]) -> dict[str, Any]:
+    """_run_engine between two read probes: the record carries "probe_gb_s" and
+    "ceiling_bandwidth_gb_s", the higher of the two, which its decode ceiling divides by.
 
-    One probe at the start of a run on the team's VM once read 20 GB/s where every other probe
-    that hour read 34-35 GB/s, which made engines look faster than the memory allows; the machine's
-    limit is what it can do, so the ceiling uses the better probe and the record keeps both.
+    The shared VM's read stream drifts within a run (20 GB/s in one probe where others that hour
+    read 34-35), so one probe for all engines would hand each a ceiling from another moment.
     """
     from flashllm.bench import roofline as rl
+    from flashllm.bench.repeats import bracketed_run
 
-    roof = record["roofline"]
-    roof["read_bandwidth_gb_s_start"] = roof["read_bandwidth_gb_s"]
-    roof["read_bandwidth_gb_s_end"] = rl.measure_read_bandwidth(args.roofline_mib << 20) / 1e9
-    roof["read_bandwidth_gb_s"] = max(roof["read_bandwidth_gb_s_start"], roof["read_bandwidth_gb_s_end"])
+    return bracketed_run(lambda: _run_engine(name, args, model_dir, workload, record),
+                         lambda: rl.measure_read_bandwidth(args.roofline_mib << 20))
 
 
 def _apply_ceilings(engine: dict[str, Any], record: dict[str, Any]) -> None:
     """An engine's decode ceiling and its fractions of the bandwidth and compute ceilings."""
-    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
+    bandwidth = engine["ceiling_bandwidth_gb_s"] * 1e9
     engine["decode_ceiling_tokens_per_s"] = bandwidth / engine["weight_bytes"]
     engine["latency"]["fraction_of_bandwidth_ceiling"] = (engine["latency"]["decode_tokens_per_s"]
                                                           / engine["decode_ceiling_tokens_per_s"])
@@ -322,8 +322,8 @@ def onnx_export(model_dir: Path, dtype: str, cache: Path | None = None) -> tuple
 def format_table(record: dict[str, Any]) -> str:
     """One row per engine: batch-1 decode and offline throughput, each with its share of the ceiling."""
     roof = record["roofline"]
-    lines = [f"model {record['model']} ({record['dtype']}), {record['cpu_count']} cores; read bandwidth "
-             f"{roof['read_bandwidth_gb_s']:.1f} GB/s, matmul {roof['matmul_gflop_s']:.0f} GFLOP/s, compute ceiling "
+    lines = [f"model {record['model']} ({record['dtype']}), {record['cpu_count']} cores; read bandwidth at the start "
+             f"{roof['read_bandwidth_gb_s']:.1f} GB/s (each engine: its own probes), matmul {roof['matmul_gflop_s']:.0f} GFLOP/s, compute ceiling "
              f"{record['compute_ceiling_tokens_per_s']:.1f} tok/s",
              f"{'engine':<10} {'decode tok/s':>12} {'of ceil':>7} {'TTFT s':>7} {'tokens':>7} | "
              f"{'out tok/s':>9} {'total tok/s':>11} {'of ceil':>7} {'reqs':>4} {'tokens':>7} {'s':>6}"]

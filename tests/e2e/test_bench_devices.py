@@ -51,8 +51,10 @@ def test_every_engine_runs_the_requested_tokens_against_the_same_ceilings(
     expected_status = {"reference": "ok", "cpu": "ok", "ipex": "ok" if HAS_IPEX_VENV else "skipped",
                        "onnx": "ok" if HAS_ONNX else "skipped"}
     assert {name: e["status"] for name, e in engines.items()} == expected_status, engines
-    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
     for name, e in engines.items():
+        # each engine between its own two read probes, against the higher one
+        assert len(e["probe_gb_s"]) == 2 and e["ceiling_bandwidth_gb_s"] == max(e["probe_gb_s"]) > 0
+        bandwidth = e["ceiling_bandwidth_gb_s"] * 1e9
         if e["status"] != "ok":
             assert rows[name].split()[1] == "skipped:"
             continue
