@@ -50,8 +50,11 @@ def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **k
     return tokens, logprobs, sum(taken)
 
 
-@pytest.mark.parametrize("quant", [{}, {"quant_type": "w8a16"}, {"quant_type": "w4a16", "group_size": 32}])
-def test_fused_decode_computes_exactly_what_the_per_op_path_does(model_dir, monkeypatch, quant) -> None:
+@pytest.mark.parametrize("quant,w8_activations", [({}, "fp32"), ({"quant_type": "w8a16"}, "fp32"),
+                                                  ({"quant_type": "w8a16"}, "int8"),
+                                                  ({"quant_type": "w4a16", "group_size": 32}, "fp32")])
+def test_fused_decode_computes_exactly_what_the_per_op_path_does(model_dir, monkeypatch, quant, w8_activations) -> None:
+    monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, w8_activations)  # int8: LINEAR_W8A8 in the fused step
     fused_tokens, fused_logprobs, taken = _generate(model_dir, monkeypatch, True, **quant)
     tokens, logprobs, untaken = _generate(model_dir, monkeypatch, False, **quant)
     assert untaken == 0

@@ -84,7 +84,8 @@ def check_integer_product(weight: QuantizedWeight, x: torch.Tensor) -> None:
         assert_within_fp32_bound(got, x, w)
         return
     scales = weight.scales.float().repeat_interleave(weight.in_features // weight.num_groups, dim=1)
-    assert_within_fp32_bound(got, native.int8_rounded(x.double()), w, magnitude=30 * scales)  # codes, zeros <= 15
+    largest = 30 if weight.scheme == "w4a16" else 128  # int4 codes and zeros <= 15; int8 codes >= -128
+    assert_within_fp32_bound(got, native.int8_rounded(x.double()), w, magnitude=largest * scales)
 
 
 @pytest.fixture(params=["int8", "fp32"])
@@ -93,25 +94,35 @@ def int4_activations(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(params=["fp32", "int8"])
+def w8_activations(request, monkeypatch) -> str:
+    monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("scheme,group_size,symmetric", QUANT_CASES)
 @pytest.mark.parametrize("tokens", [1, 2, 5, native.MAX_TOKENS])
 def test_integer_weight_gemv_matches_the_dequantized_product(scheme, group_size, symmetric, tokens,
-                                                             int4_activations) -> None:
+                                                             int4_activations, w8_activations) -> None:
     gen = torch.Generator().manual_seed(tokens)
     weight = quantize_weight(torch.randn(77, 256, generator=gen), scheme, group_size, symmetric)
     x = torch.randn(tokens, 256, generator=gen)
     x[:, 3] *= 50  # an outlier channel, as real activations have
     assert native.supports_quantized(weight, tokens)
-    expect_int8 = int4_activations == "int8" and scheme == "w4a16" and group_size != 32  # groups of 64 features
+    chosen = int4_activations if scheme == "w4a16" else w8_activations
+    expect_int8 = chosen == "int8" and group_size != 32  # groups of whole 64-feature blocks
     assert native.int8_activations(weight) == expect_int8
     check_integer_product(weight, x)
 
 
-def test_int8_activations_are_within_half_a_step_of_the_exact_product() -> None:
-    # the one approximation of the int4 x int8 path, bounded: |got - x W^T| <= |W| (absmax / 254)
+@pytest.mark.parametrize("scheme,group_size,symmetric", [("w4a16", 64, False), ("w8a16", -1, True), ("w8a16", 128, True)])
+def test_int8_activations_are_within_half_a_step_of_the_exact_product(scheme, group_size, symmetric,
+                                                                      monkeypatch) -> None:
+    # the one approximation of the integer x int8 paths, bounded: |got - x W^T| <= |W| (absmax / 254)
     # per block, plus fp32 rounding; a zero block must stay exact
+    monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, "int8")
     gen = torch.Generator().manual_seed(9)
-    weight = quantize_weight(torch.randn(40, 384, generator=gen), "w4a16", 64, False)
+    weight = quantize_weight(torch.randn(40, 384, generator=gen), scheme, group_size, symmetric)
     x = torch.randn(3, 384, generator=gen)
     x[1, 64:128] = 0.0
     assert native.int8_activations(weight)

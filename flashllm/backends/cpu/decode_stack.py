@@ -29,7 +29,8 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
 _KINDS = {"none": 0, "w8a16": 1, "w4a16": 2}
-_W4A8 = 3  # csrc/decode_stack.c's LINEAR_W4A8: a w4a16 weight the per-op path runs against int8 activations
+# csrc/decode_stack.c's LINEAR_W4A8 / LINEAR_W8A8: weights the per-op path runs against int8 activations
+_AGAINST_INT8 = {"w4a16": 3, "w8a16": 4}
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -79,7 +80,7 @@ def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
         codes, scales, zeros = native._layout(weight)
         desc.G = weight.num_groups
         if native.int8_activations(weight):  # the per-op path's choice, made once for the step
-            desc.kind = _W4A8
+            desc.kind = _AGAINST_INT8[weight.scheme]
         desc.weight, desc.scales = codes.data_ptr(), scales.data_ptr()
         desc.zeros = None if zeros is None else zeros.data_ptr()
         keep.extend(t for t in (codes, scales, zeros) if t is not None)

@@ -42,6 +42,9 @@ GROUP_MULTIPLE = 32                   # the integer kernels step 32 input featur
 # int4 weights meet int8 activations (csrc/int4_int8_kernels.c) unless this says "fp32"; the
 # activations are quantized per block of A8_BLOCK features, so groups must be multiples of it
 INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
+# int8 weights meet int8 activations the same way only when this says "int8" (opt-in: the exact
+# fp32 kernel is the default for w8a16, whose users chose int8 for its fidelity)
+W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
@@ -62,6 +65,7 @@ _SIGNATURES = {
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
@@ -184,17 +188,19 @@ def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
 
 
 def int8_activations(weight: QuantizedWeight) -> bool:
-    """Whether this w4a16 weight's native products quantize the activations to int8 (the default
-    where its groups are whole activation blocks; FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off)."""
-    mode = os.environ.get(INT4_ACTIVATIONS_ENV, "int8")
+    """Whether this weight's native products quantize the activations to int8 in blocks of
+    A8_BLOCK features: w4a16 by default (FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off), w8a16
+    only with FLASHLLM_CPU_W8_ACTIVATIONS=int8; either needs groups of whole blocks."""
+    env, default = {"w4a16": (INT4_ACTIVATIONS_ENV, "int8"), "w8a16": (W8_ACTIVATIONS_ENV, "fp32")}.get(
+        weight.scheme, (None, "fp32"))
+    mode = os.environ.get(env, default) if env else default
     if mode not in ("int8", "fp32"):
-        raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be int8 or fp32, got {mode!r}")
-    group = weight.in_features // weight.num_groups
-    return mode == "int8" and weight.scheme == "w4a16" and group % A8_BLOCK == 0
+        raise ValueError(f"{env} must be int8 or fp32, got {mode!r}")
+    return mode == "int8" and (weight.in_features // weight.num_groups) % A8_BLOCK == 0
 
 
 def int8_rounded(x: Tensor) -> Tensor:
-    """x (T, K) as the int4 x int8 kernel sees it, in x's dtype: per token and block of A8_BLOCK
+    """x (T, K) as the integer x int8 kernels see it, in x's dtype: per token and block of A8_BLOCK
     features, round-half-even(x * (127 / absmax)) in fp32 times absmax / 127 (tests and docs use it
     to state that kernel's one approximation)."""
     tokens, k = x.shape
@@ -215,7 +221,7 @@ def _layout(weight: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
 
 def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x (T, K) float @ dequantized W.T for a w8a16/w4a16 weight -> (T, N) fp32, computed in fp32
-    (w4a16 against int8-quantized activations where int8_activations(weight) says so)."""
+    (against int8-quantized activations where int8_activations(weight) says so)."""
     lib = library()
     x = x.float().contiguous()
     tokens, k = x.shape
@@ -224,10 +230,15 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     out = torch.empty(tokens, n, dtype=torch.float32)
     threads = _threads(tokens, n, k)
     if int8_activations(weight):
-        status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
-                                           None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, None, threads)
+        if weight.scheme == "w4a16":
+            status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
+                                               None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, None,
+                                               threads)
+        else:
+            status = lib.flashllm_w8a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n,
+                                               None, threads)
         if status != 0:
-            raise MemoryError("the int4 x int8 kernel could not allocate its activation scratch")
+            raise MemoryError("the integer x int8 kernel could not allocate its activation scratch")
     elif weight.scheme == "w4a16":
         even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # the nibbles' order
         lib.flashllm_w4_gemv_mt(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales),

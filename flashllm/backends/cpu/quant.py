@@ -6,7 +6,7 @@ of 32 features run the native kernels of csrc/decode_kernels.c when they build h
 0.19 / 0.15 ms per 4864 x 896 product with two threads against 0.53 ms for the native fp32 one.
 w4a16 weights with groups of a multiple of 64 features run csrc/int4_int8_kernels.c instead, which
 rounds the activations to int8 first (`rounded_inputs` says how; FLASHLLM_CPU_INT4_ACTIVATIONS=fp32
-turns it off).
+turns it off); w8a16 weights do the same only with FLASHLLM_CPU_W8_ACTIVATIONS=int8.
 What follows is the choice where they do not.
 
 Measured on an AVX2 EPYC (torch 2.13, one thread, N=4864 K=896): fp32 GEMV 0.8 ms,
@@ -79,8 +79,8 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
 
 def rounded_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """The inputs on which quant_matmul computes the reference's product (the conformance suite
-    reads this off the kernel): a w4a16 decode batch that the native kernel runs against int8
-    activations sees x rounded per block (native.int8_rounded, after any act-order permutation),
+    reads this off the kernel): a w4a16 (or, opted in, w8a16) decode batch that the native kernel
+    runs against int8 activations sees x rounded per block (native.int8_rounded, after any act-order permutation),
     in fp32; every other call sees its inputs as given."""
     x, weight = inputs["x"], inputs["weight"]
     if choose_path(weight, x.shape[0], PACKED_FAST) != "native" or not native.int8_activations(weight):

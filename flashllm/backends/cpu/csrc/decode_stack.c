@@ -18,7 +18,7 @@
 
 #include "decode_kernels.h"
 
-enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2, LINEAR_W4A8 = 3 };  /* W4A8: int4 x int8 activations */
+enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2, LINEAR_W4A8 = 3, LINEAR_W8A8 = 4 };  /* xA8: x int8 activations */
 
 typedef struct {
     int64_t kind, N, K, G;           /* kind: LINEAR_*; weight (N, K) fp32, int8, or (N, K/2) int4 bytes */
@@ -59,6 +59,8 @@ static void linear(const stack_linear *l, const stack_step *s, const float *x, f
         flashllm_f32_gemv_mt(x, l->weight, y, T, l->K, l->N, l->N, threads);
     } else if (l->kind == LINEAR_W8) {
         flashllm_w8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, threads);
+    } else if (l->kind == LINEAR_W8A8) {  /* the scratch as for W4A8 */
+        flashllm_w8a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, even, threads);
     } else if (l->kind == LINEAR_W4A8) {  /* even, then odd: T x widest floats, more than it needs */
         flashllm_w4a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->zeros, l->G, y, l->N, l->N, even, threads);
     } else {

@@ -1,4 +1,5 @@
-/* int4 weights against int8 activations: the cpu backend's default decode product for w4a16.
+/* int4 weights against int8 activations: the cpu backend's default decode product for w4a16 (and,
+ * at the end of this file, int8 weights against them: w8a16's opt-in one).
  *
  * Why: dequantizing int4 codes to fp32 (unpack, subtract the zero point, convert, FMA) costs more
  * instructions per weight than widening int8 codes, so the exact fp32 int4 kernel in
@@ -38,11 +39,13 @@ typedef void (*share_fn)(void *ctx, int64_t n0, int64_t n1);
 #define COARSE_SHARES 4  /* per thread: each share's tiles start without their first block prefetched */
 void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread);  /* thread_pool.h */
 
-/* Token t's K features -> q (K int8, each block's even features then its odd ones), d (K / 64
+/* Token t's K features -> q (K int8; with split, each block's even features then its odd ones, for
+ * the int4 codes' nibbles; else in order, for int8 codes), d (K / 64
  * scales) and qsum (G per-group sums of d[b] * sum q over the group's blocks). The scale is
  * absmax / 127 in fp32; a feature becomes round-to-nearest-even(x * (127 / absmax)), an all-zero
  * block scale 0 and codes 0. */
-static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum) {
+static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum,
+                                 int split) {
     const int64_t blocks = K / A8_BLOCK, per_group = blocks / G;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t g = 0; g < G; g++) {
@@ -62,8 +65,8 @@ static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q
             int8_t *out = q + b * A8_BLOCK;
             int32_t total = 0;
             for (int i = 0; i < A8_BLOCK / 2; i++) {
-                out[i] = (int8_t)codes[2 * i];
-                out[A8_BLOCK / 2 + i] = (int8_t)codes[2 * i + 1];
+                out[split ? i : 2 * i] = (int8_t)codes[2 * i];
+                out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
                 total += codes[2 * i] + codes[2 * i + 1];
             }
             d[b] = amax / 127.0f;
@@ -168,9 +171,78 @@ int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w
     float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
     int8_t *q = (int8_t *)(qsum + T * G);
     for (int64_t t = 0; t < T; t++)
-        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G);
+        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, 1);
     a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
     flashllm_parallel_for(a8_share, &a, N, threads, COARSE_SHARES);
+    free(owned);
+    return 0;
+}
+
+/* ---- int8 weights against int8 activations (opt-in for w8a16: FLASHLLM_CPU_W8_ACTIVATIONS=int8) ----
+ * The same activation blocks in feature order, against symmetric int8 codes w (N, K) with scales
+ * (N, G): y = sum_g scales[n, g] * sum_{b in g} d[t, b] * sum_{k in b} w[n, k] * q[t, k].
+ * vpmaddubsw takes an unsigned operand, so it multiplies |w| by q carrying w's sign (llama.cpp's
+ * Q8 trick); each pair sum is at most 2 * 128 * 127 < 2^15, and each 32-byte half of a block is
+ * widened to int32 (vpmaddwd) before the halves are added. A block's sum, at most
+ * 64 * 128 * 127 < 2^24, converts to fp32 exactly. */
+static inline __m256i signed_dot32(__m256i w, const int8_t *q) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, const int TT) {
+    const int64_t blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G;
+    const int8_t *codes = (const int8_t *)a->w;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *row = codes + n * a->K;
+        const float *scales = a->scales + n * G;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 scale = _mm256_set1_ps(scales[0]);
+        for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++, left--) {
+            if (left == 0) {
+                scale = _mm256_set1_ps(scales[++g]);
+                left = per_group;
+            }
+            _mm_prefetch((const char *)(row + b * A8_BLOCK + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK + 32));
+            for (int j = 0; j < TT; j++) {
+                const int8_t *q = a->q + (t0 + j) * a->K + b * A8_BLOCK;
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(signed_dot32(w0, q), signed_dot32(w1, q + 32)));
+                const float dj = a->d[(t0 + j) * blocks + b];
+                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dj)), acc[j]);
+            }
+        }
+        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]);
+    }
+}
+
+static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
+    const a8_args *a = ctx;
+    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {
+        switch (a->T - t0 < 4 ? a->T - t0 : 4) {
+            case 1: w8_rows_for_tokens(a, n0, n1, t0, 1); break;
+            case 2: w8_rows_for_tokens(a, n0, n1, t0, 2); break;
+            case 3: w8_rows_for_tokens(a, n0, n1, t0, 3); break;
+            default: w8_rows_for_tokens(a, n0, n1, t0, 4); break;
+        }
+    }
+}
+
+/* y[t * ldy + n] for t < T, n < N as above, x (T, K) fp32, K and K / G multiples of 64; scratch as
+ * for flashllm_w4a8_gemv_mt. Returns 0, or -1 when the scratch could not be allocated. */
+int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
+                          float *y, int64_t N, int64_t ldy, void *scratch, int threads) {
+    const int64_t blocks = K / A8_BLOCK;
+    void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
+    if (!scratch && !owned) return -1;
+    float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
+    int8_t *q = (int8_t *)(qsum + T * G);
+    for (int64_t t = 0; t < T; t++)
+        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, 0);
+    a8_args a = {(const uint8_t *)w, scales, NULL, q, d, qsum, y, T, K, G, ldy};
+    flashllm_parallel_for(w8a8_share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
 }
