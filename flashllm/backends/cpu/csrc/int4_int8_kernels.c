@@ -84,7 +84,7 @@ static inline __m256i block_dot(__m256i low, __m256i high, const int8_t *q) {
 }
 
 typedef struct {
-    const uint8_t *w;
+    const void *w;          /* int4 bytes (N, K / 2) or int8 codes (N, K) */
     const float *scales;
     const int32_t *zeros;
     const int8_t *q;        /* (T, K) */
@@ -118,7 +118,7 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
         d[j] = a->d + (t0 + j) * blocks;
     }
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = a->w + n * half;
+        const uint8_t *row = (const uint8_t *)a->w + n * half;
         const float *scales = a->scales + n * G;
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 scale = _mm256_set1_ps(scales[0]);
@@ -142,16 +142,21 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
     }
 }
 
+/* A share of rows: ROWS(a, n0, n1, t0, TT) over the tokens 4 at a time, TT a constant in each call
+ * so that the token loop unrolls. */
+#define TOKEN_SWEEPS(ROWS)                                                                        \
+    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {                                                    \
+        switch (a->T - t0 < 4 ? a->T - t0 : 4) {                                                  \
+            case 1: ROWS(a, n0, n1, t0, 1); break;                                                \
+            case 2: ROWS(a, n0, n1, t0, 2); break;                                                \
+            case 3: ROWS(a, n0, n1, t0, 3); break;                                                \
+            default: ROWS(a, n0, n1, t0, 4); break;                                               \
+        }                                                                                         \
+    }
+
 static void a8_share(void *ctx, int64_t n0, int64_t n1) {
     const a8_args *a = ctx;
-    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {
-        switch (a->T - t0 < 4 ? a->T - t0 : 4) {  /* constant TT: the token loop unrolls */
-            case 1: rows_for_tokens(a, n0, n1, t0, 1); break;
-            case 2: rows_for_tokens(a, n0, n1, t0, 2); break;
-            case 3: rows_for_tokens(a, n0, n1, t0, 3); break;
-            default: rows_for_tokens(a, n0, n1, t0, 4); break;
-        }
-    }
+    TOKEN_SWEEPS(rows_for_tokens)
 }
 
 /* Bytes of scratch flashllm_w4a8_gemv_mt needs for T tokens: the int8 activations and their scales. */
@@ -159,23 +164,31 @@ static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
     return T * K + (int64_t)sizeof(float) * T * (K / A8_BLOCK + G);
 }
 
-/* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K and K / G multiples of
- * 64; rows split over `threads`. scratch: scratch_bytes, 4-byte aligned, or NULL to
- * allocate it here. Returns 0, or -1 when it could not be allocated. */
-int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
-                          const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                          int threads) {
+/* Quantize the T tokens' activations (split: for int4 codes) into scratch (scratch_bytes, 4-byte
+ * aligned, or NULL to allocate it here) and run `share` over the N rows. Returns 0, or -1 when the
+ * scratch could not be allocated. */
+static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w, const float *scales,
+                            const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
+                            int threads, int split, share_fn share) {
     const int64_t blocks = K / A8_BLOCK;
     void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
     if (!scratch && !owned) return -1;
     float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
     int8_t *q = (int8_t *)(qsum + T * G);
     for (int64_t t = 0; t < T; t++)
-        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, 1);
+        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, split);
     a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
-    flashllm_parallel_for(a8_share, &a, N, threads, COARSE_SHARES);
+    flashllm_parallel_for(share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
+}
+
+/* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K and K / G multiples of
+ * 64; rows split over `threads`; scratch and the result as for run_against_int8. */
+int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
+                          const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
+                          int threads) {
+    return run_against_int8(x, T, K, w, scales, zeros, G, y, N, ldy, scratch, threads, 1, a8_share);
 }
 
 /* ---- int8 weights against int8 activations (opt-in for w8a16: FLASHLLM_CPU_W8_ACTIVATIONS=int8) ----
@@ -220,29 +233,12 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
 
 static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
     const a8_args *a = ctx;
-    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {
-        switch (a->T - t0 < 4 ? a->T - t0 : 4) {
-            case 1: w8_rows_for_tokens(a, n0, n1, t0, 1); break;
-            case 2: w8_rows_for_tokens(a, n0, n1, t0, 2); break;
-            case 3: w8_rows_for_tokens(a, n0, n1, t0, 3); break;
-            default: w8_rows_for_tokens(a, n0, n1, t0, 4); break;
-        }
-    }
+    TOKEN_SWEEPS(w8_rows_for_tokens)
 }
 
-/* y[t * ldy + n] for t < T, n < N as above, x (T, K) fp32, K and K / G multiples of 64; scratch as
- * for flashllm_w4a8_gemv_mt. Returns 0, or -1 when the scratch could not be allocated. */
+/* y[t * ldy + n] for t < T, n < N as above, x (T, K) fp32, K and K / G multiples of 64; scratch and
+ * the result as for run_against_int8. */
 int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
                           float *y, int64_t N, int64_t ldy, void *scratch, int threads) {
-    const int64_t blocks = K / A8_BLOCK;
-    void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
-    if (!scratch && !owned) return -1;
-    float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
-    int8_t *q = (int8_t *)(qsum + T * G);
-    for (int64_t t = 0; t < T; t++)
-        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, 0);
-    a8_args a = {(const uint8_t *)w, scales, NULL, q, d, qsum, y, T, K, G, ldy};
-    flashllm_parallel_for(w8a8_share, &a, N, threads, COARSE_SHARES);
-    free(owned);
-    return 0;
+    return run_against_int8(x, T, K, w, scales, NULL, G, y, N, ldy, scratch, threads, 0, w8a8_share);
 }
