@@ -69,6 +69,19 @@ def test_one_token_products_on_both_sides_of_the_long_row_switch(k: int) -> None
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
+@pytest.mark.parametrize("k", [32, 896, 2048])
+@pytest.mark.parametrize("n", [1, 2, 67])
+def test_one_token_rows_read_in_pairs_give_each_row_its_own_bits(k: int, n: int) -> None:
+    # one token, K a multiple of 32 up to 2048: rows are read two at a time (the second from the
+    # share's second half), an odd one alone; each row's sum must be the one it gets by itself
+    gen = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    got = native.f32_linear(x, w)
+    assert_within_fp32_bound(got, x, w)
+    alone = torch.cat([native.f32_linear(x, w[i : i + 1]) for i in range(n)], dim=1)
+    assert torch.equal(got, alone)
+
+
 QUANT_CASES = [  # scheme, group size, symmetric
     ("w8a16", -1, True), ("w8a16", 32, True), ("w8a16", 128, True),
     ("w4a16", -1, True), ("w4a16", 32, True), ("w4a16", 64, False), ("w4a16", 128, False),
@@ -149,7 +162,7 @@ def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
     check_integer_product(wide, torch.randn(3, 256, generator=gen))
 
 
-@pytest.mark.parametrize("tokens", [2, 7])
+@pytest.mark.parametrize("tokens", [1, 2, 7])
 @pytest.mark.parametrize("scheme", ["none", "w8a16", "w4a16"])
 def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: str, tokens: int,
                                                             int4_activations) -> None:
