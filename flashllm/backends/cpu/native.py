@@ -1,6 +1,6 @@
-"""The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c; the
-small ops' wrappers are in native_ops.py): built with the system C compiler on first use, loaded
-through ctypes; the GEMVs split their output rows over the library's own spinning worker pool
+"""The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
+csrc/layer_ops.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
+on first use, loaded through ctypes; the GEMVs split their output rows over the library's own spinning worker pool
 (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
@@ -34,8 +34,8 @@ from flashllm.backends.cpu import parallel
 from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "decode_stack.c")
-HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
+SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_stack.c")
+HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time

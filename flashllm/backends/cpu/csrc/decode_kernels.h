@@ -1,5 +1,5 @@
-/* The entry points of decode_kernels.c and int4_int8_kernels.c that decode_stack.c calls (see those files for
- * their contracts). */
+/* The entry points of decode_kernels.c, int4_int8_kernels.c and layer_ops.c that decode_stack.c calls (see
+ * those files for their contracts). */
 #ifndef FLASHLLM_DECODE_KERNELS_H
 #define FLASHLLM_DECODE_KERNELS_H
 #include <stdint.h>

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "parallel_for.h"
 #include "simd.h"
 
 #define A8_BLOCK 64  /* features per activation scale: 32 bytes of int4 codes */
@@ -35,9 +36,6 @@
  * each step prefetches the line this far ahead (512 to 4096 bytes measured alike, within noise). */
 #define PREFETCH_AHEAD 1024
 
-typedef void (*share_fn)(void *ctx, int64_t n0, int64_t n1);
-#define COARSE_SHARES 4  /* per thread: each share's tiles start without their first block prefetched */
-void flashllm_parallel_for(share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread);  /* thread_pool.h */
 
 /* Token t's K features -> q (K int8; with split, each block's even features then its odd ones, for
  * the int4 codes' nibbles; else in order, for int8 codes), d (K / 64
@@ -169,7 +167,7 @@ static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
  * scratch could not be allocated. */
 static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w, const float *scales,
                             const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                            int threads, int split, share_fn share) {
+                            int threads, int split, flashllm_share_fn share) {
     const int64_t blocks = K / A8_BLOCK;
     void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
     if (!scratch && !owned) return -1;

@@ -12,11 +12,11 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "parallel_for.h"
+
 #define FLASHLLM_MAX_WORKERS 64
 #define FLASHLLM_ROW_ALIGN 16
 #define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
-
-typedef void (*flashllm_share_fn)(void *ctx, int64_t n0, int64_t n1);
 
 static struct {
     pthread_mutex_t lock;          /* guards sleeping workers' wake-up and pool growth */
