@@ -222,7 +222,8 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     result["roofline"] = {"read_bandwidth_gb_s": roof.read_bandwidth / 1e9,
                           "copy_bandwidth_gb_s": roof.copy_bandwidth / 1e9,
                           "matmul_gflop_s": roof.matmul_flops / 1e9,
-                          "ceiling_bandwidth": roof.ceiling}
+                          "ceiling_bandwidth": roof.ceiling,
+                          "read_probes_gb_s": {name: rate / 1e9 for name, rate in roof.read_probes}}
     ceiling = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     result["decode_ceiling_batch1_tokens_per_s"] = ceiling
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -23,6 +24,7 @@ class Roofline:
     matmul_flops: float  # FLOP/s in `dtype`
     dtype: str
     ceiling: str
+    read_probes: tuple[tuple[str, float], ...] = ()  # each read probe's bytes/s; read_bandwidth is the highest
 
     @property
     def bandwidth(self) -> float:
@@ -53,6 +55,10 @@ class Plan:
     calls_per_timing: int
     ceiling: str
     bracket_runs: bool = False  # probe the ceiling's bandwidth before and after each timed run (bench/repeats.py)
+    # "module:function" of the device backend's own read probe: function(num_bytes) -> a call that
+    # reads that many bytes once, or None where it cannot run; the read bandwidth is the higher of it
+    # and the torch reduction
+    fast_read: str | None = None
 
 
 # The CPU keeps its read-stream convention: a CPU decode step is a GEMV streaming its weights,
@@ -63,8 +69,11 @@ class Plan:
 # A CPU's runs are bracketed by read probes: on the team's shared 2-core VM the read stream drifted
 # between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
 # the engine's KV cache holds while it is loaded, and HBM bandwidth did not drift in the team's runs.
+# A CPU's read probe is also the cpu backend's two-stream read over huge pages: on the team's VM it
+# read 1.13-1.18x a `torch.sum` over 4 KiB pages, and the engine's weights are read that way.
 CPU_PLAN = Plan(copy_bytes=1 << 30, read_bytes=1 << 30, matmul_n=2048, repeats=5, calls_per_timing=1,
-                ceiling="read stream", bracket_runs=True)
+                ceiling="read stream", bracket_runs=True,
+                fast_read="flashllm.backends.cpu.read_probe:two_stream_read")
 ACCELERATOR_PLAN = Plan(copy_bytes=2 << 30, read_bytes=2 << 30, matmul_n=8192, repeats=10, calls_per_timing=10,
                         ceiling="copy")
 PLANS: dict[str, Plan] = {"cpu": CPU_PLAN}
@@ -105,11 +114,28 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = 
     return 2 * num_bytes / seconds
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1) -> float:
-    """Sum a buffer of `num_bytes`: a read-only stream, like a GEMV reading weights."""
+def _sum_read(num_bytes: int, repeats: int, device: str, calls: int) -> float:
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    seconds = _best_time(lambda: src.sum(), repeats, device, calls)
-    return num_bytes / seconds
+    return num_bytes / _best_time(lambda: src.sum(), repeats, device, calls)
+
+
+def read_probes(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1,
+                plan: Plan | None = None) -> dict[str, float]:
+    """bytes/s of each read-only stream over `num_bytes`, like a GEMV reading weights: a torch sum,
+    and the plan's own read (Plan.fast_read; plan_for(device) by default) where it runs here."""
+    probes = {"torch.sum": _sum_read(num_bytes, repeats, device, calls)}  # its buffer freed before the next
+    hook = (plan or plan_for(device)).fast_read
+    if hook:
+        module, name = hook.split(":")
+        read = getattr(importlib.import_module(module), name)(num_bytes)
+        if read is not None:
+            probes[name] = num_bytes / _best_time(read, repeats, device, calls)
+    return probes
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1) -> float:
+    """The highest of read_probes(): the fastest read of memory this device is known to manage."""
+    return max(read_probes(num_bytes, repeats, device, calls).values())
 
 
 def measure_matmul(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5, device: str = "cpu",
@@ -127,7 +153,8 @@ def measure(dtype: torch.dtype = torch.float32, device: str = "cpu", plan: Plan 
     The buffers are freed on return, before the caller's next allocation.
     """
     plan = plan or plan_for(device)
-    return Roofline(read_bandwidth=measure_read_bandwidth(plan.read_bytes, plan.repeats, device, plan.calls_per_timing),
+    reads = read_probes(plan.read_bytes, plan.repeats, device, plan.calls_per_timing, plan)
+    return Roofline(read_bandwidth=max(reads.values()), read_probes=tuple(reads.items()),
                     copy_bandwidth=measure_bandwidth(plan.copy_bytes, plan.repeats, device, plan.calls_per_timing),
                     matmul_flops=measure_matmul(dtype, plan.matmul_n, plan.repeats, device, plan.calls_per_timing),
                     dtype=str(dtype).removeprefix("torch."), ceiling=plan.ceiling)

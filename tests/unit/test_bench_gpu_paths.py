@@ -63,6 +63,30 @@ def test_cpu_ceiling_uses_the_read_stream() -> None:
     assert roof.decode_ceiling(1, 4096) == pytest.approx(roof.read_bandwidth / 4096)
 
 
+def test_the_read_bandwidth_is_the_fastest_of_the_plans_read_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU plan adds the cpu backend's two-stream read to the torch sum, and the ceiling takes the
+    # faster; timings are faked: the torch sum (a tensor result) takes 1 s, the native read 0.5 s
+    from flashllm.backends.cpu import native
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    assert roofline.CPU_PLAN.fast_read == "flashllm.backends.cpu.read_probe:two_stream_read"
+    monkeypatch.setattr(roofline, "_best_time",
+                        lambda fn, repeats, device, calls=1: 1.0 if isinstance(fn(), torch.Tensor) else 0.5)
+    size = 1 << 20
+    assert roofline.read_probes(size, 1, "cpu") == {"torch.sum": size, "two_stream_read": 2 * size}
+    assert roofline.measure_read_bandwidth(size, 1, "cpu") == 2 * size
+    roof = roofline.measure(torch.float32, "cpu", plan=roofline.Plan(
+        copy_bytes=size, read_bytes=size, matmul_n=64, repeats=1, calls_per_timing=1, ceiling="read stream",
+        fast_read=roofline.CPU_PLAN.fast_read))
+    assert roof.read_bandwidth == 2 * size and dict(roof.read_probes) == {"torch.sum": size, "two_stream_read": 2 * size}
+
+
+def test_a_plan_without_a_backend_read_probes_with_torch_alone() -> None:
+    assert roofline.ACCELERATOR_PLAN.fast_read is None
+    assert list(roofline.read_probes(1 << 20, 1, "meta")) == ["torch.sum"]
+
+
 class FakeModel:
     """`generate` that records its inputs and runs out of memory above `max_batch` rows."""
 

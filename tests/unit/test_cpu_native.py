@@ -82,6 +82,26 @@ def test_one_token_rows_read_in_pairs_give_each_row_its_own_bits(k: int, n: int)
     assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("runs", [1, 2, 33, 1000])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_read_probe_reads_every_run_once(threads, runs: int, workers: int) -> None:
+    # the bandwidth probe's kernel (two streams per thread, an odd run alone) sums what torch sums
+    threads(workers)
+    gen = torch.Generator().manual_seed(runs)
+    buf = torch.rand(runs * native.READ_RUN_FLOATS, generator=gen)
+    assert native.read_stream(buf) == pytest.approx(buf.double().sum().item(), rel=1e-5)
+    assert native.read_stream(torch.ones_like(buf)) == buf.numel()  # ones add up exactly
+    with pytest.raises(ValueError, match="whole 256-float runs"):
+        native.read_stream(buf[:-1])
+
+
+def test_the_read_probe_call_reads_its_buffer() -> None:
+    from flashllm.backends.cpu import read_probe
+
+    read = read_probe.two_stream_read((3 << 20) + 100)  # rounded down to whole runs
+    assert read is not None and read() == (3 << 20) // 4
+
+
 QUANT_CASES = [  # scheme, group size, symmetric
     ("w8a16", -1, True), ("w8a16", 32, True), ("w8a16", 128, True),
     ("w4a16", -1, True), ("w4a16", 32, True), ("w4a16", 64, False), ("w4a16", 128, False),

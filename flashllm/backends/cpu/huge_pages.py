@@ -15,6 +15,7 @@ FLASHLLM_CPU_HUGE_PAGES=0 (A/B runs), nothing moves. Results do not change: the 
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -32,16 +33,23 @@ def enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialized contiguous CPU tensor in memory advised for 2 MiB pages (the pages are
+    faulted in, huge, when first written). The tensor keeps its mapping alive."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE  # page-aligned: the mapping starts on a page
+    mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE or HUGE_PAGE)
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
 def huge_page_copy(t: Tensor) -> Tensor:
     """A contiguous copy of the CPU tensor t in memory advised for 2 MiB pages (t itself if it is
     smaller than one page). The tensor keeps its mapping alive."""
     if t.nbytes < HUGE_PAGE:
         return t
-    mapping = mmap.mmap(-1, t.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE  # page-aligned: the mapping starts on a page
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, t.nbytes // HUGE_PAGE * HUGE_PAGE or HUGE_PAGE)
-    copy = raw[start : start + t.nbytes].view(t.dtype).view(t.shape)
+    copy = huge_page_empty(tuple(t.shape), t.dtype)
     copy.copy_(t)
     return copy
 

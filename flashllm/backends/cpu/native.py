@@ -1,7 +1,7 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
-on first use, loaded through ctypes; the GEMVs split their output rows over the library's own spinning worker pool
-(csrc/thread_pool.h).
+on first use, loaded through ctypes; the GEMVs split their output rows over the library's own
+spinning worker pool (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
 split over two threads, and it has no vectorized int8/int4-weight GEMV on AVX2 at all (see
@@ -67,6 +67,7 @@ _SIGNATURES = {
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_read_stream": ([_P, _I64, ctypes.c_int], ctypes.c_double),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
@@ -246,3 +247,15 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     else:
         lib.flashllm_w8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n, threads)
     return out
+
+
+READ_RUN_FLOATS = 256  # csrc/decode_kernels.c's PAIR_RUN: the floats one stream gives before the other
+
+
+def read_stream(buf: Tensor) -> float:
+    """The sum of the fp32 CPU buffer buf (numel a multiple of READ_RUN_FLOATS), read by the bandwidth
+    probe's kernel: every thread reads two streams, as the one-token fp32 products do."""
+    if not (buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
+            and buf.numel() % READ_RUN_FLOATS == 0):
+        raise ValueError(f"read_stream needs a contiguous fp32 CPU buffer of whole {READ_RUN_FLOATS}-float runs")
+    return library().flashllm_read_stream(buf.data_ptr(), buf.numel() // READ_RUN_FLOATS, parallel.workers())

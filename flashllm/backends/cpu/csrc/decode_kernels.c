@@ -13,7 +13,9 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "decode_kernels.h"
 #include "simd.h"
@@ -73,6 +75,53 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
         y[n0 + half + i] = hsum8(_mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
     }
     if ((n1 - n0) % 2) flashllm_f32_gemv(x, w, y, 1, K, n1 - 1, n1, 0);
+}
+
+/* ---- the bandwidth probe's read: the pair loop's access pattern without the arithmetic ---- */
+
+typedef struct { const float *p; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
+
+static void add_to_total(_Atomic uint64_t *total, double v) {  /* no libatomic needed for this */
+    uint64_t old = atomic_load(total), sum;
+    do {
+        double d;
+        memcpy(&d, &old, sizeof d);
+        d += v;
+        memcpy(&sum, &d, sizeof sum);
+    } while (!atomic_compare_exchange_weak(total, &old, sum));
+}
+
+static void add_run(const float *p, __m256 acc[4]) {  /* one PAIR_RUN-float (1 KiB) run into acc */
+    for (int k = 0; k < PAIR_RUN; k += 32) {
+        acc[0] = _mm256_add_ps(acc[0], _mm256_loadu_ps(p + k));
+        acc[1] = _mm256_add_ps(acc[1], _mm256_loadu_ps(p + k + 8));
+        acc[2] = _mm256_add_ps(acc[2], _mm256_loadu_ps(p + k + 16));
+        acc[3] = _mm256_add_ps(acc[3], _mm256_loadu_ps(p + k + 24));
+    }
+}
+
+static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r1, two streams */
+    read_args *a = ctx;
+    const int64_t half = (r1 - r0) / 2;
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < half; i++) {
+        add_run(a->p + (r0 + i) * PAIR_RUN, acc);
+        add_run(a->p + (r0 + half + i) * PAIR_RUN, acc);
+    }
+    if ((r1 - r0) % 2) add_run(a->p + (r1 - 1) * PAIR_RUN, acc);
+    add_to_total(&a->total, hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))));
+}
+
+/* The sum of runs x PAIR_RUN floats at p, read by `threads` threads two streams each, as
+ * f32_gemv_pairs reads weights (the sum keeps the reads from being optimized away). */
+double flashllm_read_stream(const float *p, int64_t runs, int threads) {
+    read_args a = {p, 0};  /* the bits of 0.0 */
+    flashllm_parallel_for(read_share, &a, runs, threads, FINE_SHARES);
+    const uint64_t bits = atomic_load(&a.total);
+    double total;
+    memcpy(&total, &bits, sizeof total);
+    return total;
 }
 
 /* int8 weight w (N, K) with scales (N, G), K / G a multiple of 32:
