@@ -58,8 +58,8 @@ void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int6
 /* flashllm_f32_gemv for one token x (K) and K a multiple of 32, with the bits it gives, reading
  * two streams at once: rows n0 + i and n0 + half + i together, 1 KiB of one and then of the other.
  * On the team's 2-core EPYC VM one thread's single stream left bandwidth unused: a plain read of two
- * interleaved streams per thread ran ~10% faster than one (huge pages, two threads), and this
- * loop took 5-11% less time than the row loop on the 0.5b shape's 896-feature products. */
+ * interleaved streams per thread ran ~11% faster than one (huge pages, two threads), and this
+ * loop ran 4-10% faster than the row loop on the 0.5b shape's 896-feature products. */
 static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
     const int64_t half = (n1 - n0) / 2;
     for (int64_t i = 0; i < half; i++) {
@@ -349,7 +349,7 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
      * with K 896 the row loop's single stream took 4-5% less time than the tiles (qkv, o, gate_up and
      * the LM head of the 0.5b shape, paired runs on a later host of the same VM type; docs/benchmarks.md),
      * the tiles 6% less on down; reading two rows at once (f32_gemv_pairs) beat the row loop there by
-     * 5-11%, and lost 1-4% to the tiles on down */
+     * 4-10%, and lost 5% to the tiles on down (ninth session) */
     if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
