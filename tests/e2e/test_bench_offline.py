@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashllm.cli import main
 from flashllm.testing.tiny_models import build_tiny_model
@@ -49,6 +50,7 @@ def test_throughput_on_sharegpt_with_transformers_and_roofline(model_dir: Path, 
     roof = record["roofline"]
     assert roof["read_bandwidth_gb_s"] > 0 and roof["copy_bandwidth_gb_s"] > 0 and roof["matmul_gflop_s"] > 0
     assert roof["ceiling_bandwidth"] == "read stream"  # the CPU's convention; a GPU run divides by the copy
+    assert roof["matmul_probes_gflop_s"] == [roof["matmul_gflop_s"]]  # one round: the roofline's probe alone
     assert record["speedup_vs_best_transformers"] == pytest.approx(
         record["flashllm"]["output_tokens_per_s"] / max(r["output_tokens_per_s"] for r in record["transformers"]))
     # the fractions are each engine's own rate over the ceilings recorded beside them
@@ -101,7 +103,17 @@ def test_latency_compares_quant_types_and_transformers_in_one_run(model_dir: Pat
         a8w8["decode_tokens_per_s"] * a8w8["streamed_weight_bytes"] / (a8w8["ceiling_bandwidth_gb_s"] * 1e9))
 
 
-def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_dir: Path, tmp_path: Path) -> None:
+def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_dir: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashllm.bench import offline
+
+    between: list[float] = []  # a GEMM probe after every round but the last, faked fast
+
+    def fake_gemm_probe(device: str, dtype: torch.dtype) -> float:
+        between.append(1e15 + len(between))
+        return between[-1]
+
+    monkeypatch.setattr(offline, "_gemm_probe", fake_gemm_probe)
     record = _run(tmp_path, "latency", "--model", str(model_dir), "--input-len", "16", "--output-len", "8",
                   "--quant_type", "none,w8a16", "--baseline", "transformers", "--baseline-batch-sizes", "1",
                   "--repeats", "3", "--roofline")
@@ -128,6 +140,10 @@ def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_
     hf = record["transformers_latency"]
     assert len(hf["runs"]) == 3 and hf["decode_tokens_per_s"] == sorted(r["decode_tokens_per_s"] for r in hf["runs"])[1]
     assert len(record["transformers"][0]["runs"]) == 3
+    # the compute ceiling takes the best GEMM probe: the two between rounds, then the roofline's own
+    probes = record["roofline"]["matmul_probes_gflop_s"]
+    assert len(probes) == 3 and probes[:2] == [g / 1e9 for g in between]
+    assert record["roofline"]["matmul_gflop_s"] == max(probes) == between[-1] / 1e9
 
 
 def test_a_single_run_without_roofline_keeps_the_flat_record(model_dir: Path, tmp_path: Path) -> None:
