@@ -183,7 +183,7 @@ class ChatRepl:
         stop = threading.Event()
         parts: list[str] = []
         try:
-            with _sigint_sets(stop, enabled=self.responder.defer_interrupt):
+            with _sigint_sets(stop, interrupt=not self.responder.defer_interrupt):
                 for delta in self.responder.stream(self.session.history.messages(text), self.session.settings,
                                                    stop):
                     parts.append(delta)
@@ -206,12 +206,21 @@ class ChatRepl:
 
 
 @contextlib.contextmanager
-def _sigint_sets(stop: threading.Event, enabled: bool) -> Iterator[None]:
-    """While active, Ctrl-C sets `stop` instead of raising KeyboardInterrupt (main thread only)."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
+def _sigint_sets(stop: threading.Event, interrupt: bool) -> Iterator[None]:
+    """While active, Ctrl-C sets `stop` (main thread only); with `interrupt` it then also raises
+    KeyboardInterrupt, which a responder blocked reading a socket needs. Python drops an exception
+    raised while a finalizer runs (a CI run lost one that way: a remote reply streamed to its end
+    after Ctrl-C), and then the set `stop` still ends the reply at its next delta."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+        if interrupt:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:  # None: a handler installed outside Python, which cannot be put back; use Python's default
