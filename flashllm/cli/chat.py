@@ -209,8 +209,8 @@ class ChatRepl:
 def _sigint_sets(stop: threading.Event, interrupt: bool) -> Iterator[None]:
     """While active, Ctrl-C sets `stop` (main thread only); with `interrupt` it then also raises
     KeyboardInterrupt, which a responder blocked reading a socket needs. Python drops an exception
-    raised while a finalizer runs (a CI run lost one that way: a remote reply streamed to its end
-    after Ctrl-C), and then the set `stop` still ends the reply at its next delta."""
+    raised while a finalizer runs (the likely cause of a CI run where a remote reply streamed to its
+    end after Ctrl-C), and then the set `stop` still ends the reply at its next delta."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
