@@ -156,7 +156,7 @@ def measure(dtype: torch.dtype = torch.float32, device: str = "cpu", plan: Plan 
     reads = read_probes(plan.read_bytes, plan.repeats, device, plan.calls_per_timing, plan)
     return Roofline(read_bandwidth=max(reads.values()), read_probes=tuple(reads.items()),
                     copy_bandwidth=measure_bandwidth(plan.copy_bytes, plan.repeats, device, plan.calls_per_timing),
-                    matmul_flops=measure_matmul(dtype, plan.matmul_n, plan.repeats, device, plan.calls_per_timing),
+                    matmul_flops=measure_ceiling_matmul(dtype, device, plan),
                     dtype=str(dtype).removeprefix("torch."), ceiling=plan.ceiling)
 
 
@@ -166,3 +166,9 @@ def measure_ceiling_bandwidth(device: str | torch.device, plan: Plan | None = No
     if plan.ceiling == "read stream":
         return measure_read_bandwidth(plan.read_bytes, plan.repeats, str(device), plan.calls_per_timing)
     return measure_bandwidth(plan.copy_bytes, plan.repeats, str(device), plan.calls_per_timing)
+
+
+def measure_ceiling_matmul(dtype: torch.dtype, device: str | torch.device, plan: Plan | None = None) -> float:
+    """FLOP/s of the plan's GEMM (what the compute ceiling divides by), measured now."""
+    plan = plan or plan_for(device)
+    return measure_matmul(dtype, plan.matmul_n, plan.repeats, str(device), plan.calls_per_timing)

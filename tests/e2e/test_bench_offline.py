@@ -109,7 +109,7 @@ def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_
 
     between: list[float] = []  # a GEMM probe after every round but the last, faked fast
 
-    def fake_gemm_probe(device: str, dtype: torch.dtype) -> float:
+    def fake_gemm_probe(dtype: torch.dtype, device: str) -> float:
         between.append(1e15 + len(between))
         return between[-1]
 

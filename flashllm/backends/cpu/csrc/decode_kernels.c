@@ -22,37 +22,34 @@
 #include "parallel_for.h"
 #include "thread_pool.h"
 
-/* y[t * ldy + n] = sum_k x[t * K + k] * w[n * K + k] for t < T and n0 <= n < n1 (fp32). */
-void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int64_t K,
-                       int64_t n0, int64_t n1, int64_t ldy) {
-    for (int64_t n = n0; n < n1; n++) {
-        const float *row = w + n * K;
-        for (int64_t t = 0; t < T; t++) {
-            const float *xt = x + t * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t k = 0;
-            for (; k + 32 <= K; k += 32) {  /* four chains hide the FMA latency */
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(xt + k), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 8), _mm256_loadu_ps(xt + k + 8), a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 16), _mm256_loadu_ps(xt + k + 16), a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 24), _mm256_loadu_ps(xt + k + 24), a3);
-            }
-            float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            for (; k < K; k++) sum += row[k] * xt[k];
-            y[t * ldy + n] = sum;
-        }
-    }
-}
-
 /* One row's dot product with x over features [k0, k1), a multiple of 32 apart, into four chains
- * acc[0..3]: the same additions, in the same order, as flashllm_f32_gemv's loop over those features. */
-#define DOT_RUN(row, acc, k0, k1)                                                                     \
+ * acc[0..3] (four chains hide the FMA latency); SUM_CHAINS folds them. */
+#define DOT_RUN(row, x, acc, k0, k1)                                                                  \
     for (int64_t k = (k0); k < (k1); k += 32) {                                                       \
         acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(x + k), acc[0]);           \
         acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 8), _mm256_loadu_ps(x + k + 8), acc[1]);   \
         acc[2] = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 16), _mm256_loadu_ps(x + k + 16), acc[2]); \
         acc[3] = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 24), _mm256_loadu_ps(x + k + 24), acc[3]); \
     }
+#define SUM_CHAINS(acc) hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
+
+/* y[t * ldy + n] = sum_k x[t * K + k] * w[n * K + k] for t < T and n0 <= n < n1 (fp32). */
+void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int64_t K,
+                       int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t body = K / 32 * 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const float *row = w + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * K;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            DOT_RUN(row, xt, acc, 0, body)
+            float sum = SUM_CHAINS(acc);
+            for (int64_t k = body; k < K; k++) sum += row[k] * xt[k];
+            y[t * ldy + n] = sum;
+        }
+    }
+}
+
 #define PAIR_RUN 256  /* features of one row read before switching to the other stream (1 KiB) */
 
 /* flashllm_f32_gemv for one token x (K) and K a multiple of 32, with the bits it gives, reading
@@ -68,11 +65,11 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
         for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
         for (int64_t k0 = 0; k0 < K; k0 += PAIR_RUN) {
             const int64_t k1 = k0 + PAIR_RUN < K ? k0 + PAIR_RUN : K;
-            DOT_RUN(ra, a, k0, k1)
-            DOT_RUN(rb, b, k0, k1)
+            DOT_RUN(ra, x, a, k0, k1)
+            DOT_RUN(rb, x, b, k0, k1)
         }
-        y[n0 + i] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-        y[n0 + half + i] = hsum8(_mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
+        y[n0 + i] = SUM_CHAINS(a);
+        y[n0 + half + i] = SUM_CHAINS(b);
     }
     if ((n1 - n0) % 2) flashllm_f32_gemv(x, w, y, 1, K, n1 - 1, n1, 0);
 }
@@ -110,7 +107,7 @@ static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r
         add_run(a->p + (r0 + half + i) * PAIR_RUN, acc);
     }
     if ((r1 - r0) % 2) add_run(a->p + (r1 - 1) * PAIR_RUN, acc);
-    add_to_total(&a->total, hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))));
+    add_to_total(&a->total, SUM_CHAINS(acc));
 }
 
 /* The sum of runs x PAIR_RUN floats at p, read by `threads` threads two streams each, as
