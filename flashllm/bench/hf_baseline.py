@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from flashllm.bench.roofline import synchronize
-from flashllm.bench.workload import BenchRequest
+from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +80,9 @@ def run_static_batches(model, requests: list[BenchRequest], batch_size: int) -> 
 
 @torch.inference_mode()
 def warm_up(model, request: BenchRequest) -> None:
-    """One short generate before any clock (flashllm gets the same): kernels, cuBLAS handles, allocator."""
-    ids, mask = left_padded([BenchRequest(request.prompt_token_ids[:8], 2)], model.device)
+    """One 2-token generate of a prompt as long as `request`'s before any clock (flashllm gets the same):
+    kernels, cuBLAS handles, allocator."""
+    ids, mask = left_padded([BenchRequest(warm_up_prompt(request), 2)], model.device)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
                    pad_token_id=0)
     _sync(model)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.bench.repeats import bracketed_run
-from flashllm.bench.workload import BenchRequest
+from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
                 "it takes minutes)")
@@ -131,7 +131,7 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
     n_batch = max(32, min(2048, max(len(r.prompt_token_ids) for r in requests)))
     llm = load(gguf_path, n_ctx=max(longest, n_batch), n_batch=n_batch, n_threads=n_threads)
     try:
-        greedy_generate(llm, requests[0].prompt_token_ids[:8], 2)  # warm-up, as flashllm gets
+        greedy_generate(llm, warm_up_prompt(requests[0]), 2)  # untimed, as flashllm gets
         record = bracketed_run(lambda: run_requests(llm, requests).record(), probe)
     finally:
         llm.close()  # frees the model and KV cache before anything else is measured

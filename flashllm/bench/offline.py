@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio
-from flashllm.bench.workload import BenchRequest
+from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 
 def run_offline(args: argparse.Namespace) -> int:
@@ -132,7 +132,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
             "loaded_weight_bytes": counted.total, "streamed_weight_bytes": counted.streamed}
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in requests]
-    llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, detokenize=False))  # warm-up
+    llm.generate([warm_up_prompt(requests[0])], SamplingParams(max_tokens=2, detokenize=False))  # untimed
     selection = llm.engine.parts.selection
     numbers = bracketed_run(partial(_timed_generate, llm, requests, params), _bracket_probe(args, selection.device))
     del llm

@@ -14,6 +14,15 @@ class BenchRequest:
     output_len: int
 
 
+def warm_up_prompt(request: BenchRequest) -> list[int]:
+    """A prompt as long as `request`'s that shares no token position with it, for the untimed
+    warm-up every engine gets: the first prefill of a length compiles and sizes what that length
+    picks (Triton specialisations, buffers), yet no prefix-cache block of the timed run is filled.
+
+    Every id moves down by one (0 moves to 1), so the result stays inside the vocabulary."""
+    return [t - 1 if t else 1 for t in request.prompt_token_ids]
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """"32:256" -> (32, 256); "128" -> (128, 128)."""
     low, _, high = text.partition(":")

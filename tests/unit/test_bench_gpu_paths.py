@@ -138,7 +138,7 @@ def test_a_batch_size_out_of_memory_is_recorded_and_the_others_run(monkeypatch: 
     assert all(r["output_tokens_per_s"] > 0 for r in (records[0], records[2]))
     assert freed == [model.device]
     assert "transformers batch 4 ran out of device memory (CUDA out of memory" in capsys.readouterr().err
-    # the warm-up ran before any timed batch: a 2-token generate of at most 8 prompt tokens
+    # the warm-up ran before any timed batch: a 2-token generate of a prompt as long as the first
     assert model.calls[0][2:] == ((1, 3), 2)
 
 
@@ -182,3 +182,15 @@ def test_gpu_workload_lengths_parse() -> None:
     assert (seven["num_hidden_layers"], seven["hidden_size"], seven["num_attention_heads"],
             seven["num_key_value_heads"], seven["intermediate_size"], seven["vocab_size"],
             seven["tie_word_embeddings"]) == (28, 3584, 28, 4, 18944, 152064, False)
+
+
+def test_the_warm_up_prompt_has_the_first_prompts_length_and_shares_no_position() -> None:
+    # a 128-token prompt's first prefill compiled on the H100 inside the timed run while the
+    # warm-up used 8 tokens (TTFT 1.29 s, then 0.03 s): the warm-up must be as long as the prompt
+    from flashllm.bench.workload import warm_up_prompt
+
+    request = BenchRequest([0, 1, 2, 151935, 7, 7, 0], 4)
+    warm = warm_up_prompt(request)
+    assert len(warm) == len(request.prompt_token_ids)
+    assert all(w != p for w, p in zip(warm, request.prompt_token_ids, strict=True))
+    assert 0 <= min(warm) and max(warm) <= max(request.prompt_token_ids)
