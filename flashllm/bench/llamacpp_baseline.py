@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bracketed_run
+from flashllm.bench.repeats import bracketed_run, probed_decode
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
@@ -84,14 +84,23 @@ def greedy_generate(llm: Any, prompt_token_ids: list[int], output_len: int) -> t
     if output_len < 1:
         raise ValueError(f"output_len must be at least 1, got {output_len}")
     start = time.perf_counter()
+    steps = greedy_tokens(llm, prompt_token_ids, output_len)
+    tokens = [next(steps)]
+    ttft = time.perf_counter() - start
+    tokens.extend(steps)
+    return tokens, ttft, time.perf_counter() - start
+
+
+def greedy_tokens(llm: Any, prompt_token_ids: list[int], output_len: int) -> Iterator[int]:
+    """greedy_generate's tokens one at a time, each computed when asked for (the first by the prefill)."""
     llm.reset()  # never reuse a previous request's cache: each request pays its own prefill
     llm.eval(prompt_token_ids)
-    tokens = [_greedy(llm)]
-    ttft = time.perf_counter() - start
-    while len(tokens) < output_len:
-        llm.eval([tokens[-1]])
-        tokens.append(_greedy(llm))
-    return tokens, ttft, time.perf_counter() - start
+    token = _greedy(llm)
+    yield token
+    for _ in range(output_len - 1):
+        llm.eval([token])
+        token = _greedy(llm)
+        yield token
 
 
 def _greedy(llm: Any) -> int:
@@ -115,13 +124,14 @@ def run_requests(llm: Any, requests: list[BenchRequest]) -> LlamaCppResult:
 
 def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str = "f32",
                  cache_dir: Path | None = None, n_threads: int | None = None,
-                 probe: Callable[[], float] | None = None) -> dict[str, Any]:
+                 probe: Callable[[], float] | None = None, probe_every: int = 0) -> dict[str, Any]:
     """Convert (or reuse) the GGUF of `model_dir`, warm up, run `requests`; returns the JSON record.
 
     The record carries the transformers baseline's keys (batch_size, elapsed_s, output_tokens_per_s)
     plus output_tokens, total_tokens_per_s, mean_ttft_s, decode_tokens_per_s and the GGUF used.
-    probe: bracket the timed run with it (bench/repeats.py). One run per call: `bench --repeats`
-    calls this once per round (bench/offline.py).
+    probe: bracket the timed run with it (bench/repeats.py); with probe_every and a single request,
+    also probe between every probe_every decode tokens (repeats.probed_decode). One run per call:
+    `bench --repeats` calls this once per round (bench/offline.py).
     """
     llama_cpp = require_llama_cpp()
     from flashllm.bench.gguf_export import cached_gguf
@@ -132,9 +142,23 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
     llm = load(gguf_path, n_ctx=max(longest, n_batch), n_batch=n_batch, n_threads=n_threads)
     try:
         greedy_generate(llm, warm_up_prompt(requests[0]), 2)  # untimed, as flashllm gets
-        record = bracketed_run(lambda: run_requests(llm, requests).record(), probe)
+        if probe is not None and probe_every and len(requests) == 1 and requests[0].output_len > 1:
+            record = _probed_record(llm, requests[0], probe, probe_every)
+        else:
+            record = bracketed_run(lambda: run_requests(llm, requests).record(), probe)
     finally:
         llm.close()  # frees the model and KV cache before anything else is measured
     record.update({"gguf": str(gguf_path), "gguf_type": file_type, "n_threads": n_threads or num_cores(),
                    "llama_cpp_version": getattr(llama_cpp, "__version__", "unknown")})
     return record
+
+
+def _probed_record(llm: Any, request: BenchRequest, probe: Callable[[], float], every: int) -> dict[str, Any]:
+    """One request timed by repeats.probed_decode, as a record with run_requests' keys."""
+    run = probed_decode(greedy_tokens(llm, request.prompt_token_ids, request.output_len), request.output_len - 1,
+                        probe, every)
+    elapsed = run["ttft_s"] + run["decode_s"]  # the probes between chunks are not the engine's time
+    return {"batch_size": 1, "elapsed_s": elapsed, "output_tokens": request.output_len,
+            "output_tokens_per_s": request.output_len / elapsed,
+            "total_tokens_per_s": (request.output_len + len(request.prompt_token_ids)) / elapsed,
+            "mean_ttft_s": run.pop("ttft_s"), **run}

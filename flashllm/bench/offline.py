@@ -31,13 +31,13 @@ import dataclasses
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio, probed_decode
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 
@@ -134,7 +134,11 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               for r in requests]
     llm.generate([warm_up_prompt(requests[0])], SamplingParams(max_tokens=2, detokenize=False))  # untimed
     selection = llm.engine.parts.selection
-    numbers = bracketed_run(partial(_timed_generate, llm, requests, params), _bracket_probe(args, selection.device))
+    probe = _bracket_probe(args, selection.device)
+    if _probes_chunks(args, probe, requests):
+        numbers = _probed_generate(llm, requests[0], params[0], probe, args.probe_every)
+    else:
+        numbers = bracketed_run(partial(_timed_generate, llm, requests, params), probe)
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
     selection.adapter.empty_cache(selection.device)  # and sizes its KV cache from what is free
@@ -152,6 +156,41 @@ def _timed_generate(llm: Any, requests: list[BenchRequest], params: list[Any]) -
     numbers = engine_numbers(outputs, elapsed, out_tokens, sum(len(r.prompt_token_ids) for r in requests))
     numbers["prefix_cache_hit_rate"] = llm.engine.block_manager.prefix_cache_hit_rate
     return numbers
+
+
+def _probes_chunks(args: argparse.Namespace, probe: Callable[[], float] | None, requests: list[BenchRequest]) -> bool:
+    """Whether a latency run is timed in chunks with probes between them (repeats.probed_decode)."""
+    return (probe is not None and getattr(args, "probe_every", 0) > 0 and len(requests) == 1
+            and requests[0].output_len > 1)
+
+
+def _probed_generate(llm: Any, request: BenchRequest, params: Any, probe: Callable[[], float],
+                     every: int) -> dict[str, Any]:
+    """_timed_generate's record for one request, timed by repeats.probed_decode."""
+    llm.reset_prefix_cache()
+    run = probed_decode(_engine_tokens(llm.engine, request.prompt_token_ids, params), request.output_len - 1,
+                        probe, every)
+    elapsed = run["ttft_s"] + run["decode_s"]  # the probes between chunks are not the engine's time
+    return {"elapsed_s": elapsed, "output_tokens": request.output_len,
+            "output_tokens_per_s": request.output_len / elapsed,
+            "total_tokens_per_s": (request.output_len + len(request.prompt_token_ids)) / elapsed,
+            "mean_ttft_s": run.pop("ttft_s"), **run,
+            "prefix_cache_hit_rate": llm.engine.block_manager.prefix_cache_hit_rate}
+
+
+def _engine_tokens(engine: Any, prompt_token_ids: list[int], params: Any) -> Iterator[int]:
+    """Step `engine` over one request as LLM.generate steps it, yielding each token as it comes (the
+    first after the prefill); the request is aborted if the caller stops early."""
+    request_id = engine.add_request(prompt_token_ids, params)
+    have = 0
+    try:
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens = output.outputs[0].token_ids
+                yield from tokens[have:]
+                have = len(tokens)
+    finally:
+        engine.abort(request_id)  # a no-op once it finished
 
 
 def _rate_key(args: argparse.Namespace) -> str:
@@ -174,21 +213,27 @@ def _transformers_round(args: argparse.Namespace, model_dir: Path, requests: lis
                         device: str) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     """One round of transformers `generate` on the same weights and device: a run of each static
     batch size (an out-of-memory size is recorded as {"batch_size", "error"}), and in latency mode
-    one batch-1 latency run."""
+    one batch-1 latency run, bracketed by probes where _bracket_probe says so."""
     import torch
 
-    from flashllm.bench.hf_baseline import free_cached_memory, load, run_batch_sizes, run_latency
+    from flashllm.bench.hf_baseline import free_cached_memory, load, run_batch_sizes
 
     model = load(model_dir, getattr(torch, args.dtype), device)
     batches = run_batch_sizes(model, requests, args.baseline_batch_sizes)
     latency = None
-    if args.mode == "latency":
-        run = run_latency(model, requests[0])
-        latency = {"ttft_s": run.ttft, "decode_tokens_per_s": run.decode_tokens_per_s}
+    if args.mode == "latency":  # between probes as flashllm's runs are, so its fraction is alike
+        latency = bracketed_run(partial(_hf_latency, model, requests[0]), _bracket_probe(args, device))
     model_device = model.device
     del model
     free_cached_memory(model_device)  # the next engine, or the roofline's 2 GiB buffers, come next
     return batches, latency
+
+
+def _hf_latency(model: Any, request: BenchRequest) -> dict[str, float]:
+    from flashllm.bench.hf_baseline import run_latency
+
+    run = run_latency(model, request)
+    return {"ttft_s": run.ttft, "decode_tokens_per_s": run.decode_tokens_per_s}
 
 
 def _transformers_record(args: argparse.Namespace, rounds: list[tuple[list[dict[str, Any]], dict[str, float] | None]],
@@ -299,7 +344,9 @@ def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRe
 
     file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
     try:
-        record = run_baseline(model_dir, requests, file_type, probe=_bracket_probe(args, "cpu"))
+        probe = _bracket_probe(args, "cpu")
+        record = run_baseline(model_dir, requests, file_type, probe=probe,
+                              probe_every=args.probe_every if _probes_chunks(args, probe, requests) else 0)
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size

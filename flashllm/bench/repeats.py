@@ -14,12 +14,18 @@ run cannot tell a 0.85 fraction from a 0.75 one. So:
   between two probes, and its fraction of the bandwidth ceiling divides by the higher of the two,
   so a dip in one probe never flatters the engine. The record's fraction is the median of the
   runs' own fractions.
+- A batch-1 latency run lasts 10-15 s on that host, and its bandwidth moved within a run: one run
+  decoded at 1.09 of the higher of its two probes (both taken in a slow phase), another at 0.74.
+  So with --probe-every K (the CPU default), a batch-1 run is timed K decode tokens at a time with
+  a probe between chunks, outside the timed spans (probed_decode): each chunk's ceiling is the
+  higher probe at its two ends, taken seconds apart rather than a whole run apart.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 Numbers = dict[str, Any]
@@ -35,6 +41,46 @@ def bracketed_run(timed: Callable[[], Numbers], probe: Callable[[], float] | Non
         numbers["probe_gb_s"] = [before / 1e9, after / 1e9]
         numbers["ceiling_bandwidth_gb_s"] = max(before, after) / 1e9
     return numbers
+
+
+def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Callable[[], float], every: int) -> Numbers:
+    """Time one batch-1 generation `every` decode tokens at a time, with a probe (bytes/s) after the
+    prefill and after each chunk, outside the timed spans.
+
+    `tokens` yields once per generated token, its first item ending the prefill, and pauses between
+    items (a generator driving the engine); `decode_tokens` of them follow the first. Each chunk's
+    ceiling is the higher probe at its two ends. The run's "ceiling_bandwidth_gb_s" is the chunks'
+    ceilings weighted by their time, so rate x bytes per token / it is the bytes the run streamed
+    over the bytes its chunks' ceilings allowed in the same time.
+    """
+    if every < 1 or decode_tokens < 1:
+        raise ValueError(f"probed_decode needs every >= 1 and decode_tokens >= 1, got {every} and {decode_tokens}")
+    start = time.perf_counter()
+    _next_token(tokens)
+    ttft = time.perf_counter() - start
+    probes = [probe()]
+    chunks: list[Numbers] = []
+    for first in range(0, decode_tokens, every):
+        count = min(every, decode_tokens - first)
+        start = time.perf_counter()
+        for _ in range(count):
+            _next_token(tokens)
+        seconds = time.perf_counter() - start
+        probes.append(probe())
+        chunks.append({"tokens": count, "seconds": seconds, "ceiling_gb_s": max(probes[-2:]) / 1e9})
+    decode_s = sum(chunk["seconds"] for chunk in chunks)
+    return {"ttft_s": ttft, "decode_s": decode_s, "decode_tokens_per_s": decode_tokens / decode_s,
+            "probe_gb_s": [rate / 1e9 for rate in probes],
+            "ceiling_bandwidth_gb_s": sum(c["seconds"] * c["ceiling_gb_s"] for c in chunks) / decode_s,
+            "chunks": chunks}
+
+
+_ENDED = object()
+
+
+def _next_token(tokens: Iterator[object]) -> None:
+    if next(tokens, _ENDED) is _ENDED:
+        raise RuntimeError("the generation ended before the tokens probed_decode was told to time")
 
 
 def median_run(runs: list[Numbers], key: str) -> Numbers:

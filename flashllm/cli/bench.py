@@ -55,6 +55,10 @@ def add_parser(sub: Any) -> None:
                        help="run this many rounds, each timing every engine (and baseline batch size) once, and "
                             "report each engine's median run and ratios paired within rounds; on a CPU with "
                             "--roofline each latency run is bracketed by bandwidth probes")
+        p.add_argument("--probe-every", type=_non_negative, default=16, metavar="TOKENS",
+                       help="where latency runs are bracketed by probes (a CPU with --roofline): also probe "
+                            "between every TOKENS decode tokens of a one-request run, outside the timed spans, "
+                            "each chunk against the probes at its ends (0: only before and after the run)")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
@@ -84,14 +88,18 @@ def _batch_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least {least}, got {text!r}")
     return value
+
+
+def _non_negative(text: str) -> int:
+    return _positive(text, least=0)
 
 
 BASELINES = ("none", "transformers", "llama.cpp")

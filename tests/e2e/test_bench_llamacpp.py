@@ -105,7 +105,8 @@ def test_bench_latency_with_llama_cpp_baseline_writes_json(tmp_path: Path) -> No
     model_dir = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=0, max_position_embeddings=4096)
     out = tmp_path / "latency.json"
     argv = ["bench", "latency", "--model", str(model_dir), "--input-len", "12", "--output-len", "6",
-            "--device", "cpu", "--baseline", "llama.cpp", "--repeats", "2", "--roofline", "--json", str(out)]
+            "--device", "cpu", "--baseline", "llama.cpp", "--repeats", "2", "--roofline", "--probe-every", "2",
+            "--json", str(out)]
     env_cache = tmp_path / "cache"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FLASHLLM_CACHE_DIR", str(env_cache))
@@ -120,8 +121,12 @@ def test_bench_latency_with_llama_cpp_baseline_writes_json(tmp_path: Path) -> No
     assert record["speedup_vs_llama_cpp"] == pytest.approx(sum(
         a["output_tokens_per_s"] / b["output_tokens_per_s"]
         for a, b in zip(record["flashllm"]["runs"], baseline["runs"], strict=True)) / 2)
-    # repeated like flashllm, each run between two read probes; the fraction is the median run's own
-    assert len(baseline["runs"]) == 2 and all(len(r["probe_gb_s"]) == 2 for r in baseline["runs"])
+    # repeated like flashllm, each run's 5 decode tokens timed 2 at a time between read probes (after
+    # the prefill, then after each chunk); the fraction is the median run's own
+    assert len(baseline["runs"]) == 2
+    for run in (*baseline["runs"], *record["flashllm"]["runs"]):
+        assert [c["tokens"] for c in run["chunks"]] == [2, 2, 1] and len(run["probe_gb_s"]) == 4
+        assert run["elapsed_s"] == pytest.approx(run["mean_ttft_s"] + run["decode_s"])
     fractions = sorted(r["decode_tokens_per_s"] * baseline["gguf_bytes"] / (r["ceiling_bandwidth_gb_s"] * 1e9)
                        for r in baseline["runs"])
     assert record["fractions_of_bandwidth_ceiling"]["llama.cpp"] == pytest.approx(sum(fractions) / 2)

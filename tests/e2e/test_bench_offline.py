@@ -94,9 +94,10 @@ def test_latency_compares_quant_types_and_transformers_in_one_run(model_dir: Pat
     hf = record["transformers_latency"]
     assert hf["ttft_s"] > 0 and hf["decode_tokens_per_s"] > 0
     fractions = record["fractions_of_bandwidth_ceiling"]
-    bandwidth = record["roofline"]["read_bandwidth_gb_s"] * 1e9
-    assert fractions["transformers"] == pytest.approx(hf["decode_tokens_per_s"] * record["weight_bytes"] / bandwidth)
-    # flashllm's own runs are bracketed by read probes on the CPU; the ceiling is the higher of the two
+    # every engine's batch-1 run is bracketed by read probes on the CPU; the ceiling is the higher of the two
+    assert len(hf["probe_gb_s"]) == 2 and hf["ceiling_bandwidth_gb_s"] == max(hf["probe_gb_s"])
+    assert fractions["transformers"] == pytest.approx(
+        hf["decode_tokens_per_s"] * record["weight_bytes"] / (hf["ceiling_bandwidth_gb_s"] * 1e9))
     a8w8 = runs[2]
     assert a8w8["ceiling_bandwidth_gb_s"] == max(a8w8["probe_gb_s"])
     assert a8w8["fraction_of_bandwidth_ceiling"] == pytest.approx(
@@ -136,14 +137,50 @@ def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_
     assert len(w8["runs"]) == 3 and w8["fraction_of_bandwidth_ceiling"] == pytest.approx(sorted(
         r["decode_tokens_per_s"] * w8["streamed_weight_bytes"] / (r["ceiling_bandwidth_gb_s"] * 1e9)
         for r in w8["runs"])[1])
-    # the baseline is repeated too (not bracketed: its fraction is against the roofline probe)
+    # the baseline is repeated too, each run between its own probes, its fraction the median of theirs
     hf = record["transformers_latency"]
     assert len(hf["runs"]) == 3 and hf["decode_tokens_per_s"] == sorted(r["decode_tokens_per_s"] for r in hf["runs"])[1]
+    assert all(len(r["probe_gb_s"]) == 2 for r in hf["runs"])
+    assert record["fractions_of_bandwidth_ceiling"]["transformers"] == pytest.approx(sorted(
+        r["decode_tokens_per_s"] * record["weight_bytes"] / (max(r["probe_gb_s"]) * 1e9) for r in hf["runs"])[1])
     assert len(record["transformers"][0]["runs"]) == 3
     # the compute ceiling takes the best GEMM probe: the two between rounds, then the roofline's own
     probes = record["roofline"]["matmul_probes_gflop_s"]
     assert len(probes) == 3 and probes[:2] == [g / 1e9 for g in between]
     assert record["roofline"]["matmul_gflop_s"] == max(probes) == between[-1] / 1e9
+
+
+def test_a_one_request_latency_run_is_timed_in_chunks_between_probes(model_dir: Path, tmp_path: Path) -> None:
+    record = _run(tmp_path, "latency", "--model", str(model_dir), "--input-len", "16", "--output-len", "12",
+                  "--roofline", "--probe-every", "4")
+    flash = record["flashllm"]
+    assert flash["output_tokens"] == 12 and [c["tokens"] for c in flash["chunks"]] == [4, 4, 3]
+    probes = flash["probe_gb_s"]
+    assert len(probes) == 4 and min(probes) > 0  # after the prefill, then after each chunk
+    assert [c["ceiling_gb_s"] for c in flash["chunks"]] == [max(probes[i:i + 2]) for i in range(3)]
+    assert flash["decode_s"] == pytest.approx(sum(c["seconds"] for c in flash["chunks"]))
+    assert flash["decode_tokens_per_s"] == pytest.approx(11 / flash["decode_s"])
+    # the probes are not the engine's time
+    assert flash["elapsed_s"] == pytest.approx(flash["mean_ttft_s"] + flash["decode_s"])
+    weighted = sum(c["seconds"] * c["ceiling_gb_s"] for c in flash["chunks"]) / flash["decode_s"]
+    assert flash["ceiling_bandwidth_gb_s"] == pytest.approx(weighted)
+    assert record["fraction_of_bandwidth_ceiling"] == pytest.approx(
+        flash["decode_tokens_per_s"] * record["streamed_weight_bytes"] / (weighted * 1e9))
+
+
+def test_the_chunked_runs_tokens_are_generates_tokens(model_dir: Path) -> None:
+    from flashllm import LLM, SamplingParams
+    from flashllm.bench.offline import _engine_tokens
+
+    llm = LLM(str(model_dir), device="cpu", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, detokenize=False)
+    prompt = list(range(3, 40))
+    (expected,) = llm.generate([prompt], params)
+    assert list(_engine_tokens(llm.engine, prompt, params)) == list(expected.outputs[0].token_ids)
+    stopped = _engine_tokens(llm.engine, prompt, params)
+    next(stopped), next(stopped)
+    stopped.close()  # a caller that stops early leaves no request holding KV blocks
+    assert not llm.engine.has_unfinished()
 
 
 def test_a_single_run_without_roofline_keeps_the_flat_record(model_dir: Path, tmp_path: Path) -> None:

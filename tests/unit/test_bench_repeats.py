@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio
+from flashllm.bench import repeats
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio, probed_decode
 
 
 def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
@@ -26,6 +27,64 @@ def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
     assert [first["probe_gb_s"], second["probe_gb_s"]] == [[20.0, 25.0], [18.0, 22.0]]
     # the higher neighbour: a dip on one side never raises the run's fraction
     assert [first["ceiling_bandwidth_gb_s"], second["ceiling_bandwidth_gb_s"]] == [25.0, 22.0]
+
+
+class FakeClock:
+    """perf_counter for repeats.probed_decode: tokens and probes advance it by what they cost."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _fake_generation(clock: FakeClock, costs: list[float], events: list[str]):
+    for cost in costs:
+        clock.now += cost
+        events.append("token")
+        yield cost
+
+
+@pytest.mark.parametrize("every", [4, 3])
+def test_a_chunked_run_is_timed_between_probes_and_weighs_each_chunks_ceiling(monkeypatch: pytest.MonkeyPatch,
+                                                                             every: int) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(repeats, "time", clock)
+    events: list[str] = []
+    rates = iter([10e9, 20e9, 30e9, 15e9, 40e9])
+
+    def probe() -> float:  # a probe costs 5 s, none of it the engine's
+        events.append("probe")
+        clock.now += 5.0
+        return next(rates)
+
+    costs = [2.0] + [0.1] * 4 + [0.2] * 4  # prefill, then 8 decode tokens whose speed halves
+    run = probed_decode(_fake_generation(clock, costs, events), 8, probe, every)
+    chunks = [costs[1 + i:1 + i + every] for i in range(0, 8, every)]
+    assert events == ["token", "probe"] + [e for chunk in chunks for e in ["token"] * len(chunk) + ["probe"]]
+    assert run["ttft_s"] == pytest.approx(2.0) and run["decode_s"] == pytest.approx(1.2)
+    assert run["decode_tokens_per_s"] == pytest.approx(8 / 1.2)
+    assert run["probe_gb_s"] == pytest.approx([10.0, 20.0, 30.0, 15.0, 40.0][:len(chunks) + 1])
+    assert [c["tokens"] for c in run["chunks"]] == [len(c) for c in chunks]
+    assert [c["seconds"] for c in run["chunks"]] == pytest.approx([sum(c) for c in chunks])
+    # each chunk against the higher probe at its two ends, weighted by its time
+    ends = run["probe_gb_s"]
+    ceilings = [max(ends[i], ends[i + 1]) for i in range(len(chunks))]
+    assert [c["ceiling_gb_s"] for c in run["chunks"]] == pytest.approx(ceilings)
+    assert run["ceiling_bandwidth_gb_s"] == pytest.approx(
+        sum(sum(c) * g for c, g in zip(chunks, ceilings, strict=True)) / 1.2)
+    # so the fraction is the bytes streamed over the bytes the chunks' ceilings allowed in their time
+    bytes_per_token = 1e9
+    assert bandwidth_fraction(run, "decode_tokens_per_s", int(bytes_per_token)) == pytest.approx(
+        8 * bytes_per_token / sum(sum(c) * g * 1e9 for c, g in zip(chunks, ceilings, strict=True)))
+
+
+def test_a_chunked_run_that_ends_early_fails() -> None:
+    with pytest.raises(RuntimeError, match="ended before"):
+        probed_decode(iter([None] * 3), 4, lambda: 1e9, 2)
+    with pytest.raises(ValueError, match="every >= 1"):
+        probed_decode(iter([None] * 3), 2, lambda: 1e9, 0)
 
 
 def test_without_a_probe_a_run_carries_no_bandwidth_and_no_fraction() -> None:
