@@ -206,7 +206,7 @@ def _bracket_probe(args: argparse.Namespace, device: Any) -> Callable[[], float]
     plan = rl.plan_for(device)
     if not (args.roofline and args.mode == "latency" and plan.bracket_runs):
         return None
-    return lambda: rl.measure_ceiling_bandwidth(device, plan)
+    return rl.held_ceiling_probe(device, plan)  # its buffers allocated now, freed with the run's probe
 
 
 def _transformers_round(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest],

@@ -119,17 +119,24 @@ def _sum_read(num_bytes: int, repeats: int, device: str, calls: int) -> float:
     return num_bytes / _best_time(lambda: src.sum(), repeats, device, calls)
 
 
+def _fast_read(plan: Plan, num_bytes: int) -> tuple[str, Callable[[], object]] | None:
+    """(name, a call reading num_bytes once) of the plan's own read probe, or None where it has none here."""
+    if not plan.fast_read:
+        return None
+    module, name = plan.fast_read.split(":")
+    read = getattr(importlib.import_module(module), name)(num_bytes)
+    return None if read is None else (name, read)
+
+
 def read_probes(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1,
                 plan: Plan | None = None) -> dict[str, float]:
     """bytes/s of each read-only stream over `num_bytes`, like a GEMV reading weights: a torch sum,
     and the plan's own read (Plan.fast_read; plan_for(device) by default) where it runs here."""
     probes = {"torch.sum": _sum_read(num_bytes, repeats, device, calls)}  # its buffer freed before the next
-    hook = (plan or plan_for(device)).fast_read
-    if hook:
-        module, name = hook.split(":")
-        read = getattr(importlib.import_module(module), name)(num_bytes)
-        if read is not None:
-            probes[name] = num_bytes / _best_time(read, repeats, device, calls)
+    fast = _fast_read(plan or plan_for(device), num_bytes)
+    if fast is not None:
+        name, read = fast
+        probes[name] = num_bytes / _best_time(read, repeats, device, calls)
     return probes
 
 
@@ -166,6 +173,28 @@ def measure_ceiling_bandwidth(device: str | torch.device, plan: Plan | None = No
     if plan.ceiling == "read stream":
         return measure_read_bandwidth(plan.read_bytes, plan.repeats, str(device), plan.calls_per_timing)
     return measure_bandwidth(plan.copy_bytes, plan.repeats, str(device), plan.calls_per_timing)
+
+
+def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> Callable[[], float]:
+    """measure_ceiling_bandwidth as a call over buffers allocated here, once, and held by the call.
+
+    For probes around and inside one timed run (bench/repeats.py): on the team's VM a probe that
+    allocated and freed its 2 GiB each time slowed the engine's decode after it by 8% (chunked
+    runs against plain ones, slower in 6 of 6 rounds); with the buffers held the chunked runs ran
+    1.02x the plain ones (3 of 6), so the churn, not the reads, was the cost.
+    """
+    plan = plan or plan_for(device)
+    dev, repeats, calls = str(device), plan.repeats, plan.calls_per_timing
+    if plan.ceiling != "read stream":
+        src = torch.ones(plan.copy_bytes // 4, dtype=torch.float32, device=dev)
+        dst = torch.empty_like(src)
+        return lambda: 2 * plan.copy_bytes / _best_time(lambda: dst.copy_(src), repeats, dev, calls)
+    src = torch.ones(plan.read_bytes // 4, dtype=torch.float32, device=dev)
+    reads: list[Callable[[], object]] = [src.sum]
+    fast = _fast_read(plan, plan.read_bytes)
+    if fast is not None:
+        reads.append(fast[1])
+    return lambda: max(plan.read_bytes / _best_time(read, repeats, dev, calls) for read in reads)
 
 
 def measure_ceiling_matmul(dtype: torch.dtype, device: str | torch.device, plan: Plan | None = None) -> float:
