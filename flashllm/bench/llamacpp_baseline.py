@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bracketed_run, probed_decode
+from flashllm.bench.repeats import bracketed_run, chunked_record, probed_decode, times_in_chunks
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
@@ -142,8 +142,11 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
     llm = load(gguf_path, n_ctx=max(longest, n_batch), n_batch=n_batch, n_threads=n_threads)
     try:
         greedy_generate(llm, warm_up_prompt(requests[0]), 2)  # untimed, as flashllm gets
-        if probe is not None and probe_every and len(requests) == 1 and requests[0].output_len > 1:
-            record = _probed_record(llm, requests[0], probe, probe_every)
+        if times_in_chunks(probe, probe_every, requests):
+            request = requests[0]
+            run = probed_decode(greedy_tokens(llm, request.prompt_token_ids, request.output_len),
+                                request.output_len - 1, probe, probe_every)
+            record = {"batch_size": 1, **chunked_record(run, len(request.prompt_token_ids))}
         else:
             record = bracketed_run(lambda: run_requests(llm, requests).record(), probe)
     finally:
@@ -152,13 +155,3 @@ def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str =
                    "llama_cpp_version": getattr(llama_cpp, "__version__", "unknown")})
     return record
 
-
-def _probed_record(llm: Any, request: BenchRequest, probe: Callable[[], float], every: int) -> dict[str, Any]:
-    """One request timed by repeats.probed_decode, as a record with run_requests' keys."""
-    run = probed_decode(greedy_tokens(llm, request.prompt_token_ids, request.output_len), request.output_len - 1,
-                        probe, every)
-    elapsed = run["ttft_s"] + run["decode_s"]  # the probes between chunks are not the engine's time
-    return {"batch_size": 1, "elapsed_s": elapsed, "output_tokens": request.output_len,
-            "output_tokens_per_s": request.output_len / elapsed,
-            "total_tokens_per_s": (request.output_len + len(request.prompt_token_ids)) / elapsed,
-            "mean_ttft_s": run.pop("ttft_s"), **run}

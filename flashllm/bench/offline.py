@@ -37,7 +37,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio, probed_decode
+from flashllm.bench.repeats import (
+    bandwidth_fraction,
+    bracketed_run,
+    chunked_record,
+    median_run,
+    paired_ratio,
+    probed_decode,
+    times_in_chunks,
+)
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 
@@ -135,7 +143,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     llm.generate([warm_up_prompt(requests[0])], SamplingParams(max_tokens=2, detokenize=False))  # untimed
     selection = llm.engine.parts.selection
     probe = _bracket_probe(args, selection.device)
-    if _probes_chunks(args, probe, requests):
+    if times_in_chunks(probe, getattr(args, "probe_every", 0), requests):
         numbers = _probed_generate(llm, requests[0], params[0], probe, args.probe_every)
     else:
         numbers = bracketed_run(partial(_timed_generate, llm, requests, params), probe)
@@ -158,23 +166,13 @@ def _timed_generate(llm: Any, requests: list[BenchRequest], params: list[Any]) -
     return numbers
 
 
-def _probes_chunks(args: argparse.Namespace, probe: Callable[[], float] | None, requests: list[BenchRequest]) -> bool:
-    """Whether a latency run is timed in chunks with probes between them (repeats.probed_decode)."""
-    return (probe is not None and getattr(args, "probe_every", 0) > 0 and len(requests) == 1
-            and requests[0].output_len > 1)
-
-
 def _probed_generate(llm: Any, request: BenchRequest, params: Any, probe: Callable[[], float],
                      every: int) -> dict[str, Any]:
     """_timed_generate's record for one request, timed by repeats.probed_decode."""
     llm.reset_prefix_cache()
     run = probed_decode(_engine_tokens(llm.engine, request.prompt_token_ids, params), request.output_len - 1,
                         probe, every)
-    elapsed = run["ttft_s"] + run["decode_s"]  # the probes between chunks are not the engine's time
-    return {"elapsed_s": elapsed, "output_tokens": request.output_len,
-            "output_tokens_per_s": request.output_len / elapsed,
-            "total_tokens_per_s": (request.output_len + len(request.prompt_token_ids)) / elapsed,
-            "mean_ttft_s": run.pop("ttft_s"), **run,
+    return {**chunked_record(run, len(request.prompt_token_ids)),
             "prefix_cache_hit_rate": llm.engine.block_manager.prefix_cache_hit_rate}
 
 
@@ -345,8 +343,7 @@ def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRe
     file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
     try:
         probe = _bracket_probe(args, "cpu")
-        record = run_baseline(model_dir, requests, file_type, probe=probe,
-                              probe_every=args.probe_every if _probes_chunks(args, probe, requests) else 0)
+        record = run_baseline(model_dir, requests, file_type, probe=probe, probe_every=getattr(args, "probe_every", 0))
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size

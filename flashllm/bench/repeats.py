@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from flashllm.bench.workload import BenchRequest
 
 Numbers = dict[str, Any]
 
@@ -69,10 +71,28 @@ def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Callable[
         probes.append(probe())
         chunks.append({"tokens": count, "seconds": seconds, "ceiling_gb_s": max(probes[-2:]) / 1e9})
     decode_s = sum(chunk["seconds"] for chunk in chunks)
-    return {"ttft_s": ttft, "decode_s": decode_s, "decode_tokens_per_s": decode_tokens / decode_s,
+    return {"ttft_s": ttft, "decode_tokens": decode_tokens, "decode_s": decode_s,
+            "decode_tokens_per_s": decode_tokens / decode_s,
             "probe_gb_s": [rate / 1e9 for rate in probes],
             "ceiling_bandwidth_gb_s": sum(c["seconds"] * c["ceiling_gb_s"] for c in chunks) / decode_s,
             "chunks": chunks}
+
+
+def chunked_record(run: Numbers, prompt_tokens: int) -> Numbers:
+    """probed_decode's numbers as an engine's run record (elapsed_s, output_tokens, output and total
+    tokens/s, mean_ttft_s), its time the prefill and the chunks, not the probes between them."""
+    run = dict(run)
+    ttft = run.pop("ttft_s")
+    output_tokens = run.pop("decode_tokens") + 1
+    elapsed = ttft + run["decode_s"]
+    return {"elapsed_s": elapsed, "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / elapsed,
+            "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed, "mean_ttft_s": ttft, **run}
+
+
+def times_in_chunks(probe: Callable[[], float] | None, every: int, requests: Sequence[BenchRequest]) -> bool:
+    """Whether a run of `requests` is timed by probed_decode: a probe, chunks asked for, and one
+    request with decode tokens to time."""
+    return probe is not None and every > 0 and len(requests) == 1 and requests[0].output_len > 1
 
 
 _ENDED = object()
