@@ -7,14 +7,7 @@ import json
 import pytest
 
 from flashllm.bench import repeats
-from flashllm.bench.repeats import (
-    bandwidth_fraction,
-    bracketed_run,
-    chunked_record,
-    median_run,
-    paired_ratio,
-    probed_decode,
-)
+from flashllm.bench.repeats import bandwidth_fraction, bracketed_run, median_run, paired_ratio, probed_decode
 
 
 def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
@@ -82,7 +75,7 @@ def test_a_chunked_run_is_timed_between_probes_and_weighs_each_chunks_ceiling(mo
     assert run["ceiling_bandwidth_gb_s"] == pytest.approx(
         sum(sum(c) * g for c, g in zip(chunks, ceilings, strict=True)) / 1.2)
     # as a run record: 9 tokens in the prefill's and the chunks' 3.2 s, the 5 s probes left out
-    record = chunked_record(run, prompt_tokens=5)
+    record = repeats.chunked_record(run, prompt_tokens=5)
     assert (record["elapsed_s"], record["output_tokens"], record["mean_ttft_s"]) == pytest.approx((3.2, 9, 2.0))
     assert record["output_tokens_per_s"] == pytest.approx(9 / 3.2)
     assert record["total_tokens_per_s"] == pytest.approx(14 / 3.2)
