@@ -178,13 +178,14 @@ def _bracketed_engine(name: str, args: argparse.Namespace, model_dir: Path, work
     "ceiling_bandwidth_gb_s", the higher of the two, which its decode ceiling divides by.
 
     The shared VM's read stream drifts within a run (20 GB/s in one probe where others that hour
-    read 34-35), so one probe for all engines would hand each a ceiling from another moment.
+    read 34-35), so one probe for all engines would hand each a ceiling from another moment. The
+    probe's buffers are held for the engine's run (roofline.held_ceiling_probe says why).
     """
     from flashllm.bench import roofline as rl
     from flashllm.bench.repeats import bracketed_run
 
-    return bracketed_run(lambda: _run_engine(name, args, model_dir, workload, record),
-                         lambda: rl.measure_read_bandwidth(args.roofline_mib << 20))
+    probe = rl.held_ceiling_probe("cpu", replace(rl.CPU_PLAN, read_bytes=args.roofline_mib << 20))
+    return bracketed_run(lambda: _run_engine(name, args, model_dir, workload, record), probe)
 
 
 def _apply_ceilings(engine: dict[str, Any], record: dict[str, Any]) -> None:

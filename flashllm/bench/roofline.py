@@ -167,16 +167,9 @@ def measure(dtype: torch.dtype = torch.float32, device: str = "cpu", plan: Plan 
                     dtype=str(dtype).removeprefix("torch."), ceiling=plan.ceiling)
 
 
-def measure_ceiling_bandwidth(device: str | torch.device, plan: Plan | None = None) -> float:
-    """The bandwidth the decode ceiling divides by (the plan's read stream or copy), measured now."""
-    plan = plan or plan_for(device)
-    if plan.ceiling == "read stream":
-        return measure_read_bandwidth(plan.read_bytes, plan.repeats, str(device), plan.calls_per_timing)
-    return measure_bandwidth(plan.copy_bytes, plan.repeats, str(device), plan.calls_per_timing)
-
-
 def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> Callable[[], float]:
-    """measure_ceiling_bandwidth as a call over buffers allocated here, once, and held by the call.
+    """A call measuring the bandwidth the decode ceiling divides by (the plan's read stream, the
+    faster of its read probes, or its copy), over buffers allocated here, once, and held by the call.
 
     For probes around and inside one timed run (bench/repeats.py): on the team's VM a probe that
     allocated and freed its 2 GiB each time slowed the engine's decode after it by 8% (chunked

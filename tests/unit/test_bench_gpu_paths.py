@@ -27,10 +27,17 @@ def test_each_device_type_gets_its_plan() -> None:
 
 
 def test_the_ceiling_probe_measures_the_bandwidth_the_plan_divides_by(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda size, repeats, device, calls: ("read", size, device))
-    monkeypatch.setattr(roofline, "measure_bandwidth", lambda size, repeats, device, calls: ("copy", size, device))
-    assert roofline.measure_ceiling_bandwidth("cpu") == ("read", 1 << 30, "cpu")
-    assert roofline.measure_ceiling_bandwidth("cuda:1") == ("copy", 2 << 30, "cuda:1")
+    # buffers are recorded and made on meta; each timing is faked at 1 s: a read stream of 1 GiB on
+    # the CPU, a 2 GiB copy (read + written bytes) on an accelerator
+    made: list[tuple[int, str]] = []
+    real_ones = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda n, dtype, device: made.append((n * 4, device)) or real_ones(
+        n, dtype=dtype, device="meta"))
+    monkeypatch.setattr(roofline, "_fast_read", lambda plan, num_bytes: None)
+    monkeypatch.setattr(roofline, "_best_time", lambda fn, repeats, device, calls=1: 1.0)
+    assert (roofline.held_ceiling_probe("cpu")(), made) == (1 << 30, [(1 << 30, "cpu")])
+    made.clear()
+    assert (roofline.held_ceiling_probe("cuda:1")(), made) == (2 * (2 << 30), [(2 << 30, "cuda:1")])
 
 
 def test_accelerator_timings_are_synchronized_and_divided_by_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
