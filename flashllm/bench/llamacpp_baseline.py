@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench.repeats import bracketed_run, chunked_record, probed_decode, times_in_chunks
+from flashllm.bench.repeats import Probe, bracketed_run, chunked_record, probed_decode, times_in_chunks
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
 
 INSTALL_HINT = ("pip install llama-cpp-python gguf (llama-cpp-python builds llama.cpp from source with cmake; "
@@ -124,7 +124,7 @@ def run_requests(llm: Any, requests: list[BenchRequest]) -> LlamaCppResult:
 
 def run_baseline(model_dir: Path, requests: list[BenchRequest], file_type: str = "f32",
                  cache_dir: Path | None = None, n_threads: int | None = None,
-                 probe: Callable[[], float] | None = None, probe_every: int = 0) -> dict[str, Any]:
+                 probe: Probe | None = None, probe_every: int = 0) -> dict[str, Any]:
     """Convert (or reuse) the GGUF of `model_dir`, warm up, run `requests`; returns the JSON record.
 
     The record carries the transformers baseline's keys (batch_size, elapsed_s, output_tokens_per_s)

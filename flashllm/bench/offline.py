@@ -31,13 +31,14 @@ import dataclasses
 import json
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from flashllm.bench.repeats import (
+    Probe,
     bandwidth_fraction,
     bracketed_run,
     chunked_record,
@@ -166,7 +167,7 @@ def _timed_generate(llm: Any, requests: list[BenchRequest], params: list[Any]) -
     return numbers
 
 
-def _probed_generate(llm: Any, request: BenchRequest, params: Any, probe: Callable[[], float],
+def _probed_generate(llm: Any, request: BenchRequest, params: Any, probe: Probe,
                      every: int) -> dict[str, Any]:
     """_timed_generate's record for one request, timed by repeats.probed_decode."""
     llm.reset_prefix_cache()
@@ -196,7 +197,7 @@ def _rate_key(args: argparse.Namespace) -> str:
     return "decode_tokens_per_s" if args.mode == "latency" else "output_tokens_per_s"
 
 
-def _bracket_probe(args: argparse.Namespace, device: Any) -> Callable[[], float] | None:
+def _bracket_probe(args: argparse.Namespace, device: Any) -> Probe | None:
     """The probe that brackets each timed latency run (see bench/repeats.py), where --roofline asked
     for ceilings and the device's plan brackets its runs; None otherwise."""
     from flashllm.bench import roofline as rl
@@ -296,18 +297,31 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     for run in result.get("llama.cpp", []):
         result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
     if args.mode == "latency":
-        fractions = {"flashllm": _decode_fraction(result["flashllm"], result["streamed_weight_bytes"], roof)}
-        if "transformers_latency" in result:  # same float weights, so the float ceiling
-            fractions["transformers"] = _decode_fraction(result["transformers_latency"], result["weight_bytes"], roof)
-        for run in result.get("llama.cpp", []):
-            fractions["llama.cpp"] = _decode_fraction(run, run["gguf_bytes"], roof)
-        result["fraction_of_bandwidth_ceiling"] = fractions["flashllm"]
-        result["fractions_of_bandwidth_ceiling"] = fractions
+        for of, key in (("ceiling", "fractions_of_bandwidth_ceiling"), ("peak", "fractions_of_peak_bandwidth")):
+            fractions = _latency_fractions(result, roof, of)
+            if fractions:
+                result[key] = fractions
+        result["fraction_of_bandwidth_ceiling"] = result["fractions_of_bandwidth_ceiling"]["flashllm"]
         result["bandwidth_fraction_method"] = (
-            "median over runs, each against the higher of the probes just before and after it"
+            "median over runs, each against the probes at its ends (at its chunks' ends with --probe-every): "
+            "the higher sustained read; of the peak: the higher fastest single read"
             if "ceiling_bandwidth_gb_s" in result["flashllm"] else "against the roofline probe after all runs")
         for run in result.get("quant_runs", []):
             run["fraction_of_bandwidth_ceiling"] = _decode_fraction(run, run["streamed_weight_bytes"], roof)
+            bandwidth_fraction(run, "decode_tokens_per_s", run["streamed_weight_bytes"], of="peak")
+
+
+def _latency_fractions(result: dict[str, Any], roof: Any, of: str) -> dict[str, float]:
+    """Each engine's batch-1 fraction of the bandwidth ceiling (of="ceiling"; the roofline's where
+    its runs were not bracketed) or of the peak read (of="peak"; bracketed runs only)."""
+    records = [("flashllm", result["flashllm"], result["streamed_weight_bytes"])]
+    if "transformers_latency" in result:  # same float weights, so the float ceiling
+        records.append(("transformers", result["transformers_latency"], result["weight_bytes"]))
+    records += [("llama.cpp", run, run["gguf_bytes"]) for run in result.get("llama.cpp", [])]
+    fractions = {name: (_decode_fraction(record, streamed, roof) if of == "ceiling" else
+                        bandwidth_fraction(record, "decode_tokens_per_s", streamed, of="peak"))
+                 for name, record, streamed in records}
+    return {name: fraction for name, fraction in fractions.items() if fraction is not None}
 
 
 def _decode_fraction(record: dict[str, Any], streamed_bytes: int, roof: Any) -> float:

@@ -19,6 +19,9 @@ run cannot tell a 0.85 fraction from a 0.75 one. So:
   So with --probe-every K (the CPU default), a batch-1 run is timed K decode tokens at a time with
   a probe between chunks, outside the timed spans (probed_decode): each chunk's ceiling is the
   higher probe at its two ends, taken seconds apart rather than a whole run apart.
+- A probe (roofline.Reading) gives two rates: the ceiling, what a read sustains back to back over
+  ~0.5 s on the CPU, and the peak, its fastest single read. A run's fraction divides by the
+  ceiling; its fraction of the peak is recorded beside it ("fraction_of_peak_bandwidth").
 """
 
 from __future__ import annotations
@@ -26,34 +29,42 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashllm.bench.workload import BenchRequest
 
+if TYPE_CHECKING:
+    from flashllm.bench.roofline import Reading
+
 Numbers = dict[str, Any]
+Probe = Callable[[], "Reading"]
 
 
-def bracketed_run(timed: Callable[[], Numbers], probe: Callable[[], float] | None) -> Numbers:
-    """`timed()` once; with a probe (bytes/s), one probe just before and one just after, and the
-    run's "ceiling_bandwidth_gb_s" is the higher of the two."""
+def bracketed_run(timed: Callable[[], Numbers], probe: Probe | None) -> Numbers:
+    """`timed()` once; with a probe, one probe just before and one just after: the run's
+    "ceiling_bandwidth_gb_s" is the higher ceiling of the two, "peak_bandwidth_gb_s" the higher peak."""
     before = probe() if probe else None
     numbers = dict(timed())
     if probe is not None:
-        after = probe()
-        numbers["probe_gb_s"] = [before / 1e9, after / 1e9]
-        numbers["ceiling_bandwidth_gb_s"] = max(before, after) / 1e9
+        numbers.update(_probe_numbers([before, probe()]))
+        numbers["ceiling_bandwidth_gb_s"] = max(numbers["probe_gb_s"])
+        numbers["peak_bandwidth_gb_s"] = max(numbers["peak_probe_gb_s"])
     return numbers
 
 
-def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Callable[[], float], every: int) -> Numbers:
-    """Time one batch-1 generation `every` decode tokens at a time, with a probe (bytes/s) after the
-    prefill and after each chunk, outside the timed spans.
+def _probe_numbers(readings: list[Reading]) -> Numbers:
+    return {"probe_gb_s": [r.ceiling / 1e9 for r in readings], "peak_probe_gb_s": [r.peak / 1e9 for r in readings]}
+
+
+def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Probe, every: int) -> Numbers:
+    """Time one batch-1 generation `every` decode tokens at a time, with a probe after the prefill
+    and after each chunk, outside the timed spans.
 
     `tokens` yields once per generated token, its first item ending the prefill, and pauses between
     items (a generator driving the engine); `decode_tokens` of them follow the first. Each chunk's
-    ceiling is the higher probe at its two ends. The run's "ceiling_bandwidth_gb_s" is the chunks'
-    ceilings weighted by their time, so rate x bytes per token / it is the bytes the run streamed
-    over the bytes its chunks' ceilings allowed in the same time.
+    ceiling (and peak) is the higher probe at its two ends. The run's "ceiling_bandwidth_gb_s" is
+    the chunks' ceilings weighted by their time, so rate x bytes per token / it is the bytes the run
+    streamed over the bytes its chunks' ceilings allowed in the same time; "peak_bandwidth_gb_s" the same of the peaks.
     """
     if every < 1 or decode_tokens < 1:
         raise ValueError(f"probed_decode needs every >= 1 and decode_tokens >= 1, got {every} and {decode_tokens}")
@@ -69,12 +80,14 @@ def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Callable[
             _next_token(tokens)
         seconds = time.perf_counter() - start
         probes.append(probe())
-        chunks.append({"tokens": count, "seconds": seconds, "ceiling_gb_s": max(probes[-2:]) / 1e9})
+        ends = probes[-2:]
+        chunks.append({"tokens": count, "seconds": seconds, "ceiling_gb_s": max(r.ceiling for r in ends) / 1e9,
+                       "peak_gb_s": max(r.peak for r in ends) / 1e9})
     decode_s = sum(chunk["seconds"] for chunk in chunks)
     return {"ttft_s": ttft, "decode_tokens": decode_tokens, "decode_s": decode_s,
-            "decode_tokens_per_s": decode_tokens / decode_s,
-            "probe_gb_s": [rate / 1e9 for rate in probes],
+            "decode_tokens_per_s": decode_tokens / decode_s, **_probe_numbers(probes),
             "ceiling_bandwidth_gb_s": sum(c["seconds"] * c["ceiling_gb_s"] for c in chunks) / decode_s,
+            "peak_bandwidth_gb_s": sum(c["seconds"] * c["peak_gb_s"] for c in chunks) / decode_s,
             "chunks": chunks}
 
 
@@ -89,7 +102,7 @@ def chunked_record(run: Numbers, prompt_tokens: int) -> Numbers:
             "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed, "mean_ttft_s": ttft, **run}
 
 
-def times_in_chunks(probe: Callable[[], float] | None, every: int, requests: Sequence[BenchRequest]) -> bool:
+def times_in_chunks(probe: Probe | None, every: int, requests: Sequence[BenchRequest]) -> bool:
     """Whether a run of `requests` is timed by probed_decode: a probe, chunks asked for, and one
     request with decode tokens to time."""
     return probe is not None and every > 0 and len(requests) == 1 and requests[0].output_len > 1
@@ -113,15 +126,21 @@ def median_run(runs: list[Numbers], key: str) -> Numbers:
     return chosen
 
 
-def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int) -> float | None:
+def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int, of: str = "ceiling") -> float | None:
     """The median over a record's runs of rate / (bracketing bandwidth / bytes per token), each run
-    keeping its own as "fraction_of_bandwidth_ceiling"; None when the runs were not bracketed."""
+    keeping its own as "fraction_of_bandwidth_ceiling" (of="ceiling") or "fraction_of_peak_bandwidth"
+    (of="peak"); None when the runs were not bracketed."""
+    bandwidth_key, fraction_key = _FRACTIONS[of]
     runs = record.get("runs") or [record]
-    if not all("ceiling_bandwidth_gb_s" in run for run in runs):
+    if not all(bandwidth_key in run for run in runs):
         return None
     for run in runs:
-        run["fraction_of_bandwidth_ceiling"] = run[rate_key] * streamed_bytes / (run["ceiling_bandwidth_gb_s"] * 1e9)
-    return statistics.median(run["fraction_of_bandwidth_ceiling"] for run in runs)
+        run[fraction_key] = run[rate_key] * streamed_bytes / (run[bandwidth_key] * 1e9)
+    return statistics.median(run[fraction_key] for run in runs)
+
+
+_FRACTIONS = {"ceiling": ("ceiling_bandwidth_gb_s", "fraction_of_bandwidth_ceiling"),
+              "peak": ("peak_bandwidth_gb_s", "fraction_of_peak_bandwidth")}
 
 
 def paired_ratio(numerators: list[Numbers], denominators: list[Numbers], key: str) -> float:

@@ -27,17 +27,25 @@ def test_each_device_type_gets_its_plan() -> None:
 
 
 def test_the_ceiling_probe_measures_the_bandwidth_the_plan_divides_by(monkeypatch: pytest.MonkeyPatch) -> None:
-    # buffers are recorded and made on meta; each timing is faked at 1 s: a read stream of 1 GiB on
-    # the CPU, a 2 GiB copy (read + written bytes) on an accelerator
+    # buffers are recorded and made on meta; timings are faked: a copy's best timing at 1 s, and
+    # a read's back-to-back timings 1 s each but the last, 6 s
     made: list[tuple[int, str]] = []
     real_ones = torch.ones
     monkeypatch.setattr(torch, "ones", lambda n, dtype, device: made.append((n * 4, device)) or real_ones(
         n, dtype=dtype, device="meta"))
     monkeypatch.setattr(roofline, "_fast_read", lambda plan, num_bytes: None)
     monkeypatch.setattr(roofline, "_best_time", lambda fn, repeats, device, calls=1: 1.0)
-    assert (roofline.held_ceiling_probe("cpu")(), made) == (1 << 30, [(1 << 30, "cpu")])
+    monkeypatch.setattr(roofline, "_timings", lambda fn, count, device, calls=1: [1.0] * (count - 1) + [6.0])
+    # the CPU: 10 reads of 1 GiB sustained over 15 s are its ceiling; its fastest read, 1 s, the peak
+    assert roofline.CPU_PLAN.sustained_reads == 10
+    assert (roofline.held_ceiling_probe("cpu")(), made) == ((10 * (1 << 30) / 15, 1 << 30), [(1 << 30, "cpu")])
+    # without sustained reads, the fastest read is both
     made.clear()
-    assert (roofline.held_ceiling_probe("cuda:1")(), made) == (2 * (2 << 30), [(2 << 30, "cuda:1")])
+    best = roofline.held_ceiling_probe("cpu", dataclasses.replace(roofline.CPU_PLAN, sustained_reads=0))
+    assert best() == (1 << 30, 1 << 30)
+    made.clear()
+    # an accelerator: a 2 GiB copy, read + written bytes over its best time, is both
+    assert (roofline.held_ceiling_probe("cuda:1")(), made) == ((2 * (2 << 30),) * 2, [(2 << 30, "cuda:1")])
 
 
 def test_accelerator_timings_are_synchronized_and_divided_by_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,25 +100,34 @@ def test_the_read_bandwidth_is_the_fastest_of_the_plans_read_probes(monkeypatch:
 
 def test_a_held_probe_allocates_once_and_takes_the_faster_read(monkeypatch: pytest.MonkeyPatch) -> None:
     # held for the probes around and inside one run: allocating 2 GiB per probe slowed the engine's
-    # next chunk by 8% on the team's VM; timings faked as above
+    # next chunk by 8% on the team's VM. Timings faked: torch.sum reads in 1 s each; the two-stream
+    # read in 0.5 s, but one of its three reads takes 3 s, so its sustained rate (3/4 of the bytes
+    # per second) falls below torch.sum's while its peak stays the higher: each is the higher of its kind
     from flashllm.backends.cpu import native
 
     if native.library() is None:
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    monkeypatch.setattr(roofline, "_best_time",
-                        lambda fn, repeats, device, calls=1: 1.0 if isinstance(fn(), torch.Tensor) else 0.5)
+    monkeypatch.setattr(roofline, "_timings", lambda fn, count, device, calls=1: (
+        [1.0] * count if isinstance(fn(), torch.Tensor) else [0.5] * (count - 1) + [3.0]))
+    monkeypatch.setattr(roofline, "_best_time", lambda fn, repeats, device, calls=1: 1.0)
     size = 1 << 20
     plan = roofline.Plan(copy_bytes=size, read_bytes=size, matmul_n=64, repeats=1, calls_per_timing=1,
-                         ceiling="read stream", fast_read=roofline.CPU_PLAN.fast_read)
+                         ceiling="read stream", fast_read=roofline.CPU_PLAN.fast_read, sustained_reads=3)
     allocations: list[str] = []
     real_ones = torch.ones
     monkeypatch.setattr(torch, "ones", lambda *a, **k: allocations.append("ones") or real_ones(*a, **k))
     probe = roofline.held_ceiling_probe("cpu", plan)
     held = len(allocations)
-    assert [probe(), probe()] == [2 * size, 2 * size]
+    assert [probe(), probe()] == [(size, 2 * size)] * 2
     assert held == 1 and len(allocations) == held  # no probe after the first allocates
     copy = roofline.held_ceiling_probe("cpu", dataclasses.replace(plan, ceiling="copy"))
-    assert copy() == 2 * size / 1.0  # read + written bytes over the copy's time
+    assert copy() == (2 * size / 1.0,) * 2  # read + written bytes over the copy's time
+
+
+def test_a_sustained_read_is_timed_call_by_call_back_to_back() -> None:
+    calls: list[int] = []
+    times = roofline._timings(lambda: calls.append(1), 4, "cpu")
+    assert len(calls) == 5 and len(times) == 4 and all(t >= 0 for t in times)  # one warm-up call, untimed
 
 
 def test_a_plan_without_a_backend_read_probes_with_torch_alone() -> None:
