@@ -194,8 +194,9 @@ class Reading(NamedTuple):
 
 
 def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> Callable[[], Reading]:
-    """A call measuring the bandwidth the decode ceiling divides by (the plan's read stream, the
-    faster of its read probes, or its copy), over buffers allocated here, once, and held by the call.
+    """A call measuring the bandwidth the decode ceiling divides by, as a Reading: the plan's read
+    stream (each read probe timed read by read; the higher sustained rate and the higher fastest
+    read) or its copy (its best timing, both), over buffers allocated here, once, held by the call.
 
     For probes around and inside one timed run (bench/repeats.py): on the team's VM a probe that
     allocated and freed its 2 GiB each time slowed the engine's decode after it by 8% (chunked
