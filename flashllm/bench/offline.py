@@ -284,8 +284,10 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
                           "matmul_probes_gflop_s": [flops / 1e9 for flops in gemm_probes],
                           "ceiling_bandwidth": roof.ceiling,
                           "read_probes_gb_s": {name: rate / 1e9 for name, rate in roof.read_probes}}
-    ceiling = roof.decode_ceiling(1, result["streamed_weight_bytes"])
-    result["decode_ceiling_batch1_tokens_per_s"] = ceiling
+    # from this probe's fastest reads (best of `repeats`): the reference line of a throughput run and
+    # the ceiling of latency runs that were not bracketed; bracketed runs divide by their own probes'
+    # sustained reads (bench/repeats.py)
+    result["decode_ceiling_batch1_tokens_per_s"] = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
     compute = roof.compute_ceiling(flops_per_token(model_dir, mean_context))
     result["compute_ceiling_tokens_per_s"] = compute
