@@ -194,8 +194,8 @@ def _apply_ceilings(engine: dict[str, Any], record: dict[str, Any]) -> None:
     engine["decode_ceiling_tokens_per_s"] = bandwidth / engine["weight_bytes"]
     engine["latency"]["fraction_of_bandwidth_ceiling"] = (engine["latency"]["decode_tokens_per_s"]
                                                           / engine["decode_ceiling_tokens_per_s"])
-    engine["latency"]["fraction_of_peak_bandwidth"] = (engine["latency"]["decode_tokens_per_s"] * engine["weight_bytes"]
-                                                       / (engine["peak_bandwidth_gb_s"] * 1e9))
+    engine["latency"]["fraction_of_sustained_bandwidth"] = (engine["latency"]["decode_tokens_per_s"] * engine["weight_bytes"]
+                                                       / (engine["sustained_bandwidth_gb_s"] * 1e9))
     engine["throughput"]["fraction_of_compute_ceiling"] = (engine["throughput"]["total_tokens_per_s"]
                                                            / record["compute_ceiling_tokens_per_s"])
 

@@ -284,9 +284,8 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
                           "matmul_probes_gflop_s": [flops / 1e9 for flops in gemm_probes],
                           "ceiling_bandwidth": roof.ceiling,
                           "read_probes_gb_s": {name: rate / 1e9 for name, rate in roof.read_probes}}
-    # from this probe's fastest reads (best of `repeats`): the reference line of a throughput run and
-    # the ceiling of latency runs that were not bracketed; bracketed runs divide by their own probes'
-    # sustained reads (bench/repeats.py)
+    # from this probe (best of `repeats`): the reference line of a throughput run and the ceiling of
+    # latency runs that were not bracketed; bracketed runs divide by their own probes (bench/repeats.py)
     result["decode_ceiling_batch1_tokens_per_s"] = roof.decode_ceiling(1, result["streamed_weight_bytes"])
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
     compute = roof.compute_ceiling(flops_per_token(model_dir, mean_context))
@@ -299,29 +298,29 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     for run in result.get("llama.cpp", []):
         result["fraction_of_compute_ceiling"]["llama.cpp"] = run["total_tokens_per_s"] / compute
     if args.mode == "latency":
-        for of, key in (("ceiling", "fractions_of_bandwidth_ceiling"), ("peak", "fractions_of_peak_bandwidth")):
+        for of, key in (("ceiling", "fractions_of_bandwidth_ceiling"), ("sustained", "fractions_of_sustained_bandwidth")):
             fractions = _latency_fractions(result, roof, of)
             if fractions:
                 result[key] = fractions
         result["fraction_of_bandwidth_ceiling"] = result["fractions_of_bandwidth_ceiling"]["flashllm"]
         result["bandwidth_fraction_method"] = (
             "median over runs, each against the probes at its ends (at its chunks' ends with --probe-every): "
-            "the higher sustained read; of the peak: the higher fastest single read"
+            "the higher fastest read; of the sustained read: the higher rate over all its reads"
             if "ceiling_bandwidth_gb_s" in result["flashllm"] else "against the roofline probe after all runs")
         for run in result.get("quant_runs", []):
             run["fraction_of_bandwidth_ceiling"] = _decode_fraction(run, run["streamed_weight_bytes"], roof)
-            bandwidth_fraction(run, "decode_tokens_per_s", run["streamed_weight_bytes"], of="peak")
+            bandwidth_fraction(run, "decode_tokens_per_s", run["streamed_weight_bytes"], of="sustained")
 
 
 def _latency_fractions(result: dict[str, Any], roof: Any, of: str) -> dict[str, float]:
     """Each engine's batch-1 fraction of the bandwidth ceiling (of="ceiling"; the roofline's where
-    its runs were not bracketed) or of the peak read (of="peak"; bracketed runs only)."""
+    its runs were not bracketed) or of the sustained read (of="sustained"; bracketed runs only)."""
     records = [("flashllm", result["flashllm"], result["streamed_weight_bytes"])]
     if "transformers_latency" in result:  # same float weights, so the float ceiling
         records.append(("transformers", result["transformers_latency"], result["weight_bytes"]))
     records += [("llama.cpp", run, run["gguf_bytes"]) for run in result.get("llama.cpp", [])]
     fractions = {name: (_decode_fraction(record, streamed, roof) if of == "ceiling" else
-                        bandwidth_fraction(record, "decode_tokens_per_s", streamed, of="peak"))
+                        bandwidth_fraction(record, "decode_tokens_per_s", streamed, of="sustained"))
                  for name, record, streamed in records}
     return {name: fraction for name, fraction in fractions.items() if fraction is not None}
 

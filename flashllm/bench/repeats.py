@@ -19,9 +19,10 @@ run cannot tell a 0.85 fraction from a 0.75 one. So:
   So with --probe-every K (the CPU default), a batch-1 run is timed K decode tokens at a time with
   a probe between chunks, outside the timed spans (probed_decode): each chunk's ceiling is the
   higher probe at its two ends, taken seconds apart rather than a whole run apart.
-- A probe (roofline.Reading) gives two rates: the ceiling, what a read sustains back to back over
-  ~0.5 s on the CPU, and the peak, its fastest single read. A run's fraction divides by the
-  ceiling; its fraction of the peak is recorded beside it ("fraction_of_peak_bandwidth").
+- A probe (roofline.Reading) gives two rates: the ceiling, its fastest single read, and the
+  sustained rate, its bytes over all its back-to-back reads (~0.5 s on the CPU). A run's fraction
+  divides by the ceiling; its fraction of the sustained rate is recorded beside it
+  ("fraction_of_sustained_bandwidth"): that rate is no ceiling, since the engine passed it.
 """
 
 from __future__ import annotations
@@ -42,18 +43,18 @@ Probe = Callable[[], "Reading"]
 
 def bracketed_run(timed: Callable[[], Numbers], probe: Probe | None) -> Numbers:
     """`timed()` once; with a probe, one probe just before and one just after: the run's
-    "ceiling_bandwidth_gb_s" is the higher ceiling of the two, "peak_bandwidth_gb_s" the higher peak."""
+    "ceiling_bandwidth_gb_s" is the higher ceiling of the two, "sustained_bandwidth_gb_s" the higher sustained rate."""
     before = probe() if probe else None
     numbers = dict(timed())
     if probe is not None:
         numbers.update(_probe_numbers([before, probe()]))
         numbers["ceiling_bandwidth_gb_s"] = max(numbers["probe_gb_s"])
-        numbers["peak_bandwidth_gb_s"] = max(numbers["peak_probe_gb_s"])
+        numbers["sustained_bandwidth_gb_s"] = max(numbers["sustained_probe_gb_s"])
     return numbers
 
 
 def _probe_numbers(readings: list[Reading]) -> Numbers:
-    return {"probe_gb_s": [r.ceiling / 1e9 for r in readings], "peak_probe_gb_s": [r.peak / 1e9 for r in readings]}
+    return {"probe_gb_s": [r.ceiling / 1e9 for r in readings], "sustained_probe_gb_s": [r.sustained / 1e9 for r in readings]}
 
 
 def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Probe, every: int) -> Numbers:
@@ -62,9 +63,9 @@ def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Probe, ev
 
     `tokens` yields once per generated token, its first item ending the prefill, and pauses between
     items (a generator driving the engine); `decode_tokens` of them follow the first. Each chunk's
-    ceiling (and peak) is the higher probe at its two ends. The run's "ceiling_bandwidth_gb_s" is
+    ceiling (and sustained rate) is the higher probe at its two ends. The run's "ceiling_bandwidth_gb_s" is
     the chunks' ceilings weighted by their time, so rate x bytes per token / it is the bytes the run
-    streamed over the bytes its chunks' ceilings allowed in the same time; "peak_bandwidth_gb_s" the same of the peaks.
+    streamed over the bytes its chunks' ceilings allowed in the same time; "sustained_bandwidth_gb_s" the same of the sustained rates.
     """
     if every < 1 or decode_tokens < 1:
         raise ValueError(f"probed_decode needs every >= 1 and decode_tokens >= 1, got {every} and {decode_tokens}")
@@ -82,12 +83,12 @@ def probed_decode(tokens: Iterator[object], decode_tokens: int, probe: Probe, ev
         probes.append(probe())
         ends = probes[-2:]
         chunks.append({"tokens": count, "seconds": seconds, "ceiling_gb_s": max(r.ceiling for r in ends) / 1e9,
-                       "peak_gb_s": max(r.peak for r in ends) / 1e9})
+                       "sustained_gb_s": max(r.sustained for r in ends) / 1e9})
     decode_s = sum(chunk["seconds"] for chunk in chunks)
     return {"ttft_s": ttft, "decode_tokens": decode_tokens, "decode_s": decode_s,
             "decode_tokens_per_s": decode_tokens / decode_s, **_probe_numbers(probes),
             "ceiling_bandwidth_gb_s": sum(c["seconds"] * c["ceiling_gb_s"] for c in chunks) / decode_s,
-            "peak_bandwidth_gb_s": sum(c["seconds"] * c["peak_gb_s"] for c in chunks) / decode_s,
+            "sustained_bandwidth_gb_s": sum(c["seconds"] * c["sustained_gb_s"] for c in chunks) / decode_s,
             "chunks": chunks}
 
 
@@ -128,8 +129,8 @@ def median_run(runs: list[Numbers], key: str) -> Numbers:
 
 def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int, of: str = "ceiling") -> float | None:
     """The median over a record's runs of rate / (bracketing bandwidth / bytes per token), each run
-    keeping its own as "fraction_of_bandwidth_ceiling" (of="ceiling") or "fraction_of_peak_bandwidth"
-    (of="peak"); None when the runs were not bracketed."""
+    keeping its own as "fraction_of_bandwidth_ceiling" (of="ceiling") or "fraction_of_sustained_bandwidth"
+    (of="sustained"); None when the runs were not bracketed."""
     bandwidth_key, fraction_key = _FRACTIONS[of]
     runs = record.get("runs") or [record]
     if not all(bandwidth_key in run for run in runs):
@@ -140,7 +141,7 @@ def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int, of: 
 
 
 _FRACTIONS = {"ceiling": ("ceiling_bandwidth_gb_s", "fraction_of_bandwidth_ceiling"),
-              "peak": ("peak_bandwidth_gb_s", "fraction_of_peak_bandwidth")}
+              "sustained": ("sustained_bandwidth_gb_s", "fraction_of_sustained_bandwidth")}
 
 
 def paired_ratio(numerators: list[Numbers], denominators: list[Numbers], key: str) -> float:

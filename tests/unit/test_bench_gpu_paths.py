@@ -36,9 +36,9 @@ def test_the_ceiling_probe_measures_the_bandwidth_the_plan_divides_by(monkeypatc
     monkeypatch.setattr(roofline, "_fast_read", lambda plan, num_bytes: None)
     monkeypatch.setattr(roofline, "_best_time", lambda fn, repeats, device, calls=1: 1.0)
     monkeypatch.setattr(roofline, "_timings", lambda fn, count, device, calls=1: [1.0] * (count - 1) + [6.0])
-    # the CPU: 10 reads of 1 GiB sustained over 15 s are its ceiling; its fastest read, 1 s, the peak
+    # the CPU: its fastest read of 1 GiB, 1 s, is the ceiling; 10 reads over 15 s, the sustained rate
     assert roofline.CPU_PLAN.sustained_reads == 10
-    assert (roofline.held_ceiling_probe("cpu")(), made) == ((10 * (1 << 30) / 15, 1 << 30), [(1 << 30, "cpu")])
+    assert (roofline.held_ceiling_probe("cpu")(), made) == ((1 << 30, 10 * (1 << 30) / 15), [(1 << 30, "cpu")])
     # without sustained reads, the fastest read is both
     made.clear()
     best = roofline.held_ceiling_probe("cpu", dataclasses.replace(roofline.CPU_PLAN, sustained_reads=0))
@@ -102,7 +102,7 @@ def test_a_held_probe_allocates_once_and_takes_the_faster_read(monkeypatch: pyte
     # held for the probes around and inside one run: allocating 2 GiB per probe slowed the engine's
     # next chunk by 8% on the team's VM. Timings faked: torch.sum reads in 1 s each; the two-stream
     # read in 0.5 s, but one of its three reads takes 3 s, so its sustained rate (3/4 of the bytes
-    # per second) falls below torch.sum's while its peak stays the higher: each is the higher of its kind
+    # per second) falls below torch.sum's while its fastest read stays the higher: each is the higher of its kind
     from flashllm.backends.cpu import native
 
     if native.library() is None:
@@ -118,7 +118,7 @@ def test_a_held_probe_allocates_once_and_takes_the_faster_read(monkeypatch: pyte
     monkeypatch.setattr(torch, "ones", lambda *a, **k: allocations.append("ones") or real_ones(*a, **k))
     probe = roofline.held_ceiling_probe("cpu", plan)
     held = len(allocations)
-    assert [probe(), probe()] == [(size, 2 * size)] * 2
+    assert [probe(), probe()] == [(2 * size, size)] * 2
     assert held == 1 and len(allocations) == held  # no probe after the first allocates
     copy = roofline.held_ceiling_probe("cpu", dataclasses.replace(plan, ceiling="copy"))
     assert copy() == (2 * size / 1.0,) * 2  # read + written bytes over the copy's time

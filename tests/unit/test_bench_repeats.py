@@ -13,7 +13,7 @@ from flashllm.bench.roofline import Reading
 
 def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
     events: list[str] = []
-    # the peaks rank the other way round from the ceilings, so each maximum is taken on its own
+    # the sustained rates rank the other way round from the ceilings, so each maximum is taken on its own
     bandwidths = iter([Reading(20e9, 30e9), Reading(25e9, 26e9), Reading(18e9, 19e9), Reading(22e9, 40e9)])
 
     def probe() -> Reading:
@@ -29,8 +29,8 @@ def test_a_run_sits_between_two_probes_and_takes_the_higher() -> None:
     assert [first["probe_gb_s"], second["probe_gb_s"]] == [[20.0, 25.0], [18.0, 22.0]]
     # the higher neighbour: a dip on one side never raises the run's fraction
     assert [first["ceiling_bandwidth_gb_s"], second["ceiling_bandwidth_gb_s"]] == [25.0, 22.0]
-    assert [first["peak_probe_gb_s"], second["peak_probe_gb_s"]] == [[30.0, 26.0], [19.0, 40.0]]
-    assert [first["peak_bandwidth_gb_s"], second["peak_bandwidth_gb_s"]] == [30.0, 40.0]
+    assert [first["sustained_probe_gb_s"], second["sustained_probe_gb_s"]] == [[30.0, 26.0], [19.0, 40.0]]
+    assert [first["sustained_bandwidth_gb_s"], second["sustained_bandwidth_gb_s"]] == [30.0, 40.0]
 
 
 class FakeClock:
@@ -57,12 +57,12 @@ def test_a_chunked_run_is_timed_between_probes_and_weighs_each_chunks_ceiling(mo
     monkeypatch.setattr(repeats, "time", clock)
     events: list[str] = []
     rates = iter([10e9, 20e9, 30e9, 15e9, 40e9])
-    peaks = iter([50e9, 22e9, 31e9, 60e9, 41e9])  # their order differs from the ceilings'
+    sustained = iter([50e9, 22e9, 31e9, 60e9, 41e9])  # their order differs from the ceilings'
 
     def probe() -> Reading:  # a probe costs 5 s, none of it the engine's
         events.append("probe")
         clock.now += 5.0
-        return Reading(next(rates), next(peaks))
+        return Reading(next(rates), next(sustained))
 
     costs = [2.0] + [0.1] * 4 + [0.2] * 4  # prefill, then 8 decode tokens whose speed halves
     run = probed_decode(_fake_generation(clock, costs, events), 8, probe, every)
@@ -79,12 +79,12 @@ def test_a_chunked_run_is_timed_between_probes_and_weighs_each_chunks_ceiling(mo
     assert [c["ceiling_gb_s"] for c in run["chunks"]] == pytest.approx(ceilings)
     assert run["ceiling_bandwidth_gb_s"] == pytest.approx(
         sum(sum(c) * g for c, g in zip(chunks, ceilings, strict=True)) / 1.2)
-    # the peaks alike, from the same probes
-    tops = run["peak_probe_gb_s"]
+    # the sustained rates alike, from the same probes
+    tops = run["sustained_probe_gb_s"]
     assert tops == pytest.approx([50.0, 22.0, 31.0, 60.0, 41.0][:len(chunks) + 1])
-    peaks = [max(tops[i], tops[i + 1]) for i in range(len(chunks))]
-    assert [c["peak_gb_s"] for c in run["chunks"]] == pytest.approx(peaks)
-    assert run["peak_bandwidth_gb_s"] == pytest.approx(sum(sum(c) * g for c, g in zip(chunks, peaks, strict=True)) / 1.2)
+    tops_at_ends = [max(tops[i], tops[i + 1]) for i in range(len(chunks))]
+    assert [c["sustained_gb_s"] for c in run["chunks"]] == pytest.approx(tops_at_ends)
+    assert run["sustained_bandwidth_gb_s"] == pytest.approx(sum(sum(c) * g for c, g in zip(chunks, tops_at_ends, strict=True)) / 1.2)
     # as a run record: 9 tokens in the prefill's and the chunks' 3.2 s, the 5 s probes left out
     record = repeats.chunked_record(run, prompt_tokens=5)
     assert (record["elapsed_s"], record["output_tokens"], record["mean_ttft_s"]) == pytest.approx((3.2, 9, 2.0))
@@ -133,16 +133,16 @@ def test_the_median_run_is_a_real_run_the_lower_middle_for_even_counts(rates: li
 
 def test_the_fraction_is_the_median_of_each_runs_own_fraction() -> None:
     # bytes 1e9 per token: a run at r tokens/s on a b GB/s ceiling reaches r / b of it
-    runs = [{"decode_tokens_per_s": 8.0, "ceiling_bandwidth_gb_s": 10.0, "peak_bandwidth_gb_s": 16.0},
-            {"decode_tokens_per_s": 9.0, "ceiling_bandwidth_gb_s": 20.0, "peak_bandwidth_gb_s": 30.0},
-            {"decode_tokens_per_s": 7.0, "ceiling_bandwidth_gb_s": 7.0, "peak_bandwidth_gb_s": 7.0}]
+    runs = [{"decode_tokens_per_s": 8.0, "ceiling_bandwidth_gb_s": 10.0, "sustained_bandwidth_gb_s": 16.0},
+            {"decode_tokens_per_s": 9.0, "ceiling_bandwidth_gb_s": 20.0, "sustained_bandwidth_gb_s": 30.0},
+            {"decode_tokens_per_s": 7.0, "ceiling_bandwidth_gb_s": 7.0, "sustained_bandwidth_gb_s": 7.0}]
     record = median_run(runs, "decode_tokens_per_s")
     assert record["decode_tokens_per_s"] == 8.0
     assert bandwidth_fraction(record, "decode_tokens_per_s", 10**9) == pytest.approx(0.8)
     assert [r["fraction_of_bandwidth_ceiling"] for r in record["runs"]] == pytest.approx([0.8, 0.45, 1.0])
-    # of the peak: 0.5, 0.3 and 1.0, each run kept beside its fraction of the ceiling
-    assert bandwidth_fraction(record, "decode_tokens_per_s", 10**9, of="peak") == pytest.approx(0.5)
-    assert [r["fraction_of_peak_bandwidth"] for r in record["runs"]] == pytest.approx([0.5, 0.3, 1.0])
+    # of the sustained rate: 0.5, 0.3 and 1.0, each run kept beside its fraction of the ceiling
+    assert bandwidth_fraction(record, "decode_tokens_per_s", 10**9, of="sustained") == pytest.approx(0.5)
+    assert [r["fraction_of_sustained_bandwidth"] for r in record["runs"]] == pytest.approx([0.5, 0.3, 1.0])
     assert [r["fraction_of_bandwidth_ceiling"] for r in record["runs"]] == pytest.approx([0.8, 0.45, 1.0])
 
 
