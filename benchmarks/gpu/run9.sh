@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ninth GPU pass (eleventh session): the bench's probes now return a ceiling and a peak
+# Ninth GPU pass (eleventh session): the bench's probes now return a ceiling and a sustained rate
 # (roofline.Reading); the accelerator plan keeps its copy probe as both. Check the GPU latency
 # bench and the bench's unit tests still run on a GPU after that change.
 set -u -o pipefail
@@ -14,5 +14,5 @@ import json; r = json.load(open('$OUT/latency-0.5b.json'))
 print('flashllm', [(round(x['decode_tokens_per_s'], 1), round(x['mean_ttft_s'], 4)) for x in r['flashllm']['runs']])
 print('hf', [(round(x['decode_tokens_per_s'], 1), round(x['ttft_s'], 4)) for x in r['transformers_latency']['runs']])
 print('speedup', r['decode_speedup_vs_transformers'], 'fraction', r['fraction_of_bandwidth_ceiling'],
-      'peak fractions', r.get('fractions_of_peak_bandwidth'), 'method', r['bandwidth_fraction_method'],
+      'sustained fractions', r.get('fractions_of_sustained_bandwidth'), 'method', r['bandwidth_fraction_method'],
       'copy GB/s', r['roofline']['copy_bandwidth_gb_s'])"
