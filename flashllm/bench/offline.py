@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.bench.repeats import (
+    FRACTIONS,
     Probe,
     bandwidth_fraction,
     bracketed_run,
@@ -302,34 +303,35 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
             fractions = _latency_fractions(result, roof, of)
             if fractions:
                 result[key] = fractions
+            for run in result.get("quant_runs", []):
+                fraction = _decode_fraction(run, run["streamed_weight_bytes"], roof, of)
+                if fraction is not None:
+                    run[FRACTIONS[of][1]] = fraction
         result["fraction_of_bandwidth_ceiling"] = result["fractions_of_bandwidth_ceiling"]["flashllm"]
         result["bandwidth_fraction_method"] = (
             "median over runs, each against the probes at its ends (at its chunks' ends with --probe-every): "
             "the higher fastest read; of the sustained read: the higher rate over all its reads"
             if "ceiling_bandwidth_gb_s" in result["flashllm"] else "against the roofline probe after all runs")
-        for run in result.get("quant_runs", []):
-            run["fraction_of_bandwidth_ceiling"] = _decode_fraction(run, run["streamed_weight_bytes"], roof)
-            bandwidth_fraction(run, "decode_tokens_per_s", run["streamed_weight_bytes"], of="sustained")
 
 
 def _latency_fractions(result: dict[str, Any], roof: Any, of: str) -> dict[str, float]:
-    """Each engine's batch-1 fraction of the bandwidth ceiling (of="ceiling"; the roofline's where
-    its runs were not bracketed) or of the sustained read (of="sustained"; bracketed runs only)."""
+    """Each engine's batch-1 _decode_fraction (of="ceiling" or "sustained"), where it has one."""
     records = [("flashllm", result["flashllm"], result["streamed_weight_bytes"])]
     if "transformers_latency" in result:  # same float weights, so the float ceiling
         records.append(("transformers", result["transformers_latency"], result["weight_bytes"]))
     records += [("llama.cpp", run, run["gguf_bytes"]) for run in result.get("llama.cpp", [])]
-    fractions = {name: (_decode_fraction(record, streamed, roof) if of == "ceiling" else
-                        bandwidth_fraction(record, "decode_tokens_per_s", streamed, of="sustained"))
-                 for name, record, streamed in records}
+    fractions = {name: _decode_fraction(record, streamed, roof, of) for name, record, streamed in records}
     return {name: fraction for name, fraction in fractions.items() if fraction is not None}
 
 
-def _decode_fraction(record: dict[str, Any], streamed_bytes: int, roof: Any) -> float:
-    """A batch-1 record's fraction of the bandwidth ceiling: against the probes bracketing its own
-    runs where it has them (bench/repeats.py), else against the roofline measured after all runs."""
-    paired = bandwidth_fraction(record, "decode_tokens_per_s", streamed_bytes)
-    return paired if paired is not None else record["decode_tokens_per_s"] / roof.decode_ceiling(1, streamed_bytes)
+def _decode_fraction(record: dict[str, Any], streamed_bytes: int, roof: Any, of: str = "ceiling") -> float | None:
+    """A batch-1 record's fraction of the bandwidth ceiling (or, of="sustained", of the sustained
+    read): against the probes bracketing its own runs where it has them (bench/repeats.py); else,
+    for the ceiling, against the roofline measured after all runs, and None for the sustained read."""
+    paired = bandwidth_fraction(record, "decode_tokens_per_s", streamed_bytes, of)
+    if paired is not None or of != "ceiling":
+        return paired
+    return record["decode_tokens_per_s"] / roof.decode_ceiling(1, streamed_bytes)
 
 
 def max_model_len(requested: int | None, model_dir: Path) -> int:

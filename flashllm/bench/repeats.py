@@ -131,7 +131,7 @@ def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int, of: 
     """The median over a record's runs of rate / (bracketing bandwidth / bytes per token), each run
     keeping its own as "fraction_of_bandwidth_ceiling" (of="ceiling") or "fraction_of_sustained_bandwidth"
     (of="sustained"); None when the runs were not bracketed."""
-    bandwidth_key, fraction_key = _FRACTIONS[of]
+    bandwidth_key, fraction_key = FRACTIONS[of]
     runs = record.get("runs") or [record]
     if not all(bandwidth_key in run for run in runs):
         return None
@@ -140,7 +140,8 @@ def bandwidth_fraction(record: Numbers, rate_key: str, streamed_bytes: int, of: 
     return statistics.median(run[fraction_key] for run in runs)
 
 
-_FRACTIONS = {"ceiling": ("ceiling_bandwidth_gb_s", "fraction_of_bandwidth_ceiling"),
+# of -> (the run's bandwidth key, the key its fraction is kept under)
+FRACTIONS = {"ceiling": ("ceiling_bandwidth_gb_s", "fraction_of_bandwidth_ceiling"),
               "sustained": ("sustained_bandwidth_gb_s", "fraction_of_sustained_bandwidth")}
 
 
