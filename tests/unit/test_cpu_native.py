@@ -91,7 +91,7 @@ def test_the_read_probe_reads_every_run_once(threads, runs: int, workers: int) -
     buf = torch.rand(runs * native.READ_RUN_FLOATS, generator=gen)
     assert native.read_stream(buf) == pytest.approx(buf.double().sum().item(), rel=1e-5)
     assert native.read_stream(torch.ones_like(buf)) == buf.numel()  # ones add up exactly
-    with pytest.raises(ValueError, match="whole 256-float runs"):
+    with pytest.raises(ValueError, match=f"whole {native.READ_RUN_FLOATS}-float runs"):
         native.read_stream(buf[:-1])
 
 

@@ -249,7 +249,7 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     return out
 
 
-READ_RUN_FLOATS = 256  # csrc/decode_kernels.c's PAIR_RUN: the floats one stream gives before the other
+READ_RUN_FLOATS = 64  # csrc/decode_kernels.c's READ_RUN: the floats one stream gives before the other
 
 
 def read_stream(buf: Tensor) -> float:

@@ -50,23 +50,29 @@ void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int6
     }
 }
 
-#define PAIR_RUN 256  /* features of one row read before switching to the other stream (1 KiB) */
-
 /* flashllm_f32_gemv for one token x (K) and K a multiple of 32, with the bits it gives, reading
- * two streams at once: rows n0 + i and n0 + half + i together, 1 KiB of one and then of the other.
- * On the team's 2-core EPYC VM one thread's single stream left bandwidth unused: a plain read of two
- * interleaved streams per thread ran ~11% faster than one (huge pages, two threads), and this
- * loop ran 4-10% faster than the row loop on the 0.5b shape's 896-feature products. */
+ * two rows at once: rows n0 + i and n0 + half + i, 32 features of each per step (128 B of one
+ * stream, then 128 B of the other). Each row's four chains take the features DOT_RUN gives them,
+ * in its order, so every output keeps its bits (a test holds each row of a pair to the row
+ * computed alone). Why two streams: on the team's 2-core EPYC VM one thread's single stream left
+ * bandwidth unused; 1 KiB of each row in turn beat the row loop by 4-10% on the 0.5b shape's
+ * 896-feature products (ninth session). Why 128 B steps: against those 1 KiB runs, interleaved in
+ * rounds (twelfth session, docs/benchmarks.md), the LM head and the 24 gate_up products ran 1.08x
+ * and 1.13x (11 and 12 of 12 rounds faster), a whole token's 97 products 1.07x (9 of 12), the
+ * engine's decode 1.06x (6 of 10): the 1 KiB loop had read those products at ~0.9 of a plain read
+ * of the same weights. (gcc keeps x as the FMAs' memory operand, so the loads per weight are
+ * unchanged; what changed is the order of the two streams' loads.) */
 static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
     const int64_t half = (n1 - n0) / 2;
     for (int64_t i = 0; i < half; i++) {
         const float *ra = w + (n0 + i) * K, *rb = w + (n0 + half + i) * K;
         __m256 a[4], b[4];
         for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
-        for (int64_t k0 = 0; k0 < K; k0 += PAIR_RUN) {
-            const int64_t k1 = k0 + PAIR_RUN < K ? k0 + PAIR_RUN : K;
-            DOT_RUN(ra, x, a, k0, k1)
-            DOT_RUN(rb, x, b, k0, k1)
+        for (int64_t k = 0; k < K; k += 32) {
+            __m256 xv[4];
+            for (int j = 0; j < 4; j++) xv[j] = _mm256_loadu_ps(x + k + 8 * j);
+            for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(ra + k + 8 * j), xv[j], a[j]);
+            for (int j = 0; j < 4; j++) b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rb + k + 8 * j), xv[j], b[j]);
         }
         y[n0 + i] = SUM_CHAINS(a);
         y[n0 + half + i] = SUM_CHAINS(b);
@@ -74,7 +80,13 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
     if ((n1 - n0) % 2) flashllm_f32_gemv(x, w, y, 1, K, n1 - 1, n1, 0);
 }
 
-/* ---- the bandwidth probe's read: the pair loop's access pattern without the arithmetic ---- */
+/* ---- the bandwidth probe's read: two streams per thread, as the pair loop reads, without the arithmetic ---- */
+
+/* Floats of one stream read before switching to the other (256 B). Interleaved reads of 2 GiB by
+ * two threads in huge pages, against 1 KiB runs (the twelfth session, three sets of 12-24 rounds):
+ * 256 B 1.09, 1.03, 1.06; 128 B 1.08, 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. The
+ * probe takes the fastest pattern found, so the pair loop's own 128 B switches cannot pass it. */
+#define READ_RUN 64
 
 typedef struct { const float *p; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
 
@@ -88,8 +100,8 @@ static void add_to_total(_Atomic uint64_t *total, double v) {  /* no libatomic n
     } while (!atomic_compare_exchange_weak(total, &old, sum));
 }
 
-static void add_run(const float *p, __m256 acc[4]) {  /* one PAIR_RUN-float (1 KiB) run into acc */
-    for (int k = 0; k < PAIR_RUN; k += 32) {
+static void add_run(const float *p, __m256 acc[4]) {  /* one READ_RUN-float run into acc */
+    for (int k = 0; k < READ_RUN; k += 32) {
         acc[0] = _mm256_add_ps(acc[0], _mm256_loadu_ps(p + k));
         acc[1] = _mm256_add_ps(acc[1], _mm256_loadu_ps(p + k + 8));
         acc[2] = _mm256_add_ps(acc[2], _mm256_loadu_ps(p + k + 16));
@@ -103,14 +115,14 @@ static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r
     __m256 acc[4];
     for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < half; i++) {
-        add_run(a->p + (r0 + i) * PAIR_RUN, acc);
-        add_run(a->p + (r0 + half + i) * PAIR_RUN, acc);
+        add_run(a->p + (r0 + i) * READ_RUN, acc);
+        add_run(a->p + (r0 + half + i) * READ_RUN, acc);
     }
-    if ((r1 - r0) % 2) add_run(a->p + (r1 - 1) * PAIR_RUN, acc);
+    if ((r1 - r0) % 2) add_run(a->p + (r1 - 1) * READ_RUN, acc);
     add_to_total(&a->total, SUM_CHAINS(acc));
 }
 
-/* The sum of runs x PAIR_RUN floats at p, read by `threads` threads two streams each, as
+/* The sum of runs x READ_RUN floats at p, read by `threads` threads two streams each, as
  * f32_gemv_pairs reads weights (the sum keeps the reads from being optimized away). */
 double flashllm_read_stream(const float *p, int64_t runs, int threads) {
     read_args a = {p, 0};  /* the bits of 0.0 */
