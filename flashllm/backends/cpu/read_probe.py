@@ -4,9 +4,10 @@ The bench's decode ceiling divides bytes per token by a read bandwidth probed in
 `torch.sum` over a fresh 1 GiB tensor reads 4 KiB pages, one stream per thread. The engine's
 weights sit in huge pages (huge_pages.py) and its one-token fp32 products read two streams per
 thread; on the team's 2-core EPYC VM that read ran 1.13-1.18x `torch.sum` (docs/benchmarks.md,
-ninth session), so the engine could pass a `torch.sum` ceiling. This read is the same access
-pattern without the arithmetic, over a buffer placed the way place_weights places weights; the
-bench takes the higher of the two probes (bench/roofline.py, CPU_PLAN.fast_read).
+ninth session), so the engine could pass a `torch.sum` ceiling. This read is that access pattern
+without the arithmetic, over a buffer placed the way place_weights places weights, switching
+streams every 256 B: the fastest switch measured (twelfth session; the products switch every
+128 B). The bench takes the higher of the two probes (bench/roofline.py, CPU_PLAN.fast_read).
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""A/B of native kernel builds through the engine: batch-1 fp32 decode of the qwen2.5-0.5b shape.
+
+    python benchmarks/cpu/engine_ab.py --rounds 12 A=/tmp/lib_a.so B=/tmp/lib_b.so
+
+One LLM; each round swaps every library in turn (rotating which goes first) and times one plain
+greedy generation of 64 tokens after a 128-token prompt. The tokens of each library must equal
+the first's. Ratios: medians of per-round decode-rate ratios against the first library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from products_ab import load  # beside this file, which Python puts first on sys.path
+
+from flashllm import LLM, SamplingParams
+from flashllm.backends.cpu import native
+from flashllm.bench import offline
+from flashllm.bench.shapes import shape_model_dir
+from flashllm.bench.workload import random_requests, warm_up_prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
+    args = parser.parse_args()
+    llm = LLM(str(shape_model_dir("qwen2.5-0.5b", "float32")), device="cpu", max_model_len=4096)
+    (request,) = random_requests(1, (128, 128), (args.tokens, args.tokens), 151936, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
+    libs = {name: load(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    names = list(libs)
+    tokens = {}
+    for name, lib in libs.items():
+        native._state["lib"] = lib  # native.library() hands every later call this build
+        llm.generate([warm_up_prompt(request)], SamplingParams(max_tokens=2, detokenize=False))
+        tokens[name] = llm.generate([request.prompt_token_ids], params)[0].outputs[0].token_ids
+        if tokens[name] != tokens[names[0]]:
+            print(f"{name}: tokens differ from {names[0]}'s")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            native._state["lib"] = libs[name]
+            time.sleep(0.01)  # another library's workers stop spinning
+            rates[name].append(offline._timed_generate(llm, [request], [params])["decode_tokens_per_s"])
+        print(r, "  ".join(f"{name} {v[-1]:.2f} tokens/s" for name, v in rates.items()), flush=True)
+    for name, v in rates.items():
+        ratios = [a / b for a, b in zip(v, rates[names[0]], strict=True)]
+        print(f"{name}: {statistics.median(ratios):.3f}x {names[0]}, faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
+
+
+if __name__ == "__main__":
+    main()

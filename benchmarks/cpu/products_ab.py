@@ -1,0 +1,98 @@
+"""A/B of native kernel builds on one token's fp32 products of the qwen2.5-0.5b shape, in rounds.
+
+    python benchmarks/cpu/products_ab.py --rounds 12 --set token A=/tmp/lib_a.so B=/tmp/lib_b.so
+
+Each library is a build of flashllm/backends/cpu/csrc (e.g. `cc -O3 -mavx2 -mfma -fPIC -shared
+-pthread -DVARIANT ... -o lib.so *.c`). The weights are random, of the shape's sizes, in huge pages as
+the engine places them; --set token runs all 97 products of a token, --set pairs only the LM head and
+the 24 gate_up products. Every round times each library (three passes after one untimed pass) and
+the production read probe over the same tensors, in a rotating order, so a slow phase of the host
+meets all of them. Outputs must be bit-identical to the first library's, or it says so.
+Ratios are medians of per-round ratios against the first library; "faster in" counts rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from functools import partial
+
+import torch
+
+from flashllm.backends.cpu import huge_pages, native, parallel
+
+H, INTER, VOCAB, LAYERS = 896, 4864, 151936, 24
+
+
+def weights(which: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    if which == "pairs":
+        shapes = [(VOCAB, H)] + [(2 * INTER, H)] * LAYERS
+    else:
+        shapes = [(1152, H), (H, H), (2 * INTER, H), (H, INTER)] * LAYERS + [(VOCAB, H)]
+    return [huge_pages.huge_page_copy(torch.randn(*shape) * 0.02) for shape in shapes]
+
+
+def load(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    for name, (argtypes, restype) in native._SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--set", choices=("token", "pairs"), default="token")
+    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
+    args = parser.parse_args()
+    ws = weights(args.set)
+    nbytes = sum(w.nbytes for w in ws)
+    xs = {k: torch.randn(k) for k in (H, INTER)}
+    ys = [torch.empty(w.shape[0]) for w in ws]
+    threads = parallel.workers()
+
+    def products(lib: ctypes.CDLL) -> None:
+        for w, y in zip(ws, ys, strict=True):
+            n, k = w.shape
+            lib.flashllm_f32_gemv_mt(xs[k].data_ptr(), w.data_ptr(), y.data_ptr(), 1, k, n, n, threads)
+
+    def read() -> None:
+        for w in ws:
+            native.read_stream(w.view(-1))
+
+    libs = {name: load(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    calls = {name: partial(products, lib) for name, lib in libs.items()}
+    names = list(calls)
+    reference = None
+    for name, call in calls.items():
+        call()
+        outputs = [y.clone() for y in ys]
+        reference = reference or outputs
+        if not all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True)):
+            print(f"{name}: outputs differ from {names[0]}'s")
+    calls["read probe"] = read
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(args.rounds):
+        order = list(calls)[r % len(calls):] + list(calls)[: r % len(calls)]
+        for name in order:
+            calls[name]()
+            time.sleep(0.005)  # another library's workers stop spinning
+            start = time.perf_counter()
+            for _ in range(3):
+                calls[name]()
+            rates[name].append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+        print(r, "  ".join(f"{name} {v[-1]:.1f} GB/s" for name, v in rates.items()), flush=True)
+    base = rates[names[0]]
+    for name, v in rates.items():
+        ratios = [a / b for a, b in zip(v, base, strict=True)]
+        print(f"{name}: {statistics.median(ratios):.3f}x {names[0]}, faster in {sum(x > 1 for x in ratios)} of "
+              f"{len(ratios)}; {statistics.median(a / b for a, b in zip(v, rates['read probe'], strict=True)):.3f}"
+              " of the read probe")
+
+
+if __name__ == "__main__":
+    main()
