@@ -75,7 +75,8 @@ class Plan:
 # between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
 # the engine's KV cache holds while it is loaded, and HBM bandwidth did not drift in the team's runs.
 # A CPU's read probe is also the cpu backend's two-stream read over huge pages: on the team's VM it
-# read 1.13-1.18x a `torch.sum` over 4 KiB pages, and the engine's weights are read that way.
+# read 1.13-1.18x a `torch.sum` over 4 KiB pages with 1 KiB runs, 1.2-1.3x with the 256 B runs it
+# has used since the twelfth session, and the engine's weights are read that way.
 # A CPU probe times 10 reads back to back (~0.5 s): the ceiling is the fastest, and the rate over
 # all ten is recorded beside it. The sustained rate was tried as the ceiling and the engine passed
 # it (up to 1.09 of it over whole 128-token runs, docs/benchmarks.md, eleventh session), so it is

@@ -57,11 +57,11 @@ void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int6
  * computed alone). Why two streams: on the team's 2-core EPYC VM one thread's single stream left
  * bandwidth unused; 1 KiB of each row in turn beat the row loop by 4-10% on the 0.5b shape's
  * 896-feature products (ninth session). Why 128 B steps: against those 1 KiB runs, interleaved in
- * rounds (twelfth session, docs/benchmarks.md), the LM head and the 24 gate_up products ran 1.08x
- * and 1.13x (11 and 12 of 12 rounds faster), a whole token's 97 products 1.07x (9 of 12), the
- * engine's decode 1.06x (6 of 10): the 1 KiB loop had read those products at ~0.9 of a plain read
- * of the same weights. (gcc keeps x as the FMAs' memory operand, so the loads per weight are
- * unchanged; what changed is the order of the two streams' loads.) */
+ * rounds (twelfth session, docs/benchmarks.md), the LM head and the 24 gate_up products ran
+ * 1.03-1.13x in four sets (9 to 12 of 10-12 rounds faster), a whole token's 97 products 1.07x, the
+ * engine's decode 1.07x (10 of 12): the 1 KiB loop had read those two products at 0.87-0.92 of a
+ * plain read of the same weights. (gcc keeps x as the FMAs' memory operand, so the loads per
+ * weight are unchanged; what changed is the order of the two streams' loads.) */
 static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
     const int64_t half = (n1 - n0) / 2;
     for (int64_t i = 0; i < half; i++) {
@@ -85,7 +85,7 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
 /* Floats of one stream read before switching to the other (256 B). Interleaved reads of 2 GiB by
  * two threads in huge pages, against 1 KiB runs (the twelfth session, three sets of 12-24 rounds):
  * 256 B 1.09, 1.03, 1.06; 128 B 1.08, 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. The
- * probe takes the fastest pattern found, so the pair loop's own 128 B switches cannot pass it. */
+ * probe reads with the fastest pattern found, not with the pair loop's own 128 B switches. */
 #define READ_RUN 64
 
 typedef struct { const float *p; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
