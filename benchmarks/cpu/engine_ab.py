@@ -13,13 +13,12 @@ import argparse
 import statistics
 import time
 
-from products_ab import load  # beside this file, which Python puts first on sys.path
+from common import greedy_engine, load_library  # beside this file, first on sys.path
 
-from flashllm import LLM, SamplingParams
+from flashllm import SamplingParams
 from flashllm.backends.cpu import native
 from flashllm.bench import offline
-from flashllm.bench.shapes import shape_model_dir
-from flashllm.bench.workload import random_requests, warm_up_prompt
+from flashllm.bench.workload import warm_up_prompt
 
 
 def main() -> None:
@@ -28,10 +27,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
     args = parser.parse_args()
-    llm = LLM(str(shape_model_dir("qwen2.5-0.5b", "float32")), device="cpu", max_model_len=4096)
-    (request,) = random_requests(1, (128, 128), (args.tokens, args.tokens), 151936, 0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
-    libs = {name: load(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    llm, request, params = greedy_engine(args.tokens)
+    libs = {name: load_library(path) for name, path in (a.split("=", 1) for a in args.libs)}
     names = list(libs)
     tokens = {}
     for name, lib in libs.items():

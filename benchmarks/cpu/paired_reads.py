@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from common import SHAPE, greedy_engine  # beside this file, first on sys.path
 
-from flashllm import LLM, SamplingParams
-from flashllm.backends.cpu import huge_pages, read_probe
+from flashllm.backends.cpu import huge_pages, native
 from flashllm.bench import offline
 from flashllm.bench import roofline as rl
 from flashllm.bench.shapes import shape_model_dir
-from flashllm.bench.workload import random_requests, warm_up_prompt
+from flashllm.bench.workload import warm_up_prompt
 from flashllm.quant import weight_bytes
 
 TOKENS = 128
@@ -54,12 +54,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
-    model_dir = shape_model_dir("qwen2.5-0.5b", "float32")
-    llm = LLM(str(model_dir), device="cpu", max_model_len=4096)
+    model_dir = shape_model_dir(SHAPE, "float32")
+    llm, request, params = greedy_engine(TOKENS)
     nbytes = weight_bytes(llm.engine.parts.model).streamed
-    (request,) = random_requests(1, (128, 128), (TOKENS, TOKENS), 151936, 0)
-    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
-    llm.generate([warm_up_prompt(request)], SamplingParams(max_tokens=2, detokenize=False))
     engines: dict[str, Callable[[], Iterator[object]]] = {
         "flashllm": lambda: offline._engine_tokens(llm.engine, request.prompt_token_ids, params)}
     if not args.no_llama_cpp:
@@ -69,9 +66,11 @@ def main() -> None:
         cpp = lc.load(cached_gguf(model_dir, "f32", None), n_ctx=512, n_batch=128)
         lc.greedy_generate(cpp, warm_up_prompt(request), 2)
         engines["llama.cpp"] = lambda: lc.greedy_tokens(cpp, request.prompt_token_ids, TOKENS)
-    buf = huge_pages.huge_page_empty((nbytes // 4,), torch.float32)
+    # one buffer of the token's bytes (whole runs of the two-stream read) for both kernels
+    floats = nbytes // 4 // native.READ_RUN_FLOATS * native.READ_RUN_FLOATS
+    buf = huge_pages.huge_page_empty((floats,), torch.float32)
     buf.fill_(1.0)
-    reads = [("torch.sum", buf.sum), ("two-stream", read_probe.two_stream_read(nbytes))]
+    reads = [("torch.sum", buf.sum), ("two-stream", lambda: native.read_stream(buf))]
     probe = rl.held_ceiling_probe("cpu")
     fractions: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for r in range(args.rounds):
@@ -82,7 +81,7 @@ def main() -> None:
             decode, read_s = paired_run(engines[name](), reads)
             ceiling = max(before.ceiling, probe().ceiling)
             rate = nbytes * (TOKENS - 1) / decode
-            paired = {k: nbytes * (TOKENS - 1) / len(reads) / v for k, v in read_s.items()}
+            paired = {k: floats * 4 * (TOKENS - 1) / len(reads) / v for k, v in read_s.items()}
             fractions[name].append((rate / max(paired.values()), rate / ceiling))
             print(f"{r} {name}: {rate / 1e9:.1f} GB/s ({(TOKENS - 1) / decode:.2f} tokens/s); paired reads "
                   + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in paired.items())

@@ -20,27 +20,19 @@ import time
 from functools import partial
 
 import torch
+from common import CONFIG, load_library, token_products  # beside this file, first on sys.path
 
 from flashllm.backends.cpu import huge_pages, native, parallel
 
-H, INTER, VOCAB, LAYERS = 896, 4864, 151936, 24
-
 
 def weights(which: str) -> list[torch.Tensor]:
+    """Random weights of the shape's products in huge pages: a whole token's, or ("pairs") the LM
+    head's and the gate_up products' only."""
     torch.manual_seed(0)
+    shapes = token_products()
     if which == "pairs":
-        shapes = [(VOCAB, H)] + [(2 * INTER, H)] * LAYERS
-    else:
-        shapes = [(1152, H), (H, H), (2 * INTER, H), (H, INTER)] * LAYERS + [(VOCAB, H)]
+        shapes = shapes[-1:] + [s for s in shapes if s[0] == 2 * CONFIG["intermediate_size"]]
     return [huge_pages.huge_page_copy(torch.randn(*shape) * 0.02) for shape in shapes]
-
-
-def load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    for name, (argtypes, restype) in native._SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
 
 
 def main() -> None:
@@ -51,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     ws = weights(args.set)
     nbytes = sum(w.nbytes for w in ws)
-    xs = {k: torch.randn(k) for k in (H, INTER)}
+    xs = {k: torch.randn(k) for k in {k for _, k in token_products()}}
     ys = [torch.empty(w.shape[0]) for w in ws]
     threads = parallel.workers()
 
@@ -64,7 +56,7 @@ def main() -> None:
         for w in ws:
             native.read_stream(w.view(-1))
 
-    libs = {name: load(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    libs = {name: load_library(path) for name, path in (a.split("=", 1) for a in args.libs)}
     calls = {name: partial(products, lib) for name, lib in libs.items()}
     names = list(calls)
     reference = None
