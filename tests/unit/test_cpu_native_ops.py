@@ -88,21 +88,57 @@ def test_decode_attention_matches_the_reference(heads) -> None:
     torch.testing.assert_close(out, want, **FP32)
 
 
-def test_decode_attention_over_several_softmax_chunks_and_threads() -> None:
-    # contexts of 600 and 1000 slots span several 256-slot chunks of the online softmax; the keys
-    # grow along the context so the running maximum moves in later chunks and earlier sums must be
-    # rescaled; 2 x 8 heads x 1000 slots is enough work to split over the threads
-    gen = torch.Generator().manual_seed(3)
-    k_cache = torch.randn(70, 16, 2, 32, generator=gen) * torch.linspace(0.2, 2.0, 70)[:, None, None, None]
-    v_cache = torch.randn(70, 16, 2, 32, generator=gen)
-    tables = torch.randperm(70, generator=gen)[:64].to(torch.int32).view(1, 64).repeat(2, 1)
-    tables[1] = tables[1].flip(0)
-    seq_lens = torch.tensor([600, 1000], dtype=torch.int32)
-    q = torch.randn(2, 8, 32, generator=gen)
-    want = reference_attention(q, k_cache, v_cache, tables, torch.arange(3, dtype=torch.int32), seq_lens, 0.3)
+def _attention_case(seq_lens: list[int], hq: int, hk: int, head_dim: int, seed: int):
+    """Random paged caches of 16-slot blocks, each sequence's blocks a shuffled set, the keys
+    growing along the cache so a running maximum moves in later chunks and parts."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(seq_lens) // 16)
+    blocks = len(seq_lens) * width + 1
+    k_cache = torch.randn(blocks, 16, hk, head_dim, generator=gen) * torch.linspace(0.2, 2.0, blocks)[:, None, None, None]
+    v_cache = torch.randn(blocks, 16, hk, head_dim, generator=gen)
+    tables = torch.randperm(blocks, generator=gen)[: len(seq_lens) * width].to(torch.int32).view(len(seq_lens), width)
+    q = torch.randn(len(seq_lens), hq, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+# decode_attention.c cuts a context into parts of >= 64 slots while the batch has under 64
+# (sequence, KV head) pairs, merges the parts' softmaxes, runs up to 8 query heads of a KV head
+# together, takes 8 slots' scores at once (the rest one at a time, features past a multiple of 8
+# one at a time) and runs the online softmax over 256-slot chunks within a part
+@pytest.mark.parametrize("seq_lens,hq,hk,head_dim", [
+    ([600, 1000], 8, 2, 32),          # 10 and 16 parts of one KV head's 4 query heads
+    ([1, 7, 9, 64, 65], 6, 3, 16),    # single slots, a partial 8, a part's edge, two parts
+    ([300] * 33, 4, 2, 32),           # 66 pairs: whole contexts over two 256-slot chunks each
+    ([37, 130], 20, 2, 24),           # 10 query heads per KV head: 8, then 2
+    ([45, 200], 4, 1, 12),            # features 8 + 4
+    ([19, 70], 2, 2, 4),              # fewer features than a vector
+])
+def test_decode_attention_matches_the_reference_across_its_splits(seq_lens, hq, hk, head_dim) -> None:
+    q, k_cache, v_cache, tables, lens = _attention_case(seq_lens, hq, hk, head_dim, seed=len(seq_lens) + hq)
+    cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    want = reference_attention(q, k_cache, v_cache, tables, cu, lens, 0.3)
     out = torch.zeros_like(q)
-    assert native_ops.decode_attention(q, k_cache, v_cache, tables, [0, 1], [0, 1], seq_lens.tolist(), 0.3, out)
+    rows = list(range(len(seq_lens)))
+    assert native_ops.decode_attention(q, k_cache, v_cache, tables, rows, rows, seq_lens, 0.3, out)
     torch.testing.assert_close(out, want, **FP32)
+
+
+def test_decode_attention_does_not_depend_on_the_threads() -> None:
+    # the parts follow the batch and the lengths only, so one thread and two give the same bits
+    # (the fused decode step and the per-op path rely on it)
+    seq_lens = [1000, 130]
+    q, k_cache, v_cache, tables, lens = _attention_case(seq_lens, 8, 2, 32, seed=5)
+    rows = torch.arange(2)
+    outs = []
+    for threads in (1, 2):
+        out = torch.zeros_like(q)
+        native.library().flashllm_decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), rows.data_ptr(), 2, 8, 2, 32, 16, 0.3, out.data_ptr(), threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], reference_attention(q, k_cache, v_cache, tables, torch.arange(3, dtype=torch.int32),
+                                                            lens, 0.3), **FP32)
 
 
 def test_decode_attention_refuses_tables_outside_the_cache() -> None:

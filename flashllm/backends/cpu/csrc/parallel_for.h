@@ -4,6 +4,10 @@
 #define FLASHLLM_PARALLEL_FOR_H
 #include <stdint.h>
 
+/* Shares start at multiples of this many rows (a caller wanting single items passes n x it rows),
+ * and a task of at most this many rows runs on the calling thread alone. */
+#define FLASHLLM_ROW_ALIGN 16
+
 typedef void (*flashllm_share_fn)(void *ctx, int64_t n0, int64_t n1);
 
 /* Run fn over row shares of [0, n) on `threads` threads, about `shares_per_thread` shares each. */

@@ -15,7 +15,6 @@
 #include "parallel_for.h"
 
 #define FLASHLLM_MAX_WORKERS 64
-#define FLASHLLM_ROW_ALIGN 16
 #define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
 
 static struct {
