@@ -33,11 +33,11 @@ def load_library(path: str) -> ctypes.CDLL:
     return lib
 
 
-def greedy_engine(tokens: int) -> tuple[LLM, BenchRequest, SamplingParams]:
-    """The shape's fp32 engine on the CPU, warmed up, with one request of a 128-token prompt and
-    `tokens` greedy output tokens (EOS ignored)."""
+def greedy_engine(tokens: int, prompt: int = 128) -> tuple[LLM, BenchRequest, SamplingParams]:
+    """The shape's fp32 engine on the CPU, warmed up, with one request of a `prompt`-token prompt
+    and `tokens` greedy output tokens (EOS ignored)."""
     llm = LLM(str(shape_model_dir(SHAPE, "float32")), device="cpu", max_model_len=4096)
-    (request,) = random_requests(1, (128, 128), (tokens, tokens), CONFIG["vocab_size"], 0)
+    (request,) = random_requests(1, (prompt, prompt), (tokens, tokens), CONFIG["vocab_size"], 0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     llm.generate([warm_up_prompt(request)], SamplingParams(max_tokens=2, detokenize=False))
     return llm, request, params

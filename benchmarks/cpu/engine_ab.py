@@ -1,10 +1,12 @@
 """A/B of native kernel builds through the engine: batch-1 fp32 decode of the qwen2.5-0.5b shape.
 
     python benchmarks/cpu/engine_ab.py --rounds 12 A=/tmp/lib_a.so B=/tmp/lib_b.so
+    python benchmarks/cpu/engine_ab.py --rounds 6 --tokens 32 --prompt 2000 A=... B=...
 
 One LLM; each round swaps every library in turn (rotating which goes first) and times one plain
-greedy generation of 64 tokens after a 128-token prompt. The tokens of each library must equal
-the first's. Ratios: medians of per-round decode-rate ratios against the first library.
+greedy generation of 64 tokens (--tokens) after a 128-token prompt (--prompt). The tokens of each
+library must equal the first's. Ratios: medians of per-round decode-rate ratios against the first
+library.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context decode attends to)")
     parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
     args = parser.parse_args()
-    llm, request, params = greedy_engine(args.tokens)
+    llm, request, params = greedy_engine(args.tokens, args.prompt)
     libs = {name: load_library(path) for name, path in (a.split("=", 1) for a in args.libs)}
     names = list(libs)
     tokens = {}
