@@ -19,9 +19,10 @@ MAX_NORM_ROWS = 64  # past a decode batch torch's threaded kernel is the better 
 # below this many outputs one thread finishes silu_and_mul before a hand-off would pay
 SILU_SPLIT_ELEMENTS = 1 << 16
 # decode attention: below this many (sequence, head, context slot) triples one thread is done first
-# (14 heads of 64 features at batch 1 on the team's 2-core VM, workers spinning: 64 slots 14.6 us on
-# one thread against 11.8 on two, 128 slots 16.5 against 13.8; 16 slots 6.3 against 7.6)
-ATTENTION_SPLIT_WORK = 1 << 10
+# (14 heads of 64 features at batch 1 on the team's 2-core VM, workers spinning: 16 slots 6.3 us on
+# one thread against 7.6 on two, 64 slots 14.6 against 11.8, 128 slots 16.5 against 13.8; the line
+# sits between 16 and 64 slots)
+ATTENTION_SPLIT_WORK = 1 << 9
 
 
 def _ready(*tensors: Tensor) -> bool:
