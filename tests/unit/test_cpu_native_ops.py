@@ -104,7 +104,8 @@ def _attention_case(seq_lens: list[int], hq: int, hk: int, head_dim: int, seed: 
 # decode_attention.c cuts a context into parts of >= 64 slots while the batch has under 64
 # (sequence, KV head) pairs, merges the parts' softmaxes, runs up to 8 query heads of a KV head
 # together, takes 8 slots' scores at once (the rest one at a time, features past a multiple of 8
-# one at a time) and runs the online softmax over 256-slot chunks within a part
+# one at a time), sums values 64 features at a time in registers, and runs the online softmax over
+# 256-slot chunks within a part
 @pytest.mark.parametrize("seq_lens,hq,hk,head_dim", [
     ([600, 1000], 8, 2, 32),          # 10 and 16 parts of one KV head's 4 query heads
     ([1, 7, 9, 64, 65], 6, 3, 16),    # single slots, a partial 8, a part's edge, two parts
@@ -112,6 +113,8 @@ def _attention_case(seq_lens: list[int], hq: int, hk: int, head_dim: int, seed: 
     ([37, 130], 20, 2, 24),           # 10 query heads per KV head: 8, then 2
     ([45, 200], 4, 1, 12),            # features 8 + 4
     ([19, 70], 2, 2, 4),              # fewer features than a vector
+    ([100, 7], 4, 2, 68),             # values 64 features in registers, then 4 one at a time
+    ([90], 2, 1, 136),                # values 64 + 64 in registers, then one vector of 8
 ])
 def test_decode_attention_matches_the_reference_across_its_splits(seq_lens, hq, hk, head_dim) -> None:
     q, k_cache, v_cache, tables, lens = _attention_case(seq_lens, hq, hk, head_dim, seed=len(seq_lens) + hq)
