@@ -20,7 +20,7 @@
  * Scores take 8 slots at a time: 8 dot products of D accumulate in 8 vectors, and a tree of
  * horizontal adds turns them into one vector of 8 scores. The old kernel (one head, one slot,
  * one horizontal sum at a time) took ~82 us a layer at batch 1 for 14 heads over ~190 slots,
- * 2% of a 0.5b-shape token on the team's 2-core VM, and at n <= FLASHLLM_ROW_ALIGN heads it
+ * 2% of a 0.5b-shape token on the team's 2-core VM, and with 16 heads or fewer it
  * never split over the threads.
  */
 #include <immintrin.h>
@@ -185,7 +185,7 @@ static void attend_slots(const attention_args *a, int64_t b, int64_t kvh, int64_
 static void attend_items(void *ctx, int64_t r0, int64_t r1) {
     const attention_args *a = ctx;
     const int64_t group = a->Hq / a->Hk, D = a->D;
-    for (int64_t item = r0 / FLASHLLM_ROW_ALIGN; item < r1 / FLASHLLM_ROW_ALIGN; item++) {
+    for (int64_t item = r0; item < r1; item++) {
         const int64_t part = item % a->parts_max, kvh = item / a->parts_max % a->Hk;
         const int64_t b = item / (a->parts_max * a->Hk);
         int64_t parts, span;
@@ -246,12 +246,14 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
     attention_args a = {q, k_cache, v_cache, block_tables, seq_lens, rows, q_stride, width, Hq, Hk, D,
                         block_size, 1, scale, out, NULL};
     const int64_t pairs = B * Hk;
-    if (pairs < SPLIT_ITEMS) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    if (pairs < SPLIT_ITEMS && longest > PART_MIN) {  /* some context will be cut into parts */
         a.parts_max = SPLIT_ITEMS / pairs;
         a.partial = malloc((size_t)(pairs * a.parts_max * Hq / Hk * (D + 2)) * sizeof(float));
         if (!a.partial) a.parts_max = 1;  /* no memory for parts: every context whole */
     }
-    flashllm_parallel_for(attend_items, &a, pairs * a.parts_max * FLASHLLM_ROW_ALIGN, threads, FINE_SHARES);
+    flashllm_parallel_items(attend_items, &a, pairs * a.parts_max, threads, FINE_SHARES);
     if (a.partial) {
         merge_parts(&a, B);
         free(a.partial);

@@ -4,14 +4,14 @@
 #define FLASHLLM_PARALLEL_FOR_H
 #include <stdint.h>
 
-/* Shares start at multiples of this many rows (a caller wanting single items passes n x it rows),
- * and a task of at most this many rows runs on the calling thread alone. */
-#define FLASHLLM_ROW_ALIGN 16
-
 typedef void (*flashllm_share_fn)(void *ctx, int64_t n0, int64_t n1);
 
-/* Run fn over row shares of [0, n) on `threads` threads, about `shares_per_thread` shares each. */
+/* Run fn over row shares of [0, n) on `threads` threads, about `shares_per_thread` shares each;
+ * shares start at multiples of 16 rows (a product's row tiles), and 16 rows or fewer run on the caller. */
 void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread);
+
+/* The same over [0, n) items that split anywhere (shares as small as one item). */
+void flashllm_parallel_items(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread);
 
 /* Shares per thread: a tiled share starts with its first block not prefetched, so where tiles read
  * fast enough for that to show (int8 and int4 codes for one token) a thread takes few shares; fp32

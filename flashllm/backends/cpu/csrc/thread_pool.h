@@ -15,6 +15,7 @@
 #include "parallel_for.h"
 
 #define FLASHLLM_MAX_WORKERS 64
+#define FLASHLLM_ROW_ALIGN 16  /* flashllm_parallel_for's shares start at multiples of this many rows */
 #define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
 
 static struct {
@@ -91,12 +92,12 @@ static int pool_grow(int wanted) {  /* called with pool.lock held; returns the w
     return pool.workers;
 }
 
-/* Run fn over [0, n) in row shares (aligned to FLASHLLM_ROW_ALIGN rows) that `threads` threads
- * claim dynamically, about `shares_per_thread` each: finer shares balance threads the host runs at
+/* Run fn over [0, n) in shares (starting at multiples of `align`) that `threads` threads claim
+ * dynamically, about `shares_per_thread` each: finer shares balance threads the host runs at
  * different speeds, coarser ones keep a kernel's per-share start-up (a tile's prefetch of its
- * first block) rare; the callers pick per kernel. */
-void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread) {
-    if (threads <= 1 || n <= FLASHLLM_ROW_ALIGN || pthread_mutex_trylock(&pool.caller) != 0) {
+ * first block) rare; the callers pick per kernel. A task of at most `align` runs on the caller. */
+static void run_task(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread, int64_t align) {
+    if (threads <= 1 || n <= align || pthread_mutex_trylock(&pool.caller) != 0) {
         fn(ctx, 0, n);
         return;
     }
@@ -105,7 +106,7 @@ void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threa
     if (workers > threads - 1) workers = threads - 1;  /* the pool may be larger than this call wants */
     const int64_t parts = (int64_t)shares_per_thread * (workers + 1);
     int64_t step = (n + parts - 1) / parts;
-    step = (step + FLASHLLM_ROW_ALIGN - 1) / FLASHLLM_ROW_ALIGN * FLASHLLM_ROW_ALIGN;
+    step = (step + align - 1) / align * align;
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n = n;
@@ -120,4 +121,12 @@ void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threa
     run_shares();
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) _mm_pause();
     pthread_mutex_unlock(&pool.caller);
+}
+
+void flashllm_parallel_for(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread) {
+    run_task(fn, ctx, n, threads, shares_per_thread, FLASHLLM_ROW_ALIGN);
+}
+
+void flashllm_parallel_items(flashllm_share_fn fn, void *ctx, int64_t n, int threads, int shares_per_thread) {
+    run_task(fn, ctx, n, threads, shares_per_thread, 1);
 }
