@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from flashllm.backends import cuda
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
 from flashllm.ops.testing import to_device
-from flashllm.ops.tolerances import assert_close
+from flashllm.ops.tolerances import assert_close, tolerance
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 SPECS = op_specs()
@@ -181,24 +181,42 @@ def test_align_by_expert_tiles_hold_one_expert_and_every_pair_once(
     assert used == sorted(used) and block_expert.tolist()[len(used):] == [-1] * (len(block_expert) - len(used))
 
 
+def assert_moe_close(actual: torch.Tensor, inputs: dict[str, Any], dtype: torch.dtype) -> None:
+    """actual against the fp32 fused_moe reference within dtype's tolerances plus what the spec lets a
+    kernel add: rounding the (pairs, I) activation to x.dtype moves output h of token t by at most
+    sum over its experts of weight x sum_i |act_i| |w2[h, i]| x the dtype's unit roundoff (an fp16
+    case from hypothesis: 0.00195 off the fp32 reference, exactly the reference with that rounding)."""
+    x, w13, w2, weights, ids = (inputs[k].cpu().float() for k in ("x", "w13", "w2", "topk_weights", "topk_ids"))
+    expected = SPECS["fused_moe"].reference(**inputs).cpu().float()
+    bound = torch.zeros_like(expected)
+    for t, j in torch.cartesian_prod(torch.arange(ids.shape[0]), torch.arange(ids.shape[1])).tolist():
+        gate, up = (x[t] @ w13[int(ids[t, j])].T).chunk(2)
+        act = torch.nn.functional.silu(gate) * up
+        bound[t] += weights[t, j] * (act.abs() @ w2[int(ids[t, j])].abs().T) * torch.finfo(dtype).eps / 2
+    atol, rtol = tolerance(dtype)
+    diff = (actual.cpu().float() - expected).abs()
+    assert (diff <= atol + rtol * expected.abs() + bound).all(), f"max excess {(diff - atol - rtol * expected.abs() - bound).max()}"
+
+
 @interpreted_or_gpu
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens=st.integers(1, 24), hidden=st.sampled_from([16, 40, 96]), inter=st.sampled_from([16, 24, 80]),
        experts=st.integers(1, 9), top_k=st.integers(1, 3), dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16))
+@example(tokens=17, hidden=16, inter=16, experts=6, top_k=1, dtype=torch.float16, seed=12356)  # the rounding case
 def test_fused_moe_any_routing(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int
 ) -> None:
     skip_unless_the_device_runs(dtype)
     inputs = moe_inputs(tokens, hidden, inter, experts, min(top_k, experts), dtype, seed)
-    assert_close(KERNELS["fused_moe"].fn(**inputs), SPECS["fused_moe"].reference(**inputs), dtype)
+    assert_moe_close(KERNELS["fused_moe"].fn(**inputs), inputs, dtype)
 
 
 @interpreted_or_gpu
 def test_fused_moe_many_tokens_use_wide_tiles_and_no_tokens_give_empty() -> None:
     inputs = moe_inputs(200, 32, 48, 4, 2, torch.float16, seed=5)  # 100 pairs per expert: 64-row tiles
-    assert_close(KERNELS["fused_moe"].fn(**inputs), SPECS["fused_moe"].reference(**inputs), torch.float16)
+    assert_moe_close(KERNELS["fused_moe"].fn(**inputs), inputs, torch.float16)
     int32_ids = {**inputs, "topk_ids": inputs["topk_ids"].int()}  # some routers hand int32 ids
-    assert_close(KERNELS["fused_moe"].fn(**int32_ids), SPECS["fused_moe"].reference(**inputs), torch.float16)
+    assert_moe_close(KERNELS["fused_moe"].fn(**int32_ids), inputs, torch.float16)
     empty = moe_inputs(0, 32, 48, 4, 2, torch.float32, seed=5)
     assert KERNELS["fused_moe"].fn(**empty).shape == (0, 32)
 
