@@ -36,7 +36,7 @@ class Engine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = self.parts.runner
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.adapter.argmax)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._ids = itertools.count()

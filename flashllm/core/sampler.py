@@ -20,7 +20,7 @@ use temperature 1), i.e. the processed distribution before top-k/top-p/min-p fil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -203,7 +203,14 @@ def _plain_greedy(state: SamplingState) -> bool:
 
 
 class Sampler:
-    """Picks the next token of every row of a batch; see the module docstring for the order."""
+    """Picks the next token of every row of a batch; see the module docstring for the order.
+
+    `argmax` maps (B, V) rows to each row's index of its largest value as torch's argmax does;
+    the engine passes its device adapter's (DeviceAdapter.argmax), which may be faster.
+    """
+
+    def __init__(self, argmax: Callable[[Tensor], Tensor] | None = None) -> None:
+        self._argmax = argmax or (lambda rows: rows.argmax(dim=-1))
 
     def __call__(self, logits: Tensor, states: list[SamplingState]) -> SamplerOutput:
         """Sample one token per row.
@@ -217,7 +224,7 @@ class Sampler:
         if all(_plain_greedy(s) for s in states):
             # nothing below would change a row: skip the fp32 copy, the divide and the row gather
             # (~4 ms a step for 16 rows of a 152k vocabulary on the 2-core test VM)
-            return SamplerOutput(logits.argmax(dim=-1).tolist())
+            return SamplerOutput(self._argmax(logits).tolist())
         # A private fp32 copy: the penalties below work in place.
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         apply_repetition_penalty(logits, states)
@@ -232,7 +239,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            token_ids[greedy] = self._argmax(logits[greedy])
         if sampled:
             # _sample masks in place: it gets a copy unless no greedy row needs the originals.
             rows = logits if not greedy else logits[sampled]
@@ -242,8 +249,7 @@ class Sampler:
             return SamplerOutput(chosen)
         return SamplerOutput(chosen, *self._gather_logprobs(logprobs, token_ids, states))
 
-    @staticmethod
-    def _sample(logits: Tensor, states: list[SamplingState]) -> Tensor:
+    def _sample(self, logits: Tensor, states: list[SamplingState]) -> Tensor:
         """Filtered draw for the non-greedy rows. logits (S, V) fp32 -> token ids (S,)."""
         vocab_size = logits.shape[1]
         top_k = [s.params.top_k if s.params.top_k > 0 else vocab_size for s in states]
@@ -260,7 +266,7 @@ class Sampler:
         # -log(U) ~ Exp(1); rand + log is several times faster than exponential_ on CPU. The
         # clamp keeps E > 0: a masked token's 0 / 0 would be NaN, which argmax prefers.
         noise = noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return self._argmax(probs / noise)
 
     @staticmethod
     def _logprobs(logits: Tensor, states: list[SamplingState]) -> Tensor | None:

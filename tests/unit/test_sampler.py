@@ -54,6 +54,53 @@ def test_greedy_takes_the_argmax(seed: int, rows: int, vocab: int, dtype: torch.
         assert row[token] == max(row)
 
 
+def _special_rows(vocab: int, seed: int) -> torch.Tensor:
+    """Rows where the argmax has to choose: ties, NaNs (which win), +-inf and an all -inf row."""
+    rows = _logits(seed, 6, vocab).round()  # rounding to integers makes ties likely
+    rows[1, vocab // 2] = rows[1, vocab - 1] = float("nan")
+    rows[2, :] = float("-inf")
+    rows[3, [0, vocab - 1]] = float("inf")
+    rows[4, :] = 1.0
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), vocab=st.integers(2, 3000), start=st.integers(0, 1))
+def test_cpu_adapter_argmax_is_torchs_argmax(seed: int, vocab: int, start: int) -> None:
+    from flashllm.backends.cpu import CpuAdapter
+
+    argmax = CpuAdapter().argmax
+    rows = _special_rows(vocab + start, seed)
+    for view in (rows, rows[:, start:], rows.t().contiguous().t(), rows.half(), rows[:, :0]):
+        if view.shape[1] == 0:
+            with pytest.raises((IndexError, RuntimeError)):
+                argmax(view)
+            continue
+        got = argmax(view)
+        assert got.dtype == torch.int64 and got.tolist() == view.argmax(dim=-1).tolist()
+
+
+def test_sampler_takes_every_token_through_the_given_argmax() -> None:
+    from flashllm.backends.cpu import CpuAdapter
+
+    calls: list[tuple[int, ...]] = []
+
+    def counted(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(rows.shape))
+        return CpuAdapter().argmax(rows)
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7), SamplingParams(temperature=1.0, seed=8)]
+    logits = _logits(3, len(params), 500)
+    states = lambda: [_state(p, [1, 2], [3]) for p in params]  # noqa: E731  fresh generators each run
+    assert Sampler(counted)(logits, states()).token_ids == Sampler()(logits, states()).token_ids
+    assert sorted(calls) == [(2, 500), (2, 500)]  # the greedy rows once, the sampled rows' race once
+    calls.clear()
+    plain = [_state(SamplingParams(temperature=0.0)) for _ in range(3)]
+    assert Sampler(counted)(logits[:3], plain).token_ids == logits[:3].argmax(dim=-1).tolist()
+    assert calls == [(3, 500)]
+
+
 def test_plain_greedy_rows_skip_processing_but_penalised_rows_do_not() -> None:
     # the all-plain-greedy shortcut must not swallow a penalty or a min_tokens ban in the batch
     logits = torch.full((2, 5), 0.5)

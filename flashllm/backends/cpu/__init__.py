@@ -80,6 +80,13 @@ class CpuAdapter(DeviceAdapter):
     def synchronize(self, device: torch.device) -> None:
         return None
 
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 rows through numpy: the same indices as torch's argmax (first on ties, NaN largest)
+        at ~15 us a 152k-token row against torch's 0.2-0.4 ms (3 ms for 16 rows on the 2-core VM)."""
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] == 0 or rows.requires_grad:
+            return rows.argmax(dim=-1)
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+
     def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
         """Decode-sized steps run torch single-threaded while the GEMVs use flashllm's own threads."""
         return parallel.torch_single_threaded() if num_tokens <= parallel.SPLIT_MAX_TOKENS else nullcontext()
