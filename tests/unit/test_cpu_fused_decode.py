@@ -94,10 +94,22 @@ def test_steps_it_cannot_take_fall_back_and_a_direct_step_matches_the_model(mode
     padding = _decode_metadata([5, -1], [6, 21], [[2, 0], [1, 3]])             # a skipped slot
     with torch.inference_mode():
         assert fused(torch.tensor([3, 4]), torch.tensor([0, 1]), caches, prefill) is None
-        for md in (bad_slot, bad_table, too_long, padding):
-            assert fused(ids, positions, caches, md) is None
-        assert fused(ids, torch.tensor([5, 64]), caches, md) is None            # position past the rope table
+        for bad in (bad_slot, bad_table, too_long, padding):
+            assert fused(ids, positions, caches, bad) is None
+        assert fused(ids, torch.tensor([5, fused._max_position]), caches, md) is None  # past the rope table
         assert fused(ids, positions, caches[:-1], md) is None                   # a cache per layer
+        # caches it took before, one of them changed: the same memory with fewer blocks, as another
+        # dtype or in another layout, or a copy in half precision, is checked again and refused
+        k, v = caches[1]
+        blocks, size, heads, dim = v.shape
+        mixed = v.as_strided(v.shape, (size * heads * dim, heads * dim, 1, heads))
+        for changed in ((k[:4], v), (k, v.view(torch.int32)), (k, mixed), (k, v.half())):
+            assert fused(ids, positions, caches, md) is not None
+            assert fused(ids, positions, [*caches[:1], changed, *caches[2:]], md) is None
+        fresh = [tuple(torch.zeros_like(c) for c in layer) for layer in caches]  # valid caches elsewhere
+        assert fused(ids, positions, caches, md) is not None
+        assert fused(ids, positions, fresh, md) is not None
+        assert all(bool(k.flatten(0, 1)[5].any() and v.flatten(0, 1)[20].any()) for k, v in fresh)  # written there
 
 
 def test_models_and_settings_it_does_not_take(model_dir, monkeypatch) -> None:

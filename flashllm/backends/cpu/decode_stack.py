@@ -163,26 +163,32 @@ class FusedDecode:
                             attention_split=native_ops.ATTENTION_SPLIT_WORK,
                             silu_split=native_ops.SILU_SPLIT_ELEMENTS)
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
-        self._cache_ptrs: list[int] = []
+        self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
+        self._bound: tuple[int, int] | None = None
         self._scratch = torch.empty(0)
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> tuple[int, int] | None:
-        """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take."""
+        """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take.
+
+        Each step compares every cache's pointer, shape, strides and dtype with those last checked:
+        the same caches skip the full check (~0.15 ms a step for 48 caches, more between the native
+        calls, whose weight streams leave the interpreter's data cold)."""
+        key = [(c.data_ptr(), c.shape, c.stride(), c.dtype) for cache in kv_caches for c in cache]
+        if key == self._cache_key:
+            return self._bound
+        self._cache_key, self._bound = [], None
         shape = (self._num_kv_heads, self._head_dim)
-        ptrs = []
         for cache in kv_caches:
             if len(cache) != 2 or not all(c.dtype == torch.float32 and c.is_contiguous() and c.dim() == 4
                                           and tuple(c.shape[2:]) == shape and c.shape == cache[0].shape
                                           for c in cache):
                 return None
-            ptrs.extend(c.data_ptr() for c in cache)
         if len(kv_caches) != len(self._layers):
             return None
-        if ptrs != self._cache_ptrs:
-            for layer, k_ptr, v_ptr in zip(self._layers, ptrs[0::2], ptrs[1::2], strict=True):
-                layer.k_cache, layer.v_cache = k_ptr, v_ptr
-            self._cache_ptrs = ptrs
-        return kv_caches[0][0].shape[0], kv_caches[0][0].shape[1]
+        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches, strict=True):
+            layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._cache_key, self._bound = key, (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1])
+        return self._bound
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  md: AttentionMetadata) -> Tensor | None:
