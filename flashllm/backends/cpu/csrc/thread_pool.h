@@ -2,8 +2,8 @@
  * [0, n) on the calling thread and up to FLASHLLM_MAX_WORKERS - 1 persistent workers.
  *
  * Why not the Python thread pool: a decode step of the 0.5b shape makes ~97 GEMV calls, and a
- * ThreadPoolExecutor hand-off costs tens of microseconds each. Workers here spin briefly on an
- * atomic generation counter after each task (the next GEMV of the step follows within ~100 us),
+ * ThreadPoolExecutor hand-off costs tens of microseconds each. Workers here spin on an atomic
+ * generation counter after each task, long enough to span the Python between two decode steps,
  * then sleep on a condition variable, so an idle engine costs no CPU. One caller at a time: a
  * second concurrent caller runs its whole task on its own thread instead of waiting.
  */
@@ -16,7 +16,12 @@
 
 #define FLASHLLM_MAX_WORKERS 64
 #define FLASHLLM_ROW_ALIGN 16  /* flashllm_parallel_for's shares start at multiples of this many rows */
-#define FLASHLLM_SPIN_ROUNDS 20000  /* _mm_pause rounds (~0.3-1 ms) before a worker sleeps */
+/* _mm_pause rounds before a worker sleeps: ~5 ms on the team's 2-core EPYC VM (~30 ns a pause).
+ * The next product of a step follows within ~100 us, but between steps the engine's Python takes
+ * 2-3 ms (its data cold after the weights streamed through the caches). With 20000 rounds (~0.6 ms)
+ * the worker slept in that gap and in the one before the LM head, ~1.8 times a token at the 0.5b
+ * shape, and joined the next task 210-270 us late, leaving the first products to the caller alone. */
+#define FLASHLLM_SPIN_ROUNDS 160000
 
 static struct {
     pthread_mutex_t lock;          /* guards sleeping workers' wake-up and pool growth */
