@@ -283,3 +283,17 @@ def test_a_forked_child_starts_its_own_workers(threads) -> None:
 def _child_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.set_num_threads(2)
     return native.f32_linear(x, w)
+
+
+def test_idle_workers_sleep(threads) -> None:
+    # workers spin ~5 ms of pauses after a task (thread_pool.h), then sleep: an idle engine costs
+    # no CPU (a worker spinning through the window below would add ~0.3 s of CPU time)
+    import time
+
+    threads(2)
+    w, x = torch.randn(2048, 512), torch.randn(1, 512)
+    native.f32_linear(x, w)  # the workers exist and have just run a share
+    time.sleep(0.2)  # every worker has stopped spinning by now
+    before = time.process_time()  # the CPU time of every thread of the process
+    time.sleep(0.3)
+    assert time.process_time() - before < 0.05
