@@ -6,6 +6,7 @@ The qwen2.5-0.5b shape's heads (14 query, 2 KV, 64 features), fp32 caches in 64-
 shuffled order, batch x context cases from one sequence to a batch of 64, on one thread and on
 two. Each build's time is its best of 5 timings of many calls, the builds taken in turn within a
 case; the output of every build is compared with the first's.
+A copy of the first library runs as a control arm (common.load_builds; --no-control drops it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import time
 
 import torch
-from common import CONFIG, load_library  # beside this file, first on sys.path
+from common import CONFIG, add_build_arguments, load_builds  # beside this file, first on sys.path
 
 CASES = [(1, 64), (1, 192), (1, 1024), (1, 4096), (16, 256), (64, 512)]
 BLOCK = 64
@@ -22,9 +23,9 @@ BLOCK = 64
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
+    add_build_arguments(parser)
     args = parser.parse_args()
-    libs = {name: load_library(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    libs = load_builds(args)
     hq, hk = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
     d = CONFIG["hidden_size"] // hq
     gen = torch.Generator().manual_seed(0)

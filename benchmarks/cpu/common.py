@@ -1,9 +1,14 @@
-"""What the CPU harnesses beside this file share: the qwen2.5-0.5b shape's product sizes, a native
-build loaded with the package's signatures, and an engine set up for one greedy request."""
+"""What the CPU harnesses beside this file share: the qwen2.5-0.5b shape's product sizes, native
+builds loaded with the package's signatures (with a control arm), and an engine set up for one
+greedy request."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import shutil
+import tempfile
+from pathlib import Path
 
 from flashllm import LLM, SamplingParams
 from flashllm.bench.shapes import SHAPES, shape_model_dir
@@ -31,6 +36,26 @@ def load_library(path: str) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    """The builds a harness compares (NAME=path, the first the baseline) and --no-control."""
+    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
+    parser.add_argument("--no-control", action="store_true", help="no control arm (a copy of the first library)")
+
+
+def load_builds(args: argparse.Namespace) -> dict[str, ctypes.CDLL]:
+    """The builds of add_build_arguments, loaded in order, and unless --no-control a copy of the
+    first as one more build, "<NAME>-copy": what the harness reports for no change. On the team's
+    2-core VM one 14-round engine_ab.py run measured two identical builds 1.056x apart (10 of 14),
+    so a ratio within a few percent of 1 is not a result until the control sits near 1.000x."""
+    builds = dict(spec.split("=", 1) for spec in args.libs)
+    libs = {name: load_library(path) for name, path in builds.items()}
+    if not args.no_control:
+        name, path = next(iter(builds.items()))
+        with tempfile.TemporaryDirectory() as scratch:  # another path, so ctypes loads a library of its own
+            libs[f"{name}-copy"] = load_library(str(shutil.copyfile(path, Path(scratch) / "control.so")))
+    return libs
 
 
 def greedy_engine(tokens: int, prompt: int = 128) -> tuple[LLM, BenchRequest, SamplingParams]:

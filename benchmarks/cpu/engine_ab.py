@@ -6,30 +6,23 @@
 One LLM; each round swaps every library in turn (rotating which goes first) and times one plain
 greedy generation of 64 tokens (--tokens) after a 128-token prompt (--prompt). The tokens of each
 library must equal the first's. Ratios: medians of per-round decode-rate ratios against the first
-library.
-
-A control arm, a copy of the first library loaded as another build (--no-control drops it), shows
-what the harness reports for no change: on the team's 2-core VM one 14-round run gave the copy
-1.056x (10 of 14) against its original, so a ratio within a few percent of 1 is not a result
-without rounds enough to put the control near 1.000x.
+library. A copy of the first library runs as a control arm (common.load_builds; --no-control
+drops it): on the team's 2-core VM one 14-round run gave it 1.056x (10 of 14) against its
+original.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-from common import greedy_engine, load_library  # beside this file, first on sys.path
+from common import add_build_arguments, greedy_engine, load_builds  # beside this file, first on sys.path
 
-from flashllm import LLM, SamplingParams
+from flashllm import SamplingParams
 from flashllm.backends.cpu import native
 from flashllm.bench import offline
-from flashllm.bench.workload import BenchRequest, warm_up_prompt
+from flashllm.bench.workload import warm_up_prompt
 
 
 def main() -> None:
@@ -37,19 +30,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (the context decode attends to)")
-    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
-    parser.add_argument("--no-control", action="store_true", help="no control arm (a copy of the first library)")
+    add_build_arguments(parser)
     args = parser.parse_args()
     llm, request, params = greedy_engine(args.tokens, args.prompt)
-    builds = [tuple(a.split("=", 1)) for a in args.libs]
-    with tempfile.TemporaryDirectory() as scratch:
-        if not args.no_control:  # another path, so ctypes loads it as a library of its own
-            name, path = builds[0]
-            builds.append((f"{name}-copy", shutil.copyfile(path, Path(scratch) / "control.so")))
-        compare({name: load_library(str(path)) for name, path in builds}, llm, request, params, args.rounds)
-
-
-def compare(libs: dict[str, ctypes.CDLL], llm: LLM, request: BenchRequest, params: SamplingParams, rounds: int) -> None:
+    libs = load_builds(args)
     names = list(libs)
     tokens = {}
     for name, lib in libs.items():
@@ -59,7 +43,7 @@ def compare(libs: dict[str, ctypes.CDLL], llm: LLM, request: BenchRequest, param
         if tokens[name] != tokens[names[0]]:
             print(f"{name}: tokens differ from {names[0]}'s")
     rates: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             native._state["lib"] = libs[name]
             time.sleep(0.02)  # another library's workers stop spinning (thread_pool.h: ~5 ms)

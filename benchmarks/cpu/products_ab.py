@@ -9,6 +9,7 @@ the 24 gate_up products. Every round times each library (three passes after one 
 the production read probe over the same tensors, in a rotating order, so a slow phase of the host
 meets all of them. Outputs must be bit-identical to the first library's, or it says so.
 Ratios are medians of per-round ratios against the first library; "faster in" counts rounds.
+A copy of the first library runs as a control arm (common.load_builds; --no-control drops it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from functools import partial
 
 import torch
-from common import CONFIG, load_library, token_products  # beside this file, first on sys.path
+from common import CONFIG, add_build_arguments, load_builds, token_products  # beside this file, first on sys.path
 
 from flashllm.backends.cpu import huge_pages, native, parallel
 
@@ -39,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--set", choices=("token", "pairs"), default="token")
-    parser.add_argument("libs", nargs="+", help="NAME=path/to/lib.so; the first is the baseline")
+    add_build_arguments(parser)
     args = parser.parse_args()
     ws = weights(args.set)
     nbytes = sum(w.nbytes for w in ws)
@@ -56,7 +57,7 @@ def main() -> None:
         for w in ws:
             native.read_stream(w.view(-1))
 
-    libs = {name: load_library(path) for name, path in (a.split("=", 1) for a in args.libs)}
+    libs = load_builds(args)
     calls = {name: partial(products, lib) for name, lib in libs.items()}
     names = list(calls)
     reference = None
