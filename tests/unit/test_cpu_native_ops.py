@@ -126,6 +126,32 @@ def test_decode_attention_matches_the_reference_across_its_splits(seq_lens, hq, 
     torch.testing.assert_close(out, want, **FP32)
 
 
+@pytest.mark.parametrize("length,positions", [
+    # 300 slots and 40 sequences (80 pairs, whole contexts): every lane of the first 8, the first
+    # chunk's last 8 and the second's first, the second chunk's scalar tail (44 = 5 x 8 + 4)
+    (300, [*range(8), *range(248, 264), 292, 295, 296, 297, 298, 299, 1, 100, 150, 200, 201, 202, 203, 204, 205, 206]),
+    (1000, [3, 500, 997]),  # parts: the key in the first, a middle and the last
+])
+def test_decode_attention_finds_a_dominant_key_wherever_it_sits(length: int, positions: list[int]) -> None:
+    # the softmax subtracts each chunk's largest score: a key scoring ~100 above the rest at any
+    # slot must take all the weight (the output is its value row); a maximum that misses a slot
+    # overflows e^(score - maximum) to inf and the output to NaN
+    q, k_cache, v_cache, tables, lens = _attention_case([length] * len(positions), 4, 2, 16, seed=length)
+    q[:, 2:] = q[:, :2] = q[:, :1]  # one direction for every query head, so one key wins for all
+    want = torch.empty_like(q)
+    for b, pos in enumerate(positions):
+        block, slot = int(tables[b, pos // 16]), pos % 16
+        u = q[b, 0] / q[b, 0].norm()
+        k_cache[block, slot, :] = 400.0 * u
+        want[b] = v_cache[block, slot].repeat_interleave(2, dim=0)
+    out = torch.zeros_like(q)
+    rows = list(range(len(positions)))
+    assert native_ops.decode_attention(q, k_cache, v_cache, tables, rows, rows, [length] * len(positions), 0.3, out)
+    torch.testing.assert_close(out, want, **FP32)
+    cu = torch.arange(len(positions) + 1, dtype=torch.int32)
+    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, tables, cu, lens, 0.3), **FP32)
+
+
 def test_decode_attention_does_not_depend_on_the_threads() -> None:
     # the parts follow the batch and the lengths only, so one thread and two give the same bits
     # (the fused decode step and the per-op path rely on it)
