@@ -39,8 +39,9 @@
 /* Value rows summed for every head of a group before the next rows. Summing all of a chunk's rows
  * (up to 64 KiB of values) for one head, then again for the next, read them from L2 once per head.
  * Interleaved builds on the kernel alone (benchmarks/cpu/attention_ab.py, the team's 2-core VM):
- * slices of 32 rows, with the vector maximum below, ran 1.08-1.40x the old kernel over its cases
- * (batch 1 at 192 to 4096 slots, 16 x 256, 64 x 512; one and two threads); 16 and 64 were no better.
+ * slices of 32 rows, with the vector maximum below, ran 1.07-1.40x the old kernel in 11 of its 12
+ * cases (batch 1 at 64 to 4096 slots, 16 x 256, 64 x 512; one and two threads), 0.70x in the
+ * twelfth where the control arm read 0.64x; 16 and 64 rows were no better.
  * Each output still sums its rows in order, so the bits do not change. */
 #define VALUE_SLICE 32
 
@@ -94,8 +95,8 @@ static inline __m256 dot8(const float *q, const float *const *k, int64_t D) {
 }
 
 /* The largest of s[0..n-1]; NaNs are passed over, as `s[i] > m ? s[i] : m` passes them. The
- * vector form alone ran the whole kernel 1.06-1.21x faster than that scalar loop, whose every
- * compare waited on the one before, in 10 of attention_ab.py's 12 cases. */
+ * vector form alone ran the whole kernel 1.04-1.21x faster than that scalar loop, whose every
+ * compare waited on the one before, in all 12 of attention_ab.py's cases (0.98-1.33x in a second run). */
 static inline float largest(const float *s, int64_t n) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
