@@ -133,9 +133,9 @@ def test_decode_attention_matches_the_reference_across_its_splits(seq_lens, hq, 
     (1000, [3, 500, 997]),  # parts: the key in the first, a middle and the last
 ])
 def test_decode_attention_finds_a_dominant_key_wherever_it_sits(length: int, positions: list[int]) -> None:
-    # the softmax subtracts each chunk's largest score: a key scoring ~100 above the rest at any
-    # slot must take all the weight (the output is its value row); a maximum that misses a slot
-    # overflows e^(score - maximum) to inf and the output to NaN
+    # the softmax subtracts each chunk's largest score: a key scoring hundreds above the rest, at
+    # any slot, must take all the weight (the output is its value row); a maximum that misses the
+    # key's slot overflows e^(score - maximum) to inf and the output to NaN
     q, k_cache, v_cache, tables, lens = _attention_case([length] * len(positions), 4, 2, 16, seed=length)
     q[:, 2:] = q[:, :2] = q[:, :1]  # one direction for every query head, so one key wins for all
     want = torch.empty_like(q)

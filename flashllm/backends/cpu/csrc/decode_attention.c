@@ -37,7 +37,7 @@
 #define PART_MIN 64
 #define SPLIT_ITEMS 64
 /* Value rows summed for every head of a group before the next rows. Summing all of a chunk's rows
- * (up to 64 KiB of values) for one head, then again for the next, read them from L2 once per head.
+ * for one head, then again for the next, walked up to 64 KiB of values per head, more than L1 holds.
  * Interleaved builds on the kernel alone (benchmarks/cpu/attention_ab.py, the team's 2-core VM):
  * slices of 32 rows, with the vector maximum below, ran 1.07-1.40x the old kernel in 11 of its 12
  * cases (batch 1 at 64 to 4096 slots, 16 x 256, 64 x 512; one and two threads), 0.70x in the
