@@ -101,9 +101,7 @@ static inline float largest(const float *s, int64_t n) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(s + i), m8);  /* NaN lane: keeps m8 */
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, m8);
-    for (int r = 0; r < 8; r++) m = lanes[r] > m ? lanes[r] : m;
+    float m = hmax8(m8);  /* no lane of m8 is NaN */
     for (; i < n; i++) m = s[i] > m ? s[i] : m;
     return m;
 }

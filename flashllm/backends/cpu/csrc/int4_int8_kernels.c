@@ -52,10 +52,7 @@ static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q
             const float *v = x + b * A8_BLOCK;
             __m256 top = _mm256_setzero_ps();
             for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-            const float amax = _mm_cvtss_f32(m), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
             int32_t codes[A8_BLOCK];
             for (int i = 0; i < A8_BLOCK; i += 8)
                 _mm256_storeu_si256((__m256i *)(codes + i),

@@ -11,6 +11,14 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* the largest of a vector's 8 fp32 lanes (maxps order: a NaN lane decides only where it is the second operand) */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 /* e^x for fp32 lanes, within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
  * reduction is exact enough), e^r from a degree-7 polynomial (the classic Cephes expf
  * coefficients), 2^n put into the exponent bits. Inputs are clamped to [-88.38, 88.38]: below,
