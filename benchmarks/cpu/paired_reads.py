@@ -6,7 +6,7 @@ The bench's ceiling is the fastest single read of a probe taken between chunks o
 shared VM whose bandwidth moves within seconds that mixes two questions, how fast the engine streams
 and how the host's bandwidth moved. This diagnostic asks only the first: before each decode token
 it reads a buffer of exactly the token's weight bytes once (in huge pages, alternating `torch.sum`
-and the cpu backend's two-stream read), so every token has a read beside it in the same second.
+and the cpu backend's multi-stream reads), so every token has a read beside it in the same second.
 Per run it prints the engine's rate over the faster kernel's paired rate, and, for comparison, over
 the bench's ceiling (the held probe before and after the run). flashllm and llama.cpp (f32 GGUF of
 the same weights) alternate first place by round. Not a ceiling: it is a mean, not a maximum.
@@ -15,6 +15,7 @@ the same weights) alternate first place by round. Not a ceiling: it is a mean, n
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 from common import SHAPE, greedy_engine  # beside this file, first on sys.path
 
-from flashllm.backends.cpu import huge_pages, native
+from flashllm.backends.cpu import huge_pages, native, read_probe
 from flashllm.bench import offline
 from flashllm.bench import roofline as rl
 from flashllm.bench.shapes import shape_model_dir
@@ -66,11 +67,12 @@ def main() -> None:
         cpp = lc.load(cached_gguf(model_dir, "f32", None), n_ctx=512, n_batch=128)
         lc.greedy_generate(cpp, warm_up_prompt(request), 2)
         engines["llama.cpp"] = lambda: lc.greedy_tokens(cpp, request.prompt_token_ids, TOKENS)
-    # one buffer of the token's bytes (whole runs of the two-stream read) for both kernels
+    # one buffer of the token's bytes (whole runs of the native reads) for every read kernel
     floats = nbytes // 4 // native.READ_RUN_FLOATS * native.READ_RUN_FLOATS
     buf = huge_pages.huge_page_empty((floats,), torch.float32)
     buf.fill_(1.0)
-    reads = [("torch.sum", buf.sum), ("two-stream", lambda: native.read_stream(buf))]
+    reads = [("torch.sum", buf.sum)] + [(name, functools.partial(native.read_stream, buf, *pattern))
+                                        for name, pattern in read_probe.PATTERNS.items()]
     probe = rl.held_ceiling_probe("cpu")
     fractions: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for r in range(args.rounds):

@@ -56,9 +56,9 @@ class Plan:
     calls_per_timing: int
     ceiling: str
     bracket_runs: bool = False  # probe the ceiling's bandwidth before and after each timed run (bench/repeats.py)
-    # "module:function" of the device backend's own read probe: function(num_bytes) -> a call that
-    # reads that many bytes once, or None where it cannot run; the read bandwidth is the higher of it
-    # and the torch reduction
+    # "module:function" of the device backend's own read probes: function(num_bytes) -> {name: a call
+    # that reads that many bytes once}, empty where they cannot run; the read bandwidth is the highest
+    # of them and the torch reduction
     fast_read: str | None = None
     # reads a held read-stream probe times back to back (held_ceiling_probe): its ceiling is the
     # fastest of them, its sustained rate their bytes over their whole time; 0: `repeats` reads, and
@@ -74,16 +74,17 @@ class Plan:
 # A CPU's runs are bracketed by read probes: on the team's shared 2-core VM the read stream drifted
 # between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
 # the engine's KV cache holds while it is loaded, and HBM bandwidth did not drift in the team's runs.
-# A CPU's read probe is also the cpu backend's two-stream read over huge pages: on the team's VM it
-# read 1.13-1.18x a `torch.sum` over 4 KiB pages with 1 KiB runs, 1.2-1.3x with the 256 B runs it
-# has used since the twelfth session, and the engine's weights are read that way.
+# A CPU's read probes are also the cpu backend's multi-stream reads over huge pages, the way the
+# engine's weights are read: on the team's EPYC VM two streams per thread read 1.13-1.18x a
+# `torch.sum` over 4 KiB pages with 1 KiB runs, 1.2-1.3x with the 256 B runs used since the twelfth
+# session; on its Intel VM eight streams read ~1.1-1.2x two (sixteenth session). The highest counts.
 # A CPU probe times 10 reads back to back (~0.5 s): the ceiling is the fastest, and the rate over
 # all ten is recorded beside it. The sustained rate was tried as the ceiling and the engine passed
 # it (up to 1.09 of it over whole 128-token runs, docs/benchmarks.md, eleventh session), so it is
 # no ceiling.
 CPU_PLAN = Plan(copy_bytes=1 << 30, read_bytes=1 << 30, matmul_n=2048, repeats=5, calls_per_timing=1,
                 ceiling="read stream", bracket_runs=True,
-                fast_read="flashllm.backends.cpu.read_probe:two_stream_read", sustained_reads=10)
+                fast_read="flashllm.backends.cpu.read_probe:stream_reads", sustained_reads=10)
 ACCELERATOR_PLAN = Plan(copy_bytes=2 << 30, read_bytes=2 << 30, matmul_n=8192, repeats=10, calls_per_timing=10,
                         ceiling="copy")
 PLANS: dict[str, Plan] = {"cpu": CPU_PLAN}
@@ -135,23 +136,20 @@ def _sum_read(num_bytes: int, repeats: int, device: str, calls: int) -> float:
     return num_bytes / _best_time(lambda: src.sum(), repeats, device, calls)
 
 
-def _fast_read(plan: Plan, num_bytes: int) -> tuple[str, Callable[[], object]] | None:
-    """(name, a call reading num_bytes once) of the plan's own read probe, or None where it has none here."""
+def _fast_reads(plan: Plan, num_bytes: int) -> dict[str, Callable[[], object]]:
+    """{name: a call reading num_bytes once} of the plan's own read probes; empty where it has none here."""
     if not plan.fast_read:
-        return None
+        return {}
     module, name = plan.fast_read.split(":")
-    read = getattr(importlib.import_module(module), name)(num_bytes)
-    return None if read is None else (name, read)
+    return getattr(importlib.import_module(module), name)(num_bytes)
 
 
 def read_probes(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu", calls: int = 1,
                 plan: Plan | None = None) -> dict[str, float]:
     """bytes/s of each read-only stream over `num_bytes`, like a GEMV reading weights: a torch sum,
-    and the plan's own read (Plan.fast_read; plan_for(device) by default) where it runs here."""
+    and the plan's own reads (Plan.fast_read; plan_for(device) by default) where they run here."""
     probes = {"torch.sum": _sum_read(num_bytes, repeats, device, calls)}  # its buffer freed before the next
-    fast = _fast_read(plan or plan_for(device), num_bytes)
-    if fast is not None:
-        name, read = fast
+    for name, read in _fast_reads(plan or plan_for(device), num_bytes).items():
         probes[name] = num_bytes / _best_time(read, repeats, device, calls)
     return probes
 
@@ -197,7 +195,7 @@ class Reading(NamedTuple):
 
 def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> Callable[[], Reading]:
     """A call measuring the bandwidth the decode ceiling divides by, as a Reading: the plan's read
-    stream (each read probe timed read by read; the higher fastest read and the higher sustained
+    stream (each read probe timed read by read; the highest fastest read and the highest sustained
     rate) or its copy (its best timing, both), over buffers allocated here, once, held by the call.
 
     For probes around and inside one timed run (bench/repeats.py): on the team's VM a probe that
@@ -217,10 +215,7 @@ def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> 
 
         return copy
     src = torch.ones(plan.read_bytes // 4, dtype=torch.float32, device=dev)
-    reads: list[Callable[[], object]] = [src.sum]
-    fast = _fast_read(plan, plan.read_bytes)
-    if fast is not None:
-        reads.append(fast[1])
+    reads: list[Callable[[], object]] = [src.sum, *_fast_reads(plan, plan.read_bytes).values()]
 
     def read() -> Reading:
         readings = [_read_reading(fn, plan, dev) for fn in reads]

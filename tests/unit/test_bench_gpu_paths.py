@@ -33,7 +33,7 @@ def test_the_ceiling_probe_measures_the_bandwidth_the_plan_divides_by(monkeypatc
     real_ones = torch.ones
     monkeypatch.setattr(torch, "ones", lambda n, dtype, device: made.append((n * 4, device)) or real_ones(
         n, dtype=dtype, device="meta"))
-    monkeypatch.setattr(roofline, "_fast_read", lambda plan, num_bytes: None)
+    monkeypatch.setattr(roofline, "_fast_reads", lambda plan, num_bytes: {})
     monkeypatch.setattr(roofline, "_best_time", lambda fn, repeats, device, calls=1: 1.0)
     monkeypatch.setattr(roofline, "_timings", lambda fn, count, device, calls=1: [1.0] * (count - 1) + [6.0])
     # the CPU: its fastest read of 1 GiB, 1 s, is the ceiling; 10 reads over 15 s, the sustained rate
@@ -80,29 +80,36 @@ def test_cpu_ceiling_uses_the_read_stream() -> None:
 
 
 def test_the_read_bandwidth_is_the_fastest_of_the_plans_read_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the CPU plan adds the cpu backend's two-stream read to the torch sum, and the ceiling takes the
-    # faster; timings are faked: the torch sum (a tensor result) takes 1 s, the native read 0.5 s
-    from flashllm.backends.cpu import native
+    # the CPU plan adds the cpu backend's multi-stream reads to the torch sum, and the ceiling takes the
+    # fastest; timings are faked: the torch sum (a tensor result) takes 1 s, the two-stream read 0.5 s,
+    # the eight-stream read 0.25 s
+    from flashllm.backends.cpu import native, read_probe
 
     if native.library() is None:
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    assert roofline.CPU_PLAN.fast_read == "flashllm.backends.cpu.read_probe:two_stream_read"
-    monkeypatch.setattr(roofline, "_best_time",
-                        lambda fn, repeats, device, calls=1: 1.0 if isinstance(fn(), torch.Tensor) else 0.5)
+    assert roofline.CPU_PLAN.fast_read == "flashllm.backends.cpu.read_probe:stream_reads"
+
+    def fake_time(fn, repeats, device, calls=1) -> float:
+        if isinstance(fn(), torch.Tensor):
+            return 1.0
+        return 0.5 if fn.args[1:] == read_probe.PATTERNS["two_stream_read"] else 0.25
+
+    monkeypatch.setattr(roofline, "_best_time", fake_time)
     size = 1 << 20
-    assert roofline.read_probes(size, 1, "cpu") == {"torch.sum": size, "two_stream_read": 2 * size}
-    assert roofline.measure_read_bandwidth(size, 1, "cpu") == 2 * size
+    expected = {"torch.sum": size, "two_stream_read": 2 * size, "eight_stream_read": 4 * size}
+    assert roofline.read_probes(size, 1, "cpu") == expected
+    assert roofline.measure_read_bandwidth(size, 1, "cpu") == 4 * size
     roof = roofline.measure(torch.float32, "cpu", plan=roofline.Plan(
         copy_bytes=size, read_bytes=size, matmul_n=64, repeats=1, calls_per_timing=1, ceiling="read stream",
         fast_read=roofline.CPU_PLAN.fast_read))
-    assert roof.read_bandwidth == 2 * size and dict(roof.read_probes) == {"torch.sum": size, "two_stream_read": 2 * size}
+    assert roof.read_bandwidth == 4 * size and dict(roof.read_probes) == expected
 
 
 def test_a_held_probe_allocates_once_and_takes_the_faster_read(monkeypatch: pytest.MonkeyPatch) -> None:
     # held for the probes around and inside one run: allocating 2 GiB per probe slowed the engine's
-    # next chunk by 8% on the team's VM. Timings faked: torch.sum reads in 1 s each; the two-stream
-    # read in 0.5 s, but one of its three reads takes 3 s, so its sustained rate (3/4 of the bytes
-    # per second) falls below torch.sum's while its fastest read stays the higher: each is the higher of its kind
+    # next chunk by 8% on the team's VM. Timings faked: torch.sum reads in 1 s each; the native reads
+    # in 0.5 s, but one of their three reads takes 3 s, so their sustained rate (3/4 of the bytes per
+    # second) falls below torch.sum's while their fastest read stays the higher: each is the higher of its kind
     from flashllm.backends.cpu import native
 
     if native.library() is None:

@@ -84,22 +84,31 @@ def test_one_token_rows_read_in_pairs_give_each_row_its_own_bits(k: int, n: int)
 
 @pytest.mark.parametrize("runs", [1, 2, 33, 1000])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_the_read_probe_reads_every_run_once(threads, runs: int, workers: int) -> None:
-    # the bandwidth probe's kernel (two streams per thread, an odd run alone) sums what torch sums
+@pytest.mark.parametrize(("streams", "step"), [(2, 64), (8, 32), (1, 32), (3, 64), (16, 32)])
+def test_the_read_probe_reads_every_run_once(threads, runs: int, workers: int, streams: int, step: int) -> None:
+    # the bandwidth probe's kernel (`streams` streams per thread, the runs left over after them read
+    # alone) sums what torch sums
     threads(workers)
     gen = torch.Generator().manual_seed(runs)
     buf = torch.rand(runs * native.READ_RUN_FLOATS, generator=gen)
-    assert native.read_stream(buf) == pytest.approx(buf.double().sum().item(), rel=1e-5)
-    assert native.read_stream(torch.ones_like(buf)) == buf.numel()  # ones add up exactly
+    assert native.read_stream(buf, streams, step) == pytest.approx(buf.double().sum().item(), rel=1e-5)
+    assert native.read_stream(torch.ones_like(buf), streams, step) == buf.numel()  # ones add up exactly
     with pytest.raises(ValueError, match=f"whole {native.READ_RUN_FLOATS}-float runs"):
-        native.read_stream(buf[:-1])
+        native.read_stream(buf[:-1], streams, step)
 
 
-def test_the_read_probe_call_reads_its_buffer() -> None:
+@pytest.mark.parametrize(("streams", "step"), [(0, 32), (17, 32), (2, 16), (2, 48)])
+def test_the_read_probe_refuses_patterns_it_cannot_read(streams: int, step: int) -> None:
+    with pytest.raises(ValueError, match="1 to 16 streams"):
+        native.read_stream(torch.ones(native.READ_RUN_FLOATS), streams, step)
+
+
+def test_the_read_probe_calls_read_their_buffer() -> None:
     from flashllm.backends.cpu import read_probe
 
-    read = read_probe.two_stream_read((3 << 20) + 100)  # rounded down to whole runs
-    assert read is not None and read() == (3 << 20) // 4
+    reads = read_probe.stream_reads((3 << 20) + 100)  # rounded down to whole runs
+    assert list(reads) == list(read_probe.PATTERNS)
+    assert [read() for read in reads.values()] == [(3 << 20) // 4] * len(reads)
 
 
 QUANT_CASES = [  # scheme, group size, symmetric

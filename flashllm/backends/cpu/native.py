@@ -68,7 +68,7 @@ _SIGNATURES = {
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
-    "flashllm_read_stream": ([_P, _I64, ctypes.c_int], ctypes.c_double),
+    "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
@@ -250,13 +250,18 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     return out
 
 
-READ_RUN_FLOATS = 64  # csrc/decode_kernels.c's READ_RUN: the floats one stream gives before the other
+READ_RUN_FLOATS = 64  # csrc/decode_kernels.c's READ_RUN: a read probe's buffer comes in runs of this many floats
 
 
-def read_stream(buf: Tensor) -> float:
+def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:
     """The sum of the fp32 CPU buffer buf (numel a multiple of READ_RUN_FLOATS), read by the bandwidth
-    probe's kernel: every thread reads two streams, as the one-token fp32 products do."""
+    probe's kernel: every thread reads `streams` streams (1-16) of its share, as the one-token fp32
+    products read rows, switching streams every `step` floats (32 or 64)."""
     if not (buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
             and buf.numel() % READ_RUN_FLOATS == 0):
         raise ValueError(f"read_stream needs a contiguous fp32 CPU buffer of whole {READ_RUN_FLOATS}-float runs")
-    return library().flashllm_read_stream(buf.data_ptr(), buf.numel() // READ_RUN_FLOATS, parallel.workers())
+    if not (1 <= streams <= 16 and step in (32, 64)):
+        raise ValueError(f"read_stream reads 1 to 16 streams switching every 32 or 64 floats, not {streams} and {step}")
+    return library().flashllm_read_stream(buf.data_ptr(), buf.numel() // READ_RUN_FLOATS, parallel.workers(),
+                                          streams, step)
+

@@ -1,36 +1,46 @@
-"""The cpu backend's fastest known read of memory laid out like its weights, for the bench's ceiling.
+"""The cpu backend's fastest known reads of memory laid out like its weights, for the bench's ceiling.
 
 The bench's decode ceiling divides bytes per token by a read bandwidth probed in the same run. A
 `torch.sum` over a fresh 1 GiB tensor reads 4 KiB pages, one stream per thread. The engine's
-weights sit in huge pages (huge_pages.py) and its one-token fp32 products read two streams per
-thread; on the team's 2-core EPYC VM that read ran 1.13-1.18x `torch.sum` (docs/benchmarks.md,
-ninth session), so the engine could pass a `torch.sum` ceiling. This read is that access pattern
-without the arithmetic, over a buffer placed the way place_weights places weights, switching
-streams every 256 B: the fastest switch measured (twelfth session; the products switch every
-128 B). The bench takes the higher of the two probes (bench/roofline.py, CPU_PLAN.fast_read).
+weights sit in huge pages (huge_pages.py) and its one-token fp32 products read several rows, so
+several streams, per thread at once: two where the CPU lacks AVX-512 (on the team's 2-core EPYC
+VM that read ran 1.13-1.18x `torch.sum`, docs/benchmarks.md, ninth session), eight where it has it
+(sixteenth session, on a 2-vCPU Intel Xeon VM). These reads are those access patterns without the
+arithmetic, over a buffer placed the way place_weights places weights, each in the fastest form
+measured on the VM it was found on: two streams switching every 256 B (EPYC, twelfth session; the
+products switch every 128 B) and eight switching every 128 B (Intel: ~1.05x the eight-row product
+loop's read there, ~1.2x the two-stream read). The bench takes the highest of all its probes on
+whatever CPU it runs (bench/roofline.py, CPU_PLAN.fast_read), so a pattern that is slow on one CPU
+costs the ceiling nothing there.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from flashllm.backends.cpu import huge_pages, native
 
+# name: (streams per thread, floats read from one stream before the next)
+PATTERNS = {"two_stream_read": (2, 64), "eight_stream_read": (8, 32)}
 
-def two_stream_read(num_bytes: int) -> Callable[[], float] | None:
-    """A call that reads a num_bytes buffer (rounded down to whole runs) once and returns its sum,
-    holding the buffer; None where the native kernels do not run here."""
+
+def stream_reads(num_bytes: int) -> dict[str, Callable[[], float]]:
+    """Calls that each read one num_bytes buffer (rounded down to whole runs) once, in one of
+    PATTERNS, and return its sum, holding the buffer; none where the native kernels do not run here."""
     if native.library() is None:
-        return None
+        return {}
     floats = num_bytes // 4 // native.READ_RUN_FLOATS * native.READ_RUN_FLOATS
     if huge_pages.enabled():
         buf = huge_pages.huge_page_empty((floats,), torch.float32)
     else:
         buf = torch.empty(floats)
     buf.fill_(1.0)  # faults every page in before any timing
-    total = native.read_stream(buf)
-    if total != floats:  # ones sum exactly: a wrong read is caught here, not taken as a bandwidth
-        raise RuntimeError(f"the native read probe summed {total} ones out of {floats}")
-    return lambda: native.read_stream(buf)
+    reads = {name: functools.partial(native.read_stream, buf, *pattern) for name, pattern in PATTERNS.items()}
+    for name, read in reads.items():
+        total = read()
+        if total != floats:  # ones sum exactly: a wrong read is caught here, not taken as a bandwidth
+            raise RuntimeError(f"the native read probe {name} summed {total} ones out of {floats}")
+    return reads

@@ -80,15 +80,17 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
     if ((n1 - n0) % 2) flashllm_f32_gemv(x, w, y, 1, K, n1 - 1, n1, 0);
 }
 
-/* ---- the bandwidth probe's read: two streams per thread, as the pair loop reads, without the arithmetic ---- */
+/* ---- the bandwidth probe's reads: several streams per thread, as the one-token loops read, without the arithmetic ---- */
 
-/* Floats of one stream read before switching to the other (256 B). Interleaved reads of 2 GiB by
- * two threads in huge pages, against 1 KiB runs (the twelfth session, three sets of 12-24 rounds):
- * 256 B 1.09, 1.03, 1.06; 128 B 1.08, 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. The
- * probe reads with the fastest pattern found, not with the pair loop's own 128 B switches. */
+/* The unit the probe's buffer comes in: READ_RUN floats (256 B). A share of runs is read as
+ * `streams` streams, switching every `step` floats (32 or 64). Two streams switching every 256 B
+ * read fastest of the two-stream patterns on the EPYC VM, against 1 KiB runs (the twelfth session,
+ * interleaved reads of 2 GiB by two threads in huge pages): 256 B 1.09, 1.03, 1.06; 128 B 1.08,
+ * 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. On the Intel VM eight streams switching
+ * every 128 B read fastest (sixteenth session). */
 #define READ_RUN 64
 
-typedef struct { const float *p; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
+typedef struct { const float *p; int streams, step; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
 
 static void add_to_total(_Atomic uint64_t *total, double v) {  /* no libatomic needed for this */
     uint64_t old = atomic_load(total), sum;
@@ -100,8 +102,8 @@ static void add_to_total(_Atomic uint64_t *total, double v) {  /* no libatomic n
     } while (!atomic_compare_exchange_weak(total, &old, sum));
 }
 
-static void add_run(const float *p, __m256 acc[4]) {  /* one READ_RUN-float run into acc */
-    for (int k = 0; k < READ_RUN; k += 32) {
+static void add_floats(const float *p, int64_t n, __m256 acc[4]) {  /* n floats, a multiple of 32, into acc */
+    for (int64_t k = 0; k < n; k += 32) {
         acc[0] = _mm256_add_ps(acc[0], _mm256_loadu_ps(p + k));
         acc[1] = _mm256_add_ps(acc[1], _mm256_loadu_ps(p + k + 8));
         acc[2] = _mm256_add_ps(acc[2], _mm256_loadu_ps(p + k + 16));
@@ -109,23 +111,24 @@ static void add_run(const float *p, __m256 acc[4]) {  /* one READ_RUN-float run 
     }
 }
 
-static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r1, two streams */
+static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r1: the streams, then the leftover runs */
     read_args *a = ctx;
-    const int64_t half = (r1 - r0) / 2;
+    const int64_t per = (r1 - r0) / a->streams * READ_RUN;  /* floats of each stream */
+    const float *base = a->p + r0 * READ_RUN;
     __m256 acc[4];
     for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < half; i++) {
-        add_run(a->p + (r0 + i) * READ_RUN, acc);
-        add_run(a->p + (r0 + half + i) * READ_RUN, acc);
-    }
-    if ((r1 - r0) % 2) add_run(a->p + (r1 - 1) * READ_RUN, acc);
+    for (int64_t i = 0; i < per; i += a->step)
+        for (int s = 0; s < a->streams; s++) add_floats(base + s * per + i, a->step, acc);
+    add_floats(base + a->streams * per, (r1 - r0) * READ_RUN - a->streams * per, acc);
     add_to_total(&a->total, SUM_CHAINS(acc));
 }
 
-/* The sum of runs x READ_RUN floats at p, read by `threads` threads two streams each, as
- * f32_gemv_pairs reads weights (the sum keeps the reads from being optimized away). */
-double flashllm_read_stream(const float *p, int64_t runs, int threads) {
-    read_args a = {p, 0};  /* the bits of 0.0 */
+/* The sum of runs x READ_RUN floats at p, read by `threads` threads with `streams` streams each
+ * (1 to 16), switching streams every `step` floats (32 or 64); the sum keeps the reads from being
+ * optimized away. NaN for arguments out of range. */
+double flashllm_read_stream(const float *p, int64_t runs, int threads, int streams, int step) {
+    if (streams < 1 || streams > 16 || (step != 32 && step != 64)) return NAN;
+    read_args a = {p, streams, step, 0};  /* total: the bits of 0.0 */
     flashllm_parallel_for(read_share, &a, runs, threads, FINE_SHARES);
     const uint64_t bits = atomic_load(&a.total);
     double total;
