@@ -9,6 +9,7 @@ fails by far more than rounding.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -69,11 +70,39 @@ def test_one_token_products_on_both_sides_of_the_long_row_switch(k: int) -> None
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
-@pytest.mark.parametrize("k", [32, 896, 2048])
-@pytest.mark.parametrize("n", [1, 2, 67])
-def test_one_token_rows_read_in_pairs_give_each_row_its_own_bits(k: int, n: int) -> None:
-    # one token, K a multiple of 32 up to 2048: rows are read two at a time (the second from the
-    # share's second half), an odd one alone; each row's sum must be the one it gets by itself
+def rows_at_once() -> list[int]:
+    """The row counts the one-token fp32 loop can read at once on this CPU (8 needs AVX-512F)."""
+    default = native.f32_rows()
+    try:
+        return [rows for rows in (2, 8) if native.f32_rows(rows) == rows]
+    finally:
+        native.f32_rows(default)
+
+
+@pytest.fixture(params=[2, 8])
+def f32_rows(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The one-token fp32 loop set to read request.param rows at once, for one test."""
+    if request.param not in rows_at_once():
+        pytest.skip(f"reading {request.param} rows at once needs AVX-512F, which this CPU lacks")
+    default = native.f32_rows()
+    native.f32_rows(request.param)
+    yield request.param
+    native.f32_rows(default)
+
+
+def test_the_one_token_loop_reads_eight_rows_where_the_cpu_has_avx512f() -> None:
+    from flashllm.backends.cpu import cpu_flags
+
+    assert native.f32_rows() == (8 if "avx512f" in cpu_flags() else 2)
+    assert native.f32_rows(3) == native.f32_rows()  # an unsupported count changes nothing
+
+
+@pytest.mark.parametrize("k", [32, 896, 2048, 4864])
+@pytest.mark.parametrize("n", [1, 2, 7, 67])
+def test_one_token_rows_read_together_give_each_row_its_own_bits(f32_rows: int, k: int, n: int) -> None:
+    # one token, K a multiple of 32: rows are read two (K up to 2048; longer rows take the tiles) or
+    # eight at a time (the others from the share's later halves or eighths), leftover rows alone;
+    # each row's sum must be the one it gets by itself
     gen = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
     got = native.f32_linear(x, w)

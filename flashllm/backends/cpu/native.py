@@ -69,6 +69,7 @@ _SIGNATURES = {
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
+    "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
@@ -265,3 +266,8 @@ def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:
     return library().flashllm_read_stream(buf.data_ptr(), buf.numel() // READ_RUN_FLOATS, parallel.workers(),
                                           streams, step)
 
+
+def f32_rows(rows: int | None = None) -> int:
+    """Rows the one-token fp32 loop reads at once (8 where the CPU has AVX-512F, else 2); with
+    `rows`, sets it first (an unsupported count changes nothing), for tests and A/B runs."""
+    return library().flashllm_f32_set_rows(0 if rows is None else rows)

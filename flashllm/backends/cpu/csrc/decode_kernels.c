@@ -80,6 +80,60 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
     if ((n1 - n0) % 2) flashllm_f32_gemv(x, w, y, 1, K, n1 - 1, n1, 0);
 }
 
+/* f32_gemv_pairs for CPUs with AVX-512F, eight rows at once: rows n0 + s * q + i for s < 8 (q an
+ * eighth of the share), 32 features of each per step in two 16-lane chains; leftover rows one at a
+ * time with the same chains, so again each output is the one its row gets alone (these bits differ
+ * from the AVX2 loops' 4 x 8-lane chains; both are fp32 sums within the same bound). Why eight
+ * streams: on the team's 2-vCPU Intel Xeon VM (AVX-512, sixteenth session) a read by two threads
+ * with eight streams each ran ~1.15x one with two, and in the C harness this loop read the 0.5b
+ * shape's 896-feature rows ~1.06x a four-row loop (9 of 10 rounds), which in turn ran the engine's
+ * decode 1.10x the pair loop (7 of 8); on the EPYC VM (Zen 3, no AVX-512) four streams read no
+ * faster than two (ninth session). */
+#define OCT_ROWS 8
+__attribute__((target("avx512f")))
+static void f32_gemv_octs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
+    const int64_t q = (n1 - n0) / OCT_ROWS;
+    for (int64_t i = 0; i < q; i++) {
+        const float *r[OCT_ROWS];
+        __m512 a[OCT_ROWS][2];
+        for (int s = 0; s < OCT_ROWS; s++) {
+            r[s] = w + (n0 + s * q + i) * K;
+            a[s][0] = a[s][1] = _mm512_setzero_ps();
+        }
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            for (int s = 0; s < OCT_ROWS; s++) {
+                a[s][0] = _mm512_fmadd_ps(_mm512_loadu_ps(r[s] + k), x0, a[s][0]);
+                a[s][1] = _mm512_fmadd_ps(_mm512_loadu_ps(r[s] + k + 16), x1, a[s][1]);
+            }
+        }
+        for (int s = 0; s < OCT_ROWS; s++) y[n0 + s * q + i] = _mm512_reduce_add_ps(_mm512_add_ps(a[s][0], a[s][1]));
+    }
+    for (int64_t n = n0 + OCT_ROWS * q; n < n1; n++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (int64_t k = 0; k < K; k += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + n * K + k), _mm512_loadu_ps(x + k), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + n * K + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        }
+        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+}
+
+/* Rows the one-token loop reads at once: 8 where the CPU has AVX-512F, else 2 (set at load;
+ * flashllm_f32_set_rows changes it, for tests and A/B runs). */
+static int f32_rows = 2;
+__attribute__((constructor)) static void pick_f32_rows(void) {
+    __builtin_cpu_init();
+    f32_rows = __builtin_cpu_supports("avx512f") ? OCT_ROWS : 2;
+}
+
+/* Sets the rows the one-token loop reads at once (2, or 8 where the CPU has AVX-512F) and returns
+ * the count in use afterwards: an unsupported count changes nothing. */
+int flashllm_f32_set_rows(int rows) {
+    if (rows == 2 || (rows == OCT_ROWS && __builtin_cpu_supports("avx512f"))) f32_rows = rows;
+    return f32_rows;
+}
+
 /* ---- the bandwidth probe's reads: several streams per thread, as the one-token loops read, without the arithmetic ---- */
 
 /* The unit the probe's buffer comes in: READ_RUN floats (256 B). A share of runs is read as
@@ -357,12 +411,15 @@ typedef struct {
 static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
     /* one token with long rows too: the 4-row tiles' next-block prefetch streamed the down projection
-     * (K 4864) at ~35 GB/s against ~29 for the row-at-a-time loop (the team's 2-core VM, two threads);
-     * with K 896 the row loop's single stream took 4-5% less time than the tiles (qkv, o, gate_up and
-     * the LM head of the 0.5b shape, paired runs on a later host of the same VM type; docs/benchmarks.md),
-     * the tiles 6% less on down; reading two rows at once (f32_gemv_pairs) beat the row loop there by
-     * 4-10%, and lost 5% to the tiles on down (ninth session) */
-    if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
+     * (K 4864) at ~35 GB/s against ~29 for the row-at-a-time loop (the team's 2-core EPYC VM, two
+     * threads); with K 896 the row loop's single stream took 4-5% less time than the tiles (qkv, o,
+     * gate_up and the LM head of the 0.5b shape, paired runs on a later host of the same VM type;
+     * docs/benchmarks.md), the tiles 6% less on down; reading two rows at once (f32_gemv_pairs) beat
+     * the row loop there by 4-10%, and lost 5% to the tiles on down (ninth session). On the Intel VM
+     * a four-row loop took down from the tiles too: the engine's decode 1.075x (7 of 8 rounds,
+     * sixteenth session), so the AVX-512 loop takes every one-token product. */
+    if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS) f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
+    else if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
