@@ -53,23 +53,6 @@ def test_f32_gemv_any_shape(tokens: int, k: int, n: int) -> None:
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 5, 16, native.MAX_TOKENS])
-def test_f32_tiles_cover_every_row_and_token(tokens: int) -> None:
-    # K a multiple of 8 takes the register tiles; 67 rows leave 3 for the one-row tiles, and
-    # token counts that are not multiples of 3 exercise the uneven sweeps
-    gen = torch.Generator().manual_seed(tokens)
-    x, w = torch.randn(tokens, 264, generator=gen), torch.randn(67, 264, generator=gen)
-    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
-
-
-@pytest.mark.parametrize("k", [896, 2056])
-def test_one_token_products_on_both_sides_of_the_long_row_switch(k: int) -> None:
-    # one token: rows of up to 2048 features stream row by row, longer ones through the 4-row tiles
-    gen = torch.Generator().manual_seed(k)
-    x, w = torch.randn(1, k, generator=gen), torch.randn(67, k, generator=gen)
-    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
-
-
 def rows_at_once() -> list[int]:
     """The row counts the one-token fp32 loop can read at once on this CPU (8 needs AVX-512F)."""
     default = native.f32_rows()
@@ -81,13 +64,33 @@ def rows_at_once() -> list[int]:
 
 @pytest.fixture(params=[2, 8])
 def f32_rows(request: pytest.FixtureRequest) -> Iterator[int]:
-    """The one-token fp32 loop set to read request.param rows at once, for one test."""
+    """The fp32 products set to native.f32_rows(request.param) for one test: 2 the AVX2 paths, 8 the
+    AVX-512 ones (skipped where the CPU lacks AVX-512F)."""
     if request.param not in rows_at_once():
         pytest.skip(f"reading {request.param} rows at once needs AVX-512F, which this CPU lacks")
     default = native.f32_rows()
     native.f32_rows(request.param)
     yield request.param
     native.f32_rows(default)
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 13, 16, native.MAX_TOKENS])
+@pytest.mark.parametrize("k", [264, 272])
+def test_f32_tiles_cover_every_row_and_token(f32_rows: int, tokens: int, k: int) -> None:
+    # K a multiple of 8 takes the AVX2 register tiles (4 rows x 3 tokens), and with the AVX-512 paths
+    # on (f32_rows 8) K a multiple of 16 takes the 16-lane ones (4 rows x 6 tokens); 67 rows leave 3
+    # for the one-row tiles, and token counts that are not multiples of 3 or 6 exercise uneven sweeps
+    gen = torch.Generator().manual_seed(tokens + k)
+    x, w = torch.randn(tokens, k, generator=gen), torch.randn(67, k, generator=gen)
+    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("k", [896, 2056])
+def test_one_token_products_on_both_sides_of_the_long_row_switch(k: int) -> None:
+    # one token: rows of up to 2048 features stream row by row, longer ones through the 4-row tiles
+    gen = torch.Generator().manual_seed(k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(67, k, generator=gen)
+    assert_within_fp32_bound(native.f32_linear(x, w), x, w)
 
 
 def test_the_one_token_loop_reads_eight_rows_where_the_cpu_has_avx512f() -> None:

@@ -268,6 +268,7 @@ def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:
 
 
 def f32_rows(rows: int | None = None) -> int:
-    """Rows the one-token fp32 loop reads at once (8 where the CPU has AVX-512F, else 2); with
-    `rows`, sets it first (an unsupported count changes nothing), for tests and A/B runs."""
+    """Rows the one-token fp32 loop reads at once: 8 where the CPU has AVX-512F (its fp32 products,
+    small batches' tiles too, run the AVX-512 code), else 2 (AVX2). With `rows`, sets it first (an
+    unsupported count changes nothing), for tests and A/B runs."""
     return library().flashllm_f32_set_rows(0 if rows is None else rows)

@@ -120,15 +120,17 @@ static void f32_gemv_octs(const float *x, const float *w, float *y, int64_t K, i
 }
 
 /* Rows the one-token loop reads at once: 8 where the CPU has AVX-512F, else 2 (set at load;
- * flashllm_f32_set_rows changes it, for tests and A/B runs). */
+ * flashllm_f32_set_rows changes it, for tests and A/B runs). 8 also sends small batches to the
+ * 16-lane tiles (f32_gemm_z). */
 static int f32_rows = 2;
 __attribute__((constructor)) static void pick_f32_rows(void) {
     __builtin_cpu_init();
     f32_rows = __builtin_cpu_supports("avx512f") ? OCT_ROWS : 2;
 }
 
-/* Sets the rows the one-token loop reads at once (2, or 8 where the CPU has AVX-512F) and returns
- * the count in use afterwards: an unsupported count changes nothing. */
+/* Sets the rows the one-token loop reads at once (2, or 8 where the CPU has AVX-512F: the AVX2 or
+ * the AVX-512 fp32 paths) and returns the count in use afterwards: an unsupported count changes
+ * nothing. */
 int flashllm_f32_set_rows(int rows) {
     if (rows == 2 || (rows == OCT_ROWS && __builtin_cpu_supports("avx512f"))) f32_rows = rows;
     return f32_rows;
@@ -379,6 +381,59 @@ static void tiled_product(const tile_fn tiles[2][3], int R, const float *x, cons
 }
 
 
+/* ---- small batches on CPUs with AVX-512F: fp32 tiles of 4 rows x up to 6 tokens in 16-lane registers ----
+ * The AVX2 tiles above hold 4 x 3 accumulators of 8 lanes; AVX-512's 32 registers of 16 lanes hold
+ * 4 x 6 (24, plus 6 activations and a weight), so a 16-token sweep takes 3 passes over a block instead
+ * of 6 and each pass does 4x the arithmetic per load. Each sweep prefetches its share of the next
+ * block, as tiled_product does. K must be a multiple of 16. */
+#define ZTILE_ROWS 4
+#define ZTILE_TOKENS 6
+typedef void (*ztile_fn)(const float *x, int64_t K, const float *w, float *y, int64_t ldy, const char *pf, int64_t pf_len);
+
+#define DEFINE_ZTILE(NAME, R, TT)                                                                 \
+__attribute__((target("avx512f")))                                                               \
+static void NAME(const float *x, int64_t K, const float *w, float *y, int64_t ldy, const char *pf, int64_t pf_len) { \
+    const char *pf_end = pf + pf_len;                                                            \
+    __m512 acc[R][TT];                                                                           \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps(); \
+    for (int64_t k = 0; k < K; k += 16) {                                                        \
+        if (pf < pf_end) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }                            \
+        __m512 xv[TT];                                                                           \
+        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * K + k);              \
+        UNROLL for (int r = 0; r < R; r++) {                                                     \
+            const __m512 wv = _mm512_loadu_ps(w + r * K + k);                                    \
+            UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]); \
+        }                                                                                        \
+    }                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]); \
+}
+#define DEFINE_ZTILES_OF(R, P) DEFINE_ZTILE(P##1, R, 1) DEFINE_ZTILE(P##2, R, 2) DEFINE_ZTILE(P##3, R, 3) \
+    DEFINE_ZTILE(P##4, R, 4) DEFINE_ZTILE(P##5, R, 5) DEFINE_ZTILE(P##6, R, 6)
+DEFINE_ZTILES_OF(4, ztile_4x)
+DEFINE_ZTILES_OF(1, ztile_1x)
+static const ztile_fn ZTILES[2][ZTILE_TOKENS] = {
+    {ztile_1x1, ztile_1x2, ztile_1x3, ztile_1x4, ztile_1x5, ztile_1x6},
+    {ztile_4x1, ztile_4x2, ztile_4x3, ztile_4x4, ztile_4x5, ztile_4x6}};
+
+static void f32_gemm_z(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0, int64_t n1,
+                       int64_t ldy) {
+    const int64_t row_bytes = K * (int64_t)sizeof(float), sweeps = (T + ZTILE_TOKENS - 1) / ZTILE_TOKENS;
+    const char *end = (const char *)(w + n1 * K);
+    for (int64_t n = n0; n < n1;) {
+        const int rows = n + ZTILE_ROWS <= n1 ? ZTILE_ROWS : 1;
+        const char *next = (const char *)(w + (n + rows) * K);
+        const int64_t share = (ZTILE_ROWS * row_bytes / sweeps + 63) & ~(int64_t)63;
+        for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+            const int64_t tokens = (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
+            const char *pf = next + sweep * share;
+            const int64_t pf_len = pf >= end ? 0 : (end - pf < share ? end - pf : share);
+            ZTILES[rows == ZTILE_ROWS][tokens - 1](x + t * K, K, w + n * K, y + t * ldy + n, ldy, pf, pf_len);
+            t += tokens;
+        }
+        n += rows;
+    }
+}
+
 /* flashllm_f32_gemv's product for K a multiple of 8, tiled (any T) */
 void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int64_t K,
                        int64_t n0, int64_t n1, int64_t ldy) {
@@ -420,6 +475,7 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
      * sixteenth session), so the AVX-512 loop takes every one-token product. */
     if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS) f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
+    else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS) f32_gemm_z(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
