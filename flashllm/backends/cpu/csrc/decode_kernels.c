@@ -85,10 +85,10 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
  * time with the same chains, so again each output is the one its row gets alone (these bits differ
  * from the AVX2 loops' 4 x 8-lane chains; both are fp32 sums within the same bound). Why eight
  * streams: on the team's 2-vCPU Intel Xeon VM (AVX-512, sixteenth session) a read by two threads
- * with eight streams each ran ~1.15x one with two, and in the C harness this loop read the 0.5b
- * shape's 896-feature rows ~1.06x a four-row loop (9 of 10 rounds), which in turn ran the engine's
- * decode 1.10x the pair loop (7 of 8); on the EPYC VM (Zen 3, no AVX-512) four streams read no
- * faster than two (ninth session). */
+ * with eight streams each ran ~1.2x one with two, this loop read the 0.5b shape's 896-feature rows
+ * ~1.06x a four-row loop (9 of 10 rounds, a C harness), and the engine's batch-1 decode ran 1.25x
+ * the pair loop (8 of 8 rounds, control 1.01x; docs/benchmarks.md). On the EPYC VM (Zen 3, no
+ * AVX-512) four streams read no faster than two (ninth session). */
 #define OCT_ROWS 8
 __attribute__((target("avx512f")))
 static void f32_gemv_octs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
