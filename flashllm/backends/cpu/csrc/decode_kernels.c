@@ -338,12 +338,12 @@ static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, in
  * R x 3 is the workhorse; it must fit the 16 registers with what the kind keeps per row: fp32 4 x 3
  * (12 accumulators, 3 activations, 1 weight), int8 3 x 3 (+ 3 scales), int4 2 x 3 (+ 2 scales,
  * 2 zero points). */
+#define TILE_TOKENS 3
 #define DEFINE_TILES(KIND, DEFINE, R)                                                            \
     DEFINE(KIND##_tile_Rx3, R, 3) DEFINE(KIND##_tile_Rx2, R, 2) DEFINE(KIND##_tile_Rx1, R, 1)    \
     DEFINE(KIND##_tile_1x3, 1, 3) DEFINE(KIND##_tile_1x2, 1, 2) DEFINE(KIND##_tile_1x1, 1, 1)    \
-    static const tile_fn KIND##_TILES[2][3] = {{KIND##_tile_1x1, KIND##_tile_1x2, KIND##_tile_1x3},  \
-                                               {KIND##_tile_Rx1, KIND##_tile_Rx2, KIND##_tile_Rx3}};
-#define TILE_TOKENS 3
+    static const tile_fn KIND##_TILES[2 * TILE_TOKENS] = {KIND##_tile_1x1, KIND##_tile_1x2, KIND##_tile_1x3, \
+                                                         KIND##_tile_Rx1, KIND##_tile_Rx2, KIND##_tile_Rx3};
 
 DEFINE_TILES(f32, DEFINE_F32_TILE, 4)
 DEFINE_TILES(i8, DEFINE_I8_TILE, 3)
@@ -351,15 +351,15 @@ DEFINE_TILES(i8row, DEFINE_I8_ROW_TILE, 4)
 DEFINE_TILES(i4, DEFINE_I4_TILE, 2)
 
 /* Rows n0..n1 of y[t * ldy + n] for T tokens: blocks of R rows (the last rows one at a time), each
- * swept over the tokens 3 at a time while its rows stay in cache. A block's sweeps take long
+ * swept over the tokens up to TT at a time while its rows stay in cache. A block's sweeps take long
  * enough that the hardware prefetcher alone leaves DRAM idle through them and the next block then
  * waits on memory (time = transfer + arithmetic); so each sweep prefetches its share of the next
  * block's bytes (rows are contiguous) and the two overlap. ws: weights per row (elements of size
- * elem), xs: activations per token. */
-static void tiled_product(const tile_fn tiles[2][3], int R, const float *x, const float *x2, int64_t T, int64_t xs,
+ * elem), xs: activations per token; tiles: the 1-row tiles of 1..TT tokens, then the R-row ones. */
+static void tiled_product(const tile_fn *tiles, int R, int TT, const float *x, const float *x2, int64_t T, int64_t xs,
                           const void *w, int64_t ws, size_t elem, const float *scales, const int32_t *zeros,
                           int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
-    const int64_t row_bytes = ws * (int64_t)elem, sweeps = (T + TILE_TOKENS - 1) / TILE_TOKENS;
+    const int64_t row_bytes = ws * (int64_t)elem, sweeps = (T + TT - 1) / TT;
     const char *end = (const char *)w + n1 * row_bytes;
     for (int64_t n = n0; n < n1;) {
         const int rows = n + R <= n1 ? R : 1;
@@ -371,9 +371,9 @@ static void tiled_product(const tile_fn tiles[2][3], int R, const float *x, cons
             const int64_t tokens = (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
             const char *pf = next + sweep * share;
             const int64_t pf_len = pf >= end ? 0 : (end - pf < share ? end - pf : share);
-            tiles[rows == R][tokens - 1](x + t * xs, x2 ? x2 + t * xs : NULL, xs, wn, ws,
-                                         scales ? scales + n * G : NULL, zeros ? zeros + n * G : NULL,
-                                         G, y + t * ldy + n, ldy, pf, pf_len);
+            tiles[(rows == R) * TT + tokens - 1](x + t * xs, x2 ? x2 + t * xs : NULL, xs, wn, ws,
+                                                 scales ? scales + n * G : NULL, zeros ? zeros + n * G : NULL,
+                                                 G, y + t * ldy + n, ldy, pf, pf_len);
             t += tokens;
         }
         n += rows;
@@ -384,24 +384,26 @@ static void tiled_product(const tile_fn tiles[2][3], int R, const float *x, cons
 /* ---- small batches on CPUs with AVX-512F: fp32 tiles of 4 rows x up to 6 tokens in 16-lane registers ----
  * The AVX2 tiles above hold 4 x 3 accumulators of 8 lanes; AVX-512's 32 registers of 16 lanes hold
  * 4 x 6 (24, plus 6 activations and a weight), so a 16-token sweep takes 3 passes over a block instead
- * of 6 and each pass does 4x the arithmetic per load. Each sweep prefetches its share of the next
- * block, as tiled_product does. K must be a multiple of 16. */
-#define ZTILE_ROWS 4
+ * of 6 and each pass does 4x the arithmetic per load. tiled_product runs them (and their prefetch of
+ * the next block). K must be a multiple of 16. */
 #define ZTILE_TOKENS 6
-typedef void (*ztile_fn)(const float *x, int64_t K, const float *w, float *y, int64_t ldy, const char *pf, int64_t pf_len);
 
 #define DEFINE_ZTILE(NAME, R, TT)                                                                 \
 __attribute__((target("avx512f")))                                                               \
-static void NAME(const float *x, int64_t K, const float *w, float *y, int64_t ldy, const char *pf, int64_t pf_len) { \
+static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, int64_t ws,         \
+                 const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t ldy,     \
+                 const char *pf, int64_t pf_len) {                                                \
+    (void)x2; (void)scales; (void)zeros; (void)G;                                                \
+    const float *w = w_;                                                                         \
     const char *pf_end = pf + pf_len;                                                            \
     __m512 acc[R][TT];                                                                           \
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps(); \
-    for (int64_t k = 0; k < K; k += 16) {                                                        \
+    for (int64_t k = 0; k < ws; k += 16) {                                                       \
         if (pf < pf_end) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }                            \
         __m512 xv[TT];                                                                           \
-        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * K + k);              \
+        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * xs + k);             \
         UNROLL for (int r = 0; r < R; r++) {                                                     \
-            const __m512 wv = _mm512_loadu_ps(w + r * K + k);                                    \
+            const __m512 wv = _mm512_loadu_ps(w + r * ws + k);                                   \
             UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]); \
         }                                                                                        \
     }                                                                                            \
@@ -411,47 +413,32 @@ static void NAME(const float *x, int64_t K, const float *w, float *y, int64_t ld
     DEFINE_ZTILE(P##4, R, 4) DEFINE_ZTILE(P##5, R, 5) DEFINE_ZTILE(P##6, R, 6)
 DEFINE_ZTILES_OF(4, ztile_4x)
 DEFINE_ZTILES_OF(1, ztile_1x)
-static const ztile_fn ZTILES[2][ZTILE_TOKENS] = {
-    {ztile_1x1, ztile_1x2, ztile_1x3, ztile_1x4, ztile_1x5, ztile_1x6},
-    {ztile_4x1, ztile_4x2, ztile_4x3, ztile_4x4, ztile_4x5, ztile_4x6}};
+static const tile_fn ZTILES[2 * ZTILE_TOKENS] = {ztile_1x1, ztile_1x2, ztile_1x3, ztile_1x4, ztile_1x5, ztile_1x6,
+                                                 ztile_4x1, ztile_4x2, ztile_4x3, ztile_4x4, ztile_4x5, ztile_4x6};
 
 static void f32_gemm_z(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0, int64_t n1,
                        int64_t ldy) {
-    const int64_t row_bytes = K * (int64_t)sizeof(float), sweeps = (T + ZTILE_TOKENS - 1) / ZTILE_TOKENS;
-    const char *end = (const char *)(w + n1 * K);
-    for (int64_t n = n0; n < n1;) {
-        const int rows = n + ZTILE_ROWS <= n1 ? ZTILE_ROWS : 1;
-        const char *next = (const char *)(w + (n + rows) * K);
-        const int64_t share = (ZTILE_ROWS * row_bytes / sweeps + 63) & ~(int64_t)63;
-        for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
-            const int64_t tokens = (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
-            const char *pf = next + sweep * share;
-            const int64_t pf_len = pf >= end ? 0 : (end - pf < share ? end - pf : share);
-            ZTILES[rows == ZTILE_ROWS][tokens - 1](x + t * K, K, w + n * K, y + t * ldy + n, ldy, pf, pf_len);
-            t += tokens;
-        }
-        n += rows;
-    }
+    tiled_product(ZTILES, 4, ZTILE_TOKENS, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
 }
 
 /* flashllm_f32_gemv's product for K a multiple of 8, tiled (any T) */
 void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int64_t K,
                        int64_t n0, int64_t n1, int64_t ldy) {
-    tiled_product(f32_TILES, 4, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
+    tiled_product(f32_TILES, 4, TILE_TOKENS, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
 }
 
 /* flashllm_w8_gemv's product, tiled */
 void flashllm_w8_gemm(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                       int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
-    if (G == 1) tiled_product(i8row_TILES, 4, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
-    else tiled_product(i8_TILES, 3, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    if (G == 1) tiled_product(i8row_TILES, 4, TILE_TOKENS, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    else tiled_product(i8_TILES, 3, TILE_TOKENS, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
 }
 
 /* flashllm_w4_gemv's product, tiled */
 void flashllm_w4_gemm(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
                       const float *scales, const int32_t *zeros, int64_t G, float *y,
                       int64_t n0, int64_t n1, int64_t ldy) {
-    tiled_product(i4_TILES, 2, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
+    tiled_product(i4_TILES, 2, TILE_TOKENS, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
 }
 
 /* ---- the products above over row shares of the worker pool (thread_pool.h; shares per thread:
