@@ -114,6 +114,21 @@ def test_one_token_rows_read_together_give_each_row_its_own_bits(f32_rows: int, 
     assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("tokens", [2, 7, 16])
+@pytest.mark.parametrize("k", [272, 896])
+@pytest.mark.parametrize("n", [5, 67, 130])
+def test_tiled_rows_give_each_row_its_own_bits(f32_rows: int, tokens: int, k: int, n: int) -> None:
+    # a few tokens: the AVX2 tiles take contiguous 4-row blocks, the 16-lane ones rows a quarter of
+    # the share apart (n 5 and 67 leave a row, 130 two; 130 rows split over the pool's threads);
+    # each row's and token's sum must be the one that row gets by itself
+    gen = torch.Generator().manual_seed(k + n + tokens)
+    x, w = torch.randn(tokens, k, generator=gen), torch.randn(n, k, generator=gen)
+    got = native.f32_linear(x, w)
+    assert_within_fp32_bound(got, x, w)
+    alone = torch.cat([native.f32_linear(x, w[i : i + 1]) for i in range(n)], dim=1)
+    assert torch.equal(got, alone)
+
+
 @pytest.mark.parametrize("runs", [1, 2, 33, 1000])
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize(("streams", "step"), [(2, 64), (8, 32), (1, 32), (3, 64), (16, 32)])

@@ -350,30 +350,35 @@ DEFINE_TILES(i8, DEFINE_I8_TILE, 3)
 DEFINE_TILES(i8row, DEFINE_I8_ROW_TILE, 4)
 DEFINE_TILES(i4, DEFINE_I4_TILE, 2)
 
+/* The tokens of a sweep that starts at token t: T split as evenly as the sweeps allow (16 in sweeps
+ * of 3 = 3+3+3+3+2+2, not ...+3+1: a 1-token tile is load-bound) */
+static inline int64_t sweep_tokens(int64_t T, int64_t t, int64_t sweeps, int64_t sweep) {
+    return (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
+}
+
 /* Rows n0..n1 of y[t * ldy + n] for T tokens: blocks of R rows (the last rows one at a time), each
- * swept over the tokens up to TT at a time while its rows stay in cache. A block's sweeps take long
+ * swept over the tokens up to TILE_TOKENS at a time while its rows stay in cache. A block's sweeps take long
  * enough that the hardware prefetcher alone leaves DRAM idle through them and the next block then
  * waits on memory (time = transfer + arithmetic); so each sweep prefetches its share of the next
  * block's bytes (rows are contiguous) and the two overlap. ws: weights per row (elements of size
- * elem), xs: activations per token; tiles: the 1-row tiles of 1..TT tokens, then the R-row ones. */
-static void tiled_product(const tile_fn *tiles, int R, int TT, const float *x, const float *x2, int64_t T, int64_t xs,
+ * elem), xs: activations per token; tiles: the 1-row tiles of 1..TILE_TOKENS tokens, then the R-row ones. */
+static void tiled_product(const tile_fn *tiles, int R, const float *x, const float *x2, int64_t T, int64_t xs,
                           const void *w, int64_t ws, size_t elem, const float *scales, const int32_t *zeros,
                           int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
-    const int64_t row_bytes = ws * (int64_t)elem, sweeps = (T + TT - 1) / TT;
+    const int64_t row_bytes = ws * (int64_t)elem, sweeps = (T + TILE_TOKENS - 1) / TILE_TOKENS;
     const char *end = (const char *)w + n1 * row_bytes;
     for (int64_t n = n0; n < n1;) {
         const int rows = n + R <= n1 ? R : 1;
         const char *wn = (const char *)w + n * row_bytes, *next = wn + rows * row_bytes;
         const int64_t share = (R * row_bytes / sweeps + 63) & ~(int64_t)63;
         for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
-            /* T split as evenly as the sweeps allow (16 = 3+3+3+3+2+2, not ...+3+1: a 1-token tile
-             * is load-bound) */
-            const int64_t tokens = (T - t) / (sweeps - sweep) + ((T - t) % (sweeps - sweep) != 0);
+            const int64_t tokens = sweep_tokens(T, t, sweeps, sweep);
             const char *pf = next + sweep * share;
             const int64_t pf_len = pf >= end ? 0 : (end - pf < share ? end - pf : share);
-            tiles[(rows == R) * TT + tokens - 1](x + t * xs, x2 ? x2 + t * xs : NULL, xs, wn, ws,
-                                                 scales ? scales + n * G : NULL, zeros ? zeros + n * G : NULL,
-                                                 G, y + t * ldy + n, ldy, pf, pf_len);
+            tiles[(rows == R) * TILE_TOKENS + tokens - 1](x + t * xs, x2 ? x2 + t * xs : NULL, xs, wn, ws,
+                                                          scales ? scales + n * G : NULL,
+                                                          zeros ? zeros + n * G : NULL, G, y + t * ldy + n, ldy,
+                                                          pf, pf_len);
             t += tokens;
         }
         n += rows;
@@ -384,61 +389,89 @@ static void tiled_product(const tile_fn *tiles, int R, int TT, const float *x, c
 /* ---- small batches on CPUs with AVX-512F: fp32 tiles of 4 rows x up to 6 tokens in 16-lane registers ----
  * The AVX2 tiles above hold 4 x 3 accumulators of 8 lanes; AVX-512's 32 registers of 16 lanes hold
  * 4 x 6 (24, plus 6 activations and a weight), so a 16-token sweep takes 3 passes over a block instead
- * of 6 and each pass does 4x the arithmetic per load. tiled_product runs them (and their prefetch of
- * the next block). K must be a multiple of 16. */
+ * of 6 and each pass does 4x the arithmetic per load. K must be a multiple of 16.
+ *
+ * A tile's rows are a quarter of the share apart (f32_gemm_z), as the one-token loop spreads its
+ * eight, so each of the four is the next row of a stream that runs through its quarter; in its first
+ * sweep the tile prefetches each row's successor, one line a row per 16-feature step. Contiguous
+ * 4-row blocks (tiled_product, even with each sweep prefetching all of its part of the next block)
+ * read the weights slower on the team's Intel VM: a token's 97 products over distinct weights (DRAM,
+ * not its 300 MiB L3), 11 interleaved rounds, ran 1.12x, 1.14x, 1.11x and 1.08x faster spread at 2,
+ * 4, 8 and 16 tokens (10, 9, 9 and 7 of 10 rounds), and the offline workload 1.16x (5 of 5 rounds,
+ * control 1.03x; seventeenth session, docs/benchmarks.md). Each output is still its own
+ * accumulator's sum, in the same order, so the bits are those of the blocks.
+ *
+ * A tile's arguments: x the activations of its first token (K apart), w its first row (rs apart),
+ * y its first output (rows ys apart, tokens ldy), ahead the bytes from each row to prefetch (0: none). */
 #define ZTILE_TOKENS 6
+typedef void (*ztile_fn)(const float *x, int64_t K, const float *w, int64_t rs, float *y, int64_t ldy, int64_t ys,
+                         int64_t ahead);
 
 #define DEFINE_ZTILE(NAME, R, TT)                                                                 \
 __attribute__((target("avx512f")))                                                               \
-static void NAME(const float *x, const float *x2, int64_t xs, const void *w_, int64_t ws,         \
-                 const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t ldy,     \
-                 const char *pf, int64_t pf_len) {                                                \
-    (void)x2; (void)scales; (void)zeros; (void)G;                                                \
-    const float *w = w_;                                                                         \
-    const char *pf_end = pf + pf_len;                                                            \
+static void NAME(const float *x, int64_t K, const float *w, int64_t rs, float *y, int64_t ldy, int64_t ys, \
+                 int64_t ahead) {                                                                \
     __m512 acc[R][TT];                                                                           \
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps(); \
-    for (int64_t k = 0; k < ws; k += 16) {                                                       \
-        if (pf < pf_end) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }                            \
+    for (int64_t k = 0; k < K; k += 16) {                                                        \
+        if (ahead) UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + r * rs + k) + ahead, _MM_HINT_T1); \
         __m512 xv[TT];                                                                           \
-        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * xs + k);             \
+        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * K + k);              \
         UNROLL for (int r = 0; r < R; r++) {                                                     \
-            const __m512 wv = _mm512_loadu_ps(w + r * ws + k);                                   \
+            const __m512 wv = _mm512_loadu_ps(w + r * rs + k);                                   \
             UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]); \
         }                                                                                        \
     }                                                                                            \
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]); \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)                       \
+        y[t * ldy + r * ys] = _mm512_reduce_add_ps(acc[r][t]);                                   \
 }
 #define DEFINE_ZTILES_OF(R, P) DEFINE_ZTILE(P##1, R, 1) DEFINE_ZTILE(P##2, R, 2) DEFINE_ZTILE(P##3, R, 3) \
     DEFINE_ZTILE(P##4, R, 4) DEFINE_ZTILE(P##5, R, 5) DEFINE_ZTILE(P##6, R, 6)
 DEFINE_ZTILES_OF(4, ztile_4x)
 DEFINE_ZTILES_OF(1, ztile_1x)
-static const tile_fn ZTILES[2 * ZTILE_TOKENS] = {ztile_1x1, ztile_1x2, ztile_1x3, ztile_1x4, ztile_1x5, ztile_1x6,
-                                                 ztile_4x1, ztile_4x2, ztile_4x3, ztile_4x4, ztile_4x5, ztile_4x6};
+static const ztile_fn ZTILES_4[ZTILE_TOKENS] = {ztile_4x1, ztile_4x2, ztile_4x3, ztile_4x4, ztile_4x5, ztile_4x6};
+static const ztile_fn ZTILES_1[ZTILE_TOKENS] = {ztile_1x1, ztile_1x2, ztile_1x3, ztile_1x4, ztile_1x5, ztile_1x6};
 
+/* One tile's rows (w, rs apart; outputs y, ys apart) over all T tokens, ZTILE_TOKENS or fewer a sweep;
+ * the first sweep prefetches `ahead` bytes on from each row (0: none). */
+static void z_sweeps(const ztile_fn *tiles, const float *x, int64_t T, int64_t K, const float *w, int64_t rs,
+                     float *y, int64_t ldy, int64_t ys, int64_t ahead) {
+    const int64_t sweeps = (T + ZTILE_TOKENS - 1) / ZTILE_TOKENS;
+    for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+        const int64_t tokens = sweep_tokens(T, t, sweeps, sweep);
+        tiles[tokens - 1](x + t * K, K, w, rs, y + t * ldy, ldy, ys, sweep == 0 ? ahead : 0);
+        t += tokens;
+    }
+}
+
+/* Rows n0..n1 of y[t * ldy + n] for T tokens: rows n0 + s * q + i (s < 4, q a quarter of the rows)
+ * in the 4-row tiles, i in order, each prefetching the next i's rows; then the last rows one at a time. */
 static void f32_gemm_z(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0, int64_t n1,
                        int64_t ldy) {
-    tiled_product(ZTILES, 4, ZTILE_TOKENS, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
+    const int64_t q = (n1 - n0) / 4, row_bytes = K * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < q; i++)
+        z_sweeps(ZTILES_4, x, T, K, w + (n0 + i) * K, q * K, y + n0 + i, ldy, q, i + 1 < q ? row_bytes : 0);
+    for (int64_t n = n0 + 4 * q; n < n1; n++) z_sweeps(ZTILES_1, x, T, K, w + n * K, K, y + n, ldy, 1, 0);
 }
 
 /* flashllm_f32_gemv's product for K a multiple of 8, tiled (any T) */
 void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int64_t K,
                        int64_t n0, int64_t n1, int64_t ldy) {
-    tiled_product(f32_TILES, 4, TILE_TOKENS, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
+    tiled_product(f32_TILES, 4, x, NULL, T, K, w, K, sizeof(float), NULL, NULL, 1, y, n0, n1, ldy);
 }
 
 /* flashllm_w8_gemv's product, tiled */
 void flashllm_w8_gemm(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                       int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
-    if (G == 1) tiled_product(i8row_TILES, 4, TILE_TOKENS, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
-    else tiled_product(i8_TILES, 3, TILE_TOKENS, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    if (G == 1) tiled_product(i8row_TILES, 4, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
+    else tiled_product(i8_TILES, 3, x, NULL, T, K, w, K, 1, scales, NULL, G, y, n0, n1, ldy);
 }
 
 /* flashllm_w4_gemv's product, tiled */
 void flashllm_w4_gemm(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
                       const float *scales, const int32_t *zeros, int64_t G, float *y,
                       int64_t n0, int64_t n1, int64_t ldy) {
-    tiled_product(i4_TILES, 2, TILE_TOKENS, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
+    tiled_product(i4_TILES, 2, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
 }
 
 /* ---- the products above over row shares of the worker pool (thread_pool.h; shares per thread:
