@@ -1,13 +1,15 @@
 """A/B of native kernel builds on one token's fp32 products of the qwen2.5-0.5b shape, in rounds.
 
     python benchmarks/cpu/products_ab.py --rounds 12 --set token A=/tmp/lib_a.so B=/tmp/lib_b.so
+    python benchmarks/cpu/products_ab.py --rounds 12 --tokens 16 A=/tmp/lib_a.so B=/tmp/lib_b.so
 
 Each library is a build of flashllm/backends/cpu/csrc (e.g. `cc -O3 -mavx2 -mfma -fPIC -shared
 -pthread -DVARIANT ... -o lib.so *.c`). The weights are random, of the shape's sizes, in huge pages as
 the engine places them; --set token runs all 97 products of a token, --set pairs only the LM head and
-the 24 gate_up products. Every round times each library (three passes after one untimed pass) and
-the production read probe over the same tensors, in a rotating order, so a slow phase of the host
-meets all of them. Outputs must be bit-identical to the first library's, or it says so.
+the 24 gate_up products; --tokens runs them for a decode batch of that many tokens. Every round
+times each library (three passes after one untimed pass) and each of the roofline's read patterns
+(read_probe.PATTERNS) over the same tensors, in a rotating order, so a slow phase of the host meets
+all of them; "of the round's fastest read" is against the fastest pattern, the ceiling's rule. Outputs must be bit-identical to the first library's, or it says so.
 Ratios are medians of per-round ratios against the first library; "faster in" counts rounds.
 A copy of the first library runs as a control arm (common.load_builds; --no-control drops it).
 """
@@ -23,7 +25,7 @@ from functools import partial
 import torch
 from common import CONFIG, add_build_arguments, load_builds, token_products  # beside this file, first on sys.path
 
-from flashllm.backends.cpu import huge_pages, native, parallel
+from flashllm.backends.cpu import huge_pages, native, parallel, read_probe
 
 
 def weights(which: str) -> list[torch.Tensor]:
@@ -40,22 +42,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--set", choices=("token", "pairs"), default="token")
+    parser.add_argument("--tokens", type=int, default=1, help="tokens per product (a decode batch)")
     add_build_arguments(parser)
     args = parser.parse_args()
     ws = weights(args.set)
     nbytes = sum(w.nbytes for w in ws)
-    xs = {k: torch.randn(k) for k in {k for _, k in token_products()}}
-    ys = [torch.empty(w.shape[0]) for w in ws]
+    xs = {k: torch.randn(args.tokens, k) for k in {k for _, k in token_products()}}
+    ys = [torch.empty(args.tokens, w.shape[0]) for w in ws]
     threads = parallel.workers()
 
     def products(lib: ctypes.CDLL) -> None:
         for w, y in zip(ws, ys, strict=True):
             n, k = w.shape
-            lib.flashllm_f32_gemv_mt(xs[k].data_ptr(), w.data_ptr(), y.data_ptr(), 1, k, n, n, threads)
+            lib.flashllm_f32_gemv_mt(xs[k].data_ptr(), w.data_ptr(), y.data_ptr(), args.tokens, k, n, n, threads)
 
-    def read() -> None:
+    def read(streams: int, step: int) -> None:
         for w in ws:
-            native.read_stream(w.view(-1))
+            native.read_stream(w.view(-1), streams, step)
 
     libs = load_builds(args)
     calls = {name: partial(products, lib) for name, lib in libs.items()}
@@ -67,7 +70,8 @@ def main() -> None:
         reference = reference or outputs
         if not all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True)):
             print(f"{name}: outputs differ from {names[0]}'s")
-    calls["read probe"] = read
+    for pattern_name, pattern in read_probe.PATTERNS.items():  # the roofline's reads, its ceiling the fastest
+        calls[pattern_name] = partial(read, *pattern)
     rates: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(args.rounds):
         order = list(calls)[r % len(calls):] + list(calls)[: r % len(calls)]
@@ -80,11 +84,12 @@ def main() -> None:
             rates[name].append(3 * nbytes / (time.perf_counter() - start) / 1e9)
         print(r, "  ".join(f"{name} {v[-1]:.1f} GB/s" for name, v in rates.items()), flush=True)
     base = rates[names[0]]
+    fastest_read = [max(rates[p][r] for p in read_probe.PATTERNS) for r in range(args.rounds)]
     for name, v in rates.items():
         ratios = [a / b for a, b in zip(v, base, strict=True)]
         print(f"{name}: {statistics.median(ratios):.3f}x {names[0]}, faster in {sum(x > 1 for x in ratios)} of "
-              f"{len(ratios)}; {statistics.median(a / b for a, b in zip(v, rates['read probe'], strict=True)):.3f}"
-              " of the read probe")
+              f"{len(ratios)}; {statistics.median(a / b for a, b in zip(v, fastest_read, strict=True)):.3f}"
+              " of the round's fastest read")
 
 
 if __name__ == "__main__":
