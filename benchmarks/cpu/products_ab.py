@@ -9,7 +9,10 @@ the engine places them; --set token runs all 97 products of a token, --set pairs
 the 24 gate_up products; --tokens runs them for a decode batch of that many tokens. Every round
 times each library (three passes after one untimed pass) and each of the roofline's read patterns
 (read_probe.PATTERNS) over the same tensors, in a rotating order, so a slow phase of the host meets
-all of them; "of the round's fastest read" is against the fastest pattern, the ceiling's rule. Outputs must be bit-identical to the first library's, or it says so.
+all of them; "of the round's fastest read" is against the fastest pattern, the ceiling's rule. These
+reads are per tensor, a call each: on the Intel VM (seventeenth session) eight streams read the
+token's tensors at ~0.85 of the rate they read one 1 GiB buffer at, the bench's ceiling probe, so a
+product can pass 1.0 here without passing the ceiling. Outputs must be bit-identical to the first library's, or it says so.
 Ratios are medians of per-round ratios against the first library; "faster in" counts rounds.
 A copy of the first library runs as a control arm (common.load_builds; --no-control drops it).
 """
