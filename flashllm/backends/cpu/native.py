@@ -1,5 +1,6 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
-csrc/layer_ops.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
+csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, and the bandwidth probe's reads in
+csrc/read_probe.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
 on first use, loaded through ctypes; the GEMVs split their output rows over the library's own
 spinning worker pool (csrc/thread_pool.h).
 
@@ -35,7 +36,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
-           _CSRC / "decode_stack.c")
+           _CSRC / "decode_stack.c", _CSRC / "read_probe.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
@@ -251,7 +252,7 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     return out
 
 
-READ_RUN_FLOATS = 64  # csrc/decode_kernels.c's READ_RUN: a read probe's buffer comes in runs of this many floats
+READ_RUN_FLOATS = 64  # csrc/read_probe.c's READ_RUN: a read probe's buffer comes in runs of this many floats
 
 
 def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:

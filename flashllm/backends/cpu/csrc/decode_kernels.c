@@ -136,62 +136,6 @@ int flashllm_f32_set_rows(int rows) {
     return f32_rows;
 }
 
-/* ---- the bandwidth probe's reads: several streams per thread, as the one-token loops read, without the arithmetic ---- */
-
-/* The unit the probe's buffer comes in: READ_RUN floats (256 B). A share of runs is read as
- * `streams` streams, switching every `step` floats (32 or 64). Two streams switching every 256 B
- * read fastest of the two-stream patterns on the EPYC VM, against 1 KiB runs (the twelfth session,
- * interleaved reads of 2 GiB by two threads in huge pages): 256 B 1.09, 1.03, 1.06; 128 B 1.08,
- * 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. On the Intel VM eight streams switching
- * every 128 B read fastest (sixteenth session). */
-#define READ_RUN 64
-
-typedef struct { const float *p; int streams, step; _Atomic uint64_t total; } read_args;  /* total: a double's bits */
-
-static void add_to_total(_Atomic uint64_t *total, double v) {  /* no libatomic needed for this */
-    uint64_t old = atomic_load(total), sum;
-    do {
-        double d;
-        memcpy(&d, &old, sizeof d);
-        d += v;
-        memcpy(&sum, &d, sizeof sum);
-    } while (!atomic_compare_exchange_weak(total, &old, sum));
-}
-
-static void add_floats(const float *p, int64_t n, __m256 acc[4]) {  /* n floats, a multiple of 32, into acc */
-    for (int64_t k = 0; k < n; k += 32) {
-        acc[0] = _mm256_add_ps(acc[0], _mm256_loadu_ps(p + k));
-        acc[1] = _mm256_add_ps(acc[1], _mm256_loadu_ps(p + k + 8));
-        acc[2] = _mm256_add_ps(acc[2], _mm256_loadu_ps(p + k + 16));
-        acc[3] = _mm256_add_ps(acc[3], _mm256_loadu_ps(p + k + 24));
-    }
-}
-
-static void read_share(void *ctx, int64_t r0, int64_t r1) {  /* runs r0 <= r < r1: the streams, then the leftover runs */
-    read_args *a = ctx;
-    const int64_t per = (r1 - r0) / a->streams * READ_RUN;  /* floats of each stream */
-    const float *base = a->p + r0 * READ_RUN;
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < per; i += a->step)
-        for (int s = 0; s < a->streams; s++) add_floats(base + s * per + i, a->step, acc);
-    add_floats(base + a->streams * per, (r1 - r0) * READ_RUN - a->streams * per, acc);
-    add_to_total(&a->total, SUM_CHAINS(acc));
-}
-
-/* The sum of runs x READ_RUN floats at p, read by `threads` threads with `streams` streams each
- * (1 to 16), switching streams every `step` floats (32 or 64); the sum keeps the reads from being
- * optimized away. NaN for arguments out of range. */
-double flashllm_read_stream(const float *p, int64_t runs, int threads, int streams, int step) {
-    if (streams < 1 || streams > 16 || (step != 32 && step != 64)) return NAN;
-    read_args a = {p, streams, step, 0};  /* total: the bits of 0.0 */
-    flashllm_parallel_for(read_share, &a, runs, threads, FINE_SHARES);
-    const uint64_t bits = atomic_load(&a.total);
-    double total;
-    memcpy(&total, &bits, sizeof total);
-    return total;
-}
-
 /* int8 weight w (N, K) with scales (N, G), K / G a multiple of 32:
  * y[t * ldy + n] = sum_g scales[n, g] * sum_{k in g} w[n, k] * x[t, k]. */
 #define WIDEN_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
@@ -357,11 +301,12 @@ static inline int64_t sweep_tokens(int64_t T, int64_t t, int64_t sweeps, int64_t
 }
 
 /* Rows n0..n1 of y[t * ldy + n] for T tokens: blocks of R rows (the last rows one at a time), each
- * swept over the tokens up to TILE_TOKENS at a time while its rows stay in cache. A block's sweeps take long
- * enough that the hardware prefetcher alone leaves DRAM idle through them and the next block then
- * waits on memory (time = transfer + arithmetic); so each sweep prefetches its share of the next
- * block's bytes (rows are contiguous) and the two overlap. ws: weights per row (elements of size
- * elem), xs: activations per token; tiles: the 1-row tiles of 1..TILE_TOKENS tokens, then the R-row ones. */
+ * swept over the tokens up to TILE_TOKENS at a time while its rows stay in cache. A block's sweeps
+ * take long enough that the hardware prefetcher alone leaves DRAM idle through them and the next
+ * block then waits on memory (time = transfer + arithmetic); so each sweep prefetches its share of
+ * the next block's bytes (rows are contiguous) and the two overlap. ws: weights per row (elements of
+ * size elem), xs: activations per token; tiles: the 1-row tiles of 1..TILE_TOKENS tokens, then the
+ * R-row ones. */
 static void tiled_product(const tile_fn *tiles, int R, const float *x, const float *x2, int64_t T, int64_t xs,
                           const void *w, int64_t ws, size_t elem, const float *scales, const int32_t *zeros,
                           int64_t G, float *y, int64_t n0, int64_t n1, int64_t ldy) {
