@@ -1,13 +1,16 @@
 """What the CPU harnesses beside this file share: the qwen2.5-0.5b shape's product sizes, native
-builds loaded with the package's signatures (with a control arm), and an engine set up for one
-greedy request."""
+builds loaded with the package's signatures (with a control arm), an engine set up for one
+greedy request, and the engine A/B's rounds over builds."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flashllm import LLM, SamplingParams
@@ -66,3 +69,30 @@ def greedy_engine(tokens: int, prompt: int = 128) -> tuple[LLM, BenchRequest, Sa
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     llm.generate([warm_up_prompt(request)], SamplingParams(max_tokens=2, detokenize=False))
     return llm, request, params
+
+
+def engine_rounds(libs: dict[str, ctypes.CDLL], rounds: int, outputs: Callable[[], list], timed: Callable[[], float],
+                  unit: str) -> None:
+    """An engine A/B over builds: each build's `outputs()` must equal the first's (said if not); then
+    `rounds` rounds, each timing `timed()` once per build in a rotating order, and per build the
+    median of its per-round ratios against the first build and the rounds it was faster in."""
+    from flashllm.backends.cpu import native
+
+    names = list(libs)
+    first = None
+    for name, lib in libs.items():
+        native._state["lib"] = lib  # native.library() hands every later call this build
+        got = outputs()
+        first = got if first is None else first
+        if got != first:
+            print(f"{name}: outputs differ from {names[0]}'s")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            native._state["lib"] = libs[name]
+            time.sleep(0.02)  # another library's workers stop spinning (thread_pool.h: ~5 ms)
+            rates[name].append(timed())
+        print(r, "  ".join(f"{name} {v[-1]:.2f} {unit}" for name, v in rates.items()), flush=True)
+    for name, v in rates.items():
+        ratios = [a / b for a, b in zip(v, rates[names[0]], strict=True)]
+        print(f"{name}: {statistics.median(ratios):.3f}x {names[0]}, faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")

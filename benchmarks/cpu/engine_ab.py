@@ -14,13 +14,10 @@ original.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-from common import add_build_arguments, greedy_engine, load_builds  # beside this file, first on sys.path
+from common import add_build_arguments, engine_rounds, greedy_engine, load_builds  # beside this file, first on sys.path
 
 from flashllm import SamplingParams
-from flashllm.backends.cpu import native
 from flashllm.bench import offline
 from flashllm.bench.workload import warm_up_prompt
 
@@ -33,25 +30,14 @@ def main() -> None:
     add_build_arguments(parser)
     args = parser.parse_args()
     llm, request, params = greedy_engine(args.tokens, args.prompt)
-    libs = load_builds(args)
-    names = list(libs)
-    tokens = {}
-    for name, lib in libs.items():
-        native._state["lib"] = lib  # native.library() hands every later call this build
-        llm.generate([warm_up_prompt(request)], SamplingParams(max_tokens=2, detokenize=False))
-        tokens[name] = llm.generate([request.prompt_token_ids], params)[0].outputs[0].token_ids
-        if tokens[name] != tokens[names[0]]:
-            print(f"{name}: tokens differ from {names[0]}'s")
-    rates: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            native._state["lib"] = libs[name]
-            time.sleep(0.02)  # another library's workers stop spinning (thread_pool.h: ~5 ms)
-            rates[name].append(offline._timed_generate(llm, [request], [params])["decode_tokens_per_s"])
-        print(r, "  ".join(f"{name} {v[-1]:.2f} tokens/s" for name, v in rates.items()), flush=True)
-    for name, v in rates.items():
-        ratios = [a / b for a, b in zip(v, rates[names[0]], strict=True)]
-        print(f"{name}: {statistics.median(ratios):.3f}x {names[0]}, faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
+    warm_up = SamplingParams(max_tokens=2, detokenize=False)
+
+    def outputs() -> list:
+        llm.generate([warm_up_prompt(request)], warm_up)
+        return llm.generate([request.prompt_token_ids], params)[0].outputs[0].token_ids
+
+    engine_rounds(load_builds(args), args.rounds, outputs,
+                  lambda: offline._timed_generate(llm, [request], [params])["decode_tokens_per_s"], "tokens/s")
 
 
 if __name__ == "__main__":
