@@ -11,9 +11,4 @@ python3 -c "import sys,torch,triton,transformers;print(sys.version.split()[0],to
 timeout 220 python3 -m pytest tests/conformance/test_kernels.py tests/conformance/test_backend_greedy_parity.py tests/gpu tests/unit/test_cuda_scaled_mm.py tests/unit/test_bench_gpu_paths.py tests/unit/test_bench_repeats.py -k "cuda or gpu or scaled_mm or bench" -q -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/conformance.log" | tail -8
 timeout 170 python3 -m flashllm bench latency --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --baseline transformers --baseline-batch-sizes 1 --roofline --repeats 2 --json "$OUT/latency-0.5b.json" > "$OUT/latency.log" 2>&1; echo "latency rc $?"
 tail -12 "$OUT/latency.log"
-python3 -c "
-import json; r = json.load(open('$OUT/latency-0.5b.json'))
-print('flashllm', [(round(x['decode_tokens_per_s'], 1), round(x['mean_ttft_s'], 4)) for x in r['flashllm']['runs']])
-print('hf', [(round(x['decode_tokens_per_s'], 1), round(x['ttft_s'], 4)) for x in r['transformers_latency']['runs']])
-print('speedup', r['decode_speedup_vs_transformers'], 'fraction', r['fraction_of_bandwidth_ceiling'],
-      'copy GB/s', r['roofline']['copy_bandwidth_gb_s'])"
+python3 benchmarks/gpu/latency_summary.py "$OUT/latency-0.5b.json"

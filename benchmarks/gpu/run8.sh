@@ -5,8 +5,4 @@ set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 timeout 200 python3 -m flashllm bench latency --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --baseline transformers --baseline-batch-sizes 1 --roofline --repeats 2 --json "$OUT/latency-0.5b.json" > "$OUT/latency.log" 2>&1; echo "latency rc $?"
-python3 -c "
-import json; r = json.load(open('$OUT/latency-0.5b.json'))
-print('flashllm', [(round(x['decode_tokens_per_s'], 1), round(x['mean_ttft_s'], 4)) for x in r['flashllm']['runs']])
-print('hf', [(round(x['decode_tokens_per_s'], 1), round(x['ttft_s'], 4)) for x in r['transformers_latency']['runs']])
-print('speedup', r['decode_speedup_vs_transformers'], 'fraction', r['fraction_of_bandwidth_ceiling'])"
+python3 benchmarks/gpu/latency_summary.py "$OUT/latency-0.5b.json"

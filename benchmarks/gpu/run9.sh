@@ -9,10 +9,4 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_bench_gpu_paths.py tests/unit/test_bench_repeats.py > "$OUT/tests.log" 2>&1; echo "tests rc $?"; tail -3 "$OUT/tests.log"
 timeout 200 python3 -m flashllm bench latency --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --baseline transformers --baseline-batch-sizes 1 --roofline --repeats 2 --json "$OUT/latency-0.5b.json" > "$OUT/latency.log" 2>&1; echo "latency rc $?"
 tail -5 "$OUT/latency.log"
-python3 -c "
-import json; r = json.load(open('$OUT/latency-0.5b.json'))
-print('flashllm', [(round(x['decode_tokens_per_s'], 1), round(x['mean_ttft_s'], 4)) for x in r['flashllm']['runs']])
-print('hf', [(round(x['decode_tokens_per_s'], 1), round(x['ttft_s'], 4)) for x in r['transformers_latency']['runs']])
-print('speedup', r['decode_speedup_vs_transformers'], 'fraction', r['fraction_of_bandwidth_ceiling'],
-      'sustained fractions', r.get('fractions_of_sustained_bandwidth'), 'method', r['bandwidth_fraction_method'],
-      'copy GB/s', r['roofline']['copy_bandwidth_gb_s'])"
+python3 benchmarks/gpu/latency_summary.py "$OUT/latency-0.5b.json"
