@@ -99,12 +99,15 @@ class CpuAdapter(DeviceAdapter):
         return decode_stack.build(model)
 
     def place_weights(self, model: torch.nn.Module) -> None:
-        """Large weights into transparent huge pages (see huge_pages.py)."""
-        from flashllm.backends.cpu import huge_pages
+        """Large weights into transparent huge pages (see huge_pages.py); from then on the C heap
+        keeps freed memory, so each step's activations reuse the last step's pages (heap.py)."""
+        from flashllm.backends.cpu import heap, huge_pages
 
         moved = huge_pages.place_weights(model)
         if moved:
             logger.info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
+        if heap.keep_freed_memory():
+            logger.debug("malloc keeps freed memory for reuse (%s=0 turns this off)", heap.ENV_SWITCH)
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,63 @@
+"""Freed activation memory kept in the process: the cpu backend's allocator setting.
+
+torch takes every CPU tensor from the C library's malloc. glibc serves a request above its mmap
+threshold (128 KiB, adapting up to 32 MiB) with a fresh mapping and unmaps it on free, and it trims
+the heap's free top back to the OS; either way the next step's tensor of that size faults its
+pages in again, 4 KiB at a time, each zeroed by the kernel. A prefill step of the 0.5b shape
+allocates its gate_up product (1092 tokens x 9728 features, 42 MB) in every layer, and a decode
+step its logits (16 x 151936, 9.7 MB): one offline run of BENCHMARKS.md's CPU workload faulted
+~700,000 pages (2.8 GB). In a VM a fault costs microseconds.
+
+keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
+the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
+steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
+after, and its runs took 0.87x the time (medians of 8 each, alternating processes, on the team's
+Intel VM; eighteenth session, docs/benchmarks.md).
+The cost is the one of any caching allocator: the process keeps its largest steps' activations
+mapped. torch asks for 64-byte-aligned blocks, slightly more than a freed block of the same size
+holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB tensors
+reused memory from its 2nd to 7th tensor on (three runs of 40), holding up to 6 blocks; the offline run's resident size ended 0.23 GB above the
+default's (6.12 against 5.89 GB), 0.06 GB above the default's peak. The setting is process-wide;
+the cpu adapter applies it once a model's weights are placed (core/builder.py), so loading's one-off
+buffers come and go as before. FLASHLLM_CPU_KEEP_HEAP=0 leaves malloc as it is (A/B runs); off glibc
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+
+ENV_SWITCH = "FLASHLLM_CPU_KEEP_HEAP"
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, ~2 GiB of free top kept
+
+_lock = threading.Lock()
+_applied: list[bool] = []
+
+
+def _mallopt() -> ctypes._CFuncPtr | None:
+    """glibc's mallopt, or None off glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    fn = getattr(ctypes.CDLL(None), "mallopt", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory for reuse (once per process); returns whether the
+    setting is in effect (False where switched off by ENV_SWITCH=0, off glibc, or refused)."""
+    with _lock:
+        if not _applied:
+            mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
+            # mallopt returns 1 on success
+            ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            ok = ok and mallopt(M_MMAP_MAX, 0) == 1
+            _applied.append(ok)
+        return _applied[0]
