@@ -11,8 +11,8 @@ step its logits (16 x 151936, 9.7 MB): one offline run of BENCHMARKS.md's CPU wo
 keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
 the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
 steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
-after, and its runs took 0.87x the time (medians of 8 each, alternating processes, on the team's
-Intel VM; eighteenth session, docs/benchmarks.md).
+after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
+processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md).
 The cost is the one of any caching allocator: the process keeps its largest steps' activations
 mapped. torch asks for 64-byte-aligned blocks, slightly more than a freed block of the same size
 holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB tensors
