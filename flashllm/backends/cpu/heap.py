@@ -14,13 +14,15 @@ steps freed: the same run then faulted 30,000-47,000 pages the first time and un
 after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
 processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md).
 The cost is the one of any caching allocator: the process keeps its largest steps' activations
-mapped. torch asks for 64-byte-aligned blocks, slightly more than a freed block of the same size
-holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB tensors
-reused memory from its 2nd to 7th tensor on (three runs of 40), holding up to 6 blocks; the offline run's resident size ended 0.23 GB above the
-default's (6.12 against 5.89 GB), 0.06 GB above the default's peak. The setting is process-wide;
-the cpu adapter applies it once a model's weights are placed (core/builder.py), so loading's one-off
-buffers come and go as before. FLASHLLM_CPU_KEEP_HEAP=0 leaves malloc as it is (A/B runs); off glibc
-nothing changes.
+mapped, and the OS counts them as used (a second engine in the same process sizes a CPU KV cache
+from less free memory). torch asks for 64-byte-aligned blocks, slightly more than a freed block of
+the same size holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB
+tensors reused memory from its 2nd to 7th tensor on (three runs of 40), holding up to 6 blocks. The
+offline run ended at 6.12 GB resident against 5.89 GB without (whose peak was 6.06 GB).
+
+The setting is process-wide; the cpu adapter applies it once a model's weights are placed
+(core/builder.py), so loading's one-off buffers come and go as before. FLASHLLM_CPU_KEEP_HEAP=0
+leaves malloc as it is (A/B runs); off glibc nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import ctypes
 import os
 import platform
 import threading
+from collections.abc import Callable
 
 ENV_SWITCH = "FLASHLLM_CPU_KEEP_HEAP"
 # glibc's mallopt parameters (malloc.h)
@@ -40,7 +43,7 @@ _lock = threading.Lock()
 _applied: list[bool] = []
 
 
-def _mallopt() -> ctypes._CFuncPtr | None:
+def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None off glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -56,7 +59,7 @@ def keep_freed_memory() -> bool:
     with _lock:
         if not _applied:
             mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
-            # mallopt returns 1 on success
+            # mallopt returns 1 on success (glibc refuses neither value)
             ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
             ok = ok and mallopt(M_MMAP_MAX, 0) == 1
             _applied.append(ok)
