@@ -18,12 +18,13 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 
 # In a fresh process (the setting is process-wide and this one may hold it already): the minor
 # faults of each of a run of 64 MiB tensors, each written and freed before the next (as steps
-# follow steps), before and after keep_freed_memory(). The first few after it still fault:
+# follow steps), before and after keep_freed_memory(), then in a thread started after it. The
+# first few after it still fault:
 # torch's 64-byte-aligned request asks glibc for a little more than a freed block holds, so the
 # heap grows until its free blocks merge (within 6 tensors in 40 tries here); the test looks at the
 # last four of 16.
 _PROBE = """
-import json, resource, torch
+import json, resource, threading, torch
 from flashllm.backends.cpu import heap
 
 def faults(count):
@@ -36,7 +37,12 @@ def faults(count):
 
 default = faults(8)
 kept = heap.keep_freed_memory()
-print(json.dumps({"default": default, "kept": kept, "after": faults(16)}))
+after = faults(16)
+threaded = {}  # a thread started afterwards, as the server's engine thread is
+worker = threading.Thread(target=lambda: threaded.update(faults=faults(16)))
+worker.start()
+worker.join()
+print(json.dumps({"default": default, "kept": kept, "after": after, "thread": threaded["faults"]}))
 """
 PAGES = (64 << 20) // 4096
 
@@ -54,6 +60,7 @@ def test_freed_memory_is_reused_without_faults() -> None:
     assert min(result["default"][-4:]) >= PAGES // 2, result
     assert result["kept"] is True
     assert sum(result["after"][-4:]) < PAGES // 50, result
+    assert sum(result["thread"][-4:]) < PAGES // 50, result
 
 
 @glibc

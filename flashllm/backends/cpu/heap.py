@@ -8,9 +8,11 @@ allocates its gate_up product (1092 tokens x 9728 features, 42 MB) in every laye
 step its logits (16 x 151936, 9.7 MB): one offline run of BENCHMARKS.md's CPU workload faulted
 ~700,000 pages (2.8 GB). In a VM a fault costs microseconds.
 
-keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
-the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
-steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
+keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0), to keep the
+heap's free top (M_TRIM_THRESHOLD at its largest), and to give threads started later the main heap
+(M_ARENA_MAX 1) rather than heaps of their own, which glibc maps and unmaps whole as they fill and
+empty (the server steps its engine in such a thread: a run there still faulted ~520,000 pages
+without it, 11 with it). So a step's tensors reuse the pages earlier steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
 after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
 processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md).
 The cost is the one of any caching allocator: the process keeps its largest steps' activations
@@ -37,6 +39,7 @@ ENV_SWITCH = "FLASHLLM_CPU_KEEP_HEAP"
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, ~2 GiB of free top kept
 
 _lock = threading.Lock()
@@ -61,6 +64,6 @@ def keep_freed_memory() -> bool:
             mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
             # mallopt returns 1 on success (glibc refuses neither value)
             ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-            ok = ok and mallopt(M_MMAP_MAX, 0) == 1
+            ok = ok and mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_ARENA_MAX, 1) == 1
             _applied.append(ok)
         return _applied[0]
