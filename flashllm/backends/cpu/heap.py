@@ -8,19 +8,22 @@ allocates its gate_up product (1092 tokens x 9728 features, 42 MB) in every laye
 step its logits (16 x 151936, 9.7 MB): one offline run of BENCHMARKS.md's CPU workload faulted
 ~700,000 pages (2.8 GB). In a VM a fault costs microseconds.
 
-keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0), to keep the
-heap's free top (M_TRIM_THRESHOLD at its largest), and to give threads started later the main heap
-(M_ARENA_MAX 1) rather than heaps of their own, which glibc maps and unmaps whole as they fill and
-empty (the server steps its engine in such a thread: a run there still faulted ~520,000 pages
-without it, 11 with it). So a step's tensors reuse the pages earlier steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
+keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
+the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
+steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
 after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
-processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md).
+processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md). It also gives threads
+started later the main heap (M_ARENA_MAX 1): glibc would give each its own heaps and unmap them as
+they empty, and the server steps its engine in such a thread (a run there faulted ~520,000 pages
+without this, 5,600 in its second run with it). A thread that already has its own heap keeps it.
+
 The cost is the one of any caching allocator: the process keeps its largest steps' activations
 mapped, and the OS counts them as used (a second engine in the same process sizes a CPU KV cache
 from less free memory). torch asks for 64-byte-aligned blocks, slightly more than a freed block of
 the same size holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB
-tensors reused memory from its 2nd to 7th tensor on (three runs of 40), holding up to 6 blocks. The
-offline run ended at 6.12 GB resident against 5.89 GB without (whose peak was 6.06 GB).
+tensors reused memory from its 2nd to 7th tensor on in the main thread (three runs of 40), from its
+9th in a later thread. The offline run ended at 6.12 GB resident against 5.89 GB without (whose
+peak was 6.06 GB).
 
 The setting is process-wide; the cpu adapter applies it once a model's weights are placed
 (core/builder.py), so loading's one-off buffers come and go as before. FLASHLLM_CPU_KEEP_HEAP=0
@@ -62,7 +65,7 @@ def keep_freed_memory() -> bool:
     with _lock:
         if not _applied:
             mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
-            # mallopt returns 1 on success (glibc refuses neither value)
+            # mallopt returns 1 on success (glibc refuses none of these values)
             ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
             ok = ok and mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_ARENA_MAX, 1) == 1
             _applied.append(ok)
