@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -13,8 +12,7 @@ import torch
 
 from flashllm.backends.cpu import CpuAdapter, heap
 
-glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                           reason="the setting is glibc's mallopt")
+glibc = pytest.mark.skipif(not heap.is_glibc(), reason="the setting is glibc's mallopt")
 
 # In a fresh process (the setting is process-wide and this one may hold it already): the minor
 # faults of each of a run of 64 MiB tensors, each written and freed before the next (as steps

@@ -35,8 +35,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import threading
 from collections.abc import Callable
+from functools import cache
 
 ENV_SWITCH = "FLASHLLM_CPU_KEEP_HEAP"
 # glibc's mallopt parameters (malloc.h)
@@ -45,28 +45,25 @@ M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, ~2 GiB of free top kept
 
-_lock = threading.Lock()
-_applied: list[bool] = []
+
+def is_glibc() -> bool:
+    """Whether this process runs on glibc, whose mallopt the setting uses."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None off glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    fn = getattr(ctypes.CDLL(None), "mallopt", None)
+    fn = getattr(ctypes.CDLL(None), "mallopt", None) if is_glibc() else None
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return fn
 
 
+@cache  # once per process (a racing second call would set the same values again)
 def keep_freed_memory() -> bool:
-    """Set glibc's malloc to keep freed memory for reuse (once per process); returns whether the
-    setting is in effect (False where switched off by ENV_SWITCH=0, off glibc, or refused)."""
-    with _lock:
-        if not _applied:
-            mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
-            # mallopt returns 1 on success (glibc refuses none of these values)
-            ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-            ok = ok and mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_ARENA_MAX, 1) == 1
-            _applied.append(ok)
-        return _applied[0]
+    """Set glibc's malloc to keep freed memory for reuse; returns whether the setting is in effect
+    (False where switched off by ENV_SWITCH=0, off glibc, or refused)."""
+    mallopt = _mallopt() if os.environ.get(ENV_SWITCH, "1") != "0" else None
+    # mallopt returns 1 on success (glibc refuses none of these values)
+    ok = mallopt is not None and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return ok and mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_ARENA_MAX, 1) == 1
