@@ -38,6 +38,12 @@ def test_prefill_gqa_matches_causal_attention(length, seq_len, heads, rows, monk
     torch.testing.assert_close(got.double(), _causal_float64(q, k, v, 0.3), **FP32)
 
 
+def test_prefill_gqa_takes_empty_sequences() -> None:
+    """A bucketed batch's padding slots have no queries and no keys."""
+    got = kernels._prefill_gqa(torch.empty(0, 4, 16), torch.empty(0, 2, 16), torch.empty(0, 2, 16), 0.25)
+    assert got.shape == (0, 4, 16)
+
+
 def test_prefill_chunks_shrink_with_long_contexts(monkeypatch) -> None:
     """The score budget, not the row cap, sets the chunk for long contexts; the result is unchanged."""
     monkeypatch.setattr(kernels, "_SCORE_BYTES", 2 * 4 * 3 * 150)  # three query rows of 2 heads x 150 keys

@@ -202,6 +202,8 @@ def _prefill_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """
     length, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = k.shape[:2]
+    if length == 0:  # a padding slot of a bucketed batch
+        return torch.empty_like(q)
     group, offset = num_heads // num_kv_heads, seq_len - length
     qg = q.reshape(length, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, length * group, head_dim)
     keys, values = k.permute(1, 2, 0), v.transpose(0, 1)  # (Hk, D, S), (Hk, S, D)
