@@ -209,13 +209,15 @@ def _prefill_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     keys, values = k.permute(1, 2, 0), v.transpose(0, 1)  # (Hk, D, S), (Hk, S, D)
     out = torch.empty(num_kv_heads, length * group, head_dim, dtype=q.dtype)
     rows = max(1, min(_MAX_QUERY_ROWS, _SCORE_BYTES // (num_kv_heads * group * seq_len * 4)))
+    key_positions = torch.arange(seq_len)[None, :]
+    query_positions = torch.arange(offset, seq_len).repeat_interleave(group)[:, None]  # one per qg row
     for first in range(0, length, rows):
         last = min(first + rows, length)
         seen = offset + last  # the keys the chunk's last query sees
-        scores = torch.bmm(qg[:, first * group : last * group], keys[:, :, :seen]).mul_(scale)
-        positions = torch.arange(offset + first, offset + last).repeat_interleave(group)[:, None]
-        scores.masked_fill_(torch.arange(seen)[None, :] > positions, float("-inf"))
-        out[:, first * group : last * group] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :seen])
+        chunk = slice(first * group, last * group)
+        scores = torch.bmm(qg[:, chunk], keys[:, :, :seen]).mul_(scale)
+        scores.masked_fill_(key_positions[:, :seen] > query_positions[chunk], float("-inf"))
+        out[:, chunk] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :seen])
     return out.view(num_kv_heads, length, group, head_dim).transpose(0, 1).reshape(length, num_heads, head_dim)
 
 
