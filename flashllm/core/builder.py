@@ -80,6 +80,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     selection.adapter.set_device(selection.device)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant)
     selection.adapter.place_weights(model)
+    selection.adapter.greedy_head(model)  # any copy of the head it keeps is in memory before the KV cache is sized
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir))
     generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)

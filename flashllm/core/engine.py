@@ -11,7 +11,7 @@ from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.builder import EngineParts, build_engine_parts
 from flashllm.core.request import Request
-from flashllm.core.sampler import Sampler
+from flashllm.core.sampler import Sampler, SamplerOutput, plain_greedy
 from flashllm.core.scheduler import Scheduler
 from flashllm.core.sequence import FinishReason
 from flashllm.outputs import RequestOutput
@@ -106,10 +106,13 @@ class Engine:
         num_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
         # the device's step context covers sampling too (the cpu one keeps torch off its GEMV cores)
+        states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
         with self.runner.adapter.step_context(num_tokens):
-            logits = self.runner.execute(batch)
-            states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
-            sampled = self.sampler(logits, states) if sampling else None
+            if sampling and all(plain_greedy(s) for s in states):  # only the argmax is needed
+                sampled = SamplerOutput(self.runner.execute(batch, greedy=True).tolist())
+            else:
+                logits = self.runner.execute(batch)
+                sampled = self.sampler(logits, states) if sampling else None
         tokens = iter(sampled.token_ids if sampled else ())
         token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
         self.scheduler.update(batch, token_ids)

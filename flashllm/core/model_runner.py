@@ -101,6 +101,7 @@ class ModelRunner:
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
         self.shape_buckets = self.adapter.shape_buckets
         self._fused_decode: Callable[..., torch.Tensor | None] | None | bool = False  # built on first use
+        self._greedy_head: Callable[[torch.Tensor], torch.Tensor | None] | None | bool = False  # likewise
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
@@ -194,14 +195,16 @@ class ModelRunner:
         with self.adapter.inference_mode():
             return graphs.run(flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens, flat.block_tables)
 
-    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order."""
+    def execute(self, batch: SchedulerOutput, greedy: bool = False) -> torch.Tensor:
+        """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order, or
+        with `greedy` (every sampling row plain greedy) their (N,) int64 argmax tokens: through the
+        adapter's greedy_head where it takes the step, which need not compute the logits."""
         logits = self._replay(batch)
         if logits is not None:
-            return logits
+            return self.adapter.argmax(logits) if greedy else logits
         inputs = self.prepare(batch)
         with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
-            return self._execute(inputs)
+            return self._execute(inputs, greedy)
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         """The model's hidden states for the step: the adapter's fused decode step where it takes it."""
@@ -211,15 +214,28 @@ class ModelRunner:
         hidden = self._fused_decode(*args) if self._fused_decode is not None else None
         return self.model(*args) if hidden is None else hidden
 
-    def _execute(self, inputs: ModelInput) -> torch.Tensor:
+    def _execute(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
         hidden = self._forward(inputs)
         if inputs.logits_indices.numel() == 0:
             self.adapter.end_step(self.device)
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+            return hidden.new_empty((0,) if greedy else (0, 0), dtype=torch.int64 if greedy else torch.float32)
+        rows = hidden[inputs.logits_indices]
+        tokens = self._greedy_tokens(rows) if greedy else None
+        if tokens is None:
+            logits = self.model.compute_logits(rows).float()
+            self.adapter.end_step(self.device)
+            # sliced after end_step: inside the step's graph, each row count would be another graph
+            logits = logits if inputs.num_logits is None else logits[: inputs.num_logits]
+            return self.adapter.argmax(logits) if greedy else logits
         self.adapter.end_step(self.device)
-        # sliced after end_step: inside the step's graph, each row count would be another graph
-        return logits if inputs.num_logits is None else logits[: inputs.num_logits]
+        return tokens if inputs.num_logits is None else tokens[: inputs.num_logits]
+
+    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The adapter's greedy head on these rows (built on first use), or None where it has none
+        or does not take them."""
+        if self._greedy_head is False:
+            self._greedy_head = self.adapter.greedy_head(self.model)
+        return self._greedy_head(rows) if self._greedy_head is not None else None
 
 
 def allocate_kv_caches(

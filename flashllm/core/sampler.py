@@ -194,7 +194,7 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _plain_greedy(state: SamplingState) -> bool:
+def plain_greedy(state: SamplingState) -> bool:
     """A greedy row with no penalty, no pending min_tokens ban and no logprobs: its token is the argmax."""
     params = state.params
     return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
@@ -221,7 +221,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be (num_seqs, vocab_size) with one row per state; "
                              f"got shape {tuple(logits.shape)} for {len(states)} states")
-        if all(_plain_greedy(s) for s in states):
+        if all(plain_greedy(s) for s in states):
             # nothing below would change a row: skip the fp32 copy, the divide and the row gather
             # (~4 ms a step for 16 rows of a 152k vocabulary on the 2-core test VM)
             return SamplerOutput(self._argmax(logits).tolist())

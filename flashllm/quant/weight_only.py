@@ -133,11 +133,13 @@ class WeightBytes:
 
     linear: the linear layers' weights as stored (quantized data + scales + zeros, or float),
       and a quantized LM head's int8 copy (--quantize_lm_head);
-    other: everything else (embeddings, norms, biases, a float untied lm_head); total = both.
+    other: everything else (embeddings, norms, biases, a float untied lm_head, and the bf16 copy a
+      device's greedy head keeps of it: flashllm/backends/cpu/greedy_screen.py); total = both.
     Tensors shared between modules (tied embeddings, a dense QuantizedWeight over its
     parameter) are counted once.
-    streamed: what one decode step reads, the ceiling's denominator: total less the input
-      embedding table (a step reads one row of it per token) unless a float LM head is that table.
+    streamed: what one greedy decode step reads, the ceiling's denominator: total less the input
+      embedding table (a step reads one row of it per token) unless a float LM head is that table;
+      where the head has a greedy screen, its copy is read instead of the float head.
     """
 
     linear: int
@@ -172,15 +174,26 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
         if qweight is not None and (isinstance(module, LinearBase) or qweight.scheme != "none"):
             linear += count(list(qweight.tensors))
     other = count([p for _, p in model.named_parameters()])
-    return WeightBytes(linear, other, linear + other - _unstreamed_embedding_bytes(model))
+    screens = [head.greedy_screen for head in _lm_heads(model) if getattr(head, "greedy_screen", None) is not None]
+    other += sum(screen.nbytes for screen in screens)
+    return WeightBytes(linear, other, linear + other - _unstreamed_bytes(model))
 
 
-def _unstreamed_embedding_bytes(model: nn.Module) -> int:
-    """Bytes of input embedding tables that no float LM head reads whole each step."""
-    from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+def _lm_heads(model: nn.Module) -> list[nn.Module]:
+    from flashllm.models.layers.embedding import LMHead
 
-    heads = {m.weight.untyped_storage().data_ptr() for m in model.modules()
-             if isinstance(m, LMHead) and m.qweight is not None and m.qweight.scheme == "none"}
+    return [m for m in model.modules() if isinstance(m, LMHead)]
+
+
+def _unstreamed_bytes(model: nn.Module) -> int:
+    """Bytes a greedy decode step does not read whole: input embedding tables that no float LM head
+    reads, and float heads that a greedy screen reads in their place."""
+    from flashllm.models.layers.embedding import VocabEmbedding
+
+    float_heads = [m for m in _lm_heads(model) if m.qweight is not None and m.qweight.scheme == "none"]
+    read = {m.weight.untyped_storage().data_ptr() for m in float_heads if getattr(m, "greedy_screen", None) is None}
+    skipped = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
+               for m in float_heads if getattr(m, "greedy_screen", None) is not None}
     tables = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
               for m in model.modules() if type(m) is VocabEmbedding}
-    return sum(size for ptr, size in tables.items() if ptr not in heads)
+    return sum(size for ptr, size in (tables | skipped).items() if ptr not in read)

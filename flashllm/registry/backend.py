@@ -221,6 +221,19 @@ class DeviceAdapter:
         """
         return None
 
+    def greedy_head(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """A replacement for `model`'s LM head plus argmax on steps where every row is plain greedy,
+        or None (the default: logits, then argmax).
+
+        The callable maps the rows' final hidden states (N, hidden) to their tokens (N,) int64, or
+        returns None for a call it does not take. Its token must be the argmax, first on ties, of
+        logits the head's own precision gives (the cpu backend's finds the fp32 argmax from a bf16
+        copy of the head and a proven error bound: flashllm/backends/cpu/greedy_screen.py). The
+        engine builds it once, after the weights are placed, so any copy it keeps is counted before
+        the KV cache is sized.
+        """
+        return None
+
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value, (B, V) -> (B,) int64 on rows' device; the first
         one on ties, and a NaN counts as the largest (torch's argmax, which the default is).

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashllm.backends.cpu import native
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
@@ -36,18 +37,22 @@ def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int
 
 
 class LogitRecorder:
-    """Wraps a runner's execute() to keep every logits row with the sequence and position it scored."""
+    """Wraps a runner's execute() to keep every logits row with the sequence and position it scored.
+
+    Greedy steps take the logits path too (their tokens are those logits' argmax), so every step
+    has rows to check; the cpu backend's greedy screen, which skips the logits, is checked against
+    transformers' tokens without a recorder (test_the_greedy_screen_gives_the_same_tokens)."""
 
     def __init__(self, llm: LLM) -> None:
         self.rows: list[tuple[int, list[int], torch.Tensor]] = []
         runner, original = llm.engine.runner, llm.engine.runner.execute
 
-        def execute(batch):
+        def execute(batch, greedy=False):
             logits = original(batch)
             samplers = [item.seq for item in batch.scheduled if item.produces_token]
             for seq, row in zip(samplers, logits, strict=True):
                 self.rows.append((seq.seq_id, list(seq.token_ids), row.clone()))
-            return logits
+            return runner.adapter.argmax(logits) if greedy else logits
 
         runner.execute = execute
 
@@ -88,6 +93,23 @@ def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_mode
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
     _check_against_hf(hf_models[preset], prompts, recorder, outputs)
     assert llm.engine.num_free_blocks() == llm.engine.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("preset", ["llama", "llama-tied", "qwen2"])
+def test_the_greedy_screen_gives_the_same_tokens(preset, model_dirs, hf_models) -> None:
+    """Greedy steps through the device's greedy head (on the cpu backend, the bf16 screen of the
+    LM head): transformers' greedy tokens, with prefix-cache hits and prefill chunks on the way."""
+    llm = _llm(model_dirs[preset], max_num_batched_tokens=48)
+    vocab = hf_models[preset].config.vocab_size
+    prompts = _prompts(vocab, (1, 7, 63, 65, 200), seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    llm.generate(prompts[-1:], params)  # cached blocks for the repeat below
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(hf_models[preset], prompt, STEPS)[0]
+    screen = getattr(llm.engine.parts.model.lm_head, "greedy_screen", None)
+    assert screen is not None or native.library() is None
+    assert screen is None or screen.picked >= len(prompts) * STEPS
 
 
 def test_prefix_cache_hits_give_the_same_logits(model_dirs, hf_models) -> None:

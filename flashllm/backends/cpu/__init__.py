@@ -98,6 +98,12 @@ class CpuAdapter(DeviceAdapter):
 
         return decode_stack.build(model)
 
+    def greedy_head(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """fp32 greedy steps from a bf16 copy of the LM head and an error bound (see greedy_screen.py)."""
+        from flashllm.backends.cpu import greedy_screen
+
+        return greedy_screen.build(model, self.argmax)
+
     def place_weights(self, model: torch.nn.Module) -> None:
         """Large weights into transparent huge pages (see huge_pages.py); from then on the C heap
         keeps freed memory, so each step's activations reuse the last step's pages (heap.py)."""

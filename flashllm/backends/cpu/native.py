@@ -1,6 +1,6 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
-csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, and the bandwidth probe's reads in
-csrc/read_probe.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
+csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
+csrc/greedy_screen.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
 on first use, loaded through ctypes; the GEMVs split their output rows over the library's own
 spinning worker pool (csrc/thread_pool.h).
 
@@ -36,7 +36,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
-           _CSRC / "decode_stack.c", _CSRC / "read_probe.c")
+           _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
@@ -71,6 +71,9 @@ _SIGNATURES = {
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_screen_pick": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, ctypes.c_int], None),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
@@ -161,7 +164,7 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr()
 
 
-def _threads(num_tokens: int, out_features: int, in_features: int) -> int:
+def threads_for(num_tokens: int, out_features: int, in_features: int) -> int:
     """Row shares for one product: every configured core for a decode batch of SPLIT_MIN_ELEMENTS weights."""
     split = 0 < num_tokens <= MAX_TOKENS and out_features * in_features >= SPLIT_MIN_ELEMENTS
     return parallel.workers() if split and out_features >= 2 * parallel.ROW_ALIGN else 1
@@ -180,7 +183,7 @@ def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
     tokens, k = x.shape
     n = weight.shape[0]
     out = torch.empty(tokens, n, dtype=torch.float32)
-    lib.flashllm_f32_gemv_mt(_ptr(x), _ptr(weight), _ptr(out), tokens, k, n, n, _threads(tokens, n, k))
+    lib.flashllm_f32_gemv_mt(_ptr(x), _ptr(weight), _ptr(out), tokens, k, n, n, threads_for(tokens, n, k))
     return out
 
 
@@ -232,7 +235,7 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     n, groups = weight.out_features, weight.num_groups
     codes, scales, zeros = _layout(weight)
     out = torch.empty(tokens, n, dtype=torch.float32)
-    threads = _threads(tokens, n, k)
+    threads = threads_for(tokens, n, k)
     if int8_activations(weight):
         if weight.scheme == "w4a16":
             status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),

@@ -1,0 +1,278 @@
+/* The cpu backend's screened greedy LM head (flashllm/backends/cpu/greedy_screen.py has the proof).
+ *
+ * A greedy step needs only each token's argmax over the vocabulary, not its logits. The LM head is
+ * the largest product of a small model's step (136 M of the 0.5b shape's 494 M weights), so it is
+ * read first as a bf16 copy, half the bytes, made fp32 in registers (flashllm_bf16_gemv_mt):
+ * a score per row within a known bound of that row's fp32 logit. flashllm_screen_pick then keeps
+ * the rows whose score, plus the bound, reaches the best score less its bound (the fp32 argmax is
+ * always one of them) and computes only those rows' logits in fp32, in one fixed order per row. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "parallel_for.h"
+#include "simd.h"
+
+/* The weights' layout: each 32-bit lane of a row holds features 2i (low half) and 2i + 1 (high half)
+ * as bf16, so one AND and one shift make both exact fp32 vectors: the odd features are the lane with
+ * its low half cleared, the even ones the lane shifted up 16. The tokens come deinterleaved to meet
+ * them (xe: each token's even features, xo: its odd ones, K / 2 apart). Against widening 16 bf16 at a
+ * time (zero-extend then shift) this halves the extra instructions per weight, which share the FMA
+ * ports: the 4 x 6 tiles ran 16 tokens no faster than the fp32 tiles with the widening (the team's
+ * Intel VM, twentieth session). */
+#define EVEN8(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+#define ODD8(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)))
+#define EVEN16(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
+#define ODD16(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)))
+
+/* Any CPU with AVX2: each row against every token while it sits in L1; 32 features a step in four
+ * 8-lane chains (even and odd features of two 16-feature halves). K a multiple of 32. */
+static void bf16_rows(const float *xe, const float *xo, const uint16_t *w, float *y, int64_t T, int64_t K,
+                      int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t half = K / 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = w + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *et = xe + t * half, *ot = xo + t * half;
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(row + 2 * i));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(row + 2 * i + 16));
+                a[0] = _mm256_fmadd_ps(EVEN8(v0), _mm256_loadu_ps(et + i), a[0]);
+                a[1] = _mm256_fmadd_ps(ODD8(v0), _mm256_loadu_ps(ot + i), a[1]);
+                a[2] = _mm256_fmadd_ps(EVEN8(v1), _mm256_loadu_ps(et + i + 8), a[2]);
+                a[3] = _mm256_fmadd_ps(ODD8(v1), _mm256_loadu_ps(ot + i + 8), a[3]);
+            }
+            y[t * ldy + n] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+        }
+    }
+}
+
+/* AVX-512, one token: eight rows an eighth of the share apart at once (eight read streams, as the
+ * fp32 one-token loop in decode_kernels.c reads), 32 features of each a step in two 16-lane chains. */
+#define SCREEN_ROWS 8
+__attribute__((target("avx512f")))
+static void bf16_octs(const float *xe, const float *xo, const uint16_t *w, float *y, int64_t K, int64_t n0,
+                      int64_t n1) {
+    const int64_t q = (n1 - n0) / SCREEN_ROWS, half = K / 2;
+    for (int64_t i = 0; i < q; i++) {
+        const uint16_t *r[SCREEN_ROWS];
+        __m512 a[SCREEN_ROWS][2];
+        for (int s = 0; s < SCREEN_ROWS; s++) {
+            r[s] = w + (n0 + s * q + i) * K;
+            a[s][0] = a[s][1] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < half; j += 16) {
+            const __m512 e = _mm512_loadu_ps(xe + j), o = _mm512_loadu_ps(xo + j);
+            for (int s = 0; s < SCREEN_ROWS; s++) {
+                const __m512i v = _mm512_loadu_si512(r[s] + 2 * j);
+                a[s][0] = _mm512_fmadd_ps(EVEN16(v), e, a[s][0]);
+                a[s][1] = _mm512_fmadd_ps(ODD16(v), o, a[s][1]);
+            }
+        }
+        for (int s = 0; s < SCREEN_ROWS; s++) y[n0 + s * q + i] = _mm512_reduce_add_ps(_mm512_add_ps(a[s][0], a[s][1]));
+    }
+    for (int64_t n = n0 + SCREEN_ROWS * q; n < n1; n++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (int64_t j = 0; j < half; j += 16) {
+            const __m512i v = _mm512_loadu_si512(w + n * K + 2 * j);
+            a0 = _mm512_fmadd_ps(EVEN16(v), _mm512_loadu_ps(xe + j), a0);
+            a1 = _mm512_fmadd_ps(ODD16(v), _mm512_loadu_ps(xo + j), a1);
+        }
+        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+}
+
+/* AVX-512, a few tokens: tiles of 4 rows (a quarter of the share apart) x up to 6 tokens in 24
+ * accumulators, each weight line meeting every token of the sweep; the first sweep prefetches each
+ * row's successor (the layout of decode_kernels.c's f32_gemm_z). */
+#define SCREEN_TOKENS 6
+__attribute__((target("avx512f"), always_inline))
+static inline void bf16_tile(const float *xe, const float *xo, int64_t K, const uint16_t *w, int64_t rs, int R,
+                             int TT, float *y, int64_t ldy, int64_t ys, int64_t ahead) {
+    const int64_t half = K / 2;
+    __m512 acc[4][SCREEN_TOKENS];
+    for (int r = 0; r < 4; r++) for (int t = 0; t < SCREEN_TOKENS; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < half; j += 16) {
+        __m512i v[4];
+        for (int r = 0; r < R; r++) {
+            if (ahead) _mm_prefetch((const char *)(w + r * rs + 2 * j) + ahead, _MM_HINT_T1);
+            v[r] = _mm512_loadu_si512(w + r * rs + 2 * j);
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m512 e = _mm512_loadu_ps(xe + t * half + j);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(EVEN16(v[r]), e, acc[r][t]);
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m512 o = _mm512_loadu_ps(xo + t * half + j);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(ODD16(v[r]), o, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * ldy + r * ys] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* bf16_tile's R and TT fixed at compile time, so the loops unroll and the accumulators stay in registers */
+#define SCREEN_TILE(R, TT)                                                                                     \
+    __attribute__((target("avx512f"))) static void bf16_tile_##R##x##TT(const float *xe, const float *xo,      \
+        int64_t K, const uint16_t *w, int64_t rs, float *y, int64_t ldy, int64_t ys, int64_t ahead) {          \
+        bf16_tile(xe, xo, K, w, rs, R, TT, y, ldy, ys, ahead);                                                 \
+    }
+#define SCREEN_TILES_OF(R) SCREEN_TILE(R, 1) SCREEN_TILE(R, 2) SCREEN_TILE(R, 3) SCREEN_TILE(R, 4) \
+    SCREEN_TILE(R, 5) SCREEN_TILE(R, 6)
+SCREEN_TILES_OF(4)
+SCREEN_TILES_OF(1)
+typedef void (*screen_tile_fn)(const float *, const float *, int64_t, const uint16_t *, int64_t, float *, int64_t,
+                               int64_t, int64_t);
+static const screen_tile_fn TILES_4[SCREEN_TOKENS] = {bf16_tile_4x1, bf16_tile_4x2, bf16_tile_4x3,
+                                                      bf16_tile_4x4, bf16_tile_4x5, bf16_tile_4x6};
+static const screen_tile_fn TILES_1[SCREEN_TOKENS] = {bf16_tile_1x1, bf16_tile_1x2, bf16_tile_1x3,
+                                                      bf16_tile_1x4, bf16_tile_1x5, bf16_tile_1x6};
+
+/* One tile's rows over all T tokens, SCREEN_TOKENS or fewer a sweep, spread evenly; the first sweep
+ * prefetches `ahead` bytes on from each row (0: none). */
+static void tile_sweeps(const screen_tile_fn *tiles, const float *xe, const float *xo, int64_t T, int64_t K,
+                        const uint16_t *w, int64_t rs, float *y, int64_t ldy, int64_t ys, int64_t ahead) {
+    const int64_t sweeps = (T + SCREEN_TOKENS - 1) / SCREEN_TOKENS;
+    for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+        const int64_t left = sweeps - sweep, tokens = (T - t) / left + ((T - t) % left != 0);
+        tiles[tokens - 1](xe + t * K / 2, xo + t * K / 2, K, w, rs, y + t * ldy, ldy, ys, sweep == 0 ? ahead : 0);
+        t += tokens;
+    }
+}
+
+static void bf16_quads(const float *xe, const float *xo, const uint16_t *w, float *y, int64_t T, int64_t K,
+                       int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t q = (n1 - n0) / 4, row_bytes = K * (int64_t)sizeof(uint16_t);
+    for (int64_t i = 0; i < q; i++)
+        tile_sweeps(TILES_4, xe, xo, T, K, w + (n0 + i) * K, q * K, y + n0 + i, ldy, q, i + 1 < q ? row_bytes : 0);
+    for (int64_t n = n0 + 4 * q; n < n1; n++) tile_sweeps(TILES_1, xe, xo, T, K, w + n * K, K, y + n, ldy, 1, 0);
+}
+
+/* The paths: 0 AVX2 rows, 1 AVX-512 (the best the CPU has, set at load; flashllm_screen_set_path) */
+static int screen_path = 0, best_path = 0;
+__attribute__((constructor)) static void pick_screen_path(void) {
+    __builtin_cpu_init();
+    best_path = screen_path = __builtin_cpu_supports("avx512f") ? 1 : 0;
+}
+
+/* Sets the path (for tests and A/B runs; one the CPU lacks changes nothing); returns the path in use. */
+int flashllm_screen_set_path(int path) {
+    if (path >= 0 && path <= best_path) screen_path = path;
+    return screen_path;
+}
+
+typedef struct {
+    const float *xe, *xo;
+    const uint16_t *w;
+    float *y;
+    int64_t T, K, ldy;
+} screen_args;
+
+static void screen_share(void *ctx, int64_t n0, int64_t n1) {
+    const screen_args *a = ctx;
+    if (screen_path == 1 && a->T == 1) bf16_octs(a->xe, a->xo, a->w, a->y, a->K, n0, n1);
+    else if (screen_path == 1) bf16_quads(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    else bf16_rows(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+}
+
+/* The most tokens the AVX2 rows take: past one token they lose to the fp32 AVX2 tiles, which load a
+ * weight once for 3 tokens (16 rows of 151936 x 896 on the team's Intel VM with AVX-512 off, two
+ * threads: 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
+#define AVX2_MAX_TOKENS 2
+
+/* y[t * ldy + n] = sum_k x[t * K + k] * fp32(w[n * K + k]) for t < T, n < N: w holds bf16 bit
+ * patterns, each sum an fp32 FMA chain. scratch: T * K floats (x deinterleaved into it). K a
+ * multiple of 32. Returns 0 without computing anything where this CPU's path does not take T tokens
+ * (AVX2_MAX_TOKENS), else 1. */
+int flashllm_bf16_gemv_mt(const float *x, const uint16_t *w, float *y, int64_t T, int64_t K, int64_t N,
+                          int64_t ldy, float *scratch, int threads) {
+    if (screen_path == 0 && T > AVX2_MAX_TOKENS) return 0;
+    const int64_t half = K / 2;
+    float *xe = scratch, *xo = scratch + T * half;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            xe[t * half + i] = x[t * K + 2 * i];
+            xo[t * half + i] = x[t * K + 2 * i + 1];
+        }
+    screen_args a = {xe, xo, w, y, T, K, ldy};
+    flashllm_parallel_for(screen_share, &a, N, threads, FINE_SHARES);
+    return 1;
+}
+
+/* The fp32 logit of one row: four 8-lane chains over 32 features a step, then the leftover features
+ * in order. The same order for a row wherever it is and whatever else is picked. */
+static float fixed_dot(const float *x, const float *row, int64_t K) {
+    const int64_t body = K / 32 * 32;
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < body; k += 32)
+        for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 8 * j), _mm256_loadu_ps(x + k + 8 * j), a[j]);
+    float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    for (int64_t k = body; k < K; k++) sum = fmaf(row[k], x[k], sum);
+    return sum;
+}
+
+typedef struct {
+    const float *x, *w, *scores, *b, *c, *d;
+    int64_t K, N, ldy, *out, *picked;
+} pick_args;
+
+/* pick_args' tokens t0..t1: see flashllm_screen_pick */
+static void pick_share(void *ctx, int64_t t0, int64_t t1) {
+    const pick_args *a = ctx;
+    const int64_t N = a->N, body = N / 8 * 8;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *s = a->scores + t * a->ldy, *b = a->b, *xt = a->x + t * a->K;
+        const float ct = a->c[t], dt = a->d[t];
+        const __m256 cv = _mm256_set1_ps(ct), dv = _mm256_set1_ps(dt);
+        __m256 low = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+        for (int64_t n = 0; n < body; n += 8) {
+            const __m256 sv = _mm256_loadu_ps(s + n);
+            low = _mm256_max_ps(low, _mm256_sub_ps(sv, _mm256_fmadd_ps(cv, _mm256_loadu_ps(b + n), dv)));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(sv, sv), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        }
+        float floor_ = hmax8(low);
+        int finite = _mm256_movemask_ps(bad) == 0;
+        for (int64_t n = body; n < N; n++) {
+            finite &= isfinite(s[n]);
+            const float lo = s[n] - fmaf(ct, b[n], dt);
+            if (lo > floor_) floor_ = lo;
+        }
+        int64_t best_n = -1, picked = 0;
+        float best = -INFINITY;
+        if (finite && isfinite(floor_)) {
+            const __m256 fv = _mm256_set1_ps(floor_);
+            for (int64_t n = 0; n < N; n += 8) {
+                int mask;
+                if (n < body) {
+                    const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(s + n), _mm256_fmadd_ps(cv, _mm256_loadu_ps(b + n), dv));
+                    mask = _mm256_movemask_ps(_mm256_cmp_ps(hi, fv, _CMP_GE_OQ));
+                } else {
+                    mask = 0;
+                    for (int64_t j = n; j < N; j++) mask |= (s[j] + fmaf(ct, b[j], dt) >= floor_) << (j - n);
+                }
+                for (; mask; mask &= mask - 1) {  /* the picked rows in order */
+                    const int64_t row = n + __builtin_ctz(mask);
+                    const float v = fixed_dot(xt, a->w + row * a->K, a->K);
+                    picked++;
+                    if (!isfinite(v)) { best_n = -2; break; }
+                    if (best_n < 0 || v > best) { best = v; best_n = row; }
+                }
+                if (best_n == -2) break;
+            }
+        }
+        a->out[t] = best_n < 0 ? -1 : best_n;
+        a->picked[t] = picked;
+    }
+}
+
+/* For each token t < T, with scores s = scores + t * ldy (N of them) and margins m_n = c[t] * b[n] + d[t]:
+ * out[t] = the row with the largest fixed_dot(x_t, w_n) (the first on ties) among the rows with
+ * s_n + m_n >= max_j (s_j - m_j); -1 where a score or a picked row's logit is not finite (the caller
+ * then takes that token's full logits). picked[t]: how many rows token t computed. Tokens are split
+ * over the worker pool. */
+void flashllm_screen_pick(const float *x, int64_t T, int64_t K, const float *w, const float *scores, int64_t N,
+                          int64_t ldy, const float *b, const float *c, const float *d, int64_t *out, int64_t *picked,
+                          int threads) {
+    pick_args a = {x, w, scores, b, c, d, K, N, ldy, out, picked};
+    flashllm_parallel_items(pick_share, &a, T, threads, 1);
+}

@@ -1,0 +1,139 @@
+"""The cpu backend's greedy LM head: the fp32 argmax without reading the fp32 head (csrc/greedy_screen.c).
+
+A greedy step needs each token's argmax over the vocabulary, not its logits. On the 0.5b shape the
+LM head is 136 M of 494 M weights, 0.54 GB of fp32 read every decode step. This head keeps a bf16
+copy of those rows (half the bytes) and finds the fp32 argmax exactly:
+
+1. scores: s_n = fl(sum_i x_i * bf16(w_ni)), the bf16 copy made fp32 in registers (exactly), in
+   fp32 FMA chains.
+2. the bound: rounding to nearest, |bf16(w) - w| <= 2^-8 |w|, and an fp32 sum of K terms in any
+   order is within gamma_K = K u / (1 - K u) (u = 2^-24) of their absolute sum. The score and the
+   row's fp32 logit l_n (one fixed order of sums) are thus at most
+   E * sum_i |x_i| |w_ni| <= E * ||x|| * ||w_n|| apart, E = 2^-8 + 2.01 gamma_K. The margin
+   m_n = c * b_n + d takes c = 1.01 E ||x|| and b_n >= ||w_n||, both rounded up: the 1% covers the
+   fp32 rounding of the margin arithmetic (|s_n| is at most ~||x|| b_n, 2^8 times below it, so
+   that rounding is ~2^-16 of the margin), and d the flushes and underflows below 2^-126.
+3. the pick: every row with s_n + m_n >= max_j (s_j - m_j) gets its fp32 logit l_n, and the token
+   is the first of those with the largest l_n. If r is the argmax of l (the first of the largest),
+   s_r + m_r >= l_r >= l_j >= s_j - m_j for every j, so r and every row tied with it are picked.
+
+So the token is the argmax of fp32 logits that each come from one fixed order of sums per row:
+the same token whatever else is in the batch (the full fp32 product's bits depend on the batch
+size; these do not). Where a score or a picked logit is not finite, that token's full logits are
+computed and the adapter's argmax (torch's rules) decides. On the 0.5b shape's random weights a
+token picks one to a few rows; a model whose top logits crowd within the margin picks more and
+stays exact, only slower.
+
+It takes a step only for a single-rank fp32 float LM head (not --quantize_lm_head), features a
+multiple of 32, at most native.MAX_TOKENS rows (2 on a CPU without AVX-512), with the native
+library; otherwise the engine computes logits as before. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashllm.backends.cpu import huge_pages, native, parallel
+
+ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
+_U = 2.0**-24  # fp32 unit roundoff
+_BF16_U = 2.0**-8  # bf16's (8 significant bits)
+_ROUND_UP = 1 + 2.0**-20  # a float64 norm rounded up past any fp32 rounding of it
+_CHUNK_ROWS = 8192
+
+
+def error_factor(in_features: int) -> float:
+    """c / ||x||: the margin's factor for rows of in_features weights (see the module docstring)."""
+    gamma = in_features * _U / (1 - in_features * _U)
+    return 1.01 * (_BF16_U + 2.01 * gamma)
+
+
+class GreedyScreen:
+    """hidden rows (T, K) fp32 -> each row's fp32 argmax token over the head's rows, or None when
+    this head does not take the call (the caller computes logits as before)."""
+
+    def __init__(self, weight: Tensor, vocab_size: int, fallback: Callable[[Tensor], Tensor]) -> None:
+        self.weight = weight[:vocab_size]  # rows past the vocabulary (tensor-parallel padding) never win
+        self.vocab_size, self.in_features = vocab_size, weight.shape[1]
+        shape = tuple(self.weight.shape)
+        big = huge_pages.enabled() and self.weight.numel() * 2 >= huge_pages.HUGE_PAGE
+        copy = huge_pages.huge_page_empty(shape, torch.bfloat16) if big else torch.empty(shape, dtype=torch.bfloat16)
+        norms = torch.empty(shape[0], dtype=torch.float64)
+        with torch.no_grad():
+            for start in range(0, shape[0], _CHUNK_ROWS):  # no float64 copy of the whole head at once
+                rows = self.weight[start : start + _CHUNK_ROWS]
+                copy[start : start + _CHUNK_ROWS] = rows  # rounded to nearest even
+                norms[start : start + _CHUNK_ROWS] = rows.double().norm(dim=1)
+        self.screen = copy.view(torch.int16)
+        self.row_bound = _up(norms * _ROUND_UP)
+        self.max_row_norm = float(norms.max()) if len(norms) else 0.0
+        self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
+        self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a greedy step reads of this head (the bf16 copy; the picked fp32 rows are a few)."""
+        return self.screen.nbytes + self.row_bound.nbytes
+
+    def __call__(self, hidden: Tensor) -> Tensor | None:
+        lib = native.library()
+        tokens, k = hidden.shape
+        if lib is None or hidden.dtype != torch.float32 or not 0 < tokens <= native.MAX_TOKENS:
+            return None
+        x = hidden.contiguous()
+        n = self.vocab_size
+        scores = torch.empty(tokens, n, dtype=torch.float32)
+        scratch = torch.empty(tokens, k, dtype=torch.float32)
+        if not lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
+                                         scratch.data_ptr(), native.threads_for(tokens, n, k)):
+            return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
+        x_norm = x.double().norm(dim=1)
+        margin = _up(error_factor(k) * x_norm * _ROUND_UP)
+        # subnormal weights' bf16 rounding and underflowed sums, far below any fp32 logit that matters
+        floor = _up((4 * k + math.sqrt(k) * (x_norm + self.max_row_norm)) * 2.0**-125)
+        out, picked = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
+        lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
+                                 self.row_bound.data_ptr(), margin.data_ptr(), floor.data_ptr(), out.data_ptr(),
+                                 picked.data_ptr(), min(tokens, parallel.workers()))
+        self.picked += int(picked.sum())
+        unsure = (out < 0).nonzero().flatten()
+        if unsure.numel():
+            out[unsure] = self._fallback(x[unsure])
+        return out
+
+
+def _up(values: Tensor) -> Tensor:
+    """float64 values as fp32 no smaller than them."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+
+
+def build(model: torch.nn.Module, argmax: Any) -> GreedyScreen | None:
+    """The screened head of a loaded model (kept on its LMHead as `greedy_screen`), or None where
+    it does not apply: switched off, no native library, not an fp32 float single-rank head, or
+    features not a multiple of 32."""
+    from flashllm.models.layers.embedding import LMHead
+
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, LMHead):
+        return None
+    existing = getattr(head, "greedy_screen", None)
+    if existing is not None:
+        return existing
+    weight = head.weight
+    lib = native.library()
+    if (lib is None or head.tp_size != 1 or head.qweight is None or head.qweight.scheme != "none"
+            or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[1] % 32 != 0 or not weight.is_contiguous()):
+        return None
+    screen = GreedyScreen(weight, head.num_embeddings, lambda rows: argmax(head(rows).float()))
+    head.greedy_screen = screen
+    return screen
