@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,7 +113,7 @@ def _up(values: Tensor) -> Tensor:
     return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
 
 
-def build(model: torch.nn.Module, argmax: Any) -> GreedyScreen | None:
+def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
     """The screened head of a loaded model (kept on its LMHead as `greedy_screen`), or None where
     it does not apply: switched off, no native library, not an fp32 float single-rank head, or
     features not a multiple of 32."""

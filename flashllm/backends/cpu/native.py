@@ -1,8 +1,9 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
-csrc/greedy_screen.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops' wrappers are in native_ops.py): built with the system C compiler
-on first use, loaded through ctypes; the GEMVs split their output rows over the library's own
-spinning worker pool (csrc/thread_pool.h).
+csrc/greedy_screen.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops'
+wrappers are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C
+compiler on first use, loaded through ctypes; the GEMVs split their output rows over the
+library's own spinning worker pool (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
 split over two threads, and it has no vectorized int8/int4-weight GEMV on AVX2 at all (see
