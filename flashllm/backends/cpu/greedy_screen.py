@@ -11,8 +11,9 @@ copy of those rows (half the bytes) and finds the fp32 argmax exactly:
    row's fp32 logit l_n (one fixed order of sums) are thus at most
    E * sum_i |x_i| |w_ni| <= E * ||x|| * ||w_n|| apart, E = 2^-8 + 2.01 gamma_K. The margin
    m_n = c * b_n + d takes c = 1.01 E ||x|| and b_n >= ||w_n||, both rounded up: the 1% covers the
-   fp32 rounding of the margin arithmetic (|s_n| is at most ~||x|| b_n, 2^8 times below it, so
-   that rounding is ~2^-16 of the margin), and d the flushes and underflows below 2^-126.
+   fp32 rounding of the margin arithmetic (|s_n| is at most ~||x|| b_n, ~2^8 times the margin, so
+   that rounding is ~2^-16 of the margin), and d the bf16 rounding of subnormal weights and the
+   sums' underflows below 2^-126.
 3. the pick: every row with s_n + m_n >= max_j (s_j - m_j) gets its fp32 logit l_n, and the token
    is the first of those with the largest l_n. If r is the argmax of l (the first of the largest),
    s_r + m_r >= l_r >= l_j >= s_j - m_j for every j, so r and every row tied with it are picked.
@@ -43,7 +44,8 @@ from flashllm.backends.cpu import huge_pages, native, parallel
 ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
 _U = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16's (8 significant bits)
-_ROUND_UP = 1 + 2.0**-20  # a float64 norm rounded up past any fp32 rounding of it
+_ROUND_UP = 1 + 2.0**-20  # covers a float64 norm's own rounding (~K 2^-53); _up then rounds to fp32 upwards
+_INF = torch.tensor(math.inf)
 _CHUNK_ROWS = 8192
 
 
@@ -110,7 +112,7 @@ class GreedyScreen:
 def _up(values: Tensor) -> Tensor:
     """float64 values as fp32 no smaller than them."""
     rounded = values.float()
-    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, _INF), rounded)
 
 
 def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
