@@ -15,20 +15,71 @@ from flashllm.testing.tiny_models import build_tiny_model
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
 
 
-def _paths() -> list[int]:
-    """The screen's kernel paths this CPU runs: 0 (AVX2), and 1 (AVX-512) where it has it."""
+_AMX_ANY = 3  # csrc/greedy_screen.c's path that takes every token count through the AMX tiles
+
+
+def _best_path() -> int:
+    """The path the library picked at load: 0 AVX2, 1 AVX-512, 2 AMX from 8 tokens."""
     lib = native.library()
-    best = lib.flashllm_screen_set_path(1) if lib is not None else 0
-    return list(range(best + 1))
+    if lib is None:
+        return 0
+    best = lib.flashllm_screen_set_path(2)
+    return best
 
 
-@pytest.fixture(params=_paths(), ids=lambda p: ("avx2", "avx512")[p])
+def _paths() -> list[int]:
+    """The screen's kernel paths this CPU runs: 0 (AVX2); 1 (AVX-512) and, where it has AMX-BF16,
+    the AMX tiles at every token count."""
+    best = _best_path()
+    return list(range(min(best, 1) + 1)) + ([_AMX_ANY] if best == 2 else [])
+
+
+@pytest.fixture(params=_paths(), ids=lambda p: {0: "avx2", 1: "avx512", _AMX_ANY: "amx"}[p])
 def path(request):
     lib = native.library()
-    best = lib.flashllm_screen_set_path(1)
+    best = _best_path()
     lib.flashllm_screen_set_path(request.param)
     yield request.param
     lib.flashllm_screen_set_path(best)
+
+
+def _scores(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """flashllm_bf16_gemv_mt's return value and scores for tokens x against the bf16 copy of weight."""
+    tokens, k = x.shape
+    copy = weight.to(torch.bfloat16).contiguous()
+    scores = torch.empty(tokens, weight.shape[0])
+    scratch = torch.empty(16 * -(-tokens // 16) * k)
+    got = native.library().flashllm_bf16_gemv_mt(x.data_ptr(), copy.data_ptr(), scores.data_ptr(), tokens, k,
+                                                 weight.shape[0], weight.shape[0], scratch.data_ptr(), 2)
+    return got, scores
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 21])
+def test_scores_stay_within_their_bound(path, tokens) -> None:
+    """Every score is within E * sum |x| |w| of the exact logit, E the bound of the kernel that took
+    it. All-positive terms make the errors add up rather than cancel: tokens just under a bf16
+    halfway point (truncated to bf16, each would lose 2^-7 of itself) against weights exact in
+    bf16, and random ones against random weights."""
+    if path == 0 and tokens > 2:
+        pytest.skip("an AVX2 CPU's screen leaves more tokens to the fp32 tiles")
+    gen = torch.Generator().manual_seed(tokens)
+    k = 96
+    weight = torch.rand(70, k, generator=gen).to(torch.bfloat16).float() + 0.5
+    weight[35:] = torch.randn(35, k, generator=gen)
+    x = torch.full((tokens, k), 1 + 2.0**-7 - 2.0**-20)
+    x[(tokens + 1) // 2 :] = torch.randn(tokens // 2, k, generator=gen) * 4
+    got, scores = _scores(x, weight)
+    assert got == (2 if path == _AMX_ANY else 1)
+    exact = x.double() @ weight.double().T
+    bound = greedy_screen.error_factor(k, split=got == 2) * (x.double().abs() @ weight.double().abs().T)
+    assert bool(((scores.double() - exact).abs() <= bound).all())
+
+
+def test_the_amx_tiles_take_eight_tokens_and_more() -> None:
+    if _best_path() != 2:
+        pytest.skip("no AMX-BF16, or no permission from the kernel to use it")
+    weight = torch.randn(40, 64)
+    assert [_scores(torch.randn(t, 64), weight)[0] for t in (1, 7, 8, 32, 33)] == [1, 1, 2, 2, 1]
 
 
 class _Fallback:
@@ -167,3 +218,22 @@ def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monke
     assert counted.total == plain_counted.total + screen.nbytes
     assert screen.nbytes == head.numel() * 2 + head.shape[0] * 4
     assert counted.streamed == plain_counted.streamed - head.numel() * 4 + screen.nbytes
+
+
+def test_the_amx_tiles_give_the_engine_the_same_tokens(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every greedy step scored on the AMX tiles (path 3 takes any token count): the tokens of the
+    full fp32 logits, as with the screen off."""
+    if _best_path() != 2:
+        pytest.skip("no AMX-BF16, or no permission from the kernel to use it")
+    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lib = native.library()
+    lib.flashllm_screen_set_path(_AMX_ANY)
+    try:
+        llm = LLM(str(model_dir), **kwargs)
+        tokens = _generate(llm, greedy)
+        assert llm.engine.parts.model.lm_head.greedy_screen.picked >= 4 * 24
+    finally:
+        lib.flashllm_screen_set_path(2)
+    monkeypatch.setenv(greedy_screen.ENV_SWITCH, "0")
+    assert _generate(LLM(str(model_dir), **kwargs), greedy) == tokens

@@ -18,6 +18,16 @@ copy of those rows (half the bytes) and finds the fp32 argmax exactly:
    is the first of those with the largest l_n. If r is the argmax of l (the first of the largest),
    s_r + m_r >= l_r >= l_j >= s_j - m_j for every j, so r and every row tied with it are picked.
 
+On a CPU with AMX-BF16, 8 or more tokens take step 1 through bf16 tile products instead
+(csrc/greedy_screen.c): each token is split x = hi + lo + e, hi and lo bf16 and |e| < 2^-14 |x|,
+every product of two bf16 values is exact in fp32, and the tile unit adds the 2K of them in fp32
+in an order of its own. The score and l_n are then at most
+(2^-8 + 2^-22 + 2^-14 + gamma_K + 1.012 gamma_2K) sum_i |x_i| |w_ni| apart: the bf16 rounding
+against hi + lo, e, the logit's own sums and the tiles' (whose terms are at most
+(1 + 2^-7) |x_i| (1 + 2^-8) |w_ni|). As gamma_K <= gamma_2K / 2, E = 2^-8 + 2^-13 + 2.01 gamma_2K
+covers it there. The tiles take subnormal inputs as zero and flush subnormal sums, an error below
+2^-126 per term or per sum, which d covers at twice its size on that path.
+
 So the token is the argmax of fp32 logits that each come from one fixed order of sums per row:
 the same token whatever else is in the batch (the full fp32 product's bits depend on the batch
 size; these do not). Where a score or a picked logit is not finite, that token's full logits are
@@ -44,15 +54,18 @@ from flashllm.backends.cpu import huge_pages, native, parallel
 ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
 _U = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16's (8 significant bits)
+_SPLIT_U = 2.0**-13  # a token split in two bf16 parts: 2^-14 left over, plus its product with _BF16_U
 _ROUND_UP = 1 + 2.0**-20  # covers a float64 norm's own rounding (~K 2^-53); _up then rounds to fp32 upwards
 _INF = torch.tensor(math.inf)
 _CHUNK_ROWS = 8192
 
 
-def error_factor(in_features: int) -> float:
-    """c / ||x||: the margin's factor for rows of in_features weights (see the module docstring)."""
-    gamma = in_features * _U / (1 - in_features * _U)
-    return 1.01 * (_BF16_U + 2.01 * gamma)
+def error_factor(in_features: int, split: bool = False) -> float:
+    """c / ||x||: the margin's factor for rows of in_features weights, with `split` for scores from
+    the AMX tiles' split tokens (see the module docstring)."""
+    terms = 2 * in_features if split else in_features
+    gamma = terms * _U / (1 - terms * _U)
+    return 1.01 * (_BF16_U + (_SPLIT_U if split else 0.0) + 2.01 * gamma)
 
 
 class GreedyScreen:
@@ -90,14 +103,17 @@ class GreedyScreen:
         x = hidden.contiguous()
         n = self.vocab_size
         scores = torch.empty(tokens, n, dtype=torch.float32)
-        scratch = torch.empty(tokens, k, dtype=torch.float32)
-        if not lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
-                                         scratch.data_ptr(), native.threads_for(tokens, n, k)):
+        scratch = torch.empty(16 * -(-tokens // 16) * k, dtype=torch.float32)  # the AMX tiles' token parts fit too
+        path = lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
+                                         scratch.data_ptr(), native.threads_for(tokens, n, k))
+        if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
+        split = path == 2  # the AMX tiles' scores
         x_norm = x.double().norm(dim=1)
-        margin = _up(error_factor(k) * x_norm * _ROUND_UP)
-        # subnormal weights' bf16 rounding and underflowed sums, far below any fp32 logit that matters
-        floor = _up((4 * k + math.sqrt(k) * (x_norm + self.max_row_norm)) * 2.0**-125)
+        margin = _up(error_factor(k, split) * x_norm * _ROUND_UP)
+        # subnormal weights' bf16 rounding and underflowed sums (and the tiles' flushes), far below
+        # any fp32 logit that matters
+        floor = _up((1 + split) * (4 * k + math.sqrt(k) * (x_norm + self.max_row_norm)) * 2.0**-125)
         out, picked = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
                                  self.row_bound.data_ptr(), margin.data_ptr(), floor.data_ptr(), out.data_ptr(),
