@@ -19,12 +19,12 @@ _AMX_ANY = 3  # csrc/greedy_screen.c's path that takes every token count through
 
 
 def _best_path() -> int:
-    """The path the library picked at load: 0 AVX2, 1 AVX-512, 2 AMX from 8 tokens."""
+    """The best path this CPU has (0 AVX2, 1 AVX-512, 2 AMX from 8 tokens), left set: a path the
+    CPU lacks changes nothing, so 2 then 1 lands on the best whatever was set before."""
     lib = native.library()
     if lib is None:
         return 0
-    best = lib.flashllm_screen_set_path(2)
-    return best
+    return 2 if lib.flashllm_screen_set_path(2) == 2 else lib.flashllm_screen_set_path(1)
 
 
 def _paths() -> list[int]:

@@ -166,8 +166,9 @@ static void bf16_quads(const float *xe, const float *xo, const uint16_t *w, floa
  * subnormal inputs as zero and flushing subnormal sums: the score is within
  * (2^-8 + 2^-13 + 2.01 gamma_2K) sum |x| |w| of the fp32 logit (greedy_screen.py states the bound).
  * At 16 tokens the tiles took the scores of 151936 x 896 in ~16 ms against ~32 for the AVX-512
- * tiles, at 8 tokens the same, at 1 to 4 tokens 1.1-1.8x longer (the team's Intel VM, two
- * threads, twenty-first session), so they take AMX_MIN_TOKENS and more. */
+ * tiles, at 8 tokens about the same, at 1 to 4 tokens 1.05-1.8x longer (the team's Intel VM, two
+ * threads, twenty-first session), so they take AMX_MIN_TOKENS and more. The process asks the
+ * kernel for tile permission when the library loads (pick_screen_path). */
 #define AMX_MIN_TOKENS 8
 #define AMX_MAX_TOKENS 32  /* two 16-token column tiles */
 #define AMX_PREFETCH_BLOCKS 2  /* the next rows to prefetch: this many 16-row blocks on */
