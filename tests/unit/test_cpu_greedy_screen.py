@@ -48,7 +48,7 @@ def _scores(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     tokens, k = x.shape
     copy = weight.to(torch.bfloat16).contiguous()
     scores = torch.empty(tokens, weight.shape[0])
-    scratch = torch.empty(16 * -(-tokens // 16) * k)
+    scratch = torch.empty(greedy_screen.scratch_floats(tokens, k))
     got = native.library().flashllm_bf16_gemv_mt(x.data_ptr(), copy.data_ptr(), scores.data_ptr(), tokens, k,
                                                  weight.shape[0], weight.shape[0], scratch.data_ptr(), 2)
     return got, scores

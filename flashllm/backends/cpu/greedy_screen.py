@@ -68,6 +68,12 @@ def error_factor(in_features: int, split: bool = False) -> float:
     return 1.01 * (_BF16_U + (_SPLIT_U if split else 0.0) + 2.01 * gamma)
 
 
+def scratch_floats(tokens: int, in_features: int) -> int:
+    """The scratch flashllm_bf16_gemv_mt needs: the tokens deinterleaved (tokens x in_features), or
+    their bf16 parts as the AMX tiles' operand (16-token chunks of 16 floats' room a feature)."""
+    return 16 * -(-tokens // 16) * in_features
+
+
 class GreedyScreen:
     """hidden rows (T, K) fp32 -> each row's fp32 argmax token over the head's rows, or None when
     this head does not take the call (the caller computes logits as before)."""
@@ -103,7 +109,7 @@ class GreedyScreen:
         x = hidden.contiguous()
         n = self.vocab_size
         scores = torch.empty(tokens, n, dtype=torch.float32)
-        scratch = torch.empty(16 * -(-tokens // 16) * k, dtype=torch.float32)  # the AMX tiles' token parts fit too
+        scratch = torch.empty(scratch_floats(tokens, k), dtype=torch.float32)
         path = lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
                                          scratch.data_ptr(), native.threads_for(tokens, n, k))
         if not path:
