@@ -173,17 +173,13 @@ static void bf16_quads(const float *xe, const float *xo, const uint16_t *w, floa
 #define AMX_MAX_TOKENS 32  /* two 16-token column tiles */
 #define AMX_PREFETCH_BLOCKS 2  /* the next rows to prefetch: this many 16-row blocks on */
 #ifdef SCREEN_AMX
-static int amx_state = -1;  /* -1 not asked yet, 0 no AMX-BF16 or no permission from the kernel, 1 usable */
-
-/* AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission for this process to use tile data */
+/* AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission for this process to use tile data
+ * (asked once, by pick_screen_path when the library loads) */
 static int amx_usable(void) {
-    if (amx_state < 0) {
-        unsigned a, b, c, d;
-        int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
-        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): refused by kernels before 5.16 */
-        amx_state = ok && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }
-    return amx_state;
+    unsigned a, b, c, d;
+    const int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): refused by kernels before 5.16 */
+    return ok && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
 typedef struct {
