@@ -115,19 +115,21 @@ class GreedyScreen:
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
         split = path == 2  # the AMX tiles' scores
-        x_norm = x.double().norm(dim=1)
-        margin = _up(error_factor(k, split) * x_norm * _ROUND_UP)
-        # subnormal weights' bf16 rounding and underflowed sums (and the tiles' flushes), far below
-        # any fp32 logit that matters
-        floor = _up((1 + split) * (4 * k + math.sqrt(k) * (x_norm + self.max_row_norm)) * 2.0**-125)
-        out, picked = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
+        # each token's margin factor c = error_factor ||x|| _ROUND_UP and floor d, both rounded up to
+        # fp32 by the pick (its ||x|| in float64); d covers subnormal weights' bf16 rounding and
+        # underflowed sums (and the tiles' flushes), far below any fp32 logit that matters:
+        # d = (1 + split) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
+        floor_scale = (1 + split) * 2.0**-125
+        out, counts = torch.empty(tokens, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
-                                 self.row_bound.data_ptr(), margin.data_ptr(), floor.data_ptr(), out.data_ptr(),
-                                 picked.data_ptr(), min(tokens, parallel.workers()))
-        self.picked += int(picked.sum())
-        unsure = (out < 0).nonzero().flatten()
-        if unsure.numel():
-            out[unsure] = self._fallback(x[unsure])
+                                 self.row_bound.data_ptr(), error_factor(k, split) * _ROUND_UP,
+                                 floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k),
+                                 out.data_ptr(), counts.data_ptr(), min(tokens, parallel.workers()))
+        picked, unsure = counts.tolist()
+        self.picked += picked
+        if unsure:
+            rows = (out < 0).nonzero().flatten()
+            out[rows] = self._fallback(x[rows])
         return out
 
 

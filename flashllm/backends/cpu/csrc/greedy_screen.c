@@ -8,6 +8,7 @@
  * always one of them) and computes only those rows' logits in fp32, in one fixed order per row. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -352,18 +353,38 @@ static float fixed_dot(const float *x, const float *row, int64_t K) {
     return sum;
 }
 
+/* ||x|| in double: every square of a float is exact in double, and their sum is within K 2^-53 of
+ * its exact value, far inside the 2^-20 the caller's factor adds for it. */
+static double norm_of(const float *x, int64_t K) {
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4)
+        for (int j = 0; j < 4; j++) s[j] += (double)x[k + j] * x[k + j];
+    for (; k < K; k++) s[0] += (double)x[k] * x[k];
+    return sqrt((s[0] + s[1]) + (s[2] + s[3]));
+}
+
+/* The float nearest v, or the next one up where that fell below v (NaN stays NaN) */
+static float up_to_float(double v) {
+    const float f = (float)v;
+    return (double)f < v ? nextafterf(f, INFINITY) : f;
+}
+
 typedef struct {
-    const float *x, *w, *scores, *b, *c, *d;
-    int64_t K, N, ldy, *out, *picked;
+    const float *x, *w, *scores, *b;
+    double factor, floor0, floor1;
+    int64_t K, N, ldy, *out;
+    _Atomic int64_t picked, unsure;
 } pick_args;
 
 /* pick_args' tokens t0..t1: see flashllm_screen_pick */
 static void pick_share(void *ctx, int64_t t0, int64_t t1) {
-    const pick_args *a = ctx;
+    pick_args *a = ctx;
     const int64_t N = a->N, body = N / 8 * 8;
     for (int64_t t = t0; t < t1; t++) {
         const float *s = a->scores + t * a->ldy, *b = a->b, *xt = a->x + t * a->K;
-        const float ct = a->c[t], dt = a->d[t];
+        const double norm = norm_of(xt, a->K);
+        const float ct = up_to_float(a->factor * norm), dt = up_to_float(a->floor0 + a->floor1 * norm);
         const __m256 cv = _mm256_set1_ps(ct), dv = _mm256_set1_ps(dt);
         __m256 low = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
         for (int64_t n = 0; n < body; n += 8) {
@@ -402,18 +423,24 @@ static void pick_share(void *ctx, int64_t t0, int64_t t1) {
             }
         }
         a->out[t] = best_n < 0 ? -1 : best_n;
-        a->picked[t] = picked;
+        atomic_fetch_add(&a->picked, picked);
+        if (best_n < 0) atomic_fetch_add(&a->unsure, 1);
     }
 }
 
-/* For each token t < T, with scores s = scores + t * ldy (N of them) and margins m_n = c[t] * b[n] + d[t]:
+/* For each token t < T, with scores s = scores + t * ldy (N of them) and margins m_n = c_t * b[n] + d_t,
+ * where c_t = factor ||x_t|| and d_t = floor0 + floor1 ||x_t||, both rounded up to floats:
  * out[t] = the row with the largest fixed_dot(x_t, w_n) (the first on ties) among the rows with
  * s_n + m_n >= max_j (s_j - m_j); -1 where a score or a picked row's logit is not finite (the caller
- * then takes that token's full logits). picked[t]: how many rows token t computed. Tokens are split
- * over the worker pool. */
+ * then takes that token's full logits). counts[0]: the rows computed over all tokens, counts[1]: the
+ * tokens left at -1. Tokens are split over the worker pool. The margins are worked out here rather
+ * than by the caller: a handful of torch ops on one token took ~0.3 ms there, run just after the
+ * head's copy streamed through the caches (twenty-third session). */
 void flashllm_screen_pick(const float *x, int64_t T, int64_t K, const float *w, const float *scores, int64_t N,
-                          int64_t ldy, const float *b, const float *c, const float *d, int64_t *out, int64_t *picked,
-                          int threads) {
-    pick_args a = {x, w, scores, b, c, d, K, N, ldy, out, picked};
+                          int64_t ldy, const float *b, double factor, double floor0, double floor1, int64_t *out,
+                          int64_t *counts, int threads) {
+    pick_args a = {x, w, scores, b, factor, floor0, floor1, K, N, ldy, out, 0, 0};
     flashllm_parallel_items(pick_share, &a, T, threads, 1);
+    counts[0] = atomic_load(&a.picked);
+    counts[1] = atomic_load(&a.unsure);
 }
