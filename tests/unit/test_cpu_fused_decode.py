@@ -92,11 +92,15 @@ def test_steps_it_cannot_take_fall_back_and_a_direct_step_matches_the_model(mode
     bad_table = _decode_metadata([5, 20], [6, 21], [[2, 0], [1, 8]])           # block 8 of 8
     too_long = _decode_metadata([5, 20], [6, 40], [[2, 0], [1, 3]])            # 40 slots > 2 blocks
     padding = _decode_metadata([5, -1], [6, 21], [[2, 0], [1, 3]])             # a skipped slot
+    empty = _decode_metadata([5, 20], [0, 21], [[2, 0], [1, 3]])               # no context at all
+    negative_block = _decode_metadata([5, 20], [6, 21], [[2, 0], [-1, 3]])     # a block before the first
     with torch.inference_mode():
         assert fused(torch.tensor([3, 4]), torch.tensor([0, 1]), caches, prefill) is None
-        for bad in (bad_slot, bad_table, too_long, padding):
+        for bad in (bad_slot, bad_table, too_long, padding, empty, negative_block):
             assert fused(ids, positions, caches, bad) is None
         assert fused(ids, torch.tensor([5, fused._max_position]), caches, md) is None  # past the rope table
+        assert fused(ids, torch.tensor([-1, 20]), caches, md) is None           # before it
+        assert fused(ids, positions.int(), caches, md) is None                  # positions the C code cannot read
         assert fused(ids, positions, caches[:-1], md) is None                   # a cache per layer
         # caches it took before, one of them changed: the same memory with fewer blocks, as another
         # dtype or in another layout, or a copy in half precision, is checked again and refused

@@ -10,7 +10,8 @@ whose layers bound the cpu backend's kernels (not the reference's, which shares 
 every layer the standard pre-norm block with a SwiGLU MLP and no sliding window, fp32 norms and
 activations, fp32 or native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch
 (every sequence one new token, at most native.MAX_TOKENS of them). Anything else returns None
-and the model's own forward runs. Every index the C code follows is range-checked here first.
+and the model's own forward runs. Every index the C code follows is range-checked, in C, before
+the step writes anything.
 FLASHLLM_CPU_FUSED_DECODE=0 turns it off (for A/B runs).
 """
 
@@ -49,7 +50,7 @@ class _Step(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
         ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
-        ("silu_split", _I64)]
+        ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64)]
 
 
 def _fp32(t: Tensor | None) -> bool:
@@ -200,36 +201,29 @@ class FusedDecode:
         if bound is None:
             return None
         num_blocks, block_size = bound
-        tables, seq_lens = md.block_tables, md.seq_lens
-        if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tables.shape[0] != tokens:
+        tables, seq_lens, slots = md.block_tables, md.seq_lens, md.slot_mapping
+        if (tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tables.shape[0] != tokens
+                or positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.numel() != tokens):
             return None
-        positions, slots = positions.contiguous(), md.slot_mapping.contiguous()
+        positions, slots = positions.contiguous(), slots.contiguous()
         tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
-        # every index the C code follows, checked here: a bad one runs the checked torch path
-        low, high = torch.aminmax(seq_lens)
-        longest = int(high)
-        if int(low) < 1 or longest > tables.shape[1] * block_size:
-            return None
-        for values, limit in ((positions, self._max_position), (slots, num_blocks * block_size),
-                              (tables[:, : -(-longest // block_size)], num_blocks)):
-            low, high = torch.aminmax(values)
-            if int(low) < 0 or int(high) >= limit:
-                return None
         hidden = self._embed(input_ids).contiguous()
         if not _fp32(hidden):
             return None
         residual = torch.empty_like(hidden)
         step = _Step(T=tokens, block_size=block_size, width=tables.shape[1], positions=positions.data_ptr(),
                      slots=slots.data_ptr(), rows=self._rows.data_ptr(), tables=tables.data_ptr(),
-                     seq_lens=seq_lens.data_ptr(), threads=parallel.workers(), **self._static)
+                     seq_lens=seq_lens.data_ptr(), threads=parallel.workers(), num_blocks=num_blocks,
+                     max_position=self._max_position, **self._static)
         lib = native.library()
         size = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))
         if self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.float32)
-        lib.flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
-                                  hidden.data_ptr(),
-                                  residual.data_ptr(), self._scratch.data_ptr())
-        return hidden
+        # every index the C code follows is range-checked there before anything is written: a bad
+        # one returns 0 and the checked torch path runs instead
+        done = lib.flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
+                                         hidden.data_ptr(), residual.data_ptr(), self._scratch.data_ptr())
+        return hidden if done else None
 
 
 def build(model: Any) -> FusedDecode | None:

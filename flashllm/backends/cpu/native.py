@@ -76,7 +76,7 @@ _SIGNATURES = {
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
     "flashllm_screen_pick": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _P, ctypes.c_int], None),
-    "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], None),
+    "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], ctypes.c_int),
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),

@@ -5,7 +5,7 @@
  * 2-core VM: 8 ms of a 72 ms token for the 0.5b shape. This file runs the same kernels in the
  * same order for all layers of a decode step (every sequence brings one token), so the result is
  * what the per-op native path computes; flashllm/backends/cpu/decode_stack.py decides when it
- * applies and range-checks every index first.
+ * applies, and indices_in_range checks every index before the first write.
  *
  * Per layer, with h the layer input and r the residual stream (r = h before the first layer):
  *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); rotate q, k; cache[slot] = k, v;
@@ -48,7 +48,27 @@ typedef struct {
     int64_t split_elements;     /* products with at least N x K of this many weights split over threads */
     int64_t attention_split;    /* attention splits from this many (sequence, head, slot) triples */
     int64_t silu_split;         /* silu_and_mul splits from this many outputs */
+    int64_t num_blocks;         /* blocks in each KV cache */
+    int64_t max_position;       /* rows of cos_sin */
 } stack_step;
+
+/* Whether every index the step follows is in range: each context length within its table, each
+ * position within the rope table, each new token's slot within the caches, and each block a
+ * sequence's context reads within them. Checked before anything is written, here rather than in
+ * decode_stack.py, where four torch.aminmax calls and their conversions took ~80 us a batch-1 step
+ * (twenty-third session); here they cost nothing measurable, and each row's table is checked only
+ * as far as its own context reaches. */
+static int indices_in_range(const stack_step *s) {
+    for (int64_t t = 0; t < s->T; t++) {
+        const int64_t len = s->seq_lens[t];
+        if (len < 1 || len > s->width * s->block_size) return 0;
+        if (s->positions[t] < 0 || s->positions[t] >= s->max_position) return 0;
+        if (s->slots[t] < 0 || s->slots[t] >= s->num_blocks * s->block_size) return 0;
+        for (int64_t j = 0; j < (len + s->block_size - 1) / s->block_size; j++)
+            if (s->tables[t * s->width + j] < 0 || s->tables[t * s->width + j] >= s->num_blocks) return 0;
+    }
+    return 1;
+}
 
 /* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations
  * (the two together, T x K floats, hold the int8 ones and their scales for LINEAR_W4A8) */
@@ -83,9 +103,11 @@ int64_t flashllm_decode_stack_scratch(const stack_step *s) {
     return s->T * (s->H + qkv + s->Hq * s->D + 2 * s->I + s->I + widest);
 }
 
-/* hidden (T, H): the embedded tokens in, the final-normed hidden states out; residual (T, H) scratch. */
-void flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step *s, float *hidden,
-                           float *residual, float *scratch) {
+/* hidden (T, H): the embedded tokens in, the final-normed hidden states out; residual (T, H) scratch.
+ * Returns 0, having written nothing, where an index is out of range (indices_in_range); 1 when done. */
+int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step *s, float *hidden,
+                          float *residual, float *scratch) {
+    if (!indices_in_range(s)) return 0;
     const int64_t T = s->T, H = s->H, D = s->D, qkv_width = (s->Hq + 2 * s->Hk) * D;
     const int64_t widest = s->I > H ? s->I : H;
     float *x = scratch, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * s->Hq * D;
@@ -121,4 +143,5 @@ void flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_ste
     }
     flashllm_rms_norm(hidden, residual, residual, s->final_norm, x, T, H, s->eps);
     memcpy(hidden, x, (size_t)(T * H) * sizeof(float));
+    return 1;
 }
