@@ -133,8 +133,9 @@ class WeightBytes:
 
     linear: the linear layers' weights as stored (quantized data + scales + zeros, or float),
       and a quantized LM head's int8 copy (--quantize_lm_head);
-    other: everything else (embeddings, norms, biases, a float untied lm_head, and the bf16 copy a
-      device's greedy head keeps of it: flashllm/backends/cpu/greedy_screen.py); total = both.
+    other: everything else (embeddings, norms, biases, a float untied lm_head, and the copy a
+      device's greedy head keeps of it with its scales and bounds:
+      flashllm/backends/cpu/greedy_screen.py); total = both.
     Tensors shared between modules (tied embeddings, a dense QuantizedWeight over its
     parameter) are counted once.
     streamed: what one greedy decode step reads, the ceiling's denominator: total less the input

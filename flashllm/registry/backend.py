@@ -227,8 +227,8 @@ class DeviceAdapter:
 
         The callable maps the rows' final hidden states (N, hidden) to their tokens (N,) int64, or
         returns None for a call it does not take. Its token must be the argmax, first on ties, of
-        logits the head's own precision gives (the cpu backend's finds the fp32 argmax from a bf16
-        copy of the head and a proven error bound: flashllm/backends/cpu/greedy_screen.py). The
+        logits the head's own precision gives (the cpu backend's finds the fp32 argmax from an int8
+        or bf16 copy of the head and a proven error bound: flashllm/backends/cpu/greedy_screen.py). The
         engine builds it once, after the weights are placed, so any copy it keeps is counted before
         the KV cache is sized.
         """

@@ -41,11 +41,12 @@ def test_the_head_is_int8_while_the_embedding_table_stays_float(model_dir: Path)
     # the int8 copy is counted: a quarter of the fp32 table plus one fp32 scale per row
     vocab, hidden = head.weight.shape
     counted, plain_counted = weight_bytes(quantized.engine.parts.model), weight_bytes(plain.engine.parts.model)
-    # the float head has the cpu backend's greedy screen (its bf16 copy and row norms) where the
-    # native kernels run; the int8 head has none
+    # the float head has the cpu backend's greedy screen (its bf16 copy and row bounds, or its int8
+    # copy, scales and row bounds) where the native kernels run; the int8 head has none
     assert getattr(head, "greedy_screen", None) is None
     screen = getattr(plain_head, "greedy_screen", None)
-    screen_bytes = 0 if screen is None else vocab * hidden * 2 + vocab * 4
+    per_row = {"bf16": (2, 4), "int8": (1, 8)}[screen.kind] if screen is not None else (0, 0)
+    screen_bytes = vocab * hidden * per_row[0] + vocab * per_row[1]
     added = counted.total - plain_counted.total
     assert added == vocab * hidden + vocab * 4 - screen_bytes
     # a decode step streams the float table only while it is the head, and not even then where a

@@ -1,4 +1,5 @@
-"""The cpu backend's greedy LM head (greedy_screen.py): the fp32 argmax from a bf16 copy and a bound."""
+"""The cpu backend's greedy LM head (greedy_screen.py): the fp32 argmax from a bf16 or int8 copy and a
+bound. The int8 copy's own bound and kernels: test_cpu_greedy_screen_int8.py."""
 
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def path(request):
     lib.flashllm_screen_set_path(request.param)
     yield request.param
     lib.flashllm_screen_set_path(best)
+
+
+def _copies() -> list[tuple[str, int]]:
+    """(copy, kernel path) pairs this CPU runs: the bf16 copy on each of _paths(), and where the
+    library has an int8 path, the int8 copy through the VNNI loops (1) and the AMX-INT8 tiles at
+    every token count (3)."""
+    lib = native.library()
+    int8 = lib.flashllm_i8_screen_set_path(-1) if lib is not None else 0
+    return [("bf16", p) for p in _paths()] + [("int8", p) for p in (1, _AMX_ANY)[: int8]]
+
+
+@pytest.fixture(params=_copies(), ids=lambda c: f"{c[0]}-{c[1]}")
+def copy(request):
+    """(kind, path): the copy the test's screens score from, with that kernel path set for it."""
+    kind, path = request.param
+    lib = native.library()
+    if kind == "bf16":
+        best = _best_path()
+        lib.flashllm_screen_set_path(path)
+        yield request.param
+        lib.flashllm_screen_set_path(best)
+    else:
+        best = lib.flashllm_i8_screen_set_path(-1)
+        lib.flashllm_i8_screen_set_path(path)
+        yield request.param
+        lib.flashllm_i8_screen_set_path(best)
 
 
 def _scores(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -93,20 +120,20 @@ class _Fallback:
         return (rows @ self.weight.T).argmax(dim=-1)
 
 
-def _screen(weight: torch.Tensor) -> tuple[greedy_screen.GreedyScreen, _Fallback]:
+def _screen(weight: torch.Tensor, kind: str = "bf16") -> tuple[greedy_screen.GreedyScreen, _Fallback]:
     fallback = _Fallback(weight)
-    return greedy_screen.GreedyScreen(weight, weight.shape[0], fallback), fallback
+    return greedy_screen.GreedyScreen(weight, weight.shape[0], fallback, kind), fallback
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 16])
 @pytest.mark.parametrize("vocab,features", [(4099, 96), (1000, 896)])
-def test_random_heads_give_the_float64_argmax(path, tokens, vocab, features) -> None:
+def test_random_heads_give_the_float64_argmax(copy, tokens, vocab, features) -> None:
     gen = torch.Generator().manual_seed(vocab + tokens)
     weight = torch.randn(vocab, features, generator=gen) * 0.05
     x = torch.randn(tokens, features, generator=gen) * 3
-    screen, fallback = _screen(weight)
+    screen, fallback = _screen(weight, copy[0])
     got = screen(x)
-    if path == 0 and tokens > 2:  # an AVX2 CPU's screen leaves more tokens to the fp32 tiles
+    if copy == ("bf16", 0) and tokens > 2:  # an AVX2 CPU's screen leaves more tokens to the fp32 tiles
         assert got is None
         return
     exact = x.double() @ weight.double().T
@@ -136,40 +163,40 @@ def test_a_row_its_bf16_copy_ranks_second_is_settled_in_fp32(path) -> None:
     assert screen.picked == 2
 
 
-def test_tied_rows_give_the_first(path) -> None:
+def test_tied_rows_give_the_first(copy) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(50, 32, generator=gen) * 0.01
     x = torch.randn(2, 32, generator=gen)
     best = torch.randn(32, generator=gen)
     weight[31], weight[7] = best, best  # the same row twice: the same fp32 logit
-    screen, _ = _screen(weight)
+    screen, _ = _screen(weight, copy[0])
     assert screen(x * 0 + best).tolist() == [7, 7]
 
 
-def test_a_token_without_finite_scores_takes_its_full_logits(path) -> None:
+def test_a_token_without_finite_scores_takes_its_full_logits(copy) -> None:
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(300, 32, generator=gen)
     x = torch.randn(2, 32, generator=gen)
     x[1, 3] = float("nan")
-    screen, fallback = _screen(weight)
+    screen, fallback = _screen(weight, copy[0])
     got = screen(x)
     assert fallback.rows == 1
     assert got.tolist() == [int((x[0] @ weight.T).argmax()), 0]  # NaN logits: torch's argmax takes the first
 
 
-def test_a_row_with_a_nan_weight_wins_as_in_torch(path) -> None:
+def test_a_row_with_a_nan_weight_wins_as_in_torch(copy) -> None:
     """A score that is not finite sends the token to its full logits, where torch's argmax takes
     the NaN; skipping the row instead would pick the best finite one."""
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 32, generator=gen)
     weight[123, 5] = float("nan")
     x = torch.randn(1, 32, generator=gen)
-    screen, fallback = _screen(weight)
+    screen, fallback = _screen(weight, copy[0])
     assert screen(x).tolist() == [123]
     assert fallback.rows == 1
 
 
-def test_a_row_whose_sum_overflows_to_nan_wins_as_in_torch(path) -> None:
+def test_a_row_whose_sum_overflows_to_nan_wins_as_in_torch(copy) -> None:
     """Finite weights whose products overflow both ways (+inf and -inf in different lanes): that
     score is NaN while every margin stays finite, and torch's argmax of the full logits takes it."""
     gen = torch.Generator().manual_seed(4)
@@ -177,7 +204,7 @@ def test_a_row_whose_sum_overflows_to_nan_wins_as_in_torch(path) -> None:
     x = torch.zeros(1, 32)
     x[0, :2] = 1e20
     weight[7, :2] = torch.tensor([1e20, -1e20])
-    screen, fallback = _screen(weight)
+    screen, fallback = _screen(weight, copy[0])
     assert screen(x).tolist() == [7]
     assert fallback.rows == 1
 
@@ -205,7 +232,7 @@ def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monke
     sampled = _generate(llm, SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True))
     logprobs = _generate(llm, SamplingParams(temperature=0.0, logprobs=2, max_tokens=8, ignore_eos=True))
     assert screen.picked == picked
-    # the bf16 copy is counted, and read by a greedy step in place of the float head
+    # the copy is counted, and read by a greedy step in place of the float head
     counted = weight_bytes(model)
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "0")
     plain = LLM(str(model_dir), **kwargs)
@@ -216,7 +243,9 @@ def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monke
     plain_counted = weight_bytes(plain.engine.parts.model)
     head = model.lm_head.weight
     assert counted.total == plain_counted.total + screen.nbytes
-    assert screen.nbytes == head.numel() * 2 + head.shape[0] * 4
+    # the copy, its fp32 row bounds, and the int8 copy's fp32 scales
+    per_row = {"bf16": (2, 4), "int8": (1, 8)}[screen.kind]
+    assert screen.nbytes == head.numel() * per_row[0] + head.shape[0] * per_row[1]
     assert counted.streamed == plain_counted.streamed - head.numel() * 4 + screen.nbytes
 
 

@@ -99,7 +99,7 @@ class CpuAdapter(DeviceAdapter):
         return decode_stack.build(model)
 
     def greedy_head(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-        """fp32 greedy steps from a bf16 copy of the LM head and an error bound (see greedy_screen.py)."""
+        """fp32 greedy steps from an int8 or bf16 copy of the LM head and an error bound (see greedy_screen.py)."""
         from flashllm.backends.cpu import greedy_screen
 
         return greedy_screen.build(model, self.argmax)

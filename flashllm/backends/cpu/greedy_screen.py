@@ -1,8 +1,10 @@
-"""The cpu backend's greedy LM head: the fp32 argmax without reading the fp32 head (csrc/greedy_screen.c).
+"""The cpu backend's greedy LM head: the fp32 argmax without reading the fp32 head
+(csrc/greedy_screen.c, csrc/greedy_screen_int8.c).
 
 A greedy step needs each token's argmax over the vocabulary, not its logits. On the 0.5b shape the
-LM head is 136 M of 494 M weights, 0.54 GB of fp32 read every decode step. This head keeps a bf16
-copy of those rows (half the bytes) and finds the fp32 argmax exactly:
+LM head is 136 M of 494 M weights, 0.54 GB of fp32 read every decode step. This head keeps a copy
+of those rows, bf16 (half the bytes) or on CPUs with AVX-512 VNNI int8 (a quarter; below), and
+finds the fp32 argmax exactly (steps 1-3 for the bf16 copy):
 
 1. scores: s_n = fl(sum_i x_i * bf16(w_ni)), the bf16 copy made fp32 in registers (exactly), in
    fp32 FMA chains.
@@ -28,6 +30,19 @@ against hi + lo, e, the logit's own sums and the tiles' (whose terms are at most
 covers it there. The tiles take subnormal inputs as zero and flush subnormal sums, an error below
 2^-126 per term or per sum, which d covers at twice its size on that path.
 
+On a CPU with AVX-512 VNNI the head is kept as int8 instead (csrc/greedy_screen_int8.c), half the
+bytes again: row n as codes q_n in -127..127 and an fp32 scale s_n = max |w_n| / 127, so
+w_n = s_n q_n + e_n with e_n known exactly at load (float64); each token as x = (t / m) P + rho, t a
+power of two >= max |x| / 127, P = m round(x / t) + round(m (x / t - round(x / t))), so
+|rho_k| <= t / (2m) and ||rho|| <= sqrt(K) ||x|| / (127 m) =: r ||x||. The score is
+fl(fl(fl(I) s_n) (t / m)) with I = sum q_nk P_k an exact integer (m, a power of two <= 128, keeps
+127 * 127.5 m K below 2^31), so it is within 2.01 u of s_n (t / m) I = sum (s_n q_nk)(x_k - rho_k),
+whose distance from the exact logit is |sum e_nk x_k + sum s_n q_nk rho_k| <= ||e_n|| ||x|| +
+||s_n q_n|| r ||x||; the fp32 logit's own sums add gamma_K ||w_n|| ||x||. So the margin takes
+c = 1.01 ||x|| and b_n >= ||e_n|| + ||s_n q_n|| (r + 3 u (1 + r)) + 2.01 gamma_K ||w_n|| (the 1%
+as above: here the margin is at least ~2^-12 of |s_n|), and d twice its bf16 size for the scores'
+underflows. The VNNI loops and the AMX-INT8 tiles compute the same I, so the same scores.
+
 So the token is the argmax of fp32 logits that each come from one fixed order of sums per row:
 the same token whatever else is in the batch (the full fp32 product's bits depend on the batch
 size; these do not). Where a score or a picked logit is not finite, that token's full logits are
@@ -37,7 +52,8 @@ stays exact, only slower.
 
 It takes a step only for a single-rank fp32 float LM head (not --quantize_lm_head), features a
 multiple of 32, at most native.MAX_TOKENS rows (2 on a CPU without AVX-512), with the native
-library; otherwise the engine computes logits as before. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off (for A/B runs).
+library; otherwise the engine computes logits as before. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
+=bf16 keeps the bf16 copy where the int8 one would run (both for A/B runs).
 """
 
 from __future__ import annotations
@@ -74,32 +90,88 @@ def scratch_floats(tokens: int, in_features: int) -> int:
     return 16 * -(-tokens // 16) * in_features
 
 
+def int8_multiplier(in_features: int) -> int:
+    """m for rows of in_features weights: the largest power of two <= 128 with 127 * 127.5 m K < 2^31
+    (every int32 sum of the int8 path exact), or 0 where not even m = 1 fits."""
+    m = 128
+    while m >= 1 and 127 * 127.5 * m * in_features >= 2**31:
+        m //= 2
+    return m
+
+
 class GreedyScreen:
     """hidden rows (T, K) fp32 -> each row's fp32 argmax token over the head's rows, or None when
-    this head does not take the call (the caller computes logits as before)."""
+    this head does not take the call (the caller computes logits as before).
 
-    def __init__(self, weight: Tensor, vocab_size: int, fallback: Callable[[Tensor], Tensor]) -> None:
+    kind: "int8" or "bf16", the copy to score from; None takes int8 where the native library has
+    an int8 path on this CPU (and FLASHLLM_CPU_GREEDY_SCREEN is not "bf16"), else bf16."""
+
+    def __init__(self, weight: Tensor, vocab_size: int, fallback: Callable[[Tensor], Tensor],
+                 kind: str | None = None) -> None:
         self.weight = weight[:vocab_size]  # rows past the vocabulary (tensor-parallel padding) never win
         self.vocab_size, self.in_features = vocab_size, weight.shape[1]
+        self.multiplier = int8_multiplier(self.in_features)
+        if kind is None:
+            lib = native.library()
+            int8 = (os.environ.get(ENV_SWITCH) != "bf16" and self.multiplier > 0 and lib is not None
+                    and lib.flashllm_i8_screen_set_path(-1) > 0)
+            kind = "int8" if int8 else "bf16"
+        self.kind = kind
         shape = tuple(self.weight.shape)
-        big = huge_pages.enabled() and self.weight.numel() * 2 >= huge_pages.HUGE_PAGE
-        copy = huge_pages.huge_page_empty(shape, torch.bfloat16) if big else torch.empty(shape, dtype=torch.bfloat16)
+        dtype = torch.int8 if kind == "int8" else torch.bfloat16
+        big = huge_pages.enabled() and self.weight.numel() * dtype.itemsize >= huge_pages.HUGE_PAGE
+        copy = huge_pages.huge_page_empty(shape, dtype) if big else torch.empty(shape, dtype=dtype)
+        bounds = torch.empty(shape[0], dtype=torch.float64)
+        self.scales = torch.empty(shape[0] if kind == "int8" else 0, dtype=torch.float32)
         norms = torch.empty(shape[0], dtype=torch.float64)
         with torch.no_grad():
             for start in range(0, shape[0], _CHUNK_ROWS):  # no float64 copy of the whole head at once
                 rows = self.weight[start : start + _CHUNK_ROWS]
-                copy[start : start + _CHUNK_ROWS] = rows  # rounded to nearest even
-                norms[start : start + _CHUNK_ROWS] = rows.double().norm(dim=1)
-        self.screen = copy.view(torch.int16)
-        self.row_bound = _up(norms * _ROUND_UP)
+                part = slice(start, start + _CHUNK_ROWS)
+                norms[part] = rows.double().norm(dim=1)
+                if kind == "int8":
+                    bounds[part] = self._quantize(rows, copy[part], self.scales[part], norms[part])
+                else:
+                    copy[part] = rows  # rounded to nearest even
+                    bounds[part] = norms[part]
+        self.screen = copy if kind == "int8" else copy.view(torch.int16)
+        self.row_bound = _up(bounds * _ROUND_UP)
         self.max_row_norm = float(norms.max()) if len(norms) else 0.0
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
 
+    def _quantize(self, rows: Tensor, codes: Tensor, scales: Tensor, norms: Tensor) -> Tensor:
+        """Fill rows' int8 codes and scales; their b_n (the module docstring's int8 bound) in float64."""
+        k, m = self.in_features, self.multiplier
+        scales.copy_(rows.abs().amax(dim=1) / 127)
+        exact = rows.double()
+        scale = scales.double()[:, None]
+        q = torch.where(scale > 0, exact / scale, 0.0).round().clamp(-127, 127).nan_to_num()
+        codes.copy_(q.to(torch.int8))
+        rounded = q * scale  # s_n q_n, exact in float64
+        r = math.sqrt(k) / (127 * m)
+        gamma = k * _U / (1 - k * _U)
+        return ((exact - rounded).norm(dim=1) + rounded.norm(dim=1) * (r + 3 * _U * (1 + r))
+                + 2.01 * gamma * norms)
+
     @property
     def nbytes(self) -> int:
-        """Bytes a greedy step reads of this head (the bf16 copy; the picked fp32 rows are a few)."""
-        return self.screen.nbytes + self.row_bound.nbytes
+        """Bytes a greedy step reads of this head (the copy, its scales and bounds; the picked fp32
+        rows are a few)."""
+        return self.screen.nbytes + self.scales.nbytes + self.row_bound.nbytes
+
+    def _scores(self, lib, x: Tensor, scores: Tensor) -> int:
+        """The copy's scores of x into scores; the native path that took them (0: none did)."""
+        tokens, k = x.shape
+        n = self.vocab_size
+        threads = native.threads_for(tokens, n, k)
+        if self.kind == "int8":
+            scratch = torch.empty(lib.flashllm_i8_screen_scratch(tokens, k), dtype=torch.uint8)
+            return lib.flashllm_i8_screen_mt(x.data_ptr(), tokens, k, self.screen.data_ptr(), self.scales.data_ptr(),
+                                             scores.data_ptr(), n, n, self.multiplier, scratch.data_ptr(), threads)
+        scratch = torch.empty(scratch_floats(tokens, k), dtype=torch.float32)
+        return lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
+                                         scratch.data_ptr(), threads)
 
     def __call__(self, hidden: Tensor) -> Tensor | None:
         lib = native.library()
@@ -109,20 +181,19 @@ class GreedyScreen:
         x = hidden.contiguous()
         n = self.vocab_size
         scores = torch.empty(tokens, n, dtype=torch.float32)
-        scratch = torch.empty(scratch_floats(tokens, k), dtype=torch.float32)
-        path = lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
-                                         scratch.data_ptr(), native.threads_for(tokens, n, k))
+        path = self._scores(lib, x, scores)
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
-        split = path == 2  # the AMX tiles' scores
-        # each token's margin factor c = error_factor ||x|| _ROUND_UP and floor d, both rounded up to
-        # fp32 by the pick (its ||x|| in float64); d covers subnormal weights' bf16 rounding and
-        # underflowed sums (and the tiles' flushes), far below any fp32 logit that matters:
+        split = path == 2 or self.kind == "int8"  # the bf16 AMX tiles' split tokens, or the int8 bound
+        factor = 1.01 if self.kind == "int8" else error_factor(k, split)
+        # each token's margin factor c = factor ||x|| _ROUND_UP and floor d, both rounded up to fp32
+        # by the pick (its ||x|| in float64); d covers subnormal weights' rounding and underflowed
+        # sums (and the tiles' flushes), far below any fp32 logit that matters:
         # d = (1 + split) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
         floor_scale = (1 + split) * 2.0**-125
         out, counts = torch.empty(tokens, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
-                                 self.row_bound.data_ptr(), error_factor(k, split) * _ROUND_UP,
+                                 self.row_bound.data_ptr(), factor * _ROUND_UP,
                                  floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k),
                                  out.data_ptr(), counts.data_ptr(), min(tokens, parallel.workers()))
         picked, unsure = counts.tolist()

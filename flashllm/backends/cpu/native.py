@@ -1,6 +1,6 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
-csrc/greedy_screen.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops'
+csrc/greedy_screen.c and csrc/greedy_screen_int8.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops'
 wrappers are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C
 compiler on first use, loaded through ctypes; the GEMVs split their output rows over the
 library's own spinning worker pool (csrc/thread_pool.h).
@@ -37,7 +37,8 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
-           _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c")
+           _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
+           _CSRC / "greedy_screen_int8.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
@@ -74,6 +75,9 @@ _SIGNATURES = {
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_i8_screen_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_i8_screen_set_path": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_i8_screen_scratch": ([_I64, _I64], _I64),
     "flashllm_screen_pick": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _P, ctypes.c_int], None),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], ctypes.c_int),
