@@ -12,15 +12,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "parallel_for.h"
 #include "simd.h"
 
-#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12)
+#ifdef FLASHLLM_AMX
 #define SCREEN_AMX 1
-#include <cpuid.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 /* The weights' layout: each 32-bit lane of a row holds features 2i (low half) and 2i + 1 (high half)
@@ -183,20 +181,9 @@ static void bf16_quads(const float *xe, const float *xo, const uint16_t *w, floa
 #define AMX_MAX_TOKENS 32  /* two 16-token column tiles */
 #define AMX_PREFETCH_BLOCKS 2  /* the next rows to prefetch: this many 16-row blocks on */
 #ifdef SCREEN_AMX
-/* AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission for this process to use tile data
- * (asked once, by pick_screen_path when the library loads) */
-static int amx_usable(void) {
-    unsigned a, b, c, d;
-    const int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
-    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): refused by kernels before 5.16 */
-    return ok && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+/* AMX-TILE and AMX-BF16, and the kernel's permission (asked once, by pick_screen_path when the
+ * library loads) */
+static int amx_usable(void) { return flashllm_amx_usable(1u << 22 | 1u << 24); }
 
 /* The tokens' parts as the tiles' second operand: for each 16-token column chunk c, 32-feature block
  * kb and part p (hi, then lo), 16 rows j of 16 tokens x (feature 2j, feature 2j + 1), tokens past T
@@ -231,11 +218,7 @@ __attribute__((target("amx-tile,amx-bf16")))
 static void amx_share(void *ctx, int64_t n0, int64_t n1) {
     const amx_args *a = ctx;
     const int64_t K = a->K, blocks = K / 32, chunks = (a->T + 15) / 16, stride = K * (int64_t)sizeof(uint16_t);
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
-    _tile_loadconfig(&config);
+    flashllm_tiles_16x64(7);
     float sums[2][16][16] __attribute__((aligned(64)));
     uint16_t *padded = NULL;
     for (int64_t n = n0; n < n1; n += 16) {

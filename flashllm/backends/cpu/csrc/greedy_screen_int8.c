@@ -14,14 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "parallel_for.h"
-
-#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12)
-#define I8_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #define I8_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
@@ -153,19 +147,8 @@ static void vnni_share(void *ctx, int64_t n0, int64_t n1) { vnni_rows(ctx, n0, n
  * rounds: VNNI 4.7, 5.3, 9.0, 11.0 and 12.9 ms at 4-8 tokens, the tiles 7.0, 6.6, 7.5, 9.1 and 9.1. */
 #define I8_AMX_MIN_TOKENS 6
 #define I8_AMX_PREFETCH_BLOCKS 2
-#ifdef I8_AMX
-static int amx_int8_usable(void) {
-    unsigned a, b, c, d;
-    const int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
-    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): refused by kernels before 5.16 */
-    return ok && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} i8_tile_config;
+#ifdef FLASHLLM_AMX
+static int amx_int8_usable(void) { return flashllm_amx_usable(1u << 24 | 1u << 25); }
 
 /* The tokens' parts as the tiles' second operand: for each 16-token chunk c, 64-feature block kb and
  * part p (p1, then p2), 16 rows j of 16 tokens x features 4j..4j+3; tokens past T zero;
@@ -190,11 +173,7 @@ __attribute__((target("amx-tile,amx-int8")))
 static void amx_share(void *ctx, int64_t n0, int64_t n1) {
     const i8_args *a = ctx;
     const int64_t K = a->K, blocks = K / 64, chunks = (a->T + 15) / 16;
-    i8_tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 7; i++) config.rows[i] = 16, config.colsb[i] = 64;
-    _tile_loadconfig(&config);
+    flashllm_tiles_16x64(7);
     int32_t sums[4][16][16] __attribute__((aligned(64)));
     int64_t n = n0;
     for (; n + 16 <= n1; n += 16) {
@@ -294,7 +273,7 @@ int flashllm_i8_screen_mt(const float *x, int64_t T, int64_t K, const int8_t *co
     float *tm = (float *)(parts + (T + 15) / 16 * (K / 64) * 2048);
     for (int64_t t = 0; t < T; t++) tm[t] = quantize_token(x + t * K, K, m, P + t * K);
     i8_args a = {P, parts, codes, scales, tm, y, T, K, ldy, m};
-#ifdef I8_AMX
+#ifdef FLASHLLM_AMX
     if (((i8_path == 2 && T >= I8_AMX_MIN_TOKENS) || i8_path == 3) && T <= 32 && K % 64 == 0) {
         amx_parts(P, T, K, m, parts);
         flashllm_parallel_for(amx_share, &a, N, threads, FINE_SHARES);
