@@ -66,11 +66,11 @@ def quantize_weight(
     if scheme == "w8a16":
         if not symmetric:
             raise ValueError("w8a16 is symmetric only; drop the asymmetric option or use w4a16")
-        codes, scales = _symmetric(w, INT8_MAX)
+        codes, scales = symmetric_codes(w, INT8_MAX)
         return QuantizedWeight("w8a16", codes.to(torch.int8).reshape(n, k), scales, None, group_size)
     if scheme == "w4a16":
         if symmetric:
-            codes, scales = _symmetric(w, INT4_SYMMETRIC_MAX)
+            codes, scales = symmetric_codes(w, INT4_SYMMETRIC_MAX)
             codes, zeros = codes + INT4_SYMMETRIC_ZERO, None
         else:
             codes, scales, zeros = _asymmetric(w, INT4_LEVELS)
@@ -88,15 +88,17 @@ def _per_channel_activation_scheme(
     w = weight.detach().to(torch.float32)[:, None, :]  # (N, 1, K)
     smooth = None if smooth is None else smooth.to(device=weight.device, dtype=torch.float32)
     if scheme == "a8w8":
-        codes, scales = _symmetric(w, INT8_MAX)
+        codes, scales = symmetric_codes(w, INT8_MAX)
         return QuantizedWeight("a8w8", codes.to(torch.int8)[:, 0], scales, smooth=smooth)
     scales = (w.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
     codes = (w / scales[:, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight("fp8", codes[:, 0], scales, smooth=smooth)
 
 
-def _symmetric(w: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """(codes (N, G, K/G) fp32 in -qmax..qmax, scales (N, G) fp32)."""
+def symmetric_codes(w: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """w (N, G, K/G) -> (codes (N, G, K/G) fp32 in -qmax..qmax, scales (N, G) fp32): round to nearest
+    against scale = max|w| / qmax per group (at least fp32's smallest normal). Also the cpu greedy
+    screen's int8 copy of the LM head (backends/cpu/greedy_screen.py), NaN codes where w has them."""
     scales = (w.abs().amax(dim=-1) / qmax).clamp(min=MIN_SCALE)
     codes = torch.round(w / scales[:, :, None]).clamp(-qmax, qmax)
     return codes, scales

@@ -31,8 +31,9 @@ covers it there. The tiles take subnormal inputs as zero and flush subnormal sum
 2^-126 per term or per sum, which d covers at twice its size on that path.
 
 On a CPU with AVX-512 VNNI the head is kept as int8 instead (csrc/greedy_screen_int8.c), half the
-bytes again: row n as codes q_n in -127..127 and an fp32 scale s_n = max |w_n| / 127, so
-w_n = s_n q_n + e_n with e_n known exactly at load (float64); each token as x = (t / m) P + rho, t a
+bytes again: row n as codes q_n in -127..127 and an fp32 scale s_n = max |w_n| / 127 (the w8a16
+rounding of quant/weight_only.py; any codes would do), so w_n = s_n q_n + e_n with e_n known
+exactly at load (float64); each token as x = (t / m) P + rho, t a
 power of two >= max |x| / 127, P = m round(x / t) + round(m (x / t - round(x / t))), so
 |rho_k| <= t / (2m) and ||rho|| <= sqrt(K) ||x|| / (127 m) =: r ||x||. The score is
 fl(fl(fl(I) s_n) (t / m)) with I = sum q_nk P_k an exact integer (m, a power of two <= 128, keeps
@@ -66,6 +67,8 @@ import torch
 from torch import Tensor
 
 from flashllm.backends.cpu import huge_pages, native, parallel
+from flashllm.ops.quant_matmul import INT8_MAX
+from flashllm.quant.weight_only import symmetric_codes
 
 ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
 _U = 2.0**-24  # fp32 unit roundoff
@@ -128,9 +131,10 @@ class GreedyScreen:
             for start in range(0, shape[0], _CHUNK_ROWS):  # no float64 copy of the whole head at once
                 rows = self.weight[start : start + _CHUNK_ROWS]
                 part = slice(start, start + _CHUNK_ROWS)
-                norms[part] = rows.double().norm(dim=1)
+                exact = rows.double()
+                norms[part] = exact.norm(dim=1)
                 if kind == "int8":
-                    bounds[part] = self._quantize(rows, copy[part], self.scales[part], norms[part])
+                    bounds[part] = self._quantize(rows, exact, copy[part], self.scales[part], norms[part])
                 else:
                     copy[part] = rows  # rounded to nearest even
                     bounds[part] = norms[part]
@@ -140,15 +144,15 @@ class GreedyScreen:
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
 
-    def _quantize(self, rows: Tensor, codes: Tensor, scales: Tensor, norms: Tensor) -> Tensor:
-        """Fill rows' int8 codes and scales; their b_n (the module docstring's int8 bound) in float64."""
+    def _quantize(self, rows: Tensor, exact: Tensor, codes: Tensor, scales: Tensor, norms: Tensor) -> Tensor:
+        """Fill rows' int8 codes and scales (exact: rows in float64, norms: their norms); their b_n
+        (the module docstring's int8 bound) in float64."""
         k, m = self.in_features, self.multiplier
-        scales.copy_(rows.abs().amax(dim=1) / 127)
-        exact = rows.double()
-        scale = scales.double()[:, None]
-        q = torch.where(scale > 0, exact / scale, 0.0).round().clamp(-127, 127).nan_to_num()
+        q, scale = symmetric_codes(rows[:, None, :], INT8_MAX)  # the w8a16 rounding: any codes suit the bound
+        q = q[:, 0].double().nan_to_num()  # a row with a NaN or inf keeps a non-finite scale and scores
+        scales.copy_(scale[:, 0])
         codes.copy_(q.to(torch.int8))
-        rounded = q * scale  # s_n q_n, exact in float64
+        rounded = q * scales.double()[:, None]  # s_n q_n, exact in float64
         r = math.sqrt(k) / (127 * m)
         gamma = k * _U / (1 - k * _U)
         return ((exact - rounded).norm(dim=1) + rounded.norm(dim=1) * (r + 3 * _U * (1 + r))
@@ -184,13 +188,13 @@ class GreedyScreen:
         path = self._scores(lib, x, scores)
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
-        split = path == 2 or self.kind == "int8"  # the bf16 AMX tiles' split tokens, or the int8 bound
+        split = path == 2 and self.kind == "bf16"  # the bf16 AMX tiles' split tokens
         factor = 1.01 if self.kind == "int8" else error_factor(k, split)
         # each token's margin factor c = factor ||x|| _ROUND_UP and floor d, both rounded up to fp32
         # by the pick (its ||x|| in float64); d covers subnormal weights' rounding and underflowed
         # sums (and the tiles' flushes), far below any fp32 logit that matters:
-        # d = (1 + split) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
-        floor_scale = (1 + split) * 2.0**-125
+        # d = (2 on the AMX tiles and the int8 copy, else 1) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
+        floor_scale = (2 if split or self.kind == "int8" else 1) * 2.0**-125
         out, counts = torch.empty(tokens, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
                                  self.row_bound.data_ptr(), factor * _ROUND_UP,
