@@ -143,6 +143,31 @@ def test_random_heads_give_the_float64_argmax(copy, tokens, vocab, features) -> 
     assert fallback.rows == 0 and tokens <= screen.picked <= 8 * tokens  # a few rows each, on random weights
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_pick_splits_a_few_tokens_rows_over_the_threads(copy, threads, monkeypatch) -> None:
+    """With fewer tokens than threads, the pick's two passes run each token's rows in parts (one a
+    thread, starting on multiples of 8); the vocabulary, 1,001 rows, leaves a tail in the last part.
+    Every split gives the float64 argmax, and a tie across parts still goes to the first row."""
+    from flashllm.backends.cpu import parallel
+
+    monkeypatch.setattr(parallel, "workers", lambda: threads)
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(1001, 64, generator=gen) * 0.05
+    x = torch.randn(3, 64, generator=gen) * 3
+    best = x[0] / x[0].norm()
+    weight[900], weight[7], weight[1000] = best, best, x[2] / x[2].norm()  # rows 7 and 900 tie for token 0
+    screen, fallback = _screen(weight, copy[0])
+    for tokens in (1, 2, 3):
+        got = screen(x[:tokens])
+        if copy == ("bf16", 0) and tokens > 2:  # an AVX2 CPU's screen leaves these to the fp32 tiles
+            continue
+        exact = x[:tokens].double() @ weight.double().T
+        assert got.tolist() == exact.argmax(dim=-1).tolist()
+        assert got.tolist()[0] == 7 and fallback.rows == 0
+    assert screen.picked <= 8 * 6  # each part's floor counts: a few rows a token, as with one part
+    assert (x[2] @ weight.T).argmax() == 1000  # the tail row: the last part's scalar loop picks it
+
+
 def test_a_row_its_bf16_copy_ranks_second_is_settled_in_fp32(path) -> None:
     """Row 20 has the larger fp32 logit, but every weight of it rounds down in bf16 by nearly the
     most rounding can (2^-8), so its score sits 0.24 below row 10's exact one. The margins (~0.25

@@ -199,7 +199,7 @@ class GreedyScreen:
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
                                  self.row_bound.data_ptr(), factor * _ROUND_UP,
                                  floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k),
-                                 out.data_ptr(), counts.data_ptr(), min(tokens, parallel.workers()))
+                                 out.data_ptr(), counts.data_ptr(), parallel.workers())
         picked, unsure = counts.tolist()
         self.picked += picked
         if unsure:

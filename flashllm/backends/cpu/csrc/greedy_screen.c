@@ -353,61 +353,101 @@ static float up_to_float(double v) {
     return (double)f < v ? nextafterf(f, INFINITY) : f;
 }
 
+/* Pick work is split into items: each token's rows in `parts` row ranges (more than one where there
+ * are fewer tokens than threads, so a batch-1 step's two passes over the 151,936 scores and their
+ * bounds, ~0.17 ms on one thread as they come cold after the head's stream, run on every thread). */
+#define PICK_MAX_ITEMS 64
+
 typedef struct {
     const float *x, *w, *scores, *b;
     double factor, floor0, floor1;
-    int64_t K, N, ldy, *out;
-    _Atomic int64_t picked, unsure;
+    int64_t K, N, ldy, parts;
+    float ct[PICK_MAX_ITEMS], dt[PICK_MAX_ITEMS];  /* a token's margin factor and floor, rounded up */
+    float low[PICK_MAX_ITEMS];                     /* an item's largest s_n - m_n (pass 1) */
+    int finite[PICK_MAX_ITEMS];                    /* whether all of an item's scores are finite (pass 1) */
+    float best[PICK_MAX_ITEMS];                    /* an item's largest picked logit (pass 2) */
+    int64_t best_n[PICK_MAX_ITEMS];                /* its row; -1 none picked, -2 a non-finite logit */
+    _Atomic int64_t picked;
 } pick_args;
 
-/* pick_args' tokens t0..t1: see flashllm_screen_pick */
-static void pick_share(void *ctx, int64_t t0, int64_t t1) {
+/* Item i's token and rows [*n0, *n1): part p of token i / parts, parts starting on multiples of 8 */
+static int64_t item_rows(const pick_args *a, int64_t i, int64_t *n0, int64_t *n1) {
+    const int64_t p = i % a->parts, groups = a->N / 8;
+    *n0 = groups * p / a->parts * 8;
+    *n1 = p + 1 == a->parts ? a->N : groups * (p + 1) / a->parts * 8;
+    return i / a->parts;
+}
+
+/* Pass 1 over items i0..i1: each item's largest s_n - m_n and whether its scores are finite */
+static void pick_floor_share(void *ctx, int64_t i0, int64_t i1) {
     pick_args *a = ctx;
-    const int64_t N = a->N, body = N / 8 * 8;
-    for (int64_t t = t0; t < t1; t++) {
-        const float *s = a->scores + t * a->ldy, *b = a->b, *xt = a->x + t * a->K;
-        const double norm = norm_of(xt, a->K);
-        const float ct = up_to_float(a->factor * norm), dt = up_to_float(a->floor0 + a->floor1 * norm);
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t n0, n1;
+        const int64_t t = item_rows(a, i, &n0, &n1);
+        const float *s = a->scores + t * a->ldy, *b = a->b, ct = a->ct[t], dt = a->dt[t];
         const __m256 cv = _mm256_set1_ps(ct), dv = _mm256_set1_ps(dt);
         __m256 low = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-        for (int64_t n = 0; n < body; n += 8) {
+        int64_t n = n0;
+        for (; n + 8 <= n1; n += 8) {
             const __m256 sv = _mm256_loadu_ps(s + n);
             low = _mm256_max_ps(low, _mm256_sub_ps(sv, _mm256_fmadd_ps(cv, _mm256_loadu_ps(b + n), dv)));
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(sv, sv), _mm256_setzero_ps(), _CMP_NEQ_UQ));
         }
         float floor_ = hmax8(low);
         int finite = _mm256_movemask_ps(bad) == 0;
-        for (int64_t n = body; n < N; n++) {
+        for (; n < n1; n++) {
             finite &= isfinite(s[n]);
             const float lo = s[n] - fmaf(ct, b[n], dt);
             if (lo > floor_) floor_ = lo;
         }
+        a->low[i] = floor_;
+        a->finite[i] = finite;
+    }
+}
+
+/* A token's floor max_j (s_j - m_j) over its items, or NaN where a score is not finite. Any value no
+ * larger than that maximum keeps the pick sound (the argmax row's s_n + m_n is at least it), so a
+ * NaN item floor that a max skips only widens the pick. */
+static float token_floor(const pick_args *a, int64_t t) {
+    float floor_ = -INFINITY;
+    for (int64_t i = t * a->parts; i < (t + 1) * a->parts; i++) {
+        if (!a->finite[i]) return NAN;
+        if (a->low[i] > floor_) floor_ = a->low[i];
+    }
+    return floor_;
+}
+
+/* Pass 2 over items i0..i1: the fixed_dot of every row with s_n + m_n >= its token's floor, and the
+ * largest (the first on ties), or -2 at the first non-finite one */
+static void pick_rows_share(void *ctx, int64_t i0, int64_t i1) {
+    pick_args *a = ctx;
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t n0, n1;
+        const int64_t t = item_rows(a, i, &n0, &n1);
+        const float *s = a->scores + t * a->ldy, *b = a->b, *xt = a->x + t * a->K, ct = a->ct[t], dt = a->dt[t];
+        const float floor_ = token_floor(a, t);
+        const __m256 cv = _mm256_set1_ps(ct), dv = _mm256_set1_ps(dt), fv = _mm256_set1_ps(floor_);
         int64_t best_n = -1, picked = 0;
         float best = -INFINITY;
-        if (finite && isfinite(floor_)) {
-            const __m256 fv = _mm256_set1_ps(floor_);
-            for (int64_t n = 0; n < N; n += 8) {
-                int mask;
-                if (n < body) {
-                    const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(s + n), _mm256_fmadd_ps(cv, _mm256_loadu_ps(b + n), dv));
-                    mask = _mm256_movemask_ps(_mm256_cmp_ps(hi, fv, _CMP_GE_OQ));
-                } else {
-                    mask = 0;
-                    for (int64_t j = n; j < N; j++) mask |= (s[j] + fmaf(ct, b[j], dt) >= floor_) << (j - n);
-                }
-                for (; mask; mask &= mask - 1) {  /* the picked rows in order */
-                    const int64_t row = n + __builtin_ctz(mask);
-                    const float v = fixed_dot(xt, a->w + row * a->K, a->K);
-                    picked++;
-                    if (!isfinite(v)) { best_n = -2; break; }
-                    if (best_n < 0 || v > best) { best = v; best_n = row; }
-                }
-                if (best_n == -2) break;
+        for (int64_t n = n0; isfinite(floor_) && n < n1 && best_n != -2; n += 8) {
+            int mask = 0;
+            if (n + 8 <= n1) {
+                const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(s + n), _mm256_fmadd_ps(cv, _mm256_loadu_ps(b + n), dv));
+                mask = _mm256_movemask_ps(_mm256_cmp_ps(hi, fv, _CMP_GE_OQ));
+            } else {
+                for (int64_t j = n; j < n1; j++) mask |= (s[j] + fmaf(ct, b[j], dt) >= floor_) << (j - n);
+            }
+            for (; mask; mask &= mask - 1) {  /* the picked rows in order */
+                const int64_t row = n + __builtin_ctz(mask);
+                const float v = fixed_dot(xt, a->w + row * a->K, a->K);
+                picked++;
+                if (!isfinite(v)) { best_n = -2; break; }
+                if (best_n < 0 || v > best) { best = v; best_n = row; }
             }
         }
-        a->out[t] = best_n < 0 ? -1 : best_n;
+        a->best[i] = best;
+        a->best_n[i] = best_n;
         atomic_fetch_add(&a->picked, picked);
-        if (best_n < 0) atomic_fetch_add(&a->unsure, 1);
     }
 }
 
@@ -416,14 +456,38 @@ static void pick_share(void *ctx, int64_t t0, int64_t t1) {
  * out[t] = the row with the largest fixed_dot(x_t, w_n) (the first on ties) among the rows with
  * s_n + m_n >= max_j (s_j - m_j); -1 where a score or a picked row's logit is not finite (the caller
  * then takes that token's full logits). counts[0]: the rows computed over all tokens, counts[1]: the
- * tokens left at -1. Tokens are split over the worker pool. The margins are worked out here rather
- * than by the caller: a handful of torch ops on one token took ~0.3 ms there, run just after the
- * head's copy streamed through the caches (twenty-third session). */
+ * tokens left at -1. Tokens, and with fewer tokens than threads each token's rows, are split over the
+ * worker pool. The margins are worked out here rather than by the caller: a handful of torch ops on
+ * one token took ~0.3 ms there, run just after the head's copy streamed through the caches
+ * (twenty-third session). */
 void flashllm_screen_pick(const float *x, int64_t T, int64_t K, const float *w, const float *scores, int64_t N,
                           int64_t ldy, const float *b, double factor, double floor0, double floor1, int64_t *out,
                           int64_t *counts, int threads) {
-    pick_args a = {x, w, scores, b, factor, floor0, floor1, K, N, ldy, out, 0, 0};
-    flashllm_parallel_items(pick_share, &a, T, threads, 1);
-    counts[0] = atomic_load(&a.picked);
-    counts[1] = atomic_load(&a.unsure);
+    counts[0] = counts[1] = 0;
+    for (int64_t t0 = 0; t0 < T; t0 += PICK_MAX_ITEMS) {  /* at most PICK_MAX_ITEMS tokens a round */
+        const int64_t tokens = T - t0 < PICK_MAX_ITEMS ? T - t0 : PICK_MAX_ITEMS;
+        int64_t parts = threads > tokens ? threads / tokens : 1;
+        if (parts * tokens > PICK_MAX_ITEMS) parts = PICK_MAX_ITEMS / tokens;
+        if (parts > N / 8) parts = N / 8 > 0 ? N / 8 : 1;
+        pick_args *a = &(pick_args){.x = x + t0 * K, .w = w, .scores = scores + t0 * ldy, .b = b, .factor = factor,
+                                    .floor0 = floor0, .floor1 = floor1, .K = K, .N = N, .ldy = ldy, .parts = parts};
+        for (int64_t t = 0; t < tokens; t++) {
+            const double norm = norm_of(a->x + t * K, K);
+            a->ct[t] = up_to_float(factor * norm);
+            a->dt[t] = up_to_float(floor0 + floor1 * norm);
+        }
+        flashllm_parallel_items(pick_floor_share, a, tokens * parts, threads, 1);
+        flashllm_parallel_items(pick_rows_share, a, tokens * parts, threads, 1);
+        for (int64_t t = 0; t < tokens; t++) {
+            int64_t best_n = -1;
+            float best = -INFINITY;
+            for (int64_t i = t * parts; i < (t + 1) * parts && best_n != -2; i++) {  /* parts in row order */
+                if (a->best_n[i] == -2) best_n = -2;
+                else if (a->best_n[i] >= 0 && (best_n < 0 || a->best[i] > best)) { best = a->best[i]; best_n = a->best_n[i]; }
+            }
+            out[t0 + t] = best_n < 0 ? -1 : best_n;
+            counts[1] += best_n < 0;
+        }
+        counts[0] += atomic_load(&a->picked);
+    }
 }
