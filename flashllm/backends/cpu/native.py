@@ -1,6 +1,7 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
-csrc/greedy_screen.c and csrc/greedy_screen_int8.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops'
+csrc/greedy_screen.c, csrc/greedy_screen_int8.c and csrc/screen_pick.c, and the bandwidth probe's
+reads in csrc/read_probe.c; the small ops'
 wrappers are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C
 compiler on first use, loaded through ctypes; the GEMVs split their output rows over the
 library's own spinning worker pool (csrc/thread_pool.h).
@@ -38,7 +39,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
            _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
-           _CSRC / "greedy_screen_int8.c")
+           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h",
            _CSRC / "amx.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
