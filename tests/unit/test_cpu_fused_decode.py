@@ -102,6 +102,10 @@ def test_steps_it_cannot_take_fall_back_and_a_direct_step_matches_the_model(mode
         assert fused(ids, torch.tensor([-1, 20]), caches, md) is None           # before it
         assert fused(ids, positions.int(), caches, md) is None                  # positions the C code cannot read
         assert fused(ids, positions, caches[:-1], md) is None                   # a cache per layer
+        vocab = model.model.embed_tokens.weight.shape[0]
+        assert fused(torch.tensor([3, vocab]), positions, caches, md) is None   # an id past the table
+        assert fused(torch.tensor([-1, 4]), positions, caches, md) is None      # before it
+        assert torch.equal(fused(ids.int(), positions, caches, md), expected)   # int32 ids: embedded in torch
         # caches it took before, one of them changed: the same memory with fewer blocks, as another
         # dtype or in another layout, or a copy in half precision, is checked again and refused
         k, v = caches[1]

@@ -50,7 +50,8 @@ class _Step(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
         ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
-        ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64)]
+        ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64), ("ids", _P), ("embed", _P),
+        ("vocab", _I64)]
 
 
 def _fp32(t: Tensor | None) -> bool:
@@ -90,6 +91,18 @@ def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
         desc.bias = bias.data_ptr()
         keep.append(bias)
     return desc
+
+
+def _embedding_table(embed: Any, hidden: int) -> Tensor | None:
+    """The fp32 (vocab, hidden) table of a plain one-rank VocabEmbedding, whose rows the C code copies
+    itself (F.embedding cost ~0.1 ms of a batch-1 step); None for any other embedding, which runs as
+    a module before the call."""
+    from flashllm.models.layers.embedding import VocabEmbedding
+
+    table = embed.weight.data if type(embed) is VocabEmbedding and embed.tp_size == 1 else None
+    if table is None or not (_fp32(table) and table.is_contiguous() and table.dim() == 2 and table.shape[1] == hidden):
+        return None
+    return table
 
 
 def _check_cpu_kernels(stack: Any) -> None:
@@ -151,11 +164,14 @@ class FusedDecode:
             raise _Unsupported("norms with different eps")
         self._layers = (_Layer * len(layers))(*layers)
         self._embed = stack.embed_tokens
+        self._hidden = stack.norm.weight.shape[0]
+        table = _embedding_table(self._embed, self._hidden)
+        if table is not None:
+            self._keep.append(table)
         self._final_norm = stack.norm.weight.data.contiguous()
         self._cos_sin = cos_sin
         self._max_position = cos_sin.shape[0]
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self._hidden = stack.norm.weight.shape[0]
         self._inter = stack.layers[0].mlp.gate_up_proj.qweight.out_features // 2
         self._static = dict(H=self._hidden, Hq=self._num_heads, Hk=self._num_kv_heads, D=self._head_dim,
                             I=self._inter, rot=rotary.rotary_dim, neox=int(rotary.is_neox), eps=stack.norm.eps,
@@ -166,7 +182,15 @@ class FusedDecode:
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
+        # Kept from step to step, as building them took ~0.1 ms of a batch-1 step (their Python runs
+        # cold after each step's weight stream): the descriptor, whose per-step fields each call sets;
+        # the residual stream, scratch the C code alone writes; the scratch and its size per token count.
+        self._step = _Step(max_position=self._max_position, rows=self._rows.data_ptr(),
+                           embed=None if table is None else table.data_ptr(),
+                           vocab=0 if table is None else table.shape[0], **self._static)
+        self._residual = torch.empty(native.MAX_TOKENS, self._hidden)
         self._scratch = torch.empty(0)
+        self._scratch_floats: dict[int, int] = {}
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> tuple[int, int] | None:
         """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take.
@@ -207,22 +231,27 @@ class FusedDecode:
             return None
         positions, slots = positions.contiguous(), slots.contiguous()
         tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
-        hidden = self._embed(input_ids).contiguous()
-        if not _fp32(hidden):
-            return None
-        residual = torch.empty_like(hidden)
-        step = _Step(T=tokens, block_size=block_size, width=tables.shape[1], positions=positions.data_ptr(),
-                     slots=slots.data_ptr(), rows=self._rows.data_ptr(), tables=tables.data_ptr(),
-                     seq_lens=seq_lens.data_ptr(), threads=parallel.workers(), num_blocks=num_blocks,
-                     max_position=self._max_position, **self._static)
+        step = self._step
+        if step.embed and input_ids.dtype == torch.int64:  # the C code copies the ids' rows of the table
+            input_ids = input_ids.contiguous()
+            hidden, step.ids = torch.empty(tokens, self._hidden), input_ids.data_ptr()
+        else:
+            hidden, step.ids = self._embed(input_ids).contiguous(), None
+            if not _fp32(hidden):
+                return None
+        step.T, step.block_size, step.width, step.num_blocks = tokens, block_size, tables.shape[1], num_blocks
+        step.positions, step.slots, step.tables = positions.data_ptr(), slots.data_ptr(), tables.data_ptr()
+        step.seq_lens, step.threads = seq_lens.data_ptr(), parallel.workers()
         lib = native.library()
-        size = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))
+        size = self._scratch_floats.get(tokens)
+        if size is None:
+            size = self._scratch_floats[tokens] = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))
         if self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.float32)
         # every index the C code follows is range-checked there before anything is written: a bad
         # one returns 0 and the checked torch path runs instead
         done = lib.flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
-                                         hidden.data_ptr(), residual.data_ptr(), self._scratch.data_ptr())
+                                         hidden.data_ptr(), self._residual.data_ptr(), self._scratch.data_ptr())
         return hidden if done else None
 
 

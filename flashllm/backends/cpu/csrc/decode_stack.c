@@ -50,16 +50,20 @@ typedef struct {
     int64_t silu_split;         /* silu_and_mul splits from this many outputs */
     int64_t num_blocks;         /* blocks in each KV cache */
     int64_t max_position;       /* rows of cos_sin */
+    const int64_t *ids;         /* (T,) token ids whose embed rows start the step, or NULL (hidden holds them) */
+    const float *embed;         /* (vocab, H) embedding table, read where ids is set */
+    int64_t vocab;
 } stack_step;
 
-/* Whether every index the step follows is in range: each context length within its table, each
- * position within the rope table, each new token's slot within the caches, and each block a
- * sequence's context reads within them. Checked before anything is written, here rather than in
+/* Whether every index the step follows is in range: each token id within the embedding table,
+ * each context length within its table, each position within the rope table, each new token's slot
+ * within the caches, and each block a sequence's context reads within them. Checked before anything is written, here rather than in
  * decode_stack.py, where four torch.aminmax calls and their conversions took ~80 us a batch-1 step
  * (twenty-third session); here they cost nothing measurable, and each row's table is checked only
  * as far as its own context reaches. */
 static int indices_in_range(const stack_step *s) {
     for (int64_t t = 0; t < s->T; t++) {
+        if (s->ids && (s->ids[t] < 0 || s->ids[t] >= s->vocab)) return 0;
         const int64_t len = s->seq_lens[t];
         if (len < 1 || len > s->width * s->block_size) return 0;
         if (s->positions[t] < 0 || s->positions[t] >= s->max_position) return 0;
@@ -103,12 +107,15 @@ int64_t flashllm_decode_stack_scratch(const stack_step *s) {
     return s->T * (s->H + qkv + s->Hq * s->D + 2 * s->I + s->I + widest);
 }
 
-/* hidden (T, H): the embedded tokens in, the final-normed hidden states out; residual (T, H) scratch.
- * Returns 0, having written nothing, where an index is out of range (indices_in_range); 1 when done. */
+/* hidden (T, H): the embedded tokens in (or, with s->ids set, their rows of s->embed copied in here),
+ * the final-normed hidden states out; residual (T, H) scratch. Returns 0, having written nothing,
+ * where an index is out of range (indices_in_range); 1 when done. */
 int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step *s, float *hidden,
                           float *residual, float *scratch) {
     if (!indices_in_range(s)) return 0;
     const int64_t T = s->T, H = s->H, D = s->D, qkv_width = (s->Hq + 2 * s->Hk) * D;
+    if (s->ids)
+        for (int64_t t = 0; t < T; t++) memcpy(hidden + t * H, s->embed + s->ids[t] * H, (size_t)H * sizeof(float));
     const int64_t widest = s->I > H ? s->I : H;
     float *x = scratch, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * s->Hq * D;
     float *act = gate_up + T * 2 * s->I, *even = act + T * s->I, *odd = even + T * widest / 2;
