@@ -183,8 +183,9 @@ class FusedDecode:
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
         # Kept from step to step, as building them took ~0.1 ms of a batch-1 step (their Python runs
-        # cold after each step's weight stream): the descriptor, whose per-step fields each call sets;
-        # the residual stream, scratch the C code alone writes; the scratch and its size per token count.
+        # cold after each step's weight stream): the descriptor, whose per-step fields (every tensor
+        # pointer among them) each call sets before the C code reads them; the residual stream,
+        # scratch the C code alone writes; the scratch and its size per token count.
         self._step = _Step(max_position=self._max_position, rows=self._rows.data_ptr(),
                            embed=None if table is None else table.data_ptr(),
                            vocab=0 if table is None else table.shape[0], **self._static)

@@ -57,10 +57,10 @@ typedef struct {
 
 /* Whether every index the step follows is in range: each token id within the embedding table,
  * each context length within its table, each position within the rope table, each new token's slot
- * within the caches, and each block a sequence's context reads within them. Checked before anything is written, here rather than in
- * decode_stack.py, where four torch.aminmax calls and their conversions took ~80 us a batch-1 step
- * (twenty-third session); here they cost nothing measurable, and each row's table is checked only
- * as far as its own context reaches. */
+ * within the caches, and each block a sequence's context reads within them. Checked before anything
+ * is written, here rather than in decode_stack.py, where four torch.aminmax calls and their
+ * conversions took ~80 us a batch-1 step (twenty-third session); here they cost nothing
+ * measurable, and each row's table is checked only as far as its own context reaches. */
 static int indices_in_range(const stack_step *s) {
     for (int64_t t = 0; t < s->T; t++) {
         if (s->ids && (s->ids[t] < 0 || s->ids[t] >= s->vocab)) return 0;
