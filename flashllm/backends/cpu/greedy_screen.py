@@ -143,6 +143,10 @@ class GreedyScreen:
         self.max_row_norm = float(norms.max()) if len(norms) else 0.0
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
+        # Tensors a call only writes and reads itself, kept for the next: a batch-1 step's scores
+        # (600 KB), the kernels' scratch and the pick's counts took ~0.1 ms to allocate, run cold
+        # after the copy's stream. The scores of the last call's token count; scratch per count.
+        self._kept: dict[object, Tensor] = {}
 
     def _quantize(self, rows: Tensor, exact: Tensor, codes: Tensor, scales: Tensor, norms: Tensor) -> Tensor:
         """Fill rows' int8 codes and scales (exact: rows in float64, norms: their norms); their b_n
@@ -164,16 +168,25 @@ class GreedyScreen:
         rows are a few)."""
         return self.screen.nbytes + self.scales.nbytes + self.row_bound.nbytes
 
+    def _kept_tensor(self, key: object, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """The kept tensor under key if it has this shape, else a new one kept in its place."""
+        kept = self._kept.get(key)
+        if kept is None or kept.shape != shape:
+            kept = self._kept[key] = torch.empty(shape, dtype=dtype)
+        return kept
+
     def _scores(self, lib, x: Tensor, scores: Tensor) -> int:
         """The copy's scores of x into scores; the native path that took them (0: none did)."""
         tokens, k = x.shape
         n = self.vocab_size
         threads = native.threads_for(tokens, n, k)
+        scratch = self._kept.get(("scratch", tokens))
+        if scratch is None:
+            size = lib.flashllm_i8_screen_scratch(tokens, k) if self.kind == "int8" else 4 * scratch_floats(tokens, k)
+            scratch = self._kept[("scratch", tokens)] = torch.empty(size, dtype=torch.uint8)
         if self.kind == "int8":
-            scratch = torch.empty(lib.flashllm_i8_screen_scratch(tokens, k), dtype=torch.uint8)
             return lib.flashllm_i8_screen_mt(x.data_ptr(), tokens, k, self.screen.data_ptr(), self.scales.data_ptr(),
                                              scores.data_ptr(), n, n, self.multiplier, scratch.data_ptr(), threads)
-        scratch = torch.empty(scratch_floats(tokens, k), dtype=torch.float32)
         return lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
                                          scratch.data_ptr(), threads)
 
@@ -184,7 +197,7 @@ class GreedyScreen:
             return None
         x = hidden.contiguous()
         n = self.vocab_size
-        scores = torch.empty(tokens, n, dtype=torch.float32)
+        scores = self._kept_tensor("scores", (tokens, n), torch.float32)
         path = self._scores(lib, x, scores)
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
@@ -195,7 +208,7 @@ class GreedyScreen:
         # sums (and the tiles' flushes), far below any fp32 logit that matters:
         # d = (2 on the AMX tiles and the int8 copy, else 1) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
         floor_scale = (2 if split or self.kind == "int8" else 1) * 2.0**-125
-        out, counts = torch.empty(tokens, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
+        out, counts = torch.empty(tokens, dtype=torch.int64), self._kept_tensor("counts", (2,), torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
                                  self.row_bound.data_ptr(), factor * _ROUND_UP,
                                  floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k),
