@@ -220,7 +220,7 @@ class ModelRunner:
             self.adapter.end_step(self.device)
             return hidden.new_empty((0,) if greedy else (0, 0), dtype=torch.int64 if greedy else torch.float32)
         # every row samples (a decode step): its rows already are the logits' rows, in order, as
-        # sampling rows only ever increase; the gather took 20-50 us of a batch-1 cpu step
+        # sampling rows only ever increase; the gather took ~110 us of a batch-1 cpu step, run cold
         every_row = inputs.num_logits is None and inputs.logits_indices.numel() == hidden.shape[0]
         rows = hidden if every_row else hidden[inputs.logits_indices]
         tokens = self._greedy_tokens(rows) if greedy else None
