@@ -234,6 +234,23 @@ class DeviceAdapter:
         """
         return None
 
+    def greedy_burst(self, model: torch.nn.Module) -> Any:
+        """Several greedy decode steps of the same sequences in one call, or None (the default: the
+        engine runs one step per scheduling round).
+
+        The object's `takes(num_seqs)` says whether it can take a decode batch of that many
+        sequences (asked before the batch's inputs are built). Calling it with (input_ids,
+        positions, kv_caches, attn_metadata, steps, stop_ids), one decode step's inputs (whose
+        tensors it may change), the most steps to run and token ids after which it must stop,
+        returns the tokens of the steps it ran, [step][sequence], at least one, or None for a batch
+        it does not take. Each step's tokens must be what a single greedy step (the fused decode
+        step and greedy head where the adapter has them) would give, and step k + 1 must write its
+        KV at the positions after step k's (the engine has grown every block table to cover all
+        steps). The cpu backend's runs its fused step and greedy screen in one native call:
+        flashllm/backends/cpu/decode_burst.py.
+        """
+        return None
+
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value, (B, V) -> (B,) int64 on rows' device; the first
         one on ties, and a NaN counts as the largest (torch's argmax, which the default is).

@@ -104,6 +104,12 @@ class CpuAdapter(DeviceAdapter):
 
         return greedy_screen.build(model, self.argmax)
 
+    def greedy_burst(self, model: torch.nn.Module) -> Any:
+        """Greedy decode steps back to back in one native call (see decode_burst.py)."""
+        from flashllm.backends.cpu import decode_burst
+
+        return decode_burst.build(model, self.argmax)
+
     def place_weights(self, model: torch.nn.Module) -> None:
         """Large weights into transparent huge pages (see huge_pages.py); from then on the C heap
         keeps freed memory, so each step's activations reuse the last step's pages (heap.py)."""

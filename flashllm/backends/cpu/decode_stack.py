@@ -192,6 +192,7 @@ class FusedDecode:
         self._residual = torch.empty(native.MAX_TOKENS, self._hidden)
         self._scratch = torch.empty(0)
         self._scratch_floats: dict[int, int] = {}
+        self._held: tuple[Tensor, ...] = ()
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> tuple[int, int] | None:
         """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take.
@@ -218,6 +219,23 @@ class FusedDecode:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  md: AttentionMetadata) -> Tensor | None:
+        hidden = self.set_step(input_ids, positions, kv_caches, md)
+        if hidden is None:
+            return None
+        # every index the C code follows is range-checked there before anything is written: a bad
+        # one returns 0 and the checked torch path runs instead
+        done = native.library().flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers),
+                                                      ctypes.addressof(self._step), hidden.data_ptr(),
+                                                      self._residual.data_ptr(), self._scratch.data_ptr())
+        return hidden if done else None
+
+    def set_step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                 md: AttentionMetadata) -> Tensor | None:
+        """Point the kept step descriptor at this decode step and size the scratch; the (T, H) hidden
+        buffer the C code writes (it holds the embedded tokens where the C code does not copy them),
+        or None for a step the fused call does not take. With the embedding table in use, the
+        descriptor points at input_ids, positions, slot_mapping and seq_lens themselves (the tensors,
+        when contiguous and of the dtypes the C code reads), as decode_burst.py relies on."""
         tokens = input_ids.numel()
         if not (0 < tokens <= native.MAX_TOKENS and md.max_seqlen_q == 1 and md.seq_lens.numel() == tokens
                 and md.slot_mapping.numel() == tokens and int(md.cu_seqlens_q[-1]) == tokens):
@@ -243,17 +261,13 @@ class FusedDecode:
         step.T, step.block_size, step.width, step.num_blocks = tokens, block_size, tables.shape[1], num_blocks
         step.positions, step.slots, step.tables = positions.data_ptr(), slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.threads = seq_lens.data_ptr(), parallel.workers()
-        lib = native.library()
+        self._held = (input_ids, positions, slots, tables, seq_lens)  # alive while the descriptor points at them
         size = self._scratch_floats.get(tokens)
         if size is None:
-            size = self._scratch_floats[tokens] = lib.flashllm_decode_stack_scratch(ctypes.addressof(step))
+            size = self._scratch_floats[tokens] = native.library().flashllm_decode_stack_scratch(ctypes.addressof(step))
         if self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.float32)
-        # every index the C code follows is range-checked there before anything is written: a bad
-        # one returns 0 and the checked torch path runs instead
-        done = lib.flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
-                                         hidden.data_ptr(), self._residual.data_ptr(), self._scratch.data_ptr())
-        return hidden if done else None
+        return hidden
 
 
 def build(model: Any) -> FusedDecode | None:

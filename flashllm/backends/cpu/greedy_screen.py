@@ -175,20 +175,43 @@ class GreedyScreen:
             kept = self._kept[key] = torch.empty(shape, dtype=dtype)
         return kept
 
+    def scratch(self, lib, tokens: int) -> Tensor:
+        """The screen kernels' scratch for `tokens` rows, kept per token count."""
+        scratch = self._kept.get(("scratch", tokens))
+        if scratch is None:
+            k = self.in_features
+            size = lib.flashllm_i8_screen_scratch(tokens, k) if self.kind == "int8" else 4 * scratch_floats(tokens, k)
+            scratch = self._kept[("scratch", tokens)] = torch.empty(size, dtype=torch.uint8)
+        return scratch
+
     def _scores(self, lib, x: Tensor, scores: Tensor) -> int:
         """The copy's scores of x into scores; the native path that took them (0: none did)."""
         tokens, k = x.shape
         n = self.vocab_size
         threads = native.threads_for(tokens, n, k)
-        scratch = self._kept.get(("scratch", tokens))
-        if scratch is None:
-            size = lib.flashllm_i8_screen_scratch(tokens, k) if self.kind == "int8" else 4 * scratch_floats(tokens, k)
-            scratch = self._kept[("scratch", tokens)] = torch.empty(size, dtype=torch.uint8)
+        scratch = self.scratch(lib, tokens)
         if self.kind == "int8":
             return lib.flashllm_i8_screen_mt(x.data_ptr(), tokens, k, self.screen.data_ptr(), self.scales.data_ptr(),
                                              scores.data_ptr(), n, n, self.multiplier, scratch.data_ptr(), threads)
         return lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
                                          scratch.data_ptr(), threads)
+
+    def margins(self, split: bool) -> tuple[float, float, float]:
+        """The pick's margin factor and its two floor terms for scores from this copy (`split`: from
+        the bf16 AMX tiles' split tokens)."""
+        k = self.in_features
+        factor = 1.01 if self.kind == "int8" else error_factor(k, split)
+        # each token's margin factor c = factor ||x|| _ROUND_UP and floor d, both rounded up to fp32
+        # by the pick (its ||x|| in float64); d covers subnormal weights' rounding and underflowed
+        # sums (and the tiles' flushes), far below any fp32 logit that matters:
+        # d = (2 on the AMX tiles and the int8 copy, else 1) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
+        floor_scale = (2 if split or self.kind == "int8" else 1) * 2.0**-125
+        return factor * _ROUND_UP, floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k)
+
+    def settle(self, x: Tensor, out: Tensor) -> None:
+        """Tokens the pick left at -1 (a non-finite score or logit) from their rows' full logits."""
+        rows = (out < 0).nonzero().flatten()
+        out[rows] = self._fallback(x[rows])
 
     def __call__(self, hidden: Tensor) -> Tensor | None:
         lib = native.library()
@@ -201,23 +224,15 @@ class GreedyScreen:
         path = self._scores(lib, x, scores)
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
-        split = path == 2 and self.kind == "bf16"  # the bf16 AMX tiles' split tokens
-        factor = 1.01 if self.kind == "int8" else error_factor(k, split)
-        # each token's margin factor c = factor ||x|| _ROUND_UP and floor d, both rounded up to fp32
-        # by the pick (its ||x|| in float64); d covers subnormal weights' rounding and underflowed
-        # sums (and the tiles' flushes), far below any fp32 logit that matters:
-        # d = (2 on the AMX tiles and the int8 copy, else 1) (4 K + sqrt(K) (||x|| + max_n ||w_n||)) 2^-125
-        floor_scale = (2 if split or self.kind == "int8" else 1) * 2.0**-125
+        factor, floor0, floor1 = self.margins(path == 2 and self.kind == "bf16")  # the bf16 AMX tiles split
         out, counts = torch.empty(tokens, dtype=torch.int64), self._kept_tensor("counts", (2,), torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
-                                 self.row_bound.data_ptr(), factor * _ROUND_UP,
-                                 floor_scale * (4 * k + math.sqrt(k) * self.max_row_norm), floor_scale * math.sqrt(k),
-                                 out.data_ptr(), counts.data_ptr(), parallel.workers())
+                                 self.row_bound.data_ptr(), factor, floor0, floor1, out.data_ptr(), counts.data_ptr(),
+                                 parallel.workers())
         picked, unsure = counts.tolist()
         self.picked += picked
         if unsure:
-            rows = (out < 0).nonzero().flatten()
-            out[rows] = self._fallback(x[rows])
+            self.settle(x, out)
         return out
 
 

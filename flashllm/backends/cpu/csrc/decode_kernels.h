@@ -1,5 +1,5 @@
-/* The entry points of decode_kernels.c, int4_int8_kernels.c and layer_ops.c that decode_stack.c calls (see
- * those files for their contracts). */
+/* The entry points of decode_kernels.c, int4_int8_kernels.c, layer_ops.c and the greedy head's files that
+ * decode_stack.c calls (see those files for their contracts). */
 #ifndef FLASHLLM_DECODE_KERNELS_H
 #define FLASHLLM_DECODE_KERNELS_H
 #include <stdint.h>
@@ -25,5 +25,14 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
                                const int64_t *rows, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                                int64_t block_size, float scale, float *out, int threads);
 void flashllm_silu_and_mul_mt(const float *x, float *out, int64_t T, int64_t I, int threads);
+int flashllm_bf16_screen_takes(int64_t T);
+int flashllm_i8_screen_takes(int64_t K, int64_t m);
+int flashllm_bf16_gemv_mt(const float *x, const uint16_t *w, float *y, int64_t T, int64_t K, int64_t N,
+                          int64_t ldy, float *scratch, int threads);
+int flashllm_i8_screen_mt(const float *x, int64_t T, int64_t K, const int8_t *codes, const float *scales, float *y,
+                          int64_t N, int64_t ldy, int64_t m, void *scratch, int threads);
+void flashllm_screen_pick(const float *x, int64_t T, int64_t K, const float *w, const float *scores, int64_t N,
+                          int64_t ldy, const float *b, double factor, double floor0, double floor1, int64_t *out,
+                          int64_t *counts, int threads);
 
 #endif

@@ -296,6 +296,9 @@ static void screen_share(void *ctx, int64_t n0, int64_t n1) {
  * threads: 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
 #define AVX2_MAX_TOKENS 2
 
+/* Whether flashllm_bf16_gemv_mt takes T tokens on this CPU's path. */
+int flashllm_bf16_screen_takes(int64_t T) { return !(screen_path == 0 && T > AVX2_MAX_TOKENS); }
+
 /* y[t * ldy + n] ~ sum_k x[t * K + k] * fp32(w[n * K + k]) for t < T, n < N: w holds bf16 bit
  * patterns. K a multiple of 32; scratch: 16 * ceil(T / 16) * K floats. Returns 0 without computing
  * anything where this CPU's path does not take T tokens (AVX2_MAX_TOKENS); 1 where each sum is an
@@ -303,7 +306,7 @@ static void screen_share(void *ctx, int64_t n0, int64_t n1) {
  * them (x split into scratch; a looser bound, see the AMX section). */
 int flashllm_bf16_gemv_mt(const float *x, const uint16_t *w, float *y, int64_t T, int64_t K, int64_t N,
                           int64_t ldy, float *scratch, int threads) {
-    if (screen_path == 0 && T > AVX2_MAX_TOKENS) return 0;
+    if (!flashllm_bf16_screen_takes(T)) return 0;
 #ifdef SCREEN_AMX
     if (((screen_path == 2 && T >= AMX_MIN_TOKENS) || screen_path == 3) && T <= AMX_MAX_TOKENS) {
         amx_token_parts(x, T, K, (uint16_t *)scratch);

@@ -259,6 +259,11 @@ static float quantize_token(const float *x, int64_t K, int64_t m, int16_t *P) {
     return (float)(t / (double)m);
 }
 
+/* Whether flashllm_i8_screen_mt takes rows of K features with multiplier m on this CPU. */
+int flashllm_i8_screen_takes(int64_t K, int64_t m) {
+    return i8_path != 0 && K % 32 == 0 && m >= 1 && m <= 128 && 127.0 * 127.5 * (double)m * (double)K < 2147483648.0;
+}
+
 /* y[t * ldy + n] = the int8 copy's score of row n for token t < T (codes (N, K) int8, scales (N,)),
  * with m the tokens' second-part multiplier: a power of two <= 128 with 127 (127.5 m) K < 2^31.
  * K a multiple of 32; scratch: flashllm_i8_screen_scratch(T, K) bytes. Returns 0 without computing
@@ -266,8 +271,7 @@ static float quantize_token(const float *x, int64_t K, int64_t m, int16_t *P) {
  * tokens, 2 where the AMX-INT8 tiles did (the same scores). */
 int flashllm_i8_screen_mt(const float *x, int64_t T, int64_t K, const int8_t *codes, const float *scales, float *y,
                           int64_t N, int64_t ldy, int64_t m, void *scratch, int threads) {
-    if (i8_path == 0 || K % 32 != 0 || m < 1 || m > 128 || 127.0 * 127.5 * (double)m * (double)K >= 2147483648.0)
-        return 0;
+    if (!flashllm_i8_screen_takes(K, m)) return 0;
     int16_t *P = scratch;
     int8_t *parts = (int8_t *)(P + T * K);
     float *tm = (float *)(parts + (T + 15) / 16 * (K / 64) * 2048);

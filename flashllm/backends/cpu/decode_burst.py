@@ -1,0 +1,111 @@
+"""The cpu backend's greedy decode bursts: several greedy decode steps of the same sequences in one
+native call (flashllm_decode_burst in csrc/decode_stack.c).
+
+Between two batch-1 decode steps the engine spent ~1.2 ms in Python (scheduling, the flat batch's
+tensors, the fused step's and the greedy head's set-up, sampling bookkeeping) of a ~52-60 ms token
+for the 0.5b shape on the team's 2-core VM. Little of it is work: it runs just after 1.6 GB of
+weights streamed through the caches, so every interpreter object it touches comes from memory.
+A burst runs decode_stack.py's fused step and greedy_screen.py's screen and pick back to back in C,
+feeding each step's tokens to the next, so that cost is paid once per burst instead of per token.
+Each step computes what the engine's single greedy steps compute, in the same order, so the tokens
+are the same (tests hold it to that).
+
+The engine asks for a burst (ModelRunner.execute_burst) only for a decode batch of plain greedy
+sequences without penalties, with nothing waiting to join, and after growing each sequence's blocks
+to cover every step; it then records the tokens one step at a time, so stop strings, max_tokens and
+the prefix cache see exactly the steps they would have. The burst itself ends after a step that
+produced one of the given stop token ids, or where the pick could not settle a token from its
+screen (that token then comes from its full logits, as in a single step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashllm.backends.cpu import decode_stack, greedy_screen, native, parallel
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+
+_I64, _P, _D2 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double * 2
+
+
+class _Head(ctypes.Structure):  # csrc/decode_stack.c's burst_head
+    _fields_ = [("int8", _I64), ("copy", _P), ("scales", _P), ("N", _I64), ("multiplier", _I64), ("weight", _P),
+                ("bound", _P), ("factor", _D2), ("floor0", _D2), ("floor1", _D2), ("scores", _P), ("scratch", _P),
+                ("counts", _P), ("screen_threads", ctypes.c_int), ("pick_threads", ctypes.c_int)]
+
+
+class GreedyBurst:
+    """Callable(input_ids, positions, kv_caches, attn_metadata, steps, stop_ids) -> the tokens of up to
+    `steps` greedy decode steps ([step][sequence], at least one step), or None for a batch it does not
+    take (the engine then runs single steps). input_ids, positions and the metadata's slot_mapping and
+    seq_lens are changed (the C code moves them on from step to step). `takes(num_seqs)` says
+    beforehand whether a batch of that many sequences can run (the screen's path for that many
+    tokens; an AVX2 CPU's bf16 screen takes at most 2)."""
+
+    def __init__(self, fused: decode_stack.FusedDecode, screen: greedy_screen.GreedyScreen) -> None:
+        self.fused, self.screen = fused, screen
+        plain, split = screen.margins(False), screen.margins(True)
+        self._head = _Head(int8=int(screen.kind == "int8"), copy=screen.screen.data_ptr(),
+                           scales=screen.scales.data_ptr(), N=screen.vocab_size, multiplier=screen.multiplier,
+                           weight=screen.weight.data_ptr(), bound=screen.row_bound.data_ptr(),
+                           factor=_D2(plain[0], split[0]), floor0=_D2(plain[1], split[1]),
+                           floor1=_D2(plain[2], split[2]))
+        self._stops: dict[tuple[int, ...], Tensor] = {}
+
+    def takes(self, num_seqs: int) -> bool:
+        lib, screen = native.library(), self.screen
+        if not 0 < num_seqs <= native.MAX_TOKENS:
+            return False
+        if screen.kind == "int8":
+            return bool(lib.flashllm_i8_screen_takes(screen.in_features, screen.multiplier))
+        return bool(lib.flashllm_bf16_screen_takes(num_seqs))
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                 md: AttentionMetadata, steps: int, stop_ids: Iterable[int]) -> list[list[int]] | None:
+        if steps < 1 or input_ids.dtype != torch.int64:
+            return None
+        hidden = self.fused.set_step(input_ids, positions, kv_caches, md)
+        step = self.fused._step
+        if hidden is None or not step.ids:  # the burst feeds tokens through the C code's embedding copy
+            return None
+        lib, screen = native.library(), self.screen
+        tokens = hidden.shape[0]
+        head = self._head
+        # the screen's kept tensors for this token count (a single step of another count replaces them)
+        scores = screen._kept_tensor("scores", (tokens, screen.vocab_size), torch.float32)
+        counts = screen._kept_tensor("counts", (2,), torch.int64)
+        head.scores, head.scratch, head.counts = scores.data_ptr(), screen.scratch(lib, tokens).data_ptr(), counts.data_ptr()
+        head.screen_threads = native.threads_for(tokens, screen.vocab_size, screen.in_features)
+        head.pick_threads = parallel.workers()
+        key = tuple(sorted(set(stop_ids)))
+        stops = self._stops.get(key)
+        if stops is None:
+            stops = self._stops[key] = torch.tensor(key, dtype=torch.int64)
+        out, picked = torch.empty((steps, tokens), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        fused = self.fused
+        done = lib.flashllm_decode_burst(ctypes.addressof(fused._layers), len(fused._layers), ctypes.addressof(step),
+                                         ctypes.addressof(head), hidden.data_ptr(), fused._residual.data_ptr(),
+                                         fused._scratch.data_ptr(), steps, stops.data_ptr(), len(key), out.data_ptr(),
+                                         picked.data_ptr())
+        if done == 0:
+            return None
+        screen.picked += int(picked)
+        last = out[done - 1]
+        if bool((last < 0).any()):
+            screen.settle(hidden, last)
+        return out[:done].tolist()
+
+
+def build(model: Any, argmax: Callable[[Tensor], Tensor]) -> GreedyBurst | None:
+    """The greedy bursts of `model`, or None where either the fused decode step or the greedy screen
+    does not apply to it, or its embedding is not one the C code copies rows of."""
+    fused = decode_stack.build(model)
+    screen = greedy_screen.build(model, argmax) if fused is not None else None
+    if fused is None or screen is None or not fused._step.embed:
+        return None
+    return GreedyBurst(fused, screen)
