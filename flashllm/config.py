@@ -37,6 +37,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048             # filled in from ModelConfig once the model is known
+    # greedy decode steps one scheduling round may run where the device can (the cpu backend's
+    # bursts: Engine._burst_steps); 1 = one step a round, every token reported as it comes
+    num_scheduler_steps: int = 8
 
 
 @dataclass

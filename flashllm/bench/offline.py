@@ -131,7 +131,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
 
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
+              num_scheduler_steps=getattr(args, "num_scheduler_steps", None), max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
               group_size=args.weightonly_group_size, kv_cache_dtype=args.kv_cache_dtype,
               quantize_lm_head=quantized_head, cachekv_int8_type=args.cachekv_int8_type,
               enforce_eager=getattr(args, "enforce_eager", False),

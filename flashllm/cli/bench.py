@@ -37,6 +37,9 @@ def add_parser(sub: Any) -> None:
         _add_kv_cache_flags(p)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--num-scheduler-steps", type=_positive, default=8,
+                       help="greedy decode steps one scheduling round may run where the device can (cpu bursts); "
+                            "1 = one step a round")
         p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="accelerators: share of device memory the engine fills")

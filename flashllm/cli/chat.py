@@ -119,8 +119,9 @@ def _load(model_dir: str | None, args: argparse.Namespace) -> Any:
     from flashllm.llm import LLM
 
     try:
+        # one decode step a round: a streamed reply shows each token as it comes
         return LLM(model_dir, dtype=args.dtype, device=args.device, backend=args.backend,
-                   max_model_len=args.max_model_len)
+                   max_model_len=args.max_model_len, num_scheduler_steps=1)
     except Exception as exc:  # a CLI boundary: any load failure becomes one line, details at DEBUG
         logger.debug("loading %s failed", model_dir, exc_info=True)
         raise ChatError(f"could not load {model_dir or 'the demo model'}: {type(exc).__name__}: {exc}") from None

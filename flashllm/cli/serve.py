@@ -46,6 +46,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
+    "num_scheduler_steps": (int, 1, "greedy decode steps one scheduling round may run where the device can (the "
+                            "cpu backend); streamed tokens then come in groups of up to this many"),
     "no_prefix_caching": (_bool, False, "disable prefix caching"),
     "strict_kernels": (_bool, False, "fail instead of falling back to reference kernels"),
     "enforce_eager": (_bool, False, "never replay decode steps from CUDA graphs"),
@@ -57,7 +59,7 @@ FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
-                "max_num_batched_tokens", "no_prefix_caching", "strict_kernels", "enforce_eager",
+                "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization")
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type"}

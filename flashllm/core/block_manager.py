@@ -203,6 +203,10 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks seq's block_table lacks to cover num_computed_tokens + num_new_tokens."""
+        return self._num_missing_blocks(seq, num_new_tokens)
+
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         num_needed = self._num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         return max(0, num_needed - len(seq.block_table))

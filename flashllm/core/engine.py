@@ -11,9 +11,9 @@ from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.builder import EngineParts, build_engine_parts
 from flashllm.core.request import Request
-from flashllm.core.sampler import Sampler, SamplerOutput, plain_greedy
-from flashllm.core.scheduler import Scheduler
-from flashllm.core.sequence import FinishReason
+from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
+from flashllm.core.scheduler import Scheduler, SchedulerOutput
+from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
 from flashllm.sampling_params import SamplingParams
@@ -107,6 +107,11 @@ class Engine:
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
         # the device's step context covers sampling too (the cpu one keeps torch off its GEMV cores)
         states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
+        steps = self._burst_steps(batch, states)
+        if steps > 1:
+            outputs = self._burst(batch, sampling, steps)
+            if outputs is not None:
+                return outputs
         with self.runner.adapter.step_context(num_tokens):
             if sampling and all(plain_greedy(s) for s in states):  # only the argmax is needed
                 sampled = SamplerOutput(self.runner.execute(batch, greedy=True).tolist())
@@ -115,15 +120,71 @@ class Engine:
                 sampled = self.sampler(logits, states) if sampling else None
         tokens = iter(sampled.token_ids if sampled else ())
         token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
+        touched: dict[str, Request] = {}
+        self._record(batch, sampling, sampled, token_ids, touched)
+        return [self._emit(request) for request in touched.values()]
+
+    def _record(self, batch: SchedulerOutput, sampling: list[Sequence], sampled: SamplerOutput | None,
+                token_ids: list[int | None], touched: dict[str, Request]) -> None:
+        """Apply one step's tokens: the scheduler's update, then each sampling sequence's stop checks
+        (a sequence finished earlier in a burst takes no more); its request goes into touched."""
         self.scheduler.update(batch, token_ids)
         now = time.monotonic()
-        touched: dict[str, Request] = {}
         for row, seq in enumerate(sampling):
+            if seq.is_finished:
+                continue
             request = self._by_seq[seq.seq_id]
             reason = request.on_token(seq, sampled, row, now, self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             touched[request.request_id] = request
+
+    def _burst_steps(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
+        """How many decode steps this batch may run in one burst (1: a single step).
+
+        A burst takes a decode batch (every sequence one token, all sampling) of plain greedy
+        sequences without presence or frequency penalties (which would change from token to token)
+        while nothing waits to join or every seat is taken (a seat frees when a sequence stops, and a
+        burst ends at the step where any sequence reaches its stop tokens or its max_tokens), at most
+        num_scheduler_steps steps and no more than any sequence may still take (max_tokens,
+        max_model_len), where the blocks all its steps need are free."""
+        config, scheduler = self.config.scheduler, self.scheduler
+        steps = config.num_scheduler_steps
+        if (steps < 2 or (scheduler.num_waiting and scheduler.num_running < config.max_num_seqs) or batch.preempted
+                or len(states) != len(batch.scheduled) or not self.runner.takes_burst(len(states))):
+            return 1
+        for item, state in zip(batch.scheduled, states, strict=True):
+            params = state.params
+            if (item.num_new_tokens != 1 or not plain_greedy(state) or params.frequency_penalty
+                    or params.presence_penalty):
+                return 1
+            steps = min(steps, self.max_model_len - item.seq.num_tokens)
+            if params.max_tokens is not None:
+                steps = min(steps, params.max_tokens - len(state.output_token_ids))
+        bm = self.block_manager
+        if steps > 1 and sum(bm.num_missing_blocks(item.seq, steps) for item in batch.scheduled) > bm.num_free_blocks:
+            return 1
+        return steps
+
+    def _burst(self, batch: SchedulerOutput, sampling: list[Sequence], steps: int) -> list[RequestOutput] | None:
+        """Run up to `steps` decode steps of the batch in one device call and record them step by step,
+        as single steps would have been (stop strings, max_tokens and the prefix cache see each one);
+        None where the device declined the batch after all (the blocks grown for it stay, for the
+        steps to come)."""
+        stop_ids: set[int] = set()
+        for seq in sampling:
+            request = self._by_seq[seq.seq_id]
+            stop_ids.update(request.params.stop_token_ids)
+            if not request.params.ignore_eos:
+                stop_ids.update(request.eos_token_ids)
+        for item in batch.scheduled:
+            self.block_manager.append_slots(item.seq, steps)
+        rows = self.runner.execute_burst(batch, steps, stop_ids)
+        if rows is None:
+            return None
+        touched: dict[str, Request] = {}
+        for token_ids in rows:
+            self._record(batch, sampling, SamplerOutput(token_ids), token_ids, touched)
         return [self._emit(request) for request in touched.values()]
 
     def _emit(self, request: Request) -> RequestOutput:

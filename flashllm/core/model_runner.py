@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -102,6 +103,7 @@ class ModelRunner:
         self.shape_buckets = self.adapter.shape_buckets
         self._fused_decode: Callable[..., torch.Tensor | None] | None | bool = False  # built on first use
         self._greedy_head: Callable[[torch.Tensor], torch.Tensor | None] | None | bool = False  # likewise
+        self._greedy_burst: Any = False  # likewise: None, or what DeviceAdapter.greedy_burst describes
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
@@ -205,6 +207,30 @@ class ModelRunner:
         inputs = self.prepare(batch)
         with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
             return self._execute(inputs, greedy)
+
+    def takes_burst(self, num_seqs: int) -> bool:
+        """Whether execute_burst can run a decode batch of num_seqs sequences: the adapter has a
+        greedy_burst (built on first use) that takes that many, and no graphs or shape buckets."""
+        if self._greedy_burst is False:
+            self._greedy_burst = self.adapter.greedy_burst(self.model)
+        return (self._greedy_burst is not None and self.graphs is None and self.shape_buckets is None
+                and self._greedy_burst.takes(num_seqs))
+
+    def execute_burst(self, batch: SchedulerOutput, steps: int, stop_ids: Iterable[int]) -> list[list[int]] | None:
+        """Up to `steps` plain greedy decode steps of this batch in one call of the adapter's greedy_burst:
+        their tokens, [step][sequence in batch order], ending early after a step that produced one of
+        stop_ids; None where it does not take the batch (run execute instead).
+
+        Every scheduled sequence must bring one token and sample, and its block table must already
+        cover all `steps` positions (BlockManager.append_slots). Sequences are not updated here."""
+        if not self.takes_burst(len(batch.scheduled)):
+            return None
+        inputs = self.prepare(batch)
+        with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
+            tokens = self._greedy_burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+                                        steps, stop_ids)
+            self.adapter.end_step(self.device)
+        return tokens
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         """The model's hidden states for the step: the adapter's fused decode step where it takes it."""

@@ -52,6 +52,8 @@ class Scheduler:
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {config.max_num_seqs} "
                 f"and {config.max_num_batched_tokens}; fix SchedulerConfig"
             )
+        if config.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {config.num_scheduler_steps}; fix SchedulerConfig")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()

@@ -40,11 +40,13 @@ class LogitRecorder:
     """Wraps a runner's execute() to keep every logits row with the sequence and position it scored.
 
     Greedy steps take the logits path too (their tokens are those logits' argmax), so every step
-    has rows to check; the cpu backend's greedy screen, which skips the logits, is checked against
-    transformers' tokens without a recorder (test_the_greedy_screen_gives_the_same_tokens)."""
+    has rows to check, and one at a time (no bursts, which run steps without execute); the cpu
+    backend's greedy screen and bursts, which skip the logits, are checked against transformers'
+    tokens without a recorder (test_the_greedy_screen_gives_the_same_tokens)."""
 
     def __init__(self, llm: LLM) -> None:
         self.rows: list[tuple[int, list[int], torch.Tensor]] = []
+        llm.engine.config.scheduler.num_scheduler_steps = 1
         runner, original = llm.engine.runner, llm.engine.runner.execute
 
         def execute(batch, greedy=False):
