@@ -55,7 +55,6 @@ class GreedyBurst:
                            weight=screen.weight.data_ptr(), bound=screen.row_bound.data_ptr(),
                            factor=_D2(plain[0], split[0]), floor0=_D2(plain[1], split[1]),
                            floor1=_D2(plain[2], split[2]))
-        self._stops: dict[tuple[int, ...], Tensor] = {}
 
     def takes(self, num_seqs: int) -> bool:
         lib, screen = native.library(), self.screen
@@ -70,28 +69,19 @@ class GreedyBurst:
         if steps < 1 or input_ids.dtype != torch.int64:
             return None
         hidden = self.fused.set_step(input_ids, positions, kv_caches, md)
-        step = self.fused._step
-        if hidden is None or not step.ids:  # the burst feeds tokens through the C code's embedding copy
+        if hidden is None:
             return None
-        lib, screen = native.library(), self.screen
+        lib, screen, head = native.library(), self.screen, self._head
         tokens = hidden.shape[0]
-        head = self._head
         # the screen's kept tensors for this token count (a single step of another count replaces them)
-        scores = screen._kept_tensor("scores", (tokens, screen.vocab_size), torch.float32)
-        counts = screen._kept_tensor("counts", (2,), torch.int64)
+        scores = screen.kept_tensor("scores", (tokens, screen.vocab_size), torch.float32)
+        counts = screen.kept_tensor("counts", (2,), torch.int64)
         head.scores, head.scratch, head.counts = scores.data_ptr(), screen.scratch(lib, tokens).data_ptr(), counts.data_ptr()
         head.screen_threads = native.threads_for(tokens, screen.vocab_size, screen.in_features)
         head.pick_threads = parallel.workers()
-        key = tuple(sorted(set(stop_ids)))
-        stops = self._stops.get(key)
-        if stops is None:
-            stops = self._stops[key] = torch.tensor(key, dtype=torch.int64)
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
         out, picked = torch.empty((steps, tokens), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        fused = self.fused
-        done = lib.flashllm_decode_burst(ctypes.addressof(fused._layers), len(fused._layers), ctypes.addressof(step),
-                                         ctypes.addressof(head), hidden.data_ptr(), fused._residual.data_ptr(),
-                                         fused._scratch.data_ptr(), steps, stops.data_ptr(), len(key), out.data_ptr(),
-                                         picked.data_ptr())
+        done = self.fused.burst(head, hidden, steps, stops, out, picked)
         if done == 0:
             return None
         screen.picked += int(picked)
@@ -106,6 +96,6 @@ def build(model: Any, argmax: Callable[[Tensor], Tensor]) -> GreedyBurst | None:
     does not apply to it, or its embedding is not one the C code copies rows of."""
     fused = decode_stack.build(model)
     screen = greedy_screen.build(model, argmax) if fused is not None else None
-    if fused is None or screen is None or not fused._step.embed:
+    if fused is None or screen is None or not fused.copies_embedding:
         return None
     return GreedyBurst(fused, screen)

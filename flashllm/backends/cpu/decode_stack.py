@@ -229,6 +229,22 @@ class FusedDecode:
                                                       self._residual.data_ptr(), self._scratch.data_ptr())
         return hidden if done else None
 
+    @property
+    def copies_embedding(self) -> bool:
+        """Whether the C code copies the embedding rows of int64 ids itself (a plain one-rank fp32 table)."""
+        return bool(self._step.embed)
+
+    def burst(self, head: ctypes.Structure, hidden: Tensor, steps: int, stops: Tensor, tokens: Tensor,
+              picked: Tensor) -> int:
+        """flashllm_decode_burst from the step set_step set (with int64 ids, the C code embedding them):
+        up to `steps` steps, each followed by the greedy head `head` (csrc/decode_stack.c's
+        burst_head), stopping after a token in `stops`; their tokens into tokens (steps, T) int64.
+        Returns the steps done (0: refused before anything ran)."""
+        return native.library().flashllm_decode_burst(
+            ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(self._step), ctypes.addressof(head),
+            hidden.data_ptr(), self._residual.data_ptr(), self._scratch.data_ptr(), steps, stops.data_ptr(),
+            stops.numel(), tokens.data_ptr(), picked.data_ptr())
+
     def set_step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  md: AttentionMetadata) -> Tensor | None:
         """Point the kept step descriptor at this decode step and size the scratch; the (T, H) hidden

@@ -168,7 +168,7 @@ class GreedyScreen:
         rows are a few)."""
         return self.screen.nbytes + self.scales.nbytes + self.row_bound.nbytes
 
-    def _kept_tensor(self, key: object, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    def kept_tensor(self, key: object, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """The kept tensor under key if it has this shape, else a new one kept in its place."""
         kept = self._kept.get(key)
         if kept is None or kept.shape != shape:
@@ -220,12 +220,12 @@ class GreedyScreen:
             return None
         x = hidden.contiguous()
         n = self.vocab_size
-        scores = self._kept_tensor("scores", (tokens, n), torch.float32)
+        scores = self.kept_tensor("scores", (tokens, n), torch.float32)
         path = self._scores(lib, x, scores)
         if not path:
             return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
         factor, floor0, floor1 = self.margins(path == 2 and self.kind == "bf16")  # the bf16 AMX tiles split
-        out, counts = torch.empty(tokens, dtype=torch.int64), self._kept_tensor("counts", (2,), torch.int64)
+        out, counts = torch.empty(tokens, dtype=torch.int64), self.kept_tensor("counts", (2,), torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
                                  self.row_bound.data_ptr(), factor, floor0, floor1, out.data_ptr(), counts.data_ptr(),
                                  parallel.workers())
