@@ -67,6 +67,7 @@ def run_offline(args: argparse.Namespace) -> int:
                               "quant_type": quant_types[0], "group_size": args.weightonly_group_size,
                               "quantize_lm_head": getattr(args, "quantize_lm_head", False),
                               "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
+                              "num_scheduler_steps": getattr(args, "num_scheduler_steps", None),
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "weight_bytes": parameter_bytes(model_dir)}
     requests: list[BenchRequest] = []
