@@ -24,8 +24,10 @@ class LLM(ChatMethods):
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed,
-    gpu_memory_utilization (accelerators: the share of device memory the engine may fill, 0.9) and
-    enforce_eager (never replay decode steps from CUDA graphs).
+    gpu_memory_utilization (accelerators: the share of device memory the engine may fill, 0.9),
+    enforce_eager (never replay decode steps from CUDA graphs) and num_scheduler_steps (greedy
+    decode steps one scheduling round may run where the device can, 8; the cpu backend runs them
+    as one native call; 1 reports every token as it comes).
 
     kv_cache_dtype "int8" or "fp8" (e4m3) stores the KV cache quantized, with scales chosen per
     token and head (cachekv_int8_type "dynamic") or calibrated in the checkpoint ("static").

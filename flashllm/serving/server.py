@@ -98,7 +98,8 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
         kv_cache_dtype=options["kv_cache_dtype"], cachekv_int8_type=options["cachekv_int8_type"],
         max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
-        num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"], strict_kernels=options["strict_kernels"],
+        num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"],
+        strict_kernels=options["strict_kernels"],
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
         seed=options["seed"],
     )
