@@ -221,9 +221,11 @@ class ModelRunner:
         their tokens, [step][sequence in batch order], ending early after a step that produced one of
         stop_ids; None where it does not take the batch (run execute instead).
 
-        Every scheduled sequence must bring one token and sample, and its block table must already
-        cover all `steps` positions (BlockManager.append_slots). Sequences are not updated here."""
-        if not self.takes_burst(len(batch.scheduled)):
+        Call it where takes_burst said yes for this batch (the engine asks it before growing the
+        blocks; a batch the burst declines after all costs a prepare and returns None). Every
+        scheduled sequence must bring one token and sample, and its block table must already cover
+        all `steps` positions (BlockManager.append_slots). Sequences are not updated here."""
+        if not self._greedy_burst:  # never built or none: takes_burst was not asked or said no
             return None
         inputs = self.prepare(batch)
         with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
