@@ -62,6 +62,17 @@ class QuantConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many ranks run the model and what launches them (core/executor.py)."""
+
+    tensor_parallel_size: int = 1
+    # uniproc (one rank, in process) | mp (a process per rank, this machine) | ray (an actor per rank
+    # on a Ray cluster) | external (ranks launched by torchrun; the process group comes from its
+    # environment); None: uniproc for one rank, external under torchrun, else mp
+    distributed_executor_backend: str | None = None
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
 
@@ -70,3 +81,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
