@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from flashllm.backends.cpu import decode_stack, greedy_screen, native, parallel
-from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.attention_metadata import AttentionMetadata
 
 _I64, _P, _D2 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double * 2
 

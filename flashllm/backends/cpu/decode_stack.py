@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from flashllm.backends.cpu import native, native_ops, parallel
-from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"

@@ -1,34 +1,5 @@
-"""AttentionMetadata: how one flat varlen batch maps onto sequences and the paged KV cache."""
+"""Kept so that existing imports work: AttentionMetadata lives in flashllm.ops.attention_metadata."""
 
-from __future__ import annotations
+from flashllm.ops.attention_metadata import AttentionMetadata
 
-from dataclasses import dataclass
-
-import torch
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Describes one forward pass over a flat batch of T tokens from B sequences.
-
-    For sequence b, the batch holds its last `q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`
-    tokens of a context of `seq_lens[b]` tokens (cached prefix + new tokens). The new tokens' keys
-    and values are written to the cache (by `slot_mapping`) before attention reads it.
-
-    slot_mapping:  (T,) int64, `block * block_size + offset` of each token's KV slot; -1 = skip.
-    cu_seqlens_q:  (B+1,) int32, prefix sums of per-sequence query lengths.
-    seq_lens:      (B,) int32, context length of each sequence including the new tokens.
-    block_tables:  (B, max_blocks) int32, physical block ids of each sequence (padded with 0).
-    max_seqlen_q / max_seqlen_k: host-side maxima of the query and context lengths.
-    """
-
-    slot_mapping: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
+__all__ = ["AttentionMetadata"]
