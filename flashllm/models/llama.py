@@ -18,6 +18,16 @@ from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.prequantized import load_prequantized
 from flashllm.models.layers.rotary import RotaryEmbedding
+from flashllm.registry.fusions import (
+    DECODER_STACK,
+    LM_HEAD,
+    DecoderLayerWeights,
+    DecoderStackFusion,
+    LinearWeights,
+    LMHeadFusion,
+    RMSNormWeights,
+    RotaryTable,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -138,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.max_position = config.max_position_embeddings
+        self.ops = ops  # the op table the layers bound; fusions() tells backends which kernels those are
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device,
@@ -166,6 +177,31 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden (N, hidden) -> logits (N, vocab_size) in the model dtype."""
         return self.lm_head(hidden)
+
+    def fusions(self) -> dict[str, Any]:
+        """The fused fast paths this model offers a backend (flashllm/registry/fusions.py), read from
+        its loaded layers at each call: LM_HEAD while compute_logits is this class's, DECODER_STACK
+        while the forward is this class's and every layer the standard Llama block sharing one
+        rotary table and one attention geometry (a subclass that changes either declares none)."""
+        found: dict[str, Any] = {}
+        head = self.lm_head
+        if type(self).compute_logits is LlamaForCausalLM.compute_logits and type(head) is LMHead:
+            found[LM_HEAD] = LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
+                                          tied=head.weight is self.model.embed_tokens.weight)
+        stack = self.model
+        first = stack.layers[0].self_attn if len(stack.layers) else None
+        if (type(self).forward is LlamaForCausalLM.forward and type(stack) is LlamaModel and first is not None
+                and type(stack.embed_tokens) is VocabEmbedding and type(stack.norm) is RMSNorm
+                and all(_standard_block(layer, first, stack.rotary_emb) for layer in stack.layers)):
+            rotary = stack.rotary_emb
+            found[DECODER_STACK] = DecoderStackFusion(
+                layers=tuple(_layer_weights(layer) for layer in stack.layers),
+                num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+                scale=first.attn.scale, intermediate_size=stack.layers[0].mlp.gate_up_proj.output_sizes[0],
+                activation="silu", rotary=RotaryTable(rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox),
+                embed_tokens=stack.embed_tokens.weight.data, embed_tp_size=stack.embed_tokens.tp_size,
+                norm=RMSNormWeights(stack.norm.weight.data, stack.norm.eps), ops=self.ops)
+        return found
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim) of the paged KV cache."""
@@ -233,3 +269,29 @@ class LlamaForCausalLM(nn.Module):
                 f"{shown}; the weights do not match config.json's architecture"
             )
         return {n for n, shards in seen.items() if len(shards) == self._num_shards(n)}
+
+
+def _standard_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedding) -> bool:
+    """Whether `layer` computes what DecoderLayerWeights describes, with `first`'s attention geometry
+    and the shared `rotary` table (its modules are this file's classes, not subclasses)."""
+    attn = getattr(layer, "self_attn", None)
+    return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(layer.mlp) is GatedMLP
+            and type(attn.attn) is Attention and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
+            == (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale))
+
+
+def _layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
+    """One standard block's weights (see _standard_block) as the fusion record holds them."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def linear(module: nn.Module) -> LinearWeights:
+        return LinearWeights(module.qweight, None if module.bias is None else module.bias.data, module.tp_size)
+
+    def norm(module: RMSNorm) -> RMSNormWeights:
+        return RMSNormWeights(module.weight.data, module.eps)
+
+    return DecoderLayerWeights(norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
+                               linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
+                               linear(mlp.down_proj), attn.attn.sliding_window)

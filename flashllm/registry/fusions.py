@@ -1,0 +1,132 @@
+"""Fusions a model declares: plain records of the weights and geometry a backend's fused fast paths read.
+
+A backend may run part of a model as one fused call (the cpu backend runs a decode step's whole
+decoder stack in one native call, and a greedy step's LM head from a smaller copy of its rows).
+Such a path must know exactly what the model computes, so the model says so: `model.fusions()`
+returns a mapping from a fusion's name (DECODER_STACK, LM_HEAD) to one of the records below. A
+record holds tensors and values, never modules, so a backend reads it without importing a model
+class or touching a layer's attributes. A model declares a fusion only where the record describes
+its computation exactly; one whose blocks differ (another norm, activation, residual wiring, a
+per-layer rotary table) leaves it out or declares what differs, and the fast path refuses it. A
+backend checks every field it relies on and falls back to the model's own forward otherwise.
+
+The records are read after loading (`process_weights_after_loading` has built each linear layer's
+QuantizedWeight) and describe this rank's shard; a backend builds its fused path from them once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.registry.resolve import OpTable
+
+DECODER_STACK = "decoder_stack"
+LM_HEAD = "lm_head"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearWeights:
+    """One linear layer on this rank: y = x @ W.T + b through the quant_matmul op.
+
+    weight: what quant_matmul multiplies by, (out_features, in_features) in its scheme; None before
+      the model's weights were processed after loading.
+    bias: (out_features,) or None.
+    tp_size: the ranks the layer is split over (1: whole on this rank).
+    """
+
+    weight: QuantizedWeight | None
+    bias: Tensor | None
+    tp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class RMSNormWeights:
+    """An RMSNorm through the rms_norm op: x / sqrt(mean(x^2) + eps) * weight, weight (hidden_size,)."""
+
+    weight: Tensor
+    eps: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    """One standard pre-norm decoder block, the residual add fused into its norms:
+
+        h, residual = input_layernorm(x, residual)
+        q, k, v = split(qkv_proj(h))              # num_heads, num_kv_heads, num_kv_heads heads of head_dim
+        q, k = rotary_embedding(positions, q, k)   # the stack's shared table
+        h = o_proj(paged_attention(q, k, v))       # after write_kv_cache; causal, sliding_window if set
+        h, residual = post_attention_layernorm(h, residual)
+        out = down_proj(activation_and_mul(gate_up_proj(h)))   # gate_up rows: (gate | up)
+
+    sliding_window: this layer's attention window in tokens, or None for full attention.
+    """
+
+    input_layernorm: RMSNormWeights
+    post_attention_layernorm: RMSNormWeights
+    qkv_proj: LinearWeights
+    o_proj: LinearWeights
+    gate_up_proj: LinearWeights
+    down_proj: LinearWeights
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryTable:
+    """The rotary embedding every layer shares: cos_sin_cache (max_position, rotary_dim) fp32 rows of
+    [cos | sin] by position; the first rotary_dim features of each head rotate, in GPT-NeoX halves
+    when is_neox, else interleaved pairs."""
+
+    cos_sin_cache: Tensor
+    rotary_dim: int
+    is_neox: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderStackFusion:
+    """The decoder stack from token ids to final hidden states, as DECODER_STACK declares it:
+
+        x = embed_tokens[input_ids]                # a plain row lookup of this rank's table
+        for layer in layers: x, residual = layer(x, residual)   # see DecoderLayerWeights
+        hidden, _ = norm(x, residual)
+
+    Every layer shares the attention geometry on this rank: num_heads query heads, num_kv_heads
+    KV heads (num_heads a multiple of it), head_dim, softmax `scale`; its MLP's activation
+    ("silu": SwiGLU) over intermediate_size features. embed_tokens: (V_p, hidden_size), the
+    vocabulary rows of this rank (embed_tp_size ranks hold one part each). ops: the op table the
+    layers were built with, which says which backend's kernel each op resolved to (ops.sources,
+    ops.kernel), so a fast path can stand in only for the kernels it reproduces.
+    """
+
+    layers: tuple[DecoderLayerWeights, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    intermediate_size: int
+    activation: str
+    rotary: RotaryTable
+    embed_tokens: Tensor
+    embed_tp_size: int
+    norm: RMSNormWeights
+    ops: OpTable
+
+
+@dataclass(frozen=True, slots=True)
+class LMHeadFusion:
+    """The LM head as LM_HEAD declares it: the model's compute_logits(hidden) is exactly
+    quant_matmul(hidden, qweight)[:, :vocab_size] (gathered over tp_size ranks), nothing after it.
+
+    weight: the head's float rows on this rank, (V_p, hidden_size); the input embedding's table when
+      tied. qweight: what the head multiplies by (scheme "none": weight itself; "w8a16" for a
+      quantized head), None before loading; its kernel_cache is where a backend keeps a re-layout
+      of the head it builds once (the cpu backend's greedy screen), which lives as long as the head.
+    """
+
+    weight: Tensor
+    qweight: QuantizedWeight | None
+    vocab_size: int
+    tp_size: int
+    tied: bool
