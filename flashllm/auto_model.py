@@ -57,7 +57,9 @@ class AutoModel:
 
         kwargs are LLM options: dtype ("auto" | "float32" | "float16" | "bfloat16"), device
         ("auto" | "cpu" | "cuda:0" | ...), backend, max_model_len, block_size, num_kv_blocks,
-        kv_cache_memory, max_num_seqs, ...; an unknown one raises TypeError listing the known.
+        kv_cache_memory, max_num_seqs, tensor_parallel_size (ranks the model is split over) and
+        distributed_executor_backend ("uniproc" | "mp" | "ray" | "external"), ...; an unknown one
+        raises TypeError listing the known.
         """
         return cls(LLM(os.fspath(pretrained_model_name_or_path), **kwargs))
 

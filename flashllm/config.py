@@ -61,6 +61,11 @@ class QuantConfig:
     quantize_lm_head: bool = False         # int8 LM head beside weight-only linears (quant/spec.py)
 
 
+# ParallelConfig.distributed_executor_backend values; here, not in core/executor.py, so the CLI can offer
+# them as choices without importing torch
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uniproc", "mp", "ray", "external")
+
+
 @dataclass
 class ParallelConfig:
     """How many ranks run the model and what launches them (core/executor.py)."""

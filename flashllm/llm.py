@@ -9,7 +9,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from flashllm.chat_methods import ChatMethods, Message, select_chat_template  # noqa: F401 (re-exported)
-from flashllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
+from flashllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    QuantConfig,
+    SchedulerConfig,
+)
+from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.outputs import RequestOutput
 from flashllm.sampling_params import SamplingParams
@@ -28,6 +38,11 @@ class LLM(ChatMethods):
     enforce_eager (never replay decode steps from CUDA graphs) and num_scheduler_steps (greedy
     decode steps one scheduling round may run where the device can, 8; the cpu backend runs them
     as one native call; 1 reports every token as it comes).
+
+    tensor_parallel_size (ranks the model's weights and KV cache are split over, 1) and
+    distributed_executor_backend (what runs those ranks: "uniproc" in this process, "mp" a process
+    per rank on this machine, "ray" an actor per rank on a Ray cluster, "external" ranks already
+    launched by torchrun; None picks uniproc for one rank, external under torchrun, else mp).
 
     kv_cache_dtype "int8" or "fp8" (e4m3) stores the KV cache quantized, with scales chosen per
     token and head (cachekv_int8_type "dynamic") or calibrated in the checkpoint ("static").
@@ -126,6 +141,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
                                         "num_scheduler_steps"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
+        "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend"}),
     }
     known = set().union(*(keys for _, keys in groups.values()))
     unknown = set(kwargs) - known
@@ -135,7 +151,25 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     for name, (cls, keys) in groups.items():
         parts[name] = cls(**{k: v for k, v in kwargs.items() if k in keys and v is not None})
     parts["model"].model = model
+    _check_parallel(parts["parallel"])
     return EngineConfig(**parts)
+
+
+def _check_parallel(parallel: ParallelConfig) -> None:
+    """Refuse a rank count or executor the engine cannot start with, before any weights load."""
+    size = parallel.tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EngineConfigError(f"tensor_parallel_size must be a whole number of at least 1 (the ranks the model "
+                                f"is split over), got {size!r}; pass e.g. tensor_parallel_size=2")
+    backend = parallel.distributed_executor_backend
+    if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+        raise EngineConfigError(f"distributed_executor_backend {backend!r} is not one of "
+                                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; pass one of them, or None to pick "
+                                "by the rank count and launcher")
+    if backend == "uniproc" and size > 1:
+        raise EngineConfigError(f"distributed_executor_backend 'uniproc' runs one rank in this process, but "
+                                f"tensor_parallel_size is {size}; use 'mp' (a process per rank), 'ray' or 'external' "
+                                "(torchrun), or tensor_parallel_size=1")
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
