@@ -68,6 +68,7 @@ def run_offline(args: argparse.Namespace) -> int:
                               "quantize_lm_head": getattr(args, "quantize_lm_head", False),
                               "kv_cache_dtype": args.kv_cache_dtype, "cachekv_int8_type": args.cachekv_int8_type,
                               "num_scheduler_steps": getattr(args, "num_scheduler_steps", None),
+                              "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
                               "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                               "weight_bytes": parameter_bytes(model_dir)}
     requests: list[BenchRequest] = []
@@ -136,6 +137,8 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               group_size=args.weightonly_group_size, kv_cache_dtype=args.kv_cache_dtype,
               quantize_lm_head=quantized_head, cachekv_int8_type=args.cachekv_int8_type,
               enforce_eager=getattr(args, "enforce_eager", False),
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+              distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None))
     requests = requests or _requests(args, llm)
     counted = weight_bytes(llm.engine.parts.model)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.bench import devices
+from flashllm.cli.parallel_flags import add_parallel_flags
 
 
 def add_parser(sub: Any) -> None:
@@ -41,6 +42,7 @@ def add_parser(sub: Any) -> None:
                        help="greedy decode steps one scheduling round may run where the device can (cpu bursts); "
                             "1 = one step a round")
         p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+        add_parallel_flags(p)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="accelerators: share of device memory the engine fills")
         p.add_argument("--max-model-len", type=int, default=None,
@@ -110,7 +112,8 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # gguf_export.FILE_TYPES, kept here
 
 # engine flags passed to `flashllm serve` when bench serve starts the server itself
 SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type")
+                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size",
+                "distributed_executor_backend")
 
 
 def _add_serve_parser(modes: Any) -> None:
@@ -135,9 +138,10 @@ def _add_serve_parser(modes: Any) -> None:
     p.add_argument("--plot", type=Path, default=None, help="draw latency and throughput at this rate as a PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag in SERVER_FLAGS:
-        if flag not in ("kv_cache_dtype", "cachekv_int8_type"):
+        if flag not in ("kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size", "distributed_executor_backend"):
             p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
     _add_kv_cache_flags(p, server=True)
+    add_parallel_flags(p, passed_on=True)
     p.add_argument("--no-prefix-caching", action="store_true", help="passed to the started server")
 
 

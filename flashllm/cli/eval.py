@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
+
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("eval", help="accuracy: perplexity, ROUGE, KL divergence between configurations")
@@ -33,6 +35,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, prefix: str = "", who: str = "
                    default=-1, help=f"{who}-1 (per output channel) or 32 | 64 | 128")
     p.add_argument(f"--{prefix}quantize-lm-head", action="store_true",
                    help=f"{who}store the LM head as int8 too (with a weight-only int8/int4 quant type)")
+    add_parallel_flags(p, prefix=prefix, who=who)
 
 
 def _add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -102,6 +105,17 @@ def _windows(args: argparse.Namespace, model_dir: str) -> tuple[int, int]:
     return max_length, stride
 
 
+def _require_one_rank(args: argparse.Namespace, prefixes: tuple[str, ...]) -> None:
+    """ppl and kl score with the model built in this process (eval/forward.py), so they refuse several ranks."""
+    for prefix in prefixes:
+        options = parallel_options(args, prefix)
+        if options["tensor_parallel_size"] != 1 or options["distributed_executor_backend"] not in (None, "uniproc"):
+            flags = " / ".join(f"--{prefix.replace('_', '-')}{name}"
+                               for name in ("tensor-parallel-size", "distributed-executor-backend"))
+            raise ValueError(f"{flags}: eval {args.mode} scores with the model in this one process, so it runs one "
+                             "rank; drop these flags, or use eval rouge, which generates through the engine")
+
+
 def _scoring_config(args: argparse.Namespace, model: str, prefix: str = "") -> Any:
     from flashllm.eval.forward import ScoringConfig
 
@@ -113,6 +127,7 @@ def _run_ppl(args: argparse.Namespace) -> dict[str, Any]:
     from flashllm.eval.forward import load_scoring_parts
     from flashllm.eval.perplexity import perplexity
 
+    _require_one_rank(args, ("",))
     text = read_text(args.text)
     max_length, stride = _windows(args, args.model)
     parts = load_scoring_parts(_scoring_config(args, args.model), max_length)
@@ -135,6 +150,7 @@ def _run_kl(args: argparse.Namespace) -> dict[str, Any]:
     from flashllm.eval.forward import load_scoring_parts
     from flashllm.eval.kl import compare_configs
 
+    _require_one_rank(args, ("", "baseline_"))
     text = read_text(args.text)
     baseline_model = args.baseline_model or args.model
     max_length, stride = _windows(args, baseline_model)
@@ -186,7 +202,8 @@ def _generate(args: argparse.Namespace, sources: list[str]) -> dict[str, list[st
     from flashllm.eval.generation import generate_flashllm, generate_transformers, prompt_ids
     from flashllm.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, quant_type=args.quant_type)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, quant_type=args.quant_type,
+              **parallel_options(args))
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; ROUGE needs text prompts and outputs")
     use_template = not args.no_chat_template and llm.has_chat_template()

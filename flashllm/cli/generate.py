@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
+
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -18,13 +20,14 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default=None)
+    add_parallel_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from flashllm.llm import LLM
     from flashllm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     if args.chat:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
+
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("greedy_search", "sampling", "beam_search")
@@ -81,6 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "quantize_lm_head", action="store_true",
           help="also store the LM head as per-channel int8 (with weight_only_int8/int4): a quarter of its fp32 "
                "bytes per decoded token, a small logit error (docs/benchmarks.md)")
+    add_parallel_flags(parser)
     _flag(parser, "mode", default="dynamic", choices=("dynamic", "static"),
           help="dynamic: the paged engine; static: run the ONNX graph that `flashllm export` wrote into "
                "--model_name_or_path, through onnxruntime (engine flags such as --block_size do not apply)")
@@ -193,6 +196,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
     from flashllm.llm import LLM
 
     if args.mode == "static":
+        if args.tensor_parallel_size != 1 or args.distributed_executor_backend not in (None, "uniproc"):
+            raise SystemExit("flashllm predict: --mode static runs the exported graph in one onnxruntime session; "
+                             "drop --tensor_parallel_size / --distributed_executor_backend, or use --mode dynamic")
         return LLM(args.model_name_or_path, mode="static", device=args.device, dtype=args.dtype,
                    max_model_len=args.total_max_length, max_num_seqs=args.batch_size, seed=args.seed)
     return LLM(args.model_name_or_path, dtype=args.dtype, device=args.device, backend=args.backend,
@@ -202,7 +208,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
                quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
-               gpu_memory_utilization=args.gpu_memory_utilization)
+               gpu_memory_utilization=args.gpu_memory_utilization, **parallel_options(args))
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flashllm.cli.parallel_flags import FLAG_NAMES, HELP, METAVARS, executor_backend, tensor_parallel_size
+
 logger = logging.getLogger("flashllm.serve")
 
 
@@ -54,13 +56,15 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "gpu_memory_utilization": (float, 0.9, "accelerators: share of device memory for weights, activations and "
                                "the KV cache (which takes what a profiled worst-case step leaves)"),
     "seed": (int, 0, "engine seed"),
+    "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
+    "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
 FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
-                "gpu_memory_utilization")
+                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend")
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type"}
 
@@ -70,13 +74,14 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the demo model)")
     parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
     for dest, (kind, _, text) in OPTIONS.items():
-        flags = ["--" + dest.replace("_", "-")] + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
+        flags = list(FLAG_NAMES.get(dest, ())) or \
+            ["--" + dest.replace("_", "-")] + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
         if dest in FLAGS:
             parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=None, help=text)
         elif dest == "api_key":
             parser.add_argument(*flags, dest=dest, action="append", default=None, help=text)
         else:
-            parser.add_argument(*flags, dest=dest, type=kind, default=None, help=text)
+            parser.add_argument(*flags, dest=dest, type=kind, default=None, metavar=METAVARS.get(dest), help=text)
 
 
 def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -117,7 +122,7 @@ def _check_mode(values: dict[str, Any]) -> None:
 def _convert(dest: str, kind: Any, text: str, where: str) -> Any:
     try:
         return kind(text)
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         raise SystemExit(f"flashllm serve: {where}={text!r} is not a valid {dest}: {exc}") from None
 
 
@@ -128,7 +133,8 @@ def _config_value(dest: str, kind: Any, raw: Any) -> Any:
         return raw if kind is _bool else _convert(dest, kind, "invalid", f"--config {dest}")
     if kind is float and isinstance(raw, int):
         return float(raw)
-    return raw if kind is not _bool and isinstance(raw, kind) else _convert(dest, kind, str(raw), f"--config {dest}")
+    typed = isinstance(kind, type) and isinstance(raw, kind)  # kind may be a parsing function, not a type
+    return raw if typed else _convert(dest, kind, str(raw), f"--config {dest}")
 
 
 def _read_config(path: str) -> dict[str, Any]:

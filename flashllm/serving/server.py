@@ -101,7 +101,8 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"],
         strict_kernels=options["strict_kernels"],
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
-        seed=options["seed"],
+        seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],
+        distributed_executor_backend=options["distributed_executor_backend"],
     )
     return Engine(config)
 
