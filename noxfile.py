@@ -43,6 +43,18 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def dist(session: nox.Session) -> None:
+    """Tensor parallelism on CPU over gloo: tests/distributed with the mp, ray and torchrun launches.
+
+    Not part of the default run: ray (the `ray` extra) is a large wheel, and its tests start a local
+    Ray instance. Usage reporting is off so the run never reaches out to the network.
+    """
+    _install(session, "test,serve,ray")
+    session.env["RAY_USAGE_STATS_ENABLED"] = "0"
+    session.run("pytest", "-q", "tests/distributed", *session.posargs)
+
+
+@nox.session(python="3.11")
 def ui(session: nox.Session) -> None:
     """The web UI in a real headless Chromium: needs Debian's chromium at /usr/bin/chromium
     (`apt-get install chromium`); playwright drives it and never downloads a browser."""
