@@ -65,7 +65,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     registry = ModelRegistry()
     for architecture, target in plugins.model_targets().items():
         registry.register(architecture, target)
-    hf_config = load_hf_config(model_dir, registry.architectures())
+    hf_config = load_hf_config(model_dir, registry)
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)

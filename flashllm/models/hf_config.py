@@ -1,4 +1,4 @@
-"""Parse and validate a Hugging Face `config.json` into a typed view, before anything is allocated."""
+"""Read a Hugging Face `config.json`, check what every architecture shares, and let the architecture parse the rest."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import json
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from flashllm.ops.rope_cache import rope_inv_freq
+
+if TYPE_CHECKING:
+    from flashllm.models.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -67,47 +70,52 @@ class CheckpointQuant:
         return "w4a16" if self.bits == 4 else "w8a16"
 
 
-@dataclass(frozen=True, slots=True)
-class HFModelConfig:
-    """The fields of a decoder-only HF config that flashllm models use, validated.
+class HFModelConfig(Protocol):
+    """A parsed `config.json`, whatever the architecture: the fields the engine and loader read.
 
-    `rope_scaling` is None for plain RoPE, else an HF-form dict with a "rope_type" key (e.g.
-    {"rope_type": "llama3", "factor": 8.0, ...}), the same layout whatever config.json used.
-    `torch_dtype` is the checkpoint's declared dtype (None when config.json does not say).
-    `sliding_windows[i]` is the attention window of layer i (None = full attention).
-    `quantization` describes a GPTQ / AWQ checkpoint's packed linear weights (None: float).
+    Each architecture's `parse_config` (see `flashllm.models.base.CausalLM`) returns its own type
+    with these fields (a frozen dataclass is simplest); `parse_hf_config` checks them after parsing.
+    architecture: `architectures[0]`, exactly; vocab_size: rows of the embedding and the logits;
+    head_dim: attention head size (the op table is resolved for it); max_position_embeddings: the
+    longest context; torch_dtype: the checkpoint's declared dtype (None: not declared);
+    quantization: a GPTQ / AWQ checkpoint's packing (None: float weights); bos/eos_token_id: a
+    token id, a list of them, or None; tie_word_embeddings: the LM head shares the embedding;
+    raw: the config.json dict; num_parameters: an estimate, bounded before anything is allocated.
     """
 
-    architecture: str
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    rotary_dim: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    hidden_act: str
-    torch_dtype: torch.dtype | None
-    bos_token_id: int | list[int] | None
-    eos_token_id: int | list[int] | None
-    sliding_windows: tuple[int | None, ...]
-    raw: dict[str, Any] = field(repr=False, compare=False)
-    quantization: CheckpointQuant | None = None
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def torch_dtype(self) -> torch.dtype | None: ...
+    @property
+    def quantization(self) -> CheckpointQuant | None: ...
+    @property
+    def bos_token_id(self) -> int | list[int] | None: ...
+    @property
+    def eos_token_id(self) -> int | list[int] | None: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def raw(self) -> dict[str, Any]: ...
+    @property
+    def num_parameters(self) -> int: ...
 
 
-def load_hf_config(
-    model_dir: str | Path, supported_architectures: Iterable[str] | None = None
-) -> HFModelConfig:
-    """Read `<model_dir>/config.json` and validate it (see `parse_hf_config`)."""
+# The HFModelConfig fields, in the order check_model_config reports a missing one.
+GENERIC_FIELDS: tuple[str, ...] = (
+    "architecture", "vocab_size", "head_dim", "max_position_embeddings", "torch_dtype", "quantization",
+    "bos_token_id", "eos_token_id", "tie_word_embeddings", "raw", "num_parameters",
+)
+
+
+def load_hf_config(model_dir: str | Path, registry: ModelRegistry | None = None) -> HFModelConfig:
+    """Read `<model_dir>/config.json` and parse it with its architecture's parser (see `parse_hf_config`)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(
@@ -115,7 +123,7 @@ def load_hf_config(
             "(config.json + *.safetensors)"
         )
     raw = read_json_object(path, MAX_CONFIG_BYTES)
-    return parse_hf_config(raw, supported_architectures, source=str(path))
+    return parse_hf_config(raw, registry, source=str(path))
 
 
 def read_json_object(path: Path, max_bytes: int) -> dict[str, Any]:
@@ -132,14 +140,13 @@ def read_json_object(path: Path, max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def parse_hf_config(
-    raw: Any, supported_architectures: Iterable[str] | None = None, source: str = "config.json"
-) -> HFModelConfig:
-    """Validate a config.json dict and return its typed view.
+def parse_hf_config(raw: Any, registry: ModelRegistry | None = None, source: str = "config.json") -> HFModelConfig:
+    """Validate a config.json dict: the generic parts here, the rest by its architecture's `parse_config`.
 
-    Raises ModelLoadError (one line) on a missing or non-positive required field, an absurd size,
-    inconsistent head counts, an unsupported activation, or an architecture not in
-    `supported_architectures` (when given). `auto_map` is ignored with a warning.
+    registry: the architectures that may load (None: flashllm's built-in ones; the engine passes
+    the one its plugins filled). Raises ModelLoadError (one line) on a missing `architectures`
+    list, an architecture not in `registry`, anything its parser refuses, or a parsed config whose
+    generic fields are missing or past the sanity bounds. `auto_map` is ignored with a warning.
     """
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{source} must hold a JSON object, got {type(raw).__name__}")
@@ -149,39 +156,30 @@ def parse_hf_config(
             "ignores it, using its built-in implementation of the architecture",
             source,
         )
-    architecture = _architecture(raw, supported_architectures, source)
-    sizes = _sizes(raw, source)
-    rope_theta, rope_scaling = normalize_rope(raw, source)
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
+    registry = registry if registry is not None else _builtin_registry()
+    architecture = config_architecture(raw, source, registry.architectures())
+    model_cls = registry.resolve(architecture)
+    parse = getattr(model_cls, "parse_config", None)
+    if not callable(parse):
         raise ModelLoadError(
-            f"{source}: hidden_act={hidden_act!r} is not supported; flashllm's gated MLP "
-            "implements 'silu' only"
+            f"{model_cls.__module__}.{model_cls.__qualname__}, registered for {architecture!r}, has no "
+            "parse_config classmethod; derive it from flashllm.models.base.CausalLM"
         )
-    rotary_dim = _rotary_dim(raw, sizes["head_dim"], source)
-    _check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
-    return HFModelConfig(
-        architecture=architecture,
-        model_type=str(raw.get("model_type", "")),
-        rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6, source),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rotary_dim=rotary_dim,
-        tie_word_embeddings=_flag(raw, "tie_word_embeddings", source),
-        attention_bias=_flag(raw, "attention_bias", source),
-        mlp_bias=_flag(raw, "mlp_bias", source),
-        hidden_act=hidden_act,
-        torch_dtype=_checkpoint_dtype(raw, source),
-        bos_token_id=_token_ids(raw, "bos_token_id", source),
-        eos_token_id=_token_ids(raw, "eos_token_id", source),
-        sliding_windows=_sliding_windows(raw, sizes["num_hidden_layers"], source),
-        raw=raw,
-        quantization=parse_quantization_config(raw.get("quantization_config"), _linear_inputs(sizes), source),
-        **sizes,
-    )
+    config = parse(raw, source)
+    check_model_config(config, architecture, source)
+    return config
 
 
-def _architecture(raw: dict[str, Any], supported: Iterable[str] | None, source: str) -> str:
+def _builtin_registry() -> ModelRegistry:
+    # imported here: registry.py imports ModelLoadError from this module
+    from flashllm.models.builtin import BUILTIN_MODELS
+    from flashllm.models.registry import ModelRegistry
+
+    return ModelRegistry.from_targets(BUILTIN_MODELS)
+
+
+def config_architecture(raw: dict[str, Any], source: str, supported: Iterable[str] | None = None) -> str:
+    """`architectures[0]` of a config.json dict; ModelLoadError when absent or not in `supported` (when given)."""
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ModelLoadError(
@@ -199,52 +197,41 @@ def _architecture(raw: dict[str, Any], supported: Iterable[str] | None, source: 
     return arch
 
 
-def _sizes(raw: dict[str, Any], source: str) -> dict[str, int]:
-    hidden = _positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
-    num_heads = _positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
-    num_kv_heads = _positive_int(raw, "num_key_value_heads", num_heads, MAX_NUM_HEADS, source)
-    if raw.get("head_dim") is None and hidden % num_heads != 0:
+def check_model_config(config: Any, architecture: str, source: str) -> None:
+    """The generic bounds every parsed config must meet before its model is allocated (see HFModelConfig)."""
+    missing = [name for name in GENERIC_FIELDS if not hasattr(config, name)]
+    if missing:
         raise ModelLoadError(
-            f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={num_heads}"
+            f"the {architecture} parser returned a {type(config).__name__} without {', '.join(missing)} ({source}); "
+            f"every architecture's config must provide: {', '.join(GENERIC_FIELDS)} (see flashllm.models.base)"
         )
-    head_dim = _positive_int(raw, "head_dim", hidden // num_heads, MAX_HEAD_DIM, source)
-    if num_heads % num_kv_heads != 0:
-        raise ModelLoadError(
-            f"{source}: num_attention_heads={num_heads} is not a multiple of "
-            f"num_key_value_heads={num_kv_heads}"
-        )
-    sizes = {
-        "hidden_size": hidden,
-        "intermediate_size": _positive_int(
-            raw, "intermediate_size", None, MAX_INTERMEDIATE_SIZE, source
-        ),
-        "num_hidden_layers": _positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": _positive_int(raw, "vocab_size", None, MAX_VOCAB_SIZE, source),
-        "max_position_embeddings": _positive_int(
-            raw, "max_position_embeddings", 2048, MAX_POSITION_EMBEDDINGS, source
-        ),
-    }
-    _check_parameter_count(sizes, source)
-    return sizes
-
-
-def _check_parameter_count(s: dict[str, int], source: str) -> None:
-    attn = s["hidden_size"] * s["head_dim"] * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
-    mlp = 3 * s["hidden_size"] * s["intermediate_size"]
-    total = s["num_hidden_layers"] * (attn + mlp) + 2 * s["vocab_size"] * s["hidden_size"]
+    if config.architecture != architecture:
+        raise ModelLoadError(f"the {architecture} parser returned architecture={config.architecture!r} ({source}); "
+                             "it must be config.json's architectures[0]")
+    bounds = {"vocab_size": MAX_VOCAB_SIZE, "head_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_POSITION_EMBEDDINGS}
+    for name, maximum in bounds.items():
+        positive_int({name: getattr(config, name)}, name, None, maximum, source)
+    total = config.num_parameters
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ModelLoadError(f"{source}: the parsed num_parameters={total!r} must be a non-negative int")
     if total > MAX_NUM_PARAMETERS:
         raise ModelLoadError(
             f"{source} describes ~{total:.3g} parameters, above the {MAX_NUM_PARAMETERS:.0e} "
             "limit; the config is corrupt or not a model flashllm can run"
         )
+    if config.torch_dtype is not None and config.torch_dtype not in _DTYPES.values():
+        raise ModelLoadError(f"{source}: torch_dtype={config.torch_dtype} must be one of {sorted(_DTYPES)} or None")
+    if config.quantization is not None and not isinstance(config.quantization, CheckpointQuant):
+        raise ModelLoadError(f"{source}: the parsed quantization must be a CheckpointQuant or None, "
+                             f"got {type(config.quantization).__name__}")
+    if not isinstance(config.tie_word_embeddings, bool) or not isinstance(config.raw, dict):
+        raise ModelLoadError(f"{source}: the parsed tie_word_embeddings must be a bool and raw the config.json dict")
+    for name in ("bos_token_id", "eos_token_id"):
+        token_ids({name: getattr(config, name)}, name, source)
 
 
-def _positive_int(
-    raw: dict[str, Any], key: str, default: int | None, maximum: int, source: str
-) -> int:
+def positive_int(raw: dict[str, Any], key: str, default: int | None, maximum: int, source: str) -> int:
+    """`raw[key]` as an int in 1..maximum; `default` when absent (None: the field is required)."""
     value = raw.get(key)
     if value is None:
         if default is None:
@@ -257,7 +244,8 @@ def _positive_int(
     return value
 
 
-def _positive_float(raw: dict[str, Any], key: str, default: float, source: str) -> float:
+def positive_float(raw: dict[str, Any], key: str, default: float, source: str) -> float:
+    """`raw[key]` as a finite float > 0; `default` when absent or null."""
     value = raw.get(key)
     if value is None:
         return default
@@ -268,18 +256,7 @@ def _positive_float(raw: dict[str, Any], key: str, default: float, source: str) 
     return float(value)
 
 
-def _rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> int:
-    partial = _positive_float(raw, "partial_rotary_factor", 1.0, source)
-    rotary_dim = int(head_dim * partial)
-    if partial > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
-        raise ModelLoadError(
-            f"{source}: partial_rotary_factor={partial} with head_dim={head_dim} gives rotary_dim="
-            f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim"
-        )
-    return rotary_dim
-
-
-def _check_rope(rotary_dim: int, theta: float, scaling: dict | None, max_position: int, source: str) -> None:
+def check_rope(rotary_dim: int, theta: float, scaling: dict | None, max_position: int, source: str) -> None:
     """Compute the rope frequencies once (rotary_dim / 2 numbers) so a bad rope_scaling fails here."""
     try:
         inv_freq, _ = rope_inv_freq(rotary_dim, theta, scaling, max_position)
@@ -289,7 +266,8 @@ def _check_rope(rotary_dim: int, theta: float, scaling: dict | None, max_positio
         raise ModelLoadError(f"{source}: rope settings {scaling!r} (rope_theta={theta}) give non-finite frequencies")
 
 
-def _flag(raw: dict[str, Any], key: str, source: str) -> bool:
+def flag(raw: dict[str, Any], key: str, source: str) -> bool:
+    """`raw[key]` as a JSON boolean; False when absent or null."""
     value = raw.get(key, False)
     if value is None:
         return False
@@ -298,7 +276,8 @@ def _flag(raw: dict[str, Any], key: str, source: str) -> bool:
     return value
 
 
-def _token_ids(raw: dict[str, Any], key: str, source: str) -> int | list[int] | None:
+def token_ids(raw: dict[str, Any], key: str, source: str) -> int | list[int] | None:
+    """`raw[key]` as a token id >= 0, a list of them, or None (e.g. bos_token_id, eos_token_id)."""
     value = raw.get(key)
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
@@ -324,7 +303,7 @@ def normalize_rope(raw: dict[str, Any], source: str = "config.json") -> tuple[fl
         raise ModelLoadError(f"{source}: {key} must be an object or null, got {scaling!r}")
     scaling = dict(scaling)
     theta_src = {"rope_theta": scaling.pop("rope_theta", raw.get("rope_theta"))}
-    theta = _positive_float(theta_src, "rope_theta", 10000.0, source)
+    theta = positive_float(theta_src, "rope_theta", 10000.0, source)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if not isinstance(rope_type, str):
@@ -334,7 +313,8 @@ def normalize_rope(raw: dict[str, Any], source: str = "config.json") -> tuple[fl
     return theta, {"rope_type": rope_type, **scaling}
 
 
-def _checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
+def checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
+    """The checkpoint's declared `dtype` (or legacy `torch_dtype`); None, with a warning, when unknown."""
     name = raw.get("dtype", raw.get("torch_dtype"))
     if name is None:
         return None
@@ -342,26 +322,6 @@ def _checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
         logger.warning("%s: unrecognized checkpoint dtype %r; treating it as unknown", source, name)
         return None
     return _DTYPES[name]
-
-
-def _sliding_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    enabled = raw.get("use_sliding_window", window is not None)
-    if not enabled or window is None:
-        return (None,) * num_layers
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ModelLoadError(f"{source}: sliding_window={window!r} must be a positive int")
-    layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list) and len(layer_types) == num_layers:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    # Qwen2's legacy rule: layers from max_window_layers on use the window.
-    first = raw.get("max_window_layers", 0)
-    return tuple(window if i >= first else None for i in range(num_layers))
-
-
-def _linear_inputs(sizes: dict[str, int]) -> tuple[int, ...]:
-    """in_features of the decoder's linear layers: hidden (qkv, gate_up), heads (o), intermediate (down)."""
-    return sizes["hidden_size"], sizes["num_attention_heads"] * sizes["head_dim"], sizes["intermediate_size"]
 
 
 def parse_quantization_config(qc: Any, in_features: tuple[int, ...] = (), source: str = "config.json"
@@ -404,11 +364,11 @@ def _gptq_config(qc: dict[str, Any], bits: int, group_size: int, where: str) -> 
     if fmt not in PREQUANTIZED_FORMATS["gptq"]:
         raise ModelLoadError(f"{where}: checkpoint_format={fmt!r} is not supported; expected one of "
                              f"{PREQUANTIZED_FORMATS['gptq']} (convert other layouts with GPTQModel first)")
-    sym, desc_act = _flag(qc, "sym", where) if "sym" in qc else True, _flag(qc, "desc_act", where)
+    sym, desc_act = flag(qc, "sym", where) if "sym" in qc else True, flag(qc, "desc_act", where)
     if bits == 8 and not sym:
         raise ModelLoadError(f"{where}: asymmetric 8-bit GPTQ is not supported (flashllm's w8a16 is symmetric); "
                              "use a sym=true or a 4-bit checkpoint")
-    if _flag(qc, "lm_head", where) or qc.get("dynamic"):
+    if flag(qc, "lm_head", where) or qc.get("dynamic"):
         raise ModelLoadError(f"{where}: a quantized lm_head or per-module 'dynamic' settings are not supported; "
                              "flashllm loads checkpoints that quantize every decoder linear the same way")
     return CheckpointQuant("gptq", bits, group_size, desc_act, sym, fmt)
@@ -419,7 +379,7 @@ def _awq_config(qc: dict[str, Any], bits: int, group_size: int, where: str) -> C
     if not isinstance(version, str) or version.lower() not in PREQUANTIZED_FORMATS["awq"]:
         raise ModelLoadError(f"{where}: version={version!r} is not supported; flashllm reads AWQ's 'gemm' packing "
                              "(re-export GEMV/Marlin/ExLlama checkpoints as gemm)")
-    if not (_flag(qc, "zero_point", where) if "zero_point" in qc else True):
+    if not (flag(qc, "zero_point", where) if "zero_point" in qc else True):
         raise ModelLoadError(f"{where}: zero_point=false is not supported; flashllm reads AWQ with zero points")
     if qc.get("modules_to_not_convert"):
         raise ModelLoadError(f"{where}: modules_to_not_convert={qc['modules_to_not_convert']!r} is not supported; "

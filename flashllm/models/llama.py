@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from flashllm.models.hf_config import HFModelConfig, ModelLoadError
+from flashllm.models.base import CausalLM
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
-from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear, checkpoint_param
+from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.norm import RMSNorm
-from flashllm.models.layers.prequantized import load_prequantized
 from flashllm.models.layers.rotary import RotaryEmbedding
+from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.registry.fusions import (
     DECODER_STACK,
     LM_HEAD,
@@ -33,7 +31,7 @@ from flashllm.registry.fusions import (
 class LlamaAttention(nn.Module):
     """qkv_proj -> RoPE -> paged attention -> o_proj for one layer."""
 
-    def __init__(self, config: HFModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+    def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -68,7 +66,7 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused in the norms."""
 
-    def __init__(self, config: HFModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+    def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -100,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: HFModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+    def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device,
@@ -127,7 +125,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama decoder + LM head, with the model API the engine's model runner uses.
 
     Checkpoint tensors keep HF names; `packed_modules_mapping` says which HF projections are
@@ -143,10 +141,9 @@ class LlamaForCausalLM(nn.Module):
     # calibrated static int8/fp8 KV cache scales; optional, they live on each layer's Attention
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
 
-    def __init__(self, config: HFModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+    def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config, ops, dtype, device, tp_rank, tp_size)
         self.max_position = config.max_position_embeddings
         self.ops = ops  # the op table the layers bound; fusions() tells backends which kernels those are
         qkv_bias, o_bias = self.attention_biases(config)
@@ -156,8 +153,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
+        """config.json -> LlamaModelConfig, validated (see flashllm.models.llama_config)."""
+        return parse_llama_config(raw, source)
+
     @staticmethod
-    def attention_biases(config: HFModelConfig) -> tuple[bool, bool]:
+    def attention_biases(config: LlamaModelConfig) -> tuple[bool, bool]:
         """(qkv_proj has a bias, o_proj has a bias): Llama's `attention_bias` sets both."""
         return config.attention_bias, config.attention_bias
 
@@ -207,68 +209,6 @@ class LlamaForCausalLM(nn.Module):
         """(num_layers, num_kv_heads on this rank, head_dim) of the paged KV cache."""
         attn = self.model.layers[0].self_attn
         return len(self.model.layers), attn.num_kv_heads, attn.head_dim
-
-    def _param_target(self, name: str) -> tuple[str, int | None]:
-        """HF tensor name -> (flashllm parameter name, shard index in its fused parameter)."""
-        for packed, shard_names in self.packed_modules_mapping.items():
-            for shard_id, shard in enumerate(shard_names):
-                if f".{shard}." in name:
-                    return name.replace(f".{shard}.", f".{packed}."), shard_id
-        return name, None
-
-    def _num_shards(self, param_name: str) -> int:
-        for packed, shard_names in self.packed_modules_mapping.items():
-            if f".{packed}." in param_name:
-                return len(shard_names)
-        return 1
-
-    def _load_kv_scale(self, name: str, tensor: Tensor) -> None:
-        """`model.layers.N.self_attn.k_scale` (or v_scale) -> that layer's Attention buffer."""
-        module_name, which = name.rsplit(".", 1)
-        try:
-            self.get_submodule(f"{module_name}.attn").load_kv_scale(which, tensor)
-        except (AttributeError, ValueError) as exc:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from None
-
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the parameters through each parameter's weight_loader.
-
-        Returns the names of the parameters that were fully loaded (every shard of a fused one).
-        Raises ModelLoadError naming the tensor on a shape mismatch, and listing the checkpoint
-        tensors that match no parameter. A tied `lm_head.weight` in the checkpoint is skipped.
-        """
-        params = dict(self.named_parameters())
-        seen: defaultdict[str, set[int | None]] = defaultdict(set)
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(self.skipped_weight_suffixes):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name.endswith(self.kv_scale_suffixes):
-                self._load_kv_scale(name, tensor)
-                continue
-            param_name, shard_id = self._param_target(name)
-            param = params.get(param_name)
-            if param is None and load_prequantized(self, param_name, tensor, shard_id):
-                continue  # a GPTQ / AWQ layer's qweight / qzeros / scales / g_idx
-            if param is None:  # a pre-quantized checkpoint's weight_scale / smooth_factor
-                param = checkpoint_param(self, param_name)
-            if param is None:
-                unexpected.append(name)
-                continue
-            try:
-                param.weight_loader(param, tensor, shard_id)
-            except ValueError as exc:
-                raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from None
-            seen[param_name].add(shard_id)
-        if unexpected:
-            shown = ", ".join(unexpected[:5]) + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
-            raise ModelLoadError(
-                f"checkpoint has {len(unexpected)} tensor(s) {type(self).__name__} does not know: "
-                f"{shown}; the weights do not match config.json's architecture"
-            )
-        return {n for n, shards in seen.items() if len(shards) == self._num_shards(n)}
 
 
 def _standard_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedding) -> bool:

@@ -11,10 +11,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from flashllm.models.base import CausalLM
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 from flashllm.models.layers.embedding import LMHead
 from flashllm.models.layers.linear import LinearBase
 from flashllm.models.layers.prequantized import finish_prequantized, prepare_prequantized
+from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import WeightQuantSpec
 
 __all__ = [
@@ -42,28 +44,31 @@ _DTYPE_NAMES = {
 
 def load_model(
     model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
-    model_registry: Any, progress: bool = True, quant: WeightQuantSpec | None = None,
-) -> tuple[torch.nn.Module, HFModelConfig]:
+    model_registry: ModelRegistry, progress: bool = True, quant: WeightQuantSpec | None = None,
+    tp_rank: int = 0, tp_size: int = 1,
+) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
     ops: the bound op table the layers call; dtype: parameter dtype (checkpoint tensors are
-    converted on load); model_registry: a ModelRegistry resolving `architectures[0]`;
+    converted on load); model_registry: a ModelRegistry resolving `architectures[0]` to a
+    CausalLM (models/base.py), whose parse_config reads the rest of config.json;
     quant: how the linear layers store their weights once loaded (None: as loaded, in `dtype`).
     Everything that can be checked before allocating is: the config's sizes, the architecture,
     the weight files (safetensors only, inside the directory). Raises ModelLoadError with one
     line on any problem, including missing, unexpected or mis-shaped tensors.
     A GPTQ / AWQ checkpoint (config.json `quantization_config`) keeps its packed weights, as
     w4a16 / w8a16; `quant` must then be None, disabled or the same scheme.
+    tp_rank / tp_size: this process's tensor-parallel rank; the model holds that rank's shard.
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist or is not a directory")
-    config = load_hf_config(model_dir, model_registry.architectures())
+    config = load_hf_config(model_dir, model_registry)
     files = safetensors_files(model_dir)
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
-    model = model_cls(config, ops, dtype, torch.device(device))
+    model = model_cls(config, ops, dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
     prepare_prequantized(model, config.quantization)
     seen: set[str] = set()
     tensors = _iter_tensors(files, progress, seen)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flashllm.models.hf_config import HFModelConfig
 from flashllm.models.llama import LlamaForCausalLM
+from flashllm.models.llama_config import LlamaModelConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -14,6 +14,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """
 
     @staticmethod
-    def attention_biases(config: HFModelConfig) -> tuple[bool, bool]:
+    def attention_biases(config: LlamaModelConfig) -> tuple[bool, bool]:
         """(qkv_proj has a bias, o_proj has a bias) = (True, False) for every Qwen2 checkpoint."""
         return True, False

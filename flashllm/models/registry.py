@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 
 from flashllm.models.hf_config import ModelLoadError
 
@@ -19,6 +20,14 @@ class ModelRegistry:
 
     def __init__(self) -> None:
         self._targets: dict[str, type | str] = {}
+
+    @classmethod
+    def from_targets(cls, targets: Mapping[str, type | str]) -> ModelRegistry:
+        """A registry holding `targets` (architecture -> class or "module:Class"), e.g. plugins' model_targets()."""
+        registry = cls()
+        for architecture, target in targets.items():
+            registry.register(architecture, target)
+        return registry
 
     def register(self, architecture: str, target: type | str) -> None:
         """Add one architecture; registering a name twice is an error (two plugins disagree)."""

@@ -15,8 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config
+from flashllm.models.builtin import BUILTIN_MODELS
+from flashllm.models.hf_config import ModelLoadError, load_hf_config
+from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.models.loader import safetensors_files
+from flashllm.models.registry import ModelRegistry
 from flashllm.ops.rope_cache import rope_inv_freq
 
 # architecture -> (q/k/v projections have a bias, o_proj has a bias); None = read attention_bias
@@ -45,7 +48,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Neox-style RoPE on the first rotary_dim features; cos/sin are computed from positions in fp32."""
 
-    def __init__(self, config: HFModelConfig) -> None:
+    def __init__(self, config: LlamaModelConfig) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling,
                                                    config.max_position_embeddings)
@@ -71,7 +74,7 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention over past + new keys; returns the output and the extended cache."""
 
-    def __init__(self, config: HFModelConfig, qkv_bias: bool, o_bias: bool, window: int | None) -> None:
+    def __init__(self, config: LlamaModelConfig, qkv_bias: bool, o_bias: bool, window: int | None) -> None:
         super().__init__()
         d, hq, hk = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.num_heads, self.num_kv_heads, self.window = d, hq, hk, window
@@ -106,7 +109,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: HFModelConfig) -> None:
+    def __init__(self, config: LlamaModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj, self.up_proj = nn.Linear(h, i, bias=bias), nn.Linear(h, i, bias=bias)
@@ -119,7 +122,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: HFModelConfig, qkv_bias: bool, o_bias: bool, window: int | None) -> None:
+    def __init__(self, config: LlamaModelConfig, qkv_bias: bool, o_bias: bool, window: int | None) -> None:
         super().__init__()
         self.self_attn = Attention(config, qkv_bias, o_bias, window)
         self.mlp = MLP(config)
@@ -130,7 +133,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, config: HFModelConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: LlamaModelConfig, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, config.sliding_windows[i])
@@ -159,7 +162,7 @@ class StaticDecoder(nn.Module):
     Parameter names are the checkpoint's (HF) names, so weights load with no mapping.
     """
 
-    def __init__(self, config: HFModelConfig) -> None:
+    def __init__(self, config: LlamaModelConfig) -> None:
         super().__init__()
         biases = SUPPORTED_ARCHITECTURES.get(config.architecture)
         qkv_bias, o_bias = biases if biases is not None else (config.attention_bias, config.attention_bias)
@@ -215,7 +218,8 @@ def load_static_decoder(model_dir: str | Path, dtype: torch.dtype = torch.float3
     for another architecture, a GPTQ/AWQ checkpoint, or missing / unexpected / mis-shaped tensors.
     Returns the decoder in eval mode, in `dtype`, on CPU.
     """
-    config = load_hf_config(model_dir, SUPPORTED_ARCHITECTURES)
+    registry = ModelRegistry.from_targets({arch: BUILTIN_MODELS[arch] for arch in SUPPORTED_ARCHITECTURES})
+    config = load_hf_config(model_dir, registry)
     if config.quantization is not None:
         raise ModelLoadError(f"{model_dir} is a {config.quantization.method} checkpoint; static export "
                              "needs float weights (export the unquantized model)")

@@ -118,10 +118,9 @@ def build_random_model_from_config(
     so a 0.5B shape needs about one shard of memory. The dtype is the config's "dtype" /
     "torch_dtype" (float32 or bfloat16; float32 when absent). Returns out_dir.
     """
-    from flashllm.models.builtin import BUILTIN_MODELS
     from flashllm.models.hf_config import parse_hf_config
 
-    config = parse_hf_config(hf_config_dict, BUILTIN_MODELS, source="hf_config_dict")
+    config = parse_hf_config(hf_config_dict, source="hf_config_dict")  # the built-in architectures
     dtype = config.torch_dtype or torch.float32
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

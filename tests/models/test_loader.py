@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from flashllm.models.builtin import BUILTIN_MODELS, flashllm_register_models
 from flashllm.models.demo import demo_model_dir
 from flashllm.models.hf_config import ModelLoadError, normalize_rope, parse_hf_config
+from flashllm.models.llama import LlamaForCausalLM
 from flashllm.models.loader import load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry, UnknownArchitectureError
 from flashllm.testing.tiny_models import build_random_model_from_config, build_tiny_model
@@ -220,7 +221,9 @@ def test_missing_config_json_is_refused(tmp_path, ops, model_registry):
         load(model_dir, ops, model_registry)
 
 
-class MustNotBeBuilt:
+class MustNotBeBuilt(LlamaForCausalLM):
+    """Llama's config parsing (the architecture parses its own config), but constructing it fails the test."""
+
     def __init__(self, *args, **kwargs):
         raise AssertionError("the model was constructed although its config is invalid")
 

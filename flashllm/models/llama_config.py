@@ -1,0 +1,175 @@
+"""The Llama family's config.json (Llama, Qwen2): its fields, parsed and validated before anything is allocated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashllm.models.hf_config import (
+    MAX_HEAD_DIM,
+    MAX_HIDDEN_SIZE,
+    MAX_INTERMEDIATE_SIZE,
+    MAX_NUM_HEADS,
+    MAX_NUM_LAYERS,
+    MAX_POSITION_EMBEDDINGS,
+    MAX_VOCAB_SIZE,
+    CheckpointQuant,
+    ModelLoadError,
+    check_rope,
+    checkpoint_dtype,
+    config_architecture,
+    flag,
+    normalize_rope,
+    parse_quantization_config,
+    positive_float,
+    positive_int,
+    token_ids,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaModelConfig:
+    """The fields of a Llama-family config.json that flashllm's decoder uses, validated.
+
+    `rope_scaling` is None for plain RoPE, else an HF-form dict with a "rope_type" key (e.g.
+    {"rope_type": "llama3", "factor": 8.0, ...}), the same layout whatever config.json used.
+    `torch_dtype` is the checkpoint's declared dtype (None when config.json does not say).
+    `sliding_windows[i]` is the attention window of layer i (None = full attention).
+    `quantization` describes a GPTQ / AWQ checkpoint's packed linear weights (None: float).
+    """
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    rotary_dim: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    torch_dtype: torch.dtype | None
+    bos_token_id: int | list[int] | None
+    eos_token_id: int | list[int] | None
+    sliding_windows: tuple[int | None, ...]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    quantization: CheckpointQuant | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the attention and MLP projections of every layer, the embedding and the LM head."""
+        return _num_parameters(self.hidden_size, self.intermediate_size, self.num_hidden_layers,
+                               self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.vocab_size)
+
+
+def parse_llama_config(raw: dict[str, Any], source: str = "config.json") -> LlamaModelConfig:
+    """Validate a Llama-family config.json dict (already checked for `architectures`) and return its typed view.
+
+    Raises ModelLoadError (one line) on a missing or non-positive required field, a size past the
+    sanity limits, inconsistent head counts, invalid rope settings or an activation other than silu.
+    """
+    sizes = _sizes(raw, source)
+    rope_theta, rope_scaling = normalize_rope(raw, source)
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ModelLoadError(
+            f"{source}: hidden_act={hidden_act!r} is not supported; flashllm's gated MLP "
+            "implements 'silu' only"
+        )
+    rotary_dim = _rotary_dim(raw, sizes["head_dim"], source)
+    check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
+    return LlamaModelConfig(
+        architecture=config_architecture(raw, source),
+        model_type=str(raw.get("model_type", "")),
+        rms_norm_eps=positive_float(raw, "rms_norm_eps", 1e-6, source),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rotary_dim=rotary_dim,
+        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
+        attention_bias=flag(raw, "attention_bias", source),
+        mlp_bias=flag(raw, "mlp_bias", source),
+        hidden_act=hidden_act,
+        torch_dtype=checkpoint_dtype(raw, source),
+        bos_token_id=token_ids(raw, "bos_token_id", source),
+        eos_token_id=token_ids(raw, "eos_token_id", source),
+        sliding_windows=_sliding_windows(raw, sizes["num_hidden_layers"], source),
+        raw=raw,
+        quantization=parse_quantization_config(raw.get("quantization_config"), _linear_inputs(sizes), source),
+        **sizes,
+    )
+
+
+def _sizes(raw: dict[str, Any], source: str) -> dict[str, int]:
+    hidden = positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
+    num_heads = positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
+    num_kv_heads = positive_int(raw, "num_key_value_heads", num_heads, MAX_NUM_HEADS, source)
+    if raw.get("head_dim") is None and hidden % num_heads != 0:
+        raise ModelLoadError(
+            f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={num_heads}"
+        )
+    head_dim = positive_int(raw, "head_dim", hidden // num_heads, MAX_HEAD_DIM, source)
+    if num_heads % num_kv_heads != 0:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads={num_heads} is not a multiple of "
+            f"num_key_value_heads={num_kv_heads}"
+        )
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": positive_int(raw, "intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
+        "num_hidden_layers": positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": positive_int(raw, "vocab_size", None, MAX_VOCAB_SIZE, source),
+        "max_position_embeddings": positive_int(
+            raw, "max_position_embeddings", 2048, MAX_POSITION_EMBEDDINGS, source
+        ),
+    }
+
+
+def _num_parameters(hidden: int, intermediate: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                    head_dim: int, vocab: int) -> int:
+    attn = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
+    mlp = 3 * hidden * intermediate
+    return num_layers * (attn + mlp) + 2 * vocab * hidden
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> int:
+    partial = positive_float(raw, "partial_rotary_factor", 1.0, source)
+    rotary_dim = int(head_dim * partial)
+    if partial > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
+        raise ModelLoadError(
+            f"{source}: partial_rotary_factor={partial} with head_dim={head_dim} gives rotary_dim="
+            f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim"
+        )
+    return rotary_dim
+
+
+def _sliding_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    enabled = raw.get("use_sliding_window", window is not None)
+    if not enabled or window is None:
+        return (None,) * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ModelLoadError(f"{source}: sliding_window={window!r} must be a positive int")
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    # Qwen2's legacy rule: layers from max_window_layers on use the window.
+    first = raw.get("max_window_layers", 0)
+    return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def _linear_inputs(sizes: dict[str, int]) -> tuple[int, ...]:
+    """in_features of the decoder's linear layers: hidden (qkv, gate_up), heads (o), intermediate (down)."""
+    return sizes["hidden_size"], sizes["num_attention_heads"] * sizes["head_dim"], sizes["intermediate_size"]
