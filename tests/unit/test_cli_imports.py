@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-# Everything outside the core dependencies of pyproject.toml (extras: serve, ui, bench, cuda, test).
+# Everything outside the core dependencies of pyproject.toml (extras: serve, ui, bench, cuda, test, ray).
 OPTIONAL = ["fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client", "gradio", "openai", "matplotlib",
-            "rouge_score", "triton", "pexpect", "playwright"]
+            "rouge_score", "triton", "pexpect", "playwright", "ray"]
 
 
 def test_every_command_loads_without_optional_extras() -> None:
