@@ -63,7 +63,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashllm.quant.calibration import CalibrationDataError
+    from flashllm.ptq.calibration import CalibrationDataError
     from flashllm.quant.gptq import PrequantizedFormatError
 
     options = QuantizeOptions(
@@ -101,8 +101,8 @@ def check_options(options: QuantizeOptions) -> None:
 def quantize_model(options: QuantizeOptions) -> Path:
     """Calibrate (when the method needs it), quantize every linear layer and write the checkpoint."""
     from flashllm.eval.forward import ScoringConfig, load_scoring_parts, resolve_max_length
-    from flashllm.quant.calibration import linear_groups, read_calibration_texts
-    from flashllm.quant.writer import read_checkpoint, write_checkpoint
+    from flashllm.ptq.calibration import linear_groups, read_calibration_texts
+    from flashllm.ptq.writer import read_checkpoint, write_checkpoint
 
     check_options(options)
     _check_float_checkpoint(options.model)
@@ -115,7 +115,7 @@ def quantize_model(options: QuantizeOptions) -> Path:
     tensors = read_checkpoint(options.model)
     tensors, config = _METHOD_RUNNERS[options.method](options, tensors, groups, stats)
     if options.kv_scales:
-        from flashllm.quant.writer import kv_scale_tensors
+        from flashllm.ptq.writer import kv_scale_tensors
 
         tensors.update(kv_scale_tensors(stats))
     return write_checkpoint(options.model, options.output, tensors, config)
@@ -133,7 +133,7 @@ def _check_float_checkpoint(model_dir: str) -> None:
 
 def _calibrate(options: QuantizeOptions, parts: Any, texts: list[str], seq_len: int) -> Any:
     from flashllm.eval.forward import window_hidden
-    from flashllm.quant.calibration import (
+    from flashllm.ptq.calibration import (
         DEFAULT_MAX_SAMPLE_ROWS,
         CalibrationDataError,
         StatsRequest,
@@ -158,8 +158,8 @@ def _group_size(options: QuantizeOptions) -> int:
 def _run_rtn_or_gptq(options: QuantizeOptions, tensors: dict, groups: list, stats: Any) -> tuple[dict, Any]:
     from tqdm.auto import tqdm
 
+    from flashllm.ptq.writer import QuantizationConfig, replace_with_codes
     from flashllm.quant.gptq_solver import gptq_quantize, rtn_quantize
-    from flashllm.quant.writer import QuantizationConfig, replace_with_codes
 
     bits = options.bits or METHODS[options.method][0]
     group_size = _group_size(options)
@@ -178,8 +178,8 @@ def _run_rtn_or_gptq(options: QuantizeOptions, tensors: dict, groups: list, stat
 
 
 def _run_awq(options: QuantizeOptions, tensors: dict, groups: list, stats: Any) -> tuple[dict, Any]:
-    from flashllm.quant.awq_search import awq_tensors
-    from flashllm.quant.writer import QuantizationConfig, replace_with_codes
+    from flashllm.ptq.awq_search import awq_tensors
+    from flashllm.ptq.writer import QuantizationConfig, replace_with_codes
 
     group_size = _group_size(options)
     tensors, codes, _ = awq_tensors(tensors, groups, stats, 4, group_size)
@@ -189,8 +189,8 @@ def _run_awq(options: QuantizeOptions, tensors: dict, groups: list, stats: Any) 
 
 
 def _run_smoothquant(options: QuantizeOptions, tensors: dict, groups: list, stats: Any) -> tuple[dict, Any]:
-    from flashllm.quant.smoothquant import smoothquant_tensors
-    from flashllm.quant.writer import QuantizationConfig
+    from flashllm.ptq.smoothquant import smoothquant_tensors
+    from flashllm.ptq.writer import QuantizationConfig
 
     return smoothquant_tensors(tensors, groups, stats, options.alpha), QuantizationConfig("smoothquant", 8, -1,
                                                                                           alpha=options.alpha)

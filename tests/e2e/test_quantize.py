@@ -31,7 +31,7 @@ from safetensors import safe_open
 from flashllm.cli import main
 from flashllm.eval.forward import ScoringConfig, load_scoring_parts, window_hidden
 from flashllm.models.layers.linear import LinearBase
-from flashllm.quant.calibration import (
+from flashllm.ptq.calibration import (
     CalibrationDataError,
     StatsRequest,
     collect_stats,
@@ -39,7 +39,7 @@ from flashllm.quant.calibration import (
     pack_windows,
     read_calibration_texts,
 )
-from flashllm.quant.writer import QuantizationConfig, read_checkpoint, write_checkpoint
+from flashllm.ptq.writer import QuantizationConfig, read_checkpoint, write_checkpoint
 from flashllm.testing.corpus import CORPUS
 from flashllm.testing.memorize import memorize
 from flashllm.testing.tiny_models import build_tiny_model
@@ -266,7 +266,7 @@ def test_gptq_output_error_is_lower_than_rtn_on_the_calibration_activations(cali
 
 
 def test_awq_search_is_no_worse_than_no_scaling_on_its_objective(calibration, model_dir) -> None:
-    from flashllm.quant.awq_search import awq_search
+    from flashllm.ptq.awq_search import awq_search
     from flashllm.quant.weight_only import dequantize, quantize_weight
 
     def objective(weight: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> float:
@@ -288,7 +288,7 @@ def test_awq_search_is_no_worse_than_no_scaling_on_its_objective(calibration, mo
 
 def test_smoothquant_folding_leaves_the_float_model_unchanged(calibration, model_dir, pairs, float_logits,
                                                               tmp_path: Path) -> None:
-    from flashllm.quant.smoothquant import smoothquant_tensors
+    from flashllm.ptq.smoothquant import smoothquant_tensors
 
     parts, _, stats, _ = calibration
     original = read_checkpoint(model_dir)

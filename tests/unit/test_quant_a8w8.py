@@ -12,8 +12,8 @@ from flashllm.backends.cpu import quant as cpu_quant
 from flashllm.ops.quant_matmul import QuantizedWeight, quant_matmul
 from flashllm.ops.testing import case_quant, cases, make_inputs, run_case
 from flashllm.ops.tolerances import assert_close
+from flashllm.ptq.smoothquant import smooth_factors, smooth_weight
 from flashllm.quant import quantize_weight
-from flashllm.quant.smoothquant import smooth_factors, smooth_weight
 from flashllm.registry.backend import OpRequest
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import DeviceProfile

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flashllm.quant.calibration import CalibrationStats, LinearGroup
+from flashllm.ptq.calibration import CalibrationStats, LinearGroup
 from flashllm.quant.gptq import IntegerWeight
 from flashllm.quant.gptq_solver import rtn_quantize
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashllm.quant.calibration import CalibrationStats, LinearGroup
+from flashllm.ptq.calibration import CalibrationStats, LinearGroup
 from flashllm.quant.spec import SMOOTH_FACTOR_SUFFIX, WEIGHT_SCALE_SUFFIX
 from flashllm.quant.weight_only import quantize_weight
 

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from flashllm.models.hf_config import read_json_object
 from flashllm.models.loader import MAX_JSON_BYTES, safetensors_files
+from flashllm.ptq.calibration import CalibrationStats, LinearGroup
 from flashllm.quant.awq import pack_awq
-from flashllm.quant.calibration import CalibrationStats, LinearGroup
 from flashllm.quant.gptq import IntegerWeight, pack_gptq
 
 # files of a model directory copied unchanged beside the new weights (tokenizer, chat template, sampling defaults)
