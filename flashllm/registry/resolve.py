@@ -215,10 +215,3 @@ def _match(backend: Backend, op: str, request: OpRequest, uses: frozenset[str]) 
         reasons.append(why)
     return None, "; ".join(reasons)
 
-
-def reference_op_table() -> OpTable:
-    """An op table bound to the reference kernels of every op, for tests and tools."""
-    from flashllm.backends.reference import make_backend
-
-    backend = make_backend()
-    return OpTable({op: kernels[0] for op, kernels in backend.kernels.items()}, [])

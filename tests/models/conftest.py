@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashllm.backends.reference import reference_op_table
 from flashllm.models.builtin import flashllm_register_models
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.loader import load_model
 from flashllm.models.registry import ModelRegistry
-from flashllm.registry.resolve import reference_op_table
 from flashllm.testing.tiny_models import build_tiny_model
 
 

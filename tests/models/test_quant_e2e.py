@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashllm.backends.reference import reference_op_table
 from flashllm.cli.predict import main as predict_main
 from flashllm.llm import LLM
 from flashllm.models.builtin import flashllm_register_models
@@ -40,7 +41,7 @@ from flashllm.models.loader import load_model
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant import quantize_weight, weight_bytes
 from flashllm.quant.spec import QuantConfigError, WeightQuantSpec
-from flashllm.registry.resolve import PrecisionError, reference_op_table
+from flashllm.registry.resolve import PrecisionError
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.memorize import memorize
 from flashllm.testing.tiny_models import build_tiny_model

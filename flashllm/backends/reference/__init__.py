@@ -7,6 +7,7 @@ import torch
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import SCHEMES as QUANT_MATMUL_SCHEMES
 from flashllm.registry.backend import ANY_DEVICE, Backend, Caps
+from flashllm.registry.resolve import OpTable
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # write_kv_cache and paged_attention quantize / dequantize int8 and fp8 (e4m3) KV caches
@@ -41,3 +42,13 @@ def make_backend() -> Backend:
         )
         backend.kernel(name, caps)(spec.reference)
     return backend
+
+
+def reference_op_table() -> OpTable:
+    """An op table bound to the reference kernels of every op, for tests and tools.
+
+    It lives with the backend it binds, not in registry/: the registry finds backends through
+    plugins and imports none of them.
+    """
+    backend = make_backend()
+    return OpTable({op: kernels[0] for op, kernels in backend.kernels.items()}, [])
