@@ -62,7 +62,7 @@ def _row_json(row: MatrixRow, here: bool, available: bool, reason: str) -> dict[
 
 
 def _static_graph() -> dict[str, Any]:
-    from flashllm.static import capabilities as static
+    from flashllm.registry import static_capabilities as static
 
     ok, reason = static.onnxruntime_availability()
     return {"name": static.ROW_NAME, "kind": static.ROW_KIND, "proof": static.PROOF, "available": ok,

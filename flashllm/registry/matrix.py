@@ -118,10 +118,10 @@ def build_rows(plugins: FlashPlugins) -> list[MatrixRow]:
 def static_graph_row() -> MatrixRow:
     """Static-graph mode's row: onnxruntime runs the whole exported graph, so it has no kernels to match.
 
-    Cells come from what the exporter writes (flashllm.static.capabilities); every other precision
+    Cells come from what the exporter writes (registry/static_capabilities.py); every other precision
     is "missing" with the reason in NOT_EXPORTED.
     """
-    from flashllm.static import capabilities as static
+    from flashllm.registry import static_capabilities as static
 
     exported = set(static.EXPORTED_PRECISIONS.values())
     cells = {p.key: Cell("native", "", static.PROOF) if p.key in exported else Cell("missing", NOT_EXPORTED_DETAIL)

@@ -10,9 +10,9 @@ import pytest
 
 from flashllm.cli import main
 from flashllm.registry import matrix
+from flashllm.registry import static_capabilities as capabilities
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import PRECISIONS, parse_dtype
-from flashllm.static import capabilities
 from flashllm.static.manifest import DTYPES
 
 

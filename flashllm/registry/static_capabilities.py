@@ -1,5 +1,8 @@
 """What static-graph mode can run: the `onnx` row of the capability matrix and of `flashllm devices`."""
 
+# Data about flashllm.static kept beside the matrix that renders it: static/ builds on the engine,
+# which sits above the registry, so the registry cannot import it (pyproject [tool.importlinter]).
+
 from __future__ import annotations
 
 import importlib.util
