@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import tomllib
 import torch
 
 from flashllm.ops import op_specs
@@ -14,18 +11,8 @@ from flashllm.registry.backend import OpRequest
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.resolve import resolve_ops, select_device
 
-PACKAGE = Path(__file__).parent / "flashllm-example-backend"
 
-
-def _install(install_dist) -> None:
-    project = tomllib.loads((PACKAGE / "pyproject.toml").read_text())["project"]
-    entry_points = project["entry-points"]["flashllm"]
-    install_dist(project["name"], {"flashllm_example_backend": PACKAGE / "flashllm_example_backend"},
-                 entry_points, project["version"])
-
-
-def test_example_backend_resolves_its_kernel_and_falls_back_for_the_rest(install_dist) -> None:
-    _install(install_dist)
+def test_example_backend_resolves_its_kernel_and_falls_back_for_the_rest(example_plugin) -> None:
     plugins = make_plugin_manager()
     assert "example" in plugins.backends()
     selection = select_device("cpu", plugins=plugins)
@@ -40,7 +27,6 @@ def test_example_backend_resolves_its_kernel_and_falls_back_for_the_rest(install
                  run_case(op_specs()["silu_and_mul"].reference, "silu_and_mul", inputs), torch.float32)
 
 
-def test_example_backend_can_be_blocked(install_dist, monkeypatch) -> None:
-    _install(install_dist)
+def test_example_backend_can_be_blocked(example_plugin, monkeypatch) -> None:
     monkeypatch.setenv("FLASHLLM_DISABLE_PLUGINS", "example")
     assert select_device("cpu", plugins=make_plugin_manager()).backend.name == "cpu"

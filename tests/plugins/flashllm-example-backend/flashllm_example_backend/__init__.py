@@ -1,8 +1,9 @@
-"""An example third-party backend: registers one silu_and_mul kernel for the CPU."""
+"""An example third-party plugin: one silu_and_mul kernel for the CPU, and a toy architecture (toy_model.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,3 +32,9 @@ def flashllm_register_backends(register: Callable[[Backend], None]) -> None:
     backend = ExampleBackend(name="example", device_type="cpu", priority=50, description="example plugin")
     backend.kernel("silu_and_mul", Caps(dtypes=frozenset({torch.float32})))(silu_and_mul)
     register(backend)
+
+
+@hookimpl
+def flashllm_register_models(register: Callable[[str, Any], None]) -> None:
+    """ToyGeluForCausalLM, lazily: its module loads when a checkpoint's config.json names it."""
+    register("ToyGeluForCausalLM", "flashllm_example_backend.toy_model:ToyGeluForCausalLM")
