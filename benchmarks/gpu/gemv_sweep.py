@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from timing import median_ms
 
 from flashllm.backends.cuda import triton_quant
-from flashllm.backends.cuda.bench import _capture
+from flashllm.backends.cuda.bench_measure import _capture
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import dequantize
 from flashllm.ops.tolerances import assert_close

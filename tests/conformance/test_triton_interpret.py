@@ -154,13 +154,14 @@ def test_bench_refuses_to_time_without_a_gpu(capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("argv", [[], ["--mode", "prefill"]], ids=["decode", "prefill"])
 def test_bench_inputs_pass_the_bench_correctness_check(argv: list[str]) -> None:
     """The benchmark's own inputs and check, shrunk, on DEVICE (a GPU run of the benchmark times them)."""
-    from flashllm.backends.cuda import bench
+    from flashllm.backends.cuda import bench_measure
 
     small = ["--dtype", "float32", "--tokens", "40", "--hidden", "96", "--intermediate", "80", "--heads", "4",
              "--kv-heads", "2", "--head-size", "64", "--block-size", "16", "--seqs", "2", "--context", "20",
              "--out-features", "48", "--group-size", "32", "--experts", "4"]
     for op in KERNELS:
-        inputs, nbytes = bench.check(bench.build_parser().parse_args(["--kernel", op, *small, *argv]), DEVICE)
+        args = bench_measure.build_parser().parse_args(["--kernel", op, *small, *argv])
+        inputs, nbytes = bench_measure.check(args, DEVICE)
         assert nbytes > 0 and inputs
 
 

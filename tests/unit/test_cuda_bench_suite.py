@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from flashllm.backends.cuda import bench, bench_suite
+from flashllm.backends.cuda import bench, bench_measure, bench_suite, kernels
 from flashllm.ops import op_specs
 
 REFERENCES = {op: spec.reference for op, spec in op_specs().items()}
-PEAKS = bench.Peaks(copy_gbps=3000.0, matmul_tflops=700.0)
+PEAKS = bench_measure.Peaks(copy_gbps=3000.0, matmul_tflops=700.0)
 
 
 class FakeTimer:
@@ -46,7 +46,7 @@ def shrink(args: argparse.Namespace) -> None:
 
 def cpu_check(args: argparse.Namespace, device: str, kernel: Any) -> tuple[dict[str, Any], int]:
     shrink(args)
-    return bench.check(args, "cpu", kernel)
+    return bench_measure.check(args, "cpu", kernel)
 
 
 def run(cases: list[bench_suite.Case], timer: FakeTimer | None = None, prepare: Any = cpu_check) -> list[dict[str, Any]]:
@@ -67,13 +67,13 @@ def test_suite_without_a_gpu_exits_with_no_gpu(capsys: pytest.CaptureFixture[str
 
 def test_suite_and_kernel_exclude_each_other() -> None:
     with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--suite", "--kernel", "rms_norm"])
+        bench_measure.build_parser().parse_args(["--suite", "--kernel", "rms_norm"])
     with pytest.raises(SystemExit):
-        bench.build_parser().parse_args([])
+        bench_measure.build_parser().parse_args([])
 
 
 def test_the_suite_holds_the_issues_targets() -> None:
-    parser = bench.build_parser()
+    parser = bench_measure.build_parser()
     parsed = [(c, parser.parse_args(c.argv)) for c in bench_suite.SUITE]
     assert all(args.dtype == "bfloat16" for _, args in parsed)
     targets = {(args.kernel, args.mode if args.kernel == "paged_attention" else None, c.metric, c.goal)
@@ -93,7 +93,7 @@ def test_the_suite_holds_the_issues_targets() -> None:
                       if (a.tokens, a.scheme, a.group_size) == (m, scheme, group) and g == (goal if m == 1 else None)}
             assert layers == set(bench_suite.QUANT_LAYERS)
     assert min(k * n for k, n in bench_suite.QUANT_LAYERS) >= 4096 * 4096
-    assert {args.kernel for _, args in parsed} == set(bench.kernels.WRAPPERS)
+    assert {args.kernel for _, args in parsed} == set(kernels.WRAPPERS)
 
 
 def test_every_case_builds_checks_and_is_timed_with_its_baseline() -> None:
@@ -103,7 +103,8 @@ def test_every_case_builds_checks_and_is_timed_with_its_baseline() -> None:
     assert all(row["status"] in ("ok", "MISS") and row["us"] == 1000.0 for row in rows), [
         (row["case"], row["error"]) for row in rows if row["status"] == "FAIL"]
     for row in rows:
-        compare = {">=": float.__ge__, "<=": float.__le__}[bench.METRICS[row["metric"]][0]] if row["metric"] else None
+        how = bench_measure.METRICS[row["metric"]][0] if row["metric"] else None
+        compare = {">=": float.__ge__, "<=": float.__le__}[how] if how else None
         if compare is not None:
             assert row["met"] == compare(row["value"], row["goal"])
             assert row["status"] == ("ok" if row["met"] else "MISS")
@@ -117,7 +118,7 @@ def test_every_case_builds_checks_and_is_timed_with_its_baseline() -> None:
     # quant_matmul (kernel and F.linear) is graphed over rotating copies; everything else is one eager set
     graphed = [calls for graphed, calls in timer.calls if graphed]
     assert len(graphed) == 2 * sum(row["kernel"] == "quant_matmul" for row in rows)
-    assert all(calls >= bench.MIN_COPIES for calls in graphed)
+    assert all(calls >= bench_measure.MIN_COPIES for calls in graphed)
     assert all(calls == 1 for graphed, calls in timer.calls if not graphed)
 
 
@@ -150,15 +151,15 @@ def test_a_failed_check_marks_its_row_and_the_suite_goes_on() -> None:
 def test_targets_are_judged_against_their_goal() -> None:
     def row(**values: Any) -> dict[str, Any]:
         return {"status": "ok", "error": None, "timings": [{}, {"name": "SDPA flash", "ms": None, "error": "x"}],
-                **dict.fromkeys(bench.ROW_VALUES), **values}
+                **dict.fromkeys(bench_measure.ROW_VALUES), **values}
 
-    assert bench.judge(row(of_copy=0.79), "of_copy", 0.8)["status"] == "MISS"
-    assert bench.judge(row(of_copy=0.8), "of_copy", 0.8)["status"] == "ok"
-    assert bench.judge(row(slowdown=1.6), "slowdown", 1.5)["status"] == "MISS"
-    assert bench.judge(row(slowdown=1.2), "slowdown", 1.5)["status"] == "ok"
-    assert bench.judge(row(speedup=2.9), "speedup", 3.0)["status"] == "MISS"
-    assert bench.judge(row(), None, None)["status"] == "ok"
-    unjudged = bench.judge(row(), "slowdown", 1.5)  # the baseline did not run: the target cannot be judged
+    assert bench_measure.judge(row(of_copy=0.79), "of_copy", 0.8)["status"] == "MISS"
+    assert bench_measure.judge(row(of_copy=0.8), "of_copy", 0.8)["status"] == "ok"
+    assert bench_measure.judge(row(slowdown=1.6), "slowdown", 1.5)["status"] == "MISS"
+    assert bench_measure.judge(row(slowdown=1.2), "slowdown", 1.5)["status"] == "ok"
+    assert bench_measure.judge(row(speedup=2.9), "speedup", 3.0)["status"] == "MISS"
+    assert bench_measure.judge(row(), None, None)["status"] == "ok"
+    unjudged = bench_measure.judge(row(), "slowdown", 1.5)  # the baseline did not run: the target cannot be judged
     assert unjudged["status"] == "FAIL" and "SDPA flash" in unjudged["error"]
 
 
@@ -186,14 +187,14 @@ def test_a_refused_graph_capture_is_timed_eagerly_and_said() -> None:
 
 
 def test_peaks_are_bytes_and_flops_over_the_measured_time() -> None:
-    peaks = bench.measure_peaks(FakeTimer(ms=2.0), device="cpu", copy_bytes=1 << 20, matmul_n=64)
+    peaks = bench_measure.measure_peaks(FakeTimer(ms=2.0), device="cpu", copy_bytes=1 << 20, matmul_n=64)
     assert peaks.copy_gbps == pytest.approx(2 * (1 << 20) / 2.0 / 1e6)
     assert peaks.matmul_tflops == pytest.approx(2 * 64**3 / 2.0 / 1e9)
 
 
 def test_single_kernel_report_rates_every_line(capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench.build_parser().parse_args(case("prefill attn 2048").argv)
-    row = bench.measure(args, PEAKS, FakeTimer(), device="cpu", kernel=REFERENCES["paged_attention"],
+    args = bench_measure.build_parser().parse_args(case("prefill attn 2048").argv)
+    row = bench_measure.measure(args, PEAKS, FakeTimer(), device="cpu", kernel=REFERENCES["paged_attention"],
                         prepare=cpu_check, with_reference=True)
     bench._print_single(row, PEAKS)
     out = capsys.readouterr().out

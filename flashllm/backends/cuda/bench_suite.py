@@ -3,7 +3,7 @@
     python -m flashllm.backends.cuda.bench --suite [--json kernels.json] [--only decode,w4a16]
 
 Each Case is the single-kernel bench's flags plus, where the issue sets one, a target; run_suite
-measures them one after another against peaks measured once (bench.measure_peaks) and format_table /
+measures them one after another against peaks measured once (bench_measure.measure_peaks) and format_table /
 report turn the rows into the printed table and the JSON record.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flashllm.backends.cuda import kernels
-from flashllm.backends.cuda.bench import (
+from flashllm.backends.cuda.bench_measure import (
     GRAPHED,
     METRICS,
     REP_MS,
