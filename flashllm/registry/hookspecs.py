@@ -33,7 +33,8 @@ def flashllm_register_models(register: Callable[[str, Any], None]) -> None:
 
     Call `register(architecture, target)` where `architecture` is the exact string found in a
     checkpoint's `config.json` `architectures[0]` (e.g. "LlamaForCausalLM") and `target` is the
-    model class or a lazy "package.module:ClassName" string.
+    model class or a lazy "package.module:ClassName" string. The class implements the model
+    contract of `flashllm.models.base.CausalLM`, including `parse_config` for its own config.json.
     """
 
 
