@@ -22,7 +22,7 @@ from flashllm.config import (
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.outputs import RequestOutput
-from flashllm.sampling_params import SamplingParams
+from flashllm.sampling_params import SamplingParams, per_prompt
 
 Prompt = str | list[int]
 
@@ -78,7 +78,7 @@ class LLM(ChatMethods):
         """Generate for every prompt (text or token ids); outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = _per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
+        params = per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
@@ -170,17 +170,6 @@ def _check_parallel(parallel: ParallelConfig) -> None:
         raise EngineConfigError(f"distributed_executor_backend 'uniproc' runs one rank in this process, but "
                                 f"tensor_parallel_size is {size}; use 'mp' (a process per rank), 'ray' or 'external' "
                                 "(torchrun), or tensor_parallel_size=1")
-
-
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
-                default: SamplingParams) -> list[SamplingParams]:
-    if params is None:
-        return [default] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
-    return list(params)
 
 
 if __name__ == "__main__":

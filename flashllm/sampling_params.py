@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,3 +184,18 @@ class SamplingParams:
             kwargs["temperature"] = 0.0
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+               default: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `default` for None, one shared by all, or exactly `count` given.
+
+    LLM.generate and StaticLLM.generate both take their `sampling_params` this way.
+    """
+    if params is None:
+        return [default] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
+    return list(params)

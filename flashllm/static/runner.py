@@ -14,7 +14,7 @@ from flashllm.chat_methods import ChatMethods
 from flashllm.models.hf_config import load_hf_config
 from flashllm.models.loader import load_generation_config
 from flashllm.outputs import RequestOutput
-from flashllm.sampling_params import SamplingParams
+from flashllm.sampling_params import SamplingParams, per_prompt
 from flashllm.static.engine import StaticEngine
 from flashllm.static.graph import StaticGraph, onnxruntime_module, select_providers
 from flashllm.static.manifest import StaticManifest, StaticModelError, read_manifest
@@ -86,11 +86,9 @@ class StaticLLM(ChatMethods):
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order, as LLM.generate."""
-        from flashllm.llm import _per_prompt
-
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = _per_prompt(sampling_params, len(prompts), self.default_sampling_params())
+        params = per_prompt(sampling_params, len(prompts), self.default_sampling_params())
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashllm.sampling_params import SamplingParams
+from flashllm.sampling_params import SamplingParams, per_prompt
 
 # The documented ranges, restated independently of the module: (low, high, low excluded).
 FLOAT_RANGES = {
@@ -140,3 +140,12 @@ def test_from_generation_config() -> None:
     assert SamplingParams.from_generation_config(None) == SamplingParams()
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_generation_config({"top_p": 0.0})
+
+
+def test_per_prompt_gives_each_prompt_its_params() -> None:
+    default, greedy, hot = SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(temperature=1.5)
+    assert per_prompt(None, 3, default) == [default, default, default]
+    assert per_prompt(greedy, 2, default) == [greedy, greedy]
+    assert per_prompt((greedy, hot), 2, default) == [greedy, hot]
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        per_prompt([hot], 2, default)
