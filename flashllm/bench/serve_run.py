@@ -15,6 +15,12 @@ from typing import Any
 from flashllm.bench.serve_client import ServeRequest, ServeTarget, fetch_model_name, run_benchmark
 from flashllm.bench.serve_metrics import format_table, per_request, summarize
 
+# engine flags passed to `flashllm serve` when bench serve starts the server itself (cli/bench.py
+# declares a `bench serve` flag for each)
+SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
+                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size",
+                "distributed_executor_backend")
+
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the serving benchmark described by the parsed `bench serve` flags; 0 when no request failed."""
@@ -117,8 +123,6 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 
 
 def _server_args(args: argparse.Namespace) -> list[str]:
-    from flashllm.cli.bench import SERVER_FLAGS
-
     flags: list[str] = []
     for name in SERVER_FLAGS:
         if getattr(args, name) is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.bench import devices
+from flashllm.bench.serve_run import SERVER_FLAGS, run_serve
 from flashllm.cli.parallel_flags import add_parallel_flags
 
 
@@ -110,11 +111,6 @@ def _non_negative(text: str) -> int:
 BASELINES = ("none", "transformers", "llama.cpp")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # gguf_export.FILE_TYPES, kept here so --help imports no numpy
 
-# engine flags passed to `flashllm serve` when bench serve starts the server itself
-SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size",
-                "distributed_executor_backend")
-
 
 def _add_serve_parser(modes: Any) -> None:
     p = modes.add_parser("serve", help="load an OpenAI-compatible server with Poisson arrivals")
@@ -169,7 +165,6 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Run `bench serve`; with --plot, chart the record it writes (to a temporary file without --json)."""
     from flashllm.bench.plot import load_record, plot_serve
-    from flashllm.bench.serve_run import run_serve
 
     if not args.plot:
         return run_serve(args)
