@@ -7,8 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench import devices
-from flashllm.bench.serve_run import SERVER_FLAGS, run_serve
+from flashllm.bench import devices, serve_run
 from flashllm.cli.parallel_flags import add_parallel_flags
 
 
@@ -133,7 +132,7 @@ def _add_serve_parser(modes: Any) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     p.add_argument("--plot", type=Path, default=None, help="draw latency and throughput at this rate as a PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for flag in SERVER_FLAGS:
+    for flag in serve_run.SERVER_FLAGS:
         if flag not in ("kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size", "distributed_executor_backend"):
             p.add_argument(f"--{flag.replace('_', '-')}", default=None, help="passed to the started server")
     _add_kv_cache_flags(p, server=True)
@@ -167,10 +166,10 @@ def _serve(args: argparse.Namespace) -> int:
     from flashllm.bench.plot import load_record, plot_serve
 
     if not args.plot:
-        return run_serve(args)
+        return serve_run.run_serve(args)
     with tempfile.TemporaryDirectory() as tmp:
         args.json = args.json or Path(tmp) / "serve.json"
-        code = run_serve(args)
+        code = serve_run.run_serve(args)
         plot_serve([load_record(args.json)], args.plot)
     return code
 
