@@ -229,6 +229,25 @@ class BlockManager:
         for _ in range(num_missing):
             seq.block_table.append(self._allocate_block())
 
+    def trim(self, seq: Sequence) -> int:
+        """Give back the blocks at the tail of seq's block_table that no position of its tokens uses
+        (grown for positions a multi-step or speculative round did not fill); returns how many.
+
+        Only blocks past the one holding position num_tokens - 1 go; none of them holds computed KV
+        or a prefix-cache hash."""
+        keep = self._num_blocks_for(max(seq.num_tokens, seq.num_computed_tokens))
+        tail = seq.block_table[keep:]
+        for block_id in reversed(tail):
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise RuntimeError(f"block {block_id} at the tail of sequence {seq.seq_id} is shared or cached "
+                                   f"(ref count {block.ref_count}); only unfilled blocks a round grew can be trimmed")
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+        return len(tail)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's block references and clear its KV state (block_table, computed count)."""
         # Reverse order: a chain's tail joins the free queue first, so it is evicted first and

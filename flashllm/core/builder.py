@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 
 from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
+from flashllm.core.parallel import RankContext
 from flashllm.models.hf_config import HFModelConfig, load_hf_config
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
@@ -56,10 +58,13 @@ class EngineParts:
     model_dir: Path
 
 
-def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None) -> EngineParts:
-    """Select the device, resolve ops, load model and tokenizer, and size the KV cache."""
+def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None,
+                       rank: RankContext | None = None) -> EngineParts:
+    """Select the device, resolve ops, load the model (this rank's shard of it) and the tokenizer
+    (rank 0 only), and size the KV cache (the smallest size every rank can hold)."""
     plugins = plugins or make_plugin_manager()
-    selection = select_device(config.device.device, config.device.backend, plugins=plugins)
+    rank = rank or RankContext()
+    selection = rank.select(select_device(config.device.device, config.device.backend, plugins=plugins))
     plugins.adjust_config(config, selection.backend)
     model_dir = Path(config.model.model) if config.model.model else _demo_dir()
     registry = ModelRegistry()
@@ -78,22 +83,23 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size)
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
-    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant)
-    selection.adapter.place_weights(model)
-    selection.adapter.greedy_head(model)  # any copy of the head it keeps is in memory before the KV cache is sized
-    tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir))
+    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
+                                  tp_rank=rank.rank, tp_size=rank.world_size)
+    runner_cls = model_runner_class(selection)
+    runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
+    tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
     generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)
-    num_blocks = _num_kv_blocks(config, model, selection, kv_dtype)
+    num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype))
     try:
-        runner = ModelRunner(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
-                             config.cache.cachekv_int8_type, adapter=selection.adapter)
+        runner = runner_cls(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
+                            config.cache.cachekv_int8_type, adapter=selection.adapter)
     except ValueError as exc:  # static KV scales the checkpoint lacks
         raise EngineConfigError(str(exc)) from None
-    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s", num_blocks,
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s%s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.kv_cache_bytes() / 2**30,
-                selection.device)
-    reason = _no_graphs_reason(config, selection, ops)
+                selection.device, f" (rank {rank.rank} of {rank.world_size})" if rank.world_size > 1 else "")
+    reason = _no_graphs_reason(config, selection, ops, rank.world_size)
     if reason is None:
         runner.capture_graphs(config.scheduler.max_num_seqs, int(config.model.max_model_len))
     elif selection.profile.accelerator:
@@ -107,10 +113,26 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
                        num_blocks, model_dir)
 
 
-def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpTable) -> str | None:
+def model_runner_class(selection: DeviceSelection) -> type[ModelRunner]:
+    """The selected backend's own ModelRunner subclass (Backend.model_runner), else the generic one."""
+    target = selection.backend.model_runner
+    if target is None:
+        return ModelRunner
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
+        raise EngineConfigError(f"backend {selection.backend.name!r} names model runner {target!r}, which is not "
+                                "a subclass of flashllm.core.model_runner.ModelRunner")
+    return cls
+
+
+def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpTable,
+                      world_size: int = 1) -> str | None:
     """Why decode steps cannot be captured as device graphs here, or None when they can."""
     if config.device.enforce_eager:
         return "--enforce-eager"
+    if world_size > 1:
+        return "tensor parallelism (the other ranks run their steps eagerly)"
     if selection.adapter.new_graph(selection.device) is None:
         return f"the {selection.backend.name} backend's device has no graphs"
     unsafe = [op for op in ops.sources if not ops.kernel(op).caps.graph_safe]

@@ -9,9 +9,10 @@ from collections.abc import Iterable
 
 from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import EngineParts, build_engine_parts
+from flashllm.core.builder import EngineParts
+from flashllm.core.executor import Executor, make_executor
 from flashllm.core.request import Request
-from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
+from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.scheduler import Scheduler, SchedulerOutput
 from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import RequestOutput
@@ -29,14 +30,14 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, plugins: FlashPlugins | None = None) -> None:
-        self.parts: EngineParts = build_engine_parts(config, plugins)
+        self.executor: Executor = make_executor(config, plugins)
+        self.parts: EngineParts = self.executor.parts
         self.config = config
         self.tokenizer = self.parts.tokenizer
         self.block_manager = BlockManager(self.parts.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = self.parts.runner
-        self.sampler = Sampler(self.runner.adapter.argmax)
+        self.runner = self.executor.runner  # the driver rank's
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -99,35 +100,40 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward + sampling round; outputs of every request that progressed."""
+        """One scheduling round: schedule, run the batch on the executor, record the new tokens.
+
+        The executor returns k >= 1 new positions per sampling sequence (several where the runner
+        ran several decode steps in one call); they are recorded one position at a time, exactly
+        as single steps would have been (stop tokens and strings, max_tokens, the prefix cache),
+        and the KV slots a sequence did not use are given back."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        num_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
-        # the device's step context covers sampling too (the cpu one keeps torch off its GEMV cores)
         states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
-        steps = self._burst_steps(batch, states)
-        if steps > 1:
-            outputs = self._burst(batch, sampling, steps)
-            if outputs is not None:
-                return outputs
-        with self.runner.adapter.step_context(num_tokens):
-            if sampling and all(plain_greedy(s) for s in states):  # only the argmax is needed
-                sampled = SamplerOutput(self.runner.execute(batch, greedy=True).tolist())
-            else:
-                logits = self.runner.execute(batch)
-                sampled = self.sampler(logits, states) if sampling else None
-        tokens = iter(sampled.token_ids if sampled else ())
-        token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
+        max_steps = self._max_steps(batch, states)
+        if max_steps > 1:
+            for item in batch.scheduled:
+                self.block_manager.append_slots(item.seq, max_steps)
+        positions = self.executor.execute(batch, states, max_steps)
         touched: dict[str, Request] = {}
-        self._record(batch, sampling, sampled, token_ids, touched)
+        if not positions:  # nothing sampled: prefill chunks only
+            self._record(batch, sampling, None, [None] * len(batch.scheduled), touched)
+        for sampled in positions:
+            tokens = iter(sampled.token_ids)
+            token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
+            self._record(batch, sampling, sampled, token_ids, touched)
+        if max_steps > 1:
+            for item in batch.scheduled:
+                if not item.seq.is_finished:
+                    self.block_manager.trim(item.seq)
         return [self._emit(request) for request in touched.values()]
 
     def _record(self, batch: SchedulerOutput, sampling: list[Sequence], sampled: SamplerOutput | None,
                 token_ids: list[int | None], touched: dict[str, Request]) -> None:
-        """Apply one step's tokens: the scheduler's update, then each sampling sequence's stop checks
-        (a sequence finished earlier in a burst takes no more); its request goes into touched."""
+        """Apply one position's tokens: the scheduler's update, then each sampling sequence's stop
+        checks (a sequence that finished at an earlier position takes no more); its request goes
+        into touched."""
         self.scheduler.update(batch, token_ids)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
@@ -139,53 +145,30 @@ class Engine:
                 self.scheduler.finish(seq, reason)
             touched[request.request_id] = request
 
-    def _burst_steps(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
-        """How many decode steps this batch may run in one burst (1: a single step).
+    def _max_steps(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
+        """How many new positions per sequence this round may return (1: a single step).
 
-        A burst takes a decode batch (every sequence one token, all sampling) of plain greedy
-        sequences without presence or frequency penalties (which would change from token to token)
-        while nothing waits to join or every seat is taken (a seat frees when a sequence stops, and a
-        burst ends at the step where any sequence reaches its stop tokens or its max_tokens), at most
-        num_scheduler_steps steps and no more than any sequence may still take (max_tokens,
-        max_model_len), where the blocks all its steps need are free."""
+        Several only for a decode batch (every sequence one token, all sampling) while nothing
+        waits to join or every seat is taken (a seat frees when a sequence stops, and a multi-step
+        round ends where any sequence reaches a stop token or its max_tokens), at most
+        num_scheduler_steps and what the executor's runner takes for these states, no more than
+        any sequence may still take (max_tokens, max_model_len), and where the blocks all its
+        positions need are free."""
         config, scheduler = self.config.scheduler, self.scheduler
         steps = config.num_scheduler_steps
         if (steps < 2 or (scheduler.num_waiting and scheduler.num_running < config.max_num_seqs) or batch.preempted
-                or len(states) != len(batch.scheduled) or not self.runner.takes_burst(len(states))):
+                or len(states) != len(batch.scheduled)
+                or any(item.num_new_tokens != 1 for item in batch.scheduled)):
             return 1
+        steps = min(steps, self.executor.max_tokens_per_step(states))
         for item, state in zip(batch.scheduled, states, strict=True):
-            params = state.params
-            if (item.num_new_tokens != 1 or not plain_greedy(state) or params.frequency_penalty
-                    or params.presence_penalty):
-                return 1
             steps = min(steps, self.max_model_len - item.seq.num_tokens)
-            if params.max_tokens is not None:
-                steps = min(steps, params.max_tokens - len(state.output_token_ids))
+            if state.params.max_tokens is not None:
+                steps = min(steps, state.params.max_tokens - len(state.output_token_ids))
         bm = self.block_manager
         if steps > 1 and sum(bm.num_missing_blocks(item.seq, steps) for item in batch.scheduled) > bm.num_free_blocks:
             return 1
-        return steps
-
-    def _burst(self, batch: SchedulerOutput, sampling: list[Sequence], steps: int) -> list[RequestOutput] | None:
-        """Run up to `steps` decode steps of the batch in one device call and record them step by step,
-        as single steps would have been (stop strings, max_tokens and the prefix cache see each one);
-        None where the device declined the batch after all (the blocks grown for it stay, for the
-        steps to come)."""
-        stop_ids: set[int] = set()
-        for seq in sampling:
-            request = self._by_seq[seq.seq_id]
-            stop_ids.update(request.params.stop_token_ids)
-            if not request.params.ignore_eos:
-                stop_ids.update(request.eos_token_ids)
-        for item in batch.scheduled:
-            self.block_manager.append_slots(item.seq, steps)
-        rows = self.runner.execute_burst(batch, steps, stop_ids)
-        if rows is None:
-            return None
-        touched: dict[str, Request] = {}
-        for token_ids in rows:
-            self._record(batch, sampling, SamplerOutput(token_ids), token_ids, touched)
-        return [self._emit(request) for request in touched.values()]
+        return max(steps, 1)
 
     def _emit(self, request: Request) -> RequestOutput:
         output = request.output()
@@ -207,3 +190,11 @@ class Engine:
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+    def check_health(self) -> None:
+        """Raise if the executor lost a rank (tensor parallelism): the engine cannot step any more."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's other ranks (tensor parallelism); the engine cannot step afterwards."""
+        self.executor.shutdown()

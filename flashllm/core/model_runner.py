@@ -1,18 +1,18 @@
-"""ModelRunner: owns the paged KV cache and turns a scheduled batch into one forward pass."""
+"""ModelRunner: owns the paged KV cache, turns a scheduled batch into one forward pass and samples it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
 import torch
 
+from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
 from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from flashllm.models.layers.attention import Attention
-from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
 
 # How int8/fp8 KV caches get their scales (PaddleNLP's --cachekv_int8_type): per written token
@@ -77,7 +77,8 @@ def _is_quantized(kv_dtype: torch.dtype) -> bool:
 
 
 class ModelRunner:
-    """Allocates `num_blocks` KV blocks per layer and runs the model on scheduled batches.
+    """The generic runner: allocates `num_blocks` KV blocks per layer, runs the model on scheduled
+    batches and samples their tokens.
 
     The model must provide `forward(input_ids, positions, kv_caches, attn_metadata)`,
     `compute_logits(hidden)` and `kv_cache_shape() -> (num_layers, num_kv_heads, head_dim)`.
@@ -88,6 +89,13 @@ class ModelRunner:
     cachekv_int8_type does not apply to float caches.
     `adapter` (the selected device's DeviceAdapter; a do-nothing one by default) may ask for
     shape buckets, and its end_step() runs after every forward pass.
+
+    The runner contract the engine and the executors use: `prepare_model` (once, before the KV
+    cache is sized), `max_tokens_per_step`, `execute` (one scheduled batch -> the tokens of each
+    sampling sequence, k >= 1 positions) and `execute_inputs` (a prepared batch, for the ranks
+    that follow the driver under tensor parallelism). A backend may subclass it and name its
+    class in `Backend.model_runner` (the cpu backend's fused decode, greedy head and multi-step
+    decode live in flashllm/backends/cpu/runner.py).
     """
 
     def __init__(
@@ -101,12 +109,20 @@ class ModelRunner:
         # the adapter's hooks: shape buckets (static-shape devices) and the end of each step
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
         self.shape_buckets = self.adapter.shape_buckets
-        self._fused_decode: Callable[..., torch.Tensor | None] | None | bool = False  # built on first use
-        self._greedy_head: Callable[[torch.Tensor], torch.Tensor | None] | None | bool = False  # likewise
-        self._greedy_burst: Any = False  # likewise: None, or what DeviceAdapter.greedy_burst describes
+        self.sampler = Sampler(self.argmax)
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
+        # called with each step's prepared inputs before the forward pass: the executor's broadcast
+        # of the batch to the other tensor-parallel ranks (None on one rank)
+        self.on_inputs: Callable[[ModelInput], None] | None = None
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
+
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, adapter: DeviceAdapter) -> None:
+        """Once, after the model loaded and before the KV cache is sized: whatever this runner keeps
+        beside the weights (re-laid weights, copies) is made here, so cache sizing sees its memory.
+        The generic runner keeps nothing."""
+        return None
 
     @staticmethod
     def kv_bytes_per_block(
@@ -122,6 +138,30 @@ class ModelRunner:
         if _is_quantized(kv_dtype) and cachekv_int8_type == "dynamic":
             per_slot += num_kv_heads * torch.float32.itemsize
         return 2 * num_layers * block_size * per_slot
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest value, (B, V) -> (B,) int64; first on ties, NaN largest
+        (torch's argmax). The sampler takes every token through it; a backend's runner may answer faster."""
+        return rows.argmax(dim=-1)
+
+    def max_tokens_per_step(self, states: list[SamplingState]) -> int:
+        """The most tokens `execute` may return per sequence for a decode batch sampled with `states`
+        (the engine grows the block tables to cover them before the call). The generic runner
+        returns one token per step."""
+        return 1
+
+    def execute(self, batch: SchedulerOutput, states: list[SamplingState], max_steps: int = 1) -> list[SamplerOutput]:
+        """Run the scheduled batch and sample: one SamplerOutput per new position (at most max_steps),
+        each with a token for every sequence that samples, in batch order (states[i] is the i-th
+        one's). Later positions exist only where the runner ran several steps; each is what a
+        single step after the previous one would give. Empty when nothing samples."""
+        greedy = bool(states) and all(plain_greedy(s) for s in states)
+        out = self.execute_model(batch, greedy=greedy)
+        if not states:
+            return []
+        if greedy:
+            return [SamplerOutput(out.tolist())]
+        return [self.sampler(out, states)]
 
     def prepare(self, batch: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one varlen batch (read before Scheduler.update).
@@ -197,50 +237,30 @@ class ModelRunner:
         with self.adapter.inference_mode():
             return graphs.run(flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens, flat.block_tables)
 
-    def execute(self, batch: SchedulerOutput, greedy: bool = False) -> torch.Tensor:
-        """Run one step; returns (N, vocab) fp32 logits for the sequences that sample, in order, or
-        with `greedy` (every sampling row plain greedy) their (N,) int64 argmax tokens: through the
-        adapter's greedy_head where it takes the step, which need not compute the logits."""
+    def execute_model(self, batch: SchedulerOutput, greedy: bool = False) -> torch.Tensor:
+        """Run one step's forward pass; returns (N, vocab) fp32 logits for the sequences that sample,
+        in order, or with `greedy` (every sampling row plain greedy) their (N,) int64 argmax tokens,
+        which a runner's greedy head may find without computing the logits."""
         logits = self._replay(batch)
         if logits is not None:
-            return self.adapter.argmax(logits) if greedy else logits
-        inputs = self.prepare(batch)
-        with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
+            return self.argmax(logits) if greedy else logits
+        return self.execute_inputs(self.prepare(batch), greedy)
+
+    def execute_inputs(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
+        """The forward pass of prepared inputs (see execute_model); every tensor-parallel rank runs
+        it on the same inputs, which `on_inputs` sends to the others first."""
+        if self.on_inputs is not None:
+            self.on_inputs(inputs)
+        with self.adapter.inference_mode():
             return self._execute(inputs, greedy)
 
-    def takes_burst(self, num_seqs: int) -> bool:
-        """Whether execute_burst can run a decode batch of num_seqs sequences: the adapter has a
-        greedy_burst (built on first use) that takes that many, and no graphs or shape buckets."""
-        if self._greedy_burst is False:
-            self._greedy_burst = self.adapter.greedy_burst(self.model)
-        return (self._greedy_burst is not None and self.graphs is None and self.shape_buckets is None
-                and self._greedy_burst.takes(num_seqs))
-
-    def execute_burst(self, batch: SchedulerOutput, steps: int, stop_ids: Iterable[int]) -> list[list[int]] | None:
-        """Up to `steps` plain greedy decode steps of this batch in one call of the adapter's greedy_burst:
-        their tokens, [step][sequence in batch order], ending early after a step that produced one of
-        stop_ids; None where it does not take the batch (run execute instead).
-
-        Call it where takes_burst said yes for this batch (the engine asks it before growing the
-        blocks; a batch the burst declines after all costs a prepare and returns None). Every
-        scheduled sequence must bring one token and sample, and its block table must already cover
-        all `steps` positions (BlockManager.append_slots). Sequences are not updated here."""
-        if not self._greedy_burst:  # never built or none: takes_burst was not asked or said no
-            return None
-        inputs = self.prepare(batch)
-        with self.adapter.inference_mode(), self.adapter.step_context(int(inputs.input_ids.numel())):
-            tokens = self._greedy_burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
-                                        steps, stop_ids)
-            self.adapter.end_step(self.device)
-        return tokens
-
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
-        """The model's hidden states for the step: the adapter's fused decode step where it takes it."""
-        if self._fused_decode is False:  # built after loading, once the weights are final
-            self._fused_decode = self.adapter.fused_decode(self.model)
-        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        hidden = self._fused_decode(*args) if self._fused_decode is not None else None
-        return self.model(*args) if hidden is None else hidden
+        """The model's hidden states for the step (a backend's runner may run a fused step instead)."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+
+    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Tokens of plain greedy rows without their logits, or None (the generic runner has no such head)."""
+        return None
 
     def _execute(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
         hidden = self._forward(inputs)
@@ -248,7 +268,7 @@ class ModelRunner:
             self.adapter.end_step(self.device)
             return hidden.new_empty((0,) if greedy else (0, 0), dtype=torch.int64 if greedy else torch.float32)
         # every row samples (a decode step): its rows already are the logits' rows, in order, as
-        # sampling rows only ever increase; the gather took ~110 us of a batch-1 cpu step, run cold
+        # sampling rows only ever increase, so the gather is skipped
         every_row = inputs.num_logits is None and inputs.logits_indices.numel() == hidden.shape[0]
         rows = hidden if every_row else hidden[inputs.logits_indices]
         tokens = self._greedy_tokens(rows) if greedy else None
@@ -257,16 +277,9 @@ class ModelRunner:
             self.adapter.end_step(self.device)
             # sliced after end_step: inside the step's graph, each row count would be another graph
             logits = logits if inputs.num_logits is None else logits[: inputs.num_logits]
-            return self.adapter.argmax(logits) if greedy else logits
+            return self.argmax(logits) if greedy else logits
         self.adapter.end_step(self.device)
         return tokens if inputs.num_logits is None else tokens[: inputs.num_logits]
-
-    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """The adapter's greedy head on these rows (built on first use), or None where it has none
-        or does not take them."""
-        if self._greedy_head is False:
-            self._greedy_head = self.adapter.greedy_head(self.model)
-        return self._greedy_head(rows) if self._greedy_head is not None else None
 
 
 def allocate_kv_caches(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,11 +182,6 @@ class DeviceAdapter:
         """(free_bytes, total_bytes) of device memory."""
         return self._module().mem_get_info(device)
 
-    def place_weights(self, model: torch.nn.Module) -> None:
-        """Once, after the model loaded onto this device: move its weights into the memory layout
-        the device streams fastest (no-op by default; the cpu adapter uses huge pages)."""
-        return None
-
     def new_graph(self, device: torch.device) -> StepGraph | None:
         """An empty replayable graph for `device` (see StepGraph), or None when the device has none.
 
@@ -202,63 +197,6 @@ class DeviceAdapter:
         version counters) return torch.no_grad() instead.
         """
         return torch.inference_mode()
-
-    def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
-        """A context the model runner's forward pass of `num_tokens` flat tokens runs in (none by default).
-
-        The cpu adapter uses it to give decode-sized steps to its own GEMV threads (see
-        flashllm/backends/cpu/parallel.py: torch_single_threaded).
-        """
-        return nullcontext()
-
-    def fused_decode(self, model: torch.nn.Module) -> Callable[..., torch.Tensor | None] | None:
-        """A native replacement for `model`'s forward on decode steps, or None (the default).
-
-        The callable takes the forward's arguments (input_ids, positions, kv_caches,
-        attn_metadata) and returns the hidden states, or None for a step it does not take, when
-        the model's own forward runs. It must compute what that forward computes (the cpu
-        backend's runs the same native kernels in one call: flashllm/backends/cpu/decode_stack.py).
-        """
-        return None
-
-    def greedy_head(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-        """A replacement for `model`'s LM head plus argmax on steps where every row is plain greedy,
-        or None (the default: logits, then argmax).
-
-        The callable maps the rows' final hidden states (N, hidden) to their tokens (N,) int64, or
-        returns None for a call it does not take. Its token must be the argmax, first on ties, of
-        logits the head's own precision gives (the cpu backend's finds the fp32 argmax from an int8
-        or bf16 copy of the head and a proven error bound: flashllm/backends/cpu/greedy_screen.py). The
-        engine builds it once, after the weights are placed, so any copy it keeps is counted before
-        the KV cache is sized.
-        """
-        return None
-
-    def greedy_burst(self, model: torch.nn.Module) -> Any:
-        """Several greedy decode steps of the same sequences in one call, or None (the default: the
-        engine runs one step per scheduling round).
-
-        The object's `takes(num_seqs)` says whether it can take a decode batch of that many
-        sequences (asked before the batch's inputs are built). Calling it with (input_ids,
-        positions, kv_caches, attn_metadata, steps, stop_ids), one decode step's inputs (whose
-        tensors it may change), the most steps to run and token ids after which it must stop,
-        returns the tokens of the steps it ran, [step][sequence], at least one, or None for a batch
-        it does not take. Each step's tokens must be what a single greedy step (the fused decode
-        step and greedy head where the adapter has them) would give, and step k + 1 must write its
-        KV at the positions after step k's (the engine has grown every block table to cover all
-        steps). The cpu backend's runs its fused step and greedy screen in one native call:
-        flashllm/backends/cpu/decode_burst.py.
-        """
-        return None
-
-    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """Each row's index of its largest value, (B, V) -> (B,) int64 on rows' device; the first
-        one on ties, and a NaN counts as the largest (torch's argmax, which the default is).
-
-        The sampler takes every token through it: greedy rows and the exponential-race draw. The
-        cpu adapter answers fp32 rows through numpy, ~10x faster than torch's row reduction there.
-        """
-        return rows.argmax(dim=-1)
 
     def end_step(self, device: torch.device) -> None:
         """Called by the model runner after each forward pass, before sampling (a no-op by default).
@@ -281,6 +219,7 @@ class Backend:
     when it returns False, `device_profile()` says which precisions the device at hand can run,
     `known_profiles()` lists the device generations rendered in the capability matrix.
     `proof` is one of PROOF_LEVELS: how the claims of this backend are proven.
+    `model_runner` names the backend's own model runner class, if it has one (its fast paths).
     """
 
     name: str
@@ -290,6 +229,9 @@ class Backend:
     install_hint: str = ""
     kernels: dict[str, list[Kernel]] = field(default_factory=dict, repr=False)
     proof: str = DEFAULT_PROOF
+    # "package.module:Class", a subclass of flashllm.core.model_runner.ModelRunner that runs this
+    # backend's steps (imported when an engine starts on it); None: the generic runner
+    model_runner: str | None = None
 
     def __post_init__(self) -> None:
         if self.proof not in PROOF_LEVELS:

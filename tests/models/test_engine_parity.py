@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashllm.backends.cpu import native
+from flashllm.backends.cpu import greedy_screen, native
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
@@ -40,23 +40,23 @@ class LogitRecorder:
     """Wraps a runner's execute() to keep every logits row with the sequence and position it scored.
 
     Greedy steps take the logits path too (their tokens are those logits' argmax), so every step
-    has rows to check, and one at a time (no bursts, which run steps without execute); the cpu
+    has rows to check, and one at a time (no multi-step calls, which run steps without execute_model); the cpu
     backend's greedy screen and bursts, which skip the logits, are checked against transformers'
     tokens without a recorder (test_the_greedy_screen_gives_the_same_tokens)."""
 
     def __init__(self, llm: LLM) -> None:
         self.rows: list[tuple[int, list[int], torch.Tensor]] = []
         llm.engine.config.scheduler.num_scheduler_steps = 1
-        runner, original = llm.engine.runner, llm.engine.runner.execute
+        runner, original = llm.engine.runner, llm.engine.runner.execute_model
 
-        def execute(batch, greedy=False):
+        def execute_model(batch, greedy=False):
             logits = original(batch)
             samplers = [item.seq for item in batch.scheduled if item.produces_token]
             for seq, row in zip(samplers, logits, strict=True):
                 self.rows.append((seq.seq_id, list(seq.token_ids), row.clone()))
-            return runner.adapter.argmax(logits) if greedy else logits
+            return runner.argmax(logits) if greedy else logits
 
-        runner.execute = execute
+        runner.execute_model = execute_model
 
 
 def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -109,7 +109,7 @@ def test_the_greedy_screen_gives_the_same_tokens(preset, model_dirs, hf_models) 
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == _hf_greedy(hf_models[preset], prompt, STEPS)[0]
-    screen = getattr(llm.engine.parts.model.lm_head, "greedy_screen", None)
+    screen = greedy_screen.kept(llm.engine.parts.model)
     assert screen is not None or native.library() is None
     assert screen is None or screen.picked >= len(prompts) * STEPS
 

@@ -68,8 +68,10 @@ def test_switch_leaves_malloc_alone() -> None:
     assert min(result["after"][-4:]) >= PAGES // 2, result
 
 
-def test_cpu_adapter_applies_it_when_weights_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_runner_applies_it_when_weights_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashllm.backends.cpu.runner import CpuRunner
+
     calls = []
     monkeypatch.setattr(heap, "keep_freed_memory", lambda: calls.append(True) or True)
-    CpuAdapter().place_weights(torch.nn.Linear(4, 4))
+    CpuRunner.prepare_model(torch.nn.Linear(4, 4), CpuAdapter())
     assert calls == [True]

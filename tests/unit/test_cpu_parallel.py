@@ -113,24 +113,27 @@ def test_torch_single_threaded_keeps_the_split_width_and_restores(three_threads)
     assert torch.get_num_threads() == 3 and parallel.workers() == 3
 
 
-def test_cpu_adapter_single_threads_torch_for_decode_sized_steps_only(three_threads) -> None:
-    from flashllm.backends.cpu import CpuAdapter
+def test_cpu_runner_single_threads_torch_for_decode_sized_steps_only(three_threads) -> None:
+    from flashllm.backends.cpu import runner
 
-    adapter = CpuAdapter()
-    with adapter.step_context(parallel.SPLIT_MAX_TOKENS):
+    with runner.step_context(parallel.SPLIT_MAX_TOKENS):
         assert torch.get_num_threads() == 1
-    with adapter.step_context(parallel.SPLIT_MAX_TOKENS + 1):  # a prefill: BLAS GEMMs want the threads
+    with runner.step_context(parallel.SPLIT_MAX_TOKENS + 1):  # a prefill: BLAS GEMMs want the threads
         assert torch.get_num_threads() == 3
 
 
-def test_engine_steps_run_in_the_adapters_step_context(monkeypatch) -> None:
+def test_engine_steps_run_in_the_cpu_runners_step_context(monkeypatch) -> None:
+    from flashllm.backends.cpu import runner
     from flashllm.llm import LLM
     from flashllm.models.demo import demo_model_dir
     from flashllm.sampling_params import SamplingParams
 
-    llm = LLM(str(demo_model_dir()), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=16)
+    llm = LLM(str(demo_model_dir()), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=16,
+              num_scheduler_steps=1)
+    assert isinstance(llm.engine.runner, runner.CpuRunner)
     seen = []
-    real = llm.engine.runner.adapter.step_context
-    monkeypatch.setattr(llm.engine.runner.adapter, "step_context", lambda n: seen.append(n) or real(n))
+    real = runner.step_context
+    monkeypatch.setattr(runner, "step_context", lambda n: seen.append(n) or real(n))
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert seen[:2] == [5, 5] and set(seen[2:]) == {1}  # engine and runner, each step: a prefill, then decodes
+    # each step twice (the step with its sampling, and its forward pass): a prefill, then decodes
+    assert seen[:2] == [5, 5] and set(seen[2:]) == {1} and len(seen) == 6

@@ -66,10 +66,9 @@ def _special_rows(vocab: int, seed: int) -> torch.Tensor:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), vocab=st.integers(2, 3000), start=st.integers(0, 1))
-def test_cpu_adapter_argmax_is_torchs_argmax(seed: int, vocab: int, start: int) -> None:
-    from flashllm.backends.cpu import CpuAdapter
+def test_cpu_runner_argmax_is_torchs_argmax(seed: int, vocab: int, start: int) -> None:
+    from flashllm.backends.cpu.runner import numpy_argmax as argmax
 
-    argmax = CpuAdapter().argmax
     rows = _special_rows(vocab + start, seed)
     for view in (rows, rows[:, start:], rows.t().contiguous().t(), rows.half(), rows[:, :0]):
         if view.shape[1] == 0:
@@ -81,13 +80,13 @@ def test_cpu_adapter_argmax_is_torchs_argmax(seed: int, vocab: int, start: int) 
 
 
 def test_sampler_takes_every_token_through_the_given_argmax() -> None:
-    from flashllm.backends.cpu import CpuAdapter
+    from flashllm.backends.cpu.runner import numpy_argmax
 
     calls: list[tuple[int, ...]] = []
 
     def counted(rows: torch.Tensor) -> torch.Tensor:
         calls.append(tuple(rows.shape))
-        return CpuAdapter().argmax(rows)
+        return numpy_argmax(rows)
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7), SamplingParams(temperature=1.0, seed=8)]

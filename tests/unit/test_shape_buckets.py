@@ -79,7 +79,7 @@ def run_plan(runner: ModelRunner, plan: tuple[tuple[int, ...], ...] = PLAN) -> R
             done = seq.num_computed_tokens + n == len(seq.token_ids)
             batch.scheduled.append(ScheduledSequence(seq, n, done))
         run.inputs.append(runner.prepare(batch))
-        logits = runner.execute(batch)
+        logits = runner.execute_model(batch)
         run.logits.append(logits)
         rows = iter(logits.argmax(dim=-1).tolist())
         for item in batch.scheduled:

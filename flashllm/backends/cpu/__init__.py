@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from flashllm.backends.cpu import parallel
 from flashllm.registry.backend import Availability, Backend, DeviceAdapter
 from flashllm.registry.precision import DeviceProfile
 
@@ -80,47 +76,6 @@ class CpuAdapter(DeviceAdapter):
     def synchronize(self, device: torch.device) -> None:
         return None
 
-    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 rows through numpy: the same indices as torch's argmax (first on ties, NaN largest)
-        at ~15 us a 152k-token row against torch's 0.2-0.4 ms (3 ms for 16 rows on the 2-core VM)."""
-        if (rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[1] == 0
-                or rows.requires_grad):
-            return rows.argmax(dim=-1)
-        return torch.from_numpy(rows.numpy().argmax(axis=-1))
-
-    def step_context(self, num_tokens: int) -> AbstractContextManager[Any]:
-        """Decode-sized steps run torch single-threaded while the GEMVs use flashllm's own threads."""
-        return parallel.torch_single_threaded() if num_tokens <= parallel.SPLIT_MAX_TOKENS else nullcontext()
-
-    def fused_decode(self, model: torch.nn.Module) -> Callable[..., torch.Tensor | None] | None:
-        """Decode steps of Llama-family models as one native call (see decode_stack.py)."""
-        from flashllm.backends.cpu import decode_stack
-
-        return decode_stack.build(model)
-
-    def greedy_head(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-        """fp32 greedy steps from an int8 or bf16 copy of the LM head and an error bound (see greedy_screen.py)."""
-        from flashllm.backends.cpu import greedy_screen
-
-        return greedy_screen.build(model, self.argmax)
-
-    def greedy_burst(self, model: torch.nn.Module) -> Any:
-        """Greedy decode steps back to back in one native call (see decode_burst.py)."""
-        from flashllm.backends.cpu import decode_burst
-
-        return decode_burst.build(model, self.argmax)
-
-    def place_weights(self, model: torch.nn.Module) -> None:
-        """Large weights into transparent huge pages (see huge_pages.py); from then on the C heap
-        keeps freed memory, so each step's activations reuse the last step's pages (heap.py)."""
-        from flashllm.backends.cpu import heap, huge_pages
-
-        moved = huge_pages.place_weights(model)
-        if moved:
-            logger.info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
-        if heap.keep_freed_memory():
-            logger.debug("malloc keeps freed memory for reuse (%s=0 turns this off)", heap.ENV_SWITCH)
-
     def memory_info(self, device: torch.device) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
@@ -149,6 +104,7 @@ def make_backend() -> Backend:
         device_type="cpu",
         priority=10,
         description="torch-native CPU kernels",
+        model_runner="flashllm.backends.cpu.runner:CpuRunner",
     )
     from flashllm.backends.cpu import kernels, quant
 

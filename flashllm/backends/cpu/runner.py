@@ -1,0 +1,148 @@
+"""The cpu backend's model runner: fused decode steps, the greedy LM head and multi-step greedy decode.
+
+The generic runner (flashllm/core/model_runner.py) runs the model's own forward, computes logits
+and samples. On the CPU a decode step spends much of its time outside the weight streams, so this
+runner takes three shortcuts where the model declares the fusions they need (see
+flashllm/registry/fusions.py) and the step allows them, each computing exactly what the generic
+path computes:
+
+- the fused decode step (decode_stack.py): the decoder stack of a decode batch in one native call;
+- the greedy head (greedy_screen.py): plain greedy rows' tokens from a smaller copy of the LM head
+  and a proven error bound, without their fp32 logits;
+- multi-step greedy decode (decode_burst.py): up to the engine's bound of greedy decode steps of
+  the same sequences in one native call, each step's tokens fed to the next.
+
+Decode-sized steps also run torch single-threaded while the native kernels use their own threads,
+and argmax goes through numpy (parallel.py, CpuRunner.argmax).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from flashllm.backends.cpu import parallel
+from flashllm.core.model_runner import ModelInput, ModelRunner
+from flashllm.core.sampler import SamplerOutput, SamplingState, plain_greedy
+from flashllm.core.scheduler import SchedulerOutput
+from flashllm.registry.backend import DeviceAdapter
+
+# The most steps one call may run: the engine's num_scheduler_steps bounds it further.
+MAX_STEPS_PER_CALL = 64
+_UNBUILT: Any = False  # a fast path not built yet (None: built, and it does not apply)
+
+
+def numpy_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 rows through numpy: the same indices as torch's argmax (first on ties, NaN largest), many
+    times faster than torch's row reduction on the CPU for vocabulary-wide rows."""
+    if (rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[1] == 0
+            or rows.requires_grad):
+        return rows.argmax(dim=-1)
+    return torch.from_numpy(rows.numpy().argmax(axis=-1))
+
+
+def step_context(num_tokens: int) -> AbstractContextManager[Any]:
+    """Decode-sized steps run torch single-threaded while the GEMVs use flashllm's own threads."""
+    return parallel.torch_single_threaded() if num_tokens <= parallel.SPLIT_MAX_TOKENS else nullcontext()
+
+
+class CpuRunner(ModelRunner):
+    """The generic runner plus the cpu backend's fused decode, greedy head and multi-step decode."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fused_decode: Any = _UNBUILT
+        self._greedy_head: Any = _UNBUILT
+        self._greedy_burst: Any = _UNBUILT
+
+    @classmethod
+    def prepare_model(cls, model: torch.nn.Module, adapter: DeviceAdapter) -> None:
+        """Weights into huge pages (huge_pages.py), and the greedy head's copy of the LM head made
+        now, so the KV cache is sized with it in memory."""
+        from flashllm.backends.cpu import greedy_screen, heap, huge_pages
+
+        moved = huge_pages.place_weights(model)
+        if moved:
+            import logging
+
+            logging.getLogger(__name__).info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
+        heap.keep_freed_memory()
+        greedy_screen.build(model, numpy_argmax)
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        return numpy_argmax(rows)
+
+    def _fast(self) -> bool:
+        """Whether the fused paths may run: no device graphs or shape buckets in the way."""
+        return self.graphs is None and self.shape_buckets is None
+
+    def _burst(self) -> Any:
+        if self._greedy_burst is _UNBUILT:
+            from flashllm.backends.cpu import decode_burst
+
+            self._greedy_burst = decode_burst.build(self.model, self.argmax) if self._fast() else None
+        return self._greedy_burst
+
+    def max_tokens_per_step(self, states: list[SamplingState]) -> int:
+        """Several steps for a batch of plain greedy sequences without presence or frequency penalties
+        (they would change from token to token) that the multi-step call takes."""
+        if not states or any(not plain_greedy(s) or s.params.frequency_penalty or s.params.presence_penalty
+                             for s in states):
+            return 1
+        burst = self._burst()
+        return MAX_STEPS_PER_CALL if burst is not None and burst.takes(len(states)) else 1
+
+    def execute(self, batch: SchedulerOutput, states: list[SamplingState], max_steps: int = 1) -> list[SamplerOutput]:
+        num_tokens = sum(item.num_new_tokens for item in batch.scheduled)
+        with step_context(num_tokens):  # sampling included: it runs between the native calls too
+            if max_steps > 1:
+                rows = self.execute_burst(batch, states, max_steps)
+                if rows is not None:
+                    return [SamplerOutput(tokens) for tokens in rows]
+            return super().execute(batch, states, 1)
+
+    def execute_inputs(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
+        with step_context(int(inputs.input_ids.numel())):
+            return super().execute_inputs(inputs, greedy)
+
+    def execute_burst(self, batch: SchedulerOutput, states: list[SamplingState],
+                      steps: int) -> list[list[int]] | None:
+        """Up to `steps` plain greedy decode steps of this batch in one native call: their tokens,
+        [step][sequence in batch order], ending early after a step that produced a stop token of any
+        sequence; None where the call does not take the batch (a single step runs instead).
+
+        Every scheduled sequence must bring one token and sample, and its block table must already
+        cover all `steps` positions. Sequences are not updated here."""
+        burst = self._burst()
+        if burst is None or len(states) != len(batch.scheduled):
+            return None
+        stop_ids: set[int] = set()
+        for state in states:
+            stop_ids.update(state.params.stop_token_ids)
+            if not state.params.ignore_eos:
+                stop_ids.update(state.eos_token_ids)
+        inputs = self.prepare(batch)
+        with self.adapter.inference_mode():
+            tokens = burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, steps, stop_ids)
+            self.adapter.end_step(self.device)
+        return tokens
+
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:
+        if self._fused_decode is _UNBUILT:  # built after loading, once the weights are final
+            from flashllm.backends.cpu import decode_stack
+
+            self._fused_decode = decode_stack.build(self.model) if self._fast() else None
+        if self._fused_decode is not None:
+            hidden = self._fused_decode(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            if hidden is not None:
+                return hidden
+        return super()._forward(inputs)
+
+    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if self._greedy_head is _UNBUILT:
+            from flashllm.backends.cpu import greedy_screen
+
+            self._greedy_head = greedy_screen.build(self.model, self.argmax)
+        return self._greedy_head(rows) if self._greedy_head is not None else None

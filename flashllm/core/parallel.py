@@ -1,0 +1,180 @@
+"""Tensor-parallel ranks: the process group, this rank's place in it, and the step channel.
+
+Every rank holds a shard of the model and of the KV cache and runs every forward pass; the
+layers' all-reduce / all-gather (flashllm/models/layers) cross the ranks. Rank 0, the driver,
+schedules and samples; before each forward pass it sends the step's flat inputs to the other
+ranks over the step channel, as plain int64 tensors (never pickled objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashllm.core.model_runner import ModelInput
+from flashllm.ops.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for a rank before the engine fails (a rank that hangs); a rank
+# that dies fails its peers' collectives at once.
+DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
+DEFAULT_DIST_TIMEOUT_S = 60.0
+
+_HEADER = 8  # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k
+_STEP, _STOP = 1, 0
+
+
+class DistributedError(RuntimeError):
+    """A tensor-parallel rank died, hung or could not start; the message names it and what to do."""
+
+
+def dist_timeout() -> timedelta:
+    """The collectives' timeout: FLASHLLM_DIST_TIMEOUT_S seconds (default 60)."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise DistributedError(f"{DIST_TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
+    if not seconds > 0:
+        raise DistributedError(f"{DIST_TIMEOUT_ENV}={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This process's rank among `world_size` tensor-parallel ranks (one rank: no process group).
+
+    local_rank picks the device index on machines with several accelerators.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    def select(self, selection: Any) -> Any:
+        """The device selection for this rank: device index local_rank on indexable accelerators."""
+        if self.world_size == 1 or selection.device.type == "cpu" or selection.device.index is not None:
+            return selection
+        device = torch.device(selection.device.type, self.local_rank)
+        return type(selection)(device, selection.backend, selection.profile, selection.adapter)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over all ranks (each rank's KV cache must hold the same blocks)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
+        return int(t.item())
+
+
+_CONTROL: Any = None
+
+
+def rendezvous(address: str, rank: RankContext) -> Any:
+    """The ranks' key-value store at `address` ("host:port"): rank 0 serves it, the others connect
+    and announce themselves, so the driver can tell a rank that never started from a slow one."""
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), rank.world_size, is_master=rank.rank == 0, timeout=dist_timeout(),
+                          wait_for_workers=False)
+    if rank.rank != 0:
+        store.set(f"flashllm/ready/{rank.rank}", "1")
+    return store
+
+
+def wait_for_ranks(store: Any, world_size: int, failed: Callable[[], str | None]) -> None:
+    """Driver: wait until every other rank announced itself, raising DistributedError at once when
+    `failed()` reports one that exited, or after the timeout."""
+    deadline = time.monotonic() + dist_timeout().total_seconds()
+    keys = [f"flashllm/ready/{r}" for r in range(1, world_size)]
+    while not store.check(keys):
+        reason = failed()
+        if reason is not None:
+            raise DistributedError(f"{reason} while starting; see its log above")
+        if time.monotonic() > deadline:
+            raise DistributedError(f"tensor-parallel ranks did not start within {DIST_TIMEOUT_ENV}="
+                                   f"{dist_timeout().total_seconds():g} s")
+        time.sleep(0.05)
+
+
+def init_process_group(rank: RankContext, backend: str, *, store: Any = None, init_method: str | None = None) -> None:
+    """Join the ranks' process group (`backend`: the device's, e.g. nccl or gloo) through `store` (or
+    `init_method`, e.g. torchrun's env://) and make the gloo group the step channel uses (the
+    default group itself where that is gloo already)."""
+    global _CONTROL  # one process group per process, as torch.distributed has
+    if dist.is_initialized():
+        raise DistributedError("this process already joined a process group; one engine per process with "
+                               "tensor parallelism")
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank.rank,
+                            world_size=rank.world_size, timeout=dist_timeout())
+    _CONTROL = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=dist_timeout())
+
+
+def control_group() -> Any:
+    return _CONTROL if _CONTROL is not None else dist.group.WORLD
+
+
+def destroy_process_group() -> None:
+    global _CONTROL
+    _CONTROL = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StepChannel:
+    """Rank 0 sends each step's ModelInput to the other ranks; they receive it and run the same step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def send(self, inputs: ModelInput) -> None:
+        """Driver: broadcast one step's inputs (call before running the step itself)."""
+        md = inputs.attn_metadata
+        tables = md.block_tables
+        header = torch.tensor([_STEP, inputs.input_ids.numel(), md.seq_lens.numel(), tables.shape[1],
+                               inputs.logits_indices.numel(), -1 if inputs.num_logits is None else inputs.num_logits,
+                               md.max_seqlen_q, md.max_seqlen_k], dtype=torch.int64)
+        payload = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
+            inputs.input_ids, inputs.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, tables,
+            inputs.logits_indices)])
+        group = control_group()
+        dist.broadcast(header, src=0, group=group)
+        dist.broadcast(payload, src=0, group=group)
+
+    def send_stop(self) -> None:
+        """Driver: tell the other ranks to leave their loops."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = _STOP
+        dist.broadcast(header, src=0, group=control_group())
+
+    def receive(self) -> ModelInput | None:
+        """Other ranks: the next step's inputs, or None when the driver stops."""
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        group = control_group()
+        dist.broadcast(header, src=0, group=group)
+        command, tokens, seqs, width, rows, num_logits, max_q, max_k = header.tolist()
+        if command == _STOP:
+            return None
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows]
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=group)
+        ids, positions, slots, cu, seq_lens, tables, logits_rows = payload.split(sizes)
+
+        def on_device(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return t.to(self.device, dtype)
+
+        metadata = AttentionMetadata(
+            slot_mapping=on_device(slots, torch.int64), cu_seqlens_q=on_device(cu, torch.int32),
+            seq_lens=on_device(seq_lens, torch.int32), block_tables=on_device(tables.view(seqs, width), torch.int32),
+            max_seqlen_q=max_q, max_seqlen_k=max_k)
+        return ModelInput(input_ids=on_device(ids, torch.int64), positions=on_device(positions, torch.int64),
+                          attn_metadata=metadata, logits_indices=on_device(logits_rows, torch.int64),
+                          num_logits=None if num_logits < 0 else num_logits)
