@@ -35,6 +35,26 @@ def copy_checked(param: Tensor, loaded: Tensor, what: str = "weight") -> None:
     param.data.copy_(loaded)
 
 
+def _quantize_input_slice(weight: Tensor, quant: WeightQuantSpec, smooth: Tensor | None) -> QuantizedWeight:
+    """Quantize a row-parallel rank's (N, K / tp) slice as the whole (N, K) weight would be.
+
+    A per-output-channel scale (and zero point) comes from each row's extremes, which one rank's
+    slice does not hold. The slice is quantized beside two extra columns carrying every row's
+    minimum and maximum over all ranks (all-reduced), which are then dropped: each rank's codes and
+    scales are those of the unsharded weight, so tensor parallelism does not change the numerics.
+    """
+    low = weight.amin(dim=1, keepdim=True).float()
+    high = weight.amax(dim=1, keepdim=True).float()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    padded = torch.cat([weight, low.to(weight.dtype), high.to(weight.dtype)], dim=1)  # exact: weight values
+    padded_smooth = None if smooth is None else torch.cat([smooth, smooth.new_ones(2)])
+    q = quantize_weight(padded, quant.scheme, -1, quant.symmetric, smooth=padded_smooth)
+    k = weight.shape[1]
+    columns = k // 2 if quant.scheme == "w4a16" else k  # int4 codes are packed two per byte along K
+    return QuantizedWeight(q.scheme, q.data[:, :columns].contiguous(), q.scales, q.zeros, q.group_size, smooth=smooth)
+
+
 def default_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
     """Weight loader of a parameter that is neither sharded nor fused."""
     if shard_id is not None:
@@ -208,6 +228,8 @@ class LinearBase(nn.Module):
                 self.weight.data.copy_(weight)
             return QuantizedWeight.dense(self.weight)
         smooth = self._smooth() if quant.scheme in ACTIVATION_SCHEMES else None
+        if self.input_is_sharded and self.tp_size > 1 and quant.group_size == -1:
+            return _quantize_input_slice(weight, quant, smooth)
         return quantize_weight(weight, quant.scheme, quant.group_size, quant.symmetric, smooth=smooth)
 
     def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:

@@ -1,0 +1,102 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give the tokens and logprobs one rank gives."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flashllm import LLM, SamplingParams
+from flashllm.testing.tiny_models import build_tiny_model
+
+STEPS = 32
+# two prompts sharing a 40-token prefix (the second round hits the prefix cache) and a third one
+PREFIX = [(7 * i + 3) % 250 + 1 for i in range(40)]
+PROMPTS = [PREFIX + [11, 12, 13], PREFIX + [21, 22], [(5 * i + 1) % 250 + 1 for i in range(70)]]
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    # one kv head for two ranks: each rank keeps a replica of it
+    "gqa-replicated": ("llama", {"num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: build_tiny_model(tmp_path_factory.mktemp(name), preset, seed=3, tokenizer=False, **overrides)
+            for name, (preset, overrides) in CASES.items()}
+
+
+def run(model_dir: Path, tp: int, **options) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs over two rounds (the second hits the prefix cache), with
+    chunked prefill (16-token chunks) and 16-token blocks."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp,
+              distributed_executor_backend="mp" if tp > 1 else None, block_size=16, max_num_batched_tokens=16,
+              num_kv_blocks=64, **options)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    try:
+        results = []
+        for _ in range(2):
+            outputs = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)
+            results += [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in outputs]
+        hits = [o.metrics.num_cached_tokens for o in outputs]
+        assert hits[0] >= 32 and hits[1] >= 32, f"the second round should reuse the shared prefix: {hits}"
+        assert llm.engine.num_free_blocks() == llm.engine.block_manager.num_total_blocks
+    finally:
+        llm.engine.shutdown()
+    return results
+
+
+def assert_same(one: list, two: list) -> None:
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one, two, strict=True):
+        assert tokens2 == tokens1
+        assert len(tokens1) == STEPS
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_match_one(model_dirs: dict[str, Path], case: str) -> None:
+    assert_same(run(model_dirs[case], 1), run(model_dirs[case], 2))
+
+
+def test_two_ranks_match_one_with_w8a16(model_dirs: dict[str, Path]) -> None:
+    options = {"quant_type": "weight_only_int8"}
+    assert_same(run(model_dirs["llama"], 1, **options), run(model_dirs["llama"], 2, **options))
+
+
+def test_plain_greedy_steps_match_too(model_dirs: dict[str, Path]) -> None:
+    """Without logprobs the driver takes its greedy path (argmax only); the tokens do not change."""
+    def tokens(tp: int) -> list[list[int]]:
+        llm = LLM(str(model_dirs["llama"]), device="cpu", tensor_parallel_size=tp, num_kv_blocks=64, block_size=16)
+        try:
+            outputs = llm.generate([list(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16,
+                                                                               ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    assert tokens(2) == tokens(1)
+
+
+def test_more_ranks_than_heads_is_refused(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(Exception, match="num_attention_heads"):
+        LLM(str(model_dirs["llama"]), device="cpu", tensor_parallel_size=8, num_kv_blocks=64, block_size=16)
+
+
+def test_worker_processes_are_gone_after_shutdown(model_dirs: dict[str, Path]) -> None:
+    llm = LLM(str(model_dirs["llama"]), device="cpu", tensor_parallel_size=2, num_kv_blocks=64, block_size=16)
+    pids = [proc.pid for proc in llm.engine.executor._launcher.procs]
+    llm.engine.shutdown()
+    for pid in pids:
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): count it as gone only once reaped
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
