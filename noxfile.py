@@ -35,10 +35,16 @@ def conformance(session: nox.Session, backend: str) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff over the package and tests, and the capability page freshness check."""
-    session.install("ruff")
+    """ruff, the import contracts and the capability page freshness check (part of .ci/run).
+
+    lint-imports checks pyproject's [tool.importlinter] contracts (layers, no backend in the engine,
+    no model in the backends); test_import_cycles.py checks that no modules import each other.
+    """
+    session.install("ruff", "import-linter")
     session.run("ruff", "check", "flashllm", "tests", "noxfile.py")
     _install(session)
+    session.run("lint-imports", "--no-cache")
+    session.run("pytest", "-q", "tests/unit/test_import_cycles.py")
     session.run("python", "-m", "flashllm.registry.matrix", "--check", "docs/capabilities.md")
 
 
