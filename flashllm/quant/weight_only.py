@@ -177,8 +177,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
         if qweight is not None and (isinstance(module, LinearBase) or qweight.scheme != "none"):
             linear += count(list(qweight.tensors))
     other = count([p for _, p in model.named_parameters()])
-    screens = [head.greedy_screen for head in _lm_heads(model) if getattr(head, "greedy_screen", None) is not None]
-    other += sum(screen.nbytes for screen in screens)
+    other += sum(screen.nbytes for screen in map(_greedy_screen, _lm_heads(model)) if screen is not None)
     return WeightBytes(linear, other, linear + other - _unstreamed_bytes(model))
 
 
@@ -188,15 +187,21 @@ def _lm_heads(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, LMHead)]
 
 
+def _greedy_screen(head: nn.Module) -> object | None:
+    """The cpu backend's greedy screen of an LM head (backends/cpu/greedy_screen.py keeps it in the
+    head's kernel_cache under "greedy_screen"), or None."""
+    return None if head.qweight is None else head.qweight.kernel_cache.get("greedy_screen")
+
+
 def _unstreamed_bytes(model: nn.Module) -> int:
     """Bytes a greedy decode step does not read whole: input embedding tables that no float LM head
     reads, and float heads that a greedy screen reads in their place."""
     from flashllm.models.layers.embedding import VocabEmbedding
 
     float_heads = [m for m in _lm_heads(model) if m.qweight is not None and m.qweight.scheme == "none"]
-    read = {m.weight.untyped_storage().data_ptr() for m in float_heads if getattr(m, "greedy_screen", None) is None}
+    read = {m.weight.untyped_storage().data_ptr() for m in float_heads if _greedy_screen(m) is None}
     skipped = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
-               for m in float_heads if getattr(m, "greedy_screen", None) is not None}
+               for m in float_heads if _greedy_screen(m) is not None}
     tables = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
               for m in model.modules() if type(m) is VocabEmbedding}
     return sum(size for ptr, size in (tables | skipped).items() if ptr not in read)

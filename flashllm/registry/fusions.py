@@ -17,6 +17,7 @@ QuantizedWeight) and describe this rank's shard; a backend builds its fused path
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch import Tensor
 
@@ -25,6 +26,8 @@ from flashllm.registry.resolve import OpTable
 
 DECODER_STACK = "decoder_stack"
 LM_HEAD = "lm_head"
+
+_Record = TypeVar("_Record")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +133,18 @@ class LMHeadFusion:
     vocab_size: int
     tp_size: int
     tied: bool
+
+
+def declared(model: object, name: str, record: type[_Record]) -> _Record | None:
+    """The fusion `name` that `model.fusions()` declares, or None where it declares none (a model
+    without a fusions() method declares none).
+
+    Raises TypeError where the model declares something other than a `record` under that name: the
+    model's fusions() is wrong, and a fast path must not guess what it meant.
+    """
+    fusions = getattr(model, "fusions", None)
+    found = fusions().get(name) if callable(fusions) else None
+    if found is not None and not isinstance(found, record):
+        raise TypeError(f"{type(model).__name__}.fusions()[{name!r}] is a {type(found).__name__}; expected a "
+                        f"{record.__name__} (flashllm.registry.fusions), or no entry where the model offers none")
+    return found

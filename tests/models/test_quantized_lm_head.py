@@ -42,9 +42,9 @@ def test_the_head_is_int8_while_the_embedding_table_stays_float(model_dir: Path)
     vocab, hidden = head.weight.shape
     counted, plain_counted = weight_bytes(quantized.engine.parts.model), weight_bytes(plain.engine.parts.model)
     # the float head has the cpu backend's greedy screen (its bf16 copy and row bounds, or its int8
-    # copy, scales and row bounds) where the native kernels run; the int8 head has none
-    assert getattr(head, "greedy_screen", None) is None
-    screen = getattr(plain_head, "greedy_screen", None)
+    # copy, scales and row bounds, kept in its kernel_cache) where the native kernels run; the int8 head has none
+    assert "greedy_screen" not in head.qweight.kernel_cache
+    screen = plain_head.qweight.kernel_cache.get("greedy_screen")
     per_row = {"bf16": (2, 4), "int8": (1, 8)}[screen.kind] if screen is not None else (0, 0)
     screen_bytes = vocab * hidden * per_row[0] + vocab * per_row[1]
     added = counted.total - plain_counted.total

@@ -138,7 +138,7 @@ def test_a_token_the_screen_cannot_settle_ends_the_burst(model_dir, monkeypatch)
     single = _outputs(_llm(model_dir, 1), PROMPTS, params)
     runs = _bursts(monkeypatch)
     llm = _llm(model_dir, 8)
-    screen = llm.engine.runner.model.lm_head.greedy_screen
+    screen = greedy_screen.kept(llm.engine.runner.model)
     if screen.kind == "int8":
         screen.scales[7] = float("nan")
     else:
@@ -172,7 +172,7 @@ def test_a_burst_stops_where_the_block_tables_end(model_dir) -> None:
     runner = llm.engine.runner
     burst = runner.adapter.greedy_burst(runner.model)
     assert burst is not None
-    from flashllm.models.layers.attention_metadata import AttentionMetadata
+    from flashllm.ops.attention_metadata import AttentionMetadata
 
     def metadata() -> AttentionMetadata:  # one sequence at position 13 of block 2 (of 1 block's table)
         return AttentionMetadata(slot_mapping=torch.tensor([2 * 16 + 13]), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),

@@ -14,7 +14,7 @@ import torch
 
 from flashllm.backends.cpu import decode_stack, native
 from flashllm.llm import LLM
-from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
 

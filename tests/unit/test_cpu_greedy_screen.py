@@ -248,7 +248,7 @@ def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monke
     kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
     llm = LLM(str(model_dir), **kwargs)
     model = llm.engine.parts.model
-    screen = model.lm_head.greedy_screen
+    screen = greedy_screen.kept(model)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tokens = _generate(llm, greedy)
     assert screen.picked >= 4 * 24
@@ -261,7 +261,7 @@ def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monke
     counted = weight_bytes(model)
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "0")
     plain = LLM(str(model_dir), **kwargs)
-    assert getattr(plain.engine.parts.model.lm_head, "greedy_screen", None) is None
+    assert greedy_screen.kept(plain.engine.parts.model) is None
     assert _generate(plain, greedy) == tokens
     assert _generate(plain, SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)) == sampled
     assert [t[:8] for t in tokens] == logprobs
@@ -286,7 +286,7 @@ def test_the_amx_tiles_give_the_engine_the_same_tokens(model_dir: Path, monkeypa
     try:
         llm = LLM(str(model_dir), **kwargs)
         tokens = _generate(llm, greedy)
-        assert llm.engine.parts.model.lm_head.greedy_screen.picked >= 4 * 24
+        assert greedy_screen.kept(llm.engine.parts.model).picked >= 4 * 24
     finally:
         lib.flashllm_screen_set_path(2)
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "0")

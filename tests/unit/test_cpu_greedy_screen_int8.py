@@ -159,7 +159,7 @@ def test_the_engine_takes_the_int8_copy_with_the_tokens_of_the_full_logits(
         return [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
 
     llm = LLM(str(model_dir), **kwargs)
-    screen = llm.engine.parts.model.lm_head.greedy_screen
+    screen = greedy_screen.kept(llm.engine.parts.model)
     assert screen.kind == "int8"
     got = {}
     for path in [1, _AMX_ANY][:_BEST]:
@@ -171,7 +171,7 @@ def test_the_engine_takes_the_int8_copy_with_the_tokens_of_the_full_logits(
     assert screen.picked >= 4 * 24 * len(got)
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "bf16")
     bf16 = LLM(str(model_dir), **kwargs)
-    assert bf16.engine.parts.model.lm_head.greedy_screen.kind == "bf16"
+    assert greedy_screen.kept(bf16.engine.parts.model).kind == "bf16"
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "0")
     plain = tokens(LLM(str(model_dir), **kwargs))
     assert all(t == plain for t in got.values())

@@ -1,17 +1,17 @@
-"""The cpu backend's fused decode step: a Llama-family decoder stack in one native call (csrc/decode_stack.c).
+"""The cpu backend's fused decode step: a standard decoder stack in one native call (csrc/decode_stack.c).
 
 The per-op path spends ~0.3 ms of interpreter and ctypes work per layer at batch 1 (8 ms of a
 72 ms token for the 0.5b shape on the team's 2-core VM). For a decode step this module hands the
 whole stack, embedding output to final norm, to one C call running the same native kernels in
 the same order, so its hidden states equal the per-op native path's (tests hold it to that).
 
-It takes a step only when everything is plain: a LlamaForCausalLM (Qwen2 included) on one rank
-whose layers bound the cpu backend's kernels (not the reference's, which shares the cpu adapter),
-every layer the standard pre-norm block with a SwiGLU MLP and no sliding window, fp32 norms and
-activations, fp32 or native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch
-(every sequence one new token, at most native.MAX_TOKENS of them). Anything else returns None
-and the model's own forward runs. Every index the C code follows is range-checked, in C, before
-the step writes anything.
+It takes a step only when everything is plain: a model that declares the decoder_stack fusion
+(flashllm/registry/fusions.py: every layer the standard pre-norm block with a SwiGLU MLP; Llama and
+Qwen2 do) on one rank, whose op table resolved its ops to the cpu backend's kernels (not the
+reference's, which shares the cpu adapter), no sliding window, fp32 norms and activations, fp32 or
+native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch (every sequence one
+new token, at most native.MAX_TOKENS of them). Anything else returns None and the model's own
+forward runs. Every index the C code follows is range-checked, in C, before the step writes anything.
 FLASHLLM_CPU_FUSED_DECODE=0 turns it off (for A/B runs).
 """
 
@@ -22,11 +22,14 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.backends.cpu import native, native_ops, parallel
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
+from flashllm.registry.fusions import DECODER_STACK, DecoderStackFusion, LinearWeights, declared
+from flashllm.registry.resolve import OpTable
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
 _KINDS = {"none": 0, "w8a16": 1, "w4a16": 2}
@@ -62,14 +65,17 @@ class _Unsupported(Exception):
     """The model is not one the fused step takes (the message says why; kept for debugging)."""
 
 
-def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
-    """The C descriptor of a flashllm LinearBase on one rank; keeps the tensors it points at alive."""
-    weight: QuantizedWeight | None = layer.qweight
+def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) -> _Linear:
+    """The C descriptor of a declared linear layer on one rank, whose weight must be `shape`
+    (out_features, in_features); keeps the tensors it points at alive."""
+    weight: QuantizedWeight | None = layer.weight
     if weight is None or layer.tp_size != 1 or weight.input_perm is not None or weight.scheme not in _KINDS:
-        raise _Unsupported(f"{type(layer).__name__}: not a plain fp32 / w8a16 / w4a16 weight on one rank")
-    bias = None if layer.bias is None else layer.bias.data
-    if not _fp32(bias):
-        raise _Unsupported("bias is not fp32")
+        raise _Unsupported("a linear layer's weight is not a plain fp32 / w8a16 / w4a16 weight on one rank")
+    if (weight.out_features, weight.in_features) != shape:
+        raise _Unsupported(f"a {(weight.out_features, weight.in_features)} weight where the geometry says {shape}")
+    bias = layer.bias
+    if not _fp32(bias) or (bias is not None and tuple(bias.shape) != shape[:1]):
+        raise _Unsupported("bias is not fp32 (out_features,)")
     desc = _Linear(kind=_KINDS[weight.scheme], N=weight.out_features, K=weight.in_features, G=1)
     if weight.scheme == "none":
         if not _fp32(weight.data) or not weight.data.is_contiguous():
@@ -93,89 +99,80 @@ def _linear(layer: Any, keep: list[Tensor]) -> _Linear:
     return desc
 
 
-def _embedding_table(embed: Any, hidden: int) -> Tensor | None:
-    """The fp32 (vocab, hidden) table of a plain one-rank VocabEmbedding, whose rows the C code copies
-    itself (F.embedding cost ~0.1 ms of a batch-1 step); None for any other embedding, which runs as
-    a module before the call."""
-    from flashllm.models.layers.embedding import VocabEmbedding
-
-    table = embed.weight.data if type(embed) is VocabEmbedding and embed.tp_size == 1 else None
-    if table is None or not (_fp32(table) and table.is_contiguous() and table.dim() == 2 and table.shape[1] == hidden):
+def _embedding_table(table: Tensor, hidden: int) -> Tensor | None:
+    """The declared one-rank embedding table if the C code can copy its rows itself (fp32 (vocab,
+    hidden), contiguous; F.embedding cost ~0.1 ms of a batch-1 step); None where torch embeds the
+    ids before the call."""
+    if not (_fp32(table) and table.is_contiguous() and table.dim() == 2 and table.shape[1] == hidden):
         return None
     return table
 
 
-def _check_cpu_kernels(stack: Any) -> None:
-    """The fused step stands in for the cpu backend's kernels only: a model whose layers bound
-    another backend's (the reference, which shares the cpu adapter, or ipex) keeps its own forward."""
+def _check_cpu_kernels(ops: OpTable) -> None:
+    """The fused step stands in for the cpu backend's kernels only: a model whose op table resolved
+    an op to another backend's (the reference, which shares the cpu adapter, or ipex) keeps its own
+    forward. The layers call what the table resolved, so the table says what they run."""
     from flashllm.backends.cpu import kernels, quant
 
-    for layer in stack.layers:
-        attn = layer.self_attn
-        bound = [(layer.input_layernorm._rms_norm, kernels.rms_norm),
-                 (layer.post_attention_layernorm._rms_norm, kernels.rms_norm),
-                 (attn.rotary_emb._rotary_embedding, kernels.rotary_embedding),
-                 (attn.attn._write_kv_cache, kernels.write_kv_cache),
-                 (attn.attn._paged_attention, kernels.paged_attention),
-                 (layer.mlp._silu_and_mul, kernels.silu_and_mul)]
-        bound += [(linear._quant_matmul, quant.quant_matmul)
-                  for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(got is not want for got, want in bound):
-            raise _Unsupported("the layers run another backend's kernels")
-    if stack.norm._rms_norm is not kernels.rms_norm:
-        raise _Unsupported("the final norm runs another backend's kernel")
+    if not isinstance(ops, OpTable):
+        raise _Unsupported(f"the layers were built with a {type(ops).__name__}, not a resolved OpTable")
+    wanted = {"rms_norm": kernels.rms_norm, "rotary_embedding": kernels.rotary_embedding,
+              "write_kv_cache": kernels.write_kv_cache, "paged_attention": kernels.paged_attention,
+              "silu_and_mul": kernels.silu_and_mul, "quant_matmul": quant.quant_matmul}
+    for op, fn in wanted.items():
+        if op not in ops.sources or ops.kernel(op).fn is not fn:
+            raise _Unsupported(f"op {op} runs {ops.sources.get(op)}'s kernel, not the cpu backend's native one")
 
 
 class FusedDecode:
     """Callable(input_ids, positions, kv_caches, attn_metadata) -> final hidden (T, H), or None when
-    the step is not a plain decode step; built by `build` for a model it takes."""
+    the step is not a plain decode step; built by `build` from a model's declared decoder stack."""
 
-    def __init__(self, model: Any) -> None:
-        from flashllm.models.layers.mlp import GatedMLP
-        from flashllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-        if not isinstance(model, LlamaForCausalLM):
-            raise _Unsupported(f"{type(model).__name__} is not a Llama-family model")
-        stack = model.model
-        rotary = stack.rotary_emb
-        _check_cpu_kernels(stack)
+    def __init__(self, stack: DecoderStackFusion) -> None:
+        _check_cpu_kernels(stack.ops)
+        if stack.activation != "silu" or stack.embed_tp_size != 1 or not stack.layers:
+            raise _Unsupported(f"activation {stack.activation!r}, an embedding over {stack.embed_tp_size} ranks "
+                               f"or {len(stack.layers)} layers")
+        hidden, heads, kv_heads, dim = stack.norm.weight.shape[0], stack.num_heads, stack.num_kv_heads, stack.head_dim
+        if kv_heads < 1 or heads % kv_heads:
+            raise _Unsupported(f"{heads} query heads do not share {kv_heads} KV heads evenly")
+        rotary, inter = stack.rotary, stack.intermediate_size
         self._keep: list[Tensor] = []
         layers = []
         for layer in stack.layers:
-            attn = layer.self_attn
-            if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not GatedMLP:
-                raise _Unsupported(f"{type(layer).__name__} is not the standard decoder block")
-            if attn.attn.sliding_window is not None or attn.rotary_emb is not rotary:
-                raise _Unsupported("sliding-window attention or a per-layer rotary table")
-            norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
-            if not all(_fp32(n) and n.is_contiguous() for n in norms):
-                raise _Unsupported("norm weights are not fp32")
+            if layer.sliding_window is not None:
+                raise _Unsupported("sliding-window attention")
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not all(_fp32(n) and n.is_contiguous() and tuple(n.shape) == (hidden,) for n in norms):
+                raise _Unsupported("norm weights are not fp32 (hidden_size,)")
             self._keep.extend(norms)
             layers.append(_Layer(
-                qkv=_linear(attn.qkv_proj, self._keep), o=_linear(attn.o_proj, self._keep),
-                gate_up=_linear(layer.mlp.gate_up_proj, self._keep), down=_linear(layer.mlp.down_proj, self._keep),
+                qkv=_linear(layer.qkv_proj, ((heads + 2 * kv_heads) * dim, hidden), self._keep),
+                o=_linear(layer.o_proj, (hidden, heads * dim), self._keep),
+                gate_up=_linear(layer.gate_up_proj, (2 * inter, hidden), self._keep),
+                down=_linear(layer.down_proj, (hidden, inter), self._keep),
                 input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr()))
-        first = stack.layers[0].self_attn
         cos_sin = rotary.cos_sin_cache
-        if not (_fp32(cos_sin) and cos_sin.is_contiguous() and rotary.rotary_dim % 2 == 0 and _fp32(stack.norm.weight)):
+        if not (_fp32(cos_sin) and cos_sin.is_contiguous() and rotary.rotary_dim % 2 == 0 and _fp32(stack.norm.weight)
+                and cos_sin.dim() == 2 and cos_sin.shape[1] == rotary.rotary_dim <= dim):
             raise _Unsupported("rotary table or final norm is not fp32")
         if not all(n.eps == stack.norm.eps for layer in stack.layers
                    for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             raise _Unsupported("norms with different eps")
         self._layers = (_Layer * len(layers))(*layers)
-        self._embed = stack.embed_tokens
-        self._hidden = stack.norm.weight.shape[0]
+        self._embed = stack.embed_tokens  # (vocab, hidden) on this one rank
+        self._hidden = hidden
         table = _embedding_table(self._embed, self._hidden)
         if table is not None:
             self._keep.append(table)
-        self._final_norm = stack.norm.weight.data.contiguous()
+        self._final_norm = stack.norm.weight.contiguous()
         self._cos_sin = cos_sin
         self._max_position = cos_sin.shape[0]
-        self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self._inter = stack.layers[0].mlp.gate_up_proj.qweight.out_features // 2
+        self._num_heads, self._num_kv_heads, self._head_dim = heads, kv_heads, dim
+        self._inter = inter
         self._static = dict(H=self._hidden, Hq=self._num_heads, Hk=self._num_kv_heads, D=self._head_dim,
                             I=self._inter, rot=rotary.rotary_dim, neox=int(rotary.is_neox), eps=stack.norm.eps,
-                            scale=first.attn.scale, cos_sin=cos_sin.data_ptr(),
+                            scale=stack.scale, cos_sin=cos_sin.data_ptr(),
                             final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS,
                             attention_split=native_ops.ATTENTION_SPLIT_WORK,
                             silu_split=native_ops.SILU_SPLIT_ELEMENTS)
@@ -271,7 +268,7 @@ class FusedDecode:
             input_ids = input_ids.contiguous()
             hidden, step.ids = torch.empty(tokens, self._hidden), input_ids.data_ptr()
         else:
-            hidden, step.ids = self._embed(input_ids).contiguous(), None
+            hidden, step.ids = F.embedding(input_ids, self._embed).contiguous(), None  # the lookup it declared
             if not _fp32(hidden):
                 return None
         step.T, step.block_size, step.width, step.num_blocks = tokens, block_size, tables.shape[1], num_blocks
@@ -287,10 +284,14 @@ class FusedDecode:
 
 
 def build(model: Any) -> FusedDecode | None:
-    """The fused decode step for `model`, or None where it does not apply (or is switched off)."""
+    """The fused decode step for `model`, or None where it does not apply (or is switched off): the
+    model declares no decoder_stack fusion, or one this step does not take."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or native.library() is None:
         return None
+    stack = declared(model, DECODER_STACK, DecoderStackFusion)
+    if stack is None:
+        return None
     try:
-        return FusedDecode(model)
+        return FusedDecode(stack)
     except _Unsupported:
         return None

@@ -51,9 +51,12 @@ computed and the adapter's argmax (torch's rules) decides. On the 0.5b shape's r
 token picks one to a few rows; a model whose top logits crowd within the margin picks more and
 stays exact, only slower.
 
-It takes a step only for a single-rank fp32 float LM head (not --quantize_lm_head), features a
-multiple of 32, at most native.MAX_TOKENS rows (2 on a CPU without AVX-512), with the native
-library; otherwise the engine computes logits as before. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
+It takes a step only for a model that declares the lm_head fusion (flashllm/registry/fusions.py:
+its logits are the head's product, nothing after it) with a single-rank fp32 float head (not
+--quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (2 on a CPU without
+AVX-512), with the native library; otherwise the engine computes logits as before. The copy is kept
+in the head's QuantizedWeight.kernel_cache under KEPT_AS, so it lives as long as the head, a second
+build finds it, and flashllm.quant.weight_bytes counts it. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
 =bf16 keeps the bf16 copy where the int8 one would run (both for A/B runs).
 """
 
@@ -69,8 +72,10 @@ from torch import Tensor
 from flashllm.backends.cpu import huge_pages, native, parallel
 from flashllm.ops.quant_matmul import INT8_MAX
 from flashllm.quant.weight_only import symmetric_codes
+from flashllm.registry.fusions import LM_HEAD, LMHeadFusion, declared
 
 ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
+KEPT_AS = "greedy_screen"  # the screen's key in the head's kernel_cache (flashllm.quant.weight_bytes reads it)
 _U = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16's (8 significant bits)
 _SPLIT_U = 2.0**-13  # a token split in two bf16 parts: 2^-14 left over, plus its product with _BF16_U
@@ -243,25 +248,31 @@ def _up(values: Tensor) -> Tensor:
 
 
 def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
-    """The screened head of a loaded model (kept on its LMHead as `greedy_screen`), or None where
-    it does not apply: switched off, no native library, not an fp32 float single-rank head, or
-    features not a multiple of 32."""
-    from flashllm.models.layers.embedding import LMHead
-
+    """The screened head of a loaded model (built once, then kept with the head: see kept), or None
+    where it does not apply: switched off, no lm_head fusion declared, no native library, not an
+    fp32 float single-rank head, or features not a multiple of 32. Tokens it cannot settle come
+    from argmax over the model's compute_logits, which the declaration says is the head's product."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, LMHead):
+    head = declared(model, LM_HEAD, LMHeadFusion)
+    if head is None or head.qweight is None:
         return None
-    existing = getattr(head, "greedy_screen", None)
+    existing = head.qweight.kernel_cache.get(KEPT_AS)
     if existing is not None:
         return existing
     weight = head.weight
     lib = native.library()
-    if (lib is None or head.tp_size != 1 or head.qweight is None or head.qweight.scheme != "none"
+    if (lib is None or head.tp_size != 1 or head.qweight.scheme != "none"
             or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
             or weight.shape[1] % 32 != 0 or not weight.is_contiguous()):
         return None
-    screen = GreedyScreen(weight, head.num_embeddings, lambda rows: argmax(head(rows).float()))
-    head.greedy_screen = screen
+    logits = model.compute_logits
+    screen = GreedyScreen(weight, head.vocab_size, lambda rows: argmax(logits(rows).float()))
+    head.qweight.kernel_cache[KEPT_AS] = screen
     return screen
+
+
+def kept(model: torch.nn.Module) -> GreedyScreen | None:
+    """The screen an earlier build kept for `model`'s head, or None (tests and benchmarks read it)."""
+    head = declared(model, LM_HEAD, LMHeadFusion)
+    return None if head is None or head.qweight is None else head.qweight.kernel_cache.get(KEPT_AS)
