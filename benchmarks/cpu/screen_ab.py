@@ -29,8 +29,9 @@ from flashllm.bench.workload import random_requests, warm_up_prompt
 
 
 def _screens(llm: LLM) -> dict[str, greedy_screen.GreedyScreen]:
-    head = llm.engine.parts.model.lm_head
-    make = lambda kind: greedy_screen.GreedyScreen(head.weight, head.num_embeddings, head.greedy_screen._fallback, kind)  # noqa: E731
+    model = llm.engine.parts.model
+    head, fallback = model.lm_head, greedy_screen.kept(model)._fallback
+    make = lambda kind: greedy_screen.GreedyScreen(head.weight, head.num_embeddings, fallback, kind)  # noqa: E731
     return {"bf16": make("bf16"), "int8": make("int8"), "bf16-copy": make("bf16")}
 
 
