@@ -1,0 +1,56 @@
+"""`torchrun --nproc-per-node 2` launches: the ranks meet through torchrun's environment, rank 0 runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashllm import LLM, SamplingParams
+from flashllm.testing.server import free_port
+from flashllm.testing.tiny_models import build_tiny_model
+
+PROMPTS = [[(3 * i + 2) % 250 + 1 for i in range(30)], [9, 8, 7, 6]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("torchrun"), "llama", seed=11, tokenizer=True)
+
+
+def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_torchrun_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    script = Path(__file__).with_name("torchrun_generate.py")
+    run = torchrun(str(script), str(model_dir), str(out), json.dumps(PROMPTS), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = json.loads(out.read_text())
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    one = [[list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)] for o in llm.generate(PROMPTS, params)]
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one, two, strict=True):
+        assert tokens2 == tokens1
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
+
+
+def test_torchrun_predict_writes_one_output_and_exits_zero(model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"src": text}) + "\n" for text in ("hello there", "the cat sat")))
+    out = tmp_path / "out.jsonl"
+    run = torchrun("-m", "flashllm", "predict", "--model_name_or_path", str(model_dir), "--data_file", str(data),
+                   "--output_file", str(out), "--max_length", "8", "--device", "cpu", "--num-kv-blocks", "64",
+                   "--block-size", "16", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # written by rank 0 alone
+    assert [r["src"] for r in records] == ["hello there", "the cat sat"]
+    assert all(r["finish_reason"] == "length" and r["output"] for r in records)
