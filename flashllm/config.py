@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+CACHE_ENV = "FLASHLLM_CACHE_DIR"
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """Where flashllm caches built artifacts: `cache_dir`, else $FLASHLLM_CACHE_DIR, else ~/.cache/flashllm.
+
+    The one cache-root rule, here at the bottom layer because models (the demo model) and backends
+    (the cpu backend's native library) both keep files under it."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "flashllm"
 
 
 @dataclass

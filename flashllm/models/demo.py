@@ -9,9 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flashllm.config import cache_root
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "FLASHLLM_CACHE_DIR"
 DEMO_NAME = "demo-v1"
 DEMO_SEED = 0
 DEMO_TOKENIZER_VOCAB = 2048
@@ -45,14 +46,6 @@ deterministically the first time it is needed, so the engine, CLI and server can
 download. Its text is meaningless: it exists to exercise the machinery, not to answer anything.
 Delete this directory to rebuild it.
 """
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """Where flashllm caches built artifacts: `cache_dir`, else $FLASHLLM_CACHE_DIR, else ~/.cache/flashllm."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "flashllm"
 
 
 def demo_model_dir(cache_dir: Path | None = None) -> Path:

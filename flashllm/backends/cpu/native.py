@@ -95,7 +95,7 @@ _SIGNATURES = {
 
 
 def _cache_dir() -> Path:
-    from flashllm.models.demo import cache_root  # the one cache-root rule of flashllm
+    from flashllm.config import cache_root  # the one cache-root rule of flashllm
 
     return cache_root() / "native"
 
