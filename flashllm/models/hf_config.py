@@ -8,14 +8,14 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from flashllm.models.builtin import BUILTIN_MODELS
+from flashllm.models.errors import ModelLoadError
+from flashllm.models.registry import ModelRegistry
 from flashllm.ops.rope_cache import rope_inv_freq
-
-if TYPE_CHECKING:
-    from flashllm.models.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,6 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-class ModelLoadError(ValueError):
-    """A model directory or config that flashllm refuses to load; the message is one clear line."""
 
 
 # quant_method -> the checkpoint formats flashllm reads for it (GPTQ v1 stores zero points minus one)
@@ -171,10 +167,6 @@ def parse_hf_config(raw: Any, registry: ModelRegistry | None = None, source: str
 
 
 def _builtin_registry() -> ModelRegistry:
-    # imported here: registry.py imports ModelLoadError from this module
-    from flashllm.models.builtin import BUILTIN_MODELS
-    from flashllm.models.registry import ModelRegistry
-
     return ModelRegistry.from_targets(BUILTIN_MODELS)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
-from flashllm.models.hf_config import ModelLoadError
+from flashllm.models.errors import ModelLoadError
 
 
 class UnknownArchitectureError(ModelLoadError):
