@@ -94,8 +94,7 @@ class ModelRunner:
     cache is sized), `max_tokens_per_step`, `execute` (one scheduled batch -> the tokens of each
     sampling sequence, k >= 1 positions) and `execute_inputs` (a prepared batch, for the ranks
     that follow the driver under tensor parallelism). A backend may subclass it and name its
-    class in `Backend.model_runner` (the cpu backend's fused decode, greedy head and multi-step
-    decode live in flashllm/backends/cpu/runner.py).
+    class in `Backend.model_runner` to run its own fast paths (the cpu backend's runner does).
     """
 
     def __init__(
@@ -240,7 +239,7 @@ class ModelRunner:
     def execute_model(self, batch: SchedulerOutput, greedy: bool = False) -> torch.Tensor:
         """Run one step's forward pass; returns (N, vocab) fp32 logits for the sequences that sample,
         in order, or with `greedy` (every sampling row plain greedy) their (N,) int64 argmax tokens,
-        which a runner's greedy head may find without computing the logits."""
+        which a backend's runner may find without computing the logits (_greedy_tokens)."""
         logits = self._replay(batch)
         if logits is not None:
             return self.argmax(logits) if greedy else logits

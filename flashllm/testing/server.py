@@ -57,16 +57,18 @@ class ServerProcess:
 
 
 def start_server(args: Sequence[str] = (), env: dict[str, str] | None = None, timeout: float = 120.0,
-                 port: int | None = None) -> ServerProcess:
+                 port: int | None = None, launcher: Sequence[str] = ()) -> ServerProcess:
     """Run `python -m flashllm serve *args --host 127.0.0.1 --port P` and wait until /health answers 200.
 
     `args` holds the model directory and any other serve flags. `env` is added to the
-    environment. Raises RuntimeError with the server's log if it exits or stays unhealthy.
+    environment. `launcher` runs flashllm under another launcher (e.g. torchrun's arguments up to
+    its `-m`). Raises RuntimeError with the server's log if it exits or stays unhealthy.
     """
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="flashllm-serve-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "flashllm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", *launcher, *(["-m"] if launcher else []), "flashllm", "serve", *args,
+           "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env)
     server = ServerProcess(proc, port, log)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flashllm import LLM, SamplingParams
+from flashllm.testing.processes import descendants, wait_gone
 from flashllm.testing.server import free_port
 from flashllm.testing.tiny_models import build_tiny_model
 
@@ -54,3 +55,27 @@ def test_torchrun_predict_writes_one_output_and_exits_zero(model_dir: Path, tmp_
     records = [json.loads(line) for line in out.read_text().splitlines()]  # written by rank 0 alone
     assert [r["src"] for r in records] == ["hello there", "the cat sat"]
     assert all(r["finish_reason"] == "length" and r["output"] for r in records)
+
+
+def test_torchrun_serve_answers_from_rank_0(model_dir: Path) -> None:
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from flashllm.testing.server import start_server
+
+    launcher = ["torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    server = start_server([str(model_dir), "--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "128"],
+                          env={"OMP_NUM_THREADS": "1"}, launcher=launcher)
+    ranks = [pid for pid in descendants(server.proc.pid) if b"flashllm" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    try:
+        body = {"model": model_dir.name, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert len(ranks) == 2 and wait_gone(ranks, 10) == [], "a rank outlived torchrun"
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, block_size=16, max_model_len=128)
+    one = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert text == one.outputs[0].text

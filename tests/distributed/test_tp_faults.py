@@ -12,6 +12,7 @@ import pytest
 
 from flashllm import LLM, SamplingParams
 from flashllm.core.parallel import DistributedError
+from flashllm.testing.processes import children, wait_gone
 from flashllm.testing.tiny_models import build_tiny_model
 
 FAIL_WITHIN_S = 30.0
@@ -20,35 +21,6 @@ FAIL_WITHIN_S = 30.0
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tp-faults"), "qwen2", seed=5)
-
-
-def gone(pid: int) -> bool:
-    """The process no longer exists (or is a zombie nobody has reaped yet, which runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(gone(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if not gone(p)]
-
-
-def children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry.name))
-    return kids
 
 
 def test_a_rank_killed_mid_generation_fails_generate_fast(model_dir: Path) -> None:

@@ -170,7 +170,7 @@ def test_a_burst_stops_where_the_block_tables_end(model_dir) -> None:
     rather than reading past them, and its tokens are the steps it ran."""
     llm = _llm(model_dir, 1)
     runner = llm.engine.runner
-    burst = runner.adapter.greedy_burst(runner.model)
+    burst = decode_burst.build(runner.model, runner.argmax)
     assert burst is not None
     from flashllm.ops.attention_metadata import AttentionMetadata
 

@@ -132,4 +132,5 @@ def test_models_and_settings_it_does_not_take(model_dir, monkeypatch) -> None:
     model.model.layers[1].self_attn.attn.sliding_window = None
     reference = LLM(str(model_dir), backend="reference", dtype="float32", block_size=16, num_kv_blocks=8,
                     max_model_len=64)
-    assert reference.engine.runner.adapter.fused_decode(reference.engine.runner.model) is None  # ground truth stays
+    assert decode_stack.build(reference.engine.runner.model) is None  # ground truth stays
+    assert type(reference.engine.runner).__name__ == "ModelRunner"  # the generic runner, no fast paths
