@@ -125,7 +125,7 @@ class LMHeadFusion:
     weight: the head's float rows on this rank, (V_p, hidden_size); the input embedding's table when
       tied. qweight: what the head multiplies by (scheme "none": weight itself; "w8a16" for a
       quantized head), None before loading; its kernel_cache is where a backend keeps a re-layout
-      of the head it builds once (the cpu backend's greedy screen), which lives as long as the head.
+      of the head it builds once (a smaller copy for a faster argmax, say), which lives as long as the head.
     """
 
     weight: Tensor
