@@ -102,7 +102,8 @@ def make_executor(config: EngineConfig, plugins: FlashPlugins | None = None) -> 
         return DistributedExecutor(config, plugins, rank, None, launcher=None)
     size = config.parallel.tensor_parallel_size
     host = "127.0.0.1" if name == "mp" else _ray_driver_address()
-    launcher: _Launcher = _ProcessLauncher() if name == "mp" else _RayLauncher()
+    device_type = _selection(config, plugins).device.type
+    launcher: _Launcher = _ProcessLauncher() if name == "mp" else _RayLauncher(device_type)
     return DistributedExecutor(config, plugins, RankContext(0, size), f"{host}:{_free_port(host)}", launcher)
 
 
@@ -269,17 +270,21 @@ class _RayLauncher(_Launcher):
     """ray: an actor per rank on the Ray cluster this process is connected to (ray.init's address or
     RAY_ADDRESS); each actor runs the rank's loop as one long task."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
         self.actors: list[Any] = []
         self.tasks: list[Any] = []
 
     def start(self, plain: dict[str, Any], world_size: int, address: str,
               on_exit: Callable[[int, str], None]) -> None:
         ray = _import_ray()
-        accelerator = plain["device"]["device"] not in ("cpu",)
+        # a rank on an accelerator asks Ray for one (Ray then shows the actor that device alone);
+        # the driver's own device type says which kind the ranks run on
         options: dict[str, Any] = {"num_cpus": 1}
-        if accelerator and plain["device"]["device"] != "auto":
+        if self.device_type == "cuda":
             options["num_gpus"] = 1
+        elif self.device_type != "cpu":
+            options["resources"] = {self.device_type.upper(): 1}
         worker = ray.remote(**options)(_RayRank)
         for rank in range(1, world_size):
             actor = worker.remote()
@@ -349,10 +354,15 @@ def _torchrun_rank(config: EngineConfig) -> RankContext:
     return RankContext(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
 
 
-def _dist_backend(config: EngineConfig, plugins: FlashPlugins) -> str:
+def _selection(config: EngineConfig, plugins: FlashPlugins | None) -> Any:
     from flashllm.registry.resolve import select_device
 
-    return select_device(config.device.device, config.device.backend, plugins=plugins).adapter.dist_backend
+    return select_device(config.device.device, config.device.backend, plugins=plugins or make_plugin_manager())
+
+
+def _dist_backend(config: EngineConfig, plugins: FlashPlugins) -> str:
+    """The collective backend the selected device's adapter names (nccl on CUDA, gloo on CPUs, ...)."""
+    return _selection(config, plugins).adapter.dist_backend
 
 
 def _free_port(host: str) -> int:
