@@ -28,7 +28,7 @@ from flashllm.bench import offline
 from flashllm.bench import roofline as rl
 from flashllm.bench.shapes import shape_model_dir
 from flashllm.bench.workload import warm_up_prompt
-from flashllm.quant import weight_bytes
+from flashllm.models.weight_bytes import weight_bytes
 
 TOKENS = 128
 

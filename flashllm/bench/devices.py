@@ -205,7 +205,7 @@ def measure_llm(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     import gc
 
     from flashllm.llm import LLM
-    from flashllm.quant import weight_bytes
+    from flashllm.models.weight_bytes import weight_bytes
 
     start = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"], device="cpu", backend=spec["backend"],

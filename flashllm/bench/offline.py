@@ -124,7 +124,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     import gc
 
     from flashllm.llm import LLM
-    from flashllm.quant import weight_bytes
+    from flashllm.models.weight_bytes import weight_bytes
     from flashllm.quant.spec import LM_HEAD_SCHEMES, QUANT_TYPES
     from flashllm.sampling_params import SamplingParams
 

@@ -5,23 +5,19 @@ from __future__ import annotations
 from flashllm.quant.spec import QuantConfigError, WeightQuantSpec, weight_quant_spec
 from flashllm.quant.weight_only import (
     QuantizedWeight,
-    WeightBytes,
     dequantize,
     pack_int4,
     quantize_weight,
     unpack_int4,
-    weight_bytes,
 )
 
 __all__ = [
     "QuantConfigError",
     "QuantizedWeight",
-    "WeightBytes",
     "WeightQuantSpec",
     "dequantize",
     "pack_int4",
     "quantize_weight",
     "unpack_int4",
-    "weight_bytes",
     "weight_quant_spec",
 ]

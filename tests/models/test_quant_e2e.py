@@ -39,7 +39,8 @@ from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.linear import LinearBase
 from flashllm.models.loader import load_model
 from flashllm.models.registry import ModelRegistry
-from flashllm.quant import quantize_weight, weight_bytes
+from flashllm.models.weight_bytes import weight_bytes
+from flashllm.quant import quantize_weight
 from flashllm.quant.spec import QuantConfigError, WeightQuantSpec
 from flashllm.registry.resolve import PrecisionError
 from flashllm.sampling_params import SamplingParams

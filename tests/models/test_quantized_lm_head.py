@@ -9,7 +9,8 @@ import torch
 
 from flashllm.llm import LLM
 from flashllm.models.layers.embedding import LMHead
-from flashllm.quant import dequantize, weight_bytes
+from flashllm.models.weight_bytes import weight_bytes
+from flashllm.quant import dequantize
 from flashllm.quant.spec import QuantConfigError, weight_quant_spec
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model

@@ -10,7 +10,7 @@ import torch
 
 from flashllm import LLM, SamplingParams
 from flashllm.backends.cpu import greedy_screen, native
-from flashllm.quant import weight_bytes
+from flashllm.models.weight_bytes import weight_bytes
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
