@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -59,3 +60,19 @@ def test_the_server_exits_non_zero_when_a_rank_dies(model_dir: Path) -> None:
         assert code != 0, server.log()[-3000:]
         assert wait_gone(workers, 5) == [], "a rank process outlived the server"
         assert "rank 1" in server.log()
+
+
+def test_a_rank_that_hangs_fails_generate_after_the_timeout(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHLLM_DIST_TIMEOUT_S", "5")
+    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, block_size=16, num_kv_blocks=128)
+    (worker,) = [proc.pid for proc in llm.engine.executor._launcher.procs]
+    os.kill(worker, signal.SIGSTOP)  # alive but never answers again
+    started = time.monotonic()
+    try:
+        with pytest.raises(DistributedError):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - started < FAIL_WITHIN_S
+        assert wait_gone([worker], 15) == []  # the executor kills what it can no longer stop politely
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
