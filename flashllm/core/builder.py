@@ -274,7 +274,7 @@ def _profile_step(model: torch.nn.Module, selection: DeviceSelection, block_size
                   cachekv_int8_type: str, tokens: int, rows: int) -> tuple[int, int]:
     """Run one prompt of `tokens` tokens and `rows` logits rows; (bytes of the throwaway cache, vocab size)."""
     from flashllm.core.model_runner import allocate_kv_caches
-    from flashllm.models.layers.attention_metadata import AttentionMetadata
+    from flashllm.ops.attention_metadata import AttentionMetadata
 
     device = selection.device
     num_blocks = math.ceil(tokens / block_size)

@@ -11,7 +11,6 @@ import torch
 from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
 from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
-from flashllm.models.layers.attention import Attention
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
 
@@ -85,7 +84,7 @@ class ModelRunner:
     kv_caches holds one tuple per layer: (k_cache, v_cache) each (num_blocks, block_size, Hk, D)
     in kv_dtype; int8/fp8 caches add (k_scale, v_scale) float32: scale caches (num_blocks,
     block_size, Hk) with cachekv_int8_type "dynamic", or the layer's calibrated () / (Hk,)
-    scales (its Attention's k_scale / v_scale, loaded from the checkpoint) with "static".
+    scales (the model's kv_cache_scales(), loaded from the checkpoint) with "static".
     cachekv_int8_type does not apply to float caches.
     `adapter` (the selected device's DeviceAdapter; a do-nothing one by default) may ask for
     shape buckets, and its end_step() runs after every forward pass.
@@ -306,14 +305,14 @@ def allocate_kv_caches(
 
 def static_kv_scales(model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's calibrated (k_scale, v_scale), in layer order; ValueError naming the first missing one."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layers = model.kv_cache_scales()
     if len(layers) != num_layers:
         raise ValueError(f"static KV cache scales: found {len(layers)} attention layers for {num_layers} KV caches")
-    for index, attn in enumerate(layers):
-        if attn.k_scale is None or attn.v_scale is None:
+    for index, (k_scale, v_scale) in enumerate(layers):
+        if k_scale is None or v_scale is None:
             raise ValueError(
                 f"--cachekv_int8_type static needs calibrated KV cache scales, but the checkpoint has none for "
                 f"layer {index} (model.layers.{index}.self_attn.k_scale / v_scale): run `flashllm quantize ... "
                 "--kv-scales` to add them, or use --cachekv_int8_type dynamic"
             )
-    return [(attn.k_scale, attn.v_scale) for attn in layers]
+    return layers

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, StepGraph
 
 logger = logging.getLogger(__name__)

@@ -102,6 +102,11 @@ class CausalLM(nn.Module, ABC):
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim): the runner allocates one paged cache per layer."""
 
+    def kv_cache_scales(self) -> list[tuple[Tensor | None, Tensor | None]]:
+        """Each attention layer's calibrated (k_scale, v_scale) from the checkpoint, in layer order
+        (None where it has none): what an int8/fp8 KV cache with --cachekv_int8_type static reads."""
+        return [(m.k_scale, m.v_scale) for m in self.modules() if isinstance(m, Attention)]
+
     def fusions(self) -> Mapping[str, Any]:
         """The fused fast paths this model offers backends: fusion name -> record (flashllm.registry.fusions).
 
