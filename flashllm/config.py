@@ -53,7 +53,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048             # filled in from ModelConfig once the model is known
     # greedy decode steps one scheduling round may run where the device can (the cpu backend's
-    # bursts: Engine._burst_steps); 1 = one step a round, every token reported as it comes
+    # multi-step decode, bounded by what the runner takes: Engine._max_steps); 1 = one step a round
     num_scheduler_steps: int = 8
 
 

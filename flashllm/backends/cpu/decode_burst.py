@@ -10,10 +10,11 @@ feeding each step's tokens to the next, so that cost is paid once per burst inst
 Each step computes what the engine's single greedy steps compute, in the same order, so the tokens
 are the same (tests hold it to that).
 
-The engine asks for a burst (ModelRunner.execute_burst) only for a decode batch of plain greedy
-sequences without penalties, with nothing waiting to join, and after growing each sequence's blocks
-to cover every step; it then records the tokens one step at a time, so stop strings, max_tokens and
-the prefix cache see exactly the steps they would have. The burst itself ends after a step that
+The cpu runner (runner.py: CpuRunner.execute_burst) runs a burst only for a decode batch of plain
+greedy sequences without penalties; the engine offers several steps only with nothing waiting to
+join, grows each sequence's blocks to cover every step first, then records the tokens one step at a
+time (so stop strings, max_tokens and the prefix cache see exactly the steps they would have) and
+gives back the slots the burst did not fill. The burst itself ends after a step that
 produced one of the given stop token ids, or where the pick could not settle a token from its
 screen (that token then comes from its full logits, as in a single step).
 """
