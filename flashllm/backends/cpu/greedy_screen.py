@@ -56,7 +56,7 @@ its logits are the head's product, nothing after it) with a single-rank fp32 flo
 --quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (2 on a CPU without
 AVX-512), with the native library; otherwise the engine computes logits as before. The copy is kept
 in the head's QuantizedWeight.kernel_cache under KEPT_AS, so it lives as long as the head, a second
-build finds it, and flashllm.quant.weight_bytes counts it. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
+build finds it, and flashllm.models.weight_bytes counts it. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
 =bf16 keeps the bf16 copy where the int8 one would run (both for A/B runs).
 """
 
@@ -75,7 +75,7 @@ from flashllm.quant.weight_only import symmetric_codes
 from flashllm.registry.fusions import LM_HEAD, LMHeadFusion, declared
 
 ENV_SWITCH = "FLASHLLM_CPU_GREEDY_SCREEN"
-KEPT_AS = "greedy_screen"  # the screen's key in the head's kernel_cache (flashllm.quant.weight_bytes reads it)
+KEPT_AS = "greedy_screen"  # the screen's key in the head's kernel_cache (flashllm.models.weight_bytes reads it)
 _U = 2.0**-24  # fp32 unit roundoff
 _BF16_U = 2.0**-8  # bf16's (8 significant bits)
 _SPLIT_U = 2.0**-13  # a token split in two bf16 parts: 2^-14 left over, plus its product with _BF16_U
