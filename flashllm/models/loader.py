@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from flashllm.models.base import CausalLM
+from flashllm.models.checkpoint_tensor import CheckpointTensor
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 from flashllm.models.layers.embedding import LMHead
 from flashllm.models.layers.linear import LinearBase
@@ -58,7 +59,8 @@ def load_model(
     line on any problem, including missing, unexpected or mis-shaped tensors.
     A GPTQ / AWQ checkpoint (config.json `quantization_config`) keeps its packed weights, as
     w4a16 / w8a16; `quant` must then be None, disabled or the same scheme.
-    tp_rank / tp_size: this process's tensor-parallel rank; the model holds that rank's shard.
+    tp_rank / tp_size: this process's tensor-parallel rank; the model holds that rank's shard, and
+    only that part of each sharded tensor is read from the files (see models/checkpoint_tensor.py).
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -179,10 +181,12 @@ def _inside(model_dir: Path, file_name: str, source: str) -> Path:
 
 def _iter_tensors(
     files: dict[Path, set[str] | None], progress: bool, seen: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor in the file's dtype) from each file via mmap; names go to `seen`.
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (name, unread CheckpointTensor in the file's dtype) from each file; names go to `seen`.
 
-    The weight loaders' copy into the parameters converts dtype and device in one pass.
+    Nothing is read here: a weight loader narrows the tensor to this rank's shard and reads only
+    that (the whole tensor where it keeps it whole, and always with one rank). The copy into the
+    parameter converts dtype and device in one pass.
     """
     total = sum(len(names) for names in files.values() if names is not None) or None
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -193,7 +197,7 @@ def _iter_tensors(
                     _check_promised(path, promised, names)
                     for name in names:
                         seen.add(name)
-                        yield name, f.get_tensor(name)
+                        yield name, CheckpointTensor.open(name, f.get_slice(name))
                         bar.update(1)
             except SafetensorError as exc:
                 raise ModelLoadError(f"{path.name} is not a valid safetensors file ({exc})") from None

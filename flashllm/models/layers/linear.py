@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from flashllm.models.checkpoint_tensor import materialize
 from flashllm.ops.quant_matmul import ACTIVATION_SCHEMES, QuantizedWeight, dequantize
 from flashllm.quant.spec import SMOOTH_FACTOR_SUFFIX, WEIGHT_SCALE_SUFFIX, WeightQuantSpec
 from flashllm.quant.weight_only import quantize_weight
@@ -26,13 +27,20 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def copy_checked(param: Tensor, loaded: Tensor, what: str = "weight") -> None:
-    """Copy `loaded` into `param` (converting dtype and device), refusing a shape mismatch."""
-    if tuple(param.shape) != tuple(loaded.shape):
+    """Copy `loaded` into `param` (converting dtype and device), refusing a shape mismatch.
+
+    loaded: a Tensor or an unread CheckpointTensor (models/checkpoint_tensor.py), read here.
+    """
+    _check_shape(loaded, tuple(param.shape), what)
+    param.data.copy_(materialize(loaded))
+
+
+def _check_shape(loaded: Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != expected:
         raise ValueError(
-            f"{what} has shape {tuple(loaded.shape)} but the model expects {tuple(param.shape)}; "
+            f"{what} has shape {tuple(loaded.shape)} but the model expects {expected}; "
             "the checkpoint does not match its config.json"
         )
-    param.data.copy_(loaded)
 
 
 def _quantize_input_slice(weight: Tensor, quant: WeightQuantSpec, smooth: Tensor | None) -> QuantizedWeight:
@@ -124,8 +132,41 @@ class LinearBase(nn.Module):
         self._stored_schemes: set[str] = set()
         self.qweight: QuantizedWeight | None = None
 
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """Where checkpoint projection `shard_id` lands in this rank's output features.
+
+        Returns (offset in this rank's output features, first checkpoint row this rank holds,
+        rows it holds, rows of the checkpoint tensor). Raises ValueError for an unknown shard_id.
+        A layer held whole on every rank: (0, 0, N, N); subclasses split or fuse.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
+        n = self.output_size_per_partition
+        return 0, 0, n, n
+
+    def input_shard(self) -> tuple[int, int, int]:
+        """(first checkpoint input feature this rank holds, how many, the checkpoint's in_features)."""
+        k = self.input_size_per_partition
+        return 0, k, k
+
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        default_weight_loader(param, loaded_weight, shard_id)
+        """Copy this rank's part of a checkpoint weight (N, K), bias (N,) or weight_scale (N, 1) into `param`.
+
+        The part is cut by output_shard / input_shard (K only for the weight) before anything is
+        read, so a rank reads its shard only; the checkpoint tensor's whole shape is checked first.
+        """
+        offset, start, rows, full_rows = self.output_shard(shard_id)
+        target = param.narrow(0, offset, rows)
+        expected = [full_rows, *target.shape[1:]]
+        k_start, k_size, k_full = self.input_shard()
+        if param is self.weight:
+            expected[1] = k_full
+        what = f"shard {shard_id}" if shard_id is not None else "weight"
+        _check_shape(loaded_weight, tuple(expected), what)
+        loaded_weight = loaded_weight.narrow(0, start, rows)
+        if param is self.weight:
+            loaded_weight = loaded_weight.narrow(1, k_start, k_size)
+        copy_checked(target, loaded_weight, what)
 
     def _load_weight(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         """The weight's loader: notes whether the checkpoint stores it pre-quantized, then copies it."""
@@ -155,17 +196,20 @@ class LinearBase(nn.Module):
 
     def _load_weight_scale(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         """Per-channel scales (N,) or (N, 1) slice like the weight's rows."""
-        if loaded_weight.dim() == 1:
-            loaded_weight = loaded_weight[:, None]
+        if loaded_weight.dim() == 1:  # load (N,) into the (N,) view of the parameter: nothing is read yet
+            self.weight_loader(param.data.view(-1), loaded_weight, shard_id)
+            return
         if loaded_weight.dim() != 2 or loaded_weight.shape[1] != 1:
             raise ValueError(f"weight_scale must be per output channel, (N, 1) or (N,); got {tuple(loaded_weight.shape)}")
         self.weight_loader(param, loaded_weight, shard_id)
 
     def _load_smooth_factor(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         """(K,) factors of the input; every shard of a fused layer must bring the same ones."""
-        if self.input_is_sharded and self.tp_size > 1 and loaded_weight.dim() == 1:
-            size = param.shape[0]
-            loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        if loaded_weight.dim() == 1:
+            start, size, full = self.input_shard()
+            _check_shape(loaded_weight, (full,), "smooth_factor")
+            loaded_weight = loaded_weight.narrow(0, start, size)
+        loaded_weight = materialize(loaded_weight)
         if self._smooth_loaded and not torch.equal(param.data, loaded_weight.to(param.dtype)):
             raise ValueError("the fused projections read one input, so their smooth_factor tensors must be "
                              "identical; re-export the checkpoint with one factor per input")
@@ -261,13 +305,12 @@ class ColumnParallelLinear(LinearBase):
         out = _divide(output_size, tp_size, "output_size")
         super().__init__(input_size, out, bias, ops, dtype, device, tp_rank, tp_size)
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """(0, rank * N/tp, N/tp, N): see LinearBase.output_shard."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
-        if self.tp_size > 1:
-            size = param.shape[0]
-            loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
-        copy_checked(param, loaded_weight)
+        n = self.output_size_per_partition
+        return 0, self.tp_rank * n, n, n * self.tp_size
 
 
 class RowParallelLinear(LinearBase):
@@ -283,13 +326,10 @@ class RowParallelLinear(LinearBase):
         inp = _divide(input_size, tp_size, "input_size")
         super().__init__(inp, output_size, bias, ops, dtype, device, tp_rank, tp_size)
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not fused; got shard_id={shard_id!r}")
-        if self.tp_size > 1 and param is self.weight:  # bias and weight_scale are whole on every rank
-            size = param.shape[1]
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
-        copy_checked(param, loaded_weight)
+    def input_shard(self) -> tuple[int, int, int]:
+        """(rank * K/tp, K/tp, K); the bias and weight_scale stay whole on every rank."""
+        k = self.input_size_per_partition
+        return self.tp_rank * k, k, k * self.tp_size
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, input_size / tp) -> (T, output_size), summed over ranks."""
@@ -312,16 +352,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = [_divide(n, tp_size, "output_size") for n in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, ops, dtype, device, tp_rank, tp_size)
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """Projection `shard_id` (0..n-1): its rank slice lands after the earlier projections' slices."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
             )
         size = self.output_sizes[shard_id]
-        offset = sum(self.output_sizes[:shard_id])
-        if self.tp_size > 1:
-            loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
-        copy_checked(param.narrow(0, offset, size), loaded_weight, f"shard {shard_id}")
+        return sum(self.output_sizes[:shard_id]), self.tp_rank * size, size, size * self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -336,7 +374,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
-        self.head_dim = head_dim
+        self.head_dim, self.total_num_kv_heads = head_dim, total_num_kv_heads
         self.num_heads = _divide(total_num_heads, tp_size, "num_attention_heads")
         if total_num_kv_heads >= tp_size:
             self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
@@ -351,13 +389,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias, ops, dtype, device, tp_rank, tp_size)
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """q: this rank's query heads; k, v: its kv heads (a replica when kv heads are fewer than ranks)."""
         index = self._SHARD_INDEX.get(shard_id, shard_id) if isinstance(shard_id, str) else shard_id
         if index not in (0, 1, 2):
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k', 'v' (or 0-2), got {shard_id!r}")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = ((0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size))[index]
-        if self.tp_size > 1:
-            start = self.tp_rank * q_size if index == 0 else self._kv_head_start * self.head_dim
-            loaded_weight = loaded_weight.narrow(0, start, size)
-        copy_checked(param.narrow(0, offset, size), loaded_weight, "qkv"[index] + "_proj")
+        if index == 0:
+            return 0, self.tp_rank * q_size, q_size, q_size * self.tp_size
+        offset = q_size if index == 1 else q_size + kv_size
+        return offset, self._kv_head_start * self.head_dim, kv_size, self.total_num_kv_heads * self.head_dim
