@@ -262,6 +262,9 @@ class _TinyModel(torch.nn.Module):
     def kv_cache_shape(self) -> tuple[int, int, int]:
         return self.shape
 
+    def kv_cache_scales(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        return [(attn.k_scale, attn.v_scale) for attn in self.layers]
+
 
 class _Ops:
     write_kv_cache = staticmethod(write_kv_cache)
