@@ -10,6 +10,7 @@ from flashllm.registry.hookspecs import hookimpl
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
+    "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
 }
 
 
