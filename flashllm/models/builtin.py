@@ -10,6 +10,9 @@ from flashllm.registry.hookspecs import hookimpl
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
+    "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
+    "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
+    "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
 }
 

@@ -1,0 +1,234 @@
+"""The GLM family's config.json (ChatGLM2/3 and GLM-4 `ChatGLMModel`, transformers' `GlmForCausalLM`), validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashllm.models.hf_config import (
+    MAX_HEAD_DIM,
+    MAX_HIDDEN_SIZE,
+    MAX_INTERMEDIATE_SIZE,
+    MAX_NUM_HEADS,
+    MAX_NUM_LAYERS,
+    MAX_POSITION_EMBEDDINGS,
+    MAX_VOCAB_SIZE,
+    CheckpointQuant,
+    ModelLoadError,
+    check_rope,
+    checkpoint_dtype,
+    config_architecture,
+    flag,
+    normalize_rope,
+    positive_float,
+    positive_int,
+    token_ids,
+)
+
+SUPPORTED = ("ChatGLM2-6B, ChatGLM3-6B and GLM-4 checkpoints (ChatGLMModel / ChatGLMForConditionalGeneration "
+             "with padded_vocab_size and ffn_hidden_size) and transformers' GlmForCausalLM")
+# config.json fields only first-generation ChatGLM-6B (2D positions, GLM-130B-style blocks) has
+_CHATGLM1_MARKERS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")
+# ChatGLM's base for RoPE frequencies, which `rope_ratio` multiplies (ChatGLM3-32k, GLM-4)
+_CHATGLM_ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True, slots=True)
+class GLMConfig:
+    """What flashllm's GLM decoder needs, the same whichever config.json layout it came from.
+
+    Every GLM block is pre-norm RMSNorm -> attention with a fused qkv projection -> RMSNorm -> SwiGLU
+    MLP (gate and up rows fused, gate first). Rotary embedding turns the first `rotary_dim` features of
+    each head (half of them in every released checkpoint) in adjacent pairs (GPT-J style, not NeoX
+    halves), at frequencies rope_theta ** (-2i / rotary_dim). `qkv_bias`: the qkv projection has a bias;
+    `linear_bias`: the attention output and both MLP projections have one (ChatGLM's add_bias_linear);
+    `final_norm`: an RMSNorm after the last block (ChatGLM's post_layer_norm).
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    linear_bias: bool
+    final_norm: bool
+    tie_word_embeddings: bool
+    torch_dtype: torch.dtype | None
+    bos_token_id: int | list[int] | None
+    eos_token_id: int | list[int] | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    quantization: CheckpointQuant | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the attention and MLP projections of every layer, the embedding and the output layer."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
+
+
+def parse_chatglm_config(raw: dict[str, Any], source: str = "config.json") -> GLMConfig:
+    """A ChatGLM2/3 or GLM-4 config.json (as its remote code reads it) -> GLMConfig.
+
+    Raises ModelLoadError (one line) for first-generation ChatGLM-6B, GLM-4V, ChatGLM's own quantized
+    checkpoints, features no released checkpoint uses (LayerNorm, post-layernorm residuals, fp32
+    residuals), missing or non-positive sizes, and group counts that do not divide the head count.
+    """
+    architecture = config_architecture(raw, source)
+    _refuse_unsupported_chatglm(raw, architecture, source)
+    hidden = positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
+    num_heads = positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
+    head_dim = _head_dim(raw, "kv_channels", hidden, num_heads, source)
+    num_kv_heads = num_heads
+    if flag(raw, "multi_query_attention", source):
+        num_kv_heads = positive_int(raw, "multi_query_group_num", 1, MAX_NUM_HEADS, source)
+        _check_groups(num_heads, num_kv_heads, "multi_query_group_num", source)
+    if head_dim % 4 != 0:  # ChatGLM rotates kv_channels // 2 features, in pairs
+        raise ModelLoadError(f"{source}: kv_channels={head_dim} must be a multiple of 4 (ChatGLM rotates half "
+                             "of each head's features, in pairs)")
+    rope_theta = _CHATGLM_ROPE_BASE * positive_float(raw, "rope_ratio", 1.0, source)
+    max_position = positive_int(raw, "seq_length", 2048, MAX_POSITION_EMBEDDINGS, source)
+    check_rope(head_dim // 2, rope_theta, None, max_position, source)
+    return GLMConfig(
+        architecture=architecture,
+        hidden_size=hidden,
+        intermediate_size=positive_int(raw, "ffn_hidden_size", None, MAX_INTERMEDIATE_SIZE, source),
+        num_hidden_layers=positive_int(raw, "num_layers", None, MAX_NUM_LAYERS, source),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rotary_dim=head_dim // 2,
+        vocab_size=_padded_vocab_size(raw, source),
+        max_position_embeddings=max_position,
+        rms_norm_eps=positive_float(raw, "layernorm_epsilon", 1e-5, source),
+        rope_theta=rope_theta,
+        rope_scaling=None,
+        qkv_bias=flag(raw, "add_qkv_bias", source),
+        linear_bias=flag(raw, "add_bias_linear", source),
+        final_norm=flag(raw, "post_layer_norm", source) if "post_layer_norm" in raw else True,
+        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
+        torch_dtype=checkpoint_dtype(raw, source),
+        bos_token_id=token_ids(raw, "bos_token_id", source),
+        eos_token_id=token_ids(raw, "eos_token_id", source),
+        raw=raw,
+    )
+
+
+def _refuse_unsupported_chatglm(raw: dict[str, Any], architecture: str, source: str) -> None:
+    """One-line refusals of the ChatGLMModel checkpoints flashllm does not run."""
+    marker = next((m for m in _CHATGLM1_MARKERS if m in raw), None)
+    if marker is not None or ("padded_vocab_size" not in raw and "ffn_hidden_size" not in raw):
+        found = f" ({marker})" if marker else " (no padded_vocab_size or ffn_hidden_size)"
+        raise ModelLoadError(f"{source}: {architecture} here is first-generation ChatGLM-6B{found}, which flashllm "
+                             f"does not run (2D position encoding); supported: {SUPPORTED}")
+    if "vision_config" in raw:
+        raise ModelLoadError(f"{source}: {architecture} with a vision_config is GLM-4V (multimodal), which flashllm "
+                             f"does not run; supported: {SUPPORTED}")
+    bits = raw.get("quantization_bit") or 0
+    if bits or raw.get("quantization_config") is not None:
+        raise ModelLoadError(f"{source}: this is a quantized ChatGLM checkpoint (quantization_bit={bits!r}, "
+                             f"quantization_config={raw.get('quantization_config')!r}); flashllm loads the float "
+                             "checkpoint: use it and pass --quant_type to quantize at load")
+    if "rmsnorm" in raw and not flag(raw, "rmsnorm", source):
+        raise ModelLoadError(f"{source}: rmsnorm=false (LayerNorm blocks) is not supported; flashllm's GLM decoder "
+                             "uses RMSNorm, as every ChatGLM2/3 and GLM-4 checkpoint does")
+    for key in ("apply_residual_connection_post_layernorm", "fp32_residual_connection"):
+        if flag(raw, key, source):
+            raise ModelLoadError(f"{source}: {key}=true is not supported; flashllm's GLM decoder adds the "
+                                 f"un-normed residual in the model dtype, as every released checkpoint does ({key}=false)")
+
+
+def parse_glm_config(raw: dict[str, Any], source: str = "config.json") -> GLMConfig:
+    """transformers' GlmForCausalLM config.json (model_type "glm") -> GLMConfig.
+
+    Its defaults are transformers' GlmConfig ones where config.json leaves a field out
+    (attention_bias true, partial_rotary_factor 0.5). Raises ModelLoadError (one line) on missing or
+    non-positive sizes, head counts that do not divide, an activation other than silu, a quantized
+    checkpoint, or invalid rope settings.
+    """
+    architecture = config_architecture(raw, source)
+    hidden = positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
+    num_heads = positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
+    num_kv_heads = positive_int(raw, "num_key_value_heads", num_heads, MAX_NUM_HEADS, source)
+    _check_groups(num_heads, num_kv_heads, "num_key_value_heads", source)
+    head_dim = _head_dim(raw, "head_dim", hidden, num_heads, source)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; GLM's MLP is SwiGLU (silu)")
+    if raw.get("quantization_config") is not None:
+        raise ModelLoadError(f"{source}: pre-quantized GlmForCausalLM checkpoints are not supported yet; load the "
+                             "float checkpoint and pass --quant_type")
+    rotary_dim, rope_raw = _glm_rotary_dim(raw, head_dim, source)
+    rope_theta, rope_scaling = normalize_rope(rope_raw, source)
+    max_position = positive_int(raw, "max_position_embeddings", 131072, MAX_POSITION_EMBEDDINGS, source)
+    check_rope(rotary_dim, rope_theta, rope_scaling, max_position, source)
+    return GLMConfig(
+        architecture=architecture,
+        hidden_size=hidden,
+        intermediate_size=positive_int(raw, "intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
+        num_hidden_layers=positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        vocab_size=positive_int(raw, "vocab_size", None, MAX_VOCAB_SIZE, source),
+        max_position_embeddings=max_position,
+        rms_norm_eps=positive_float(raw, "rms_norm_eps", 1.5625e-07, source),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        qkv_bias=flag(raw, "attention_bias", source) if "attention_bias" in raw else True,
+        linear_bias=False,
+        final_norm=True,
+        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
+        torch_dtype=checkpoint_dtype(raw, source),
+        bos_token_id=token_ids(raw, "bos_token_id", source),
+        eos_token_id=token_ids(raw, "eos_token_id", source),
+        raw=raw,
+    )
+
+
+def _glm_rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> tuple[int, dict[str, Any]]:
+    """(rotary_dim, config without partial_rotary_factor in its rope parameters) of a GlmConfig dict.
+
+    transformers 5 keeps partial_rotary_factor inside rope_parameters, older versions at the top level.
+    """
+    params = raw.get("rope_parameters")
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = positive_float({"partial_rotary_factor": inner if inner is not None else raw.get("partial_rotary_factor")},
+                            "partial_rotary_factor", 0.5, source)
+    rotary_dim = int(head_dim * factor)
+    if factor > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor={factor} with head_dim={head_dim} gives rotary_dim="
+                             f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim")
+    if isinstance(params, dict):
+        raw = {**raw, "rope_parameters": {k: v for k, v in params.items() if k != "partial_rotary_factor"}}
+    return rotary_dim, raw
+
+
+def _head_dim(raw: dict[str, Any], key: str, hidden: int, num_heads: int, source: str) -> int:
+    if raw.get(key) is None and hidden % num_heads != 0:
+        raise ModelLoadError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={num_heads} "
+                             f"and {key} is not given")
+    return positive_int(raw, key, hidden // num_heads, MAX_HEAD_DIM, source)
+
+
+def _check_groups(num_heads: int, num_groups: int, key: str, source: str) -> None:
+    if num_heads % num_groups != 0:
+        raise ModelLoadError(f"{source}: num_attention_heads={num_heads} is not divisible by {key}={num_groups}; "
+                             "each key/value head serves an equal group of query heads")
+
+
+def _padded_vocab_size(raw: dict[str, Any], source: str) -> int:
+    """Rows of ChatGLM's embedding and output layer: padded_vocab_size (vocab_size when a config lacks it)."""
+    key = "padded_vocab_size" if raw.get("padded_vocab_size") is not None else "vocab_size"
+    return positive_int(raw, key, None, MAX_VOCAB_SIZE, source)

@@ -1,0 +1,353 @@
+"""ChatGLM2/3 (GLM-4) checkpoints and transformers' GlmForCausalLM: flashllm against transformers' GLM.
+
+The reference is transformers' own GlmForCausalLM (partial, interleaved rotary; qkv bias; fused
+gate_up). Its tensors are written once as they are and once renamed into the ChatGLM2/3 layout
+(q, k, v concatenated into query_key_value, gate_up_proj as dense_h_to_4h, ChatGLM's config fields),
+following ChatGLM's published checkpoints; both must give transformers' logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flashllm.llm import LLM
+from flashllm.models.chatglm import ChatGLMForConditionalGeneration, GlmForCausalLM
+from flashllm.models.chatglm_config import parse_chatglm_config
+from flashllm.models.hf_config import ModelLoadError, parse_hf_config
+from flashllm.models.loader import load_model
+from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
+from flashllm.sampling_params import SamplingParams
+
+HIDDEN, FFN, LAYERS, HEADS, GROUPS, HEAD_DIM, VOCAB, SEQ = 64, 128, 2, 4, 2, 16, 256, 512
+ROPE_RATIO = 5.0  # ChatGLM's base 10000 times rope_ratio is GLM's rope_theta
+EPS = 1e-5
+PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
+STEPS = 32
+ATOL = 1e-4
+
+
+def chatglm_config(**overrides) -> dict:
+    """A ChatGLM2/3-style config.json (field names as chatglm3-6b's) for the tiny shapes above."""
+    config = {
+        "architectures": ["ChatGLMModel"], "model_type": "chatglm",
+        "auto_map": {"AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        "num_layers": LAYERS, "hidden_size": HIDDEN, "ffn_hidden_size": FFN, "kv_channels": HEAD_DIM,
+        "num_attention_heads": HEADS, "multi_query_attention": True, "multi_query_group_num": GROUPS,
+        "padded_vocab_size": VOCAB, "seq_length": SEQ, "layernorm_epsilon": EPS, "rmsnorm": True,
+        "add_qkv_bias": True, "add_bias_linear": False, "apply_residual_connection_post_layernorm": False,
+        "post_layer_norm": True, "original_rope": True, "rope_ratio": ROPE_RATIO, "fp32_residual_connection": False,
+        "torch_dtype": "float32", "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }
+    config.update(overrides)
+    return config
+
+
+def build_glm(seed: int):
+    """transformers' GlmForCausalLM of the tiny shapes, every parameter random (norm scales around 1)."""
+    from transformers import GlmConfig
+    from transformers import GlmForCausalLM as HFGlm
+
+    config = GlmConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM, max_position_embeddings=SEQ,
+        rms_norm_eps=EPS, attention_bias=True, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0 * ROPE_RATIO, "partial_rotary_factor": 0.5},
+        architectures=["GlmForCausalLM"],
+    )
+    model = HFGlm(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen) * 0.1
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    return model
+
+
+def to_chatglm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' GLM tensors under ChatGLM2/3's names: q, k, v rows concatenated (with their
+    biases) into query_key_value, gate_up_proj (gate rows first) as dense_h_to_4h."""
+    out = {
+        "transformer.embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": state["model.norm.weight"],
+        "transformer.output_layer.weight": state["lm_head.weight"],
+        # ChatGLM checkpoints carry the rope frequencies; the model rebuilds them from the config
+        "transformer.rotary_pos_emb.inv_freq": torch.full((HEAD_DIM // 4,), float("nan")),
+    }
+    for i in range(LAYERS):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}{norm}.weight"] = state[f"{src}{norm}.weight"]
+        for kind in ("weight", "bias"):
+            out[f"{dst}self_attention.query_key_value.{kind}"] = torch.cat(
+                [state[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"])
+        out[f"{dst}self_attention.dense.weight"] = state[f"{src}self_attn.o_proj.weight"]
+        out[f"{dst}mlp.dense_h_to_4h.weight"] = state[f"{src}mlp.gate_up_proj.weight"]
+        out[f"{dst}mlp.dense_4h_to_h.weight"] = state[f"{src}mlp.down_proj.weight"]
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def write_chatglm_dir(out_dir: Path, hf_model, **config_overrides) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(chatglm_config(**config_overrides), indent=2))
+    save_file(to_chatglm_layout(hf_model.state_dict()), out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """(transformers GlmForCausalLM, its own directory, the same weights in the ChatGLM layout)."""
+    hf_model = build_glm(seed=7)
+    glm_dir = tmp_path_factory.mktemp("glm")
+    hf_model.save_pretrained(glm_dir)
+    return hf_model, glm_dir, write_chatglm_dir(tmp_path_factory.mktemp("chatglm"), hf_model)
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape
+    err = (ours - theirs).abs().max().item()
+    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
+
+
+# ---------------------------------------------------------------- forward over a paged cache
+
+
+@pytest.mark.parametrize("layout", ["chatglm", "glm"])
+def test_varlen_prefill_and_decode_match_transformers(layout, glm, ops, model_registry, paged_driver):
+    hf_model, glm_dir, chatglm_dir = glm
+    ours, config = load_model(chatglm_dir if layout == "chatglm" else glm_dir, ops, torch.float32, "cpu",
+                              model_registry, progress=False)
+    assert type(ours) is (ChatGLMForConditionalGeneration if layout == "chatglm" else GlmForCausalLM)
+    assert (config.rotary_dim, config.rope_theta) == (HEAD_DIM // 2, 10000.0 * ROPE_RATIO)
+    driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
+    prompts = [random_tokens(n, seed=100 + n) for n in PROMPT_LENGTHS]
+    seqs = [driver.add_sequence() for _ in prompts]
+    outputs = driver.step(list(zip(seqs, prompts, strict=True)))
+    for prompt, logits in zip(prompts, outputs, strict=True):
+        assert_close(logits, hf_logits(hf_model, prompt))
+    for _ in range(3):
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            prompt.append(int(logits[-1].argmax()))
+        outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            assert_close(logits, hf_logits(hf_model, prompt)[-1:])
+
+
+def test_chunked_prefill_beside_a_decode_matches_transformers(glm, ops, model_registry, paged_driver):
+    hf_model, _, chatglm_dir = glm
+    ours, _ = load_model(chatglm_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    driver = paged_driver(ours, block_size=16, num_blocks=32, seed=5)
+    long_prompt, short = random_tokens(150, seed=6), random_tokens(20, seed=8)
+    a, b = driver.add_sequence(), driver.add_sequence()
+    driver.step([(b, short)])
+    for lo, hi in ((0, 37), (37, 100), (100, 150)):
+        short.append(random_tokens(1, seed=hi)[0])
+        chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
+        assert_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi])
+        assert_close(decode_logits, hf_logits(hf_model, short)[-1:])
+
+
+def test_fusions_describe_half_of_each_head_turning_in_pairs(glm, ops, model_registry):
+    _, _, chatglm_dir = glm
+    ours, _ = load_model(chatglm_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert ours.kv_cache_shape() == (LAYERS, GROUPS, HEAD_DIM)
+    stack = ours.fusions()[DECODER_STACK]
+    assert (stack.rotary.rotary_dim, stack.rotary.is_neox) == (HEAD_DIM // 2, False)
+    assert (stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.intermediate_size) == (HEADS, GROUPS, HEAD_DIM, FFN)
+    assert all(layer.qkv_proj.bias is not None and layer.o_proj.bias is None for layer in stack.layers)
+    assert set(ours.fusions()) == {LM_HEAD, DECODER_STACK}
+
+
+def test_without_a_final_norm_no_decoder_stack_is_declared(tmp_path, glm, ops, model_registry):
+    hf_model, _, _ = glm
+    model_dir = write_chatglm_dir(tmp_path, hf_model, post_layer_norm=False)
+    state = to_chatglm_layout(hf_model.state_dict())
+    del state["transformer.encoder.final_layernorm.weight"]
+    save_file(state, model_dir / "model.safetensors")
+    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert ours.transformer.encoder.final_layernorm is None and set(ours.fusions()) == {LM_HEAD}
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_ranks_load_their_heads_of_the_fused_tensors(glm, ops, tp_size):
+    """Each rank's query_key_value holds its query heads and its key/value group (replicated when
+    there are fewer groups than ranks); dense_h_to_4h its slice of gate then its slice of up."""
+    hf_model, _, chatglm_dir = glm
+    config = parse_chatglm_config(chatglm_config(), "config.json")
+    state = hf_model.state_dict()
+    q, k, v = (state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    gate, up = state["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+    heads, rows = HEADS // tp_size, FFN // tp_size
+    for rank in range(tp_size):
+        model = ChatGLMForConditionalGeneration(config, ops, torch.float32, torch.device("cpu"), rank, tp_size)
+        model.load_weights(to_chatglm_layout(state).items())
+        layer = model.transformer.encoder.layers[1]
+        group = rank * GROUPS // tp_size
+        expected_qkv = torch.cat([q[rank * heads * HEAD_DIM:(rank + 1) * heads * HEAD_DIM],
+                                  k[group * HEAD_DIM:(group + 1) * HEAD_DIM], v[group * HEAD_DIM:(group + 1) * HEAD_DIM]])
+        torch.testing.assert_close(layer.self_attention.query_key_value.weight.data, expected_qkv, rtol=0, atol=0)
+        expected_mlp = torch.cat([gate[rank * rows:(rank + 1) * rows], up[rank * rows:(rank + 1) * rows]])
+        torch.testing.assert_close(layer.mlp.dense_h_to_4h.weight.data, expected_mlp, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the whole engine
+
+
+def _hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by repeated full forwards: the tokens, and the logits of every position."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    return ids[len(prompt):], hf_logits(hf_model, ids)
+
+
+def _record_logits(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
+    """Keep each logits row the engine samples from, with the tokens it scored (one step per call)."""
+    rows: list[tuple[list[int], torch.Tensor]] = []
+    llm.engine.config.scheduler.num_scheduler_steps = 1
+    runner, original = llm.engine.runner, llm.engine.runner.execute_model
+
+    def execute_model(batch, greedy=False):
+        logits = original(batch)
+        samplers = [item.seq for item in batch.scheduled if item.produces_token]
+        rows.extend((list(seq.token_ids), row.clone()) for seq, row in zip(samplers, logits, strict=True))
+        return runner.argmax(logits) if greedy else logits
+
+    runner.execute_model = execute_model
+    return rows
+
+
+def _check_tokens_and_logits(hf_model, prompts, outputs, rows) -> None:
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logits = _hf_greedy(hf_model, prompt, STEPS)
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        full = prompt + tokens
+        mine = [(ctx, row) for ctx, row in rows if ctx == full[:len(ctx)] and len(ctx) >= len(prompt)]
+        assert len(mine) >= STEPS, f"prompt of {len(prompt)} tokens: {len(mine)} logits rows recorded"
+        for ctx, row in mine:
+            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=ATOL, rtol=0)
+
+
+def _llm(model_dir: Path, **kw) -> LLM:
+    options = dict(dtype="float32", device="cpu", block_size=16, max_model_len=SEQ, num_kv_blocks=128)
+    return LLM(str(model_dir), **{**options, **kw})
+
+
+def test_engine_greedy_tokens_and_logits_match_transformers(glm):
+    hf_model, _, chatglm_dir = glm
+    llm = _llm(chatglm_dir)
+    rows = _record_logits(llm)
+    prompts = [random_tokens(n, seed=n) for n in PROMPT_LENGTHS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    _check_tokens_and_logits(hf_model, prompts, outputs, rows)
+
+
+def test_engine_chunked_prefill_and_prefix_cache_hits_match_transformers(glm):
+    hf_model, _, chatglm_dir = glm
+    llm = _llm(chatglm_dir, max_num_batched_tokens=48)
+    shared = random_tokens(100, seed=11)
+    prompts = [shared + random_tokens(n, seed=12 + n) for n in (3, 40)] + [random_tokens(65, seed=13)]
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)  # caches the shared blocks (greedy steps through the cpu screen)
+    assert first[0].outputs[0].token_ids == _hf_greedy(hf_model, prompts[0], STEPS)[0]
+    rows = _record_logits(llm)
+    outputs = llm.generate(prompts, params)
+    assert all(o.metrics.num_cached_tokens >= 96 for o in outputs[:2])  # 6 full blocks of 16 hit
+    _check_tokens_and_logits(hf_model, prompts, outputs, rows)
+
+
+def test_the_cpu_fused_decode_step_takes_the_glm_block_and_gives_transformers_tokens(glm, monkeypatch):
+    """The cpu backend's one-call decode step (and greedy screen) run from what the model declares:
+    partial interleaved rotary included, the tokens are transformers' ones."""
+    from flashllm.backends.cpu import decode_stack, greedy_screen, native
+
+    if native.library() is None:
+        pytest.skip(f"cpu native kernels: {native.unavailable_reason()}")
+    hf_model, _, chatglm_dir = glm
+    fused_steps: list[bool] = []
+    real = decode_stack.FusedDecode.__call__
+    monkeypatch.setattr(decode_stack.FusedDecode, "__call__", lambda self, *a: fused_steps.append(True) or real(self, *a))
+    llm = _llm(chatglm_dir)
+    assert decode_stack.build(llm.engine.parts.model) is not None
+    prompts = [random_tokens(n, seed=40 + n) for n in (1, 63, 65)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt, STEPS)[0]
+    assert fused_steps and greedy_screen.kept(llm.engine.parts.model) is not None
+
+
+# ---------------------------------------------------------------- configs refused in one line
+
+
+def _refusal(raw: dict) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        parse_hf_config(raw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_inconsistent_group_counts_are_refused():
+    message = _refusal(chatglm_config(num_attention_heads=6, multi_query_group_num=4))
+    assert "num_attention_heads=6" in message and "multi_query_group_num=4" in message
+    glm_raw = {"architectures": ["GlmForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 256}
+    assert "num_key_value_heads=3" in _refusal(glm_raw)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"position_encoding_2d": True, "inner_hidden_size": 16384}, "first-generation ChatGLM-6B"),
+    ({"padded_vocab_size": None, "ffn_hidden_size": None, "vocab_size": 130528}, "first-generation ChatGLM-6B"),
+    ({"vision_config": {"hidden_size": 1792}}, "GLM-4V"),
+    ({"quantization_bit": 4}, "--quant_type"),
+    ({"rmsnorm": False}, "rmsnorm=false"),
+    ({"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm=true"),
+    ({"kv_channels": 18}, "kv_channels=18"),
+])
+def test_unsupported_chatglm_configs_are_refused(overrides, expected):
+    raw = {k: v for k, v in chatglm_config(**overrides).items() if v is not None}
+    message = _refusal(raw)
+    assert expected in message
+    if "first-generation" in expected:
+        assert "ChatGLM2-6B, ChatGLM3-6B and GLM-4" in message  # says what is supported
+
+
+def test_each_chatglm_architecture_name_loads_the_same_model(tmp_path, glm, ops, model_registry):
+    hf_model, _, _ = glm
+    model_dir = write_chatglm_dir(tmp_path, hf_model, architectures=["ChatGLMForConditionalGeneration"])
+    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert type(ours) is ChatGLMForConditionalGeneration
+
+
+def test_a_checkpoint_missing_a_fused_tensor_is_named(tmp_path, glm, ops, model_registry):
+    hf_model, _, _ = glm
+    model_dir = write_chatglm_dir(tmp_path, hf_model)
+    state = to_chatglm_layout(hf_model.state_dict())
+    del state["transformer.encoder.layers.1.mlp.dense_h_to_4h.weight"]
+    save_file(state, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.mlp\.dense_h_to_4h\.weight"):
+        load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, glm, ops, model_registry):
+    hf_model, _, _ = glm
+    model_dir = write_chatglm_dir(tmp_path, hf_model)
+    state = to_chatglm_layout(hf_model.state_dict())
+    name = "transformer.encoder.layers.0.self_attention.query_key_value.weight"
+    state[name] = state[name][:-HEAD_DIM].contiguous()  # one key/value head short
+    save_file(state, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=rf"{name}.*expected 128 rows \(64 \+ 32 \+ 32\)"):
+        load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
