@@ -485,8 +485,30 @@ _LLAMA_3 = (
     "+ '<|end_header_id|>\\n\\n' + (message.content or '') | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
+# ChatGLM2-6B's prompt (its tokenizer's build_prompt) after the [gMASK]sop prefix: numbered rounds
+_CHATGLM2 = (
+    "{{ '[gMASK]sop' }}{% for message in messages %}"
+    "{% if message.role not in ('user', 'assistant') or (message.role == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('chatglm2 conversations alternate user and assistant turns, starting with user '"
+    " '(it has no system or tool role)') }}{% endif %}"
+    "{% if message.role == 'user' %}"
+    "{{ '[Round ' ~ (loop.index0 // 2 + 1) ~ ']\\n\\n问：' + message.content + '\\n\\n答：' }}"
+    "{% else %}{{ (message.content or '') + '\\n\\n' }}{% endif %}{% endfor %}"
+)
+# ChatGLM3-6B's chat template (tool role as <|observation|>; tools as JSON after the system text, as
+# its build_chat_input does, under its tool-use system prompt when the conversation has none)
+_CHATGLM3 = (
+    "{{ '[gMASK]sop' }}{% if tools and messages[0].role != 'system' %}"
+    "{{ '<|system|>\\n Answer the following questions as best as you can. You have access to the following tools:'"
+    " + '\\n' + tools | tojson(indent=4) }}{% endif %}{% for message in messages %}"
+    "{{ '<|' + ('observation' if message.role == 'tool' else message.role) + '|>\\n ' + (message.content or '') }}"
+    "{% if loop.first and message.role == 'system' and tools %}{{ '\\n' + tools | tojson(indent=4) }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 BUILTIN_TEMPLATES: dict[str, tuple[str, str, str]] = {
     "chatml": (_CHATML, "", "<|im_end|>"),
     "llama-2": (_LLAMA_2, "<s>", "</s>"),
     "llama-3": (_LLAMA_3, "<|begin_of_text|>", "<|eot_id|>"),
+    "chatglm2": (_CHATGLM2, "", "</s>"),
+    "chatglm3": (_CHATGLM3, "", "</s>"),
 }
