@@ -21,6 +21,7 @@ from jinja2.visitor import NodeTransformer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from flashllm.models.hf_config import read_json_object
+from flashllm.models.tokenizers import native_tokenizer_loader
 
 MAX_CONFIG_BYTES = 32 << 20          # tokenizer_config.json (added-token tables can be large)
 MAX_TEMPLATE_BYTES = 64 << 10        # chat template source
@@ -72,7 +73,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
     Never downloads and never runs code from the directory. Without a `tokenizer_class` in
     tokenizer_config.json, `tokenizer.json` is wrapped directly, taking special tokens
-    (bos/eos/unk/pad, additional) from tokenizer_config.json when present.
+    (bos/eos/unk/pad, additional) from tokenizer_config.json when present. A `tokenizer_class`
+    that Hugging Face ships as remote code is built natively when flashllm.models.tokenizers has it.
     """
     root = Path(path)
     if not root.is_dir():
@@ -80,6 +82,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
                                 "holding tokenizer.json (flashllm never downloads)")
     config_path, file_path = root / "tokenizer_config.json", root / "tokenizer.json"
     config = _read_json(config_path) if config_path.is_file() else {}
+    native = native_tokenizer_loader(config.get("tokenizer_class"))
+    if native is not None:  # a remote-code tokenizer flashllm builds itself from the directory's files
+        return native(root, config)
     _check_tokenizer_class(config, root)
     if file_path.is_file() and config.get("tokenizer_class") is None:
         return _wrap_tokenizer_json(file_path, config)
@@ -104,16 +109,33 @@ def _wrap_tokenizer_json(file_path: Path, config: dict[str, Any]) -> PreTrainedT
     return PreTrainedTokenizerFast(tokenizer_file=str(file_path), **{k: v for k, v in kwargs.items() if v is not None})
 
 
+# generation_config.json's `chat_format` (first-generation Qwen) -> (built-in template, its stop tokens)
+CHAT_FORMATS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "chatml": ("qwen", ("<|im_end|>", "<|im_start|>")),
+    "raw": (None, ()),
+}
+
+
 def eos_token_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[int]:
-    """The tokenizer's EOS id, then generation_config's `eos_token_id` (int or list), deduped."""
+    """The tokenizer's EOS id, then generation_config's `eos_token_id` (int or list), then the stop
+    tokens of its `chat_format` (CHAT_FORMATS), deduped."""
     candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
     configured = (generation_config or {}).get("eos_token_id")
     candidates += configured if isinstance(configured, list) else [configured]
+    chat_format = (generation_config or {}).get("chat_format")
+    _, stop_tokens = CHAT_FORMATS.get(chat_format, (None, ())) if isinstance(chat_format, str) else (None, ())
+    candidates += [_token_id(tokenizer, t) for t in stop_tokens]
     ids = [t for t in candidates if t is not None]
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise ValueError(f"eos_token_id must be a non-negative integer or a list of them, got {token_id!r}")
     return list(dict.fromkeys(ids))
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    """`token`'s id, or None when the vocabulary lacks it (convert_tokens_to_ids would give unk's)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 # ---------------------------------------------------------------- sandbox
@@ -429,7 +451,8 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
     Looks at, in order: `chat_template.jinja` (or `additional_chat_templates/<name>.jinja`
     when `name` is given), `chat_template` in tokenizer_config.json (a string, or a list of
     {name, template} from which `name`, default "default", is taken), then the built-in
-    template called `name`. Special tokens come from tokenizer_config.json.
+    template called `name` (without a name: the one generation_config.json's `chat_format`
+    names in CHAT_FORMATS). Special tokens come from tokenizer_config.json.
     """
     root = Path(path)
     if name is not None and not _NAME.fullmatch(name):
@@ -444,12 +467,20 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
     source = file.read_text(encoding="utf-8") if file.is_file() else _template_from_config(config, name, config_path)
     if source is not None:
         return ChatTemplate(source, name=name or "default", **tokens)
+    if name is None:  # a checkpoint that names its prompt format (first-generation Qwen) instead
+        name = _chat_format_template(root)
     if name is not None and name in BUILTIN_TEMPLATES:
         return ChatTemplate.builtin(name, **{k: v or None for k, v in tokens.items()})
     if name is not None:
         raise ChatTemplateError(f"{root} has no chat template named {name!r} and there is no built-in one; "
                                 f"built-ins: {', '.join(BUILTIN_TEMPLATES)}")
     return None
+
+
+def _chat_format_template(root: Path) -> str | None:
+    path = root / "generation_config.json"
+    fmt = _read_json(path).get("chat_format") if path.is_file() else None
+    return CHAT_FORMATS[fmt][0] if isinstance(fmt, str) and fmt in CHAT_FORMATS else None
 
 
 # Built-in templates, written from the published prompt formats: (source, bos_token, eos_token).
@@ -485,6 +516,13 @@ _LLAMA_3 = (
     "+ '<|end_header_id|>\\n\\n' + (message.content or '') | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
+# first-generation Qwen-Chat's ChatML (qwen_generation_utils.make_context): a default system turn
+_QWEN = (
+    "{% if messages[0].role != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}{% for message in messages %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # ChatGLM2-6B's prompt (its tokenizer's build_prompt) after the [gMASK]sop prefix: numbered rounds
 _CHATGLM2 = (
     "{{ '[gMASK]sop' }}{% for message in messages %}"
@@ -507,6 +545,7 @@ _CHATGLM3 = (
 )
 BUILTIN_TEMPLATES: dict[str, tuple[str, str, str]] = {
     "chatml": (_CHATML, "", "<|im_end|>"),
+    "qwen": (_QWEN, "", "<|im_end|>"),
     "llama-2": (_LLAMA_2, "<s>", "</s>"),
     "llama-3": (_LLAMA_3, "<|begin_of_text|>", "<|eot_id|>"),
     "chatglm2": (_CHATGLM2, "", "</s>"),
