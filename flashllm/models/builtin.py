@@ -14,6 +14,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
+    "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",
 }
 
 

@@ -1,0 +1,361 @@
+"""First-generation Qwen (QWenLMHeadModel) from its own checkpoint names: parity with transformers'
+Qwen2 on the same weights renamed, and logn attention / dynamic NTK / partial rotary / biases
+against a naive QWen forward written here from the published architecture."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from flashllm.core.builder import EngineConfigError
+from flashllm.llm import LLM
+from flashllm.models.hf_config import ModelLoadError, parse_hf_config
+from flashllm.models.loader import load_model
+from flashllm.registry.fusions import DECODER_STACK
+from flashllm.sampling_params import SamplingParams
+
+VOCAB, HIDDEN, HEADS, LAYERS, MLP = 256, 64, 4, 2, 96  # MLP: each of w1 / w2 (QWen's intermediate_size // 2)
+BLOCK, STEPS, ATOL = 16, 32, 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+
+
+def qwen_config(**overrides) -> dict:
+    """A QWen config.json as the published checkpoints write it (auto_map included, and ignored)."""
+    return {"architectures": ["QWenLMHeadModel"], "model_type": "qwen",
+            "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
+                         "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+            "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_hidden_layers": LAYERS,
+            "intermediate_size": 2 * MLP, "kv_channels": HIDDEN // HEADS, "layer_norm_epsilon": 1e-6,
+            "rotary_emb_base": 10000, "rotary_pct": 1.0, "seq_length": 512, "max_position_embeddings": 512,
+            "use_dynamic_ntk": False, "use_logn_attn": False, "vocab_size": VOCAB, "no_bias": True,
+            "tie_word_embeddings": False, "bf16": False, "fp16": False, "fp32": False, **overrides}
+
+
+def write_qwen_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+def qwen_tensors_from_qwen2(model) -> dict[str, torch.Tensor]:
+    """transformers Qwen2 weights under QWen's names: q/k/v concatenated into c_attn, gate -> w2, up -> w1."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"transformer.wte.weight": sd["model.embed_tokens.weight"],
+           "transformer.ln_f.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(LAYERS):
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{dst}attn.c_attn.{kind}"] = torch.cat([sd[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"])
+        for theirs, ours in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"),
+                             ("self_attn.o_proj", "attn.c_proj"), ("mlp.gate_proj", "mlp.w2"),
+                             ("mlp.up_proj", "mlp.w1"), ("mlp.down_proj", "mlp.c_proj")):
+            out[f"{dst}{ours}.weight"] = sd[f"{src}{theirs}.weight"]
+    return out
+
+
+def random_qwen_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of every tensor a QWen checkpoint of `config` holds (biases when no_bias is false)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, mlp = config["hidden_size"], config["intermediate_size"] // 2
+
+    def rand(*shape, norm=False):
+        return torch.randn(shape, generator=gen) * 0.1 + (1.0 if norm else 0.0)
+
+    out = {"transformer.wte.weight": rand(config["vocab_size"], hidden),
+           "transformer.ln_f.weight": rand(hidden, norm=True), "lm_head.weight": rand(config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"transformer.h.{i}."
+        out.update({p + "ln_1.weight": rand(hidden, norm=True), p + "ln_2.weight": rand(hidden, norm=True),
+                    p + "attn.c_attn.weight": rand(3 * hidden, hidden), p + "attn.c_attn.bias": rand(3 * hidden),
+                    p + "attn.c_proj.weight": rand(hidden, hidden), p + "mlp.w1.weight": rand(mlp, hidden),
+                    p + "mlp.w2.weight": rand(mlp, hidden), p + "mlp.c_proj.weight": rand(hidden, mlp)})
+        if not config["no_bias"]:
+            out.update({p + "attn.c_proj.bias": rand(hidden), p + "mlp.w1.bias": rand(mlp),
+                        p + "mlp.w2.bias": rand(mlp), p + "mlp.c_proj.bias": rand(hidden)})
+    return out
+
+
+def ntk_alpha(length: int, seq_length: int) -> float:
+    """modeling_qwen.py's get_ntk_alpha: the RoPE base factor for a prompt of `length` tokens."""
+    return max(2 ** math.ceil(math.log(length / seq_length, 2) + 1) - 1, 1)
+
+
+def naive_qwen_logits(tensors: dict[str, torch.Tensor], config: dict, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens), V) logits of QWen's forward over the whole sequence, in float64, from the
+    checkpoint tensors: RMSNorm, c_attn, neox RoPE over rotary_pct of the head (dynamic NTK from
+    the sequence length), logn query scaling past seq_length, causal softmax, c_proj, then
+    c_proj(w1(x) * silu(w2(x)))."""
+    t = {k: v.double() for k, v in tensors.items()}
+    n, hidden, heads = len(tokens), config["hidden_size"], config["num_attention_heads"]
+    dim, seq_length, eps = hidden // heads, config["seq_length"], config["layer_norm_epsilon"]
+    rot = int(dim * config["rotary_pct"])
+    alpha = ntk_alpha(n, seq_length) if config["use_dynamic_ntk"] else 1.0
+    base = config["rotary_emb_base"] * alpha ** (rot / (rot - 2))
+    angles = torch.arange(n, dtype=torch.float64)[:, None] / base ** (torch.arange(0, rot, 2).double() / rot)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[:, None] for f in (torch.cos, torch.sin))  # (n, 1, rot)
+    logn = torch.tensor([math.log(i, seq_length) if config["use_logn_attn"] and i > seq_length else 1.0
+                         for i in range(1, n + 1)], dtype=torch.float64)
+
+    def rope(x):
+        r, rest = x[..., :rot], x[..., rot:]
+        half = torch.cat([-r[..., rot // 2:], r[..., :rot // 2]], dim=-1)
+        return torch.cat([r * cos + half * sin, rest], dim=-1)
+
+    def norm(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * t[name + ".weight"]
+
+    def linear(x, name):
+        return x @ t[name + ".weight"].T + t.get(name + ".bias", 0.0)
+
+    x = t["transformer.wte.weight"][torch.tensor(tokens)]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for i in range(config["num_hidden_layers"]):
+        p = f"transformer.h.{i}."
+        q, k, v = (z.reshape(n, heads, dim) for z in linear(norm(x, p + "ln_1"), p + "attn.c_attn").split(hidden, -1))
+        q, k = rope(q) * logn[:, None, None], rope(k)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        x = x + linear(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, hidden), p + "attn.c_proj")
+        h = norm(x, p + "ln_2")
+        x = x + linear(linear(h, p + "mlp.w1") * F.silu(linear(h, p + "mlp.w2")), p + "mlp.c_proj")
+    return linear(norm(x, "transformer.ln_f"), "lm_head")
+
+
+def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape
+    err = (ours.double() - theirs.double()).abs().max().item()
+    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
+
+
+# ---------------------------------------------------------------- parity with transformers' Qwen2
+
+
+@pytest.fixture(scope="module")
+def qwen2_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen1_dir(tmp_path_factory, qwen2_model) -> Path:
+    return write_qwen_dir(tmp_path_factory.mktemp("qwen1"), qwen_tensors_from_qwen2(qwen2_model), qwen_config())
+
+
+@torch.inference_mode()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
+
+
+def test_qwen_names_load_and_the_fused_decoder_stack_is_declared(qwen1_dir, ops, model_registry):
+    model, config = load_model(qwen1_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert (config.architecture, config.intermediate_size, config.head_dim) == ("QWenLMHeadModel", MLP, HIDDEN // HEADS)
+    assert model.kv_cache_shape() == (LAYERS, HEADS, HIDDEN // HEADS)
+    assert DECODER_STACK in model.fusions()  # the plain architecture keeps the cpu fast paths
+
+
+def test_prefill_over_blocks_matches_qwen2(qwen1_dir, qwen2_model, ops, model_registry, paged_driver):
+    ours, _ = load_model(qwen1_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    driver = paged_driver(ours, block_size=BLOCK, num_blocks=64, seed=1)
+    prompts = [random_tokens(n, seed=n) for n in (1, 7, 15, 16, 17, 63, 64, 65, 200)]
+    for prompt, logits in zip(prompts, driver.step([(driver.add_sequence(), p) for p in prompts]), strict=True):
+        assert_close(logits, hf_logits(qwen2_model, prompt))
+
+
+def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):], model(torch.tensor([ids])).logits[0]
+
+
+def _llm(model_dir: Path, **kw) -> LLM:
+    options = dict(dtype="float32", device="cpu", block_size=BLOCK, max_model_len=512, num_kv_blocks=128)
+    return LLM(str(model_dir), **{**options, **kw})
+
+
+def _record_logits(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
+    """Every logits row the engine samples from, with the tokens it scored (one step per call)."""
+    rows: list[tuple[list[int], torch.Tensor]] = []
+    llm.engine.config.scheduler.num_scheduler_steps = 1
+    runner, original = llm.engine.runner, llm.engine.runner.execute_model
+
+    def execute_model(batch, greedy=False):
+        logits = original(batch)
+        for seq, row in zip([i.seq for i in batch.scheduled if i.produces_token], logits, strict=True):
+            rows.append((list(seq.token_ids), row.clone()))
+        return runner.argmax(logits) if greedy else logits
+
+    runner.execute_model = execute_model
+    return rows
+
+
+def test_engine_greedy_tokens_and_logits_match_qwen2_with_chunked_prefill(qwen1_dir, qwen2_model):
+    llm = _llm(qwen1_dir, max_num_batched_tokens=48)
+    rows = _record_logits(llm)
+    prompts = [random_tokens(n, seed=40 + n) for n in (1, 7, 63, 64, 65, 200)]
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        tokens, final = _hf_greedy(qwen2_model, prompt)
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        full = prompt + tokens
+        mine = [(ctx, row) for ctx, row in rows if ctx == full[:len(ctx)] and len(ctx) >= len(prompt)]
+        assert len(mine) >= STEPS
+        for ctx, row in mine:
+            torch.testing.assert_close(row, final[len(ctx) - 1], atol=ATOL, rtol=0)
+
+
+def test_prefix_cache_hits_give_qwen2_tokens(qwen1_dir, qwen2_model):
+    llm = _llm(qwen1_dir)
+    shared = random_tokens(100, seed=50)
+    prompts = [shared + random_tokens(n, seed=51 + n) for n in (3, 40)]
+    llm.generate(prompts[:1], GREEDY)
+    outputs = llm.generate(prompts, GREEDY)
+    assert all(o.metrics.num_cached_tokens >= 96 for o in outputs)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(qwen2_model, prompt)[0]
+
+
+# ---------------------------------------------------------------- QWen's own extensions, against the naive forward
+
+
+def _naive_case(tmp_path: Path, ops, model_registry, seed: int, **overrides):
+    config = qwen_config(**overrides)
+    tensors = random_qwen_tensors(config, seed)
+    model, parsed = load_model(write_qwen_dir(tmp_path, tensors, config), ops, torch.float32, "cpu",
+                               model_registry, progress=False)
+    return model, parsed, tensors, config
+
+
+def test_the_naive_forward_is_qwen2s_on_mapped_weights(qwen2_model):
+    """Checks the test's own reference against transformers before it judges anything else."""
+    tokens = random_tokens(40, seed=2)
+    naive = naive_qwen_logits(qwen_tensors_from_qwen2(qwen2_model), qwen_config(), tokens)
+    assert_close(naive, hf_logits(qwen2_model, tokens))
+
+
+def test_logn_attention_past_seq_length_matches_the_naive_forward(tmp_path, ops, model_registry, paged_driver):
+    model, parsed, tensors, config = _naive_case(tmp_path, ops, model_registry, seed=5, use_logn_attn=True,
+                                                 seq_length=16)
+    assert parsed.max_position_embeddings == 512 and DECODER_STACK not in model.fusions()
+    prompt = random_tokens(40, seed=6)
+    plain = naive_qwen_logits(tensors, {**config, "use_logn_attn": False}, prompt)
+    assert (plain[-1] - naive_qwen_logits(tensors, config, prompt)[-1]).abs().max() > 1e-3  # logn matters here
+    driver = paged_driver(model, block_size=BLOCK, num_blocks=16, seed=7)
+    seq = driver.add_sequence()
+    (logits,) = driver.step([(seq, prompt[:9])])  # positions below seq_length, then past it
+    assert_close(logits, naive_qwen_logits(tensors, config, prompt[:9]))
+    (logits,) = driver.step([(seq, prompt[9:])])
+    assert_close(logits, naive_qwen_logits(tensors, config, prompt)[9:])
+    for _ in range(4):  # decode steps
+        prompt.append(int(logits[-1].argmax()))
+        (logits,) = driver.step([(seq, prompt[-1:])])
+        assert_close(logits, naive_qwen_logits(tensors, config, prompt)[-1:])
+
+
+def test_dynamic_ntk_caps_the_context_at_seq_length_where_it_is_exact(tmp_path, ops, model_registry, paged_driver):
+    model, parsed, tensors, config = _naive_case(tmp_path / "m", ops, model_registry, seed=8, use_dynamic_ntk=True,
+                                                 use_logn_attn=True, seq_length=32)
+    assert parsed.max_position_embeddings == 32
+    prompt = random_tokens(32, seed=9)
+    # past seq_length the naive forward's RoPE base changes with the prompt length: why the cap exists
+    longer = prompt + random_tokens(8, seed=10)
+    assert (naive_qwen_logits(tensors, config, longer)[:32]
+            - naive_qwen_logits(tensors, {**config, "use_dynamic_ntk": False}, longer)[:32]).abs().max() > 1e-3
+    driver = paged_driver(model, block_size=BLOCK, num_blocks=8, seed=11)
+    (logits,) = driver.step([(driver.add_sequence(), prompt)])
+    assert_close(logits, naive_qwen_logits(tensors, config, prompt))
+    with pytest.raises(EngineConfigError, match="exceeds the model's max_position_embeddings 32"):
+        _llm(tmp_path / "m", max_model_len=64)
+
+
+def test_partial_rotary_and_biases_match_the_naive_forward(tmp_path, ops, model_registry, paged_driver):
+    model, _, tensors, config = _naive_case(tmp_path, ops, model_registry, seed=12, rotary_pct=0.5, no_bias=False,
+                                            rotary_emb_base=500)
+    prompt = random_tokens(37, seed=13)
+    driver = paged_driver(model, block_size=BLOCK, num_blocks=8, seed=14)
+    (logits,) = driver.step([(driver.add_sequence(), prompt)])
+    assert_close(logits, naive_qwen_logits(tensors, config, prompt))
+
+
+# ---------------------------------------------------------------- configs and checkpoints refused in one line
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"kv_channels": 8}, "kv_channels=8"),
+    ({"intermediate_size": 191}, "intermediate_size=191"),
+    ({"hidden_size": 66}, "hidden_size=66"),
+    ({"rotary_pct": 0.03}, "rotary_pct=0.03"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
+    ({"scale_attn_weights": False}, "scale_attn_weights"),
+    ({"bf16": True, "fp16": True}, "bf16, fp16"),
+    ({"use_logn_attn": "yes"}, "use_logn_attn"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized"),
+])
+def test_an_inconsistent_config_is_refused_naming_the_field(overrides, field):
+    with pytest.raises(ModelLoadError) as info:
+        parse_hf_config(qwen_config(**overrides))
+    assert field in str(info.value) and "\n" not in str(info.value)
+
+
+def test_defaults_follow_qwens_config_class():
+    raw = {k: v for k, v in qwen_config().items()
+           if k not in ("use_dynamic_ntk", "use_logn_attn", "seq_length", "max_position_embeddings", "no_bias")}
+    parsed = parse_hf_config(raw)
+    assert (parsed.use_dynamic_ntk, parsed.use_logn_attn, parsed.seq_length, parsed.max_position_embeddings,
+            parsed.mlp_bias) == (True, True, 8192, 8192, False)
+
+
+def test_a_c_attn_of_the_wrong_size_is_refused_naming_the_tensor(tmp_path, ops, model_registry):
+    config = qwen_config()
+    tensors = random_qwen_tensors(config, seed=1)
+    tensors["transformer.h.1.attn.c_attn.weight"] = tensors["transformer.h.1.attn.c_attn.weight"][:-4]
+    with pytest.raises(ModelLoadError, match=r"transformer\.h\.1\.attn\.c_attn\.weight.*192 rows"):
+        load_model(write_qwen_dir(tmp_path, tensors, config), ops, torch.float32, "cpu", model_registry,
+                   progress=False)
+
+
+# ---------------------------------------------------------------- the engine with QWen's own tokenizer files
+
+
+def test_the_engine_runs_a_qwen_directory_with_its_tiktoken_tokenizer_and_chat_format(tmp_path):
+    """A byte-only qwen.tiktoken (rank = byte value) makes the expected prompt ids plain to write down."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    config = qwen_config(vocab_size=256 + 208 + 8)  # padded past the tokenizer, as Qwen's 151936 is
+    write_qwen_dir(tmp_path, random_qwen_tensors(config, seed=0), config)
+    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    (tmp_path / "qwen.tiktoken").write_text("\n".join(lines) + "\n")
+    remote = {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}
+    tokenizer_config = {"tokenizer_class": "QWenTokenizer", "auto_map": remote}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"chat_format": "chatml", "eos_token_id": 256}))
+    llm = _llm(tmp_path, max_model_len=128, num_kv_blocks=16)
+    assert sorted(llm.engine.parts.eos_token_ids) == [256, 257, 258]  # endoftext, im_start, im_end
+    out = llm.chat([{"role": "user", "content": "héllo"}], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    expected = [257, *b"system\nYou are a helpful assistant.", 258, *b"\n", 257, *b"user\n", *"héllo".encode(), 258,
+                *b"\n", 257, *b"assistant\n"]
+    assert out.prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected, skip_special_tokens=True) == (
+        "system\nYou are a helpful assistant.\nuser\nhéllo\nassistant\n")
+    assert llm.tokenizer.convert_ids_to_tokens([256, 257, 258]) == specials
