@@ -1,0 +1,193 @@
+"""Mixture-of-experts MLP: a top-k router and stacked experts run by ops.fused_moe (Mixtral, Qwen2-MoE)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flashllm.models.layers.linear import ReplicatedLinear, copy_checked
+from flashllm.models.layers.mlp import GatedMLP
+from flashllm.quant.spec import WeightQuantSpec
+
+# The checkpoint names of expert weights, per expert (HF checkpoints: Mixtral's w1/w3/w2, Qwen2-MoE's
+# gate/up/down_proj) or already stacked over the experts (what transformers 5 writes with
+# save_original_format=False: gate_up_proj (E, 2I, H), gate rows first, and down_proj (E, H, I)).
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
+                         r"(?P<proj>w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+W13, W2 = "w13_weight", "w2_weight"
+
+
+def expert_param_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
+    """Checkpoint tensor name -> (FusedMoE parameter name, shard id), or None for a non-expert tensor.
+
+    The shard id is (expert, "gate" | "up" | "down") for one expert's projection and None for a
+    tensor stacked over every expert.
+    """
+    match = _PER_EXPERT.match(name)
+    if match:
+        part = _PART[match["proj"]]
+        return f"{match['prefix']}.{W2 if part == 'down' else W13}", (int(match["expert"]), part)
+    match = _STACKED.match(name)
+    if match:
+        return f"{match['prefix']}.{W2 if match['proj'] == 'down_proj' else W13}", None
+    return None
+
+
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits (T, E) -> (topk_weights (T, k) fp32, topk_ids (T, k) int64).
+
+    Softmax over all E experts in fp32, then the k largest probabilities; renormalize makes each
+    token's k weights sum to one (Mixtral always, Qwen2-MoE when norm_topk_prob).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class RouterLinear(ReplicatedLinear):
+    """A small replicated projection that decides routing (the expert gate, the shared-expert gate).
+
+    It stays in the model dtype whatever --quant_type says: quantizing it would move tokens to other
+    experts, for a matrix of E rows that is a rounding error of the model's bytes.
+    """
+
+    def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
+        """Build the dense QuantizedWeight; `quant` is ignored on purpose (see the class docstring)."""
+        super().process_weights_after_loading(None)
+
+
+class FusedMoE(nn.Module):
+    """E gated experts stacked for ops.fused_moe: w13_weight (E, 2I/tp, H), w2_weight (E, H, I/tp).
+
+    Under tensor parallelism every rank holds every expert, with its slice of the intermediate
+    features (gate and up rows [r*I/tp, (r+1)*I/tp), the same columns of down); the ranks' partial
+    outputs are summed with an all-reduce, as a row-parallel linear does.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: Any,
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by tp_size={tp_size}; "
+                             "choose a tensor parallel size that divides it")
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size  # whole, as in the checkpoint
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        inter = intermediate_size // tp_size
+        self.w13_weight = self._param((num_experts, 2 * inter, hidden_size), dtype, device)
+        self.w2_weight = self._param((num_experts, hidden_size, inter), dtype, device)
+        self._fused_moe = ops.fused_moe
+        self._loaded: dict[str, set[tuple[int, str] | None]] = {W13: set(), W2: set()}
+
+    def _param(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        param.weight_loader = self.weight_loader
+        return param
+
+    def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: tuple[int, str] | None = None) -> None:
+        """Copy this rank's part of a checkpoint expert tensor into `param` (see expert_param_target).
+
+        shard_id (e, "gate" | "up"): one expert's (I, H) projection into w13; (e, "down"): its
+        (H, I) into w2; None: the (E, 2I, H) or (E, H, I) tensor stacked over every expert.
+        Raises ValueError on a shape that does not match the config or an expert id past E.
+        """
+        name = W13 if param is self.w13_weight else W2
+        inter = self.w2_weight.shape[2]  # this rank's intermediate features
+        start = self.tp_rank * inter
+        if shard_id is None:
+            self._load_stacked(name, loaded, inter, start)
+        else:
+            self._load_expert(name, loaded, shard_id, inter, start)
+        self._loaded[name].add(shard_id)
+
+    def _load_stacked(self, name: str, loaded: Tensor, inter: int, start: int) -> None:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        expected = (e, 2 * i, h) if name == W13 else (e, h, i)
+        _check(loaded, expected, f"stacked experts {name}")
+        if name == W2:
+            copy_checked(self.w2_weight, loaded.narrow(2, start, inter), name)
+            return
+        copy_checked(self.w13_weight.narrow(1, 0, inter), loaded.narrow(1, start, inter), name)
+        copy_checked(self.w13_weight.narrow(1, inter, inter), loaded.narrow(1, i + start, inter), name)
+
+    def _load_expert(self, name: str, loaded: Tensor, shard_id: tuple[int, str], inter: int, start: int) -> None:
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is past the config's {self.num_experts} experts")
+        if (part == "down") != (name == W2):
+            raise ValueError(f"{part} projection cannot load into {name}")
+        h, i = self.hidden_size, self.intermediate_size
+        what = f"expert {expert} {part}"
+        if part == "down":
+            _check(loaded, (h, i), what)
+            copy_checked(self.w2_weight[expert], loaded.narrow(1, start, inter), what)
+            return
+        _check(loaded, (i, h), what)
+        offset = 0 if part == "gate" else inter
+        copy_checked(self.w13_weight[expert].narrow(0, offset, inter), loaded.narrow(0, start, inter), what)
+
+    def fully_loaded(self) -> set[str]:
+        """Names (w13_weight, w2_weight) whose every expert and projection has been loaded."""
+        experts = range(self.num_experts)
+        need = {W13: {(e, p) for e in experts for p in ("gate", "up")}, W2: {(e, "down") for e in experts}}
+        return {n for n, shards in self._loaded.items() if None in shards or need[n] <= shards}
+
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """x (T, H), topk_weights (T, k) fp32, topk_ids (T, k) int64 -> (T, H) in x.dtype, summed over ranks."""
+        out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        return out
+
+
+def _check(loaded: Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{what} has shape {tuple(loaded.shape)} but the model expects {expected}; "
+                         "the checkpoint does not match its config.json")
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one layer: route each token to its top-k experts, sum their outputs by weight.
+
+    With a shared expert (Qwen2-MoE) every token also goes through one dense gated MLP, scaled by
+    sigmoid(shared_expert_gate(x)), and added. Submodule names follow the checkpoints: gate,
+    experts, shared_expert, shared_expert_gate.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = RouterLinear(hidden_size, num_experts, False, ops, dtype, device, tp_rank, tp_size)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ops, dtype, device, tp_rank, tp_size)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: RouterLinear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, False, ops, dtype, device,
+                                          tp_rank, tp_size)
+            self.shared_expert_gate = RouterLinear(hidden_size, 1, False, ops, dtype, device, tp_rank, tp_size)
+
+    def unstreamed_bytes(self) -> int:
+        """Expert weight bytes one decode token does not read: E - k of the E experts."""
+        experts = self.experts
+        per_expert = (experts.w13_weight.nbytes + experts.w2_weight.nbytes) // experts.num_experts
+        return (experts.num_experts - self.top_k) * per_expert
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (T, hidden) -> (T, hidden) in x.dtype."""
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+

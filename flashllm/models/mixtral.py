@@ -1,0 +1,243 @@
+"""Mixtral decoder: Llama's attention with a sparse mixture-of-experts MLP in every layer (and the MoE
+stack Qwen2-MoE reuses)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from flashllm.models.base import CausalLM
+from flashllm.models.hf_config import ModelLoadError, positive_int
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock, expert_param_target
+from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.rotary import RotaryEmbedding
+from flashllm.models.llama import LlamaAttention
+from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
+from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
+
+# More experts than this is not a model flashllm could run; refused before allocating.
+MAX_NUM_EXPERTS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class MoEModelConfig(LlamaModelConfig):
+    """A Llama-family config.json with a mixture-of-experts MLP, validated.
+
+    num_experts: routed experts per MoE layer; num_experts_per_tok: experts each token goes to (k);
+    moe_intermediate_size: each expert's intermediate features; shared_expert_intermediate_size:
+    the always-on shared expert's (0: none); norm_topk_prob: whether the k routing weights are
+    renormalized to sum to one; sparse_layers[i]: whether layer i is MoE (else a dense gated MLP of
+    intermediate_size); qkv_bias: the q, k and v projections carry a bias.
+    """
+
+    num_experts: int = 1
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 1
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[bool, ...] = ()
+    qkv_bias: bool = False
+
+    @property
+    def num_parameters(self) -> int:
+        """Every weight: attention, experts, routers, shared experts, dense MLPs, embedding and LM head."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        moe = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+               + 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0))
+        dense = 3 * h * self.intermediate_size
+        mlps = sum(moe if sparse else dense for sparse in self.sparse_layers)
+        return self.num_hidden_layers * attn + mlps + 2 * self.vocab_size * h
+
+
+def moe_config(base: LlamaModelConfig, **moe_fields: Any) -> MoEModelConfig:
+    """`base`'s fields plus the MoE ones, as a MoEModelConfig."""
+    return MoEModelConfig(**{f.name: getattr(base, f.name) for f in fields(LlamaModelConfig)}, **moe_fields)
+
+
+def experts_and_top_k(raw: dict[str, Any], experts_field: str, default_experts: int, default_top_k: int,
+                      source: str) -> tuple[int, int]:
+    """(num experts, num_experts_per_tok) from config.json, refusing k past the number of experts."""
+    num_experts = positive_int(raw, experts_field, default_experts, MAX_NUM_EXPERTS, source)
+    top_k = positive_int(raw, "num_experts_per_tok", default_top_k, MAX_NUM_EXPERTS, source)
+    if top_k > num_experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok={top_k} exceeds {experts_field}={num_experts}; "
+                             "a token cannot go to more experts than the layer has")
+    return num_experts, top_k
+
+
+def refuse_prequantized(base: LlamaModelConfig, source: str) -> None:
+    """GPTQ / AWQ expert tensors are not read yet: one line saying so, before anything is allocated."""
+    if base.quantization is not None:
+        raise ModelLoadError(
+            f"{source}: {base.architecture} with a {base.quantization.method} quantization_config is not supported "
+            "yet (flashllm does not read packed expert weights); load a float checkpoint, optionally with --quant_type"
+        )
+
+
+def parse_mixtral_config(raw: dict[str, Any], source: str = "config.json") -> MoEModelConfig:
+    """Validate a Mixtral config.json: Llama's fields, num_local_experts and num_experts_per_tok (defaults
+    8 and 2, as transformers'); every layer is MoE with intermediate_size features per expert, the
+    top-k weights always renormalized, no shared expert. Raises ModelLoadError (one line)."""
+    base = parse_llama_config(raw, source)
+    refuse_prequantized(base, source)
+    num_experts, top_k = experts_and_top_k(raw, "num_local_experts", 8, 2, source)
+    return moe_config(base, num_experts=num_experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
+                      sparse_layers=(True,) * base.num_hidden_layers, qkv_bias=False)
+
+
+class MoEDecoderLayer(nn.Module):
+    """Llama's pre-norm block with the MLP given (a SparseMoeBlock, or a dense GatedMLP): x + attn(norm(x)),
+    then + mlp(norm(.)), the residual add fused in the norms."""
+
+    def __init__(self, config: MoEModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module,
+                 ops: Any, dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device, qkv_bias, o_bias,
+                                        tp_rank, tp_size)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, Tensor],
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+# (config, layer index) -> that layer's MLP module
+MakeMLP = Callable[[MoEModelConfig, int], nn.Module]
+
+
+class MoEModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix); layer i's MLP from make_mlp."""
+
+    def __init__(self, config: MoEModelConfig, make_mlp: MakeMLP, ops: Any, dtype: torch.dtype, device: torch.device,
+                 qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling, ops, device)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i), ops, dtype, device, qkv_bias, o_bias,
+                            tp_rank, tp_size)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MixtralForCausalLM(CausalLM):
+    """Mixtral decoder + LM head. Expert tensors are stacked at load into each layer's FusedMoE.
+
+    Checkpoint names: HF's `block_sparse_moe.gate` / `block_sparse_moe.experts.N.w1|w3|w2`, or
+    transformers 5's `mlp.gate` / `mlp.experts.gate_up_proj|down_proj` (the layer's MLP is `mlp` here).
+    Declares the LM head fusion only: its blocks are not the standard SwiGLU block DECODER_STACK describes.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
+    # checkpoint module names -> flashllm's, applied before any other mapping
+    renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
+
+    def __init__(self, config: MoEModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, ops, dtype, device, tp_rank, tp_size)
+        self.ops = ops
+        qkv_bias, o_bias = self.attention_biases(config)
+
+        def layer_mlp(cfg: MoEModelConfig, layer_idx: int) -> nn.Module:
+            return self.make_mlp(cfg, layer_idx, ops, dtype, device, tp_rank, tp_size)
+
+        self.model = MoEModel(config, layer_mlp, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> MoEModelConfig:
+        """config.json -> MoEModelConfig, validated (see parse_mixtral_config)."""
+        return parse_mixtral_config(raw, source)
+
+    @staticmethod
+    def attention_biases(config: MoEModelConfig) -> tuple[bool, bool]:
+        """(qkv_proj has a bias, o_proj has a bias): (config.qkv_bias, False); Mixtral has neither."""
+        return config.qkv_bias, False
+
+    @staticmethod
+    def make_mlp(config: MoEModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int, tp_size: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: Mixtral's sparse MoE block (top-k renormalized, no shared expert)."""
+        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, config.norm_topk_prob,
+                              config.shared_expert_intermediate_size, ops, dtype, device, tp_rank, tp_size)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """Hidden states (T, hidden) of a flat batch; writes the tokens' K/V (see CausalLM.forward)."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers; "
+                             "allocate one (k_cache, v_cache) pair per layer (see kv_cache_shape())")
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden (N, hidden) -> logits (N, vocab_size) in the model dtype."""
+        return self.lm_head(hidden)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads on this rank, head_dim) of the paged KV cache."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def fusions(self) -> dict[str, Any]:
+        """LM_HEAD while compute_logits is this class's plain head; never DECODER_STACK (MoE blocks)."""
+        head = self.lm_head
+        if type(self).compute_logits is not MixtralForCausalLM.compute_logits or type(head) is not LMHead:
+            return {}
+        return {LM_HEAD: LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
+                                      tied=head.weight is self.model.embed_tokens.weight)}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
+        expert's projections (or the stacked tensor) arrived."""
+        loaded = super().load_weights(weights)
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
+                loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
+        return loaded
+
+    def _param_target(self, name: str) -> tuple[str, Any]:
+        """Checkpoint name -> (parameter, shard): module renames, then expert tensors, then packed projections."""
+        for old, new in self.renamed_modules.items():
+            name = name.replace(old, new)
+        target = expert_param_target(name)
+        return target if target is not None else super()._param_target(name)
