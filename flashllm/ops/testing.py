@@ -293,23 +293,54 @@ def case_quant(op_name: str, case: str) -> str:
     return "none"
 
 
+class _MoECase(NamedTuple):
+    """One fused_moe input case: x (tokens, hidden); E experts of `inter` features; k experts a token.
+
+    renormalized: each token's k weights sum to one (Mixtral; Qwen2-MoE with norm_topk_prob), else
+    they are its top-k softmax probabilities over all E experts, summing to less than one.
+    """
+
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    renormalized: bool = True
+
+
+# top-1, top-2, top-4 over 60 experts (Qwen1.5-MoE's routing) and top-8 (Qwen2-57B's), one decode
+# token and several, renormalized and not, and every token on one expert (the load-imbalanced extreme)
+_MOE_CASES: dict[str, _MoECase] = {
+    "spread": _MoECase(9, 64, 48, 6, 2),
+    "one_token": _MoECase(1, 64, 32, 4, 2),
+    "skewed": _MoECase(17, 32, 48, 8, 1),
+    "top1_decode_batch": _MoECase(4, 64, 32, 8, 1),
+    "top2_one_token_unnormalized": _MoECase(1, 96, 64, 8, 2, renormalized=False),
+    "top4_60_experts_unnormalized": _MoECase(6, 64, 32, 60, 4, renormalized=False),
+    "top8_renormalized": _MoECase(5, 64, 48, 16, 8),
+    "top8_one_token_unnormalized": _MoECase(1, 64, 32, 64, 8, renormalized=False),
+}
+
+
 def _fused_moe(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
-    tokens, hidden, inter, experts, top_k = {
-        "spread": (9, 64, 48, 6, 2),
-        "one_token": (1, 64, 32, 4, 2),
-        "skewed": (17, 32, 48, 8, 1),
-    }[case]
-    if case == "skewed":  # every token on one expert: the load-imbalanced extreme
-        topk_ids = torch.full((tokens, top_k), 3, dtype=torch.int64)
-    else:
-        topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    c = _MOE_CASES[case]
+    if case == "skewed":  # every token on one expert
+        topk_ids = torch.full((c.tokens, c.top_k), 3, dtype=torch.int64)
+        weights = torch.softmax(torch.randn(c.tokens, c.top_k, generator=gen), dim=-1)
+    elif case in ("spread", "one_token"):
+        topk_ids = torch.stack([torch.randperm(c.experts, generator=gen)[:c.top_k] for _ in range(c.tokens)])
+        weights = torch.softmax(torch.randn(c.tokens, c.top_k, generator=gen), dim=-1)
+    else:  # routed as a model routes: the top-k of a softmax over every expert
+        probs = torch.softmax(torch.randn(c.tokens, c.experts, generator=gen) * 2, dim=-1)
+        weights, topk_ids = torch.topk(probs, c.top_k, dim=-1)
+        if c.renormalized:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     return {
-        "x": _randn(gen, tokens, hidden, dtype=dtype, device=device),
-        "w13": _randn(gen, experts, 2 * inter, hidden, dtype=dtype, device=device, std=hidden**-0.5),
-        "w2": _randn(gen, experts, hidden, inter, dtype=dtype, device=device, std=inter**-0.5),
+        "x": _randn(gen, c.tokens, c.hidden, dtype=dtype, device=device),
+        "w13": _randn(gen, c.experts, 2 * c.inter, c.hidden, dtype=dtype, device=device, std=c.hidden**-0.5),
+        "w2": _randn(gen, c.experts, c.hidden, c.inter, dtype=dtype, device=device, std=c.inter**-0.5),
         "topk_weights": weights.to(device),
         "topk_ids": topk_ids.to(device),
     }
@@ -336,7 +367,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
          *_KV_QUANT_CASES["paged_attention"]),
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
-    "fused_moe": (_fused_moe, ("spread", "one_token", "skewed")),
+    "fused_moe": (_fused_moe, tuple(_MOE_CASES)),
 }
 
 

@@ -106,8 +106,9 @@ def make_backend() -> Backend:
         description="torch-native CPU kernels",
         model_runner="flashllm.backends.cpu.runner:CpuRunner",
     )
-    from flashllm.backends.cpu import kernels, quant
+    from flashllm.backends.cpu import kernels, moe, quant
 
     kernels.register(backend)
+    moe.register(backend)
     quant.register(backend)
     return backend

@@ -22,8 +22,9 @@ FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 KV_DTYPES = FLOATS | {torch.int8, torch.float8_e4m3fn}
 
 # Ops whose portable PyTorch body already is the torch-native CPU implementation (one fused
-# aten call or a memory copy): the cpu backend runs them as they are, by declaration.
-PORTABLE_OPS = ("gelu_and_mul", "fused_moe")
+# aten call or a memory copy): the cpu backend runs them as they are, by declaration
+# (fused_moe has its own kernel: backends/cpu/moe.py).
+PORTABLE_OPS = ("gelu_and_mul",)
 
 
 def rms_norm(
