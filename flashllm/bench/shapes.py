@@ -31,6 +31,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0,
     },
+    # Qwen1.5-MoE-A2.7B's routing (60 experts, top-4 not renormalized, a shared expert 4x an expert)
+    # and vocabulary, scaled to ~8.0e9 bytes in fp32 (hidden 1024, 16 layers); a decode token reads
+    # ~0.42e9 of its 2.0e9 parameters (attention, shared expert, 4 experts a layer, LM head)
+    "qwen1.5-moe-scaled": {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 1024,
+        "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+        "max_position_embeddings": 8192, "rope_theta": 1000000.0, "num_experts": 60,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 2048,
+        "decoder_sparse_step": 1, "norm_topk_prob": False, "qkv_bias": True,
+    },
 }
 
 
@@ -68,15 +79,21 @@ def parameter_bytes(model_dir: Path) -> int:
 def flops_per_token(model_dir: Path, mean_context: float) -> float:
     """FLOPs one token costs in a forward pass: 2 x matmul parameters + attention at `mean_context`.
 
-    Matmul parameters per layer: q/k/v/o projections and the gated MLP's three matrices; plus the
-    LM head (vocab x hidden). Attention: q.k scores and the weighted sum of v over the context,
-    2 x 2 x heads x head_dim x context per layer. Embedding lookups and norms are not matmuls.
+    Matmul parameters per layer: q/k/v/o projections and the gated MLP's three matrices (a MoE
+    layer: its router, the k experts a token goes to and the shared expert); plus the LM head.
+    Attention: q.k scores and the weighted sum of v over the context, 2 x 2 x heads x head_dim x
+    context per layer. Embedding lookups and norms are not matmuls.
     """
     from flashllm.models.hf_config import load_hf_config
 
     c = load_hf_config(model_dir)
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    attn = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size
+    mlps = [3 * c.hidden_size * c.intermediate_size] * c.num_hidden_layers
+    if getattr(c, "sparse_layers", ()):  # a MoE layer runs its router, k experts and the shared expert
+        moe = c.hidden_size * (c.num_experts + 3 * c.num_experts_per_tok * c.moe_intermediate_size
+                               + 3 * c.shared_expert_intermediate_size)
+        mlps = [moe if sparse else dense for sparse, dense in zip(c.sparse_layers, mlps, strict=True)]
+    params = c.num_hidden_layers * attn + sum(mlps) + c.vocab_size * c.hidden_size
     attention = c.num_hidden_layers * 4 * q_dim * mean_context
     return 2.0 * params + attention

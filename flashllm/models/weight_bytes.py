@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import LinearBase
+from flashllm.models.layers.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,8 @@ class WeightBytes:
     parameter) are counted once.
     streamed: what one greedy decode step reads, the ceiling's denominator: total less the input
       embedding table (a step reads one row of it per token) unless a float LM head is that table;
-      where the head has a greedy screen, its copy is read instead of the float head.
+      where the head has a greedy screen, its copy is read instead of the float head; of a MoE
+      layer's experts, only the k a batch-1 token is routed to.
     """
 
     linear: int
@@ -72,11 +74,13 @@ def _greedy_screen(head: nn.Module) -> object | None:
 
 def _unstreamed_bytes(model: nn.Module) -> int:
     """Bytes a greedy decode step does not read whole: input embedding tables that no float LM head
-    reads, and float heads that a greedy screen reads in their place."""
+    reads, float heads that a greedy screen reads in their place, and the experts a MoE layer does
+    not route a batch-1 token to."""
     float_heads = [m for m in _lm_heads(model) if m.qweight is not None and m.qweight.scheme == "none"]
     read = {m.weight.untyped_storage().data_ptr() for m in float_heads if _greedy_screen(m) is None}
     skipped = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
                for m in float_heads if _greedy_screen(m) is not None}
     tables = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
               for m in model.modules() if type(m) is VocabEmbedding}
-    return sum(size for ptr, size in (tables | skipped).items() if ptr not in read)
+    experts = sum(m.unstreamed_bytes() for m in model.modules() if isinstance(m, SparseMoeBlock))
+    return sum(size for ptr, size in (tables | skipped).items() if ptr not in read) + experts

@@ -111,7 +111,7 @@ def build_random_model_from_config(
     out_dir: str | Path, hf_config_dict: dict[str, Any], seed: int = 0,
     max_shard_bytes: int = 1 << 30,
 ) -> Path:
-    """Write config.json and N(0, 0.02) weights (norm scales 1) for any Llama/Qwen2-shaped config.
+    """Write config.json and N(0, 0.02) weights (norm scales 1) for any Llama/Qwen2-shaped config (MoE too).
 
     No transformers model is built: tensors are drawn one at a time from a seeded generator and
     written shard by shard (at most ~max_shard_bytes each, plus an index when there are several),
@@ -193,6 +193,9 @@ def _hf_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]
         yield f"{p}.self_attn.o_proj.weight", (h, q), False
         if o_bias:
             yield f"{p}.self_attn.o_proj.bias", (h,), False
+        if getattr(config, "sparse_layers", ()) and config.sparse_layers[i]:  # a MoE layer (models/mixtral.py)
+            yield from _moe_tensor_shapes(f"{p}.mlp", config)
+            continue
         for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             yield f"{p}.mlp.{proj}.weight", shape, False
             if config.mlp_bias:
@@ -200,3 +203,16 @@ def _hf_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]
     yield "model.norm.weight", (h,), True
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (config.vocab_size, h), False
+
+
+def _moe_tensor_shapes(prefix: str, config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(HF tensor name, shape, False) of one MoE MLP in Qwen2-MoE's names: router, experts, shared expert."""
+    h, inter, shared = config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    yield f"{prefix}.gate.weight", (config.num_experts, h), False
+    for e in range(config.num_experts):
+        for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            yield f"{prefix}.experts.{e}.{proj}.weight", shape, False
+    if shared:
+        for proj, shape in (("gate_proj", (shared, h)), ("up_proj", (shared, h)), ("down_proj", (h, shared))):
+            yield f"{prefix}.shared_expert.{proj}.weight", shape, False
+        yield f"{prefix}.shared_expert_gate.weight", (1, h), False

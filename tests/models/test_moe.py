@@ -1,0 +1,322 @@
+"""Mixtral and Qwen2-MoE against transformers' own classes (tiny random fp32 models built here): logits over
+the paged cache, greedy tokens and logits through the engine (prefix-cache hits, chunked prefill), the
+checkpoint layouts transformers writes, and configs refused at load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from flashllm.llm import LLM
+from flashllm.models.hf_config import ModelLoadError, parse_hf_config
+from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
+from flashllm.models.loader import load_model
+from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
+from flashllm.sampling_params import SamplingParams
+
+ATOL = 1e-4
+STEPS = 32
+BLOCK = 16
+INIT_STD = 0.1  # routing logits of order one: experts are chosen decisively, and a wrong one shows
+BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2}
+# preset -> (transformers model_type, architecture, config fields)
+PRESETS: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("mixtral", "MixtralForCausalLM",
+                {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral_top1": ("mixtral", "MixtralForCausalLM",
+                     {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 1}),
+    # layers 1 and 5 sparse (decoder_sparse_step 2; layer 3 listed in mlp_only_layers), the rest dense;
+    # top-4 of 8 weights not renormalized, a shared expert beside them
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM",
+                  {"intermediate_size": 128, "num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 4,
+                   "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "decoder_sparse_step": 2,
+                   "mlp_only_layers": [3], "norm_topk_prob": False}),
+    "qwen2_moe_top2_renormalized": ("qwen2_moe", "Qwen2MoeForCausalLM",
+                                    {"intermediate_size": 128, "num_hidden_layers": 2, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 80, "norm_topk_prob": True}),
+}
+
+
+def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True) -> Path:
+    """Save a tiny random transformers MoE model; original_format=False keeps transformers 5's stacked experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, architecture, fields = PRESETS[preset]
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **BASE, **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen) * INIT_STD
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    model.save_pretrained(out_dir, save_original_format=original_format)
+    return out_dir
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        return set(f.keys())
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {p: build_moe_model(tmp_path_factory.mktemp(p), p, seed=3) for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def hf_models(moe_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return {p: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for p, d in moe_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def ours(moe_dirs, ops):
+    from flashllm.models.builtin import flashllm_register_models
+    from flashllm.models.registry import ModelRegistry
+
+    registry = ModelRegistry()
+    flashllm_register_models(registry.register)
+    return {p: load_model(d, ops, torch.float32, "cpu", registry, progress=False)[0] for p, d in moe_dirs.items()}
+
+
+def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    err = (actual - expected).abs().max().item()
+    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
+
+
+def test_the_checkpoints_carry_the_names_real_checkpoints_use(moe_dirs) -> None:
+    """What the parity tests load is what Hugging Face checkpoints hold (transformers 5 converts back on save)."""
+    mixtral, qwen = tensor_names(moe_dirs["mixtral"]), tensor_names(moe_dirs["qwen2_moe"])
+    assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+            "model.layers.1.block_sparse_moe.experts.3.w2.weight"} <= mixtral
+    assert {"model.layers.5.mlp.gate.weight", "model.layers.5.mlp.experts.7.gate_proj.weight",
+            "model.layers.5.mlp.experts.7.down_proj.weight", "model.layers.5.mlp.shared_expert.up_proj.weight",
+            "model.layers.5.mlp.shared_expert_gate.weight", "model.layers.3.mlp.gate_proj.weight"} <= qwen
+    assert not any(name.startswith("model.layers.3.mlp.experts") for name in qwen)  # mlp_only_layers
+
+
+def test_the_models_build_the_layers_the_config_asks_for(ours) -> None:
+    qwen = ours["qwen2_moe"].model.layers
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in qwen] == [False, True, False, False, False, True]
+    block = qwen[1].mlp
+    assert (block.top_k, block.renormalize, block.shared_expert is not None) == (4, False, True)
+    assert block.experts.w13_weight.shape == (8, 96, 64) and block.experts.w2_weight.shape == (8, 64, 48)
+    mixtral = ours["mixtral"].model.layers[0].mlp
+    assert (mixtral.top_k, mixtral.renormalize, mixtral.shared_expert) == (2, True, None)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_paged_forward_matches_transformers(preset, ours, hf_models, paged_driver) -> None:
+    """A varlen prefill across block edges, decode steps together, then a prompt in chunks beside a decode."""
+    model, theirs = ours[preset], hf_models[preset]
+    vocab = model.config.vocab_size
+    driver = paged_driver(model, block_size=BLOCK, num_blocks=96, seed=1)
+    prompts = [random_tokens(n, vocab, seed=n) for n in (1, 15, 16, 17, 70)]
+    seqs = [driver.add_sequence() for _ in prompts]
+    outputs = driver.step(list(zip(seqs, prompts, strict=True)))
+    for prompt, logits in zip(prompts, outputs, strict=True):
+        assert_logits_close(logits, hf_logits(theirs, prompt))
+    for _ in range(3):
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            prompt.append(int(logits[-1].argmax()))
+        outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            assert_logits_close(logits, hf_logits(theirs, prompt)[-1:])
+    long_prompt, chunked = random_tokens(90, vocab, seed=7), driver.add_sequence()
+    for lo, hi in ((0, 33), (33, 90)):
+        prompts[0].append(int(outputs[0][-1].argmax()))
+        outputs = driver.step([(chunked, long_prompt[lo:hi]), (seqs[0], prompts[0][-1:])])
+        assert_logits_close(outputs[0], hf_logits(theirs, long_prompt[:hi])[lo:hi])
+        outputs = outputs[1:]
+        assert_logits_close(outputs[0], hf_logits(theirs, prompts[0])[-1:])
+
+
+def test_transformers_5_stacked_expert_tensors_load_the_same_model(tmp_path, ours, model_registry, ops) -> None:
+    """save_original_format=False writes experts.gate_up_proj / experts.down_proj (and Mixtral's `mlp`):
+    they load into the same weights as the per-expert tensors."""
+    for preset in ("mixtral", "qwen2_moe"):
+        stacked = build_moe_model(tmp_path / preset, preset, seed=3, original_format=False)
+        names = tensor_names(stacked)
+        assert any(name.endswith(".experts.gate_up_proj") for name in names)
+        assert not any(".experts.0." in name for name in names)
+        model, _ = load_model(stacked, ops, torch.float32, "cpu", model_registry, progress=False)
+        for (name, ours_param), (_, stacked_param) in zip(ours[preset].state_dict().items(),
+                                                          model.state_dict().items(), strict=True):
+            torch.testing.assert_close(stacked_param, ours_param, atol=0, rtol=0, msg=name)
+
+
+def test_moe_models_offer_the_lm_head_fusion_and_never_the_decoder_stack(ours) -> None:
+    for model in ours.values():
+        declared = model.fusions()
+        assert LM_HEAD in declared and DECODER_STACK not in declared
+
+
+class LogitRecorder:
+    """Keeps every logits row the runner computes with the context it scored (greedy steps included)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.rows: list[tuple[list[int], torch.Tensor]] = []
+        llm.engine.config.scheduler.num_scheduler_steps = 1
+        runner, original = llm.engine.runner, llm.engine.runner.execute_model
+
+        def execute_model(batch, greedy=False):
+            logits = original(batch)
+            samplers = [item.seq for item in batch.scheduled if item.produces_token]
+            for seq, row in zip(samplers, logits, strict=True):
+                self.rows.append((list(seq.token_ids), row.clone()))
+            return runner.argmax(logits) if greedy else logits
+
+        runner.execute_model = execute_model
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by full forwards (none of transformers' cache code): tokens, last logits."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):], hf_logits(model, ids)
+
+
+@pytest.mark.parametrize("preset", ["mixtral", "qwen2_moe"])
+def test_engine_greedy_tokens_and_logits_match_transformers(preset, moe_dirs, hf_models) -> None:
+    """The engine on the cpu backend (its fused_moe kernel): 32 greedy tokens as transformers' and every
+    logits row within 1e-4, with prompts across block edges, prefill chunks of 48 tokens and prefix-cache hits."""
+    llm = LLM(str(moe_dirs[preset]), dtype="float32", device="cpu", block_size=BLOCK, max_model_len=512,
+              num_kv_blocks=128, max_num_batched_tokens=48)
+    assert llm.engine.parts.model.ops.sources["fused_moe"] == "cpu"
+    theirs = hf_models[preset]
+    vocab = theirs.config.vocab_size
+    prompts = [random_tokens(n, vocab, seed=10 + n) for n in (1, 7, 63, 64, 65, 150)]
+    prompts.append(prompts[-1][:96] + random_tokens(5, vocab, seed=99))  # shares 6 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    llm.generate(prompts[-2:-1], params)  # caches the shared blocks
+    recorder = LogitRecorder(llm)
+    outputs = llm.generate(prompts, params)
+    assert outputs[-1].metrics.num_cached_tokens >= 96 and outputs[-2].metrics.num_cached_tokens >= 96
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logits = hf_greedy(theirs, prompt, STEPS)
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        full = prompt + tokens
+        rows = [(ctx, row) for ctx, row in recorder.rows if ctx == full[: len(ctx)] and len(ctx) >= len(prompt)]
+        assert len(rows) >= STEPS
+        for ctx, row in rows:
+            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=ATOL, rtol=0)
+
+
+def _raw(preset: str, **changes) -> dict:
+    model_type, architecture, fields = PRESETS[preset]
+    return {"architectures": [architecture], "model_type": model_type, **BASE, **fields, **changes}
+
+
+@pytest.mark.parametrize("preset, changes, fragment", [
+    ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
+    ("qwen2_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_experts=8"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts=0 must be a positive int"),
+    ("qwen2_moe", {"moe_intermediate_size": -4}, "moe_intermediate_size=-4 must be a positive int"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a positive int"),
+    ("qwen2_moe", {"mlp_only_layers": [6]}, "mlp_only_layers=[6] must be a list of layer indices in 0..5"),
+    ("qwen2_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window=true without a layer_types list"),
+    ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}},
+     "MixtralForCausalLM with a gptq quantization_config is not supported yet"),
+])
+def test_bad_moe_configs_are_refused_in_one_line_naming_the_field(preset, changes, fragment) -> None:
+    with pytest.raises(ModelLoadError, match=fragment.replace("[", r"\[").replace("]", r"\]")) as info:
+        parse_hf_config(_raw(preset, **changes))
+    assert "\n" not in str(info.value)
+
+
+def test_parsed_configs_follow_transformers_defaults_and_layer_rules() -> None:
+    qwen = parse_hf_config(_raw("qwen2_moe"))
+    assert qwen.sparse_layers == (False, True, False, False, False, True)
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.norm_topk_prob, qwen.qkv_bias) == (8, 4, False, True)
+    mixtral = parse_hf_config({k: v for k, v in _raw("mixtral").items()
+                               if k not in ("num_local_experts", "num_experts_per_tok")})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (8, 2, True)
+    assert mixtral.moe_intermediate_size == 96 and mixtral.qkv_bias is False
+
+
+def test_a_missing_or_extra_expert_is_refused_at_load(tmp_path, moe_dirs, model_registry, ops) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = moe_dirs["mixtral"]
+    tensors = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    for name, edit in (("missing", lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight")),
+                       ("extra", lambda t: t.__setitem__("model.layers.0.block_sparse_moe.experts.4.w1.weight",
+                                                         torch.zeros(96, 64)))):
+        broken = dict(tensors)
+        edit(broken)
+        (tmp_path / name).mkdir()
+        save_file(broken, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        fragment = "missing 1 tensor" if name == "missing" else "expert 4 is past the config's 4 experts"
+        with pytest.raises(ModelLoadError, match=fragment):
+            load_model(tmp_path / name, ops, torch.float32, "cpu", model_registry, progress=False)
+
+
+def test_fused_moe_layers_are_what_the_experts_load_into(ours) -> None:
+    experts = [m for m in ours["qwen2_moe"].modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == 2 and all(m.fully_loaded() == {"w13_weight", "w2_weight"} for m in experts)
+
+
+def test_a_decode_token_streams_only_the_experts_it_is_routed_to(ours) -> None:
+    from flashllm.models.weight_bytes import weight_bytes
+
+    model = ours["qwen2_moe"]  # two MoE layers routing each token to 4 of 8 experts; an untied head
+    counted = weight_bytes(model)
+    experts = sum(m.experts.w13_weight.nbytes + m.experts.w2_weight.nbytes
+                  for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert counted.total - counted.streamed == model.model.embed_tokens.weight.nbytes + experts // 2
+
+
+def test_the_moe_bench_shape_fits_8_gb_in_fp32_and_counts_the_active_experts(tmp_path, model_registry, ops) -> None:
+    from flashllm.bench.shapes import _COMMON, SHAPES, flops_per_token
+    from flashllm.testing.tiny_models import build_random_model_from_config
+
+    shape = {**_COMMON, **SHAPES["qwen1.5-moe-scaled"]}
+    assert parse_hf_config(shape).num_parameters * 4 < 8e9
+    h, experts, top_k, inter, shared = 64, 6, 4, 32, 64  # the shape's routing, scaled down to build here
+    small = {**shape, "hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96,
+             "num_hidden_layers": 2, "vocab_size": 256, "num_experts": experts, "num_experts_per_tok": top_k,
+             "moe_intermediate_size": inter, "shared_expert_intermediate_size": shared}
+    model_dir = build_random_model_from_config(tmp_path, small)
+    model, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
+    per_layer = 4 * h * h + h * (experts + 3 * top_k * inter + 3 * shared)  # attention, router, k experts, shared
+    assert flops_per_token(model_dir, 0) == 2.0 * (2 * per_layer + 256 * h)
+
+
+def test_two_tensor_parallel_ranks_give_transformers_greedy_tokens(moe_dirs, hf_models) -> None:
+    """Each rank holds every expert's slice of the intermediate features (and of the shared expert and
+    dense MLPs); the partial outputs are all-reduced over gloo."""
+    theirs = hf_models["qwen2_moe"]
+    prompts = [random_tokens(n, theirs.config.vocab_size, seed=30 + n) for n in (5, 40)]
+    llm = LLM(str(moe_dirs["qwen2_moe"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+              distributed_executor_backend="mp", block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.engine.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(theirs, prompt, 8)[0]
