@@ -14,7 +14,7 @@ import torch
 from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
-from flashllm.models.hf_config import HFModelConfig, load_hf_config
+from flashllm.models.hf_config import HFModelConfig, load_hf_config, uses_alibi
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import weight_quant_spec
@@ -80,7 +80,8 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     # a GPTQ/AWQ checkpoint brings its own scheme: resolve the op table for what the layers will hold
     quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size,
                                                                 config.quant.quantize_lm_head))
-    request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size)
+    request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size,
+                        alibi=uses_alibi(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,

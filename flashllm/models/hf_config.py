@@ -77,6 +77,8 @@ class HFModelConfig(Protocol):
     quantization: a GPTQ / AWQ checkpoint's packing (None: float weights); bos/eos_token_id: a
     token id, a list of them, or None; tie_word_embeddings: the LM head shares the embedding;
     raw: the config.json dict; num_parameters: an estimate, bounded before anything is allocated.
+    Optional: alibi (bool, absent means False): the attention adds ALiBi biases, so the op table is
+    resolved for attention kernels that implement them (read through `uses_alibi`).
     """
 
     @property
@@ -216,10 +218,17 @@ def check_model_config(config: Any, architecture: str, source: str) -> None:
     if config.quantization is not None and not isinstance(config.quantization, CheckpointQuant):
         raise ModelLoadError(f"{source}: the parsed quantization must be a CheckpointQuant or None, "
                              f"got {type(config.quantization).__name__}")
+    if not isinstance(getattr(config, "alibi", False), bool):
+        raise ModelLoadError(f"{source}: the parsed alibi must be a bool, got {config.alibi!r}")
     if not isinstance(config.tie_word_embeddings, bool) or not isinstance(config.raw, dict):
         raise ModelLoadError(f"{source}: the parsed tie_word_embeddings must be a bool and raw the config.json dict")
     for name in ("bos_token_id", "eos_token_id"):
         token_ids({name: getattr(config, name)}, name, source)
+
+
+def uses_alibi(config: HFModelConfig) -> bool:
+    """Whether the model's attention adds ALiBi biases: the parsed config's optional `alibi` field."""
+    return getattr(config, "alibi", False) is True
 
 
 def positive_int(raw: dict[str, Any], key: str, default: int | None, maximum: int, source: str) -> int:

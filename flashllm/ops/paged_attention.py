@@ -7,7 +7,7 @@ from torch import Tensor
 
 from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 
-USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size"})
+USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size", "alibi"})
 
 
 def _gather_context(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -93,7 +93,9 @@ def paged_attention(
     a cached prefix or chunk (q_len < seq_len) and decode (q_len == 1), mixed freely.
     Query at position p sees keys 0..p; with sliding_window W only keys with p - key_pos < W.
     GQA: query head h reads KV head h // (Hq // Hk). scores = scale * q.k, plus
-    alibi_slopes[h] * (key_pos - p) when alibi_slopes (Hq,) fp32 is given.
+    alibi_slopes[h] * (key_pos - p) when alibi_slopes (Hq,) fp32 is given (ALiBi; Baichuan-13B's own code adds
+    slope * key_pos, which differs by a constant per query row that softmax cancels). A kernel serves models
+    with ALiBi only where its Caps say alibi=True.
     Numerics: scores, softmax and the weighted sum of V in fp32; returns (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] (batch padding) are unspecified.
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from flashllm.ops._kv_checks import KV_QMAX
+from flashllm.ops.alibi_slopes import alibi_slopes
 from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
 
@@ -176,6 +177,8 @@ def _attention_layout(case: str, bs: int) -> tuple[list[int], list[int], int, in
         "mixed": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 8, 2),
         "sliding_window": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 4, 1),
         "alibi": ([bs + 1, 1, 3], [bs + 1, bs, 2 * bs + 3], 8, 8),
+        # a chunk after a cached prefix, a decode and a prefill over GQA heads, 6 slopes (not a power of two)
+        "alibi_gqa": ([7, 1, bs + 1], [2 * bs + 5, 3 * bs - 1, bs + 1], 6, 2),
     }[case]
 
 
@@ -200,6 +203,8 @@ def _paged_attention(
     if case == "alibi":
         # the geometric slopes ALiBi models use for 8 heads: 2^-1 .. 2^-8
         inputs["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(heads)], device=device)
+    if case == "alibi_gqa":
+        inputs["alibi_slopes"] = alibi_slopes(heads).to(device)
     return inputs
 
 
@@ -322,6 +327,11 @@ _MOE_CASES: dict[str, _MoECase] = {
 }
 
 
+def case_alibi(op_name: str, case: str) -> bool:
+    """Whether an input case passes alibi_slopes: a kernel whose caps do not claim ALiBi is not expected to run it."""
+    return op_name == "paged_attention" and case in ("alibi", "alibi_gqa")
+
+
 def _fused_moe(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
@@ -363,7 +373,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
                                          *_KV_QUANT_CASES["write_kv_cache"])),
     "paged_attention": (
         _paged_attention,
-        ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi",
+        ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi", "alibi_gqa",
          *_KV_QUANT_CASES["paged_attention"]),
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),

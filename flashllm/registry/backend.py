@@ -32,7 +32,11 @@ class KernelSignatureError(TypeError):
 
 @dataclass(frozen=True, slots=True)
 class Caps:
-    """What one kernel can run. `None` for head_sizes / block_sizes means "any"."""
+    """What one kernel can run. `None` for head_sizes / block_sizes means "any".
+
+    alibi: the kernel adds ALiBi biases (paged_attention's `alibi_slopes`); a kernel that does not
+    say so is never bound for a model whose attention uses them (the reference runs instead).
+    """
 
     dtypes: frozenset[torch.dtype]
     kv_dtypes: frozenset[torch.dtype] = frozenset()
@@ -40,17 +44,22 @@ class Caps:
     head_sizes: frozenset[int] | None = None
     block_sizes: frozenset[int] | None = None
     graph_safe: bool = True
+    alibi: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class OpRequest:
-    """What the engine needs from one op: the activation dtype plus the fields the op uses."""
+    """What the engine needs from one op: the activation dtype plus the fields the op uses.
+
+    alibi: the model's attention adds ALiBi biases (Baichuan-13B), so attention kernels must claim them.
+    """
 
     dtype: torch.dtype
     kv_dtype: torch.dtype | None = None
     quant: str = "none"
     head_size: int | None = None
     block_size: int | None = None
+    alibi: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,8 @@ class Kernel:
             return f"head size {request.head_size} not in {sorted(caps.head_sizes or ())}"
         if "block_size" in uses and not _allowed(request.block_size, caps.block_sizes):
             return f"block size {request.block_size} not in {sorted(caps.block_sizes or ())}"
+        if "alibi" in uses and request.alibi and not caps.alibi:
+            return "the model uses ALiBi (alibi_slopes), which this kernel does not implement"
         return None
 
 

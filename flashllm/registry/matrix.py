@@ -27,6 +27,9 @@ LEGEND = (
     "✅ every op has a kernel of this backend · 🟡 some ops run the reference kernel · "
     "🔵 every op runs the reference kernel · ❌ the device cannot run it · ⛔ not implemented yet"
 )
+KERNELS_LEGEND = ("Activation dtypes each backend's kernels claim, then weight formats and ALiBi (attention biases "
+                  "of models such as Baichuan-13B) where claimed; an op a backend lacks, or a model needing what "
+                  "its kernel does not claim, runs the reference kernel, listed at engine start.")
 # Cells whose status says something runs carry the proof level of their backend.
 PROVEN_STATUSES = frozenset({"native", "partial", "reference"})
 PROOF_LEGEND = "Proof levels: " + " · ".join(f"{level}: {why}" for level, why in PROOF_LEVELS.items())
@@ -152,7 +155,7 @@ def render_markdown(plugins: FlashPlugins) -> str:
     for row in [*build_rows(plugins), static_graph_row()]:
         cells = " | ".join(row.cells[p.key].render() for p in PRECISIONS)
         lines.append(f"| {row.backend} | {row.profile} | {row.proof} | {cells} | {row.notes} |")
-    lines += ["", "## Kernels by op", "", _kernel_table(plugins), ""]
+    lines += ["", "## Kernels by op", "", KERNELS_LEGEND, "", _kernel_table(plugins), ""]
     return "\n".join(lines)
 
 
@@ -171,7 +174,8 @@ def _describe_kernels(backend: Backend, op: str) -> str:
         return "—"
     dtypes = sorted({str(d).removeprefix("torch.") for k in kernels for d in k.caps.dtypes})
     quant = sorted({q for k in kernels for q in k.caps.quant} - {"none"})
-    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "")
+    alibi = "; ALiBi" if any(k.caps.alibi for k in kernels) else ""
+    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "") + alibi
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -248,7 +248,7 @@ def register(backend: Backend) -> None:
     """Register the cpu kernels on `backend`."""
     specs = op_specs()
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
-    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(paged_attention)
+    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES, alibi=True))(paged_attention)
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
     backend.kernel("silu_and_mul", Caps(dtypes=FLOATS))(silu_and_mul)
     backend.kernel("write_kv_cache", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(write_kv_cache)

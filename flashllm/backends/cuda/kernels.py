@@ -44,7 +44,8 @@ CAPS: dict[str, Caps] = {
     "rotary_embedding": Caps(dtypes=FLOATS),
     "write_kv_cache": Caps(dtypes=FLOATS, kv_dtypes=FLOATS),
     "paged_attention": Caps(
-        dtypes=FLOATS, kv_dtypes=FLOATS, head_sizes=ATTENTION_HEAD_SIZES, block_sizes=ATTENTION_BLOCK_SIZES
+        dtypes=FLOATS, kv_dtypes=FLOATS, head_sizes=ATTENTION_HEAD_SIZES, block_sizes=ATTENTION_BLOCK_SIZES,
+        alibi=True,
     ),
     # weight-only int8/int4 (any group size, symmetric or with zero points) in Triton, "none" in
     # torch; a8w8 and fp8 weights resolve to the reference. No host sync: graph-capturable.

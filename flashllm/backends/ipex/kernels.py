@@ -171,4 +171,4 @@ def register(backend: Backend) -> None:
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
     backend.kernel("silu_and_mul", Caps(dtypes=FLOATS))(silu_and_mul)
     backend.kernel("gelu_and_mul", Caps(dtypes=FLOATS))(gelu_and_mul)
-    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=FLOATS))(paged_attention)
+    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=FLOATS, alibi=True))(paged_attention)

@@ -91,8 +91,8 @@ def paged_attention(
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
     if alibi_slopes is not None:
         raise NotImplementedError(
-            "npu paged_attention: ALiBi is not mapped (torch_npu's pse_shift semantics are not verified); "
-            "run this model with --backend reference"
+            "npu paged_attention: ALiBi is not mapped (torch_npu's pse_shift semantics are not verified) and its "
+            "caps do not claim it; resolve the op table with OpRequest(alibi=True) to bind the reference kernel"
         )
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]

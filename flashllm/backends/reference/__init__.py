@@ -39,6 +39,7 @@ def make_backend() -> Backend:
             kv_dtypes=KV_DTYPES,
             quant=REFERENCE_QUANT.get(name, frozenset({"none"})),
             graph_safe=name not in HOST_SYNCING_OPS,
+            alibi=name == "paged_attention",
         )
         backend.kernel(name, caps)(spec.reference)
     return backend

@@ -157,7 +157,7 @@ def register(backend: Backend) -> None:
     specs = op_specs()
     float_kv = Caps(DTYPES, kv_dtypes=DTYPES)
     backend.kernel("write_kv_cache", float_kv)(write_kv_cache)
-    backend.kernel("paged_attention", float_kv)(paged_attention)
+    backend.kernel("paged_attention", Caps(DTYPES, kv_dtypes=DTYPES, alibi=True))(paged_attention)
     backend.kernel("fused_moe", Caps(DTYPES))(fused_moe)
     for op in TRACEABLE_REFERENCES:
         backend.kernel(op, Caps(DTYPES))(specs[op].reference)

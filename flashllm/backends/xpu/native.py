@@ -123,7 +123,7 @@ def paged_attention(
 NATIVE_KERNELS = {
     "rms_norm": (rms_norm, Caps(dtypes=FLOATS)),
     "write_kv_cache": (write_kv_cache, Caps(dtypes=FLOATS, kv_dtypes=FLOATS)),
-    "paged_attention": (paged_attention, Caps(dtypes=FLOATS, kv_dtypes=FLOATS)),
+    "paged_attention": (paged_attention, Caps(dtypes=FLOATS, kv_dtypes=FLOATS, alibi=True)),
 }
 
 

@@ -19,16 +19,22 @@ class Attention(nn.Module):
     k_scale / v_scale buffers: this layer's calibrated static KV scales, () or (num_kv_heads,)
     float32, when the checkpoint has them (None otherwise); the model runner hands them back in
     kv_cache for `--cachekv_int8_type static`.
+    alibi_slopes: (num_heads,) fp32 ALiBi slopes of this rank's query heads, or None (no ALiBi);
+    the op table must then come from a request with alibi=True (see registry Caps.alibi).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, ops: Any,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, alibi_slopes: Tensor | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({num_heads},), "
+                             "one slope per query head of this rank")
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         self._write_kv_cache = ops.write_kv_cache
         self._paged_attention = ops.paged_attention
         self.register_buffer("k_scale", None, persistent=False)
@@ -58,7 +64,7 @@ class Attention(nn.Module):
         self._write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = self._paged_attention(
             q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
-            attn_metadata.seq_lens, self.scale, sliding_window=self.sliding_window,
+            attn_metadata.seq_lens, self.scale, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
             k_scale=k_scale, v_scale=v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
