@@ -208,6 +208,13 @@ class ChatGLMForConditionalGeneration(CausalLM):
     post_attention_layernorm, mlp.dense_h_to_4h, mlp.dense_4h_to_h}, transformer.encoder.final_layernorm,
     transformer.output_layer); the fused query_key_value and dense_h_to_4h tensors are split into their
     projections as they load, so tensor parallel ranks each read their own heads.
+
+    It computes what ChatGLM's published modeling code does; in fp16/bf16 two roundings differ: its rope
+    table is cast to the model dtype before the rotation (flashllm rotates in fp32), and its RMSNorm
+    multiplies the weight by the fp32 normalized activations before casting (flashllm casts first, as
+    transformers' Llama and GLM do). `original_rope`, `apply_query_key_layer_scaling` and
+    `attention_softmax_in_fp32` change nothing here: the first is unused by that code, the other two
+    cancel out or are what the attention kernels do anyway.
     """
 
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_pos_emb.inv_freq",)
