@@ -22,6 +22,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
 HIDDEN, FFN, LAYERS, HEADS, GROUPS, HEAD_DIM, VOCAB, SEQ = 64, 128, 2, 4, 2, 16, 256, 512
 ROPE_RATIO = 5.0  # ChatGLM's base 10000 times rope_ratio is GLM's rope_theta
@@ -47,13 +48,13 @@ def chatglm_config(**overrides) -> dict:
     return config
 
 
-def build_glm(seed: int):
+def build_glm(seed: int, vocab_size: int = VOCAB):
     """transformers' GlmForCausalLM of the tiny shapes, every parameter random (norm scales around 1)."""
     from transformers import GlmConfig
     from transformers import GlmForCausalLM as HFGlm
 
     config = GlmConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM, max_position_embeddings=SEQ,
         rms_norm_eps=EPS, attention_bias=True, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0 * ROPE_RATIO, "partial_rotary_factor": 0.5},
@@ -287,6 +288,27 @@ def test_the_cpu_fused_decode_step_takes_the_glm_block_and_gives_transformers_to
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt, STEPS)[0]
     assert fused_steps and greedy_screen.kept(llm.engine.parts.model) is not None
+
+
+def test_chat_through_the_checkpoints_sentencepiece_tokenizer(tmp_path):
+    """A ChatGLM directory with tokenizer.model and ChatGLMTokenizer's config: chat prompts start with
+    [gMASK] sop <|user|>, text prompts with [gMASK] sop, and the greedy tokens are transformers' ones."""
+    hf_model = build_glm(seed=9, vocab_size=1024)  # room for the tokenizer's ~800 pieces and 9 specials
+    model_dir = write_chatglm_dir(tmp_path, hf_model, padded_vocab_size=1024)
+    train_sentencepiece_model(model_dir / "tokenizer.model")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ChatGLMTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}}))
+    llm = _llm(model_dir)
+    tok = llm.tokenizer
+    prefix = [tok.convert_tokens_to_ids(t) for t in ("[gMASK]", "sop")]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params, chat_template="chatglm3")
+    assert chat.prompt_token_ids[:3] == [*prefix, tok.convert_tokens_to_ids("<|user|>")]
+    assert chat.prompt_token_ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert chat.outputs[0].token_ids == _hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
+    (plain,) = llm.generate("Hello", params)
+    assert plain.prompt_token_ids == [*prefix, *tok.encode("Hello", add_special_tokens=False)]
+    assert plain.outputs[0].text == tok.decode(plain.outputs[0].token_ids, skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------- configs refused in one line
