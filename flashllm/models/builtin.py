@@ -10,6 +10,8 @@ from flashllm.registry.hookspecs import hookimpl
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
+    "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
+    "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",

@@ -543,11 +543,25 @@ _CHATGLM3 = (
     "{% if loop.first and message.role == 'system' and tools %}{{ '\\n' + tools | tojson(indent=4) }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+# Baichuan2-Chat (its generation_utils.build_chat_input): an optional leading system text, then each user
+# turn after <reserved_106> (id 195) and each assistant turn after <reserved_107> (id 196); no BOS
+_BAICHUAN_2 = (
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}{% if not loop.first %}"
+    "{{ raise_exception('baichuan-2 takes a system message only as the first message') }}{% endif %}"
+    "{{ message.content or '' }}"
+    "{% elif message.role == 'user' %}{{ '<reserved_106>' + (message.content or '') }}"
+    "{% elif message.role == 'assistant' %}{{ '<reserved_107>' + (message.content or '') }}"
+    "{% else %}{{ raise_exception('baichuan-2 conversations have system, user and assistant messages only') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and messages[-1].role != 'assistant' %}{{ '<reserved_107>' }}{% endif %}"
+)
 BUILTIN_TEMPLATES: dict[str, tuple[str, str, str]] = {
     "chatml": (_CHATML, "", "<|im_end|>"),
     "qwen": (_QWEN, "", "<|im_end|>"),
     "llama-2": (_LLAMA_2, "<s>", "</s>"),
     "llama-3": (_LLAMA_3, "<|begin_of_text|>", "<|eot_id|>"),
+    "baichuan-2": (_BAICHUAN_2, "", "</s>"),
     "chatglm2": (_CHATGLM2, "", "</s>"),
     "chatglm3": (_CHATGLM3, "", "</s>"),
 }

@@ -1,0 +1,173 @@
+"""Baichuan / Baichuan2 decoders: Llama's block with q, k, v fused in W_pack; RoPE (7B) or ALiBi (13B);
+Baichuan2's LM head with L2-normalized rows. Which applies comes from config.json (see baichuan_config)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashllm.models.baichuan_config import BaichuanModelConfig, parse_baichuan_config
+from flashllm.models.base import CausalLM
+from flashllm.models.hf_config import ModelLoadError
+from flashllm.models.layers.attention import Attention
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from flashllm.models.layers.mlp import GatedMLP
+from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.llama import LlamaForCausalLM, LlamaModel
+from flashllm.ops.alibi_slopes import alibi_slopes
+from flashllm.registry.fusions import DECODER_STACK
+
+W_PACK = ".self_attn.W_pack.weight"
+
+
+class BaichuanAlibiAttention(nn.Module):
+    """W_pack (held as qkv_proj) -> paged attention with ALiBi biases -> o_proj; no rotary embedding."""
+
+    def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        heads, head_dim = config.num_attention_heads, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, heads, False, ops, dtype, device,
+                                          tp_rank, tp_size)
+        self.num_heads = self.num_kv_heads = self.qkv_proj.num_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, False, ops, dtype, device,
+                                        tp_rank, tp_size)
+        first = tp_rank * self.num_heads  # this rank's query heads, hence its slopes
+        slopes = alibi_slopes(heads)[first : first + self.num_heads].to(device)
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, ops, alibi_slopes=slopes)
+
+    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """positions (T,) (unused: ALiBi biases come from cache positions), hidden (T, hidden) -> (T, hidden)."""
+        size = self.num_heads * self.head_dim
+        q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(hidden).split(size, dim=-1))
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class BaichuanAlibiDecoderLayer(nn.Module):
+    """Llama's pre-norm block (residual add fused in the norms) around ALiBi attention."""
+
+    def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.self_attn = BaichuanAlibiAttention(config, ops, dtype, device, tp_rank, tp_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class BaichuanAlibiModel(nn.Module):
+    """Embedding, ALiBi decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
+        self.layers = nn.ModuleList(BaichuanAlibiDecoderLayer(config, ops, dtype, device, tp_rank, tp_size)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class BaichuanForCausalLM(LlamaForCausalLM):
+    """Baichuan-7B / Baichuan-13B / Baichuan2-7B / Baichuan2-13B with the engine's model API.
+
+    The RoPE models are Llama's decoder exactly (a LlamaModel, so backends' fused paths for it
+    apply); the ALiBi models run BaichuanAlibiModel and offer no fused decoder stack, whose fused
+    decode applies RoPE and no ALiBi bias. W_pack (3 * hidden, hidden), rows [q; k; v], loads as
+    the q, k and v shards of qkv_proj; Baichuan2's LM head rows are normalized once, at load.
+    """
+
+    # Baichuan-7B checkpoints may keep the RoPE inverse frequencies, which are rebuilt from the config
+    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        # not LlamaForCausalLM.__init__: that builds a RoPE LlamaModel, and the stack here depends on the config
+        CausalLM.__init__(self, config, ops, dtype, device, tp_rank, tp_size)
+        self.max_position = config.max_position_embeddings
+        self.ops = ops
+        if config.alibi:
+            _check_alibi_kernel(ops)
+            self.model = BaichuanAlibiModel(config, ops, dtype, device, tp_rank, tp_size)
+        else:
+            self.model = LlamaModel(config, ops, dtype, device, False, False, tp_rank, tp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> BaichuanModelConfig:
+        """config.json -> BaichuanModelConfig, validated (see flashllm.models.baichuan_config)."""
+        return parse_baichuan_config(raw, source)
+
+    @staticmethod
+    def attention_biases(config: BaichuanModelConfig) -> tuple[bool, bool]:
+        """(qkv_proj has a bias, o_proj has a bias): neither, in every Baichuan checkpoint."""
+        return False, False
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """CausalLM.load_weights with W_pack split into q_proj / k_proj / v_proj, then Baichuan2's head normalized."""
+        loaded = super().load_weights(self._split_w_pack(weights))
+        if self.config.norm_head and "lm_head.weight" in loaded:
+            weight = self.lm_head.weight.data
+            # NormHead: logits = hidden @ (W / ||W_row||).T; normalizing in fp32 once equals doing it every step
+            weight.copy_(F.normalize(weight.float(), dim=-1).to(weight.dtype))
+        return loaded
+
+    def _split_w_pack(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Yield the checkpoint's tensors with each W_pack (3 * hidden, hidden) as its q, k and v rows (unread)."""
+        size = self.config.num_attention_heads * self.config.head_dim
+        expected = (3 * size, self.config.hidden_size)
+        for name, tensor in weights:
+            if not name.endswith(W_PACK):
+                yield name, tensor
+                continue
+            if tuple(tensor.shape) != expected:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected} "
+                                     "(q, k and v rows of the heads config.json describes)")
+            prefix = name.removesuffix(W_PACK)
+            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                yield f"{prefix}.self_attn.{proj}.weight", tensor.narrow(0, i * size, size)
+
+    def fusions(self) -> dict[str, Any]:
+        """LlamaForCausalLM's fusions, never DECODER_STACK for ALiBi (its fused decode applies RoPE, no ALiBi)."""
+        found = super().fusions()
+        if self.config.alibi:
+            found.pop(DECODER_STACK, None)
+        return found
+
+
+def _check_alibi_kernel(ops: Any) -> None:
+    """Refuse an op table whose paged_attention kernel does not implement ALiBi (it would ignore the slopes)."""
+    kernel = ops.kernel("paged_attention") if callable(getattr(ops, "kernel", None)) else None
+    if kernel is not None and not kernel.caps.alibi:
+        raise ValueError(f"this model uses ALiBi, but the op table binds paged_attention to the {kernel.backend} "
+                         "kernel, which does not implement it; resolve the op table with OpRequest(alibi=True) "
+                         "(flashllm.models.hf_config.uses_alibi(config)) so the reference kernel is bound")
