@@ -24,6 +24,8 @@ BUILTIN_MARKERS = {
     "chatml": "<|im_start|>user\nhello<|im_end|>\n",
     "llama-2": "[INST] hello [/INST]",
     "llama-3": "<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>",
+    "chatglm2": "[gMASK]sop[Round 1]\n\n问：hello\n\n答：",
+    "chatglm3": "[gMASK]sop<|user|>\n hello<|assistant|>",
 }
 CUSTOM = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}ANSWER:"
 

@@ -109,6 +109,13 @@ def _expected(name: str, messages: list[dict[str, str]], add_generation_prompt: 
     if name == "chatml":
         out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    if name == "chatglm3":
+        out = "[gMASK]sop" + "".join(f"<|{m['role']}|>\n {m['content']}" for m in messages)
+        return out + ("<|assistant|>" if add_generation_prompt else "")
+    if name == "chatglm2":  # numbered rounds; the answer prompt belongs to the user turn
+        return "[gMASK]sop" + "".join(
+            f"[Round {i // 2 + 1}]\n\n问：{m['content']}\n\n答：" if m["role"] == "user" else f"{m['content']}\n\n"
+            for i, m in enumerate(messages))
     if name == "llama-3":
         out = "<|begin_of_text|>" + "".join(
             f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages)
@@ -130,6 +137,8 @@ def _expected(name: str, messages: list[dict[str, str]], add_generation_prompt: 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_builtin_templates_render_the_published_format(name: str, add_generation_prompt: bool) -> None:
     for messages in (CHAT, CHAT[1:], CHAT[:2]):
+        if name == "chatglm2" and messages[0]["role"] == "system":
+            messages = messages[1:]  # ChatGLM2's format has no system role
         got = render_chat(name, messages, add_generation_prompt=add_generation_prompt)
         assert got == _expected(name, messages, add_generation_prompt)
 
