@@ -143,10 +143,14 @@ def _refuse_unsupported_chatglm(raw: dict[str, Any], architecture: str, source: 
     if "rmsnorm" in raw and not flag(raw, "rmsnorm", source):
         raise ModelLoadError(f"{source}: rmsnorm=false (LayerNorm blocks) is not supported; flashllm's GLM decoder "
                              "uses RMSNorm, as every ChatGLM2/3 and GLM-4 checkpoint does")
-    for key in ("apply_residual_connection_post_layernorm", "fp32_residual_connection"):
+    if raw.get("pre_seq_len") is not None:
+        raise ModelLoadError(f"{source}: pre_seq_len={raw['pre_seq_len']!r} marks a P-tuning v2 checkpoint (a learned "
+                             "prefix encoder), which flashllm does not run; merge or drop the prefix and set it to null")
+    for key in ("apply_residual_connection_post_layernorm", "fp32_residual_connection", "interleaved_qkv"):
         if flag(raw, key, source):
-            raise ModelLoadError(f"{source}: {key}=true is not supported; flashllm's GLM decoder adds the "
-                                 f"un-normed residual in the model dtype, as every released checkpoint does ({key}=false)")
+            raise ModelLoadError(f"{source}: {key}=true is not supported; flashllm's GLM decoder reads the released "
+                                 f"checkpoints' layout (q, k, v rows one after the other; the residual added un-normed, in "
+                                 f"the model dtype), all of which have {key}=false")
 
 
 def parse_glm_config(raw: dict[str, Any], source: str = "config.json") -> GLMConfig:

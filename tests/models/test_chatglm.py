@@ -338,6 +338,9 @@ def test_inconsistent_group_counts_are_refused():
     ({"rmsnorm": False}, "rmsnorm=false"),
     ({"apply_residual_connection_post_layernorm": True}, "apply_residual_connection_post_layernorm=true"),
     ({"kv_channels": 18}, "kv_channels=18"),
+    ({"pre_seq_len": 128}, "P-tuning v2"),
+    ({"interleaved_qkv": True}, "interleaved_qkv=true"),
+    ({"fp32_residual_connection": True}, "fp32_residual_connection=true"),
 ])
 def test_unsupported_chatglm_configs_are_refused(overrides, expected):
     raw = {k: v for k, v in chatglm_config(**overrides).items() if v is not None}
