@@ -277,6 +277,45 @@ def test_what_each_variant_declares(models, ops, model_registry) -> None:
     assert config.alibi and not config.norm_head and set(alibi.fusions()) == {LM_HEAD}
 
 
+def test_each_tensor_parallel_rank_takes_its_heads_slopes(ops) -> None:
+    """Rank r of 2 holds query heads 3r..3r+2 of 6 (qkv_proj's split), so it must hold their slopes."""
+    from flashllm.models.baichuan import BaichuanAlibiAttention
+    from flashllm.ops.alibi_slopes import alibi_slopes
+
+    config = parse_hf_config({**ALIBI, "architectures": ["BaichuanForCausalLM"]})
+    for rank in (0, 1):
+        attn = BaichuanAlibiAttention(config, ops, torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=2)
+        assert attn.num_heads == 3 and torch.equal(attn.attn.alibi_slopes, alibi_slopes(6)[3 * rank : 3 * rank + 3])
+        assert torch.equal(attn.attn.alibi_slopes, torch.tensor(NaiveBaichuan.SLOPES_6[3 * rank : 3 * rank + 3]))
+
+
+def test_weight_only_int8_alibi_computes_with_its_dequantized_weights(models, ops, model_registry,
+                                                                      paged_driver) -> None:
+    """--quant_type weight_only_int8 on Baichuan: W_pack's shards quantized as one matrix, and the logits are
+    the naive model's on the dequantized weights (not merely near the float ones)."""
+    from flashllm.ops.quant_matmul import dequantize
+    from flashllm.quant.spec import weight_quant_spec
+
+    model_dir, _ = models["2-13b"]
+    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False,
+                         quant=weight_quant_spec("weight_only_int8"))
+    naive = NaiveBaichuan(model_dir, norm_head=True)
+    for i, layer in enumerate(ours.model.layers):
+        attn, mlp, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        assert attn.qkv_proj.qweight.scheme == "w8a16"
+        gate, up = dequantize(mlp.gate_up_proj.qweight).double().chunk(2)
+        naive.w.update({p + "self_attn.W_pack.weight": dequantize(attn.qkv_proj.qweight).double(),
+                        p + "self_attn.o_proj.weight": dequantize(attn.o_proj.qweight).double(),
+                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                        p + "mlp.down_proj.weight": dequantize(mlp.down_proj.qweight).double()})
+    assert not torch.equal(naive.w["model.layers.0.self_attn.W_pack.weight"], models["2-13b"][1].w[
+        "model.layers.0.self_attn.W_pack.weight"])  # the weights really were rounded
+    prompt = random_tokens(65, seed=8)
+    driver = paged_driver(ours, block_size=BLOCK, num_blocks=16)
+    (logits,) = driver.step([(driver.add_sequence(), prompt)])
+    torch.testing.assert_close(logits.double(), naive.logits(prompt), atol=ATOL, rtol=0)
+
+
 def test_a_w_pack_of_the_wrong_shape_is_refused(models, tmp_path, ops, model_registry) -> None:
     tensors = load_file(models["13b"][0] / "model.safetensors")
     tensors["model.layers.1.self_attn.W_pack.weight"] = tensors["model.layers.1.self_attn.W_pack.weight"][:-16]
