@@ -33,6 +33,12 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "request_timeout": (float, 600.0, "seconds before a request is aborted with 408"),
     "shutdown_drain_timeout": (float, 30.0, "seconds SIGTERM waits for requests in flight"),
     "max_body_bytes": (int, 4 << 20, "largest request body accepted (413 above)"),
+    "header_timeout": (float, 10.0, "seconds a client has to send a whole request head, from its first byte "
+                       "(408 and close after)"),
+    "body_timeout": (float, 30.0, "seconds a client has to send a whole request body, from the end of its head "
+                     "(408 and close after)"),
+    "keep_alive_timeout": (float, 5.0, "seconds a connection may stay open without starting a request"),
+    "max_connections": (int, 1000, "open connections beyond which a new one gets 503 and is closed"),
     "ui": (_bool, False, "also serve the gradio chat page at /ui"),
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "

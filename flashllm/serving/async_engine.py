@@ -119,7 +119,8 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.error: BaseException | None = None
         self.draining = False
-        self.stats = EngineStats(num_blocks_total=engine.block_manager.num_total_blocks) \
+        self.stats = EngineStats(num_blocks_total=engine.block_manager.num_total_blocks,
+                                 num_blocks_free=engine.num_free_blocks()) \
             if isinstance(engine, Engine) else EngineStats()
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from flashllm.outputs import RequestOutput
 from flashllm.serving.async_engine import EngineStats
+from flashllm.serving.connection import ConnectionLimits
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "over_capacity", "bad_framing")
+
+
+class _ConnectionCollector(Collector):
+    """Open connections and connections the server closed, by reason, read from the connection layer."""
+
+    def __init__(self, model_name: str, limits: ConnectionLimits) -> None:
+        self._model_name = model_name
+        self._limits = limits
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        open_now = GaugeMetricFamily("flashllm:connections_open", "open HTTP connections", labels=["model_name"])
+        open_now.add_metric([self._model_name], self._limits.open_connections)
+        closed = CounterMetricFamily("flashllm:connections_closed", "connections the server closed, by reason",
+                                     labels=["model_name", "reason"])
+        for reason in CONNECTION_CLOSE_REASONS:
+            closed.add_metric([self._model_name, reason], self._limits.closed.get(reason, 0))
+        yield open_now
+        yield closed
 
 
 class ServerMetrics:
     """Counters and histograms updated by the API layer; engine gauges read at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
+                 connections: ConnectionLimits | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        if connections is not None:
+            self.registry.register(_ConnectionCollector(model_name, connections))
         self._stats = stats
         labels = {"model_name": model_name}
         self._labels = labels
@@ -38,6 +63,10 @@ class ServerMetrics:
                                 [*labels, "reason"], registry=self.registry)
         self.finished = Counter("flashllm:requests_finished", "requests finished, by finish reason",
                                 [*labels, "finish_reason"], registry=self.registry)
+        self.client_disconnects = Counter("flashllm:client_disconnects",
+                                          "clients that went away before their request body arrived", list(labels),
+                                          registry=self.registry)
+        self.client_disconnects.labels(**labels)  # scraped as 0 from the start, not absent
         self.prompt_tokens = Counter("flashllm:prompt_tokens", "prompt tokens processed", list(labels),
                                      registry=self.registry)
         self.generation_tokens = Counter("flashllm:generation_tokens", "tokens generated", list(labels),
@@ -54,6 +83,9 @@ class ServerMetrics:
 
     def abort(self, reason: str) -> None:
         self.aborted.labels(**self._labels, reason=reason).inc()
+
+    def client_disconnect(self) -> None:
+        self.client_disconnects.labels(**self._labels).inc()
 
     def inter_token(self, seconds: float) -> None:
         self.itl.labels(**self._labels).observe(seconds)

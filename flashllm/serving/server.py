@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import resource
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat
 from flashllm.sampling_params import SamplingParams
 from flashllm.serving.app import create_app
 from flashllm.serving.async_engine import AsyncEngine, StepEngine
+from flashllm.serving.connection import ConnectionLimits, GuardedH11Protocol
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.metrics import ServerMetrics
 
@@ -38,6 +41,7 @@ class BuiltServer:
     app: FastAPI
     ctx: ServerContext
     engine: AsyncEngine
+    limits: ConnectionLimits
 
 
 @dataclass
@@ -59,6 +63,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
     A model or cache configuration that cannot work exits with one line naming the problem
     (e.g. a KV cache too small for one max_model_len sequence), not a traceback.
     """
+    limits = connection_limits(options)
     try:
         served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
     except (EngineConfigError, ModelLoadError) as exc:
@@ -70,7 +75,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         engine=async_engine, tokenizer=served.tokenizer, model_name=name, max_model_len=served.max_model_len,
         defaults={k: getattr(served.defaults, k) for k in SAMPLING_DEFAULT_KEYS},
         request_timeout=options["request_timeout"],
-        metrics=ServerMetrics(name, lambda: async_engine.stats),
+        metrics=ServerMetrics(name, lambda: async_engine.stats, limits),
         chat_template=_chat_template(served, options["chat_template"]),
         vocab_size=served.vocab_size, model_info=served.info,
     )
@@ -82,7 +87,31 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
             logger.warning("--ui with --api-key: the /ui page needs the key too (send it as a bearer header)")
         base = f"http://{_client_host(options['host'])}:{options['port']}/v1"
         mount_webui(app, base, name, (options["api_key"] or [None])[0])
-    return BuiltServer(app, ctx, async_engine)
+    return BuiltServer(app, ctx, async_engine, limits)
+
+
+def connection_limits(options: dict[str, Any]) -> ConnectionLimits:
+    """The connection layer's limits from the serve options (one-line exit on a bad value)."""
+    try:
+        limits = ConnectionLimits(header_timeout=options["header_timeout"], body_timeout=options["body_timeout"],
+                                  keep_alive_timeout=options["keep_alive_timeout"],
+                                  max_connections=options["max_connections"])
+    except ValueError as exc:
+        raise SystemExit(f"flashllm serve: {exc}") from None
+    _raise_open_files_limit(limits.max_connections)
+    return limits
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor: lift the soft limit toward the hard one, or warn."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + 256  # model files, the listening socket, logs, the engine's own
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < needed:
+            logger.warning("--max-connections %d needs about %d open files but the hard limit is %d; "
+                           "lower --max-connections or raise `ulimit -Hn`", max_connections, needed, hard)
 
 
 def _load_dynamic(options: dict[str, Any]) -> ServedModel:
@@ -180,9 +209,12 @@ def serve(built: BuiltServer, options: dict[str, Any]) -> int:
     is the operator's bound (the log counts the cut-off requests). Non-zero is kept for a failed
     engine, where a supervisor should restart the server.
     """
+    # uvicorn's own h11 protocol has no read deadlines and no connection cap; this subclass adds them
+    protocol = functools.partial(GuardedH11Protocol, limits=built.limits)
     config = uvicorn.Config(built.app, host=options["host"], port=options["port"], log_level="warning",
-                            http="h11", h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=5,
-                            access_log=False)
+                            http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # type: ignore[arg-type]
+                            timeout_keep_alive=built.limits.keep_alive_timeout,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=5, access_log=False)
     server = _DrainingServer(config, built.engine, options["shutdown_drain_timeout"])
 
     def stop_serving(exc: BaseException) -> None:
