@@ -16,6 +16,7 @@ from flashllm.models.checkpoint_tensor import CheckpointTensor
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 from flashllm.models.layers.embedding import LMHead
 from flashllm.models.layers.linear import LinearBase
+from flashllm.models.layers.moe import FusedMoE
 from flashllm.models.layers.prequantized import finish_prequantized, prepare_prequantized
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import WeightQuantSpec
@@ -84,7 +85,7 @@ def load_model(
     for module in model.modules():
         if finish_prequantized(module):
             continue
-        if isinstance(module, (LinearBase, LMHead)):
+        if isinstance(module, (LinearBase, LMHead, FusedMoE)):
             module.process_weights_after_loading(quant)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -295,7 +295,14 @@ def case_quant(op_name: str, case: str) -> str:
     """
     if op_name == "quant_matmul":
         return _QUANT_MATMUL_CASES[case].scheme
+    if op_name == "fused_moe":
+        return _MOE_CASES[case].scheme
     return "none"
+
+
+def case_alibi(op_name: str, case: str) -> bool:
+    """Whether an input case passes alibi_slopes: a kernel whose caps do not claim ALiBi is not expected to run it."""
+    return op_name == "paged_attention" and case in ("alibi", "alibi_gqa")
 
 
 class _MoECase(NamedTuple):
@@ -311,6 +318,7 @@ class _MoECase(NamedTuple):
     experts: int
     top_k: int
     renormalized: bool = True
+    scheme: str = "none"  # "w8a16": int8 experts with per-expert, per-channel scales
 
 
 # top-1, top-2, top-4 over 60 experts (Qwen1.5-MoE's routing) and top-8 (Qwen2-57B's), one decode
@@ -324,12 +332,17 @@ _MOE_CASES: dict[str, _MoECase] = {
     "top4_60_experts_unnormalized": _MoECase(6, 64, 32, 60, 4, renormalized=False),
     "top8_renormalized": _MoECase(5, 64, 48, 16, 8),
     "top8_one_token_unnormalized": _MoECase(1, 64, 32, 64, 8, renormalized=False),
+    # int8 experts: rows of 64 features (the cpu kernel's native int8 products) and of 48 (not)
+    "w8a16_top2": _MoECase(9, 64, 64, 8, 2, scheme="w8a16"),
+    "w8a16_one_token_unnormalized": _MoECase(1, 96, 48, 8, 2, renormalized=False, scheme="w8a16"),
 }
 
 
-def case_alibi(op_name: str, case: str) -> bool:
-    """Whether an input case passes alibi_slopes: a kernel whose caps do not claim ALiBi is not expected to run it."""
-    return op_name == "paged_attention" and case in ("alibi", "alibi_gqa")
+def _expert_codes(gen: torch.Generator, experts: int, n: int, k: int, device: str) -> tuple[Tensor, Tensor]:
+    """Random int8 codes (E, N, K) over the whole range and fp32 scales (E, N) giving outputs of about unit size."""
+    codes = torch.randint(-127, 128, (experts, n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(experts, n, generator=gen) + 0.5) * (k**-0.5 / 64)
+    return codes.to(device), scales.to(device)
 
 
 def _fused_moe(
@@ -347,13 +360,15 @@ def _fused_moe(
         weights, topk_ids = torch.topk(probs, c.top_k, dim=-1)
         if c.renormalized:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-    return {
-        "x": _randn(gen, c.tokens, c.hidden, dtype=dtype, device=device),
-        "w13": _randn(gen, c.experts, 2 * c.inter, c.hidden, dtype=dtype, device=device, std=c.hidden**-0.5),
-        "w2": _randn(gen, c.experts, c.hidden, c.inter, dtype=dtype, device=device, std=c.inter**-0.5),
-        "topk_weights": weights.to(device),
-        "topk_ids": topk_ids.to(device),
-    }
+    inputs: Inputs = {"x": _randn(gen, c.tokens, c.hidden, dtype=dtype, device=device),
+                      "topk_weights": weights.to(device), "topk_ids": topk_ids.to(device)}
+    if c.scheme == "w8a16":
+        inputs["w13"], inputs["w13_scale"] = _expert_codes(gen, c.experts, 2 * c.inter, c.hidden, device)
+        inputs["w2"], inputs["w2_scale"] = _expert_codes(gen, c.experts, c.hidden, c.inter, device)
+        return inputs
+    inputs["w13"] = _randn(gen, c.experts, 2 * c.inter, c.hidden, dtype=dtype, device=device, std=c.hidden**-0.5)
+    inputs["w2"] = _randn(gen, c.experts, c.hidden, c.inter, dtype=dtype, device=device, std=c.inter**-0.5)
+    return inputs
 
 
 def _silu(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str) -> Inputs:

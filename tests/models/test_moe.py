@@ -320,3 +320,39 @@ def test_two_tensor_parallel_ranks_give_transformers_greedy_tokens(moe_dirs, hf_
         llm.engine.shutdown()
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(theirs, prompt, 8)[0]
+
+
+def test_w8a16_experts_are_int8_codes_whose_dequantized_weights_the_kernel_multiplies_by(moe_dirs, ours,
+                                                                                          model_registry, ops) -> None:
+    from flashllm.ops.fused_moe import fused_moe
+    from flashllm.quant.spec import WeightQuantSpec
+
+    quantized, _ = load_model(moe_dirs["qwen2_moe"], ops, torch.float32, "cpu", model_registry, progress=False,
+                              quant=WeightQuantSpec("w8a16"))
+    experts, floats = quantized.model.layers[1].mlp.experts, ours["qwen2_moe"].model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.int8 and experts.w13_scale.shape == (8, 96)
+    assert experts.w2_weight.dtype == torch.int8 and experts.w2_scale.shape == (8, 64)
+    for codes, scales, weight in ((experts.w13_weight, experts.w13_scale, floats.w13_weight),
+                                  (experts.w2_weight, experts.w2_scale, floats.w2_weight)):
+        dequantized = codes.float() * scales[..., None]
+        assert bool(((dequantized - weight).abs() <= scales[..., None] * 0.5001).all())  # round to nearest
+        assert bool((codes.abs().amax(dim=-1) == 127).all())  # each row's largest weight sets its scale
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    weights, ids = torch.softmax(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)), -1).topk(4, -1)
+    expected = fused_moe(x, experts.w13_weight.float() * experts.w13_scale[..., None],
+                         experts.w2_weight.float() * experts.w2_scale[..., None], weights, ids)
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_w8a16_experts_give_the_same_greedy_tokens_on_the_cpu_kernel_and_the_reference(moe_dirs) -> None:
+    prompts = [random_tokens(n, 256, seed=40 + n) for n in (3, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for backend in ("cpu", "reference"):
+        llm = LLM(str(moe_dirs["qwen2_moe"]), dtype="float32", device="cpu", backend=backend, block_size=BLOCK,
+                  max_model_len=256, num_kv_blocks=64, quant_type="weight_only_int8")
+        model = llm.engine.parts.model
+        assert model.ops.sources["fused_moe"] == backend
+        assert model.model.layers[1].mlp.experts.w13_weight.dtype == torch.int8
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cpu"] == tokens["reference"]

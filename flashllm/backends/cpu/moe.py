@@ -20,14 +20,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.backends.cpu import native
+from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales
+from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
     """The fused_moe op (flashllm.ops.fused_moe): x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights /
-    topk_ids (T, k) -> (T, H) in x.dtype; products, activation and the weighted sum in fp32."""
+    topk_ids (T, k) -> (T, H) in x.dtype; products, activation and the weighted sum in fp32. Float
+    experts, or w8a16 int8 codes with w13_scale (E, 2I) / w2_scale (E, H)."""
+    check_expert_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -43,7 +48,7 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     weights = topk_weights.float()
     if num_tokens == 1:  # one decode token: its k experts in turn, nothing to sort or scatter
         for slot, expert in enumerate(topk_ids[0].tolist()):
-            out += _expert(xf, w13[expert], w2[expert]) * weights[0, slot]
+            out += _expert(xf, w13, w2, w13_scale, w2_scale, expert) * weights[0, slot]
         return out.to(x.dtype)
     order = torch.argsort(flat_ids, stable=True)
     tokens = order // top_k  # the token of each (token, slot) pair, sorted by expert
@@ -53,20 +58,30 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         if count == 0:
             continue
         rows = tokens[start:start + count]
-        expert_out = _expert(xf[rows], w13[expert], w2[expert])  # (count, H)
+        expert_out = _expert(xf[rows], w13, w2, w13_scale, w2_scale, expert)  # (count, H)
         out.index_add_(0, rows, expert_out * pair_weights[start:start + count, None])
         start += count
     return out.to(x.dtype)
 
 
-def _expert(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """One expert's gated MLP on fp32 rows x (n, H): w13 (2I, H), w2 (H, I) -> (n, H) fp32."""
-    gate, up = _linear(x, w13).chunk(2, dim=-1)
-    return _linear(F.silu(gate) * up, w2)
+def _expert(x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
+            expert: int) -> Tensor:
+    """Expert `expert`'s gated MLP on fp32 rows x (n, H) -> (n, H) fp32."""
+    gate, up = _linear(x, w13[expert], None if w13_scale is None else w13_scale[expert]).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, w2[expert], None if w2_scale is None else w2_scale[expert])
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """fp32 x (n, K) @ weight (N, K).T -> (n, N) fp32: native for decode-sized fp32 products."""
+def _linear(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+    """fp32 x (n, K) @ weight (N, K).T -> (n, N) fp32; weight float, or int8 codes times scale (N,).
+
+    Decode-sized products run native: fp32 weights on f32_linear, int8 ones (rows of a multiple of
+    32 features) on int_linear, reading one byte a weight; else through torch.
+    """
+    if scale is not None:
+        qweight = QuantizedWeight("w8a16", weight, scale.float()[:, None])
+        if native.supports_quantized(qweight, x.shape[0]):
+            return native.int_linear(x, qweight)
+        return F.linear(x, dequantize(qweight).float())
     weight = weight.float()  # a no-op for fp32; one expert's rows widened for fp16 / bf16
     if native.supports_dense(x, weight):
         return native.f32_linear(x, weight)
@@ -75,7 +90,7 @@ def _linear(x: Tensor, weight: Tensor) -> Tensor:
 
 def register(backend: Backend) -> None:
     """Register the cpu fused_moe kernel on `backend` (it reads expert ids on the host: not graph safe)."""
-    backend.kernel("fused_moe", Caps(dtypes=FLOATS, graph_safe=False))(fused_moe)
+    backend.kernel("fused_moe", Caps(dtypes=FLOATS, quant=EXPERT_SCHEMES, graph_safe=False))(fused_moe)
 
 
 def _bench(argv: list[str] | None = None) -> None:

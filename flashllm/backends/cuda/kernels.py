@@ -122,9 +122,10 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
     return launcher_module("quant_matmul").quant_matmul(x, weight, bias)
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe)."""
-    return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids)
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe); float experts (caps: "none")."""
+    return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 WRAPPERS = {

@@ -140,14 +140,19 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' gated MLPs, weighted and summed per token: x (T, H) -> (T, H) in x.dtype.
 
     w13 (E, 2I, H) gate rows then up rows; w2 (E, H, I); topk_weights (T, k) float; topk_ids (T, k)
     int. Semantics as `flashllm.ops.fused_moe`; the dot operands are x.dtype (weights cast to it),
-    fp32 accumulation, and the intermediate silu(gate) * up is rounded to x.dtype.
+    fp32 accumulation, and the intermediate silu(gate) * up is rounded to x.dtype. Float experts
+    only: the kernel's caps claim "none", so a MoE layer bound to it never stores int8 experts.
     """
+    if w13_scale is not None or w2_scale is not None:
+        raise ValueError("the Triton fused_moe kernel takes float experts only (its caps claim 'none'); "
+                         "int8 experts need a kernel claiming 'w8a16'")
     _check(x, w13, w2, topk_ids)
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape

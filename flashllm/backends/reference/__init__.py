@@ -16,7 +16,7 @@ KV_DTYPES = FLOAT_DTYPES | {torch.int8, torch.float8_e4m3fn}
 # Quantization schemes each reference op implements; widened as quant/ adds schemes.
 REFERENCE_QUANT: dict[str, frozenset[str]] = {
     "quant_matmul": QUANT_MATMUL_SCHEMES,
-    "fused_moe": frozenset({"none"}),
+    "fused_moe": frozenset({"none", "w8a16"}),
 }
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_weight
 from flashllm.registry.backend import Backend, Caps
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -132,23 +133,26 @@ def _token_positions(cu_seqlens_q: Tensor, seq_lens: Tensor, num_tokens: int) ->
     return seq_idx, torch.where(real, q_pos, torch.zeros_like(q_pos))
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
     """Dense mixture of experts: every expert runs on every token, weighted 0 where not routed.
 
     Routing by gathering each expert's tokens has a data-dependent size; the dense form keeps
     one static graph at E times the FLOPs of the routed experts (what small MoE models on a
     PJRT device can afford). x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights (T, k),
     topk_ids (T, k) int64 in [0, E) (not range-checked: that would sync the device);
-    math in fp32, returns (T, H) in x.dtype.
+    math in fp32, returns (T, H) in x.dtype. w8a16 experts (int8 codes, w13_scale (E, 2I), w2_scale
+    (E, H)) are dequantized one expert at a time inside the graph.
     """
+    check_expert_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, num_experts = x.shape[0], w13.shape[0]
     routing = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     routing = routing.scatter_add(1, topk_ids.long(), topk_weights.float())  # (T, E)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in range(num_experts):  # E is a weight shape, not data: the loop unrolls into the graph
-        gate, up = (xf @ w13[expert].float().T).chunk(2, dim=-1)
-        out = out + routing[:, expert, None] * ((F.silu(gate) * up) @ w2[expert].float().T)
+        gate, up = (xf @ expert_weight(w13, w13_scale, expert).T).chunk(2, dim=-1)
+        out = out + routing[:, expert, None] * ((F.silu(gate) * up) @ expert_weight(w2, w2_scale, expert).T)
     return out.to(x.dtype)
 
 
@@ -158,6 +162,6 @@ def register(backend: Backend) -> None:
     float_kv = Caps(DTYPES, kv_dtypes=DTYPES)
     backend.kernel("write_kv_cache", float_kv)(write_kv_cache)
     backend.kernel("paged_attention", Caps(DTYPES, kv_dtypes=DTYPES, alibi=True))(paged_attention)
-    backend.kernel("fused_moe", Caps(DTYPES))(fused_moe)
+    backend.kernel("fused_moe", Caps(DTYPES, quant=EXPERT_SCHEMES))(fused_moe)
     for op in TRACEABLE_REFERENCES:
         backend.kernel(op, Caps(DTYPES))(specs[op].reference)

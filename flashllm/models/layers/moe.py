@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -10,7 +11,10 @@ from torch import Tensor, nn
 
 from flashllm.models.layers.linear import ReplicatedLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
+from flashllm.ops.quant_matmul import INT8_MAX, MIN_SCALE
 from flashllm.quant.spec import WeightQuantSpec
+
+logger = logging.getLogger(__name__)
 
 # The checkpoint names of expert weights, per expert (HF checkpoints: Mixtral's w1/w3/w2, Qwen2-MoE's
 # gate/up/down_proj) or already stacked over the experts (what transformers 5 writes with
@@ -84,7 +88,11 @@ class FusedMoE(nn.Module):
         self.w13_weight = self._param((num_experts, 2 * inter, hidden_size), dtype, device)
         self.w2_weight = self._param((num_experts, hidden_size, inter), dtype, device)
         self._fused_moe = ops.fused_moe
+        self._expert_schemes = _kernel_schemes(ops)
         self._loaded: dict[str, set[tuple[int, str] | None]] = {W13: set(), W2: set()}
+        # w8a16 experts: fp32 (E, 2I) and (E, H) scales beside int8 codes (process_weights_after_loading)
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
 
     def _param(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -139,12 +147,51 @@ class FusedMoE(nn.Module):
         need = {W13: {(e, p) for e in experts for p in ("gate", "up")}, W2: {(e, "down") for e in experts}}
         return {n for n, shards in self._loaded.items() if None in shards or need[n] <= shards}
 
+    def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
+        """Under --quant_type w8a16, store the experts as int8 codes with one fp32 scale per expert and
+        output channel (whatever the group size asked for the linear layers), if the bound fused_moe
+        kernel takes them (its caps list "w8a16"); other schemes keep them in the model dtype."""
+        if quant is None or quant.scheme != "w8a16":
+            return
+        if "w8a16" not in self._expert_schemes:
+            logger.warning("the bound fused_moe kernel takes float experts only (caps %s): experts stay in %s",
+                           sorted(self._expert_schemes), self.w13_weight.dtype)
+            return
+        self.w13_weight, self.w13_scale = self._quantized(self.w13_weight, input_is_sharded=False)
+        self.w2_weight, self.w2_scale = self._quantized(self.w2_weight, input_is_sharded=True)
+
+    def _quantized(self, weight: Tensor, input_is_sharded: bool) -> tuple[nn.Parameter, nn.Parameter]:
+        """(E, N, K) float -> int8 codes (E, N, K) and fp32 scales (E, N): max|w| / 127 per expert and row.
+
+        w2's rows are split over the ranks' intermediate features: their extremes are all-reduced so
+        every rank's codes and scales are those of the whole weight.
+        """
+        w = weight.data.float()
+        amax = w.abs().amax(dim=-1)
+        if input_is_sharded and self.tp_size > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        scales = (amax / INT8_MAX).clamp(min=MIN_SCALE)
+        codes = torch.round(w / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return nn.Parameter(codes, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x (T, H), topk_weights (T, k) fp32, topk_ids (T, k) int64 -> (T, H) in x.dtype, summed over ranks."""
-        out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.w13_scale is None:
+            out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                  self.w13_scale, self.w2_scale)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+
+def _kernel_schemes(ops: Any) -> frozenset[str]:
+    """The expert formats the op table's fused_moe kernel claims ({"none"} for a table without records)."""
+    try:
+        return ops.kernel("fused_moe").caps.quant
+    except (AttributeError, KeyError):
+        return frozenset({"none"})
 
 
 def _check(loaded: Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -180,7 +227,8 @@ class SparseMoeBlock(nn.Module):
     def unstreamed_bytes(self) -> int:
         """Expert weight bytes one decode token does not read: E - k of the E experts."""
         experts = self.experts
-        per_expert = (experts.w13_weight.nbytes + experts.w2_weight.nbytes) // experts.num_experts
+        params = (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)
+        per_expert = sum(p.nbytes for p in params if p is not None) // experts.num_experts
         return (experts.num_experts - self.top_k) * per_expert
 
     def forward(self, x: Tensor) -> Tensor:
