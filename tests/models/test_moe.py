@@ -356,3 +356,22 @@ def test_w8a16_experts_give_the_same_greedy_tokens_on_the_cpu_kernel_and_the_ref
         assert model.model.layers[1].mlp.experts.w13_weight.dtype == torch.int8
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["cpu"] == tokens["reference"]
+
+
+def test_w8a16_experts_on_two_tensor_parallel_ranks_give_one_rank_s_tokens_and_logprobs(moe_dirs) -> None:
+    """w2's rows are split over the ranks' intermediate features: each rank's int8 scales come from the
+    whole row's extreme (all-reduced), so two ranks quantize, and decode, as one does."""
+    prompts = [random_tokens(n, 256, seed=50 + n) for n in (6, 37)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(moe_dirs["qwen2_moe"]), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                  distributed_executor_backend="mp" if tp > 1 else None, block_size=BLOCK, num_kv_blocks=64,
+                  quant_type="weight_only_int8")
+        try:
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+        finally:
+            llm.engine.shutdown()
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
+        assert tokens2 == tokens1
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
