@@ -40,6 +40,9 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "keep_alive_timeout": (float, 5.0, "seconds a connection may stay open without starting a request"),
     "max_connections": (int, 1000, "open connections beyond which a new one gets 503 and is closed"),
     "ui": (_bool, False, "also serve the gradio chat page at /ui"),
+    "allow_special_tokens_in_content": (_bool, False, "trusted callers only: special tokens spelt inside chat "
+                                        "message content (<|im_start|>, ...) become control tokens instead of "
+                                        "text, so a message can open or close turns"),
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
              "`flashllm export --format onnx` directory run by onnxruntime, one batch at a time"),
@@ -65,7 +68,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
-FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager"}
+FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",

@@ -35,6 +35,8 @@ class ServerContext:
     chat_template: Any = None
     vocab_size: int | None = None  # prompt token ids must be below it; None: the engine checks
     model_info: dict[str, Any] = field(default_factory=dict)  # extra /v1/models fields (e.g. static mode's)
+    # trusted callers only: special-token spellings in chat message content become control tokens
+    allow_special_tokens_in_content: bool = False
 
 
 @dataclass

@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flashllm.outputs import RequestOutput
+from flashllm.serving.chat_prompt import chat_prompt_ids
 from flashllm.serving.generation import (
     Generation,
     ServerContext,
@@ -150,8 +151,8 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     tools = req.tools or None  # the template sees the tools even under tool_choice "none"
 
     def render() -> list[int]:
-        text = ctx.chat_template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt)
-        return ctx.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(ctx.chat_template, ctx.tokenizer, messages, tools, req.add_generation_prompt,
+                               ctx.allow_special_tokens_in_content)
 
     try:
         prompt = await asyncio.to_thread(render)

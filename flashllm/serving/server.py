@@ -78,6 +78,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         metrics=ServerMetrics(name, lambda: async_engine.stats, limits),
         chat_template=_chat_template(served, options["chat_template"]),
         vocab_size=served.vocab_size, model_info=served.info,
+        allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options["ui"]:
