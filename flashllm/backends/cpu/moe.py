@@ -103,25 +103,32 @@ def _bench(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--experts", type=int, default=60)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--w8a16", action="store_true", help="int8 experts with per-channel scales")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     h, i, e = args.hidden, args.intermediate, args.experts
     x = torch.randn(args.tokens, h, generator=gen)
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * h**-0.5
-    w2 = torch.randn(e, h, i, generator=gen) * i**-0.5
+    weights: tuple[Tensor, ...] = (torch.randn(e, 2 * i, h, generator=gen) * h**-0.5,
+                                   torch.randn(e, h, i, generator=gen) * i**-0.5)
+    if args.w8a16:  # codes and scales as a MoE layer stores them
+        scales = [w.abs().amax(dim=-1) / 127 for w in weights]
+        codes = [torch.round(w / s[..., None]).to(torch.int8) for w, s in zip(weights, scales, strict=True)]
+        weights = (codes[0], codes[1])
     probs = torch.softmax(torch.randn(args.tokens, e, generator=gen), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, args.top_k, dim=-1)
+    call = (x, *weights, topk_weights, topk_ids, *(scales if args.w8a16 else ()))
+    bytes_per_weight = 1 if args.w8a16 else 4
+    results = {}
     for name, fn in (("reference", reference), ("cpu", fused_moe)):
-        fn(x, w13, w2, topk_weights, topk_ids)  # warm up
+        fn(*call)  # warm up
         start = time.perf_counter()
         for _ in range(args.iters):
-            result = fn(x, w13, w2, topk_weights, topk_ids)
+            results[name] = fn(*call)
         seconds = (time.perf_counter() - start) / args.iters
-        active = 3 * h * i * 4 * len(topk_ids.unique())
+        active = 3 * h * i * bytes_per_weight * len(topk_ids.unique())
         print(f"{name:9s} {seconds * 1e3:8.3f} ms  {active / seconds / 1e9:6.2f} GB/s of chosen experts")
-    expected = reference(x, w13, w2, topk_weights, topk_ids)
-    print(f"max |cpu - reference| = {float((result - expected).abs().max()):.3g}")
+    print(f"max |cpu - reference| = {float((results['cpu'] - results['reference']).abs().max()):.3g}")
 
 
 if __name__ == "__main__":
