@@ -375,3 +375,18 @@ def test_w8a16_experts_on_two_tensor_parallel_ranks_give_one_rank_s_tokens_and_l
     for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
         assert tokens2 == tokens1
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
+
+
+def test_experts_left_in_float_under_another_scheme_say_so(moe_dirs, model_registry, ops, caplog,
+                                                           monkeypatch) -> None:
+    from flashllm.models.layers import moe
+    from flashllm.quant.spec import WeightQuantSpec
+
+    monkeypatch.setattr(moe, "_WARNED", set())  # once per process: start this test from none warned
+    with caplog.at_level("WARNING", logger="flashllm.models.layers.moe"):
+        model, _ = load_model(moe_dirs["mixtral"], ops, torch.float32, "cpu", model_registry, progress=False,
+                              quant=WeightQuantSpec("w4a16", 32))
+    assert model.model.layers[0].mlp.experts.w13_weight.dtype == torch.float32
+    assert [r.getMessage() for r in caplog.records if "MoE experts stay" in r.getMessage()] == [
+        "MoE experts stay in torch.float32 under w4a16: flashllm quantizes experts as w8a16 only "
+        "(--quant_type weight_only_int8)"]

@@ -151,11 +151,15 @@ class FusedMoE(nn.Module):
         """Under --quant_type w8a16, store the experts as int8 codes with one fp32 scale per expert and
         output channel (whatever the group size asked for the linear layers), if the bound fused_moe
         kernel takes them (its caps list "w8a16"); other schemes keep them in the model dtype."""
-        if quant is None or quant.scheme != "w8a16":
+        if quant is None or not quant.enabled:
+            return
+        if quant.scheme != "w8a16":
+            _warn_once(f"MoE experts stay in {self.w13_weight.dtype} under {quant.scheme}: flashllm quantizes "
+                       "experts as w8a16 only (--quant_type weight_only_int8)")
             return
         if "w8a16" not in self._expert_schemes:
-            logger.warning("the bound fused_moe kernel takes float experts only (caps %s): experts stay in %s",
-                           sorted(self._expert_schemes), self.w13_weight.dtype)
+            _warn_once(f"the bound fused_moe kernel takes float experts only (caps {sorted(self._expert_schemes)}): "
+                       f"MoE experts stay in {self.w13_weight.dtype}")
             return
         self.w13_weight, self.w13_scale = self._quantized(self.w13_weight, input_is_sharded=False)
         self.w2_weight, self.w2_scale = self._quantized(self.w2_weight, input_is_sharded=True)
@@ -184,6 +188,16 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log `message` at WARNING once per process (every MoE layer of a model would repeat it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
 
 
 def _kernel_schemes(ops: Any) -> frozenset[str]:
