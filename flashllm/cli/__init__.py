@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "quantize": "quantize",
     "export": "export",
 }
+# Exit status of a start-up the user can fix (bad flag, config, model file, missing extra), as argparse's.
+USAGE_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"{__name__}.{COMMANDS[args.command]}")
     try:
         return int(module.run(args) or 0)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)  # a command's own one-line refusal ("flashllm serve: ...")
+        return USAGE_ERROR
     except Exception as exc:
         if not _is_user_error(exc):
             raise
         # A model directory or configuration the user can fix: one line, no traceback.
         print(f"flashllm {args.command}: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
 
 
 def _one_line(exc: Exception) -> str:

@@ -30,10 +30,14 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outputs = llm.generate(list(args.prompt), params)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(list(args.prompt), params)
+    except ValueError as exc:  # the prompts as given (too long for the context, empty): the caller's to fix
+        raise SystemExit(f"flashllm generate: {exc}; shorten the prompt or use a model with a longer context") \
+            from None
     if args.model is None:
         print("(built-in demo model: random weights, the text is meaningless)")
     for prompt, output in zip(args.prompt, outputs, strict=True):

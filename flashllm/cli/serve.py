@@ -160,6 +160,13 @@ def _read_config(path: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     options = resolve_options(args)
+    if options["ui"]:  # before the model loads, which can take minutes
+        from flashllm.serving.webui import import_gradio
+
+        try:
+            import_gradio()
+        except ImportError as exc:
+            raise SystemExit(f"flashllm serve: --ui: {exc}; or drop --ui") from None
     from flashllm.serving.server import build_server, serve
 
     if not _is_loopback(options["host"]) and not options["api_key"]:

@@ -71,6 +71,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     for architecture, target in plugins.model_targets().items():
         registry.register(architecture, target)
     hf_config = load_hf_config(model_dir, registry)
+    generation_config = load_generation_config(model_dir)  # a bad value fails before the weights load
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
@@ -89,7 +90,6 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
-    generation_config = load_generation_config(model_dir)
     _set_max_model_len(config, hf_config)
     num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype))
     try:

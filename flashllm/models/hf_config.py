@@ -133,6 +133,8 @@ def read_json_object(path: Path, max_bytes: int) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    except RecursionError:  # json nests one Python frame per level: 100k `[` exhaust the stack
+        raise ModelLoadError(f"{path} is nested too deeply to be a model file; fix or re-download it") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

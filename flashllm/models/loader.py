@@ -20,6 +20,7 @@ from flashllm.models.layers.moe import FusedMoE
 from flashllm.models.layers.prequantized import finish_prequantized, prepare_prequantized
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import WeightQuantSpec
+from flashllm.sampling_params import SamplingParams
 
 __all__ = [
     "ModelLoadError",
@@ -244,7 +245,12 @@ def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    return _read_json(path)
+    config = _read_json(path)
+    try:  # refused here, before any weight loads, rather than at the first request
+        SamplingParams.from_generation_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: {exc}; fix the value or delete the key") from None
+    return config
 
 
 def resolve_dtype(
