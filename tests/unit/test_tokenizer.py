@@ -109,6 +109,10 @@ def _expected(name: str, messages: list[dict[str, str]], add_generation_prompt: 
     if name == "chatml":
         out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    if name == "qwen":  # Qwen-Chat's make_context: ChatML with a default system turn
+        has_system = messages[0]["role"] == "system"
+        default = [] if has_system else [{"role": "system", "content": "You are a helpful assistant."}]
+        return _expected("chatml", default + messages, add_generation_prompt)
     if name == "chatglm3":
         out = "[gMASK]sop" + "".join(f"<|{m['role']}|>\n {m['content']}" for m in messages)
         return out + ("<|assistant|>" if add_generation_prompt else "")
