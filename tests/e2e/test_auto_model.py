@@ -26,7 +26,10 @@ BUILTIN_MARKERS = {
     "llama-3": "<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>",
     "chatglm2": "[gMASK]sop[Round 1]\n\n问：hello\n\n答：",
     "chatglm3": "[gMASK]sop<|user|>\n hello<|assistant|>",
+    "qwen": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
 }
+# a template whose prompt is another's after a turn of its own (Qwen-Chat: ChatML after a default system turn)
+CONTAINS = {"qwen": "chatml"}
 CUSTOM = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}ANSWER:"
 
 
@@ -196,7 +199,7 @@ def test_builtin_chat_templates_render_their_format(model: AutoModel, name: str)
         model.set_chat_template(None)
     assert BUILTIN_MARKERS[name] in text
     for other, marker in BUILTIN_MARKERS.items():
-        if other != name:
+        if other not in (name, CONTAINS.get(name)):
             assert marker not in text
 
 
