@@ -39,6 +39,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                      "(408 and close after)"),
     "keep_alive_timeout": (float, 5.0, "seconds a connection may stay open without starting a request"),
     "max_connections": (int, 1000, "open connections beyond which a new one gets 503 and is closed"),
+    "engine_stall_warning": (float, 30.0, "seconds the engine loop may go without a step while requests are in "
+                             "flight before a WARNING (flashllm:engine_stalls counts them)"),
     "ui": (_bool, False, "also serve the gradio chat page at /ui"),
     "allow_special_tokens_in_content": (_bool, False, "trusted callers only: special tokens spelt inside chat "
                                         "message content (<|im_start|>, ...) become control tokens instead of "

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 # Fault injection for the reliability suite; never read unless this variable is set.
 FAULT_ENV = "FLASHLLM_FAULT_INJECT"
 IDLE_WAIT_S = 0.05
+WATCHDOG_PERIOD_S = 0.5
+DEFAULT_STALL_WARNING_S = 30.0
 
 
 class StepEngine(Protocol):
@@ -111,7 +113,8 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine | StepEngine, max_queue: int,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 stall_warning_s: float = DEFAULT_STALL_WARNING_S) -> None:
         self.engine: Any = engine
         self.paged = isinstance(engine, Engine)
         self.capacity = (engine.config.scheduler.max_num_seqs if isinstance(engine, Engine)
@@ -128,6 +131,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flashllm-engine", daemon=True)
+        # the stall watchdog: when the engine loop last finished a step or found nothing to do
+        self.stall_warning_s = stall_warning_s
+        self.num_stalls = 0
+        self._last_progress = time.monotonic()
+        self._watchdog = threading.Thread(target=self._watch, name="flashllm-engine-watchdog", daemon=True)
         spec = os.environ.get(FAULT_ENV)
         self._fault = _FaultInjector(spec) if spec else None
 
@@ -135,12 +143,34 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout)
+
+    def seconds_since_step(self) -> float:
+        """How long the engine loop has gone without finishing a step while requests are in flight (0: none)."""
+        if self.num_in_flight == 0 or self.error is not None:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
+
+    def _watch(self) -> None:
+        """Warn once per stall (and count it) when the loop goes stall_warning_s without a step."""
+        stalled_for = 0.0
+        while not self._stop.wait(WATCHDOG_PERIOD_S):
+            seconds = self.seconds_since_step()
+            if seconds >= self.stall_warning_s and not stalled_for:
+                self.num_stalls += 1
+                logger.warning("the engine loop has not stepped for %.1f s while %d request(s) are in flight",
+                               seconds, self.num_in_flight)
+            elif seconds < self.stall_warning_s and stalled_for:
+                logger.warning("the engine loop stepped again after a %.1f s stall", stalled_for)
+            stalled_for = seconds if seconds >= self.stall_warning_s else 0.0
 
     @property
     def num_in_flight(self) -> int:
@@ -203,12 +233,14 @@ class AsyncEngine:
                         self.engine.check_health()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
+                    self._last_progress = time.monotonic()  # idle is not stalled
                     continue
                 if self._fault is not None:
                     self._fault.before_step()
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
                 self._snapshot()
+                self._last_progress = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the engine; requests must learn it
             self._fail(exc)
 

@@ -17,6 +17,25 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "over_capacity", "bad_framing")
 
 
+class _StallCollector(Collector):
+    """The engine watchdog: seconds without a step while requests are in flight, and stalls seen."""
+
+    def __init__(self, model_name: str, read: Callable[[], tuple[float, int]]) -> None:
+        self._model_name = model_name
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        seconds, stalls = self._read()
+        since = GaugeMetricFamily("flashllm:engine_seconds_since_step", "seconds the engine loop has gone "
+                                  "without a step while requests are in flight (0 when idle)", labels=["model_name"])
+        since.add_metric([self._model_name], seconds)
+        counted = CounterMetricFamily("flashllm:engine_stalls", "times the engine loop went --engine-stall-warning "
+                                      "seconds without a step while requests were in flight", labels=["model_name"])
+        counted.add_metric([self._model_name], stalls)
+        yield since
+        yield counted
+
+
 class _ConnectionCollector(Collector):
     """Open connections and connections the server closed, by reason, read from the connection layer."""
 
@@ -39,10 +58,13 @@ class ServerMetrics:
     """Counters and histograms updated by the API layer; engine gauges read at scrape time."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
-                 connections: ConnectionLimits | None = None) -> None:
+                 connections: ConnectionLimits | None = None,
+                 stall: Callable[[], tuple[float, int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         if connections is not None:
             self.registry.register(_ConnectionCollector(model_name, connections))
+        if stall is not None:
+            self.registry.register(_StallCollector(model_name, stall))
         self._stats = stats
         labels = {"model_name": model_name}
         self._labels = labels

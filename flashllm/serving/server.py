@@ -64,18 +64,22 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
     (e.g. a KV cache too small for one max_model_len sequence), not a traceback.
     """
     limits = connection_limits(options)
+    if not 0 < options["engine_stall_warning"] < float("inf"):
+        raise SystemExit(f"flashllm serve: --engine-stall-warning must be a positive number of seconds, "
+                         f"got {options['engine_stall_warning']}")
     try:
         served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
     except (EngineConfigError, ModelLoadError) as exc:
         raise SystemExit(f"flashllm serve: {exc}") from None
     name = options["served_model_name"] or (Path(options["model"]).resolve().name if options["model"]
                                             else DEMO_MODEL_NAME)
-    async_engine = AsyncEngine(served.engine, options["max_queue"])
+    async_engine = AsyncEngine(served.engine, options["max_queue"], stall_warning_s=options["engine_stall_warning"])
     ctx = ServerContext(
         engine=async_engine, tokenizer=served.tokenizer, model_name=name, max_model_len=served.max_model_len,
         defaults={k: getattr(served.defaults, k) for k in SAMPLING_DEFAULT_KEYS},
         request_timeout=options["request_timeout"],
-        metrics=ServerMetrics(name, lambda: async_engine.stats, limits),
+        metrics=ServerMetrics(name, lambda: async_engine.stats, limits,
+                              lambda: (async_engine.seconds_since_step(), async_engine.num_stalls)),
         chat_template=_chat_template(served, options["chat_template"]),
         vocab_size=served.vocab_size, model_info=served.info,
         allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
