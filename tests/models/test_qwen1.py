@@ -237,6 +237,33 @@ def test_prefix_cache_hits_give_qwen2_tokens(qwen1_dir, qwen2_model):
         assert output.outputs[0].token_ids == _hf_greedy(qwen2_model, prompt)[0]
 
 
+def test_two_tensor_parallel_ranks_split_c_attn_and_give_qwen2s_tokens(qwen1_dir, qwen2_model):
+    """Each rank narrows its q, k and v heads out of the fused c_attn rows (and halves of w1, w2)."""
+    llm = _llm(qwen1_dir, tensor_parallel_size=2, distributed_executor_backend="mp", num_kv_blocks=32)
+    assert llm.engine.parts.model.model.layers[0].self_attn.num_heads == HEADS // 2  # this rank's half
+    prompts = [random_tokens(n, seed=70 + n) for n in (5, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(qwen2_model, prompt)[0][:8]
+
+
+@pytest.mark.parametrize(("quant_type", "group_size", "max_rel"), [("weight_only_int8", -1, 0.05), ("w4a16", 32, 0.45)])
+def test_weight_quantization_applies_to_the_qwen_layers(qwen1_dir, paged_driver, quant_type, group_size, max_rel):
+    """--quant_type quantizes the layers c_attn, c_proj, w1, w2 and mlp.c_proj load into (the float
+    logits are the reference; bounds as the Llama precision tests use)."""
+    prompt = random_tokens(64, seed=60)
+
+    def logits(llm: LLM) -> torch.Tensor:
+        driver = paged_driver(llm.engine.parts.model, BLOCK, 8)
+        return driver.step([(driver.add_sequence(), prompt)])[0]
+
+    reference = logits(_llm(qwen1_dir, num_kv_blocks=32))
+    llm = _llm(qwen1_dir, num_kv_blocks=32, quant_type=quant_type, group_size=group_size)
+    assert llm.engine.parts.model.model.layers[0].self_attn.qkv_proj.qweight.scheme != "none"
+    rel = float((logits(llm) - reference).norm() / reference.norm())
+    assert 0 < rel <= max_rel, f"relative logit error {rel:.4f}"
+
+
 # ---------------------------------------------------------------- QWen's own extensions, against the naive forward
 
 
