@@ -103,9 +103,9 @@ def parse_qwen_config(raw: dict[str, Any], source: str = "config.json") -> QWenM
     max_position = positive_int(values, "max_position_embeddings", None, MAX_POSITION_EMBEDDINGS, source)
     dynamic_ntk = flag(values, "use_dynamic_ntk", source)
     if dynamic_ntk and max_position > seq_length:
-        logger.info("%s: use_dynamic_ntk is on, so the context is capped at seq_length=%d (the RoPE base would "
-                    "change per prompt past it); max_position_embeddings=%d is not used", source, seq_length,
-                    max_position)
+        logger.warning("%s: use_dynamic_ntk is on, so flashllm caps the context at seq_length=%d: past it QWen "
+                       "changes the RoPE base per prompt length, which flashllm does not implement "
+                       "(max_position_embeddings=%d is not used)", source, seq_length, max_position)
         max_position = seq_length
     check_rope(rotary_dim, theta, None, max_position, source)
     no_bias = flag(values, "no_bias", source)
