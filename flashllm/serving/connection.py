@@ -21,6 +21,7 @@ _LINE_SPLIT = re.compile(rb"\r?\n")
 # One of each per request: a second copy is how framing and credential confusion attacks start.
 _SINGLE_HEADERS = (b"content-length", b"transfer-encoding", b"authorization", b"host")
 
+H11_DEFAULT_HEAD_LIMIT = 16 * 1024  # h11's own default for max_incomplete_event_size
 # phases of one connection, which decide the timer that is armed
 _WAIT, _HEAD, _BODY, _APP = "wait", "head", "body", "app"
 
@@ -137,7 +138,8 @@ class GuardedH11Protocol(H11Protocol):
                  _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
-        self.conn = _CheckedConnection(self, self.conn._max_incomplete_event_size)
+        head_limit = config.h11_max_incomplete_event_size
+        self.conn = _CheckedConnection(self, H11_DEFAULT_HEAD_LIMIT if head_limit is None else head_limit)
         self._phase = _WAIT
         self._deadline: asyncio.TimerHandle | None = None
         self._refusal: str | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import threading
@@ -305,3 +306,34 @@ def test_the_app_refuses_two_authorization_headers_even_when_one_is_valid(helper
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["code"] == "duplicate_authorization"
             assert helpers.error_shape_problems(reply.json()) == []
+
+
+def test_a_mid_body_disconnect_is_one_info_line(caplog: pytest.LogCaptureFixture,
+                                                serving_checks: SimpleNamespace) -> None:
+    """The app alone, driven through ASGI: a body cut short by http.disconnect logs one INFO line and counts."""
+    from flashllm.serving.app import create_app
+    from flashllm.serving.async_engine import EngineStats
+    from flashllm.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", EngineStats)
+    app = create_app(SimpleNamespace(metrics=metrics))
+    messages = [{"type": "http.request", "body": b'{"prompt": "unfini', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 8000)}
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(app(scope, receive, send))
+    mine = [r for r in caplog.records if r.name.startswith("flashllm")]
+    assert [r.levelno for r in mine] == [logging.INFO], [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert "127.0.0.1:5555" in mine[0].getMessage() and "\n" not in mine[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert serving_checks.sample(metrics.render().decode(), "client_disconnects_total") == 1
