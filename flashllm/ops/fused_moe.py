@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
+
 # Not gated on the model's quant request: a kernel lists in Caps.quant the expert formats of
 # EXPERT_SCHEMES it takes, and a MoE layer stores its experts in one of those (models/layers/moe.py),
 # so a kernel never receives a format it did not claim.
 USES: frozenset[str] = frozenset()
-# "none": float w13 / w2; "w8a16": int8 codes with a float scale per expert and output channel
-EXPERT_SCHEMES: frozenset[str] = frozenset({"none", "w8a16"})
+# "none": float w13 / w2; "w8a16": int8 codes with a float scale per expert and output channel;
+# "w4a16": symmetric int4 codes packed two per byte with a float scale per expert, output channel and group
+EXPERT_SCHEMES: frozenset[str] = frozenset({"none", "w8a16", "w4a16"})
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -25,7 +28,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     (g | u) = x[t] @ w13[e].T.
     Weights: float, with both scales None; or "w8a16": int8 codes with float w13_scale (E, 2I) and
     w2_scale (E, H), the weight being codes[e, n, :] * scale[e, n] (symmetric, per expert and output
-    channel).
+    channel); or "w4a16": uint8 w13 (E, 2I, H/2) and w2 (E, H, I/2) holding two int4 codes a byte as
+    QuantizedWeight's w4a16 (low nibble first, 0..15 around the zero point 8), float w13_scale
+    (E, 2I, G13) and w2_scale (E, H, G2), G groups of K / G input features each.
     Numerics: both matmuls, the activation and the weighted sum run in fp32; returns (T, H) in
     x.dtype. Kernels that round the intermediate to x.dtype stay within tolerances.
     """
@@ -53,20 +58,34 @@ def expert_weight(weight: Tensor, scale: Tensor | None, expert: int) -> Tensor:
     """Expert `expert`'s (N, K) weight in fp32: dequantized codes * scale when `scale` is given."""
     if scale is None:
         return weight[expert].float()
+    if weight.dtype == torch.uint8:
+        return dequantize(expert_int4(weight, scale, expert))
     return weight[expert].float() * scale[expert].float()[:, None]
 
 
+def expert_int4(weight: Tensor, scale: Tensor, expert: int) -> QuantizedWeight:
+    """Expert `expert` of w4a16 experts as the QuantizedWeight quant_matmul multiplies by."""
+    in_features, groups = 2 * weight.shape[-1], scale.shape[-1]
+    return QuantizedWeight("w4a16", weight[expert], scale[expert], None, -1 if groups == 1 else in_features // groups)
+
+
 def check_expert_scales(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None) -> None:
-    """Raise ValueError unless the weights are float without scales, or int8 with (E, N) float scales."""
+    """Raise ValueError unless the weights are float without scales, int8 with (E, N) float scales, or
+    packed int4 (uint8) with (E, N, G) float scales, G dividing the input features."""
     if w13_scale is None and w2_scale is None:
         if not (w13.is_floating_point() and w2.is_floating_point()):
             raise ValueError(f"fused_moe: {w13.dtype} / {w2.dtype} experts need w13_scale and w2_scale")
         return
     for name, weight, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        if weight.dtype != torch.int8 or scale is None or tuple(scale.shape) != tuple(weight.shape[:2]) \
-                or not scale.is_floating_point():
+        int4 = weight.dtype == torch.uint8
+        ok = scale is not None and scale.is_floating_point() and weight.dtype in (torch.int8, torch.uint8)
+        if ok and int4:
+            ok = scale.dim() == 3 and scale.shape[:2] == weight.shape[:2] and (2 * weight.shape[2]) % scale.shape[2] == 0
+        elif ok:
+            ok = tuple(scale.shape) == tuple(weight.shape[:2])
+        if not ok:
             raise ValueError(
-                f"fused_moe: w8a16 experts need int8 {name} with float {name}_scale of shape "
-                f"{tuple(weight.shape[:2])}; got {weight.dtype} and "
+                f"fused_moe: quantized experts need int8 {name} with a float {name}_scale of shape (E, N) "
+                f"(w8a16), or packed uint8 {name} with (E, N, G) (w4a16); got {weight.dtype} {tuple(weight.shape)} and "
                 f"{None if scale is None else (scale.dtype, tuple(scale.shape))}"
             )

@@ -318,7 +318,8 @@ class _MoECase(NamedTuple):
     experts: int
     top_k: int
     renormalized: bool = True
-    scheme: str = "none"  # "w8a16": int8 experts with per-expert, per-channel scales
+    scheme: str = "none"  # "w8a16": int8 experts, per-channel scales; "w4a16": packed int4, grouped scales
+    group_size: int = -1  # w4a16: input features sharing a scale
 
 
 # top-1, top-2, top-4 over 60 experts (Qwen1.5-MoE's routing) and top-8 (Qwen2-57B's), one decode
@@ -335,13 +336,22 @@ _MOE_CASES: dict[str, _MoECase] = {
     # int8 experts: rows of 64 features (the cpu kernel's native int8 products) and of 48 (not)
     "w8a16_top2": _MoECase(9, 64, 64, 8, 2, scheme="w8a16"),
     "w8a16_one_token_unnormalized": _MoECase(1, 96, 48, 8, 2, renormalized=False, scheme="w8a16"),
+    # int4 experts: groups of 32 over several tokens, per-channel scales for one token
+    "w4a16_group32": _MoECase(7, 64, 64, 8, 2, scheme="w4a16", group_size=32),
+    "w4a16_per_channel_one_token": _MoECase(1, 64, 48, 6, 3, renormalized=False, scheme="w4a16"),
 }
 
 
-def _expert_codes(gen: torch.Generator, experts: int, n: int, k: int, device: str) -> tuple[Tensor, Tensor]:
-    """Random int8 codes (E, N, K) over the whole range and fp32 scales (E, N) giving outputs of about unit size."""
-    codes = torch.randint(-127, 128, (experts, n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(experts, n, generator=gen) + 0.5) * (k**-0.5 / 64)
+def _expert_codes(gen: torch.Generator, c: _MoECase, n: int, k: int, device: str) -> tuple[Tensor, Tensor]:
+    """Random codes over the whole range and fp32 scales giving outputs of about unit size: w8a16 int8
+    (E, N, K) and (E, N); w4a16 packed uint8 (E, N, K/2) and (E, N, G)."""
+    if c.scheme == "w8a16":
+        codes = torch.randint(-127, 128, (c.experts, n, k), generator=gen, dtype=torch.int8)
+        scales = (torch.rand(c.experts, n, generator=gen) + 0.5) * (k**-0.5 / 64)
+        return codes.to(device), scales.to(device)
+    groups = 1 if c.group_size == -1 else k // c.group_size
+    codes = pack_int4(torch.randint(0, 16, (c.experts, n, k), generator=gen))
+    scales = (torch.rand(c.experts, n, groups, generator=gen) + 0.5) * (k**-0.5 / 4)
     return codes.to(device), scales.to(device)
 
 
@@ -362,9 +372,9 @@ def _fused_moe(
             weights = weights / weights.sum(dim=-1, keepdim=True)
     inputs: Inputs = {"x": _randn(gen, c.tokens, c.hidden, dtype=dtype, device=device),
                       "topk_weights": weights.to(device), "topk_ids": topk_ids.to(device)}
-    if c.scheme == "w8a16":
-        inputs["w13"], inputs["w13_scale"] = _expert_codes(gen, c.experts, 2 * c.inter, c.hidden, device)
-        inputs["w2"], inputs["w2_scale"] = _expert_codes(gen, c.experts, c.hidden, c.inter, device)
+    if c.scheme != "none":
+        inputs["w13"], inputs["w13_scale"] = _expert_codes(gen, c, 2 * c.inter, c.hidden, device)
+        inputs["w2"], inputs["w2_scale"] = _expert_codes(gen, c, c.hidden, c.inter, device)
         return inputs
     inputs["w13"] = _randn(gen, c.experts, 2 * c.inter, c.hidden, dtype=dtype, device=device, std=c.hidden**-0.5)
     inputs["w2"] = _randn(gen, c.experts, c.hidden, c.inter, dtype=dtype, device=device, std=c.inter**-0.5)

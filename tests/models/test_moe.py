@@ -358,16 +358,20 @@ def test_w8a16_experts_give_the_same_greedy_tokens_on_the_cpu_kernel_and_the_ref
     assert tokens["cpu"] == tokens["reference"]
 
 
-def test_w8a16_experts_on_two_tensor_parallel_ranks_give_one_rank_s_tokens_and_logprobs(moe_dirs) -> None:
-    """w2's rows are split over the ranks' intermediate features: each rank's int8 scales come from the
-    whole row's extreme (all-reduced), so two ranks quantize, and decode, as one does."""
+@pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
+def test_integer_experts_on_two_tensor_parallel_ranks_give_one_rank_s_tokens_and_logprobs(moe_dirs, quant_type,
+                                                                                          monkeypatch) -> None:
+    """w2's rows are split over the ranks' intermediate features: each rank's per-row scales come from
+    the whole row's extreme (all-reduced), so two ranks quantize, and decode, as one does."""
+    # the cpu int4 linear layers' default int8 activations are blocks a row-parallel split cuts differently
+    monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     prompts = [random_tokens(n, 256, seed=50 + n) for n in (6, 37)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = []
     for tp in (1, 2):
         llm = LLM(str(moe_dirs["qwen2_moe"]), device="cpu", dtype="float32", tensor_parallel_size=tp,
                   distributed_executor_backend="mp" if tp > 1 else None, block_size=BLOCK, num_kv_blocks=64,
-                  quant_type="weight_only_int8")
+                  quant_type=quant_type)
         try:
             runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
         finally:
@@ -385,8 +389,33 @@ def test_experts_left_in_float_under_another_scheme_say_so(moe_dirs, model_regis
     monkeypatch.setattr(moe, "_WARNED", set())  # once per process: start this test from none warned
     with caplog.at_level("WARNING", logger="flashllm.models.layers.moe"):
         model, _ = load_model(moe_dirs["mixtral"], ops, torch.float32, "cpu", model_registry, progress=False,
-                              quant=WeightQuantSpec("w4a16", 32))
+                              quant=WeightQuantSpec("a8w8"))
     assert model.model.layers[0].mlp.experts.w13_weight.dtype == torch.float32
     assert [r.getMessage() for r in caplog.records if "MoE experts stay" in r.getMessage()] == [
-        "MoE experts stay in torch.float32 under w4a16: flashllm quantizes experts as w8a16 only "
-        "(--quant_type weight_only_int8)"]
+        "MoE experts stay in torch.float32 under a8w8: flashllm quantizes experts as w8a16 or symmetric w4a16 only"]
+
+
+def test_w4a16_experts_are_packed_int4_codes_in_groups_whose_dequantized_weights_the_kernel_uses(
+        moe_dirs, ours, model_registry, ops) -> None:
+    from flashllm.ops.fused_moe import expert_weight, fused_moe
+    from flashllm.ops.quant_matmul import unpack_int4
+    from flashllm.quant.spec import WeightQuantSpec
+
+    quantized, _ = load_model(moe_dirs["qwen2_moe"], ops, torch.float32, "cpu", model_registry, progress=False,
+                              quant=WeightQuantSpec("w4a16", 16))
+    experts, floats = quantized.model.layers[1].mlp.experts, ours["qwen2_moe"].model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.uint8 and experts.w13_weight.shape == (8, 96, 32)
+    assert experts.w13_scale.shape == (8, 96, 4) and experts.w2_scale.shape == (8, 64, 3)  # groups of 16
+    for codes, scales, weight in ((experts.w13_weight, experts.w13_scale, floats.w13_weight),
+                                  (experts.w2_weight, experts.w2_scale, floats.w2_weight)):
+        dequantized = torch.stack([expert_weight(codes, scales, e) for e in range(8)])
+        step = scales.repeat_interleave(16, dim=-1)
+        assert bool(((dequantized - weight).abs() <= step * 0.5001).all())  # round to nearest, per group
+        signed = unpack_int4(codes).int() - 8
+        assert bool((signed.abs().reshape(*scales.shape, 16).amax(dim=-1) == 7).all())  # each group's extreme
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    weights, ids = torch.softmax(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)), -1).topk(4, -1)
+    expected = fused_moe(x, torch.stack([expert_weight(experts.w13_weight, experts.w13_scale, e) for e in range(8)]),
+                         torch.stack([expert_weight(experts.w2_weight, experts.w2_scale, e) for e in range(8)]),
+                         weights, ids)
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-5, rtol=1e-5)

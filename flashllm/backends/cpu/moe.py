@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.backends.cpu import native
-from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales
+from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_int4
 from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
 from flashllm.registry.backend import Backend, Caps
 
@@ -31,7 +31,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
               w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
     """The fused_moe op (flashllm.ops.fused_moe): x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights /
     topk_ids (T, k) -> (T, H) in x.dtype; products, activation and the weighted sum in fp32. Float
-    experts, or w8a16 int8 codes with w13_scale (E, 2I) / w2_scale (E, H)."""
+    experts, w8a16 int8 codes with w13_scale (E, 2I) / w2_scale (E, H), or w4a16 packed int4 codes with
+    grouped scales (E, N, G); int4 experts run native only with FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 (the
+    default int8 activations are not this op's numerics), else each chosen one is dequantized."""
     check_expert_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -67,25 +69,30 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
 def _expert(x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
             expert: int) -> Tensor:
     """Expert `expert`'s gated MLP on fp32 rows x (n, H) -> (n, H) fp32."""
-    gate, up = _linear(x, w13[expert], None if w13_scale is None else w13_scale[expert]).chunk(2, dim=-1)
-    return _linear(F.silu(gate) * up, w2[expert], None if w2_scale is None else w2_scale[expert])
+    gate, up = _linear(x, w13, w13_scale, expert).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, w2, w2_scale, expert)
 
 
-def _linear(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
-    """fp32 x (n, K) @ weight (N, K).T -> (n, N) fp32; weight float, or int8 codes times scale (N,).
+def _linear(x: Tensor, weights: Tensor, scales: Tensor | None, expert: int) -> Tensor:
+    """fp32 x (n, K) @ expert `expert`'s (N, K) weight .T -> (n, N) fp32, in any of the op's formats.
 
-    Decode-sized products run native: fp32 weights on f32_linear, int8 ones (rows of a multiple of
-    32 features) on int_linear, reading one byte a weight; else through torch.
+    Decode-sized products run native where that is exact: fp32 weights on f32_linear, int8 and int4
+    ones (groups of a multiple of 32 features, fp32 activations) on int_linear, reading one byte or
+    half a byte a weight; else the expert's weight is widened to fp32 for torch.
     """
-    if scale is not None:
-        qweight = QuantizedWeight("w8a16", weight, scale.float()[:, None])
-        if native.supports_quantized(qweight, x.shape[0]):
-            return native.int_linear(x, qweight)
-        return F.linear(x, dequantize(qweight).float())
-    weight = weight.float()  # a no-op for fp32; one expert's rows widened for fp16 / bf16
-    if native.supports_dense(x, weight):
-        return native.f32_linear(x, weight)
-    return F.linear(x, weight)
+    if scales is None:
+        weight = weights[expert].float()  # a no-op for fp32; one expert's rows widened for fp16 / bf16
+        if native.supports_dense(x, weight):
+            return native.f32_linear(x, weight)
+        return F.linear(x, weight)
+    if weights.dtype == torch.uint8:
+        qweight = expert_int4(weights, scales, expert)
+    else:
+        qweight = QuantizedWeight("w8a16", weights[expert], scales[expert].float()[:, None])
+    # the native int4 products quantize activations to int8 unless told not to: not this op's numerics
+    if native.supports_quantized(qweight, x.shape[0]) and not native.int8_activations(qweight):
+        return native.int_linear(x, qweight)
+    return F.linear(x, dequantize(qweight))
 
 
 def register(backend: Backend) -> None:

@@ -11,8 +11,9 @@ from torch import Tensor, nn
 
 from flashllm.models.layers.linear import ReplicatedLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
-from flashllm.ops.quant_matmul import INT8_MAX, MIN_SCALE
+from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, INT8_MAX, MIN_SCALE, pack_int4
 from flashllm.quant.spec import WeightQuantSpec
+from flashllm.quant.weight_only import INT4_SYMMETRIC_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -148,35 +149,52 @@ class FusedMoE(nn.Module):
         return {n for n, shards in self._loaded.items() if None in shards or need[n] <= shards}
 
     def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
-        """Under --quant_type w8a16, store the experts as int8 codes with one fp32 scale per expert and
-        output channel (whatever the group size asked for the linear layers), if the bound fused_moe
-        kernel takes them (its caps list "w8a16"); other schemes keep them in the model dtype."""
+        """Store the experts as integer codes under --quant_type w8a16 (int8, one fp32 scale per expert and
+        output channel, whatever the group size) or symmetric w4a16 (int4 packed two a byte, one scale
+        per expert, output channel and group of quant.group_size input features), if the bound
+        fused_moe kernel claims the format; anything else keeps them in the model dtype, saying so.
+        Raises ValueError when the group size does not divide an expert's (rank's) input features."""
         if quant is None or not quant.enabled:
             return
-        if quant.scheme != "w8a16":
-            _warn_once(f"MoE experts stay in {self.w13_weight.dtype} under {quant.scheme}: flashllm quantizes "
-                       "experts as w8a16 only (--quant_type weight_only_int8)")
+        if quant.scheme not in ("w8a16", "w4a16") or not quant.symmetric:
+            _warn_once(f"MoE experts stay in {self.w13_weight.dtype} under {quant.scheme}"
+                       f"{'' if quant.symmetric else ' (asymmetric)'}: flashllm quantizes experts as w8a16 or "
+                       "symmetric w4a16 only")
             return
-        if "w8a16" not in self._expert_schemes:
-            _warn_once(f"the bound fused_moe kernel takes float experts only (caps {sorted(self._expert_schemes)}): "
-                       f"MoE experts stay in {self.w13_weight.dtype}")
+        if quant.scheme not in self._expert_schemes:
+            _warn_once(f"the bound fused_moe kernel does not take {quant.scheme} experts (caps "
+                       f"{sorted(self._expert_schemes)}): MoE experts stay in {self.w13_weight.dtype}")
             return
-        self.w13_weight, self.w13_scale = self._quantized(self.w13_weight, input_is_sharded=False)
-        self.w2_weight, self.w2_scale = self._quantized(self.w2_weight, input_is_sharded=True)
+        group = quant.group_size if quant.scheme == "w4a16" else -1
+        self.w13_weight, self.w13_scale = self._quantized(self.w13_weight, quant.scheme, group, False)
+        self.w2_weight, self.w2_scale = self._quantized(self.w2_weight, quant.scheme, group, True)
 
-    def _quantized(self, weight: Tensor, input_is_sharded: bool) -> tuple[nn.Parameter, nn.Parameter]:
-        """(E, N, K) float -> int8 codes (E, N, K) and fp32 scales (E, N): max|w| / 127 per expert and row.
+    def _quantized(self, weight: Tensor, scheme: str, group_size: int,
+                   input_is_sharded: bool) -> tuple[nn.Parameter, nn.Parameter]:
+        """(E, N, K) float -> codes and fp32 scales, round to nearest against max|w| / qmax per group.
 
-        w2's rows are split over the ranks' intermediate features: their extremes are all-reduced so
-        every rank's codes and scales are those of the whole weight.
+        w8a16: int8 codes (E, N, K), scales (E, N). w4a16: codes + 8 packed two a byte (E, N, K/2)
+        as QuantizedWeight's w4a16, scales (E, N, G). A per-row scale of w2, whose rows are split over
+        the ranks' intermediate features, comes from the all-reduced row extremes, so every rank
+        quantizes as one rank would (a group lies within one rank's slice when it divides the slice).
         """
-        w = weight.data.float()
-        amax = w.abs().amax(dim=-1)
-        if input_is_sharded and self.tp_size > 1:
+        experts, rows, k = weight.shape
+        if group_size != -1 and k % group_size:
+            raise ValueError(f"group size {group_size} does not divide the experts' {k} input features (per rank); "
+                             "choose a --weightonly_group_size that divides hidden and moe intermediate sizes")
+        groups = 1 if group_size == -1 else k // group_size
+        qmax = INT8_MAX if scheme == "w8a16" else INT4_SYMMETRIC_MAX
+        w = weight.data.float().reshape(experts, rows, groups, k // groups)
+        amax = w.abs().amax(dim=-1)  # (E, N, G)
+        if input_is_sharded and self.tp_size > 1 and groups == 1:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
-        scales = (amax / INT8_MAX).clamp(min=MIN_SCALE)
-        codes = torch.round(w / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return nn.Parameter(codes, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+        scales = (amax / qmax).clamp(min=MIN_SCALE)
+        codes = torch.round(w / scales[..., None]).clamp_(-qmax, qmax).reshape(experts, rows, k)
+        if scheme == "w8a16":
+            codes, scales = codes.to(torch.int8), scales[..., 0]
+        else:
+            codes = pack_int4((codes + INT4_SYMMETRIC_ZERO).to(torch.uint8))
+        return nn.Parameter(codes, requires_grad=False), nn.Parameter(scales.contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x (T, H), topk_weights (T, k) fp32, topk_ids (T, k) int64 -> (T, H) in x.dtype, summed over ranks."""
