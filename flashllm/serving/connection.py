@@ -103,23 +103,40 @@ class _CheckedConnection(h11.Connection):
         super().__init__(h11.SERVER, max_incomplete_event_size)
         self._protocol = protocol
         self._max_head = max_incomplete_event_size
+        # The bytes buffered since this request's head began, kept while it is awaited, and how far
+        # they were searched for the head's end: a head sent in many small pieces is scanned once
+        # in all (linear), not once per piece.
+        self._head: bytearray | None = None
+        self._searched = 0
+
+    def receive_data(self, data: bytes) -> None:
+        super().receive_data(data)
+        if self._head is not None:
+            self._head += data
 
     def next_event(self) -> Any:
         if self.their_state is h11.IDLE:
-            buffered, _ = self.trailing_data
-            end = _HEAD_END.search(buffered, 0, self._max_head + 2)
-            if end is not None:
-                problem = framing_problem(buffered[:end.end()])
-                if problem is not None:
-                    self._protocol.refuse_framing(problem)
-                    # uvicorn answers a RemoteProtocolError with its 400 path (send_400_response)
-                    raise h11.RemoteProtocolError(problem, error_status_hint=400)
+            self._check_head()
         event = super().next_event()
         if isinstance(event, h11.Request):
+            self._head = None  # consumed; the next cycle starts from h11's buffer again
             self._protocol.phase_changed(_BODY)
         elif isinstance(event, h11.EndOfMessage):
             self._protocol.phase_changed(_APP)
         return event
+
+    def _check_head(self) -> None:
+        if self._head is None:  # a new cycle: whatever h11 holds now (pipelined bytes) starts the head
+            self._head, self._searched = bytearray(self.trailing_data[0]), 0
+        end = _HEAD_END.search(self._head, max(0, self._searched - 2), self._max_head + 2)
+        self._searched = len(self._head)
+        if end is None:
+            return
+        problem = framing_problem(bytes(self._head[:end.end()]))
+        if problem is not None:
+            self._protocol.refuse_framing(problem)
+            # uvicorn answers a RemoteProtocolError with its 400 path (send_400_response)
+            raise h11.RemoteProtocolError(problem, error_status_hint=400)
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -337,3 +337,42 @@ def test_a_mid_body_disconnect_is_one_info_line(caplog: pytest.LogCaptureFixture
     assert "127.0.0.1:5555" in mine[0].getMessage() and "\n" not in mine[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert serving_checks.sample(metrics.render().decode(), "client_disconnects_total") == 1
+
+
+def test_a_smuggling_head_behind_a_good_request_on_one_connection_is_refused(guarded: ServerUnderTest) -> None:
+    """The check runs on every request of a keep-alive connection, pipelined bytes included."""
+    with socket.create_connection(("127.0.0.1", guarded.server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + SMUGGLING["CL.TE"] + HIDDEN)
+        reply = _read_until_eof(sock)
+    assert STATUS_LINE.findall(reply) == [b"200", b"400"], reply[:800]
+    assert b"flashllm:" not in reply
+
+
+class _Recorder:
+    """Stands in for the protocol: records what the checked h11 connection reports."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+        self.phases: list[str] = []
+
+    def refuse_framing(self, problem: str) -> None:
+        self.refused.append(problem)
+
+    def phase_changed(self, phase: str) -> None:
+        self.phases.append(phase)
+
+
+@pytest.mark.parametrize("name", ["CL.TE", "TE trailing space", "duplicate CL, equal"])
+def test_a_head_sent_one_byte_at_a_time_is_still_checked(name: str) -> None:
+    import h11
+
+    from flashllm.serving.connection import _CheckedConnection
+
+    recorder = _Recorder()
+    conn = _CheckedConnection(recorder, 64 << 10)  # type: ignore[arg-type]
+    with pytest.raises(h11.RemoteProtocolError):
+        for byte in SMUGGLING[name] + HIDDEN:
+            conn.receive_data(bytes([byte]))
+            while conn.next_event() not in (h11.NEED_DATA, h11.PAUSED):
+                pass
+    assert len(recorder.refused) == 1 and recorder.phases == []
