@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -37,25 +38,29 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                     allow_special_tokens_in_content: bool = False) -> list[int]:
-    """The prompt token ids of a conversation: the template's own text with special tokens, contents as text.
+    """The prompt token ids of a conversation: the template's own text with special tokens, callers' text as text.
 
-    Without any special-token spelling in the contents this is the rendered prompt encoded whole
-    (the usual tokens). Otherwise the template is rendered a second time with a random marker in
-    place of each content; the markers split the prompt into the template's text (encoded with
-    special tokens) and the contents (encoded as plain text), aligned against the real rendering
-    by exact lengths, so a content cannot shift where the template's text begins. A template that
-    rewrites contents beyond trimming whitespace cannot be aligned: that is a ChatTemplateError
-    (400), never a silent fallback. `allow_special_tokens_in_content` restores parsing them.
+    Callers' text is every string in `messages` and `tools` (contents, names, tool calls, tool
+    descriptions). Without a special-token spelling in any of them this is the rendered prompt
+    encoded whole (the usual tokens). Otherwise the template is rendered a second time with a
+    random marker in place of each such string; the markers split the prompt into the template's
+    text (encoded with special tokens) and the callers' strings (encoded as plain text), aligned
+    against the real rendering by exact lengths, so a string cannot shift where the template's
+    text begins. A string may appear as given, with its whitespace trimmed or JSON-escaped (tojson);
+    a template that rewrites it otherwise cannot be aligned: that is a ChatTemplateError (400),
+    never a silent fallback. `allow_special_tokens_in_content` restores parsing them.
     """
     text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-    contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
     specials = special_token_texts(tokenizer)
-    if allow_special_tokens_in_content or not any(s in c for c in contents if c for s in specials):
+    if allow_special_tokens_in_content or not specials:
         return list(tokenizer.encode(text, add_special_tokens=False))
     nonce = secrets.token_hex(8)
-    masked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if contents[i] is not None else m
-              for i, m in enumerate(messages)]
-    skeleton = template.render(masked, tools=tools, add_generation_prompt=add_generation_prompt)
+    found: list[str] = []
+    masked = _mask(messages, specials, nonce, found)
+    masked_tools = _mask(tools, specials, nonce, found)
+    if not found:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    skeleton = template.render(masked, tools=masked_tools, add_generation_prompt=add_generation_prompt)
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # literal, index, literal, ..., literal
     ids: list[int] = []
     pos = 0
@@ -66,9 +71,7 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
             ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
             pos += len(piece)
             continue
-        content = contents[int(piece)] or ""
-        following = pieces[k + 1]
-        rendered = _rendered_content(text, pos, content, following)
+        rendered = _rendered_string(text, pos, found[int(piece)], pieces[k + 1])
         if rendered is None:
             _unaligned(template)
         ids += encode_as_text(tokenizer, rendered) if rendered else []
@@ -78,9 +81,27 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
     return ids
 
 
-def _rendered_content(text: str, pos: int, content: str, following: str) -> str | None:
-    """The form of `content` the template wrote at `pos` (itself or with whitespace trimmed), or None."""
-    candidates: Sequence[str] = dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip()))
+def _mask(value: Any, specials: list[str], nonce: str, found: list[str]) -> Any:
+    """`value` with each string that spells a special token replaced by a marker (the strings go to `found`)."""
+    if isinstance(value, str):
+        if not any(s in value for s in specials):
+            return value
+        found.append(value)
+        return f"\ue000{nonce}:{len(found) - 1}\ue001"
+    if isinstance(value, list):
+        return [_mask(v, specials, nonce, found) for v in value]
+    if isinstance(value, dict):
+        if any(isinstance(k, str) and any(s in k for s in specials) for k in value):
+            raise ChatTemplateError(f"a key in the messages or tools spells a special token; remove it, or start "
+                                    f"the server with {ALLOW_FLAG} if every caller is trusted")
+        return {k: _mask(v, specials, nonce, found) for k, v in value.items()}
+    return value
+
+
+def _rendered_string(text: str, pos: int, value: str, following: str) -> str | None:
+    """The form of `value` the template wrote at `pos` (as given, trimmed, or JSON-escaped), or None."""
+    escaped = json.dumps(value, ensure_ascii=False)[1:-1]
+    candidates: Sequence[str] = dict.fromkeys((value, value.strip(), value.lstrip(), value.rstrip(), escaped))
     for candidate in candidates:
         end = pos + len(candidate)
         if text.startswith(candidate, pos) and text.startswith(following, end):
