@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flashllm.testing.server import ServerProcess, running_server
 
@@ -376,3 +378,44 @@ def test_a_head_sent_one_byte_at_a_time_is_still_checked(name: str) -> None:
             while conn.next_event() not in (h11.NEED_DATA, h11.PAUSED):
                 pass
     assert len(recorder.refused) == 1 and recorder.phases == []
+
+
+# ---- the framing check against two other parsers (hypothesis, seeded) -------------------------------
+
+_FUZZ_NAMES = ["Content-Length", "content-length", "Transfer-Encoding", "TRANSFER-ENCODING", "Authorization", "Host",
+               "X-A"]
+_FUZZ_VALUES = ["chunked", "chunked ", "Chunked", "xchunked", "chunked, identity", "identity", "4", "4, 4", "+4",
+                "04", "", "4 ", "Bearer k", "\tchunked"]
+_FUZZ_LINE = st.one_of(
+    st.tuples(st.sampled_from(_FUZZ_NAMES), st.sampled_from(_FUZZ_VALUES)).map(lambda nv: f"{nv[0]}: {nv[1]}"),
+    st.sampled_from([" folded", "\tchunked", "Transfer-Encoding : chunked", "Content-Length:4", "X-B:"]),
+)
+
+
+@settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(lines=st.lists(_FUZZ_LINE, max_size=5), eol=st.sampled_from(["\r\n", "\n"]))
+def test_a_head_the_check_lets_through_is_unambiguous_to_h11_and_to_pythons_parser(lines: list[str], eol: str) -> None:
+    """Smuggling lives in parser disagreements: whatever passes must frame one way for h11 and http.client alike."""
+    import io
+    from http.client import parse_headers
+
+    import h11
+
+    from flashllm.serving.connection import framing_problem
+
+    head = (eol.join(["POST / HTTP/1.1", "Host: h", *lines]) + eol + eol).encode()
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(head)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError:
+        return  # refused by h11 anyway (uvicorn answers 400 and closes)
+    if framing_problem(head) is not None or not isinstance(event, h11.Request):
+        return
+    names = [name.lower() for name, _ in event.headers]
+    assert not (b"content-length" in names and b"transfer-encoding" in names), head
+    other = parse_headers(io.BytesIO(head.split(b"\n", 1)[1]))
+    for name in ("content-length", "transfer-encoding", "authorization", "host"):
+        assert len(other.get_all(name) or []) <= 1, (name, head)
+    encodings = other.get_all("transfer-encoding") or []
+    assert all(value.strip().lower() == "chunked" for value in encodings), head
