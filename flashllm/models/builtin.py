@@ -9,16 +9,16 @@ from flashllm.registry.hookspecs import hookimpl
 
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
-    "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
-    "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
+    "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
+    "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
-    "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
-    "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",
+    "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
+    "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
 }
 
 

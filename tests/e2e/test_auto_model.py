@@ -27,6 +27,7 @@ BUILTIN_MARKERS = {
     "chatglm2": "[gMASK]sop[Round 1]\n\n问：hello\n\n答：",
     "chatglm3": "[gMASK]sop<|user|>\n hello<|assistant|>",
     "qwen": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
+    "baichuan-2": "<reserved_106>hello<reserved_107>",
 }
 # a template whose prompt is another's after a turn of its own (Qwen-Chat: ChatML after a default system turn)
 CONTAINS = {"qwen": "chatml"}

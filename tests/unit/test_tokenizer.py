@@ -120,6 +120,10 @@ def _expected(name: str, messages: list[dict[str, str]], add_generation_prompt: 
         return "[gMASK]sop" + "".join(
             f"[Round {i // 2 + 1}]\n\n问：{m['content']}\n\n答：" if m["role"] == "user" else f"{m['content']}\n\n"
             for i, m in enumerate(messages))
+    if name == "baichuan-2":  # Baichuan2's build_chat_input: system text, then <reserved_106> user / <reserved_107>
+        out = "".join(m["content"] if m["role"] == "system" else
+                      ("<reserved_106>" if m["role"] == "user" else "<reserved_107>") + m["content"] for m in messages)
+        return out + ("<reserved_107>" if add_generation_prompt and messages[-1]["role"] != "assistant" else "")
     if name == "llama-3":
         out = "<|begin_of_text|>" + "".join(
             f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages)
