@@ -17,6 +17,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import LogitRecorder
 from flashllm.testing.tiny_models import build_tiny_model
 
 BLOCK, STEPS, ATOL = 16, 32, 1e-4
@@ -172,24 +173,6 @@ def reference_greedy(models, name: str, prompt: list[int]) -> tuple[list[int], t
     if key not in _GREEDY_CACHE:
         _GREEDY_CACHE[key] = models[name][1].greedy(prompt)
     return _GREEDY_CACHE[key]
-
-
-class LogitRecorder:
-    """Keeps every logits row the engine samples from, with the tokens it scored (one step a call)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.rows: list[tuple[list[int], torch.Tensor]] = []
-        llm.engine.config.scheduler.num_scheduler_steps = 1
-        runner, original = llm.engine.runner, llm.engine.runner.execute_model
-
-        def execute_model(batch, greedy=False):
-            logits = original(batch)
-            samplers = [item.seq for item in batch.scheduled if item.produces_token]
-            for seq, row in zip(samplers, logits, strict=True):
-                self.rows.append((list(seq.token_ids), row.clone()))
-            return runner.argmax(logits) if greedy else logits
-
-        runner.execute_model = execute_model
 
 
 def _llm(model_dir: Path, **kw) -> LLM:

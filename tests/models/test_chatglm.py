@@ -22,6 +22,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
 HIDDEN, FFN, LAYERS, HEADS, GROUPS, HEAD_DIM, VOCAB, SEQ = 64, 128, 2, 4, 2, 16, 256, 512
@@ -213,22 +214,6 @@ def _hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], torc
     for _ in range(steps):
         ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
     return ids[len(prompt):], hf_logits(hf_model, ids)
-
-
-def _record_logits(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
-    """Keep each logits row the engine samples from, with the tokens it scored (one step per call)."""
-    rows: list[tuple[list[int], torch.Tensor]] = []
-    llm.engine.config.scheduler.num_scheduler_steps = 1
-    runner, original = llm.engine.runner, llm.engine.runner.execute_model
-
-    def execute_model(batch, greedy=False):
-        logits = original(batch)
-        samplers = [item.seq for item in batch.scheduled if item.produces_token]
-        rows.extend((list(seq.token_ids), row.clone()) for seq, row in zip(samplers, logits, strict=True))
-        return runner.argmax(logits) if greedy else logits
-
-    runner.execute_model = execute_model
-    return rows
 
 
 def _check_tokens_and_logits(hf_model, prompts, outputs, rows) -> None:

@@ -14,6 +14,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.models.mistral import DEFAULT_SLIDING_WINDOW
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import LogitRecorder
 
 WINDOW = 24     # shorter than most prompts below, and not a multiple of the block size
 BLOCK = 16
@@ -115,24 +116,6 @@ def _hf_greedy(model, prompt: list[int], steps: int = STEPS) -> tuple[list[int],
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(prompt):], model(torch.tensor([ids])).logits[0]
-
-
-class LogitRecorder:
-    """Keeps every logits row the engine samples from, with the tokens it scored (one step a call)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.rows: list[tuple[list[int], torch.Tensor]] = []
-        llm.engine.config.scheduler.num_scheduler_steps = 1
-        runner, original = llm.engine.runner, llm.engine.runner.execute_model
-
-        def execute_model(batch, greedy=False):
-            logits = original(batch)
-            samplers = [item.seq for item in batch.scheduled if item.produces_token]
-            for seq, row in zip(samplers, logits, strict=True):
-                self.rows.append((list(seq.token_ids), row.clone()))
-            return runner.argmax(logits) if greedy else logits
-
-        runner.execute_model = execute_model
 
 
 def _llm(model_dir: Path, **kw) -> LLM:

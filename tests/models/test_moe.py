@@ -17,6 +17,7 @@ from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import LogitRecorder
 
 ATOL = 1e-4
 STEPS = 32
@@ -169,24 +170,6 @@ def test_moe_models_offer_the_lm_head_fusion_and_never_the_decoder_stack(ours) -
     for model in ours.values():
         declared = model.fusions()
         assert LM_HEAD in declared and DECODER_STACK not in declared
-
-
-class LogitRecorder:
-    """Keeps every logits row the runner computes with the context it scored (greedy steps included)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.rows: list[tuple[list[int], torch.Tensor]] = []
-        llm.engine.config.scheduler.num_scheduler_steps = 1
-        runner, original = llm.engine.runner, llm.engine.runner.execute_model
-
-        def execute_model(batch, greedy=False):
-            logits = original(batch)
-            samplers = [item.seq for item in batch.scheduled if item.produces_token]
-            for seq, row in zip(samplers, logits, strict=True):
-                self.rows.append((list(seq.token_ids), row.clone()))
-            return runner.argmax(logits) if greedy else logits
-
-        runner.execute_model = execute_model
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:

@@ -20,6 +20,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import record_logits as _record_logits
 
 VOCAB, HIDDEN, HEADS, LAYERS, MLP = 256, 64, 4, 2, 96  # MLP: each of w1 / w2 (QWen's intermediate_size // 2)
 BLOCK, STEPS, ATOL = 16, 32, 1e-4
@@ -194,22 +195,6 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 def _llm(model_dir: Path, **kw) -> LLM:
     options = dict(dtype="float32", device="cpu", block_size=BLOCK, max_model_len=512, num_kv_blocks=128)
     return LLM(str(model_dir), **{**options, **kw})
-
-
-def _record_logits(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
-    """Every logits row the engine samples from, with the tokens it scored (one step per call)."""
-    rows: list[tuple[list[int], torch.Tensor]] = []
-    llm.engine.config.scheduler.num_scheduler_steps = 1
-    runner, original = llm.engine.runner, llm.engine.runner.execute_model
-
-    def execute_model(batch, greedy=False):
-        logits = original(batch)
-        for seq, row in zip([i.seq for i in batch.scheduled if i.produces_token], logits, strict=True):
-            rows.append((list(seq.token_ids), row.clone()))
-        return runner.argmax(logits) if greedy else logits
-
-    runner.execute_model = execute_model
-    return rows
 
 
 def test_engine_greedy_tokens_and_logits_match_qwen2_with_chunked_prefill(qwen1_dir, qwen2_model):
