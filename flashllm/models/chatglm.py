@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
 from flashllm.models.chatglm_config import GLMConfig, parse_chatglm_config, parse_glm_config
-from flashllm.models.layers.attention import Attention
+from flashllm.models.layers.attention import Attention, split_heads
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -95,12 +95,7 @@ class GLMAttention(nn.Module):
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,), hidden (T, hidden) -> (T, hidden)."""
-        num_tokens = hidden.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.query_key_value(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = split_heads(self.query_key_value(hidden), self.num_heads, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.dense(self.attn(q, k, v, kv_cache, attn_metadata))
 

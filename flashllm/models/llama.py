@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
-from flashllm.models.layers.attention import Attention
+from flashllm.models.layers.attention import Attention, split_heads
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -53,12 +53,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,), hidden (T, hidden) -> (T, hidden)."""
-        num_tokens = hidden.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = split_heads(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 

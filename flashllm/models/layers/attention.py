@@ -10,6 +10,15 @@ from torch import Tensor, nn
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 
 
+def split_heads(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A fused projection's output (T, (Hq + 2 Hk) D), queries then keys then values, as
+    q (T, Hq, D), k (T, Hk, D), v (T, Hk, D) views."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
 class Attention(nn.Module):
     """Causal (GQA) attention of a flat varlen batch over one layer's paged KV cache.
 
