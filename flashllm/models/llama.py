@@ -90,6 +90,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def run_decoder_stack(stack: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                      attn_metadata: AttentionMetadata) -> Tensor:
+    """A pre-norm stack's forward: `stack.embed_tokens`, then each of `stack.layers` (which take and
+    return the residual stream beside the hidden states), then `stack.norm`; (T,) ids -> (T, hidden)."""
+    hidden = stack.embed_tokens(input_ids)
+    residual = None
+    for layer, kv_cache in zip(stack.layers, kv_caches, strict=True):
+        hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+    hidden, _ = stack.norm(hidden, residual)
+    return hidden
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
@@ -112,12 +124,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return run_decoder_stack(self, input_ids, positions, kv_caches, attn_metadata)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -17,7 +17,7 @@ from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock, expert_param_target
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
-from flashllm.models.llama import LlamaAttention
+from flashllm.models.llama import LlamaAttention, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
 
@@ -143,12 +143,7 @@ class MoEModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return run_decoder_stack(self, input_ids, positions, kv_caches, attn_metadata)
 
 
 class MixtralForCausalLM(CausalLM):
