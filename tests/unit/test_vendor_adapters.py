@@ -217,7 +217,7 @@ def test_device_npu_on_this_machine_fails_in_one_line(tmp_path, capsys) -> None:
 
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"src": "hi"}) + "\n")
-    assert main(["predict", "--device", "npu", "--data_file", str(data), "--output_file", str(tmp_path / "o")]) == 1
+    assert main(["predict", "--device", "npu", "--data_file", str(data), "--output_file", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch_npu is not installed" in err[0] and "pip install torch-npu" in err[0]
 
