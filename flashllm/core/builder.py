@@ -100,7 +100,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s%s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.kv_cache_bytes() / 2**30,
                 selection.device, f" (rank {rank.rank} of {rank.world_size})" if rank.world_size > 1 else "")
-    reason = _no_graphs_reason(config, selection, ops, rank.world_size)
+    reason = _no_graphs_reason(config, selection, ops, rank.world_size, model)
     if reason is None:
         runner.capture_graphs(config.scheduler.max_num_seqs, int(config.model.max_model_len))
     elif selection.profile.accelerator:
@@ -128,18 +128,28 @@ def model_runner_class(selection: DeviceSelection) -> type[ModelRunner]:
 
 
 def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpTable,
-                      world_size: int = 1) -> str | None:
-    """Why decode steps cannot be captured as device graphs here, or None when they can."""
+                      world_size: int = 1, model: torch.nn.Module | None = None) -> str | None:
+    """Why decode steps cannot be captured as device graphs here, or None when they can.
+
+    Only the ops `model`'s layers bound count (a kernel that reads tensors on the host stops graphs
+    only for models that call it), or every op of the table when no model is given."""
     if config.device.enforce_eager:
         return "--enforce-eager"
     if world_size > 1:
         return "tensor parallelism (the other ranks run their steps eagerly)"
     if selection.adapter.new_graph(selection.device) is None:
         return f"the {selection.backend.name} backend's device has no graphs"
-    unsafe = [op for op in ops.sources if not ops.kernel(op).caps.graph_safe]
+    unsafe = [op for op in (ops.sources if model is None else bound_ops(model, ops))
+              if not ops.kernel(op).caps.graph_safe]
     if unsafe:
         return f"{', '.join(unsafe)} bound to kernels that read tensors on the host"
     return None
+
+
+def bound_ops(model: torch.nn.Module, ops: OpTable) -> list[str]:
+    """The ops whose kernels `model`'s modules hold: layers bind `ops.<op>` at construction."""
+    held = {id(value) for module in model.modules() for value in vars(module).values() if callable(value)}
+    return [op for op in ops.sources if id(ops.kernel(op).fn) in held]
 
 
 def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

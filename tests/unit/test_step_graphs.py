@@ -152,3 +152,13 @@ def test_reference_kernels_that_read_the_host_keep_steps_eager(
     llm = LLM(str(model_dir), backend="reference", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64)
     assert llm.engine.runner.graphs is None and rerun_graphs["graphs"] == []
     assert step_graphs.PAD_SLOT == -1
+
+
+def test_only_the_kernels_a_model_binds_decide_whether_it_can_be_captured(model_dir: Path) -> None:
+    from flashllm.core.builder import bound_ops
+
+    llm = LLM(str(model_dir), backend="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64)
+    bound = set(bound_ops(llm.engine.runner.model, llm.engine.parts.ops))
+    assert {"rms_norm", "rotary_embedding", "paged_attention", "write_kv_cache", "quant_matmul"} <= bound
+    assert "fused_moe" not in bound  # a Llama calls no MoE kernel, so a host-reading one does not stop its graphs
+    assert not llm.engine.parts.ops.kernel("fused_moe").caps.graph_safe
