@@ -106,6 +106,9 @@ class BaichuanForCausalLM(LlamaForCausalLM):
 
     # Baichuan-7B checkpoints may keep the RoPE inverse frequencies, which are rebuilt from the config
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    attention_needs: ClassVar[tuple[str, ...]] = ("ALiBi (13B)",)
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # baichuan_config refuses quantization_config
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.model",)  # sentencepiece
 
     def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:

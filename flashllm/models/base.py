@@ -63,6 +63,19 @@ class CausalLM(nn.Module, ABC):
     # the LM head's checkpoint tensor, skipped when config.tie_word_embeddings (it repeats the embedding)
     lm_head_weight_name: ClassVar[str] = "lm_head.weight"
 
+    # What the architecture declares for `flashllm devices` and docs/capabilities.md (models/catalog.py).
+    # ops beyond a dense decoder's (rms_norm, rotary_embedding, silu_and_mul, write_kv_cache,
+    # paged_attention, quant_matmul), e.g. ("fused_moe",)
+    required_ops: ClassVar[tuple[str, ...]] = ()
+    # paged_attention features beyond causal full attention, e.g. ("ALiBi (13B)",)
+    attention_needs: ClassVar[tuple[str, ...]] = ()
+    # --quant_type schemes its layers quantize at load; None: not declared
+    weight_only_quant: ClassVar[tuple[str, ...] | None] = None
+    # quant_method values of pre-quantized checkpoints parse_config accepts; (): refuses them; None: not declared
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = None
+    # the checkpoint files its tokenizer is built from; None: not declared
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = None
+
     @classmethod
     @abstractmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:

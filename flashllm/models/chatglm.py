@@ -215,6 +215,9 @@ class ChatGLMForConditionalGeneration(CausalLM):
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_pos_emb.inv_freq",)
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attention.k_scale", ".self_attention.v_scale")
     lm_head_weight_name: ClassVar[str] = "transformer.output_layer.weight"
+    weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # chatglm_config refuses quantization_bit / _config
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.model",)  # sentencepiece, [gMASK] / sop
 
     def __init__(self, config: GLMConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -341,6 +344,7 @@ class GlmForCausalLM(ChatGLMForConditionalGeneration):
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"query_key_value": ["q_proj", "k_proj", "v_proj"]}
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> GLMConfig:

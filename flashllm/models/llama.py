@@ -142,6 +142,9 @@ class LlamaForCausalLM(CausalLM):
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     # calibrated static int8/fp8 KV cache scales; optional, they live on each layer's Attention
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
+    weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")  # llama_config parses either
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:

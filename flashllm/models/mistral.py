@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.llama import LlamaForCausalLM
@@ -21,6 +21,8 @@ class MistralForCausalLM(LlamaForCausalLM):
     The KV cache keeps every token (the window is a mask in paged_attention, so prefix caching
     and chunked prefill work unchanged); an explicit `head_dim` (Mistral-Nemo) is honoured.
     """
+
+    attention_needs: ClassVar[tuple[str, ...]] = ("sliding window",)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:

@@ -160,6 +160,10 @@ class MixtralForCausalLM(CausalLM):
     }
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
+    required_ops: ClassVar[tuple[str, ...]] = ("fused_moe",)
+    weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")  # experts too (layers/moe.py)
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # refuse_prequantized: no packed expert reader
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
     # checkpoint module names -> flashllm's, applied before any other mapping
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
 

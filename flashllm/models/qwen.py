@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -182,6 +182,9 @@ class QWenLMHeadModel(Qwen2ForCausalLM):
     `c_attn` (3 * hidden, hidden) is split into its q, k and v rows as it loads, which keeps
     tensor-parallel ranks reading only their slices.
     """
+
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # parse_qwen_config refuses quantization_config
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("qwen.tiktoken",)
 
     def __init__(self, config: QWenModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
