@@ -45,7 +45,7 @@ def lint(session: nox.Session) -> None:
     _install(session)
     session.run("lint-imports", "--no-cache")
     session.run("pytest", "-q", "tests/unit/test_import_cycles.py")
-    session.run("python", "-m", "flashllm.registry.matrix", "--check", "docs/capabilities.md")
+    session.run("python", "-m", "flashllm.models.catalog", "--check", "docs/capabilities.md")
 
 
 @nox.session(python="3.11")

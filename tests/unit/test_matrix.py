@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from flashllm.cli import main
+from flashllm.models import catalog
 from flashllm.registry import matrix
 from flashllm.registry.backend import Backend, Caps
 from flashllm.registry.plugins import make_plugin_manager
@@ -19,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_committed_capability_page_is_fresh() -> None:
     page = ROOT / "docs" / "capabilities.md"
-    assert matrix.main(["--check", str(page)]) == 0, "run: python -m flashllm.registry.matrix --write docs/capabilities.md"
+    assert catalog.main(["--check", str(page)]) == 0, "run: python -m flashllm.models.catalog --write docs/capabilities.md"
 
 
 def test_check_detects_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "capabilities.md"
     stale.write_text("# old\n")
-    assert matrix.main(["--check", str(stale)]) == 1
-    assert matrix.main(["--write", str(stale)]) == 0
-    assert matrix.main(["--check", str(stale)]) == 0
+    assert catalog.main(["--check", str(stale)]) == 1
+    assert catalog.main(["--write", str(stale)]) == 0
+    assert catalog.main(["--check", str(stale)]) == 0
 
 
 def test_cells_follow_device_rules_and_kernel_coverage() -> None:
