@@ -1,4 +1,4 @@
-"""`flashllm devices`: backends available here and the precision capability matrix."""
+"""`flashllm devices`: backends available here, the precision capability matrix and the registered models."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import argparse
 import json
 from typing import Any
 
-from flashllm.registry.matrix import LEGEND, PROOF_LEGEND, STATIC_LEGEND, MatrixRow, build_rows, static_graph_row
+from flashllm.registry.matrix import (
+    LEGEND,
+    PROOF_LEGEND,
+    STATIC_LEGEND,
+    MatrixRow,
+    ModelRow,
+    build_rows,
+    op_backends,
+    static_graph_row,
+)
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import PRECISIONS
 from flashllm.registry.resolve import DeviceSelectionError, select_device
@@ -18,7 +27,7 @@ def add_parser(sub: Any) -> None:
 
 
 def collect() -> dict[str, Any]:
-    """Backends with availability on this machine, the auto-selected device, and the matrix.
+    """Backends with availability on this machine, the auto-selected device, the matrix and the models.
 
     Static-graph mode (onnxruntime running an exported graph) is not a backend: it is listed
     under "static_graph" and its matrix row has kind "onnxruntime static graph".
@@ -50,7 +59,21 @@ def collect() -> dict[str, Any]:
     rows.append(_row_json(static_graph_row(), static["available"], static["available"], static["reason"]))
     failures = [f.describe() for f in plugins.failures]
     return {"backends": backends, "static_graph": static, "auto_device": auto, "matrix": rows,
-            "plugin_failures": failures}
+            "models": _models_json(plugins), "plugin_failures": failures}
+
+
+def _models_json(plugins: Any) -> list[dict[str, Any]]:
+    # imported here, not at module level: `flashllm --help` imports every command module and must stay light
+    from flashllm.models.catalog import model_rows
+
+    ops = op_backends(plugins)
+    return [{"architecture": m.architecture, "family": m.family, "class": m.target, "error": m.error,
+             "required_ops": {op: ops.get(op, []) for op in m.required_ops},
+             "attention_needs": list(m.attention_needs),
+             "weight_only": None if m.weight_only is None else list(m.weight_only),
+             "prequantized": None if m.prequantized is None else list(m.prequantized),
+             "tokenizer": None if m.tokenizer is None else list(m.tokenizer)}
+            for m in model_rows(plugins)]
 
 
 def _row_json(row: MatrixRow, here: bool, available: bool, reason: str) -> dict[str, Any]:
@@ -91,7 +114,30 @@ def run(args: argparse.Namespace) -> int:
     print(_matrix_text(data["matrix"]))
     print("\n" + LEGEND + "\n" + PROOF_LEGEND + "\n" + STATIC_LEGEND +
           " (--json says why)\n* = this machine; rows of unavailable backends show why.")
+    print("\nModels (architecture names in config.json; docs/capabilities.md has the backends per op):")
+    print(_models_text(data["models"]))
     return 0
+
+
+def _models_text(models: list[dict[str, Any]]) -> str:
+    headers = ["architecture", "family", "needs", "weight-only", "pre-quantized", "tokenizer"]
+    table = [headers]
+    for m in models:
+        if m["error"]:
+            table.append([m["architecture"], m["family"], m["error"], "", "", ""])
+            continue
+        row = ModelRow(m["architecture"], m["class"], m["family"], tuple(m["required_ops"]),
+                       tuple(m["attention_needs"]), _maybe_tuple(m["weight_only"]), _maybe_tuple(m["prequantized"]),
+                       _maybe_tuple(m["tokenizer"]))
+        weight, pre = row.quant_text()
+        table.append([row.architecture, row.family, row.needs(), weight, pre, row.tokenizer_text()])
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers) - 1)]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+                     for r in table)
+
+
+def _maybe_tuple(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def _matrix_text(rows: list[dict[str, Any]]) -> str:

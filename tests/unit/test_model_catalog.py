@@ -1,0 +1,103 @@
+"""The models section of `flashllm devices` and docs/capabilities.md: one row per registered architecture."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashllm.cli import main
+from flashllm.models.builtin import BUILTIN_MODELS
+from flashllm.models.catalog import model_rows
+from flashllm.models.hf_config import PREQUANTIZED_FORMATS
+from flashllm.ops import op_specs
+from flashllm.registry.hookspecs import hookimpl
+from flashllm.registry.matrix import ModelRow, models_markdown
+from flashllm.registry.plugins import make_plugin_manager
+from flashllm.registry.precision import PRECISIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM"}
+# architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
+PREQUANT_REFUSED = MOE | {"QWenLMHeadModel", "BaichuanForCausalLM", "BaiChuanForCausalLM", "ChatGLMModel",
+                          "ChatGLMForConditionalGeneration", "GlmForCausalLM"}
+
+
+class _BrokenModelPlugin:
+    """A plugin registering one architecture whose lazy target does not import."""
+
+    @hookimpl
+    def flashllm_register_models(self, register: Callable[[str, Any], None]) -> None:
+        register("BrokenForCausalLM", "flashllm_no_such_module:BrokenForCausalLM")
+
+
+def _table_rows(text: str, header: str) -> dict[str, list[str]]:
+    """Markdown table after `header` -> first cell (backticks stripped) -> cells."""
+    lines = text.split(header, 1)[1].splitlines()
+    table = {}
+    for line in (ln for ln in lines if ln.startswith("| `")):
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        table[cells[0].strip("`")] = cells
+    return table
+
+
+def test_every_builtin_architecture_is_a_row_with_its_declared_facts() -> None:
+    rows = {r.architecture: r for r in model_rows(make_plugin_manager(load_entry_points=False))}
+    assert set(rows) == set(BUILTIN_MODELS)
+    quant_keys = {p.quant for p in PRECISIONS} - {"none"}
+    for name, row in rows.items():
+        assert not row.error, row.error
+        assert row.target == BUILTIN_MODELS[name]
+        assert set(row.required_ops) <= set(op_specs()), f"{name} needs an op flashllm does not define"
+        assert row.weight_only is not None and set(row.weight_only) <= quant_keys
+        assert row.prequantized is not None and set(row.prequantized) <= set(PREQUANTIZED_FORMATS)
+        assert row.tokenizer, f"{name} declares no tokenizer file"
+        assert (row.prequantized == ()) == (name in PREQUANT_REFUSED), name
+        assert ("fused_moe" in row.required_ops) == (name in MOE), name
+    assert rows["QWenLMHeadModel"].tokenizer == ("qwen.tiktoken",)
+    assert rows["ChatGLMModel"].tokenizer == rows["BaichuanForCausalLM"].tokenizer == ("tokenizer.model",)
+    assert any("alibi" in need.lower() for need in rows["BaichuanForCausalLM"].attention_needs)
+
+
+def test_committed_page_has_a_models_row_per_architecture() -> None:
+    page = (ROOT / "docs" / "capabilities.md").read_text(encoding="utf-8")
+    table = _table_rows(page, "## Models")
+    assert set(table) == set(BUILTIN_MODELS)
+    # columns: architecture | family | class | needs | weight-only | pre-quantized | tokenizer
+    assert "fused_moe (" in table["MixtralForCausalLM"][3] and "reference" in table["MixtralForCausalLM"][3]
+    assert table["Qwen2MoeForCausalLM"][5] == "refused" and table["LlamaForCausalLM"][5] == "GPTQ, AWQ"
+    assert table["QWenLMHeadModel"][6] == "qwen.tiktoken"
+
+
+def test_rendering_says_refused_and_not_declared_apart() -> None:
+    rows = [ModelRow("AForCausalLM", "pkg.a:A", "a", ("fused_moe",), ("ALiBi",), ("w8a16",), (), ("tokenizer.model",)),
+            ModelRow("BForCausalLM", "pkg.b:B", "b"),
+            ModelRow("CForCausalLM", "pkg.c:C", "c", error="failed to import: boom")]
+    table = _table_rows(models_markdown(rows, {"fused_moe": ["cpu", "reference"]}), "| architecture")
+    assert table["AForCausalLM"][3:] == ["fused_moe (cpu, reference), attention: ALiBi", "w8a16", "refused",
+                                         "tokenizer.model"]
+    assert table["BForCausalLM"][3:] == ["—", "not declared", "not declared", "not declared"]
+    assert table["CForCausalLM"][3] == "failed to import: boom"
+
+
+def test_a_model_target_that_fails_to_import_is_a_row_not_a_crash() -> None:
+    plugins = make_plugin_manager(load_entry_points=False, extra_plugins=[_BrokenModelPlugin()])
+    rows = {r.architecture: r for r in model_rows(plugins)}
+    assert "flashllm_no_such_module" in rows["BrokenForCausalLM"].error
+    assert not rows["LlamaForCausalLM"].error
+
+
+def test_devices_lists_every_architecture_in_text_and_json(capsys) -> None:
+    assert main(["devices", "--json"]) == 0
+    models = {m["architecture"]: m for m in json.loads(capsys.readouterr().out)["models"]}
+    assert set(models) >= set(BUILTIN_MODELS)
+    assert "reference" in models["Qwen2MoeForCausalLM"]["required_ops"]["fused_moe"]
+    assert models["LlamaForCausalLM"]["prequantized"] == ["gptq", "awq"]
+    assert models["BaiChuanForCausalLM"]["prequantized"] == []
+    assert main(["devices"]) == 0
+    text = capsys.readouterr().out.split("\nModels", 1)[1]
+    for name in BUILTIN_MODELS:
+        line = next((ln for ln in text.splitlines() if ln.split()[:1] == [name]), None)
+        assert line is not None, f"{name} missing from `flashllm devices`"
+    assert "qwen.tiktoken" in next(ln for ln in text.splitlines() if ln.split()[:1] == ["QWenLMHeadModel"])
