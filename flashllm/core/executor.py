@@ -102,8 +102,8 @@ def make_executor(config: EngineConfig, plugins: FlashPlugins | None = None) -> 
         return DistributedExecutor(config, plugins, rank, None, launcher=None)
     size = config.parallel.tensor_parallel_size
     host = "127.0.0.1" if name == "mp" else _ray_driver_address()
-    device_type = _selection(config, plugins).device.type
-    launcher: _Launcher = _ProcessLauncher() if name == "mp" else _RayLauncher(device_type)
+    resource = _selection(config, plugins).adapter.cluster_resource
+    launcher: _Launcher = _ProcessLauncher() if name == "mp" else _RayLauncher(resource)
     return DistributedExecutor(config, plugins, RankContext(0, size), f"{host}:{_free_port(host)}", launcher)
 
 
@@ -270,21 +270,21 @@ class _RayLauncher(_Launcher):
     """ray: an actor per rank on the Ray cluster this process is connected to (ray.init's address or
     RAY_ADDRESS); each actor runs the rank's loop as one long task."""
 
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
+    def __init__(self, resource: str | None) -> None:
+        self.resource = resource
         self.actors: list[Any] = []
         self.tasks: list[Any] = []
 
     def start(self, plain: dict[str, Any], world_size: int, address: str,
               on_exit: Callable[[int, str], None]) -> None:
         ray = _import_ray()
-        # a rank on an accelerator asks Ray for one (Ray then shows the actor that device alone);
-        # the driver's own device type says which kind the ranks run on
+        # a rank on an accelerator asks Ray for one (Ray then shows the actor that device alone); the
+        # driver's device adapter names the resource (DeviceAdapter.cluster_resource)
         options: dict[str, Any] = {"num_cpus": 1}
-        if self.device_type == "cuda":
+        if self.resource == "GPU":
             options["num_gpus"] = 1
-        elif self.device_type != "cpu":
-            options["resources"] = {self.device_type.upper(): 1}
+        elif self.resource is not None:
+            options["resources"] = {self.resource: 1}
         worker = ray.remote(**options)(_RayRank)
         for rank in range(1, world_size):
             actor = worker.remote()

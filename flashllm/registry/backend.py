@@ -160,6 +160,9 @@ class DeviceAdapter:
     """
 
     dist_backend: str = "gloo"
+    # the Ray resource one tensor-parallel rank on this device reserves ("GPU": Ray's num_gpus;
+    # another name: a custom resource the cluster declares); None reserves a CPU only
+    cluster_resource: str | None = None
     shape_buckets: ShapeBuckets | None = None
 
     def __init__(self, device_type: str) -> None:

@@ -65,6 +65,7 @@ class CudaAdapter(DeviceAdapter):
     """CUDA device services; NCCL for tensor parallelism; CUDA graphs for capture."""
 
     dist_backend = "nccl"
+    cluster_resource = "GPU"
 
     def __init__(self) -> None:
         super().__init__("cuda")

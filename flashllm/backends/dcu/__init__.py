@@ -51,6 +51,7 @@ class DcuAdapter(DeviceAdapter):
     """HIP device services through torch.cuda; RCCL (served as "nccl" by ROCm torch); HIP graphs."""
 
     dist_backend = "nccl"
+    cluster_resource = "GPU"  # Ray counts AMD GPUs as GPUs
 
     def __init__(self) -> None:
         super().__init__("cuda")

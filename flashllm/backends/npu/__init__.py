@@ -76,6 +76,7 @@ class NpuAdapter(DeviceAdapter):
     """torch.npu device services (registered by torch_npu); HCCL for tensor parallelism."""
 
     dist_backend = "hccl"
+    cluster_resource = "NPU"
 
     def __init__(self) -> None:
         super().__init__("npu")
