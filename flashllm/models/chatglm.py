@@ -291,7 +291,7 @@ class ChatGLMForConditionalGeneration(CausalLM):
             intermediate_size=layers[0].mlp.dense_h_to_4h.output_sizes[0], activation="silu",
             rotary=RotaryTable(rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox),
             embed_tokens=embed.word_embeddings.weight.data, embed_tp_size=embed.word_embeddings.tp_size,
-            norm=RMSNormWeights(encoder.final_layernorm.weight.data, encoder.final_layernorm.eps), ops=self.ops)
+            norm=RMSNormWeights.of(encoder.final_layernorm), ops=self.ops)
 
 
 def _standard_block(layer: nn.Module, first: GLMAttention, rotary: RotaryEmbedding) -> bool:
@@ -308,14 +308,8 @@ def _standard_block(layer: nn.Module, first: GLMAttention, rotary: RotaryEmbeddi
 def _layer_weights(layer: GLMBlock) -> DecoderLayerWeights:
     """One standard block's weights as the fusion record holds them (query_key_value as qkv_proj, dense as
     o_proj, dense_h_to_4h as gate_up_proj, dense_4h_to_h as down_proj)."""
-    attn, mlp = layer.self_attention, layer.mlp
-
-    def linear(module: nn.Module) -> LinearWeights:
-        return LinearWeights(module.qweight, None if module.bias is None else module.bias.data, module.tp_size)
-
-    def norm(module: RMSNorm) -> RMSNormWeights:
-        return RMSNormWeights(module.weight.data, module.eps)
-
+    attn, mlp, linear = layer.self_attention, layer.mlp, LinearWeights.of
+    norm = RMSNormWeights.of
     return DecoderLayerWeights(norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
                                linear(attn.query_key_value), linear(attn.dense), linear(mlp.dense_h_to_4h),
                                linear(mlp.dense_4h_to_h), None)

@@ -207,7 +207,7 @@ class LlamaForCausalLM(CausalLM):
                 scale=first.attn.scale, intermediate_size=stack.layers[0].mlp.gate_up_proj.output_sizes[0],
                 activation="silu", rotary=RotaryTable(rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox),
                 embed_tokens=stack.embed_tokens.weight.data, embed_tp_size=stack.embed_tokens.tp_size,
-                norm=RMSNormWeights(stack.norm.weight.data, stack.norm.eps), ops=self.ops)
+                norm=RMSNormWeights.of(stack.norm), ops=self.ops)
         return found
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
@@ -229,14 +229,8 @@ def _standard_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbed
 
 def _layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
     """One standard block's weights (see _standard_block) as the fusion record holds them."""
-    attn, mlp = layer.self_attn, layer.mlp
-
-    def linear(module: nn.Module) -> LinearWeights:
-        return LinearWeights(module.qweight, None if module.bias is None else module.bias.data, module.tp_size)
-
-    def norm(module: RMSNorm) -> RMSNormWeights:
-        return RMSNormWeights(module.weight.data, module.eps)
-
+    attn, mlp, linear = layer.self_attn, layer.mlp, LinearWeights.of
+    norm = RMSNormWeights.of
     return DecoderLayerWeights(norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
                                linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
                                linear(mlp.down_proj), attn.attn.sliding_window)

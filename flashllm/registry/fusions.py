@@ -17,7 +17,7 @@ QuantizedWeight) and describe this rank's shard; a backend builds its fused path
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import Tensor
 
@@ -44,6 +44,11 @@ class LinearWeights:
     bias: Tensor | None
     tp_size: int
 
+    @classmethod
+    def of(cls, layer: Any) -> LinearWeights:
+        """The record of a linear layer holding `qweight`, `bias` (a parameter or None) and `tp_size`."""
+        return cls(layer.qweight, None if layer.bias is None else layer.bias.data, layer.tp_size)
+
 
 @dataclass(frozen=True, slots=True)
 class RMSNormWeights:
@@ -51,6 +56,11 @@ class RMSNormWeights:
 
     weight: Tensor
     eps: float
+
+    @classmethod
+    def of(cls, norm: Any) -> RMSNormWeights:
+        """The record of an RMSNorm module holding `weight` (a parameter) and `eps`."""
+        return cls(norm.weight.data, norm.eps)
 
 
 @dataclass(frozen=True, slots=True)
