@@ -29,6 +29,7 @@ class ModelConfig:
     dtype: str = "auto"               # auto | float32 | float16 | bfloat16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped)
     seed: int = 0
+    lora_path: str | None = None      # a PEFT LoRA adapter directory merged into the weights at load
 
 
 @dataclass

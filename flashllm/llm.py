@@ -33,7 +33,8 @@ class LLM(ChatMethods):
     `model` is a Hugging Face model directory (None = the built-in demo model). Other keywords
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed,
+    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed, lora_path (a PEFT LoRA
+    adapter directory merged into the weights at load, before quantization),
     gpu_memory_utilization (accelerators: the share of device memory the engine may fill, 0.9),
     enforce_eager (never replay decode steps from CUDA graphs) and num_scheduler_steps (greedy
     decode steps one scheduling round may run where the device can, 8; the cpu backend runs them
@@ -134,7 +135,7 @@ class LLM(ChatMethods):
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (unknown keys are an error)."""
     groups = {
-        "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer"}),
+        "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer", "lora_path"}),
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
                                 "cachekv_int8_type", "enable_prefix_caching", "gpu_memory_utilization"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",

@@ -86,7 +86,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
-                                  tp_rank=rank.rank, tp_size=rank.world_size)
+                                  tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path)
     runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None

@@ -11,6 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from flashllm.lora.merge import checkpoint_headers, merge_lora
+from flashllm.lora.peft import LoRAAdapter, LoRAError, load_adapter
 from flashllm.models.base import CausalLM
 from flashllm.models.checkpoint_tensor import CheckpointTensor
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
@@ -48,7 +50,7 @@ _DTYPE_NAMES = {
 def load_model(
     model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
     model_registry: ModelRegistry, progress: bool = True, quant: WeightQuantSpec | None = None,
-    tp_rank: int = 0, tp_size: int = 1,
+    tp_rank: int = 0, tp_size: int = 1, lora_path: str | Path | None = None,
 ) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
@@ -63,6 +65,8 @@ def load_model(
     w4a16 / w8a16; `quant` must then be None, disabled or the same scheme.
     tp_rank / tp_size: this process's tensor-parallel rank; the model holds that rank's shard, and
     only that part of each sharded tensor is read from the files (see models/checkpoint_tensor.py).
+    lora_path: a PEFT LoRA adapter directory merged into the weights as they load (flashllm/lora/merge.py),
+    so quantization applies to the merged weights; its shapes are checked before the model is built.
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -72,10 +76,13 @@ def load_model(
     files = safetensors_files(model_dir)
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
+    adapter = None if lora_path is None else _read_adapter(lora_path, config, files, model_cls)
     model = model_cls(config, ops, dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
     prepare_prequantized(model, config.quantization)
     seen: set[str] = set()
     tensors = _iter_tensors(files, progress, seen)
+    if adapter is not None:
+        tensors = merge_lora(tensors, adapter)
     try:
         loaded = model.load_weights(tensors)
     finally:
@@ -91,6 +98,19 @@ def load_model(
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval(), config
+
+
+def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path, set[str] | None],
+                  model_cls: type[CausalLM]) -> LoRAAdapter:
+    """The --lora_path adapter, checked against the checkpoint's tensor headers before anything is allocated."""
+    if config.quantization is not None:
+        raise ModelLoadError(f"--lora_path cannot merge into a {config.quantization.method} checkpoint's packed "
+                             "weights; merge into the float model, then quantize (--quant_type)")
+    shapes, dtypes = checkpoint_headers(files)
+    try:
+        return load_adapter(lora_path, shapes, model_cls.packed_modules_mapping, base_dtypes=dtypes)
+    except LoRAError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def checkpoint_quant_spec(config: HFModelConfig, quant: WeightQuantSpec | None) -> WeightQuantSpec | None:
