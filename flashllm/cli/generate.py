@@ -20,6 +20,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default=None)
+    parser.add_argument("--lora-path", "--lora_path", dest="lora_path", default=None,
+                        help="a PEFT LoRA adapter directory merged into the weights at load (docs/lora.md)")
     add_parallel_flags(parser)
 
 
@@ -27,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from flashllm.llm import LLM
     from flashllm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, **parallel_options(args))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
+              **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     try:

@@ -83,6 +83,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "quantize_lm_head", action="store_true",
           help="also store the LM head as per-channel int8 (with weight_only_int8/int4): a quarter of its fp32 "
                "bytes per decoded token, a small logit error (docs/benchmarks.md)")
+    _flag(parser, "lora_path", default=None,
+          help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the "
+               "weights at load, before --quant_type; docs/lora.md")
     add_parallel_flags(parser)
     _flag(parser, "mode", default="dynamic", choices=("dynamic", "static"),
           help="dynamic: the paged engine; static: run the ONNX graph that `flashllm export` wrote into "
@@ -196,6 +199,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
     from flashllm.llm import LLM
 
     if args.mode == "static":
+        if args.lora_path is not None:
+            raise SystemExit("flashllm predict: --lora_path merges an adapter while the paged engine loads the "
+                             "weights; --mode static runs a finished export, so merge before exporting")
         if args.tensor_parallel_size != 1 or args.distributed_executor_backend not in (None, "uniproc"):
             raise SystemExit("flashllm predict: --mode static runs the exported graph in one onnxruntime session; "
                              "drop --tensor_parallel_size / --distributed_executor_backend, or use --mode dynamic")
@@ -208,7 +214,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
                quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
-               gpu_memory_utilization=args.gpu_memory_utilization, **parallel_options(args))
+               gpu_memory_utilization=args.gpu_memory_utilization, lora_path=args.lora_path,
+               **parallel_options(args))
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

@@ -67,6 +67,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "gpu_memory_utilization": (float, 0.9, "accelerators: share of device memory for weights, activations and "
                                "the KV cache (which takes what a profiled worst-case step leaves)"),
     "seed": (int, 0, "engine seed"),
+    "lora_path": (str, None, "a PEFT LoRA adapter directory merged into the weights at load (docs/lora.md)"),
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
@@ -75,9 +76,9 @@ MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
-                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend")
+                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path")
 # options also spelled the PaddleNLP way, with underscores
-UNDERSCORE_ALIASES = {"cachekv_int8_type"}
+UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path"}
 
 
 def add_parser(sub: Any) -> None:

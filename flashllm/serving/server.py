@@ -136,7 +136,7 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         strict_kernels=options["strict_kernels"],
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
         seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],
-        distributed_executor_backend=options["distributed_executor_backend"],
+        distributed_executor_backend=options["distributed_executor_backend"], lora_path=options["lora_path"],
     )
     return Engine(config)
 
