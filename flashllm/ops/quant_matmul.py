@@ -20,6 +20,12 @@ _DATA_DTYPE: dict[str, torch.dtype] = {
 SCHEMES: frozenset[str] = frozenset(_PACK_FACTOR)
 # schemes that quantize the activations too (per token, at every call); the rest keep x as it is
 ACTIVATION_SCHEMES: frozenset[str] = frozenset({"a8w8", "fp8"})
+# schemes whose weights may carry per-group float offsets (QuantizedWeight.offsets)
+AFFINE_SCHEMES: frozenset[str] = frozenset({"w8a16", "w4a16"})
+# the quant capability a kernel claims (Caps.quant) when it reads offsets and runs every layout
+# flashllm.quant.gguf_blocks builds: w8a16 at groups of 16 and 32, w4a16 at 32, fp16 or fp32
+# scales, offsets or not; a model holding such weights asks for it instead of a scheme name
+AFFINE_CAPABILITY = "gguf"
 # int4 codes are stored unsigned (0..15); a symmetric weight has the implicit zero point 8
 INT4_SYMMETRIC_ZERO = 8
 INT8_MAX = 127  # symmetric int8 uses -127..127 so that +-max are both representable
@@ -44,6 +50,11 @@ class QuantizedWeight:
     scheme "w4a16": data uint8 (N, K/2), two 4-bit codes per byte (low nibble = even k, high
       nibble = odd k), codes 0..15: W[n, k] = (code[n, k] - zero) * scales[n, g], with
       zero = zeros[n, g] (asymmetric, uint8 0..15) or 8 when zeros is None (symmetric).
+    offsets: "w8a16" / "w4a16" only, float (N, num_groups) or None: a float per-group term
+      (GGUF's Q4_1 minimum and the K-quants' -dmin * m). With offsets the weight is affine,
+      W[n, k] = code[n, k] * scales[n, g] + offsets[n, g], with no zero point (zeros must be
+      None; w4a16's implicit 8 does not apply). Kernels that do not read offsets must not claim
+      the capability name AFFINE_CAPABILITY (backends list it in their quant caps when they do).
     scheme "a8w8": data int8 (N, K) in -127..127, per-channel scales (N, 1):
       W[n, k] = data[n, k] * scales[n, 0]; activations are quantized per token to int8 at
       every call (see quant_matmul).
@@ -69,6 +80,7 @@ class QuantizedWeight:
     group_size: int = -1
     smooth: Tensor | None = None
     input_perm: Tensor | None = None
+    offsets: Tensor | None = None
     kernel_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +139,8 @@ class QuantizedWeight:
             raise ValueError(f"scheme {self.scheme!r} needs float scales of shape {(self.out_features, groups)}, got {got}")
         if not self.scales.is_floating_point():
             raise ValueError(f"scales must be a float tensor, got {self.scales.dtype}")
+        if self.offsets is not None:
+            self._check_offsets(groups)
         if self.zeros is not None:
             if self.scheme != "w4a16":
                 raise ValueError(f"scheme {self.scheme!r} is symmetric: zeros must be None")
@@ -135,6 +149,15 @@ class QuantizedWeight:
                     f"w4a16 zeros must be integer codes of shape {(self.out_features, groups)}, got "
                     f"{self.zeros.dtype} {tuple(self.zeros.shape)}"
                 )
+
+    def _check_offsets(self, groups: int) -> None:
+        if self.scheme not in AFFINE_SCHEMES:
+            raise ValueError(f"offsets apply to the weight-only schemes {sorted(AFFINE_SCHEMES)}, not {self.scheme!r}")
+        if self.zeros is not None:
+            raise ValueError("a weight with offsets has no zero point (W = code * scale + offset): zeros must be None")
+        if tuple(self.offsets.shape) != (self.out_features, groups) or not self.offsets.is_floating_point():
+            raise ValueError(f"offsets must be a float ({self.out_features}, {groups}) tensor, got "
+                             f"{self.offsets.dtype} {tuple(self.offsets.shape)}")
 
     @classmethod
     def dense(cls, weight: Tensor) -> QuantizedWeight:
@@ -158,13 +181,13 @@ class QuantizedWeight:
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:
-        """The stored tensors: data, then scales, zeros, smooth, input_perm where present."""
-        found = (self.data, self.scales, self.zeros, self.smooth, self.input_perm)
+        """The stored tensors: data, then scales, zeros, smooth, input_perm, offsets where present."""
+        found = (self.data, self.scales, self.zeros, self.smooth, self.input_perm, self.offsets)
         return tuple(t for t in found if t is not None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of data, scales, zeros, smooth and input_perm (kernel_cache not included)."""
+        """Bytes of data, scales, zeros, smooth, input_perm and offsets (kernel_cache not included)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
@@ -184,14 +207,16 @@ def unpack_int4(packed: Tensor) -> Tensor:
 def integer_codes(weight: QuantizedWeight) -> tuple[Tensor, Tensor]:
     """(codes (N, K) int32, zero points (N, num_groups) int32) of a quantized weight.
 
-    The dequantized weight is (codes - zero[group]) * scales[group] per element.
+    The dequantized weight is (codes - zero[group]) * scales[group] (+ offsets[group]) per element;
+    a weight with offsets has zero points 0.
     """
     if weight.scheme in ("w8a16", "a8w8"):
         codes = weight.data.to(torch.int32)
         zero = torch.zeros(weight.out_features, weight.num_groups, dtype=torch.int32, device=codes.device)
     elif weight.scheme == "w4a16":
         codes = unpack_int4(weight.data).to(torch.int32)
-        zero = (torch.full((weight.out_features, weight.num_groups), INT4_SYMMETRIC_ZERO, dtype=torch.int32,
+        implicit = 0 if weight.offsets is not None else INT4_SYMMETRIC_ZERO
+        zero = (torch.full((weight.out_features, weight.num_groups), implicit, dtype=torch.int32,
                            device=codes.device) if weight.zeros is None else weight.zeros.to(torch.int32))
     else:
         raise ValueError(f"scheme {weight.scheme!r} has no integer codes")
@@ -202,7 +227,8 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> T
     """The (N, K) stored weight a QuantizedWeight stands for, in `dtype`.
 
     Quantized schemes are computed in fp32, (code - zero) * scale (fp8: float(code) * scale),
-    one rounding per element, then cast to `dtype`; "none" is the stored weight cast to
+    one rounding per element, with offsets then + offset (a second rounding, a separate add as
+    ggml's dequantization does, never a fused multiply-add), then cast to `dtype`; "none" is the stored weight cast to
     `dtype`. Columns stay in the stored order (input_perm is not undone) and smoothed.
     """
     if weight.scheme == "none":
@@ -212,7 +238,10 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> T
     codes, zero = integer_codes(weight)
     n, k, groups = weight.out_features, weight.in_features, weight.num_groups
     shifted = (codes.view(n, groups, k // groups) - zero[:, :, None]).to(torch.float32)
-    return (shifted * weight.scales.to(torch.float32)[:, :, None]).view(n, k).to(dtype)
+    scaled = shifted * weight.scales.to(torch.float32)[:, :, None]
+    if weight.offsets is not None:
+        scaled = scaled + weight.offsets.to(torch.float32)[:, :, None]
+    return scaled.view(n, k).to(dtype)
 
 
 def quantize_activation_int8(x: Tensor, smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flashllm.ops._kv_checks import KV_QMAX
 from flashllm.ops.alibi_slopes import alibi_slopes
-from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
+from flashllm.ops.quant_matmul import AFFINE_CAPABILITY, QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
 
 Inputs = dict[str, Any]
@@ -220,6 +220,8 @@ class _QuantCase(NamedTuple):
     bias: bool = False
     smooth: bool = False      # SmoothQuant factors (a8w8 / fp8)
     input_perm: bool = False  # GPTQ act-order column permutation
+    gguf: bool = False        # a GGUF layout (flashllm.quant.gguf_blocks): needs the AFFINE_CAPABILITY caps
+    offsets: bool = False     # per-group float offsets (Q4_1, Q4_K, Q5_K)
 
 
 # Quantized cases cover per-channel and grouped scales, int4 with and without zero points, one
@@ -241,6 +243,12 @@ _QUANT_MATMUL_CASES: dict[str, _QuantCase] = {
     "a8w8_prefill_smooth_perm": _QuantCase(80, 64, 40, "a8w8", bias=True, smooth=True, input_perm=True),
     "fp8_decode": _QuantCase(1, 96, 33, "fp8", bias=True),
     "fp8_tokens_smooth_perm": _QuantCase(6, 128, 48, "fp8", smooth=True, input_perm=True),
+    # GGUF layouts: Q4_1/Q4_K (int4 + offsets), Q5_K (5-bit codes in int8 + offsets), Q6_K (group 16)
+    "gguf_w4a16_group32_offsets": _QuantCase(1, 256, 64, "w4a16", 32, bias=True, gguf=True, offsets=True),
+    "gguf_w4a16_group32_offsets_tokens": _QuantCase(5, 512, 33, "w4a16", 32, gguf=True, offsets=True),
+    "gguf_w8a16_group32_offsets": _QuantCase(2, 256, 48, "w8a16", 32, gguf=True, offsets=True),
+    "gguf_w8a16_group16": _QuantCase(1, 256, 40, "w8a16", 16, bias=True, gguf=True),
+    "gguf_w8a16_group16_tokens": _QuantCase(3, 512, 64, "w8a16", 16, gguf=True),
 }
 # e4m3 bit patterns that are NaN (S.1111.111); every other byte is a finite value
 _FP8_NAN_BYTES = (0x7F, 0xFF)
@@ -266,9 +274,16 @@ def _random_quantized(gen: torch.Generator, c: _QuantCase, device: str) -> Quant
     zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8) if c.asymmetric else None
     smooth = torch.exp(0.5 * torch.randn(k, generator=gen)) if c.smooth else None
     perm = torch.randperm(k, generator=gen) if c.input_perm else None
+    offsets = None
+    if c.gguf and c.scheme == "w8a16":  # 5-bit codes 0..31 with offsets (Q5_K), else 6-bit -32..31 (Q6_K)
+        data = torch.randint(0, 32, (n, k), generator=gen).sub_(0 if c.offsets else 32).to(torch.int8)
+        scales = scales * 4
+    if c.offsets:  # about minus half the group's code range, as the K-quants' minimums are
+        offsets = -scales * (torch.rand(n, groups, generator=gen) * (8 if c.scheme == "w4a16" else 16))
     return QuantizedWeight(
         c.scheme, data.to(device), scales.to(device), None if zeros is None else zeros.to(device), c.group_size,
         smooth=None if smooth is None else smooth.to(device), input_perm=None if perm is None else perm.to(device),
+        offsets=None if offsets is None else offsets.to(device),
     )
 
 
@@ -294,7 +309,8 @@ def case_quant(op_name: str, case: str) -> str:
     A kernel whose caps lack the scheme is not expected to run the case.
     """
     if op_name == "quant_matmul":
-        return _QUANT_MATMUL_CASES[case].scheme
+        c = _QUANT_MATMUL_CASES[case]
+        return AFFINE_CAPABILITY if c.gguf else c.scheme
     if op_name == "fused_moe":
         return _MOE_CASES[case].scheme
     return "none"
@@ -445,6 +461,7 @@ def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
         return QuantizedWeight(
             value.scheme, fn(value.data), _map_tensors(value.scales, fn), _map_tensors(value.zeros, fn),
             value.group_size, smooth=_map_tensors(value.smooth, fn), input_perm=_map_tensors(value.input_perm, fn),
+            offsets=_map_tensors(value.offsets, fn),
         )
     if isinstance(value, dict):
         return {name: _map_tensors(item, fn) for name, item in value.items()}

@@ -48,6 +48,9 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("w4a16", "INT4 weight-only", None, quant="w4a16"),
     Precision("a8w8", "A8W8", None, quant="a8w8"),
     Precision("fp8", "FP8", None, quant="fp8"),
+    # GGUF files' quantized tensors as they are stored (Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; flashllm.quant.gguf_blocks);
+    # activations stay float (the cpu kernels may round them to int8 per block, as llama.cpp does)
+    Precision("gguf", "GGUF blocks", None, quant="gguf"),
     Precision("kv_int8", "INT8 KV cache", None, kv_dtype=torch.int8),
 )
 
@@ -56,6 +59,8 @@ QUANT_REQUIREMENTS: dict[str, str] = {
     "fp8": "fp8 (e4m3) matmuls need an NVIDIA Ada (sm89) or Hopper (sm90) GPU or newer; elsewhere use "
            "--quant_type a8w8, or load an fp8 checkpoint with --quant_type none to dequantize it",
     "a8w8": "int8 matmuls need an NVIDIA Turing (sm75) GPU or newer, a ROCm GPU, or an x86/Arm CPU",
+    "gguf": "GGUF's quantized tensors run on CPUs (the cpu backend's kernels, the reference elsewhere); no GPU "
+            "backend claims them yet: run the file on --device cpu",
 }
 
 DTYPE_NAMES: dict[str, torch.dtype] = {

@@ -26,6 +26,7 @@ NOT_EXPORTED: dict[str, str] = {
     "a8w8": "int8 activations would need QDQ / MatMulInteger nodes, which the exporter does not emit",
     "fp8": "the exporter writes float32 / float16 weights; fp8 matmuls would need a float8 graph and the CUDA provider",
     "kv_int8": "the graph's past/present KV are float32 or float16 tensors",
+    "gguf": "GGUF's quantized blocks would need onnxruntime's contrib ops (MatMulNBits), which the exporter does not emit",
 }
 NOTES = ("not a registry backend: onnxruntime (CUDA provider when present, else CPU) runs the whole graph "
          "`flashllm export --format onnx` writes, with `--mode static`; it exports float32 and float16 only "

@@ -20,7 +20,7 @@ from flashllm.backends import dcu, gcu, npu, xpu
 from flashllm.backends.npu import kernels as npu_kernels
 from flashllm.backends.xpu import native
 from flashllm.ops import op_specs
-from flashllm.ops.testing import case_alibi, cases, make_inputs, run_case
+from flashllm.ops.testing import case_alibi, case_quant, cases, make_inputs, run_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import PROOF_LEVELS, Backend, OpRequest
 from flashllm.registry.plugins import make_plugin_manager
@@ -262,7 +262,7 @@ def test_npu_kernels_match_the_reference_through_the_fake(fake_npu, op) -> None:
     for case in cases(op):
         for dtype in ALL:
             inputs = make_inputs(op, dtype, head_size=64, block_size=16, case=case)
-            quant = inputs["weight"].scheme if op == "quant_matmul" else "none"
+            quant = case_quant(op, case)  # GGUF cases need the AFFINE_CAPABILITY caps, not just the scheme
             kernel = _kernel(backend, op, dtype, quant)
             if kernel is None or case_alibi(op, case) or not _float_kv(inputs):
                 continue  # not claimed (ALiBi: its caps say no, and the kernel raises, see below)

@@ -19,7 +19,8 @@ _ALL_FLOAT = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # every e4m3 weight to fp32 at each call: the int8 paths' memory traffic without their int8 math,
 # numerics no faster than a8w8's. Refusing it names the GPUs that run fp8 (precision.py); an fp8
 # checkpoint still loads with --quant_type none (dequantized) or runs as a8w8 from a float one.
-_CPU_QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8"})
+# "gguf": GGUF files' quantized layouts (flashllm.quant.gguf_blocks), native kernels in quant.py
+_CPU_QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8", "gguf"})
 # KV cache storage beyond the activation dtypes; fp8 is storage only (dequantized to fp32 to attend)
 _CPU_KV = frozenset({torch.int8, torch.float8_e4m3fn})
 

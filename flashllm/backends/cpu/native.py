@@ -200,7 +200,7 @@ def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
     """Whether int_linear takes this weight: w8a16/w4a16, groups of a multiple of 32, a decode batch."""
-    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS:
+    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS or weight.offsets is not None:
         return False
     return (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0 and library() is not None
 

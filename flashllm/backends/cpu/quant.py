@@ -39,6 +39,7 @@ from torch import Tensor
 
 from flashllm.backends.cpu import native, parallel
 from flashllm.ops.quant_matmul import (
+    AFFINE_CAPABILITY,
     INT4_SYMMETRIC_ZERO,
     INT8_MAX,
     QuantizedWeight,
@@ -49,7 +50,8 @@ from flashllm.ops.quant_matmul import quant_matmul as reference
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
-QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8"})  # no fp8: see backends/cpu/__init__.py
+# no fp8: see backends/cpu/__init__.py; AFFINE_CAPABILITY: GGUF layouts (offsets, groups of 16)
+QUANT = frozenset({"none", "w8a16", "w4a16", "a8w8", AFFINE_CAPABILITY})
 
 # fbgemm's packed int8 GEMM (the "x86" engine uses it too); qnnpack/onednn quantize differently
 FBGEMM_ENGINES = ("x86", "fbgemm")
@@ -141,7 +143,7 @@ def choose_path(
         native_ready = native.library() is not None
     if native_ready and native.supports_quantized(weight, num_tokens):
         return "native"
-    if not packed_fast or num_tokens > PACKED_MAX_TOKENS:
+    if not packed_fast or num_tokens > PACKED_MAX_TOKENS or weight.offsets is not None:
         return "dequant"
     if weight.scheme == "w8a16" and weight.num_groups == 1:
         return "int8pack"
@@ -207,7 +209,7 @@ def dequant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = Non
     rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (k * 4))
     x32 = x.float()
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    per_channel = weight.num_groups == 1
+    per_channel = weight.num_groups == 1 and weight.offsets is None
     scales = weight.scales.float()
     zeros = None if weight.zeros is None else weight.zeros.float()
 
@@ -243,12 +245,14 @@ def _dequant_rows(
         pairs[..., 0].copy_(data & 0xF)
         pairs[..., 1].copy_(data >> 4)
         grouped = chunk.view(rows, weight.num_groups, k // weight.num_groups)
-        if zeros is None:
-            chunk.sub_(INT4_SYMMETRIC_ZERO)
-        else:
+        if zeros is not None:
             grouped.sub_(zeros[start:end, :, None])
+        elif weight.offsets is None:  # symmetric; an affine weight (offsets) has zero point 0
+            chunk.sub_(INT4_SYMMETRIC_ZERO)
     if scales is not None:
         chunk.view(rows, weight.num_groups, k // weight.num_groups).mul_(scales[start:end, :, None])
+    if weight.offsets is not None:  # a separate add, as the reference's dequantize
+        chunk.view(rows, weight.num_groups, k // weight.num_groups).add_(weight.offsets[start:end, :, None].float())
 
 
 def fbgemm_packed(weight: QuantizedWeight) -> torch.ScriptObject:

@@ -6,6 +6,7 @@ import torch
 
 from flashllm.ops import op_specs
 from flashllm.ops.fused_moe import EXPERT_SCHEMES
+from flashllm.ops.quant_matmul import AFFINE_CAPABILITY
 from flashllm.ops.quant_matmul import SCHEMES as QUANT_MATMUL_SCHEMES
 from flashllm.registry.backend import ANY_DEVICE, Backend, Caps
 from flashllm.registry.resolve import OpTable
@@ -16,7 +17,7 @@ KV_DTYPES = FLOAT_DTYPES | {torch.int8, torch.float8_e4m3fn}
 
 # Quantization schemes each reference op implements; widened as quant/ adds schemes.
 REFERENCE_QUANT: dict[str, frozenset[str]] = {
-    "quant_matmul": QUANT_MATMUL_SCHEMES,
+    "quant_matmul": QUANT_MATMUL_SCHEMES | {AFFINE_CAPABILITY},  # GGUF layouts: dequantize reads offsets
     "fused_moe": EXPERT_SCHEMES,
 }
 
