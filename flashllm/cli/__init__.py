@@ -22,6 +22,14 @@ COMMANDS: dict[str, str] = {
 }
 # Exit status of a start-up the user can fix (bad flag, config, model file, missing extra), as argparse's.
 USAGE_ERROR = 2
+# Optional packages -> the pyproject extra that installs them, for the one-line hint a command
+# gives instead of a ModuleNotFoundError traceback when its extra is missing.
+EXTRA_OF_MODULE: dict[str, str] = {
+    "fastapi": "serve", "uvicorn": "serve", "pydantic": "serve", "prometheus_client": "serve", "yaml": "serve",
+    "h11": "serve", "gradio": "ui", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx",
+    "matplotlib": "bench", "rouge_score": "bench", "ray": "ray", "triton": "cuda", "lm_eval": "lm-eval",
+    "llama_cpp": "llamacpp", "gguf": "llamacpp",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"{__name__}.{COMMANDS[args.command]}")
     try:
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"flashllm {args.command}: needs the {exc.name} package, which the `{extra}` extra installs: "
+              f"pip install 'flashllm[{extra}]' (in a checkout: pip install -e '.[{extra}]')", file=sys.stderr)
+        return USAGE_ERROR
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

@@ -42,7 +42,7 @@ def test_unavailable_reason_names_the_missing_piece(monkeypatch: pytest.MonkeyPa
     ok, reason = xla.xla_status.__wrapped__(None)
     assert not ok
     if importlib.util.find_spec("torch_xla") is None:
-        assert "torch_xla is not installed" in reason and "pip install 'flashllm[xla]'" in reason
+        assert "torch_xla is not installed" in reason and "pip install 'torch==2.9.*' 'torch-xla==2.9.*'" in reason
     else:
         assert "PJRT_DEVICE is not set" in reason
     monkeypatch.setattr(xla.importlib.metadata, "version", lambda name: "1.0.0")

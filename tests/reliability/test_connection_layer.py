@@ -77,7 +77,7 @@ async def _slow_client(port: int, first: bytes, trickle: bytes, timeout: float) 
         while time.monotonic() < stop_at:
             try:
                 chunk = await asyncio.wait_for(reader.read(4096), TRICKLE_EVERY_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if trickle:
                     writer.write(trickle[position % len(trickle):position % len(trickle) + 1])
                     position += 1

@@ -24,7 +24,7 @@ from flashllm.registry.backend import Availability, Backend, DeviceAdapter, Shap
 from flashllm.registry.precision import DeviceProfile
 
 DISTRIBUTION = "torch_xla"
-INSTALL_HINT = "pip install 'flashllm[xla]' (torch 2.9 + torch_xla 2.9), then set PJRT_DEVICE=TPU, CUDA or CPU"
+INSTALL_HINT = "pip install 'torch==2.9.*' 'torch-xla==2.9.*' (torch_xla x.y runs on torch x.y only), then set PJRT_DEVICE=TPU, CUDA or CPU"
 PJRT_HINT = "export PJRT_DEVICE=TPU (or CUDA, or CPU for the host); torch_xla picks no device without it here"
 
 # fp32 and bf16 only: bf16 is the TPU's native half type, while fp16 is not a TPU compute type and
