@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tomllib
 
 import nox
 
@@ -46,6 +47,21 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", "--no-cache")
     session.run("pytest", "-q", "tests/unit/test_import_cycles.py")
     session.run("python", "-m", "flashllm.models.catalog", "--check", "docs/capabilities.md")
+
+
+def _docs_requirements() -> list[str]:
+    """The `docs` extra of pyproject.toml: the site needs no torch (mkdocstrings reads the source)."""
+    with open("pyproject.toml", "rb") as handle:
+        return tomllib.load(handle)["project"]["optional-dependencies"]["docs"]
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The documentation site from docs/ and mkdocs.yml, built with `mkdocs build --strict` into site/
+    (or a directory given after --): a broken link or anchor, a docstring mkdocstrings cannot find, or
+    a page missing from the nav fails it."""
+    session.install(*_docs_requirements())
+    session.run("mkdocs", "build", "--strict", "--site-dir", session.posargs[0] if session.posargs else "site")
 
 
 @nox.session(python="3.11")

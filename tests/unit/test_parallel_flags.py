@@ -248,12 +248,11 @@ def test_bench_serve_passes_the_flags_to_the_server_it_starts() -> None:
     assert _server_args(build_parser().parse_args(["bench", "serve"])) == []  # nothing given: the server's defaults
 
 
-def test_the_readme_commands_parse_and_ask_for_two_ranks() -> None:
+def test_the_documented_commands_parse_and_ask_for_two_ranks() -> None:
     import shlex
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Tensor parallelism", 1)[1].split("\n## ", 1)[0]
-    script = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text()
+    script = page.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     commands = [shlex.split(line, comments=True) for line in script.splitlines() if line.strip()]
     commands = [c for c in commands if c]
     argvs = [c[c.index("flashllm") + 1:] for c in commands]
