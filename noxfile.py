@@ -36,7 +36,8 @@ def conformance(session: nox.Session, backend: str) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff, the import contracts and the capability page freshness check (part of .ci/run).
+    """ruff, the import contracts, the capability page freshness check, the docs checks
+    (tests/unit/test_docs.py: links, commands and flags) and the site's strict build (part of .ci/run).
 
     lint-imports checks pyproject's [tool.importlinter] contracts (layers, no backend in the engine,
     no model in the backends); test_import_cycles.py checks that no modules import each other.
@@ -45,8 +46,10 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "flashllm", "tests", "noxfile.py")
     _install(session)
     session.run("lint-imports", "--no-cache")
-    session.run("pytest", "-q", "tests/unit/test_import_cycles.py")
+    session.run("pytest", "-q", "tests/unit/test_import_cycles.py", "tests/unit/test_docs.py")
     session.run("python", "-m", "flashllm.models.catalog", "--check", "docs/capabilities.md")
+    session.install(*_docs_requirements())
+    session.run("mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site")
 
 
 def _docs_requirements() -> list[str]:
