@@ -20,12 +20,13 @@ from flashllm.testing.server import ServerProcess
 # "raw" (text sent as is: NaN, broken JSON) or "raw_b64" (bytes); "repeat" {"MARKER": [unit, count]}
 # expands MARKER in body, headers and path (big inputs stay small on disk); "chunked" sends the body
 # without a Content-Length; "expect" the allowed statuses; "param" the allowed error.param (a value
-# or a list); "shape": false for refusals by the HTTP parser, which never reach the app; "note".
+# or a list); "type" and "code" the exact error.type and error.code (null: no finer code than the
+# field); "shape": false for refusals by the HTTP parser, which never reach the app; "note".
 CORPUS_PATH = Path(__file__).with_name("bad_inputs.jsonl")
 LATENCY_LIMIT_S = 0.5
 CHUNK_BYTES = 64 << 10
 CASE_KEYS = {"name", "method", "path", "headers", "json", "raw", "raw_b64", "repeat", "chunked", "shape", "expect",
-             "param", "note"}
+             "param", "type", "code", "note"}
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
@@ -42,6 +43,8 @@ class Case:
     chunked: bool = False
     check_shape: bool = True
     params: set[str | None] = field(default_factory=set)  # acceptable error.param values
+    error_type: str | None = None
+    code: str | None = None
 
 
 def _expand(text: str, repeat: dict[str, list[Any]]) -> str:
@@ -67,11 +70,12 @@ def _parse_case(line: str) -> Case:
     if body is not None:
         headers = {"Content-Type": "application/json", **headers}
     shape = raw.get("shape", True)
-    assert not shape or "param" in raw, f"{raw['name']}: give the expected error.param (null if none)"
+    assert not shape or {"param", "type", "code"} <= set(raw), \
+        f"{raw['name']}: give the expected error.param, error.type and error.code (null if none)"
     param = raw.get("param")
     params = set(param) if isinstance(param, list) else {param}
     return Case(raw["name"], raw["method"], _expand(raw["path"], repeat), set(raw["expect"]), body, headers,
-                bool(raw.get("chunked")), shape, params)
+                bool(raw.get("chunked")), shape, params, raw.get("type"), raw.get("code"))
 
 
 def load_corpus() -> list[Case]:
@@ -129,6 +133,9 @@ def test_bad_input_gets_a_clear_4xx(client: httpx.Client, canary_before: str, he
         assert helpers.error_shape_problems(error) == []
         assert error["error"]["param"] in case.params, f"error names {error['error']['param']!r}, expected one " \
                                                        f"of {sorted(case.params, key=str)}: {error['error']['message']}"
+        got = (error["error"]["type"], error["error"]["code"])
+        assert got == (case.error_type, case.code), f"error (type, code) is {got}, expected " \
+                                                    f"{(case.error_type, case.code)}: {error['error']['message']}"
         named = {p.split(".")[0] for p in case.params if p}
         assert not named or any(name in error["error"]["message"] for name in named), "the message must name the field"
 
