@@ -176,8 +176,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _tokenizer(path: Path) -> Any:
-    """The directory's tokenizer; None when it has none (then prompts must be token ids)."""
-    if not any((path / name).exists() for name in TOKENIZER_FILES):
+    """The directory's (or GGUF file's) tokenizer; None when it has none (then prompts must be token ids)."""
+    from flashllm.models.gguf import is_gguf_path
+
+    if not is_gguf_path(path) and not any((path / name).exists() for name in TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
         return None
     from flashllm.models.hf_config import ModelLoadError

@@ -14,6 +14,7 @@ import torch
 
 from flashllm.models.builtin import BUILTIN_MODELS
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.reader import is_gguf_path, open_gguf
 from flashllm.models.registry import ModelRegistry
 from flashllm.ops.rope_cache import rope_inv_freq
 
@@ -113,7 +114,14 @@ GENERIC_FIELDS: tuple[str, ...] = (
 
 
 def load_hf_config(model_dir: str | Path, registry: ModelRegistry | None = None) -> HFModelConfig:
-    """Read `<model_dir>/config.json` and parse it with its architecture's parser (see `parse_hf_config`)."""
+    """Read `<model_dir>/config.json` and parse it with its architecture's parser (see `parse_hf_config`).
+
+    `model_dir` may also be a GGUF file: its architecture metadata maps to the same dict (models/gguf/config.py).
+    """
+    if is_gguf_path(model_dir):
+        from flashllm.models.gguf.config import gguf_config_dict
+
+        return parse_hf_config(gguf_config_dict(open_gguf(model_dir)), registry, source=Path(model_dir).name)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(

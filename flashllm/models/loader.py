@@ -15,6 +15,9 @@ from flashllm.lora.merge import checkpoint_headers, merge_lora
 from flashllm.lora.peft import LoRAAdapter, LoRAError, load_adapter
 from flashllm.models.base import CausalLM
 from flashllm.models.checkpoint_tensor import CheckpointTensor
+from flashllm.models.gguf.config import gguf_arch
+from flashllm.models.gguf.reader import is_gguf_path, open_gguf
+from flashllm.models.gguf.tensors import GGUFWeights
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, read_json_object
 from flashllm.models.layers.embedding import LMHead
 from flashllm.models.layers.linear import LinearBase
@@ -54,6 +57,9 @@ def load_model(
 ) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
+    `model_dir` may instead be a GGUF file (flashllm/models/gguf/): its metadata stands for
+    config.json and its tensors for the safetensors.
+
     ops: the bound op table the layers call; dtype: parameter dtype (checkpoint tensors are
     converted on load); model_registry: a ModelRegistry resolving `architectures[0]` to a
     CausalLM (models/base.py), whose parse_config reads the rest of config.json;
@@ -70,17 +76,21 @@ def load_model(
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    gguf = is_gguf_path(model_dir)  # a GGUF file stands in for the directory (models/gguf/)
+    if not gguf and not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist or is not a directory")
     config = load_hf_config(model_dir, model_registry)
-    files = safetensors_files(model_dir)
+    files = {} if gguf else safetensors_files(model_dir)
+    gguf_weights = _gguf_weights(model_dir, config, tp_size) if gguf else None
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
     adapter = None if lora_path is None else _read_adapter(lora_path, config, files, model_cls)
     model = model_cls(config, ops, dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
     prepare_prequantized(model, config.quantization)
+    if gguf_weights is not None:
+        gguf_weights.prepare(model)
     seen: set[str] = set()
-    tensors = _iter_tensors(files, progress, seen)
+    tensors = gguf_weights.tensors(model, seen, progress) if gguf_weights else _iter_tensors(files, progress, seen)
     if adapter is not None:
         tensors = merge_lora(tensors, adapter)
     try:
@@ -91,7 +101,7 @@ def load_model(
         tensors.close()
     _check_complete(model, loaded, seen)
     for module in model.modules():
-        if finish_prequantized(module):
+        if finish_prequantized(module) or (gguf_weights is not None and gguf_weights.finish(module)):
             continue
         if isinstance(module, (LinearBase, LMHead, FusedMoE)):
             module.process_weights_after_loading(quant)
@@ -103,6 +113,8 @@ def load_model(
 def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path, set[str] | None],
                   model_cls: type[CausalLM]) -> LoRAAdapter:
     """The --lora_path adapter, checked against the checkpoint's tensor headers before anything is allocated."""
+    if not files:
+        raise ModelLoadError("--lora_path merges into a safetensors checkpoint; a GGUF file is not supported")
     if config.quantization is not None:
         raise ModelLoadError(f"--lora_path cannot merge into a {config.quantization.method} checkpoint's packed "
                              "weights; merge into the float model, then quantize (--quant_type)")
@@ -111,6 +123,12 @@ def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path
         return load_adapter(lora_path, shapes, model_cls.packed_modules_mapping, base_dtypes=dtypes)
     except LoRAError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _gguf_weights(path: Path, config: HFModelConfig, tp_size: int) -> GGUFWeights:
+    """The GGUF file's tensors, planned (names mapped and checked) before the model is allocated."""
+    gf = open_gguf(path)
+    return GGUFWeights(gf, config, gguf_arch(gf)[1], tp_size)
 
 
 def checkpoint_quant_spec(config: HFModelConfig, quant: WeightQuantSpec | None) -> WeightQuantSpec | None:
@@ -261,7 +279,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
-    """The sampling defaults in `generation_config.json` ({} when the file is absent)."""
+    """The sampling defaults in `generation_config.json` ({} when the file is absent, or for a GGUF file)."""
+    if is_gguf_path(model_dir):
+        return {}
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}

@@ -21,6 +21,7 @@ from jinja2.visitor import NodeTransformer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+from flashllm.models.gguf.reader import is_gguf_path, open_gguf
 from flashllm.models.hf_config import read_json_object
 from flashllm.models.tokenizers import native_tokenizer_loader
 
@@ -78,6 +79,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     that Hugging Face ships as remote code is built natively when flashllm.models.tokenizers has it.
     """
     root = Path(path)
+    if is_gguf_path(root):  # the vocabulary a GGUF file carries (models/gguf/tokenizer.py)
+        from flashllm.models.gguf.tokenizer import build_gguf_tokenizer
+
+        return build_gguf_tokenizer(open_gguf(root))
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; pass a local directory "
                                 "holding tokenizer.json (flashllm never downloads)")
@@ -458,6 +463,8 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
     root = Path(path)
     if name is not None and not _NAME.fullmatch(name):
         raise ChatTemplateError(f"chat template name {name!r} must be letters, digits, '_.-'")
+    if is_gguf_path(root):
+        return _gguf_chat_template(root, name)
     config_path = root / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.is_file() else {}
     tokens = {k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token")}
@@ -476,6 +483,19 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
         raise ChatTemplateError(f"{root} has no chat template named {name!r} and there is no built-in one; "
                                 f"built-ins: {', '.join(BUILTIN_TEMPLATES)}")
     return None
+
+
+def _gguf_chat_template(path: Path, name: str | None) -> ChatTemplate | None:
+    """A GGUF file's `tokenizer.chat_template` (or `tokenizer.chat_template.<name>`), else the built-in `name`."""
+    from flashllm.models.gguf.tokenizer import gguf_chat_template
+
+    source, special = gguf_chat_template(open_gguf(path), name)
+    if source is not None:
+        return ChatTemplate(source, name=name or "default", **special)
+    if name is not None and name not in BUILTIN_TEMPLATES:
+        raise ChatTemplateError(f"{path.name} has no chat template named {name!r} and there is no built-in one; "
+                                f"built-ins: {', '.join(BUILTIN_TEMPLATES)}")
+    return None if name is None else ChatTemplate.builtin(name, **{k: v or None for k, v in special.items()})
 
 
 def _chat_format_template(root: Path) -> str | None:

@@ -1,0 +1,168 @@
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.reader import GGUFFile
+
+
+@dataclass(frozen=True, slots=True)
+class ArchMap:
+    """How one GGUF `general.architecture` maps onto a flashllm architecture.
+
+    permute_qk: llama.cpp's converter reorders this arch's Q and K rows for its interleaved rotary
+    (pairs 2i, 2i+1), while flashllm rotates half-split pairs (i, i + head_dim/2) as transformers
+    does; the loader undoes the reorder. Qwen2 runs half-split rotary in llama.cpp too.
+    """
+
+    architecture: str
+    model_type: str
+    permute_qk: bool
+
+
+# Mistral 7B files say "llama" (llama.cpp has no separate arch for it): they load as Llama, without a
+# sliding window, which GGUF does not record.
+ARCHITECTURES: dict[str, ArchMap] = {
+    "llama": ArchMap("LlamaForCausalLM", "llama", permute_qk=True),
+    "qwen2": ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False),
+}
+_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16"}
+LLAMA3_ROPE_FREQS = "rope_freqs.weight"
+
+
+def gguf_arch(gf: GGUFFile) -> tuple[str, ArchMap]:
+    """(`general.architecture`, its ArchMap); ModelLoadError naming it and listing the supported ones."""
+    arch = gf.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{gf.name} has no general.architecture string; it is not a model GGUF file")
+    found = ARCHITECTURES.get(arch)
+    if found is None:
+        raise ModelLoadError(f"{gf.name}: GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(sorted(ARCHITECTURES))}")
+    return arch, found
+
+
+def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
+    """The config.json-shaped dict of a GGUF model, for its architecture's parse_config.
+
+    Sizes come from the `<arch>.*` metadata; vocab_size from the embedding's rows (checked
+    against `<arch>.vocab_size` and the vocabulary); tie_word_embeddings from the absence of
+    `output.weight`; torch_dtype from the matrices' float type (quantized files: float32).
+    """
+    arch, spec = gguf_arch(gf)
+
+    def meta(key: str, default: Any = None, kind: type = int) -> Any:
+        value = gf.get(f"{arch}.{key}", default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, kind)):
+            if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
+                raise ModelLoadError(f"{gf.name}: metadata {arch}.{key} is {value!r}; expected a single "
+                                     f"{kind.__name__} (per-layer values are not supported)")
+        return value
+
+    heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
+    raw: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "max_position_embeddings": meta("context_length", 2048),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6, float),
+        "rope_theta": meta("rope.freq_base", 10000.0, float),
+        "vocab_size": vocab_rows(gf, meta("vocab_size")),
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "hidden_act": "silu",
+        "torch_dtype": _float_dtype(gf),
+    }
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+               if raw[k] is None]
+    if missing:
+        raise ModelLoadError(f"{gf.name} lacks the {arch} metadata for {', '.join(missing)}; it is incomplete")
+    head_dim = meta("attention.key_length")
+    if head_dim is not None:
+        if meta("attention.value_length", head_dim) != head_dim:
+            raise ModelLoadError(f"{gf.name}: key_length {head_dim} differs from value_length; not supported")
+        raw["head_dim"] = head_dim
+    head_dim = head_dim or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+    rope_dims = meta("rope.dimension_count")
+    if rope_dims is not None and head_dim and rope_dims != head_dim:
+        raise ModelLoadError(f"{gf.name}: rope over {rope_dims} of {head_dim} head features (partial rotary) is "
+                             "not supported for GGUF files")
+    for key, value in (("bos_token_id", gf.get("tokenizer.ggml.bos_token_id")),
+                       ("eos_token_id", gf.get("tokenizer.ggml.eos_token_id"))):
+        if isinstance(value, int) and not isinstance(value, bool):
+            raw[key] = value
+    scaling = _rope_scaling(gf, arch, head_dim, raw["rope_theta"])
+    if scaling is not None:
+        raw["rope_scaling"] = scaling
+    if arch == "llama" and "blk.0.attn_q.bias" in gf.tensors:
+        raw["attention_bias"] = True
+    return raw
+
+
+def vocab_rows(gf: GGUFFile, declared: int | None) -> int:
+    """Rows of `token_embd.weight`: the model's vocab_size. Refuses a vocabulary larger than the embedding."""
+    embd = gf.tensors.get("token_embd.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise ModelLoadError(f"{gf.name} has no 2-D token_embd.weight; it is not a complete model")
+    rows = int(embd.shape[1])  # ggml order: (hidden, rows)
+    if declared is not None and declared != rows:
+        raise ModelLoadError(f"{gf.name}: vocab_size metadata {declared} differs from token_embd.weight's {rows} rows")
+    tokens = gf.reader.fields.get("tokenizer.ggml.tokens")
+    count = len(tokens.data) if tokens is not None else 0
+    if count > rows:
+        raise ModelLoadError(f"{gf.name}: the vocabulary has {count} tokens but the embedding only {rows} rows; "
+                             "the file is corrupt or mismatched")
+    return rows
+
+
+def _float_dtype(gf: GGUFFile) -> str:
+    """The checkpoint dtype --dtype auto starts from: the embedding's float type, else float32."""
+    embd = gf.tensors.get("token_embd.weight")
+    return _DTYPE_NAMES.get(embd.tensor_type.name, "float32") if embd is not None else "float32"
+
+
+def _rope_scaling(gf: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """rope_scaling for the metadata's `<arch>.rope.scaling.*`, or llama3's from its rope_freqs tensor."""
+    kind = gf.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none") and LLAMA3_ROPE_FREQS not in gf.tensors:
+        return None
+    if kind == "linear":
+        factor = gf.get(f"{arch}.rope.scaling.factor")
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ModelLoadError(f"{gf.name}: rope scaling 'linear' needs a positive {arch}.rope.scaling.factor")
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind in (None, "none"):
+        return _llama3_scaling(gf, head_dim, theta)
+    raise ModelLoadError(f"{gf.name}: rope scaling {kind!r} is not supported for GGUF files; supported: none, linear, "
+                         "llama3 (rope_freqs)")
+
+
+# The llama3 rope settings Meta's 3.x models ship; a rope_freqs tensor is matched against these.
+_LLAMA3_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
+
+
+def _llama3_scaling(gf: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
+    """llama3 rope_scaling whose per-frequency divisors equal the file's rope_freqs tensor."""
+    from flashllm.ops.rope_cache import rope_inv_freq
+
+    tensor = gf.tensors[LLAMA3_ROPE_FREQS]
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    if tensor.tensor_type.name != "F32" or factors.size != head_dim // 2:
+        raise ModelLoadError(f"{gf.name}: rope_freqs.weight must be F32 with {head_dim // 2} values")
+    plain, _ = rope_inv_freq(head_dim, theta, None)
+    for candidate in _LLAMA3_CANDIDATES:
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), **candidate}
+        scaled, _ = rope_inv_freq(head_dim, theta, scaling)
+        if np.allclose((plain / scaled).numpy(), factors, rtol=1e-4, atol=1e-6):
+            return scaling
+    raise ModelLoadError(f"{gf.name}: its rope_freqs.weight factors match no llama3 rope setting flashllm knows "
+                         f"({_LLAMA3_CANDIDATES}); not supported")

@@ -1,0 +1,242 @@
+"""GGUF tensors -> checkpoint-named torch tensors (llama.cpp's q/k row order undone), or QuantizedWeights."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.config import LLAMA3_ROPE_FREQS, ArchMap
+from flashllm.models.gguf.reader import GGUFFile, import_gguf
+
+logger = logging.getLogger(__name__)
+
+GGUF_BLOCKS_MODULE = "flashllm.quant.gguf_blocks"
+_ATTR = "_gguf_quantized_shards"  # shard id -> QuantizedWeight of a layer loading GGUF blocks as they are
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
+_SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The checkpoint (transformers) name of a GGUF tensor ("blk.3.ffn_up.weight" -> "model.layers.3.mlp.up_proj.weight").
+
+    None when the name is not one flashllm's llama-family models hold.
+    """
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and suffix == "weight":
+        return f"{_GLOBAL_NAMES[stem]}.weight"
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{int(match.group(1))}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter reordering of Q/K rows (interleaved rotary pairs -> half-split pairs).
+
+    rows: (num_heads * head_dim, ...) weight rows (float values or a block format's bytes: the
+    reorder moves whole rows) or a (num_heads * head_dim,) bias. Within each head, row 2i of the
+    GGUF tensor is row i of the transformers checkpoint and row 2i + 1 is row i + head_dim/2.
+    """
+    head_dim = rows.shape[0] // num_heads
+    if head_dim * num_heads != rows.shape[0] or head_dim % 2:
+        raise ModelLoadError(f"cannot split {rows.shape[0]} rows into {num_heads} heads of even size")
+    pairs = rows.reshape(num_heads, head_dim // 2, 2, *rows.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(rows.shape)
+
+
+@dataclass
+class _Shards:
+    """The QuantizedWeights a linear layer collects while loading: shard id -> weight, `expected` of them."""
+
+    expected: int
+    weights: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One GGUF tensor to load: its checkpoint name and the heads its rows are reordered over (None: as is)."""
+
+    gguf_name: str
+    hf_name: str
+    permute_heads: int | None
+
+
+class GGUFWeights:
+    """The tensors of a GGUF file as the model's load_weights takes them.
+
+    Float tensors load as float; quantized ones are dequantized with the gguf package, except the
+    2-D linear weights of layers whose every projection is of one type flashllm.quant.gguf_blocks
+    represents (when that module is present and one rank runs): those become the layer's
+    QuantizedWeight as stored. Embedding and norm tensors are always float.
+    """
+
+    def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1) -> None:
+        self.gf, self.config, self.tp_size = gf, config, tp_size
+        self.plan = self._plan(spec)
+        self._routed: dict[str, tuple[str, Any]] = {}  # gguf name -> (linear layer name, shard id)
+        self._dequantized: Counter[str] = Counter()
+
+    def _plan(self, spec: ArchMap) -> list[PlannedTensor]:
+        heads = {"self_attn.q_proj": self.config.num_attention_heads, "self_attn.k_proj": self.config.num_key_value_heads}
+        plan, unknown = [], []
+        for name in self.gf.tensors:
+            if name in _SKIPPED:
+                continue
+            hf_name = hf_tensor_name(name)
+            if hf_name is None:
+                unknown.append(name)
+                continue
+            proj = hf_name.rsplit(".", 1)[0].split(".", 3)[-1]
+            plan.append(PlannedTensor(name, hf_name, heads.get(proj) if spec.permute_qk else None))
+        if unknown:
+            more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
+            raise ModelLoadError(f"{self.gf.name} holds tensors a {spec.architecture} does not have: "
+                                 f"{', '.join(unknown[:3])}{more}; the file is not a plain {spec.model_type} model")
+        return plan
+
+    def prepare(self, model: nn.Module) -> None:
+        """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice)."""
+        blocks = _gguf_blocks()
+        if blocks is None or self.tp_size != 1:
+            return
+        from flashllm.models.layers.linear import LinearBase
+
+        layers: dict[str, list[tuple[PlannedTensor, Any]]] = {}
+        for item in self.plan:
+            if not item.hf_name.endswith(".weight"):
+                continue
+            param_name, shard_id = model._param_target(item.hf_name)
+            prefix = param_name.rpartition(".")[0]
+            try:
+                module = model.get_submodule(prefix)
+            except AttributeError:
+                continue
+            if isinstance(module, LinearBase):
+                layers.setdefault(prefix, []).append((item, shard_id))
+        for prefix, shards in layers.items():
+            types = {self.gf.tensors[item.gguf_name].tensor_type for item, _ in shards}
+            if len(types) != 1 or next(iter(types)) not in blocks.SUPPORTED_TYPES:
+                continue  # mixed or float projections: the layer loads float
+            module = model.get_submodule(prefix)
+            setattr(module, _ATTR, _Shards(len(shards)))
+            module.weight = None
+            self._routed.update({item.gguf_name: (prefix, shard_id) for item, shard_id in shards})
+
+    def tensors(self, model: nn.Module, seen: set[str], progress: bool) -> Iterator[tuple[str, Tensor]]:
+        """Yield (checkpoint name, float tensor) per planned tensor; routed weights go to their layer instead."""
+        with tqdm(total=len(self.plan), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+            for item in self.plan:
+                seen.add(item.hf_name)
+                if item.gguf_name in self._routed:
+                    self._route(model, item)
+                else:
+                    yield item.hf_name, self._float_tensor(item)
+                bar.update(1)
+        if self._dequantized:
+            kinds = ", ".join(f"{n} {t}" for t, n in sorted(self._dequantized.items()))
+            reason = ("flashllm.quant.gguf_blocks is not installed" if _gguf_blocks() is None
+                      else "they are embeddings, norms, mixed-type fused layers or tensor-parallel shards")
+            logger.info("%s: dequantized %s tensor(s) to float with the gguf package (%s)", self.gf.name, kinds, reason)
+
+    def _rows(self, item: PlannedTensor) -> np.ndarray:
+        data = np.asarray(self.gf.tensors[item.gguf_name].data)
+        return unpermute_rope_rows(data, item.permute_heads) if item.permute_heads else data
+
+    def _float_tensor(self, item: PlannedTensor) -> Tensor:
+        tensor = self.gf.tensors[item.gguf_name]
+        kind = tensor.tensor_type.name
+        rows = self._rows(item)
+        if kind in ("F32", "F16"):
+            return torch.from_numpy(np.array(rows, copy=True))
+        if kind == "BF16":
+            return torch.from_numpy(np.array(rows.view(np.int16), copy=True)).view(torch.bfloat16)
+        self._dequantized[kind] += 1
+        gguf = import_gguf()
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, tensor.tensor_type)))
+
+    def _route(self, model: nn.Module, item: PlannedTensor) -> None:
+        prefix, shard_id = self._routed[item.gguf_name]
+        module = model.get_submodule(prefix)
+        tensor = self.gf.tensors[item.gguf_name]
+        shape = (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else None
+        if shape is None:
+            raise ModelLoadError(f"{self.gf.name}: {item.gguf_name} is not a 2-D weight")
+        try:
+            weight = _gguf_blocks().weight_from_gguf(np.ascontiguousarray(self._rows(item)), tensor.tensor_type, shape)
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.gf.name}: {item.gguf_name}: {exc}") from None
+        getattr(module, _ATTR).weights[shard_id] = weight
+
+    def finish(self, module: nn.Module) -> bool:
+        """Give a layer loading GGUF blocks its QuantizedWeight (shards joined along N); False for any other."""
+        collected = getattr(module, _ATTR, None)
+        if not isinstance(collected, _Shards):
+            return False
+        shards = collected.weights
+        order = sorted(shards, key=lambda s: -1 if s is None else s)
+        if len(order) != collected.expected:
+            raise ModelLoadError(f"{self.gf.name}: a layer received {len(order)} of its {collected.expected} "
+                                 "GGUF projections")
+        weight = concat_rows([shards[s] for s in order])
+        if tuple(weight.data.shape[:1]) != (module.output_size_per_partition,):
+            raise ModelLoadError(f"{self.gf.name}: a layer's GGUF weight has {weight.data.shape[0]} rows, expected "
+                                 f"{module.output_size_per_partition}")
+        device = module.bias.device if module.bias is not None else torch.device("cpu")
+        moved = {f.name: getattr(weight, f.name).to(device) for f in dataclasses.fields(weight)
+                 if isinstance(getattr(weight, f.name), Tensor)}
+        module.qweight = dataclasses.replace(weight, **moved)
+        delattr(module, _ATTR)
+        return True
+
+
+def concat_rows(weights: list[Any]) -> Any:
+    """QuantizedWeights of the projections of one fused layer joined along the output features (N).
+
+    Every tensor field of a QuantizedWeight leads with N (data, scales, zeros), so the join is per
+    field; the shards must share the scheme, group size and which fields they carry.
+    """
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    fields = [f.name for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), Tensor)]
+    for other in weights[1:]:
+        same = (other.scheme, other.group_size) == (first.scheme, first.group_size) and fields == [
+            f.name for f in dataclasses.fields(other) if isinstance(getattr(other, f.name), Tensor)]
+        if not same:
+            raise ModelLoadError(f"the projections of a fused layer are stored as {first.scheme} and {other.scheme}; "
+                                 "they cannot be joined")
+    for name in ("smooth", "input_perm"):
+        if getattr(first, name, None) is not None:
+            raise ModelLoadError(f"GGUF weights carry no {name}; cannot join shards that do")
+    return dataclasses.replace(first, **{n: torch.cat([getattr(w, n) for w in weights]) for n in fields},
+                               kernel_cache={})
+
+
+def _gguf_blocks() -> Any:
+    """flashllm.quant.gguf_blocks when it is present (imported lazily), else None."""
+    try:
+        return importlib.import_module(GGUF_BLOCKS_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != GGUF_BLOCKS_MODULE:
+            raise
+        return None
+

@@ -1,0 +1,173 @@
+"""The tokenizer a GGUF file's vocabulary describes ("gpt2" byte-level BPE, "llama" SentencePiece), built in `tokenizers`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+TOKENIZER_MODELS = ("gpt2", "llama")
+
+# How llama.cpp splits text before byte-level BPE, by the `tokenizer.ggml.pre` name it records.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level() -> Any:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_byte_level() -> Any:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
+
+
+def _split_then_bytes(pattern: str) -> Any:
+    return lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+BPE_PRE_TOKENIZERS: dict[str, Any] = {
+    "gpt-2": _byte_level,
+    "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level, "refact": _digits_then_byte_level,
+    "qwen2": _split_then_bytes(_QWEN2_SPLIT), "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
+    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+}
+
+
+def build_gguf_tokenizer(gf: GGUFFile) -> PreTrainedTokenizerFast:
+    """A fast tokenizer from the file's `tokenizer.ggml.*` metadata: ids are the GGUF token indices.
+
+    CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens (both are
+    matched whole before the model splits text); bos/eos/unk/pad come from their `*_token_id`
+    keys; `add_bos_token` / `add_eos_token` (default: true for "llama", false for "gpt2") become a
+    post-processor. Raises ModelLoadError (one line) for a missing or inconsistent vocabulary or a
+    tokenizer kind or pre-tokenizer flashllm does not know (listing those it does).
+    """
+    kind = gf.get("tokenizer.ggml.model")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if kind not in TOKENIZER_MODELS:
+        raise ModelLoadError(f"{gf.name}: tokenizer model {kind!r} is not supported; supported: "
+                             f"{', '.join(TOKENIZER_MODELS)}")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError(f"{gf.name} has no tokenizer.ggml.tokens list of strings")
+    types = gf.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelLoadError(f"{gf.name}: {len(types)} token types for {len(tokens)} tokens")
+    specials = _special_ids(gf, len(tokens))
+    backend = _bpe(gf, tokens) if kind == "gpt2" else _sentencepiece(gf, tokens, types, specials.get("unk"))
+    added = [AddedToken(t, special=ty == CONTROL, normalized=False)
+             for t, ty in zip(tokens, types, strict=True) if ty in (CONTROL, USER_DEFINED)]
+    backend.add_tokens(added)
+    _post_processor(gf, backend, kind, tokens, specials)
+    named = {f"{key}_token": tokens[i] for key, i in specials.items()}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"], **named)
+
+
+def _special_ids(gf: GGUFFile, count: int) -> dict[str, int]:
+    found = {}
+    for key, meta in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                      ("pad", "padding_token_id")):
+        value = gf.get(f"tokenizer.ggml.{meta}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ModelLoadError(f"{gf.name}: tokenizer.ggml.{meta}={value!r} is not a token id below {count}")
+        found[key] = value
+    return found
+
+
+def _vocab(gf: GGUFFile, tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)  # a repeated text keeps its first id, as llama.cpp's lookup does
+    if len(vocab) != len(tokens):
+        logger.warning("%s: %d token texts repeat; text maps to the first id of each", gf.name,
+                       len(tokens) - len(vocab))
+    return vocab
+
+
+def _bpe(gf: GGUFFile, tokens: list[str]) -> Tokenizer:
+    merges = gf.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ModelLoadError(f"{gf.name}: a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges, a list of 'a b' strings")
+    pre = gf.get("tokenizer.ggml.pre", "default")
+    if pre not in BPE_PRE_TOKENIZERS:
+        if pre != "default":
+            raise ModelLoadError(f"{gf.name}: pre-tokenizer {pre!r} is not supported; supported: "
+                                 f"{', '.join(sorted(BPE_PRE_TOKENIZERS))}")
+        logger.warning("%s names no pre-tokenizer ('default'): splitting text as GPT-2 does", gf.name)
+        pre = "gpt-2"
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Tokenizer(models.BPE(vocab=_vocab(gf, tokens), merges=pairs, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(gf: GGUFFile, tokens: list[str], types: list[int], unk: int | None) -> Tokenizer:
+    """SentencePiece BPE: pieces merge by the score of the piece they form (higher first), bytes fall back to <0xXX>."""
+    scores = gf.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        raise ModelLoadError(f"{gf.name}: a llama (SentencePiece) vocabulary needs one tokenizer.ggml.scores value "
+                             "per token")
+    vocab = _vocab(gf, tokens)
+    ranked = []
+    for index, (piece, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind not in (NORMAL, USER_DEFINED) or len(piece) < 2 or vocab[piece] != index:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[index]), index, vocab[left], left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    unk_token = tokens[unk] if unk is not None else None
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    prefix = gf.get("tokenizer.ggml.add_space_prefix", True)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return backend
+
+
+def _post_processor(gf: GGUFFile, backend: Tokenizer, kind: str, tokens: list[str], specials: dict[str, int]) -> None:
+    add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos" in specials
+    add_eos = bool(gf.get("tokenizer.ggml.add_eos_token", False)) and "eos" in specials
+    if not (add_bos or add_eos):
+        if kind == "gpt2":
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        return
+    bos = [tokens[specials["bos"]]] if add_bos else []
+    eos = [tokens[specials["eos"]]] if add_eos else []
+    used = {(t, specials[k]) for k, t in (("bos", bos[0] if bos else None), ("eos", eos[0] if eos else None)) if t}
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join([*bos, "$A", *eos]), pair=" ".join([*bos, "$A", *eos, *bos, "$B:1", *eos]),
+        special_tokens=sorted(used, key=lambda p: p[1]))
+
+
+def gguf_chat_template(gf: GGUFFile, name: str | None) -> tuple[str | None, dict[str, str]]:
+    """(the template source under `tokenizer.chat_template[.<name>]` or None, {bos_token, eos_token} texts)."""
+    key = "tokenizer.chat_template" if name in (None, "default") else f"tokenizer.chat_template.{name}"
+    source = gf.get(key)
+    tokens = gf.get("tokenizer.ggml.tokens") or []
+    special = {}
+    for which in ("bos", "eos"):
+        index = gf.get(f"tokenizer.ggml.{which}_token_id")
+        ok = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(tokens)
+        special[f"{which}_token"] = tokens[index] if ok else ""
+    return (source if isinstance(source, str) else None), special

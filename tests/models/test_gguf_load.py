@@ -1,0 +1,167 @@
+"""GGUF files load into the same model as their source directory: F32 exactly, block formats as gguf dequantizes them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from flashllm.models.hf_config import load_hf_config  # noqa: E402
+from flashllm.models.loader import load_model  # noqa: E402
+from flashllm.ops.quant_matmul import QuantizedWeight  # noqa: E402
+from flashllm.testing.gguf_files import interleave_rope_rows, write_gguf  # noqa: E402
+from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 300, 77, 12, 1, 402, 64, 33, 7, 210, 150, 9, 60]
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in built:
+            built[preset] = build_tiny_model(tmp_path_factory.mktemp(preset), preset, seed=3)
+        return built[preset]
+
+    return get
+
+
+def _logits(model: torch.nn.Module, driver_cls, tokens: list[int]) -> torch.Tensor:
+    driver = driver_cls(model, block_size=8, num_blocks=16)
+    seq = driver.add_sequence()
+    return driver.step([(seq, tokens)])[0]
+
+
+def _greedy(model: torch.nn.Module, driver_cls, tokens: list[int], steps: int) -> list[int]:
+    driver = driver_cls(model, block_size=8, num_blocks=16)
+    seq = driver.add_sequence()
+    logits = driver.step([(seq, tokens)])[0][-1]
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = driver.step([(seq, [out[-1]])])[0][-1]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "llama-tied"])
+def test_f32_gguf_equals_its_source_directory_and_transformers(preset, tiny_with_tokenizer, tmp_path, ops,
+                                                                model_registry, paged_driver):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_with_tokenizer(preset)
+    path = write_gguf(source, tmp_path / "model.gguf", "F32")
+    ours, config = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    reference, ref_config = load_model(source, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert (config.architecture, config.vocab_size, config.tie_word_embeddings) == (
+        ref_config.architecture, ref_config.vocab_size, ref_config.tie_word_embeddings)
+    # the weights are the same fp32 values once the q/k row order is undone: the logits are identical
+    torch.testing.assert_close(_logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT),
+                               rtol=0, atol=1e-6)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert _greedy(ours, paged_driver, PROMPT, 12) == expected[0, len(PROMPT):].tolist()
+
+
+def _dequantized_copy(source: Path, out: Path, qtype: str) -> Path:
+    """`source` with every 2-D weight replaced by what gguf's quantize-then-dequantize gives (the float model)."""
+    shutil.copytree(source, out)
+    kind = gguf.GGMLQuantizationType[qtype]
+    weights = load_file(str(source / "model.safetensors"))
+    for name, value in weights.items():
+        if value.dim() == 2:
+            array = value.float().numpy()
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, kind), kind))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("preset,qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_0"),
+                                          ("llama", "Q4_1")])
+def test_quantized_gguf_equals_the_gguf_dequantized_float_model(preset, qtype, tiny_with_tokenizer, tmp_path, ops,
+                                                                model_registry, paged_driver):
+    source = tiny_with_tokenizer(preset)
+    path = write_gguf(source, tmp_path / "model.gguf", qtype)
+    float_dir = _dequantized_copy(source, tmp_path / "float", qtype)
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    ours_logits, ref_logits = _logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT)
+    torch.testing.assert_close(ours_logits, ref_logits, rtol=0, atol=1e-5)
+    # and the quantization did change the model, so the comparison above could fail
+    float_model, _ = load_model(source, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert (_logits(float_model, paged_driver, PROMPT) - ref_logits).abs().max() > 1e-4
+
+
+def _w8a16_from_q8_0(raw: np.ndarray, ggml_type, shape: tuple[int, int]) -> QuantizedWeight:
+    """A stand-in for flashllm.quant.gguf_blocks: Q8_0 blocks (fp16 scale + 32 int8) as w8a16 group 32, exactly."""
+    assert ggml_type == gguf.GGMLQuantizationType.Q8_0
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 34)
+    scales = blocks[..., :2].copy().view(np.float16).reshape(rows, cols // 32).astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return QuantizedWeight("w8a16", torch.from_numpy(codes), torch.from_numpy(scales), group_size=32)
+
+
+def test_linear_layers_take_quantized_weights_from_gguf_blocks(tiny_with_tokenizer, tmp_path, ops, model_registry,
+                                                                paged_driver, monkeypatch):
+    fake = types.ModuleType("flashllm.quant.gguf_blocks")
+    fake.SUPPORTED_TYPES = {gguf.GGMLQuantizationType.Q8_0}
+    fake.weight_from_gguf = _w8a16_from_q8_0
+    monkeypatch.setitem(sys.modules, "flashllm.quant.gguf_blocks", fake)
+    source = tiny_with_tokenizer("llama")
+    path = write_gguf(source, tmp_path / "model.gguf", "Q8_0")
+    float_dir = _dequantized_copy(source, tmp_path / "float", "Q8_0")
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    attn = ours.model.layers[0].self_attn
+    assert attn.qkv_proj.weight is None and attn.qkv_proj.qweight.scheme == "w8a16"
+    assert attn.qkv_proj.qweight.data.shape == (attn.qkv_proj.output_size_per_partition, 64)
+    reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    torch.testing.assert_close(_logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT),
+                               rtol=0, atol=1e-4)
+
+
+def test_the_rope_row_order_round_trips():
+    rows = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
+    from flashllm.models.gguf.tensors import unpermute_rope_rows
+
+    assert np.array_equal(unpermute_rope_rows(interleave_rope_rows(rows, 4), 4), rows)
+    assert not np.array_equal(interleave_rope_rows(rows, 4), rows)
+
+
+def test_config_maps_the_architecture_metadata(tiny_with_tokenizer, tmp_path):
+    source = tiny_with_tokenizer("qwen2")
+    path = write_gguf(source, tmp_path / "model.gguf", "F16")
+    config, expected = load_hf_config(path), load_hf_config(source)
+    for field in ("architecture", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+                  "tie_word_embeddings", "eos_token_id"):
+        assert getattr(config, field) == getattr(expected, field), field
+    assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    assert config.torch_dtype == torch.float16
+
+
+def test_llm_runs_a_gguf_file_like_its_directory(tiny_with_tokenizer, tmp_path):
+    from flashllm import LLM, SamplingParams
+
+    source = tiny_with_tokenizer("qwen2")
+    path = write_gguf(source, tmp_path / "model.gguf", "F32")
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    messages = [[{"role": "user", "content": "Hello there"}]]
+    results = []
+    for model in (source, path):
+        llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
+        results.append(([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox"], params)],
+                        [o.outputs[0].token_ids for o in llm.chat(messages, params)]))
+    assert results[0] == results[1]
+    assert json.loads((source / "config.json").read_text())["model_type"] == "qwen2"
