@@ -14,6 +14,8 @@ import torch
 from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
+from flashllm.models.gguf import is_gguf_path, open_gguf
+from flashllm.models.gguf.tensors import gguf_quant_capability
 from flashllm.models.hf_config import HFModelConfig, load_hf_config, uses_alibi
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
@@ -81,7 +83,10 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     # a GPTQ/AWQ checkpoint brings its own scheme: resolve the op table for what the layers will hold
     quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size,
                                                                 config.quant.quantize_lm_head))
-    request = OpRequest(dtype, kv_dtype, quant.scheme, hf_config.head_dim, config.cache.block_size,
+    scheme = quant.scheme
+    if is_gguf_path(model_dir):  # layers holding GGUF blocks as stored need kernels for their layouts
+        scheme = gguf_quant_capability(open_gguf(model_dir), scheme, rank.world_size)
+    request = OpRequest(dtype, kv_dtype, scheme, hf_config.head_dim, config.cache.block_size,
                         alibi=uses_alibi(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
@@ -177,8 +182,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def _tokenizer(path: Path) -> Any:
     """The directory's (or GGUF file's) tokenizer; None when it has none (then prompts must be token ids)."""
-    from flashllm.models.gguf import is_gguf_path
-
     if not is_gguf_path(path) and not any((path / name).exists() for name in TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
         return None

@@ -81,7 +81,7 @@ def load_model(
         raise ModelLoadError(f"model directory {model_dir} does not exist or is not a directory")
     config = load_hf_config(model_dir, model_registry)
     files = {} if gguf else safetensors_files(model_dir)
-    gguf_weights = _gguf_weights(model_dir, config, tp_size) if gguf else None
+    gguf_weights = _gguf_weights(model_dir, config, tp_size, quant) if gguf else None
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
     adapter = None if lora_path is None else _read_adapter(lora_path, config, files, model_cls)
@@ -125,10 +125,11 @@ def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path
         raise ModelLoadError(str(exc)) from None
 
 
-def _gguf_weights(path: Path, config: HFModelConfig, tp_size: int) -> GGUFWeights:
-    """The GGUF file's tensors, planned (names mapped and checked) before the model is allocated."""
+def _gguf_weights(path: Path, config: HFModelConfig, tp_size: int, quant: WeightQuantSpec | None) -> GGUFWeights:
+    """The GGUF file's tensors, planned (names mapped and checked) before the model is allocated; its quantized
+    linear weights stay as stored unless --quant_type asks for a scheme (then they load as float first)."""
     gf = open_gguf(path)
-    return GGUFWeights(gf, config, gguf_arch(gf)[1], tp_size)
+    return GGUFWeights(gf, config, gguf_arch(gf)[1], tp_size, keep_blocks=not (quant is not None and quant.enabled))
 
 
 def checkpoint_quant_spec(config: HFModelConfig, quant: WeightQuantSpec | None) -> WeightQuantSpec | None:

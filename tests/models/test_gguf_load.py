@@ -96,6 +96,8 @@ def test_quantized_gguf_equals_the_gguf_dequantized_float_model(preset, qtype, t
     float_dir = _dequantized_copy(source, tmp_path / "float", qtype)
     ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
     reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    down = ours.model.layers[0].mlp.down_proj
+    assert down.weight is None and down.qweight.scheme in ("w8a16", "w4a16")  # kept as stored (quant/gguf_blocks.py)
     ours_logits, ref_logits = _logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT)
     torch.testing.assert_close(ours_logits, ref_logits, rtol=0, atol=1e-5)
     # and the quantization did change the model, so the comparison above could fail
@@ -149,6 +151,16 @@ def test_config_maps_the_architecture_metadata(tiny_with_tokenizer, tmp_path):
         assert getattr(config, field) == getattr(expected, field), field
     assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
     assert config.torch_dtype == torch.float16
+
+
+def test_quant_type_dequantizes_the_blocks_first(tiny_with_tokenizer, tmp_path, ops, model_registry):
+    from flashllm.quant.spec import weight_quant_spec
+
+    path = write_gguf(tiny_with_tokenizer("llama"), tmp_path / "model.gguf", "Q4_1")
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False,
+                         quant=weight_quant_spec("w8a16", -1, False))
+    down = ours.model.layers[0].mlp.down_proj
+    assert down.qweight.scheme == "w8a16" and down.qweight.offsets is None and down.qweight.group_size == -1
 
 
 def test_llm_runs_a_gguf_file_like_its_directory(tiny_with_tokenizer, tmp_path):

@@ -85,12 +85,13 @@ class GGUFWeights:
 
     Float tensors load as float; quantized ones are dequantized with the gguf package, except the
     2-D linear weights of layers whose every projection is of one type flashllm.quant.gguf_blocks
-    represents (when that module is present and one rank runs): those become the layer's
-    QuantizedWeight as stored. Embedding and norm tensors are always float.
+    represents (when that module is present, one rank runs and `keep_blocks`, i.e. no --quant_type asks
+    for another scheme): those become the layer's QuantizedWeight as stored. Embedding and norm
+    tensors are always float.
     """
 
-    def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1) -> None:
-        self.gf, self.config, self.tp_size = gf, config, tp_size
+    def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1, keep_blocks: bool = True) -> None:
+        self.gf, self.config, self.tp_size, self.keep_blocks = gf, config, tp_size, keep_blocks
         self.plan = self._plan(spec)
         self._routed: dict[str, tuple[str, Any]] = {}  # gguf name -> (linear layer name, shard id)
         self._dequantized: Counter[str] = Counter()
@@ -116,7 +117,7 @@ class GGUFWeights:
     def prepare(self, model: nn.Module) -> None:
         """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice)."""
         blocks = _gguf_blocks()
-        if blocks is None or self.tp_size != 1:
+        if blocks is None or self.tp_size != 1 or not self.keep_blocks:
             return
         from flashllm.models.layers.linear import LinearBase
 
@@ -154,6 +155,7 @@ class GGUFWeights:
         if self._dequantized:
             kinds = ", ".join(f"{n} {t}" for t, n in sorted(self._dequantized.items()))
             reason = ("flashllm.quant.gguf_blocks is not installed" if _gguf_blocks() is None
+                      else "--quant_type asks for another scheme" if not self.keep_blocks
                       else "they are embeddings, norms, mixed-type fused layers or tensor-parallel shards")
             logger.info("%s: dequantized %s tensor(s) to float with the gguf package (%s)", self.gf.name, kinds, reason)
 
@@ -229,6 +231,17 @@ def concat_rows(weights: list[Any]) -> Any:
             raise ModelLoadError(f"GGUF weights carry no {name}; cannot join shards that do")
     return dataclasses.replace(first, **{n: torch.cat([getattr(w, n) for w in weights]) for n in fields},
                                kernel_cache={})
+
+
+def gguf_quant_capability(gf: GGUFFile, scheme: str, tp_size: int = 1) -> str:
+    """The quant capability the op table needs for this file: gguf_blocks' (AFFINE_CAPABILITY) when some linear
+    weight will load as GGUF blocks (see GGUFWeights.prepare), else `scheme` (the --quant_type one)."""
+    blocks = _gguf_blocks()
+    if blocks is None or tp_size != 1 or scheme != "none":
+        return scheme
+    linear = [t.tensor_type for name, t in gf.tensors.items()
+              if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2]
+    return blocks.request_quant(linear)
 
 
 def _gguf_blocks() -> Any:
