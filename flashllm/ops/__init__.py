@@ -19,6 +19,8 @@ OP_NAMES: tuple[str, ...] = (
     "paged_attention",
     "quant_matmul",
     "fused_moe",
+    "lora_shrink",
+    "lora_expand",
 )
 
 

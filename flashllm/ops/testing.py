@@ -11,6 +11,7 @@ from torch import Tensor
 
 from flashllm.ops._kv_checks import KV_QMAX
 from flashllm.ops.alibi_slopes import alibi_slopes
+from flashllm.ops.lora_testing import LORA_CASES, expand_inputs, shrink_inputs
 from flashllm.ops.quant_matmul import AFFINE_CAPABILITY, QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
 
@@ -419,6 +420,8 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
     "fused_moe": (_fused_moe, tuple(_MOE_CASES)),
+    "lora_shrink": (shrink_inputs, tuple(LORA_CASES)),
+    "lora_expand": (expand_inputs, tuple(LORA_CASES)),
 }
 
 

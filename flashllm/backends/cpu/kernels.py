@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashllm.backends.cpu import native_ops
+from flashllm.backends.cpu import lora, native_ops
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 from flashllm.ops.rotary_embedding import rotary_embedding as _reference_rotary
@@ -252,6 +252,8 @@ def register(backend: Backend) -> None:
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
     backend.kernel("silu_and_mul", Caps(dtypes=FLOATS))(silu_and_mul)
     backend.kernel("write_kv_cache", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(write_kv_cache)
+    backend.kernel("lora_shrink", Caps(dtypes=FLOATS))(lora.lora_shrink)
+    backend.kernel("lora_expand", Caps(dtypes=FLOATS))(lora.lora_expand)
     for name in PORTABLE_OPS:
         # write_kv_cache's reference body is the CPU implementation, int8/fp8 quantization included
         backend.kernel(name, Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(specs[name].reference)

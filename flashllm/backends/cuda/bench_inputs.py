@@ -108,6 +108,28 @@ def _fused_moe_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace)
     return inputs, (experts_hit * 3 * i * h + 2 * t * h) * dtype.itemsize
 
 
+LORA_RANK, LORA_SLOTS = 16, 4  # the shape multi-LoRA serving runs at: rank-16 adapters, 4 slots, rows spread over them
+
+
+def _lora_indices(tokens: int, device: str) -> torch.Tensor:
+    return (torch.arange(tokens, device=device) % (LORA_SLOTS + 1) - 1).to(torch.int64)  # -1, 0, 1, .. per row
+
+
+def _lora_shrink_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    t, k = args.tokens, args.hidden
+    inputs = {"x": _randn(t, k, dtype=dtype, device=device),
+              "lora_a": _randn(LORA_SLOTS, LORA_RANK, k, dtype=dtype, device=device) * k**-0.5,
+              "lora_indices": _lora_indices(t, device)}
+    return inputs, (LORA_SLOTS * LORA_RANK * k + t * k + t * LORA_RANK) * dtype.itemsize
+
+
+def _lora_expand_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    t, n = args.tokens, args.out_features
+    inputs = {"out": _randn(t, n, dtype=dtype, device=device), "h": _randn(t, LORA_RANK, dtype=dtype, device=device),
+              "lora_b": _randn(LORA_SLOTS, n, LORA_RANK, dtype=dtype, device=device) * LORA_RANK**-0.5,
+              "lora_indices": _lora_indices(t, device), "offset": 0}
+    return inputs, (LORA_SLOTS * LORA_RANK * n + 2 * t * n + t * LORA_RANK) * dtype.itemsize
+
 
 def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor, context: int) -> torch.Tensor:
     """(num_blocks, block_size, Hk, D) paged cache -> (seqs, Hk, context, D) contiguous, in block-table order."""
@@ -123,6 +145,8 @@ BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Input
     "paged_attention": _attention_inputs,
     "quant_matmul": _quant_matmul_inputs,
     "fused_moe": _fused_moe_inputs,
+    "lora_shrink": _lora_shrink_inputs,
+    "lora_expand": _lora_expand_inputs,
 }
 
 

@@ -34,6 +34,8 @@ KERNEL_MODULES: dict[str, str] = {
     "paged_attention": "triton_attention",
     "quant_matmul": "triton_quant",
     "fused_moe": "triton_moe",
+    "lora_shrink": "triton_lora",
+    "lora_expand": "triton_lora",
 }
 
 CAPS: dict[str, Caps] = {
@@ -52,6 +54,9 @@ CAPS: dict[str, Caps] = {
     "quant_matmul": Caps(dtypes=FLOATS, quant=QUANT_SCHEMES),
     # float experts; the topk_ids range check reads back to the host, and is skipped under capture
     "fused_moe": Caps(dtypes=FLOATS),
+    # batched multi-LoRA (one adapter slot per row, -1 for none): no host sync, graph-capturable
+    "lora_shrink": Caps(dtypes=FLOATS),
+    "lora_expand": Caps(dtypes=FLOATS),
 }
 
 
@@ -128,6 +133,16 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
+def lora_shrink(x: Tensor, lora_a: Tensor, lora_indices: Tensor) -> Tensor:
+    """Triton per-row adapter shrink (see triton_lora.lora_shrink)."""
+    return launcher_module("lora_shrink").lora_shrink(x, lora_a, lora_indices)
+
+
+def lora_expand(out: Tensor, h: Tensor, lora_b: Tensor, lora_indices: Tensor, offset: int) -> Tensor:
+    """Triton per-row adapter expand into an output slice (see triton_lora.lora_expand)."""
+    return launcher_module("lora_expand").lora_expand(out, h, lora_b, lora_indices, offset)
+
+
 WRAPPERS = {
     "rms_norm": rms_norm,
     "silu_and_mul": silu_and_mul,
@@ -137,6 +152,8 @@ WRAPPERS = {
     "paged_attention": paged_attention,
     "quant_matmul": quant_matmul,
     "fused_moe": fused_moe,
+    "lora_shrink": lora_shrink,
+    "lora_expand": lora_expand,
 }
 
 

@@ -6,7 +6,7 @@ make the step's graph depend on data. Shapes depend only on the (bucketed) input
 decode step compiles once per bucket. No torch_xla import: these are torch ops on XLA tensors,
 and they run (slowly, but correctly) on any device, which is how tests/unit checks them on CPU.
 
-rms_norm, rotary_embedding, silu_and_mul, gelu_and_mul and the float quant_matmul are the op
+rms_norm, rotary_embedding, silu_and_mul, gelu_and_mul, the float quant_matmul and lora_shrink / lora_expand are the op
 reference bodies, which are trace-friendly as written (only static shape checks).
 """
 
@@ -23,7 +23,8 @@ from flashllm.registry.backend import Backend, Caps
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
 # ops whose reference body has no host sync and no data-dependent shape
-TRACEABLE_REFERENCES = ("rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "quant_matmul")
+TRACEABLE_REFERENCES = ("rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "quant_matmul", "lora_shrink",
+                        "lora_expand")
 
 
 def write_kv_cache(
