@@ -137,9 +137,10 @@ def _sentencepiece(gf: GGUFFile, tokens: list[str], types: list[int], unk: int |
     unk_token = tokens[unk] if unk is not None else None
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
     prefix = gf.get("tokenizer.ggml.add_space_prefix", True)
-    backend.normalizer = normalizers.Replace(" ", "\u2581")
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+    # llama.cpp puts the space prefix before every text fragment that follows a special token (or starts the
+    # text); added tokens are split off before normalizing, so a normalizer prepends it to exactly those
+    escape = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), escape]) if prefix else escape
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     return backend
