@@ -7,7 +7,8 @@ Cheap checks (no model, no network, well under a second each) that keep the user
   (`python -m flashllm.llm ...` with the predictor's);
 - every `--flag` written anywhere in the pages exists on some flashllm command, or is another
   tool's flag listed in OTHER_TOOLS_FLAGS;
-- the predictor page's "not accepted" PaddleNLP flags are indeed refused by `flashllm predict`.
+- the predictor page's "not accepted" PaddleNLP flags are indeed refused by `flashllm predict`;
+- the pages read as a product, not a lab notebook: no "team's", no ordinal session or pass entries.
 """
 
 from __future__ import annotations
@@ -184,3 +185,15 @@ def test_refused_predictor_flags_are_refused() -> None:
         for flag in _FLAG.findall(row.split("|")[1]):
             assert flag not in parser_flags, (f"flashllm predict now accepts {flag}: move its row in docs/offline.md "
                                               "out of the flags it refuses")
+
+
+_ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
+             "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|twenty-\\w+")
+_DIARY = re.compile(rf"\bteam's\b|\b(?:{_ORDINALS}) (?:session|pass)\b|\brun[0-9]+\.sh\b", re.I)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_pages_are_not_a_lab_notebook(page: Path) -> None:
+    hits = sorted({m.group(0) for m in _DIARY.finditer(page.read_text(encoding="utf-8"))})
+    assert not hits, (f"{page.relative_to(ROOT)} reads like a lab notebook ({hits}): say what is true now, with "
+                      "the command, commit, date and machine of any number; history belongs in commit messages")
