@@ -71,12 +71,17 @@ def test_hit_survives_free_until_evicted_and_takes_block_back_from_free_pool() -
 
 def test_hash_is_chained_not_per_block() -> None:
     bm = BlockManager(num_blocks=8, block_size=2)
-    run_prompt(bm, [1, 2, 3, 4, 9])
-    # Same second block, different first block: a per-block hash would hit block 1; a chain must not.
-    other = Sequence("r", [7, 7, 3, 4, 9])
-    assert bm.num_prefix_hit_tokens(other) == 0
-    partial = Sequence("r", [1, 2, 8, 8, 9])
-    assert bm.num_prefix_hit_tokens(partial) == 2
+    first = run_prompt(bm, [1, 2, 3, 4, 9])
+    # The chain, not just each block's own tokens: the same two blocks in the other order sit at
+    # other positions after another prefix, so a hash of a block's tokens alone would hit both.
+    assert bm.num_prefix_hit_tokens(Sequence("r", [3, 4, 1, 2, 9])) == 0
+    # A shared second block after a different first one: the lookup must miss from the start.
+    assert bm.num_prefix_hit_tokens(Sequence("r", [7, 7, 3, 4, 9])) == 0
+    assert bm.num_prefix_hit_tokens(Sequence("r", [1, 2, 8, 8, 9])) == 2
+    # And the digests are the documented chain (an independent computation), which a hash of the
+    # block's position and tokens alone would not give either.
+    assert first.block_hashes == chained_hashes([1, 2, 3, 4, 9], 2)
+    assert first.block_hashes[1] != hashlib.sha256(struct.pack("<2q", 3, 4)).digest()
 
 
 def test_only_computed_full_blocks_are_cached() -> None:

@@ -95,6 +95,36 @@ def check_batch(sched: Scheduler, out: SchedulerOutput) -> None:
         assert item.seq.status is SequenceStatus.RUNNING
         covered = len(item.seq.block_table) * sched.block_manager.block_size
         assert covered >= item.seq.num_computed_tokens + item.num_new_tokens
+    check_budget_used(sched, out)
+
+
+def check_budget_used(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The budget is used, not just respected: tokens are left over only when nothing could take them.
+
+    A sequence gets part of its uncomputed tokens only at the budget's edge; a running sequence
+    sits out only when the budget is spent or (prefill unchunked) its tokens do not fit what is
+    left; the waiting head stays waiting with budget left only when seats are full, this step
+    preempted, its next chunk does not fit unchunked, or its blocks are not free.
+    """
+    cfg, bm = sched.config, sched.block_manager
+    left = cfg.max_num_batched_tokens - out.num_batched_tokens
+    if left == 0:
+        return
+    for item in out.scheduled:
+        assert item.num_new_tokens == item.seq.num_uncomputed_tokens, \
+            f"a {item.num_new_tokens}-token chunk of {item.seq.num_uncomputed_tokens} with {left} budget left"
+    scheduled = {id(item.seq) for item in out.scheduled}
+    for seq in sched.running:
+        if id(seq) not in scheduled:
+            assert not cfg.enable_chunked_prefill and seq.num_uncomputed_tokens > left, \
+                f"running sequence {seq.seq_id} sat out with {left} budget left"
+    if not sched.waiting or out.preempted or sched.num_running >= cfg.max_num_seqs:
+        return
+    head = sched.waiting[0]
+    need = head.num_tokens - bm.num_prefix_hit_tokens(head)
+    if need > left and not cfg.enable_chunked_prefill and need <= cfg.max_num_batched_tokens:
+        return  # an unchunked prompt waits for a step with room for all of it
+    assert not bm.can_allocate(head, min(need, left)), f"the waiting head could run {min(need, left)} tokens"
 
 
 def run_engine(sched: Scheduler, requests: list[Request], max_steps: int = 5000) -> list[Sequence]:
@@ -192,6 +222,32 @@ def test_random_workloads_match_solo_runs(
     )
     seqs = run_engine(sched, requests)
     check_outputs(sched, requests, seqs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, 6), st.lists(st.integers(1, 3), min_size=1, max_size=6), st.integers(1, 6)),
+        min_size=2,
+        max_size=10,
+    ),
+    budget=st.integers(1, 7),
+    max_num_seqs=st.integers(1, 6),
+    spare_blocks=st.integers(0, 8),
+    chunked=st.booleans(),
+)
+def test_small_budgets_are_used_to_the_last_token(
+    reqs: list[tuple[int, list[int], int]], budget: int, max_num_seqs: int, spare_blocks: int, chunked: bool,
+) -> None:
+    # Budgets of a few tokens put the edge cases (one token left, a chunk exactly the rest) in most
+    # steps; run_engine's check_budget_used looks at every step.
+    if not chunked:
+        reqs = [(a, p[:budget], m) for a, p, m in reqs]  # unchunked prompts must fit one step
+    requests = [Request(a, p, m) for a, p, m in reqs]
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    sched = make(-(-longest // 2) + spare_blocks, 2, True, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    check_outputs(sched, requests, run_engine(sched, requests))
 
 
 # ---- policy examples -----------------------------------------------------------------------
