@@ -207,6 +207,16 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(built: BuiltServer, host: str, port: int) -> uvicorn.Config:
+    """uvicorn's settings for a built server: the guarded connection layer, its limits, no access log."""
+    # uvicorn's own h11 protocol has no read deadlines and no connection cap; this subclass adds them
+    protocol = functools.partial(GuardedH11Protocol, limits=built.limits)
+    return uvicorn.Config(built.app, host=host, port=port, log_level="warning",
+                          http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # type: ignore[arg-type]
+                          timeout_keep_alive=built.limits.keep_alive_timeout,  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=5, access_log=False)
+
+
 def serve(built: BuiltServer, options: dict[str, Any]) -> int:
     """Run until drained (exit 0) or until the engine fails (exit 1).
 
@@ -214,12 +224,7 @@ def serve(built: BuiltServer, options: dict[str, Any]) -> int:
     is the operator's bound (the log counts the cut-off requests). Non-zero is kept for a failed
     engine, where a supervisor should restart the server.
     """
-    # uvicorn's own h11 protocol has no read deadlines and no connection cap; this subclass adds them
-    protocol = functools.partial(GuardedH11Protocol, limits=built.limits)
-    config = uvicorn.Config(built.app, host=options["host"], port=options["port"], log_level="warning",
-                            http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # type: ignore[arg-type]
-                            timeout_keep_alive=built.limits.keep_alive_timeout,  # type: ignore[arg-type]
-                            timeout_graceful_shutdown=5, access_log=False)
+    config = uvicorn_config(built, options["host"], options["port"])
     server = _DrainingServer(config, built.engine, options["shutdown_drain_timeout"])
 
     def stop_serving(exc: BaseException) -> None:
