@@ -22,7 +22,7 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The whole CPU test suite: what .ci/run and the README run."""
-    _install(session, "test,serve,bench,cuda")  # cuda = triton, whose interpreter proves the kernels on CPU
+    _install(session, "test,serve,bench,cuda,structured")  # cuda = triton, whose interpreter proves the kernels on CPU
     session.run("pytest", "-q", *session.posargs)
 
 

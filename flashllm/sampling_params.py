@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,12 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_ABS_LENGTH_PENALTY = 10.0
+# Structured output: bounds on what a request may ask the grammar compiler to read (the compiler
+# has its own limits on the work it does; these keep the inputs themselves small).
+MAX_STRUCTURED_CHARS = 256 * 1024  # a schema (as JSON text), a regex or a grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -78,6 +85,75 @@ def _normalize_token_ids(name: str, ids: object) -> list[int]:
     return list(ids)
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match; exactly one of the fields is set.
+
+    json: a JSON schema (dict, or its JSON text); json_object: any JSON object; regex: a regular
+    expression the whole output matches (Rust `regex` syntax); choice: one of these strings
+    exactly; grammar: a context-free grammar in Lark syntax (llguidance's dialect) or GBNF (rules
+    written `name ::= ...`). The output is constrained token by token (flashllm.structured) and
+    stops where the grammar is complete.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(f"structured output takes exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(set_fields) or 'none'}")
+        _check_bool("json_object", self.json_object)
+        if self.json is not None:
+            if not isinstance(self.json, (str, dict)):
+                raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
+            _check_text("json schema", self.key[1])
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"{name} must be a non-empty string, got {value!r:.60}")
+                _check_text(name, value)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} strings")
+            for c in self.choice:
+                if not isinstance(c, str) or not 1 <= len(c) <= MAX_CHOICE_CHARS:
+                    raise ValueError(f"each choice must be a string of 1 to {MAX_CHOICE_CHARS} characters, "
+                                     f"got {c!r:.60}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: one of STRUCTURED_KINDS."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        kind = self.kind
+        if kind == "json":
+            try:
+                value = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            except (RecursionError, TypeError, ValueError) as exc:
+                raise ValueError(f"the json schema cannot be written as JSON ({type(exc).__name__}); "
+                                 "send a JSON object of plain values, nested at most a few hundred levels") from None
+        elif kind == "choice":
+            value = _json.dumps(list(self.choice or ()))
+        else:
+            value = "" if kind == "json_object" else str(getattr(self, kind))
+        return kind, value
+
+
+def _check_text(name: str, text: str) -> None:
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise ValueError(f"the {name} has {len(text)} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request (OpenAI / vLLM field names and meanings).
@@ -109,6 +185,7 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    structured_output: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -134,6 +211,17 @@ class SamplingParams:
                      "use_beam_search"):
             _check_bool(name, getattr(self, name))
         self._check_beam_search()
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError("structured_output must be a flashllm.sampling_params.StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
+        if self.use_beam_search:
+            raise ValueError("structured output does not combine with beam search (each beam would need its "
+                             "own grammar state); use sampling or greedy decoding with structured output")
 
     def _check_beam_search(self) -> None:
         _check_float("length_penalty", self.length_penalty, -MAX_ABS_LENGTH_PENALTY,

@@ -18,6 +18,7 @@ from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
 from flashllm.sampling_params import SamplingParams
+from flashllm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._ids = itertools.count()
+        # structured output: constraints compiled once each (llguidance, on first use)
+        self.grammars = GrammarCompiler(self.tokenizer, self.parts.eos_token_ids, self.parts.hf_config.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -65,8 +68,9 @@ class Engine:
             raise ValueError("this model has no tokenizer: pass prompts as token ids")
         text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_prompt(token_ids)
+        spec = params.structured_output
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,
-                          self.runner.device)
+                          self.runner.device, self.grammars.compile(spec) if spec is not None else None)
         for seq in request.seqs:
             self.scheduler.add(seq)
             self._by_seq[seq.seq_id] = request

@@ -13,6 +13,7 @@ from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashllm.sampling_params import SamplingParams
+from flashllm.structured.compiler import CompiledGrammar
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Request:
         tokenizer: Any,
         eos_token_ids: list[int],
         device: torch.device,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -50,6 +52,7 @@ class Request:
         self._states: dict[int, _SeqState] = {}
         for index, seq in enumerate(self.seqs):
             sampling = SamplingState.create(params, device, prompt_token_ids, eos_token_ids, index=index)
+            sampling.grammar = grammar.new_state() if grammar is not None else None
             detokenize = params.detokenize and tokenizer is not None
             self._states[seq.seq_id] = _SeqState(
                 sampling=sampling,
@@ -81,9 +84,11 @@ class Request:
         if completion.top_logprobs is not None and sampled.top_logprobs is not None:
             completion.top_logprobs.append(sampled.top_logprobs[row])
         reason = self._stop_token(token, len(completion.token_ids), completion)
+        grammar_reason = self._advance_grammar(state, token) if reason is None else None
         if state.detokenizer is not None and (reason is None or params.include_stop_str_in_output):
             if self._feed_text(state, state.detokenizer.add([token])):
                 reason = FinishReason.STOP
+        reason = reason or grammar_reason
         if reason is None and params.max_tokens is not None and len(completion.token_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is None and seq.num_tokens >= max_model_len:
@@ -91,6 +96,17 @@ class Request:
         if reason is not None:
             self.finish(seq, reason)
         return reason
+
+    @staticmethod
+    def _advance_grammar(state: _SeqState, token: int) -> FinishReason | None:
+        """Structured output: a complete grammar ends the output (the token is kept: it is text, or EOS);
+        a refused token (never expected: the sampler masks) ends it as aborted rather than invalid."""
+        grammar = state.sampling.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept(token):
+            return FinishReason.ABORT
+        return FinishReason.STOP if grammar.finished else None
 
     def _stop_token(self, token: int, num_output: int, completion: CompletionOutput) -> FinishReason | None:
         params = self.params

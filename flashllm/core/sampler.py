@@ -8,6 +8,8 @@ Processing order per row (HF `generate` / vLLM semantics):
    `frequency * count + presence * (count > 0)`);
 3. min_tokens: stop_token_ids and EOS (unless ignore_eos) are masked while fewer than
    min_tokens were generated;
+3b. structured output: tokens the row's grammar does not allow next are masked
+   (flashllm.structured; rows without a grammar are untouched);
 4. temperature (greedy rows stop here and take the argmax);
 5. top-k, then top-p over what top-k kept, then min-p over what is left;
 6. draw: argmax of `probs / E` with `E ~ Exp(1)` drawn from the row's own generator, an
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from flashllm.sampling_params import MAX_SEED, SamplingParams
+from flashllm.structured.mask import GrammarState, apply_grammar_masks
 
 # Mixes a request seed with a child index (n > 1) so siblings draw different streams while
 # child 0 keeps the user's seed unchanged.
@@ -48,6 +51,7 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: Sequence[int] = ()
+    grammar: GrammarState | None = None  # structured output: the engine advances it as tokens are recorded
 
     @classmethod
     def create(
@@ -195,11 +199,11 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
 
 
 def plain_greedy(state: SamplingState) -> bool:
-    """A greedy row with no penalty, no pending min_tokens ban and no logprobs: its token is the argmax."""
+    """A greedy row with no penalty, no pending min_tokens ban, no logprobs and no grammar: its token is the argmax."""
     params = state.params
     return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
             and not ((params.frequency_penalty or params.presence_penalty) and state.output_token_ids)
-            and len(state.output_token_ids) >= params.min_tokens)
+            and len(state.output_token_ids) >= params.min_tokens and state.grammar is None)
 
 
 class Sampler:
@@ -230,6 +234,7 @@ class Sampler:
         apply_repetition_penalty(logits, states)
         apply_frequency_presence_penalties(logits, states)
         apply_min_tokens(logits, states)
+        apply_grammar_masks(logits, [s.grammar for s in states])  # structured output (flashllm.structured)
         temperature = torch.tensor(
             [1.0 if s.params.is_greedy else s.params.temperature for s in states],
             device=logits.device)

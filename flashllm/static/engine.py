@@ -80,6 +80,8 @@ class StaticEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.use_beam_search:
             raise ValueError("beam search is not available in static mode; use --mode dynamic")
+        if params.structured_output is not None:
+            raise ValueError("structured output is not available in static mode; use --mode dynamic")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as token ids")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
