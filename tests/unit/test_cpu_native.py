@@ -199,8 +199,7 @@ def test_integer_weight_gemv_matches_the_dequantized_product(scheme, group_size,
     x[:, 3] *= 50  # an outlier channel, as real activations have
     assert native.supports_quantized(weight, tokens)
     chosen = int4_activations if scheme == "w4a16" else w8_activations
-    expect_int8 = chosen == "int8" and group_size != 32  # groups of whole 64-feature blocks
-    assert native.int8_activations(weight) == expect_int8
+    assert native.int8_activations(weight) == (chosen == "int8")  # groups of 32: within a 64-feature block
     check_integer_product(weight, x)
 
 
@@ -223,7 +222,7 @@ def test_int8_activations_are_within_half_a_step_of_the_exact_product(scheme, gr
     assert error.max() > 0  # it is an approximation: an exact result would mean the fp32 kernel ran
 
 
-def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
+def test_asymmetric_zero_points_are_read_per_row_and_group(monkeypatch) -> None:
     # every group of every row gets its own zero point: a kernel using one zero everywhere fails
     gen = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 256, (40, 64), generator=gen, dtype=torch.uint8)
@@ -231,7 +230,11 @@ def test_asymmetric_zero_points_are_read_per_row_and_group() -> None:
     scales = torch.rand(40, 4, generator=gen) + 0.5
     weight = QuantizedWeight("w4a16", codes, scales, zeros, group_size=32)
     x = torch.randn(3, 128, generator=gen)
+    assert native.int8_activations(weight)  # groups of 32: two per activation block, one per 128-bit lane
+    check_integer_product(weight, x)
+    monkeypatch.setenv(native.INT4_ACTIVATIONS_ENV, "fp32")
     assert_within_fp32_bound(native.int_linear(x, weight), x, dequantize(weight).float())
+    monkeypatch.delenv(native.INT4_ACTIVATIONS_ENV)
     wide = QuantizedWeight("w4a16", codes.reshape(20, 128), scales.reshape(20, 8)[:, ::2].contiguous(),
                            zeros.reshape(20, 8)[:, ::2].contiguous(), group_size=64)
     assert native.int8_activations(wide)  # the int4 x int8 kernel reads them the same way

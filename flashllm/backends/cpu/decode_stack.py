@@ -40,7 +40,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I64), ("N", _I64), ("K", _I64), ("G", _I64),
-                ("weight", _P), ("scales", _P), ("zeros", _P), ("bias", _P)]
+                ("weight", _P), ("scales", _P), ("zeros", _P), ("offsets", _P), ("bias", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -91,7 +91,9 @@ def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) ->
             desc.kind = _AGAINST_INT8[weight.scheme]
         desc.weight, desc.scales = codes.data_ptr(), scales.data_ptr()
         desc.zeros = None if zeros is None else zeros.data_ptr()
-        keep.extend(t for t in (codes, scales, zeros) if t is not None)
+        offsets = native.offsets_layout(weight)  # only the xA8 kinds read it: supports_quantized saw to that
+        desc.offsets = None if offsets is None else offsets.data_ptr()
+        keep.extend(t for t in (codes, scales, zeros, offsets) if t is not None)
     if bias is not None:
         bias = bias.contiguous()
         desc.bias = bias.data_ptr()

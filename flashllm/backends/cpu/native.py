@@ -70,8 +70,8 @@ _SIGNATURES = {
     "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
-    "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
-    "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
@@ -199,22 +199,37 @@ def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
-    """Whether int_linear takes this weight: w8a16/w4a16, groups of a multiple of 32, a decode batch."""
-    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS or weight.offsets is not None:
+    """Whether int_linear takes this weight: w8a16/w4a16 in a decode batch, with groups of a multiple
+    of 32 features (the exact fp32 kernels), or the layouts only the int8-activation kernels run
+    (GGUF's: offsets, groups of 16 or 32; see int8_activations)."""
+    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS or library() is None:
         return False
-    return (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0 and library() is not None
+    if int8_activations(weight):
+        return True
+    return weight.offsets is None and (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0
+
+
+def _int8_layout(weight: QuantizedWeight) -> bool:
+    """Whether csrc/int4_int8_kernels.c runs this weight's layout: K whole A8_BLOCKs, groups of 32
+    features (int4 or int8), 16 (int8) or a multiple of A8_BLOCK."""
+    group = weight.in_features // weight.num_groups
+    fine = (32,) if weight.scheme == "w4a16" else (16, 32)
+    return weight.in_features % A8_BLOCK == 0 and (group in fine or group % A8_BLOCK == 0)
 
 
 def int8_activations(weight: QuantizedWeight) -> bool:
     """Whether this weight's native products quantize the activations to int8 in blocks of
-    A8_BLOCK features: w4a16 by default (FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off), w8a16
-    only with FLASHLLM_CPU_W8_ACTIVATIONS=int8; either needs groups of whole blocks."""
-    env, default = {"w4a16": (INT4_ACTIVATIONS_ENV, "int8"), "w8a16": (W8_ACTIVATIONS_ENV, "fp32")}.get(
-        weight.scheme, (None, "fp32"))
+    A8_BLOCK features: w4a16 by default (FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off); w8a16
+    with FLASHLLM_CPU_W8_ACTIVATIONS=int8, and by default for the layouts only GGUF files bring
+    (offsets or groups of 16, which the exact fp32 kernel does not run; =fp32 sends them to the
+    exact dequantize path); either needs a layout _int8_layout accepts."""
+    gguf_only = weight.offsets is not None or (weight.in_features // weight.num_groups) % GROUP_MULTIPLE != 0
+    env, default = {"w4a16": (INT4_ACTIVATIONS_ENV, "int8"),
+                    "w8a16": (W8_ACTIVATIONS_ENV, "int8" if gguf_only else "fp32")}.get(weight.scheme, (None, "fp32"))
     mode = os.environ.get(env, default) if env else default
     if mode not in ("int8", "fp32"):
         raise ValueError(f"{env} must be int8 or fp32, got {mode!r}")
-    return mode == "int8" and (weight.in_features // weight.num_groups) % A8_BLOCK == 0
+    return mode == "int8" and _int8_layout(weight)
 
 
 def int8_rounded(x: Tensor) -> Tensor:
@@ -237,6 +252,16 @@ def _layout(weight: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
     return weight.kernel_cache[key]
 
 
+def offsets_layout(weight: QuantizedWeight) -> Tensor | None:
+    """The weight's per-group offsets as contiguous fp32 (built once into weight.kernel_cache), or None."""
+    if weight.offsets is None:
+        return None
+    key = "cpu_native_offsets"
+    if key not in weight.kernel_cache:
+        weight.kernel_cache[key] = weight.offsets.float().contiguous()
+    return weight.kernel_cache[key]
+
+
 def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     """x (T, K) float @ dequantized W.T for a w8a16/w4a16 weight -> (T, N) fp32, computed in fp32
     (against int8-quantized activations where int8_activations(weight) says so)."""
@@ -248,15 +273,19 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     out = torch.empty(tokens, n, dtype=torch.float32)
     threads = threads_for(tokens, n, k)
     if int8_activations(weight):
+        offsets = offsets_layout(weight)
+        offsets_ptr = None if offsets is None else _ptr(offsets)
         if weight.scheme == "w4a16":
             status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
-                                               None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, None,
-                                               threads)
+                                               None if zeros is None else _ptr(zeros), offsets_ptr, groups, _ptr(out),
+                                               n, n, None, threads)
         else:
-            status = lib.flashllm_w8a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n,
-                                               None, threads)
+            status = lib.flashllm_w8a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), offsets_ptr, groups,
+                                               _ptr(out), n, n, None, threads)
         if status != 0:
             raise MemoryError("the integer x int8 kernel could not allocate its activation scratch")
+    elif weight.offsets is not None:
+        raise ValueError("a weight with offsets runs only against int8 activations natively (supports_quantized)")
     elif weight.scheme == "w4a16":
         even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # the nibbles' order
         lib.flashllm_w4_gemv_mt(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales),

@@ -25,6 +25,7 @@ typedef struct {
     const void *weight;
     const float *scales;              /* (N, G), integer kinds */
     const int32_t *zeros;             /* (N, G) int4 zero points, or NULL for 8 */
+    const float *offsets;             /* (N, G) per-group offsets (GGUF's minimums; xA8 kinds only), or NULL */
     const float *bias;                /* (N,) or NULL */
 } stack_linear;
 
@@ -84,9 +85,10 @@ static void linear(const stack_linear *l, const stack_step *s, const float *x, f
     } else if (l->kind == LINEAR_W8) {
         flashllm_w8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, threads);
     } else if (l->kind == LINEAR_W8A8) {  /* the scratch as for W4A8 */
-        flashllm_w8a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, even, threads);
+        flashllm_w8a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->offsets, l->G, y, l->N, l->N, even, threads);
     } else if (l->kind == LINEAR_W4A8) {  /* even, then odd: T x widest floats, more than it needs */
-        flashllm_w4a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->zeros, l->G, y, l->N, l->N, even, threads);
+        flashllm_w4a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->zeros, l->offsets, l->G, y, l->N, l->N, even,
+                              threads);
     } else {
         const int64_t half = l->K / 2;
         for (int64_t t = 0; t < T; t++)

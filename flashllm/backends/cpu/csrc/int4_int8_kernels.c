@@ -38,36 +38,38 @@
 
 
 /* Token t's K features -> q (K int8; with split, each block's even features then its odd ones, for
- * the int4 codes' nibbles; else in order, for int8 codes), d (K / 64
- * scales) and qsum (G per-group sums of d[b] * sum q over the group's blocks). The scale is
- * absmax / 127 in fp32; a feature becomes round-to-nearest-even(x * (127 / absmax)), an all-zero
- * block scale 0 and codes 0. */
+ * the int4 codes' nibbles; else in order, for int8 codes), d (K / 64 scales) and qsum (G per-group
+ * sums of d[b] * sum q over the group's features: groups of 16 or 32 features (GGUF's) lie within a
+ * block, groups of a multiple of 64 span whole blocks). The scale is absmax / 127 in fp32; a feature
+ * becomes round-to-nearest-even(x * (127 / absmax)), an all-zero block scale 0 and codes 0. */
 static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum,
                                  int split) {
-    const int64_t blocks = K / A8_BLOCK, per_group = blocks / G;
+    const int64_t blocks = K / A8_BLOCK, group = K / G;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t g = 0; g < G; g++) {
-        float group_sum = 0.0f;
-        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
-            const float *v = x + b * A8_BLOCK;
-            __m256 top = _mm256_setzero_ps();
-            for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
-            const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t codes[A8_BLOCK];
-            for (int i = 0; i < A8_BLOCK; i += 8)
-                _mm256_storeu_si256((__m256i *)(codes + i),
-                                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
-            int8_t *out = q + b * A8_BLOCK;
-            int32_t total = 0;
-            for (int i = 0; i < A8_BLOCK / 2; i++) {
-                out[split ? i : 2 * i] = (int8_t)codes[2 * i];
-                out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
-                total += codes[2 * i] + codes[2 * i + 1];
+    for (int64_t g = 0; g < G; g++) qsum[g] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *v = x + b * A8_BLOCK;
+        __m256 top = _mm256_setzero_ps();
+        for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+        const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t codes[A8_BLOCK];
+        for (int i = 0; i < A8_BLOCK; i += 8)
+            _mm256_storeu_si256((__m256i *)(codes + i),
+                                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
+        int8_t *out = q + b * A8_BLOCK;
+        int32_t total = 0, part = 0;
+        d[b] = amax / 127.0f;
+        for (int i = 0; i < A8_BLOCK / 2; i++) {
+            out[split ? i : 2 * i] = (int8_t)codes[2 * i];
+            out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
+            total += codes[2 * i] + codes[2 * i + 1];
+            part += codes[2 * i] + codes[2 * i + 1];
+            if (group < A8_BLOCK && (2 * i + 2) % group == 0) {  /* a sub-block group ends here */
+                qsum[(b * A8_BLOCK + 2 * i + 1) / group] = d[b] * (float)part;
+                part = 0;
             }
-            d[b] = amax / 127.0f;
-            group_sum += d[b] * (float)total;
         }
-        qsum[g] = group_sum;
+        if (group >= A8_BLOCK) qsum[b * A8_BLOCK / group] += d[b] * (float)total;
     }
 }
 
@@ -82,6 +84,7 @@ typedef struct {
     const void *w;          /* int4 bytes (N, K / 2) or int8 codes (N, K) */
     const float *scales;
     const int32_t *zeros;
+    const float *offsets;   /* (N, G) per-group float offsets (W = code * scale + offset), or NULL */
     const int8_t *q;        /* (T, K) */
     const float *d, *qsum;  /* (T, K / 64), (T, G) */
     float *y;
@@ -101,10 +104,30 @@ static inline float zero_term(const float *scales, const int32_t *zeros, const f
     return hsum8(acc);
 }
 
+/* sum_g offsets[g] * qsum[g] over G groups: the offsets' share of a row's product */
+static inline float offset_term(const float *offsets, const float *qsum, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(qsum + g), acc);
+    float sum = hsum8(acc);
+    for (; g < G; g++) sum += offsets[g] * qsum[g];
+    return sum;
+}
+
+/* What a row adds besides its code dots: + the offsets' term, or - the zero points' */
+static inline float row_term(const a8_args *a, int64_t n, const float *qsum) {
+    const int64_t G = a->G;
+    if (a->offsets) return offset_term(a->offsets + n * G, qsum, G);
+    return -zero_term(a->scales + n * G, a->zeros ? a->zeros + n * G : NULL, qsum, G);
+}
+
 /* Rows n0..n1 for tokens t0..t0 + TT (TT <= 4): each block's codes are split into nibbles once for
- * all TT tokens; the group's scale changes every per_group blocks (1 with groups of 64). */
+ * all TT tokens; the group's scale changes every per_group blocks (1 with groups of 64), or, with
+ * groups of 32 (GGUF's), within the block: its 32-byte load holds features 0..31 in bytes 0..15,
+ * whose products land in the low 128-bit lane of the dot, and 32..63 in the high one. */
 static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, const int TT) {
     const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G;
+    const int halves = a->K / G == A8_BLOCK / 2;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const int8_t *q[4];
     const float *d[4];
@@ -118,7 +141,9 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 scale = _mm256_set1_ps(scales[0]);
         for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++, left--) {
-            if (left == 0) {
+            if (halves) {
+                scale = _mm256_set_m128(_mm_set1_ps(scales[2 * b + 1]), _mm_set1_ps(scales[2 * b]));
+            } else if (left == 0) {
                 scale = _mm256_set1_ps(scales[++g]);
                 left = per_group;
             }
@@ -131,9 +156,7 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_broadcast_ss(d[j] + b)), acc[j]);
             }
         }
-        const int32_t *zeros = a->zeros ? a->zeros + n * G : NULL;
-        for (int j = 0; j < TT; j++)
-            a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) - zero_term(scales, zeros, a->qsum + (t0 + j) * G, G);
+        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) + row_term(a, n, a->qsum + (t0 + j) * G);
     }
 }
 
@@ -163,8 +186,8 @@ static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
  * aligned, or NULL to allocate it here) and run `share` over the N rows. Returns 0, or -1 when the
  * scratch could not be allocated. */
 static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w, const float *scales,
-                            const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                            int threads, int split, flashllm_share_fn share) {
+                            const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
+                            void *scratch, int threads, int split, flashllm_share_fn share) {
     const int64_t blocks = K / A8_BLOCK;
     void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
     if (!scratch && !owned) return -1;
@@ -172,18 +195,19 @@ static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w,
     int8_t *q = (int8_t *)(qsum + T * G);
     for (int64_t t = 0; t < T; t++)
         quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, split);
-    a8_args a = {w, scales, zeros, q, d, qsum, y, T, K, G, ldy};
+    a8_args a = {w, scales, zeros, offsets, q, d, qsum, y, T, K, G, ldy};
     flashllm_parallel_for(share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
 }
 
-/* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K and K / G multiples of
- * 64; rows split over `threads`; scratch and the result as for run_against_int8. */
+/* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K a multiple of 64 and
+ * K / G 32 or a multiple of 64; offsets (N, G) or NULL: with offsets, W = code * scale + offset
+ * (zeros unused); rows split over `threads`; scratch and the result as for run_against_int8. */
 int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
-                          const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                          int threads) {
-    return run_against_int8(x, T, K, w, scales, zeros, G, y, N, ldy, scratch, threads, 1, a8_share);
+                          const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
+                          void *scratch, int threads) {
+    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, scratch, threads, 1, a8_share);
 }
 
 /* ---- int8 weights against int8 activations (opt-in for w8a16: FLASHLLM_CPU_W8_ACTIVATIONS=int8) ----
@@ -199,8 +223,15 @@ static inline __m256i signed_dot32(__m256i w, const int8_t *q) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+/* One block's 32-byte half h against q, times the per-lane scales of groups of 16 or 32 features */
+static inline __m256 fine_scales(const float *scales, int64_t b, int h, int64_t group) {
+    if (group == 16)  /* lanes 0..3: features 0..15 of the half, lanes 4..7: 16..31 */
+        return _mm256_set_m128(_mm_set1_ps(scales[4 * b + 2 * h + 1]), _mm_set1_ps(scales[4 * b + 2 * h]));
+    return _mm256_set1_ps(scales[2 * b + h]);
+}
+
 static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, const int TT) {
-    const int64_t blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G;
+    const int64_t blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G, group = a->K / G;
     const int8_t *codes = (const int8_t *)a->w;
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *row = codes + n * a->K;
@@ -208,13 +239,24 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 scale = _mm256_set1_ps(scales[0]);
         for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++, left--) {
+            _mm_prefetch((const char *)(row + b * A8_BLOCK + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK + 32));
+            if (group < A8_BLOCK) {  /* GGUF's groups of 16 or 32: each half has its own scales */
+                const __m256 s0 = fine_scales(scales, b, 0, group), s1 = fine_scales(scales, b, 1, group);
+                for (int j = 0; j < TT; j++) {
+                    const int8_t *q = a->q + (t0 + j) * a->K + b * A8_BLOCK;
+                    const __m256 dj = _mm256_set1_ps(a->d[(t0 + j) * blocks + b]);
+                    const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_dot32(w0, q)), s0);
+                    acc[j] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(signed_dot32(w1, q + 32)), s1, part),
+                                             dj, acc[j]);
+                }
+                continue;
+            }
             if (left == 0) {
                 scale = _mm256_set1_ps(scales[++g]);
                 left = per_group;
             }
-            _mm_prefetch((const char *)(row + b * A8_BLOCK + PREFETCH_AHEAD), _MM_HINT_T0);
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + b * A8_BLOCK + 32));
             for (int j = 0; j < TT; j++) {
                 const int8_t *q = a->q + (t0 + j) * a->K + b * A8_BLOCK;
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(signed_dot32(w0, q), signed_dot32(w1, q + 32)));
@@ -222,7 +264,9 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dj)), acc[j]);
             }
         }
-        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]);
+        for (int j = 0; j < TT; j++)
+            a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) +
+                                          (a->offsets ? offset_term(a->offsets + n * G, a->qsum + (t0 + j) * G, G) : 0.0f);
     }
 }
 
@@ -231,9 +275,11 @@ static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
     TOKEN_SWEEPS(w8_rows_for_tokens)
 }
 
-/* y[t * ldy + n] for t < T, n < N as above, x (T, K) fp32, K and K / G multiples of 64; scratch and
- * the result as for run_against_int8. */
-int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
-                          float *y, int64_t N, int64_t ldy, void *scratch, int threads) {
-    return run_against_int8(x, T, K, w, scales, NULL, G, y, N, ldy, scratch, threads, 0, w8a8_share);
+/* y[t * ldy + n] for t < T, n < N as above (+ sum_g offsets[n, g] * the group's activations where
+ * offsets is not NULL), x (T, K) fp32, K a multiple of 64 and K / G 16, 32 or a multiple of 64;
+ * scratch and the result as for run_against_int8. */
+int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
+                          const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
+                          int threads) {
+    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, scratch, threads, 0, w8a8_share);
 }
