@@ -134,3 +134,47 @@ def test_models_and_settings_it_does_not_take(model_dir, monkeypatch) -> None:
                     max_model_len=64)
     assert decode_stack.build(reference.engine.runner.model) is None  # ground truth stays
     assert type(reference.engine.runner).__name__ == "ModelRunner"  # the generic runner, no fast paths
+
+
+def _gguf_layouts(weight: torch.Tensor, scheme: str, group_size: int = -1, symmetric: bool = True,
+                  smooth: torch.Tensor | None = None):
+    """quantize_weight's stand-in: GGUF layouts as a .gguf file brings them (w4a16: the gguf package's
+    Q4_1, fp16 scales and offsets; w8a16: its Q8_0 codes at groups of 16 with offsets, Q6_K's and
+    Q5_K's shape), so the fused step meets per-group offsets and groups of 16 and 32."""
+    import numpy as np
+
+    from flashllm.ops.quant_matmul import QuantizedWeight
+    from flashllm.quant.gguf_blocks import weight_from_gguf
+
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType.Q4_1 if scheme == "w4a16" else gguf.GGMLQuantizationType.Q8_0
+    raw = gguf.quants.quantize(weight.detach().float().numpy().astype(np.float32), qtype)
+    q = weight_from_gguf(raw, qtype, tuple(weight.shape))
+    if scheme == "w4a16":
+        return q
+    scales = q.scales.float().repeat_interleave(2, dim=1)
+    return QuantizedWeight("w8a16", q.data, scales, None, 16, offsets=-0.01 * scales)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
+def test_fused_decode_takes_gguf_layouts_and_computes_what_the_per_op_path_does(model_dir, monkeypatch,
+                                                                                 scheme) -> None:
+    from flashllm.backends.cpu import quant as cpu_quant
+    from flashllm.models.layers import linear
+
+    monkeypatch.setattr(linear, "quantize_weight", _gguf_layouts)
+    seen = []
+    real_native = native.int_linear
+
+    def recording(x, weight):
+        seen.append((weight.offsets is not None, weight.group_size))
+        return real_native(x, weight)
+
+    monkeypatch.setattr(native, "int_linear", recording)
+    monkeypatch.setattr(cpu_quant.native, "int_linear", recording)
+    fused_tokens, fused_logprobs, taken = _generate(model_dir, monkeypatch, True, quant_type=scheme, group_size=32)
+    tokens, logprobs, untaken = _generate(model_dir, monkeypatch, False, quant_type=scheme, group_size=32)
+    assert (True, 32 if scheme == "w4a16" else 16) in seen  # the per-op path ran GGUF layouts natively
+    assert untaken == 0 and taken >= max(MAX_TOKENS) - 1
+    assert fused_tokens == tokens
+    assert fused_logprobs == logprobs
