@@ -1,4 +1,4 @@
-"""GGUF quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as exact QuantizedWeights, no requantization."""
+"""GGUF quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as exact QuantizedWeights, no requantization."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from flashllm.ops.quant_matmul import AFFINE_CAPABILITY, QuantizedWeight, pack_int4
 
 T = GGMLQuantizationType
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K})
+# Q5_0/Q5_1 too: llama.cpp writes them for K-quant files' tensors whose rows are not whole 256-feature
+# super-blocks (every 896-wide row of Qwen2.5-0.5B's Q4_K_M is Q5_0, its Q5_K_M's Q5_1)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
+                                                              T.Q5_K, T.Q6_K})
 SUPER_BLOCK = 256   # QK_K: the K-quants' super-block of features
 K_SCALE_BYTES = 12  # the K-quants' packed 6-bit sub-block scales and minimums
 
@@ -19,11 +22,13 @@ K_SCALE_BYTES = 12  # the K-quants' packed 6-bit sub-block scales and minimums
 #   Q8_0  w8a16, group 32, fp16 scales d                       W = q * d
 #   Q4_0  w4a16, group 32, fp16 scales d, implicit zero 8      W = (q - 8) * d
 #   Q4_1  w4a16, group 32, fp16 scales d, fp16 offsets m       W = q * d + m
+#   Q5_0  w8a16 (codes -16..15), group 32, fp16 scales d       W = (q - 16) * d
+#   Q5_1  w8a16 (codes 0..31), group 32, fp16 d, fp16 offsets m W = q * d + m
 #   Q4_K  w4a16, group 32, fp32 scales d*sc, offsets -dmin*m    W = q * (d*sc) - dmin*m
 #   Q5_K  w8a16 (codes 0..31), group 32, as Q4_K               W = q * (d*sc) - dmin*m
 #   Q6_K  w8a16 (codes -32..31), group 16, fp32 scales d*sc     W = q * (d*sc)
 # d*sc and dmin*m are one fp32 product each, as ggml forms them, so every element is ggml's bits.
-GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
+GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
 
 
 def _unsupported(ggml_type: object) -> ValueError:
@@ -99,6 +104,13 @@ def _decode(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.nda
         start = 2 if ggml_type == T.Q4_0 else 4
         codes = _nibbles_halves(blocks[:, start:start + 16][:, None, :]).reshape(count, 32)
         return codes, _f16(blocks, 0)[:, None], None if ggml_type == T.Q4_0 else _f16(blocks, 2)[:, None]
+    if ggml_type in (T.Q5_0, T.Q5_1):  # 4 bytes of fifth bits (bit i: element i), then Q4_0's nibbles
+        start = 2 if ggml_type == T.Q5_0 else 4
+        fifth = np.unpackbits(blocks[:, start:start + 4], axis=-1, bitorder="little")
+        codes = _nibbles_halves(blocks[:, start + 4:start + 20][:, None, :]).reshape(count, 32) | (fifth << 4)
+        if ggml_type == T.Q5_0:
+            return (codes.astype(np.int16) - 16).astype(np.int8), _f16(blocks, 0)[:, None], None
+        return codes.view(np.int8), _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None]
     if ggml_type == T.Q4_K:
         scales, offsets = _k_affine(blocks)
         return _nibbles_halves(blocks[:, 16:144].reshape(count, 4, 32)).reshape(count, SUPER_BLOCK), scales, offsets

@@ -16,7 +16,8 @@ from flashllm.quant.gguf_blocks import SUPPORTED_TYPES, request_quant, row_bytes
 T = GGMLQuantizationType
 TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
 # byte offsets of each type's fp16 scale fields in a block (d; then dmin or m where the type has one)
-HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
+               T.Q5_K: (0, 2), T.Q6_K: (208,)}
 # extreme fp16 scales: zero, minus zero, the smallest subnormal, a larger subnormal, the smallest
 # normal, ordinary, negative, the largest finite and its negative
 EXTREME_HALVES = np.array([0.0, -0.0, 2.0**-24, 3 * 2.0**-20, 2.0**-14, 1.0, -0.3, 65504.0, -65504.0], np.float16)
@@ -128,6 +129,8 @@ def test_layouts_and_their_bytes() -> None:
         T.Q8_0: ("w8a16", 32, torch.float16, False, 256 + 8 * 2),
         T.Q4_0: ("w4a16", 32, torch.float16, False, 128 + 8 * 2),
         T.Q4_1: ("w4a16", 32, torch.float16, True, 128 + 8 * 4),
+        T.Q5_0: ("w8a16", 32, torch.float16, False, 256 + 8 * 2),
+        T.Q5_1: ("w8a16", 32, torch.float16, True, 256 + 8 * 4),
         T.Q4_K: ("w4a16", 32, torch.float32, True, 128 + 8 * 8),
         T.Q5_K: ("w8a16", 32, torch.float32, True, 256 + 8 * 8),
         T.Q6_K: ("w8a16", 16, torch.float32, False, 256 + 16 * 4),
@@ -143,8 +146,8 @@ def test_layouts_and_their_bytes() -> None:
 def test_refusals_name_what_was_wrong() -> None:
     raw = np.zeros((2, row_bytes(T.Q4_0, 64)), np.uint8)
     weight_from_gguf(raw, T.Q4_0, (2, 64))
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0"):
-        weight_from_gguf(raw, T.Q5_0, (2, 64))
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0"):
+        weight_from_gguf(raw, T.IQ4_NL, (2, 64))
     with pytest.raises(ValueError, match="supported"):
         weight_from_gguf(raw, 9999, (2, 64))
     with pytest.raises(ValueError, match="is 144 bytes, the tensor holds 72"):
