@@ -21,6 +21,7 @@ OP_NAMES: tuple[str, ...] = (
     "fused_moe",
     "lora_shrink",
     "lora_expand",
+    "latent_attention",
 )
 
 

@@ -14,6 +14,7 @@ from flashllm.ops.alibi_slopes import alibi_slopes
 from flashllm.ops.lora_testing import LORA_CASES, expand_inputs, shrink_inputs
 from flashllm.ops.quant_matmul import AFFINE_CAPABILITY, QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
+from flashllm.ops.testing_latent import LATENT_CASES, latent_attention_inputs
 
 Inputs = dict[str, Any]
 
@@ -422,6 +423,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "fused_moe": (_fused_moe, tuple(_MOE_CASES)),
     "lora_shrink": (shrink_inputs, tuple(LORA_CASES)),
     "lora_expand": (expand_inputs, tuple(LORA_CASES)),
+    "latent_attention": (latent_attention_inputs, LATENT_CASES),
 }
 
 
@@ -488,6 +490,8 @@ def run_case(fn: Callable[..., Any], op_name: str, inputs: Inputs) -> Any:
     """Call fn on a copy of inputs and return what to compare: the result, or the caches it wrote."""
     args = clone_inputs(inputs)
     result = fn(**args)
+    if op_name == "latent_attention":  # the latents it wrote count as much as its output
+        return result, args["kv_cache"]
     if op_name == "write_kv_cache":
         # a quantized write also fills the dynamic scale caches (static scales must stay as they were)
         return tuple(args[name] for name in ("k_cache", "v_cache", "k_scale", "v_scale") if name in args)

@@ -107,9 +107,10 @@ def make_backend() -> Backend:
         description="torch-native CPU kernels",
         model_runner="flashllm.backends.cpu.runner:CpuRunner",
     )
-    from flashllm.backends.cpu import kernels, moe, quant
+    from flashllm.backends.cpu import kernels, mla, moe, quant
 
     kernels.register(backend)
+    mla.register(backend)
     moe.register(backend)
     quant.register(backend)
     return backend

@@ -24,7 +24,7 @@ REFERENCE_QUANT: dict[str, frozenset[str]] = {
 
 # Reference bodies that read tensor values on the host (lengths, expert ids, a range check): a
 # device graph cannot capture them, so the model runner stays eager when one of them is bound.
-HOST_SYNCING_OPS = frozenset({"paged_attention", "fused_moe", "write_kv_cache"})
+HOST_SYNCING_OPS = frozenset({"paged_attention", "fused_moe", "write_kv_cache", "latent_attention"})
 
 
 def make_backend() -> Backend:

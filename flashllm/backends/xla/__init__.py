@@ -152,7 +152,8 @@ def make_backend() -> Backend:
         install_hint=INSTALL_HINT,
         proof="conformance",  # nox -s xla runs the generated conformance suite on PJRT's CPU client
     )
-    from flashllm.backends.xla import kernels
+    from flashllm.backends.xla import kernels, mla
 
     kernels.register(backend)
+    mla.register(backend)
     return backend
