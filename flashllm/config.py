@@ -30,6 +30,7 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped)
     seed: int = 0
     lora_path: str | None = None      # a PEFT LoRA adapter directory merged into the weights at load
+    mla_use_matrix_absorption: bool = True  # MLA models: attend in the latent space (False: up-project per head)
 
 
 @dataclass

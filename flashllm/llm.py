@@ -135,7 +135,8 @@ class LLM(ChatMethods):
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (unknown keys are an error)."""
     groups = {
-        "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer", "lora_path"}),
+        "model": (ModelConfig, {"dtype", "max_model_len", "seed", "tokenizer", "lora_path",
+                                "mla_use_matrix_absorption"}),
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
                                 "cachekv_int8_type", "enable_prefix_caching", "gpu_memory_utilization"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",

@@ -71,6 +71,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="accepted for compatibility: paged (block) attention is always on")
     _flag(parser, "chat_template", type=_bool, nargs="?", const=True, default=True,
           help="render prompts with the model's chat template when it has one (default true)")
+    _flag(parser, "mla_use_matrix_absorption", type=_bool, nargs="?", const=True, default=True,
+          help="MLA models (DeepSeek-V2/V3): attend in the latent space (false: up-project keys/values per head)")
     _flag(parser, "strict_kernels", action="store_true", help="fail instead of falling back to reference kernels")
     _flag(parser, "enforce_eager", action="store_true", help="never replay decode steps from CUDA graphs")
     _flag(parser, "gpu_memory_utilization", type=float, default=0.9,
@@ -214,6 +216,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
                quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
+               mla_use_matrix_absorption=args.mla_use_matrix_absorption,
                gpu_memory_utilization=args.gpu_memory_utilization, lora_path=args.lora_path,
                **parallel_options(args))
 

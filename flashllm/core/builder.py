@@ -92,6 +92,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     selection.adapter.set_device(selection.device)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
                                   tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path)
+    model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None

@@ -135,7 +135,7 @@ class ModelRunner:
         per_slot = num_kv_heads * head_dim * kv_dtype.itemsize
         if _is_quantized(kv_dtype) and cachekv_int8_type == "dynamic":
             per_slot += num_kv_heads * torch.float32.itemsize
-        return 2 * num_layers * block_size * per_slot
+        return _caches_per_layer(model) * num_layers * block_size * per_slot
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value, (B, V) -> (B,) int64; first on ties, NaN largest
@@ -291,6 +291,12 @@ def allocate_kv_caches(
     def cache() -> torch.Tensor:
         return torch.zeros(shape, dtype=kv_dtype, device=device)
 
+    per_layer = _caches_per_layer(model)
+    if per_layer == 1:  # one cache a layer (MLA's latent cache): float only
+        if _is_quantized(kv_dtype):
+            raise ValueError(f"{type(model).__name__} keeps one latent cache per layer, which has no int8/fp8 form "
+                             "yet; use --kv-cache-dtype auto (or a float dtype)")
+        return [(cache(),) for _ in range(num_layers)]
     if not _is_quantized(kv_dtype):
         return [(cache(), cache()) for _ in range(num_layers)]
     if cachekv_int8_type == "dynamic":
@@ -301,6 +307,11 @@ def allocate_kv_caches(
         return [(cache(), cache(), scales(), scales()) for _ in range(num_layers)]
     return [(cache(), cache(), k_scale.to(device), v_scale.to(device))
             for k_scale, v_scale in static_kv_scales(model, num_layers)]
+
+
+def _caches_per_layer(model: torch.nn.Module) -> int:
+    """2 for (k_cache, v_cache) per layer, 1 for a model declaring one cache a layer (CausalLM.kv_caches_per_layer)."""
+    return getattr(model, "kv_caches_per_layer", 2)
 
 
 def static_kv_scales(model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

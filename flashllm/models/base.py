@@ -60,6 +60,9 @@ class CausalLM(nn.Module, ABC):
     # calibrated static int8/fp8 KV cache scales: `<module>.k_scale` / `.v_scale` load into the
     # Attention layer inside `<module>`; optional in a checkpoint
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = ()
+    # cache tensors per layer the runner allocates, each (num_blocks, block_size, *kv_cache_shape()[1:]):
+    # 2 = (k_cache, v_cache); 1 = one cache (MLA's latent + rope key per token, models/deepseek.py)
+    kv_caches_per_layer: ClassVar[int] = 2
     # the LM head's checkpoint tensor, skipped when config.tie_word_embeddings (it repeats the embedding)
     lm_head_weight_name: ClassVar[str] = "lm_head.weight"
 
@@ -119,6 +122,11 @@ class CausalLM(nn.Module, ABC):
         """Each attention layer's calibrated (k_scale, v_scale) from the checkpoint, in layer order
         (None where it has none): what an int8/fp8 KV cache with --cachekv_int8_type static reads."""
         return [(m.k_scale, m.v_scale) for m in self.modules() if isinstance(m, Attention)]
+
+    def set_matrix_absorption(self, enabled: bool) -> None:
+        """--mla_use_matrix_absorption: how a model with multi-head latent attention attends (models/deepseek.py);
+        every other model has nothing to choose and ignores it."""
+        return None
 
     def fusions(self) -> Mapping[str, Any]:
         """The fused fast paths this model offers backends: fusion name -> record (flashllm.registry.fusions).

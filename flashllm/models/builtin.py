@@ -19,6 +19,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
     "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
+    "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "flashllm.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from flashllm.models.deepseek_moe import DeepseekMoE
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import LinearBase
 from flashllm.models.layers.moe import SparseMoeBlock
@@ -82,5 +83,5 @@ def _unstreamed_bytes(model: nn.Module) -> int:
                for m in float_heads if _greedy_screen(m) is not None}
     tables = {m.weight.untyped_storage().data_ptr(): m.weight.numel() * m.weight.element_size()
               for m in model.modules() if type(m) is VocabEmbedding}
-    experts = sum(m.unstreamed_bytes() for m in model.modules() if isinstance(m, SparseMoeBlock))
+    experts = sum(m.unstreamed_bytes() for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE)))
     return sum(size for ptr, size in (tables | skipped).items() if ptr not in read) + experts

@@ -72,7 +72,8 @@ class PagedDriver:
         num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.model, self.block_size = model, block_size
-        self.kv_caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
+        per_layer = getattr(model, "kv_caches_per_layer", 2)  # MLA: one latent cache a layer
+        self.kv_caches = [tuple(torch.full(shape, float("nan")) for _ in range(per_layer)) for _ in range(num_layers)]
         gen = torch.Generator().manual_seed(seed)
         self.free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
         self.block_tables: list[list[int]] = []

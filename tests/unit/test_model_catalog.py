@@ -18,9 +18,11 @@ from flashllm.registry.plugins import make_plugin_manager
 from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
-MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM"}
+MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+# pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
+DEQUANTIZED_AT_LOAD = {"fp8"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = MOE | {"QWenLMHeadModel", "BaichuanForCausalLM", "BaiChuanForCausalLM", "ChatGLMModel",
+PREQUANT_REFUSED = (MOE - {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}) | {"QWenLMHeadModel", "BaichuanForCausalLM", "BaiChuanForCausalLM", "ChatGLMModel",
                           "ChatGLMForConditionalGeneration", "GlmForCausalLM"}
 
 
@@ -51,7 +53,7 @@ def test_every_builtin_architecture_is_a_row_with_its_declared_facts() -> None:
         assert row.target == BUILTIN_MODELS[name]
         assert set(row.required_ops) <= set(op_specs()), f"{name} needs an op flashllm does not define"
         assert row.weight_only is not None and set(row.weight_only) <= quant_keys
-        assert row.prequantized is not None and set(row.prequantized) <= set(PREQUANTIZED_FORMATS)
+        assert row.prequantized is not None and set(row.prequantized) <= set(PREQUANTIZED_FORMATS) | DEQUANTIZED_AT_LOAD
         assert row.tokenizer, f"{name} declares no tokenizer file"
         assert (row.prequantized == ()) == (name in PREQUANT_REFUSED), name
         assert ("fused_moe" in row.required_ops) == (name in MOE), name

@@ -1,0 +1,283 @@
+"""DeepSeek-V2 / V3 decoder: multi-head latent attention over a paged latent cache, then dense or MoE MLPs."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from flashllm.models.base import CausalLM
+from flashllm.models.checkpoint_tensor import materialize
+from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
+from flashllm.models.deepseek_moe import DeepseekMoE
+from flashllm.models.hf_config import ModelLoadError
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from flashllm.models.layers.mlp import GatedMLP
+from flashllm.models.layers.moe import FusedMoE, expert_param_target
+from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.rotary import RotaryEmbedding
+from flashllm.models.llama import run_decoder_stack
+from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SCALE_INV = ".weight_scale_inv"
+
+
+class LatentUpProjection(ColumnParallelLinear):
+    """kv_b_proj (H * (Dn + Dv), kv_lora_rank), split by heads over the ranks. It is never a matmul of its
+    own: latent_attention reads it per head, so it stays in the model dtype whatever --quant_type says."""
+
+    def process_weights_after_loading(self, quant: Any = None) -> None:
+        """Keep the float weight (the latent op reads it); `quant` is ignored on purpose."""
+        super().process_weights_after_loading(None)
+
+
+class DeepseekAttention(nn.Module):
+    """MLA: queries (through a q_lora_rank bottleneck or not), one compressed latent + rotated shared key per
+    token written to the latent cache, attention through ops.latent_attention, then o_proj."""
+
+    def __init__(self, config: DeepseekModelConfig, rotary_emb: RotaryEmbedding, ops: Any, dtype: torch.dtype,
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        h, bias = config.hidden_size, config.attention_bias
+        self.nope, self.rope, self.rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+        qk = self.nope + self.rope
+        if config.num_attention_heads % tp_size:
+            raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by tp_size={tp_size}")
+        self.num_heads = config.num_attention_heads // tp_size
+        heads = config.num_attention_heads
+        if config.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, heads * qk, False, ops, dtype, device, tp_rank, tp_size)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, config.q_lora_rank, bias, ops, dtype, device, tp_rank, tp_size)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, ops, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk, False, ops, dtype, device,
+                                                 tp_rank, tp_size)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.rank + self.rope, bias, ops, dtype, device, tp_rank, tp_size)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps, ops, dtype, device)
+        self.kv_b_proj = LatentUpProjection(self.rank, heads * (self.nope + config.v_head_dim), False, ops, dtype,
+                                            device, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(heads * config.v_head_dim, h, bias, ops, dtype, device, tp_rank, tp_size)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
+        self.scale = config.softmax_scale
+        self.absorbed = True  # --mla_use_matrix_absorption (set_matrix_absorption)
+        self._latent_attention = ops.latent_attention
+
+    def _queries(self, hidden: Tensor) -> Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """positions (T,), hidden (T, hidden) -> (T, hidden); writes the tokens' latents into kv_cache[0]."""
+        tokens = hidden.shape[0]
+        q = self._queries(hidden).view(tokens, self.num_heads, self.nope + self.rope)
+        compressed = self.kv_a_proj_with_mqa(hidden)  # (T, L + R)
+        latent = self.kv_a_layernorm(compressed[:, :self.rank].contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q[..., self.nope:].contiguous(),
+                                     compressed[:, self.rank:].contiguous().view(tokens, 1, self.rope))
+        q = torch.cat((q[..., :self.nope], q_pe), dim=-1)
+        cache = kv_cache[0]
+        out = self._latent_attention(
+            q, torch.cat((latent, k_pe.view(tokens, self.rope)), dim=-1), cache.view(*cache.shape[:2], -1),
+            self.kv_b_proj.weight.view(self.num_heads, -1, self.rank), attn_metadata.slot_mapping,
+            attn_metadata.block_tables, attn_metadata.cu_seqlens_q, attn_metadata.seq_lens, self.scale, self.absorbed,
+        )
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """Pre-norm block: x + mla(norm(x)), then + mlp(norm(.)); dense before first_k_dense_replace, MoE after."""
+
+    def __init__(self, config: DeepseekModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.self_attn = DeepseekAttention(config, rotary_emb, ops, dtype, device, tp_rank, tp_size)
+        if layer_idx < config.first_k_dense_replace:
+            self.mlp: nn.Module = GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device,
+                                           tp_rank, tp_size)
+        else:
+            self.mlp = DeepseekMoE(config, ops, dtype, device, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
+        rope = config.qk_rope_head_dim
+        self.rotary_emb = RotaryEmbedding(rope, rope, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling, ops, device, is_neox=not config.rope_interleaved)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
+        return run_decoder_stack(self, input_ids, positions, kv_caches, attn_metadata)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepSeek-V2 (and, through DeepseekV3ForCausalLM, V3) with HF checkpoint names.
+
+    The paged cache holds ONE tensor per layer, (num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim):
+    the normalized latent and the rotated shared key of each token (kv_caches_per_layer = 1). Block-FP8
+    weights (e4m3 `weight` + `weight_scale_inv` per block) are dequantized at load; the checkpoint's
+    next-token-prediction layers (model.layers.{num_hidden_layers}.., V3's MTP) are skipped.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    kv_caches_per_layer: ClassVar[int] = 1
+    required_ops: ClassVar[tuple[str, ...]] = ("latent_attention", "fused_moe")
+    attention_needs: ClassVar[tuple[str, ...]] = ("latent KV cache (MLA)",)
+    weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")  # kv_b_proj and routers stay float
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("fp8",)  # block FP8, dequantized at load
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
+
+    def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, ops, dtype, device, tp_rank, tp_size)
+        self.ops = ops
+        self.model = DeepseekModel(config, ops, dtype, device, tp_rank, tp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> DeepseekModelConfig:
+        """config.json -> DeepseekModelConfig, validated (see flashllm.models.deepseek_config)."""
+        return parse_deepseek_config(raw, source)
+
+    def set_matrix_absorption(self, enabled: bool) -> None:
+        """--mla_use_matrix_absorption: attend in the latent space (True, the default) or up-project keys and
+        values per head (False). Both compute the same function; absorption reads L + R values per cached
+        token instead of H * (Dn + Dv)."""
+        for layer in self.model.layers:
+            layer.self_attn.absorbed = bool(enabled)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """Hidden states (T, hidden) of a flat batch; kv_caches: one (latent_cache,) per layer, float."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers; allocate one "
+                             "latent cache per layer (see kv_cache_shape())")
+        if len(kv_caches[0]) != 1 or not kv_caches[0][0].is_floating_point() or kv_caches[0][0].itemsize == 1:
+            raise ValueError("DeepSeek MLA keeps one float latent cache per layer (no int8/fp8 KV cache yet); "
+                             "run with --kv-cache-dtype auto")
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden (N, hidden) -> logits (N, vocab_size) in the model dtype."""
+        return self.lm_head(hidden)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(num_layers, 1, kv_lora_rank + qk_rope_head_dim): one latent row per token, every rank whole."""
+        return len(self.model.layers), 1, self.config.latent_dim
+
+    def fusions(self) -> dict[str, Any]:
+        """LM_HEAD while compute_logits is this class's plain head; never DECODER_STACK (MLA blocks)."""
+        head = self.lm_head
+        if type(self).compute_logits is not DeepseekV2ForCausalLM.compute_logits or type(head) is not LMHead:
+            return {}
+        return {LM_HEAD: LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
+                                      tied=head.weight is self.model.embed_tokens.weight)}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """CausalLM.load_weights after skipping MTP layers and dequantizing block-FP8 weights; each FusedMoE's
+        stacked parameters count as loaded once every expert's projections arrived."""
+        stream = self._decoder_tensors(weights)
+        if self.config.fp8_block is not None:
+            stream = dequantize_block_fp8(stream, self.config.fp8_block)
+        loaded = super().load_weights(stream)
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
+                loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
+        return loaded
+
+    def _decoder_tensors(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        skipped = 0
+        for name, tensor in weights:
+            match = _LAYER.match(name)
+            if match and int(match[1]) >= self.config.num_hidden_layers:
+                skipped += 1  # the next-token-prediction (MTP) layers V3 checkpoints append
+                continue
+            yield name, tensor
+        if skipped:
+            logger.info("skipped %d tensors of layers past num_hidden_layers (MTP heads; not used yet)", skipped)
+
+    def _param_target(self, name: str) -> tuple[str, Any]:
+        """Checkpoint name -> (parameter, shard): expert tensors first, then packed projections."""
+        target = expert_param_target(name)
+        return target if target is not None else super()._param_target(name)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1: V2's MLA with sigmoid routing, e_score_correction_bias and optional neox RoPE."""
+
+
+def dequantize_block_fp8(weights: Iterable[tuple[str, Tensor]], block: tuple[int, int]
+                         ) -> Iterator[tuple[str, Tensor]]:
+    """Pair each float8_e4m3fn `X.weight` with its `X.weight_scale_inv` (ceil(N/rows), ceil(K/cols)) fp32 and
+    yield `X.weight` = code * scale of its block, in fp32; everything else passes through.
+
+    Raises ModelLoadError for a weight without its scale (or the reverse) or a scale of the wrong shape.
+    """
+    pending: dict[str, Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(_SCALE_INV):
+            key, other = name[: -len(_SCALE_INV)] + ".weight", name
+        elif tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
+            key, other = name, name[: -len(".weight")] + _SCALE_INV
+        else:
+            yield name, tensor
+            continue
+        if other not in pending and key not in pending:
+            pending[name] = tensor
+            continue
+        partner = pending.pop(other if name == key else key)
+        codes, scales = (tensor, partner) if name == key else (partner, tensor)
+        yield key, _dequantize(key, materialize(codes), materialize(scales).float(), block)
+    if pending:
+        raise ModelLoadError(f"block-FP8 checkpoint: {len(pending)} tensor(s) without their pair "
+                             f"(weight / weight_scale_inv), e.g. {sorted(pending)[0]!r}; the checkpoint is incomplete")
+
+
+def _dequantize(name: str, codes: Tensor, scales: Tensor, block: tuple[int, int]) -> Tensor:
+    rows, cols = codes.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if codes.dtype != torch.float8_e4m3fn or tuple(scales.shape) != expected:
+        raise ModelLoadError(f"block-FP8 tensor {name!r}: {codes.dtype} {tuple(codes.shape)} with scales "
+                             f"{tuple(scales.shape)}; expected float8_e4m3fn codes and {expected} scales "
+                             f"(one per {block[0]}x{block[1]} block)")
+    full = scales.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return codes.float() * full

@@ -1,0 +1,106 @@
+"""Tiny random DeepSeek-V2 / V3 checkpoints written by transformers' own classes, and block-FP8 copies of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INIT_STD = 0.1  # routing logits of order one: experts are chosen decisively, and a wrong one shows
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+BASE: dict[str, Any] = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 24,
+}
+# preset -> (transformers model_type, architecture, config fields)
+PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # group-limited softmax routing, a q_lora_rank bottleneck, YaRN with mscale != mscale_all_dim
+    "v2": ("deepseek_v2", "DeepseekV2ForCausalLM",
+           {"num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": 48, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+            "routed_scaling_factor": 1.5, "rope_parameters": _YARN}),
+    # V2-Lite's shape: no q bottleneck, plain greedy top-k, two shared experts, default RoPE
+    "v2_lite": ("deepseek_v2", "DeepseekV2ForCausalLM",
+                {"num_hidden_layers": 2, "first_k_dense_replace": 1, "q_lora_rank": None, "n_shared_experts": 2,
+                 "num_experts_per_tok": 3, "topk_method": "greedy", "routed_scaling_factor": 1.0}),
+    # sigmoid scores with the correction bias, renormalized, interleaved RoPE, YaRN
+    "v3": ("deepseek_v3", "DeepseekV3ForCausalLM",
+           {"num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": 48, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "rope_interleave": True, "rope_parameters": _YARN}),
+    # neox RoPE, not renormalized, every layer MoE, YaRN's attention factor from the factor alone
+    "v3_neox": ("deepseek_v3", "DeepseekV3ForCausalLM",
+                {"num_hidden_layers": 2, "first_k_dense_replace": 0, "q_lora_rank": 40, "n_shared_experts": 1,
+                 "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1, "norm_topk_prob": False,
+                 "routed_scaling_factor": 1.0, "rope_interleave": False,
+                 "rope_parameters": {k: v for k, v in _YARN.items() if not k.startswith("mscale")}}),
+}
+
+
+def raw_config(preset: str, **changes: Any) -> dict[str, Any]:
+    """config.json of a preset as a dict (what transformers would write, before its own defaults)."""
+    model_type, architecture, fields = PRESETS[preset]
+    return {"architectures": [architecture], "model_type": model_type, **BASE, **fields, **changes}
+
+
+def build_deepseek_model(out_dir: Path, preset: str, seed: int = 0) -> Path:
+    """Save a tiny random transformers DeepSeek model: weights N(0, 0.1) (norms 1 + that), the V3 correction
+    bias too, so routing and every MLA projection matter."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, architecture, fields = PRESETS[preset]
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **BASE, **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()]):
+            if not tensor.is_floating_point() or "inv_freq" in name:
+                continue
+            noise = torch.randn(tensor.shape, generator=gen) * INIT_STD
+            tensor.copy_(noise + 1.0 if "norm" in name else noise)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_block_fp8_copy(source: Path, out_dir: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Rewrite a float checkpoint as DeepSeek-V3 ships: every 2-D projection weight (not embeddings, head,
+    norms or routers) as float8_e4m3fn codes plus `weight_scale_inv` fp32, one scale per block, chosen so
+    the block's largest magnitude maps to 448; quantization_config names the block size."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(source / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and name.endswith("proj.weight") and "embed" not in name:
+            out[name], out[name + "_scale_inv"] = quantize_block_fp8(tensor.float(), block)
+        else:
+            out[name] = tensor
+    save_file(out, out_dir / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) fp32 -> (e4m3 codes (N, K), scales (ceil(N/rows), ceil(K/cols)) fp32): weight ~ codes * scale."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scales = torch.empty(grid)
+    codes = torch.empty_like(weight)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale = max(float(part.abs().max()) / 448.0, 1e-12)
+            scales[i, j] = scale
+            codes[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = part / scale
+    return codes.to(torch.float8_e4m3fn), scales
