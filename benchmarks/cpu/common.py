@@ -49,8 +49,8 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_builds(args: argparse.Namespace) -> dict[str, ctypes.CDLL]:
     """The builds of add_build_arguments, loaded in order, and unless --no-control a copy of the
-    first as one more build, "<NAME>-copy": what the harness reports for no change. On the team's
-    2-core VM one 14-round engine_ab.py run measured two identical builds 1.056x apart (10 of 14),
+    first as one more build, "<NAME>-copy": what the harness reports for no change. On a shared
+    2-vCPU VM one 14-round engine_ab.py run measured two identical builds 1.056x apart (10 of 14),
     so a ratio within a few percent of 1 is not a result until the control sits near 1.000x."""
     builds = dict(spec.split("=", 1) for spec in args.libs)
     libs = {name: load_library(path) for name, path in builds.items()}

@@ -7,7 +7,7 @@ One LLM; each round swaps every library in turn (rotating which goes first) and 
 greedy generation of 64 tokens (--tokens) after a 128-token prompt (--prompt). The tokens of each
 library must equal the first's. Ratios: medians of per-round decode-rate ratios against the first
 library. A copy of the first library runs as a control arm (common.load_builds; --no-control
-drops it): on the team's 2-core VM one 14-round run gave it 1.056x (10 of 14) against its
+drops it): on a shared 2-vCPU VM one 14-round run gave it 1.056x (10 of 14) against its
 original.
 """
 

@@ -1,4 +1,4 @@
-"""A/B of native kernel builds through the engine: the offline workload (BENCHMARKS.md) on the
+"""A/B of native kernel builds through the engine: the offline workload (docs/benchmarks.md) on the
 qwen2.5-0.5b shape, fp32 on the CPU, in rounds.
 
     python benchmarks/cpu/offline_ab.py --rounds 4 A=/tmp/lib_a.so B=/tmp/lib_b.so

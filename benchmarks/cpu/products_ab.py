@@ -10,7 +10,7 @@ the 24 gate_up products; --tokens runs them for a decode batch of that many toke
 times each library (three passes after one untimed pass) and each of the roofline's read patterns
 (read_probe.PATTERNS) over the same tensors, in a rotating order, so a slow phase of the host meets
 all of them; "of the round's fastest read" is against the fastest pattern, the ceiling's rule. These
-reads are per tensor, a call each: on the Intel VM (seventeenth session) eight streams read the
+reads are per tensor, a call each: on a 2-vCPU Intel Xeon VM eight streams read the
 token's tensors at ~0.85 of the rate they read one 1 GiB buffer at, the bench's ceiling probe, so a
 product can pass 1.0 here without passing the ceiling. Outputs must be bit-identical to the first library's, or it says so.
 Ratios are medians of per-round ratios against the first library; "faster in" counts rounds.
