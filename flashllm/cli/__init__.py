@@ -28,7 +28,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "fastapi": "serve", "uvicorn": "serve", "pydantic": "serve", "prometheus_client": "serve", "yaml": "serve",
     "h11": "serve", "gradio": "ui", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx",
     "matplotlib": "bench", "rouge_score": "bench", "ray": "ray", "triton": "cuda", "lm_eval": "lm-eval",
-    "llama_cpp": "llamacpp", "gguf": "llamacpp",
+    "llama_cpp": "llamacpp", "gguf": "llamacpp", "llguidance": "structured",
 }
 
 
