@@ -11,6 +11,8 @@ import torch
 INIT_STD = 0.1  # routing logits of order one: experts are chosen decisively, and a wrong one shows
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
          "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+# what DeepSeek-V3 keeps in bf16 beside its e4m3 linear weights: embeddings, head, norms, routers
+_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "mlp.gate.weight")
 BASE: dict[str, Any] = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 96,
@@ -79,7 +81,7 @@ def write_block_fp8_copy(source: Path, out_dir: Path, block: tuple[int, int] = (
     tensors = load_file(source / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if tensor.dim() == 2 and name.endswith("proj.weight") and "embed" not in name:
+        if tensor.dim() == 2 and name.endswith(".weight") and not name.endswith(_KEPT_FLOAT):
             out[name], out[name + "_scale_inv"] = quantize_block_fp8(tensor.float(), block)
         else:
             out[name] = tensor
