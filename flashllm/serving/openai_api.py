@@ -20,6 +20,7 @@ from flashllm.serving.generation import (
     usage,
 )
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from flashllm.serving.structured import from_request, precompile, tool_call_constraint
 from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, check_tool_choice, parse_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -80,7 +81,9 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
                                                for p in texts])
     _check_vocab(ctx, prompts)
     max_tokens = _max_tokens(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
-    params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs)
+    spec, param = from_request(req)
+    await precompile(ctx, spec, param)
+    params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs, spec)
     gen = Generation(ctx, prompts, params)
     gen.reserve()
     echo = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in texts] \
@@ -160,7 +163,9 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
-    params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs())
+    spec, param = _chat_constraint(req)
+    await precompile(ctx, spec, param)
+    params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)
     gen = Generation(ctx, [prompt], params)
     gen.reserve()
     if req.stream:
@@ -185,6 +190,16 @@ def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
     if mode in (None, "none") or not req.tools:
         return None
     return [t["function"]["name"] for t in req.tools]
+
+
+def _chat_constraint(req: ChatCompletionRequest) -> tuple[Any, str | None]:
+    """response_format / guided_* or, for tool_choice "required" or a named function, the tool-call grammar."""
+    spec, param = from_request(req)
+    forced = tool_call_constraint(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools else None
+    if forced is not None and spec is not None:
+        raise APIError(400, f"tool_choice forces a tool call, which {param} would constrain too; send one of them",
+                       param="tool_choice", code="invalid_structured_output")
+    return (forced, "tool_choice") if forced is not None else (spec, param)
 
 
 def _max_calls(req: ChatCompletionRequest) -> int:

@@ -7,14 +7,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from flashllm.sampling_params import (
+    MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_CHARS,
     MAX_TOKEN_ID,
     MAX_TOKENS_LIMIT,
     SamplingParams,
+    StructuredOutput,
 )
 
 MAX_N = 16
@@ -88,6 +91,20 @@ class StreamOptions(_Model):
 Stop = str | list[str] | None
 
 
+class JSONSchemaFormat(_Model):
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    description: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's response_format: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingRequest(_Model):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras)."""
 
@@ -112,6 +129,12 @@ class _SamplingRequest(_Model):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output (OpenAI's response_format and vLLM's guided_* extras; flashllm/serving/structured.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS)
 
     @field_validator("stop")
     @classmethod
@@ -142,8 +165,8 @@ class _SamplingRequest(_Model):
             raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed {name} ({max_tokens})",
                            param="min_tokens")
 
-    def sampling_params(self, defaults: dict[str, Any], max_tokens: int, num_logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int, num_logprobs: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """SamplingParams for this request; unset fields take the model's generation_config defaults."""
         chosen = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                   if getattr(self, k) is not None}
@@ -153,7 +176,7 @@ class _SamplingRequest(_Model):
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **merged,
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured, **merged,
         )
 
     @property
@@ -257,10 +280,6 @@ class ChatMessage(_Model):
         return message
 
 
-class ResponseFormat(_Model):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -271,7 +290,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     @property
