@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from flashllm.testing.server import ServerProcess
+from flashllm.testing.timing import time_limit
 
 # One JSON object per line: name, method, path, optional headers; a body as "json" (any JSON value),
 # "raw" (text sent as is: NaN, broken JSON) or "raw_b64" (bytes); "repeat" {"MARKER": [unit, count]}
@@ -23,7 +24,7 @@ from flashllm.testing.server import ServerProcess
 # or a list); "type" and "code" the exact error.type and error.code (null: no finer code than the
 # field); "shape": false for refusals by the HTTP parser, which never reach the app; "note".
 CORPUS_PATH = Path(__file__).with_name("bad_inputs.jsonl")
-LATENCY_LIMIT_S = 0.5
+LATENCY_LIMIT_S = 0.5  # on the idle team VM; scaled by the slowdown measured when a case is slower
 CHUNK_BYTES = 64 << 10
 CASE_KEYS = {"name", "method", "path", "headers", "json", "raw", "raw_b64", "repeat", "chunked", "shape", "expect",
              "param", "type", "code", "note"}
@@ -126,7 +127,9 @@ def test_bad_input_gets_a_clear_4xx(client: httpx.Client, canary_before: str, he
     assert reply.status_code < 500, f"server error {reply.status_code}: {reply.text[:500]}"
     assert reply.status_code in case.expect, f"got {reply.status_code}, expected {sorted(case.expect)}: " \
                                              f"{reply.text[:500]}"
-    assert elapsed < LATENCY_LIMIT_S, f"answered in {elapsed:.3f} s (limit {LATENCY_LIMIT_S} s)"
+    if elapsed >= LATENCY_LIMIT_S:  # calibrate only then: 7 x 9 ms per case would add seconds to the run
+        limit = time_limit(LATENCY_LIMIT_S)
+        assert elapsed < limit, f"answered in {elapsed:.3f} s (limit {limit:.2f} s at the current load)"
     if case.check_shape:
         assert reply.headers.get("content-type", "").startswith("application/json")
         error = reply.json()

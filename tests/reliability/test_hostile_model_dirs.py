@@ -22,6 +22,7 @@ import jinja2
 import pytest
 
 from flashllm.testing.server import running_server
+from flashllm.testing.timing import time_limit
 from flashllm.testing.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,7 +286,13 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outcomes(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+def budget_s() -> float:
+    """BUDGET_AFTER_IMPORTS_S scaled by the machine's slowdown, calibrated just before the runs (outcomes)."""
+    return time_limit(BUDGET_AFTER_IMPORTS_S)
+
+
+@pytest.fixture(scope="module")
+def outcomes(budget_s: float, base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     """Every case (plus the baited control) built from the base model and run, two at a time."""
     root = tmp_path_factory.mktemp("hostile")
     jobs: dict[str, tuple[Path, Path, Case]] = {}
@@ -307,10 +314,11 @@ def outcomes(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             run = run_python(cli_args(name, case, model_dir, held.getsockname()[1]))
         return Outcome(run, sorted(p.name for p in markers.iterdir()), snapshot(model_dir) != before)
 
+    results: dict[str, Outcome] = {}
     with ThreadPoolExecutor(2) as pool:
         baselines = {cmd: pool.submit(run_python, ["-c", code]) for cmd, code in IMPORTS.items()}
         futures = {name: pool.submit(one, name) for name in jobs}
-        results = {name: f.result() for name, f in futures.items()}
+        results.update({name: f.result() for name, f in futures.items()})
     for cmd, future in baselines.items():
         assert future.result().code == 0, future.result().stderr[-2000:]
         results[f"imports:{cmd}"] = Outcome(future.result(), [], False)
@@ -326,7 +334,7 @@ def test_the_baited_control_directory_generates_and_runs_no_bait(outcomes: dict[
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_hostile_directory_fails_fast_in_one_clear_line(name: str, outcomes: dict[str, Outcome]) -> None:
+def test_hostile_directory_fails_fast_in_one_clear_line(name: str, outcomes: dict[str, Outcome], budget_s: float) -> None:
     case, outcome = CASES[name], outcomes[name]
     run = outcome.run
     shown = f"exit {run.code} after {run.seconds:.1f} s; stderr tail:\n{run.stderr[-3000:]}"
@@ -338,7 +346,7 @@ def test_hostile_directory_fails_fast_in_one_clear_line(name: str, outcomes: dic
     assert outcome.markers == [], f"bait ran: {outcome.markers}"
     assert not outcome.dir_changed, "the model directory was modified"
     imports = outcomes[f"imports:{case.command}"].run.seconds
-    assert run.seconds < imports + BUDGET_AFTER_IMPORTS_S, f"{run.seconds:.1f} s (imports alone: {imports:.1f} s)"
+    assert run.seconds < imports + budget_s, f"{run.seconds:.1f} s (imports alone: {imports:.1f} s, budget {budget_s:.1f} s)"
     assert run.peak_rss < MAX_PEAK_RSS, f"peak RSS {run.peak_rss >> 20} MiB"
 
 
