@@ -21,6 +21,10 @@ _LINE_SPLIT = re.compile(rb"\r?\n")
 # One of each per request: a second copy is how framing and credential confusion attacks start.
 _SINGLE_HEADERS = (b"content-length", b"transfer-encoding", b"authorization", b"host")
 
+# uvicorn's per-request WARNINGs about what a client sent (any client can cause them at will, so at
+# WARNING they are a free way to flood the log): lowered to DEBUG; a refusal logs one INFO line itself.
+_CLIENT_CAUSED_WARNINGS = ("Invalid HTTP request received.", "Unsupported upgrade request.",
+                           "No supported WebSocket library detected.")
 H11_DEFAULT_HEAD_LIMIT = 16 * 1024  # h11's own default for max_incomplete_event_size
 # phases of one connection, which decide the timer that is armed
 _WAIT, _HEAD, _BODY, _APP = "wait", "head", "body", "app"
@@ -87,6 +91,10 @@ def framing_problem(head: bytes) -> str | None:
     return None
 
 
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "unknown"
+
+
 def _raw_response(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
     """A complete `Connection: close` response with an OpenAI-shaped error body (written past h11's state)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
@@ -94,6 +102,29 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: str 
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n{extra}"
             f"content-length: {len(body)}\r\n\r\n")
     return head.encode("ascii") + body
+
+
+def _not_a_write_after_disconnect(record: logging.LogRecord) -> bool:
+    """asyncio's WARNING for each write past the 5th to a connection the client already closed.
+
+    A streaming reply can write several events in one turn of the event loop before uvicorn learns
+    that its client went away, so every client that hangs up mid-stream could log it: dropped.
+    """
+    return record.getMessage() != "socket.send() raised exception."
+
+
+class _ClientNoiseToDebug(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """uvicorn.error as one connection's protocol uses it, with the client-caused warnings at DEBUG."""
+
+    @property
+    def level(self) -> int:  # uvicorn reads logger.level to decide on TRACE logging
+        return self.logger.level
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if isinstance(msg, str) and msg.startswith(_CLIENT_CAUSED_WARNINGS):
+            self.debug(msg, *args, **kwargs)
+        else:
+            super().warning(msg, *args, **kwargs)
 
 
 class _CheckedConnection(h11.Connection):
@@ -157,6 +188,8 @@ class GuardedH11Protocol(H11Protocol):
         self.limits = limits
         head_limit = config.h11_max_incomplete_event_size
         self.conn = _CheckedConnection(self, H11_DEFAULT_HEAD_LIMIT if head_limit is None else head_limit)
+        self.logger = _ClientNoiseToDebug(self.logger, {})
+        logging.getLogger("asyncio").addFilter(_not_a_write_after_disconnect)  # once: filters are a set
         self._phase = _WAIT
         self._deadline: asyncio.TimerHandle | None = None
         self._refusal: str | None = None
@@ -242,5 +275,6 @@ class GuardedH11Protocol(H11Protocol):
         """400 with `Connection: close`, written raw: h11 may be in any state after a refused head."""
         self._disarm()
         message = self._refusal or "the request is not valid HTTP/1.1"
+        logger.info("refused a request from %s and closed the connection: %s", _peer(self.client), message)
         self.transport.write(_raw_response(400, "Bad Request", message, "bad_request_framing"))
         self.transport.close()
