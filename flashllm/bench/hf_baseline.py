@@ -121,34 +121,70 @@ def _batch_record(run: BaselineResult) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class LatencyResult:
-    """Batch-1 latency of one request: time to the first token and the decode rate after it."""
+    """Batch-1 latency of one request, from the time each token reached the host.
 
-    ttft: float
-    total: float
-    output_tokens: int
+    token_times[i]: seconds from the generate call to token i (the first one ends the prefill).
+    """
+
+    token_times: tuple[float, ...]
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def total(self) -> float:
+        return self.token_times[-1]
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times)
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return (self.output_tokens - 1) / (self.total - self.ttft)
+        """Tokens after the first over the time between the first and the last: never negative."""
+        span = self.token_times[-1] - self.token_times[0]
+        return (len(self.token_times) - 1) / span if span > 0 else float("nan")
+
+
+class _TokenClock:
+    """A transformers streamer that only notes when each generated token reaches the host.
+
+    generate() hands the prompt to put() first, then every new token (moved to the CPU, so a
+    device has finished computing it); the prompt's call is not a token.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        now = time.perf_counter() - self.start
+        self.times.extend([now] * (value.shape[-1] if value.dim() > 1 else 1))
+
+    def end(self) -> None:
+        pass
 
 
 @torch.inference_mode()
 def run_latency(model, request: BenchRequest) -> LatencyResult:
-    """generate() of one request twice: one new token (the prefill), then all of them.
+    """One generate() of the request with a per-token clock: TTFT and the decode rate from its timestamps.
 
-    The decode rate is (output_len - 1) / (full time - one-token time); a generate call's fixed
-    cost cancels in the difference.
+    (Differencing a one-token run and a full run, as before, could give a negative rate when the
+    machine was busier during the short run.)
     """
     ids = torch.tensor([request.prompt_token_ids], device=model.device)
 
-    def timed(new: int) -> float:
+    def timed(new: int) -> LatencyResult:
         _sync(model)
-        start = time.perf_counter()
+        clock = _TokenClock(time.perf_counter())
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=0)
-        _sync(model)
-        return time.perf_counter() - start
+                       min_new_tokens=new, do_sample=False, pad_token_id=0, streamer=clock)
+        return LatencyResult(tuple(clock.times))
 
     timed(2)  # warm-up: allocator, thread pool
-    ttft = timed(1)
-    return LatencyResult(ttft, timed(request.output_len), request.output_len)
+    return timed(request.output_len)
