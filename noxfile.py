@@ -68,6 +68,18 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """schemathesis over the server's OpenAPI description and mutated raw HTTP/1.1 against a live server.
+
+    Not part of the default run (minutes). FLASHLLM_FUZZ_EXAMPLES (default 150) sizes both: examples
+    per API operation (over 1,000 requests in all) and 70x that many raw requests.
+    """
+    _install(session, "test,serve,fuzz")
+    session.env["FLASHLLM_FUZZ"] = "1"
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fuzz", *session.posargs)
+
+
+@nox.session(python="3.11")
 def dist(session: nox.Session) -> None:
     """Tensor parallelism on CPU over gloo: tests/distributed with the mp, ray and torchrun launches.
 

@@ -1,0 +1,98 @@
+"""The server's OpenAPI 3.1 description, built from the request models, for fuzzers and clients (not served)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from flashllm.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{model}"
+_ERROR = {
+    "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+        "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string", "minLength": 1},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0}
+                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_FINISH = {"type": ["string", "null"]}
+
+
+def _completion(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {"id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
+                           "model": {"type": "string"}, "usage": _USAGE,
+                           "choices": {"type": "array", "minItems": 1, "items": choice}}}
+
+
+_TEXT_CHOICE = {"type": "object", "required": ["index", "text", "finish_reason"],
+                "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                               "finish_reason": _FINISH, "logprobs": {"type": ["object", "null"]}}}
+_CHAT_CHOICE = {"type": "object", "required": ["index", "message", "finish_reason"],
+                "properties": {"index": {"type": "integer", "minimum": 0}, "finish_reason": _FINISH,
+                               "message": {"type": "object", "required": ["role", "content"],
+                                           "properties": {"role": {"const": "assistant"},
+                                                          "content": {"type": ["string", "null"]}}}}}
+_MODELS = {"type": "object", "required": ["object", "data"],
+           "properties": {"object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "items": {
+               "type": "object", "required": ["id", "object", "created", "owned_by"],
+               "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                              "owned_by": {"type": "string"}}}}}}
+_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+# What every POST route may answer besides 200: validation (400), unknown model (404), timeout (408),
+# body size (413), media type (415), full queue / draining / failed engine (503)
+_POST_ERRORS = {"400": "invalid request", "404": "unknown model", "408": "request timeout",
+                "413": "body too large", "415": "not application/json", "503": "busy, draining or failed"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _post(request_ref: dict[str, Any], reply: dict[str, Any], summary: str) -> dict[str, Any]:
+    ok = _json(reply, "the whole reply (stream false)")
+    # one schema per server-sent event (stream true): a JSON chunk, an error object or [DONE]
+    ok["content"]["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                     "properties": {"data": {"type": "string", "minLength": 1}}}}
+    responses = {"200": ok, **{code: _json({"$ref": "#/components/schemas/Error"}, text)
+                               for code, text in _POST_ERRORS.items()}}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": request_ref}}}, "responses": responses}}
+
+
+def _get(schema: dict[str, Any], summary: str, unavailable: bool = False) -> dict[str, Any]:
+    responses = {"200": _json(schema, summary)}
+    if unavailable:
+        responses["503"] = _json(_STATUS, "failed or draining")
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes create_app serves, request bodies from the pydantic models.
+
+    The request schemas state each field's type and bounds; the server also refuses some schema-valid
+    bodies with 400 (prompt plus max_tokens past the context, min_tokens above max_tokens, ...).
+    """
+    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                    ref_template=_REF)
+    schemas = {**defs.get("$defs", {}), "Error": _ERROR}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "flashllm", "version": "1"},
+        "paths": {
+            "/v1/completions": _post(refs[(CompletionRequest, "validation")],
+                                     _completion("text_completion", _TEXT_CHOICE), "text completion"),
+            "/v1/chat/completions": _post(refs[(ChatCompletionRequest, "validation")],
+                                          _completion("chat.completion", _CHAT_CHOICE), "chat completion"),
+            "/v1/models": _get(_MODELS, "the served model"),
+            "/health": _get(_STATUS, "liveness", unavailable=True),
+            "/ready": _get(_STATUS, "readiness", unavailable=True),
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+        "components": {"schemas": schemas},
+    }

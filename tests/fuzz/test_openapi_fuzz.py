@@ -1,0 +1,51 @@
+"""schemathesis over the server's OpenAPI description: no 5xx, replies match their declared schemas.
+
+Positive and negative bodies are generated from the request models (flashllm/serving/openapi.py).
+Checked per reply: not a server error, a declared status code and content type, a body matching
+its schema (OpenAI's error shape for every 4xx), and invalid bodies refused. Schema-valid bodies
+may still be refused (400 when prompt + max_tokens pass the context, 404 for another model name),
+so "valid data is accepted" is not a check here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from flashllm.serving.openapi import openapi_schema
+from flashllm.testing.server import ServerProcess
+
+EXAMPLES = int(os.environ.get("FLASHLLM_FUZZ_EXAMPLES", "150"))  # per operation; with the coverage phase ~1,000 requests in all at 40
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
+schema = schemathesis.openapi.from_dict(openapi_schema())
+SENT: list[int] = []
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_generated_requests_get_declared_answers(case: schemathesis.Case, fuzz_server: ServerProcess) -> None:
+    response = case.call(base_url=fuzz_server.base_url, timeout=60)
+    SENT.append(response.status_code)
+    case.validate_response(response, checks=CHECKS)
+
+
+def test_the_server_survived_and_enough_was_sent(fuzz_server: ServerProcess) -> None:
+    if not SENT:
+        pytest.skip("run together with test_generated_requests_get_declared_answers")
+    assert len(SENT) >= 1000, f"only {len(SENT)} generated requests were sent"
+    assert all(code < 500 or code == 503 for code in SENT)
+    assert httpx.get(f"{fuzz_server.base_url}/health", timeout=10).status_code == 200
+    assert "Traceback" not in fuzz_server.log()
