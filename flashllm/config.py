@@ -94,6 +94,30 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
 
 
+# SpeculativeConfig.method values; PaddleNLP's "inference_with_reference" is the n-gram lookup
+SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model")
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (flashllm/core/spec/): who drafts tokens and how many a round verifies."""
+
+    method: str | None = None               # None (off) | ngram | inference_with_reference | draft_model
+    num_speculative_tokens: int = 4         # drafts per sequence and round (--speculate_max_draft_token_num), 1..8
+    max_ngram_size: int = 3                 # ngram: the longest suffix looked up (--speculate_max_ngram_size)
+    min_ngram_size: int = 1                 # ngram: the shortest suffix that may match
+    model: str | None = None                # draft_model: its HF directory (--speculative-model), same vocabulary
+    quant_type: str = "none"                # draft_model: weight-only quantization of the draft (e.g. weight_only_int8)
+    # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
+    # drafting for a while (see core/spec/guard.py); 0 turns the guard off
+    min_acceptance: float = 0.25
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
@@ -104,3 +128,4 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -18,6 +18,7 @@ from flashllm.config import (
     ParallelConfig,
     QuantConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
@@ -145,6 +146,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
         "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend"}),
     }
+    speculative = speculative_config(kwargs.pop("speculative_config", None))
     known = set().union(*(keys for _, keys in groups.values()))
     unknown = set(kwargs) - known
     if unknown:
@@ -154,7 +156,36 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         parts[name] = cls(**{k: v for k, v in kwargs.items() if k in keys and v is not None})
     parts["model"].model = model
     _check_parallel(parts["parallel"])
-    return EngineConfig(**parts)
+    return EngineConfig(**parts, speculative=speculative)
+
+
+# speculative_config keys: vLLM's and PaddleNLP's spellings -> SpeculativeConfig fields
+_SPECULATIVE_KEYS = {
+    "method": "method", "speculate_method": "method",
+    "num_speculative_tokens": "num_speculative_tokens", "speculate_max_draft_token_num": "num_speculative_tokens",
+    "prompt_lookup_max": "max_ngram_size", "speculate_max_ngram_size": "max_ngram_size",
+    "max_ngram_size": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "min_ngram_size": "min_ngram_size",
+    "model": "model", "quant_type": "quant_type", "min_acceptance": "min_acceptance",
+}
+
+
+def speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig:
+    """LLM(speculative_config=...): a SpeculativeConfig, or a dict in vLLM's form ({"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 3} or {"model": DIR, ...}, where a model means
+    method "draft_model") or with PaddleNLP's names (speculate_method, speculate_max_draft_token_num, ...)."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+    unknown = set(value) - set(_SPECULATIVE_KEYS)
+    if unknown:
+        raise TypeError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(_SPECULATIVE_KEYS)}")
+    fields = {_SPECULATIVE_KEYS[key]: v for key, v in value.items() if v is not None}
+    if fields.get("model") and not fields.get("method"):
+        fields["method"] = "draft_model"
+    return SpeculativeConfig(**fields)
 
 
 def _check_parallel(parallel: ParallelConfig) -> None:

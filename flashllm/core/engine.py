@@ -13,8 +13,10 @@ from flashllm.core.builder import EngineParts
 from flashllm.core.executor import Executor, make_executor
 from flashllm.core.request import Request
 from flashllm.core.sampler import SamplerOutput, SamplingState
-from flashllm.core.scheduler import Scheduler, SchedulerOutput
+from flashllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from flashllm.core.sequence import FinishReason, Sequence
+from flashllm.core.spec.build import make_speculator
+from flashllm.core.spec.speculator import Speculator
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
 from flashllm.sampling_params import SamplingParams
@@ -39,6 +41,7 @@ class Engine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = self.executor.runner  # the driver rank's
+        self.speculator: Speculator | None = make_speculator(config, self.parts, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -96,8 +99,8 @@ class Engine:
         if request is None:
             return
         self.scheduler.abort(request_id)
+        self._forget(request)
         for seq in request.seqs:
-            self._by_seq.pop(seq.seq_id, None)
             request.finish(seq, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
@@ -115,7 +118,8 @@ class Engine:
             return []
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
         states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
-        max_steps = self._max_steps(batch, states)
+        drafted = self._draft(batch, states)
+        max_steps = 1 if drafted else self._max_steps(batch, states)
         if max_steps > 1:
             for item in batch.scheduled:
                 self.block_manager.append_slots(item.seq, max_steps)
@@ -123,25 +127,50 @@ class Engine:
         touched: dict[str, Request] = {}
         if not positions:  # nothing sampled: prefill chunks only
             self._record(batch, sampling, None, [None] * len(batch.scheduled), touched)
-        for sampled in positions:
+        for index, sampled in enumerate(positions):
             tokens = iter(sampled.token_ids)
             token_ids = [next(tokens) if item.produces_token else None for item in batch.scheduled]
-            self._record(batch, sampling, sampled, token_ids, touched)
-        if max_steps > 1:
+            if index == 0:
+                self._record(batch, sampling, sampled, token_ids, touched)
+            else:  # a later position: only the sequences that got a token there advance
+                self._record_later(batch, sampling, sampled, token_ids, touched)
+        if drafted:
+            self._observe_drafts(batch, positions)
+        if max_steps > 1 or drafted:
             for item in batch.scheduled:
                 if not item.seq.is_finished:
                     self.block_manager.trim(item.seq)
         return [self._emit(request) for request in touched.values()]
 
+    def _draft(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
+        """Speculative decoding: drafts for this round's decodes (core/spec/speculator.py); how many."""
+        if self.speculator is None:
+            return 0
+        budget = self.config.scheduler.max_num_batched_tokens - batch.num_batched_tokens
+        return self.speculator.attach(batch, states, budget)
+
+    def _observe_drafts(self, batch: SchedulerOutput, positions: list[SamplerOutput]) -> None:
+        items = [item for item in batch.scheduled if item.produces_token]
+        emitted = [sum(1 for sampled in positions if sampled.token_ids[row] is not None) for row in range(len(items))]
+        self.speculator.observe(items, emitted)
+
+    def _record_later(self, batch: SchedulerOutput, sampling: list[Sequence], sampled: SamplerOutput,
+                      token_ids: list[int | None], touched: dict[str, Request]) -> None:
+        """A position after the first of a multi-position round: each sequence with a token there
+        advances by one (its previous token's KV was computed in this round), the others are skipped."""
+        present = [(item, token) for item, token in zip(batch.scheduled, token_ids, strict=True) if token is not None]
+        sub = SchedulerOutput([ScheduledSequence(item.seq, 1, True) for item, _ in present])
+        self._record(sub, sampling, sampled, [token for _, token in present], touched)
+
     def _record(self, batch: SchedulerOutput, sampling: list[Sequence], sampled: SamplerOutput | None,
                 token_ids: list[int | None], touched: dict[str, Request]) -> None:
         """Apply one position's tokens: the scheduler's update, then each sampling sequence's stop
-        checks (a sequence that finished at an earlier position takes no more); its request goes
-        into touched."""
+        checks (a sequence that finished at an earlier position, or got no token here, takes none);
+        its request goes into touched."""
         self.scheduler.update(batch, token_ids)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
-            if seq.is_finished:
+            if seq.is_finished or (sampled is not None and sampled.token_ids[row] is None):
                 continue
             request = self._by_seq[seq.seq_id]
             reason = request.on_token(seq, sampled, row, now, self.max_model_len)
@@ -178,9 +207,14 @@ class Engine:
         output = request.output()
         if output.finished:
             self.requests.pop(request.request_id, None)
-            for seq in request.seqs:
-                self._by_seq.pop(seq.seq_id, None)
+            self._forget(request)
         return output
+
+    def _forget(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._by_seq.pop(seq.seq_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
 
     def run_until_done(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
         """Step until every request (or the given ones) finishes; their final outputs by id."""

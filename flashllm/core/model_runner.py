@@ -10,6 +10,7 @@ import torch
 
 from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
+from flashllm.core.spec import verify
 from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
@@ -153,6 +154,9 @@ class ModelRunner:
         each with a token for every sequence that samples, in batch order (states[i] is the i-th
         one's). Later positions exist only where the runner ran several steps; each is what a
         single step after the previous one would give. Empty when nothing samples."""
+        drafts = [item.draft_token_ids for item in batch.scheduled if item.produces_token]
+        if any(drafts):
+            return self._execute_drafted(batch, states, drafts)
         greedy = bool(states) and all(plain_greedy(s) for s in states)
         out = self.execute_model(batch, greedy=greedy)
         if not states:
@@ -160,6 +164,18 @@ class ModelRunner:
         if greedy:
             return [SamplerOutput(out.tolist())]
         return [self.sampler(out, states)]
+
+    def _execute_drafted(self, batch: SchedulerOutput, states: list[SamplingState],
+                         drafts: list[list[int]]) -> list[SamplerOutput]:
+        """A speculative round: the target scores every sequence's next token and drafts in one forward
+        pass, and core/spec/verify.py keeps the accepted prefix of each plus one token of the target's."""
+        greedy = all(plain_greedy(s) for s in verify.row_states(states, drafts))
+        out = self.execute_model(batch, greedy=greedy)
+        if greedy:
+            verified = verify.accept_greedy_tokens(out.tolist(), drafts)
+        else:
+            verified = verify.verify(self.sampler, out, states, drafts)
+        return verify.to_positions(verified)
 
     def prepare(self, batch: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one varlen batch (read before Scheduler.update).
@@ -196,10 +212,13 @@ class ModelRunner:
         bs = self.block_size
         for item in batch.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
+            table = seq.block_table
+            if item.draft_token_ids:
+                self._flatten_drafted(flat, item.seq.token_ids[start], item.draft_token_ids, start, table)
+                continue
             end = start + item.num_new_tokens
             flat.input_ids.extend(seq.token_ids[start:end])
             flat.positions.extend(range(start, end))
-            table = seq.block_table
             flat.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             flat.q_lens.append(item.num_new_tokens)
             flat.seq_lens.append(end)
@@ -207,6 +226,22 @@ class ModelRunner:
             if item.produces_token:
                 flat.sampling_rows.append(len(flat.input_ids) - 1)
         return flat
+
+    def _flatten_drafted(self, flat: _FlatBatch, token: int, drafts: list[int], start: int, table: list[int]) -> None:
+        """A decode with drafts as 1 + k one-token rows over the same block table, row j attending to
+        positions <= start + j: the same attention as one causal chunk of 1 + k tokens (every row's
+        K and V are written before any row attends), but shaped as a decode batch, so each backend's
+        decode paths (fused steps, device graphs) take verify rounds too. Every row samples."""
+        bs = self.block_size
+        for j, tok in enumerate((token, *drafts)):
+            position = start + j
+            flat.input_ids.append(tok)
+            flat.positions.append(position)
+            flat.slot_mapping.append(table[position // bs] * bs + position % bs)
+            flat.q_lens.append(1)
+            flat.seq_lens.append(position + 1)
+            flat.block_tables.append(table)
+            flat.sampling_rows.append(len(flat.input_ids) - 1)
 
     def kv_cache_bytes(self) -> int:
         """Bytes the allocated KV caches (and their scales) take over all layers."""

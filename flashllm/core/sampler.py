@@ -86,11 +86,12 @@ class SamplerOutput:
 
     `logprobs[i]` is the chosen token's logprob (None when no row asked for logprobs);
     `top_logprobs[i]` lists `(token_id, logprob)` of the `params.logprobs` most likely tokens,
-    most likely first (empty for rows that did not ask).
+    most likely first (empty for rows that did not ask). In a speculative round's later positions
+    `token_ids[i]` (and its logprob) is None for a sequence that emitted fewer tokens.
     """
 
-    token_ids: list[int]
-    logprobs: list[float] | None = None
+    token_ids: list[int | None]
+    logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
@@ -216,6 +217,10 @@ class Sampler:
     def __init__(self, argmax: Callable[[Tensor], Tensor] | None = None) -> None:
         self._argmax = argmax or (lambda rows: rows.argmax(dim=-1))
 
+    def argmax(self, rows: Tensor) -> Tensor:
+        """(B, V) -> (B,) int64: each row's index of its largest value, as torch's argmax."""
+        return self._argmax(rows)
+
     def __call__(self, logits: Tensor, states: list[SamplingState]) -> SamplerOutput:
         """Sample one token per row.
 
@@ -229,7 +234,27 @@ class Sampler:
             # nothing below would change a row: skip the fp32 copy, the divide and the row gather
             # (~4 ms a step for 16 rows of a 152k vocabulary on the 2-core test VM)
             return SamplerOutput(self._argmax(logits).tolist())
-        # A private fp32 copy: the penalties below work in place.
+        logits = self.process(logits, states)
+        logprobs = self.logprobs_of(logits, states)
+        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
+        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if greedy:
+            token_ids[greedy] = self._argmax(logits[greedy])
+        if sampled:
+            # filtered_probs masks in place: it gets a copy unless no greedy row needs the originals.
+            rows = logits if not greedy else logits[sampled]
+            sampled_states = [states[i] for i in sampled]
+            token_ids[sampled] = self.draw(self.filtered_probs(rows, sampled_states), sampled_states)
+        chosen = token_ids.tolist()
+        if logprobs is None:
+            return SamplerOutput(chosen)
+        return SamplerOutput(chosen, *self.gather_logprobs(logprobs, token_ids, states))
+
+    @staticmethod
+    def process(logits: Tensor, states: list[SamplingState]) -> Tensor:
+        """Steps 1-4 on a private fp32 copy of (B, V) logits: penalties, the min_tokens ban and temperature
+        (greedy rows keep temperature 1)."""
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         apply_repetition_penalty(logits, states)
         apply_frequency_presence_penalties(logits, states)
@@ -239,23 +264,12 @@ class Sampler:
             [1.0 if s.params.is_greedy else s.params.temperature for s in states],
             device=logits.device)
         logits /= temperature.unsqueeze(1)
-        logprobs = self._logprobs(logits, states)
-        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
-        greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
-        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
-        if greedy:
-            token_ids[greedy] = self._argmax(logits[greedy])
-        if sampled:
-            # _sample masks in place: it gets a copy unless no greedy row needs the originals.
-            rows = logits if not greedy else logits[sampled]
-            token_ids[sampled] = self._sample(rows, [states[i] for i in sampled])
-        chosen = token_ids.tolist()
-        if logprobs is None:
-            return SamplerOutput(chosen)
-        return SamplerOutput(chosen, *self._gather_logprobs(logprobs, token_ids, states))
+        return logits
 
-    def _sample(self, logits: Tensor, states: list[SamplingState]) -> Tensor:
-        """Filtered draw for the non-greedy rows. logits (S, V) fp32 -> token ids (S,)."""
+    @staticmethod
+    def filtered_probs(logits: Tensor, states: list[SamplingState]) -> Tensor:
+        """Step 5 for sampled rows: processed (S, V) fp32 logits, masked in place by top-k, top-p and
+        min-p, -> the (S, V) probabilities a draw samples from."""
         vocab_size = logits.shape[1]
         top_k = [s.params.top_k if s.params.top_k > 0 else vocab_size for s in states]
         top_p = [s.params.top_p for s in states]
@@ -264,7 +278,12 @@ class Sampler:
                               torch.tensor(top_p, device=logits.device))
         if any(s.params.min_p > 0 for s in states):
             apply_min_p(logits, torch.tensor([s.params.min_p for s in states], device=logits.device))
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def draw(self, probs: Tensor, states: list[SamplingState]) -> Tensor:
+        """Step 6: one token per row of (S, V) non-negative weights (probabilities, or any weights
+        proportional to the distribution to sample), each row from its state's generator -> (S,) int64."""
+        vocab_size = probs.shape[1]
         noise = torch.empty_like(probs)
         for row, state in enumerate(states):
             torch.rand(vocab_size, generator=state.generator, out=noise[row])
@@ -274,13 +293,14 @@ class Sampler:
         return self._argmax(probs / noise)
 
     @staticmethod
-    def _logprobs(logits: Tensor, states: list[SamplingState]) -> Tensor | None:
+    def logprobs_of(logits: Tensor, states: list[SamplingState]) -> Tensor | None:
+        """log_softmax of processed (B, V) logits, or None when no row asked for logprobs."""
         if all(s.params.logprobs is None for s in states):
             return None
         return logits.log_softmax(dim=-1)
 
     @staticmethod
-    def _gather_logprobs(logprobs: Tensor, token_ids: Tensor, states: list[SamplingState]
+    def gather_logprobs(logprobs: Tensor, token_ids: Tensor, states: list[SamplingState]
                          ) -> tuple[list[float], list[list[tuple[int, float]]]]:
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
         max_k = max(s.params.logprobs or 0 for s in states)

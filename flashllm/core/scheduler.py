@@ -16,12 +16,16 @@ class ScheduledSequence:
 
     The step covers positions [seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
     (read before `Scheduler.update`). `produces_token` is True when the step reaches the sequence's
-    last token, i.e. the model runner must sample one token for it.
+    last token, i.e. the model runner must sample one token for it. A decode may carry drafted tokens,
+    whose KV slots the block table covers too; `num_new_tokens` does not count them.
     """
 
     seq: Sequence
     num_new_tokens: int
     produces_token: bool
+    # tokens drafted to follow the sequence's last one (speculative decoding, core/spec/): the step runs
+    # them after it and the runner verifies them; empty for everything else
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,164 @@
+"""The engine's side of speculative decoding: which decodes get drafts, how many, and the adaptive guard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from flashllm.config import MAX_DRAFT_TOKENS, SpeculativeConfig
+from flashllm.core.block_manager import BlockManager
+from flashllm.core.sampler import SamplingState
+from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from flashllm.core.sequence import Sequence
+
+# The guard's memory: each round's acceptance enters an exponential average with this weight.
+_EMA_WEIGHT = 0.3
+# A sequence is judged only after this many verified rounds with drafts.
+_MIN_ROUNDS = 3
+# Paused sequences try again after this many of their decode rounds, doubling each time up to the cap.
+_FIRST_PAUSE, _MAX_PAUSE = 8, 512
+
+
+class Proposer(Protocol):
+    """Drafts tokens for decode sequences. `propose` gets the sequences and how many drafts each may
+    take (>= 1); it returns one list per sequence, at most that long (empty: no guess)."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]: ...
+
+    def forget(self, seq: Sequence) -> None: ...
+
+
+@dataclass(slots=True)
+class _Guard:
+    """One sequence's recent acceptance and whether it is pausing its drafts."""
+
+    rate: float = 1.0
+    rounds: int = 0
+    skip: int = 0          # decode rounds left without drafts
+    pause: int = _FIRST_PAUSE
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Totals since start: verified rounds, drafted and accepted tokens, and tokens emitted by rounds."""
+
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 before any draft)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence got per verified round with drafts, the bonus token included (1.0 = no gain)."""
+        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
+
+
+class Speculator:
+    """Attaches drafts to the decodes of a scheduled batch and learns from what the runner accepted.
+
+    A decode (one new token, sampling) is drafted for when its sequence is not paused by the guard,
+    up to num_speculative_tokens, never more than its max_tokens and max_model_len leave room for
+    after the bonus token, the step's unused token budget, and the KV blocks that are free (drafts
+    never preempt anyone).
+    """
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, block_manager: BlockManager,
+                 max_model_len: int) -> None:
+        if not 1 <= config.num_speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculate_max_draft_token_num must be in 1..{MAX_DRAFT_TOKENS}, "
+                             f"got {config.num_speculative_tokens}")
+        if not 0.0 <= config.min_acceptance < 1.0:
+            raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {config.min_acceptance}")
+        self.config = config
+        self.proposer = proposer
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+        self._guards: dict[int, _Guard] = {}
+
+    def attach(self, batch: SchedulerOutput, states: list[SamplingState], token_budget: int) -> int:
+        """Set draft_token_ids on the batch's eligible decodes (states: the sampling sequences', in batch
+        order) and grow their block tables to cover the drafts; returns how many tokens were drafted."""
+        candidates: list[ScheduledSequence] = []
+        limits: list[int] = []
+        sampling = (item for item in batch.scheduled if item.produces_token)
+        for item, state in zip(sampling, states, strict=True):
+            limit = self._limit(item, state)
+            if limit > 0:
+                candidates.append(item)
+                limits.append(limit)
+        if not candidates or token_budget <= 0:
+            return 0
+        drafts = self.proposer.propose([item.seq for item in candidates], limits)
+        total = 0
+        for item, draft in zip(candidates, drafts, strict=True):
+            draft = draft[:min(len(draft), token_budget - total)]
+            while draft and not self.block_manager.can_append(item.seq, 1 + len(draft)):
+                draft.pop()
+            if draft:
+                self.block_manager.append_slots(item.seq, 1 + len(draft))
+                item.draft_token_ids = draft
+                total += len(draft)
+        return total
+
+    def _limit(self, item: ScheduledSequence, state: SamplingState) -> int:
+        seq = item.seq
+        if item.num_new_tokens != 1 or seq.is_finished:
+            return 0
+        guard = self._guards.setdefault(seq.seq_id, _Guard())
+        if guard.skip > 0:
+            guard.skip -= 1
+            return 0
+        limit = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
+        if state.params.max_tokens is not None:
+            limit = min(limit, state.params.max_tokens - len(state.output_token_ids) - 1)
+        return max(limit, 0)
+
+    def observe(self, items: list[ScheduledSequence], emitted: list[int]) -> None:
+        """After a round: items are the sampling sequences (batch order), emitted[i] how many tokens the
+        i-th got (accepted drafts + 1). Updates the totals and each drafted sequence's guard."""
+        min_acceptance = self.config.min_acceptance
+        for item, count in zip(items, emitted, strict=True):
+            drafted = len(item.draft_token_ids)
+            if not drafted:
+                continue
+            accepted = max(count - 1, 0)
+            stats = self.stats
+            stats.num_rounds += 1
+            stats.num_drafted += drafted
+            stats.num_accepted += accepted
+            stats.num_emitted += count
+            guard = self._guards.get(item.seq.seq_id)
+            if guard is None or min_acceptance <= 0:
+                continue
+            guard.rate += _EMA_WEIGHT * (accepted / drafted - guard.rate)
+            guard.rounds += 1
+            if guard.rounds >= _MIN_ROUNDS and guard.rate < min_acceptance:
+                # below break-even: stop drafting for a while, then judge afresh
+                guard.skip, guard.pause = guard.pause, min(2 * guard.pause, _MAX_PAUSE)
+                guard.rate, guard.rounds = 1.0, 0
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished: drop its guard and whatever the proposer keeps for it."""
+        self._guards.pop(seq.seq_id, None)
+        self.proposer.forget(seq)
+
+
+class NgramDrafts:
+    """The n-gram lookup as a Proposer (it keeps nothing per sequence)."""
+
+    def __init__(self, max_ngram_size: int, min_ngram_size: int) -> None:
+        from flashllm.core.spec.ngram import NgramProposer
+
+        self._lookup = NgramProposer(max_ngram_size, min_ngram_size)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self._lookup.propose(seq.token_ids, limit) for seq, limit in zip(seqs, limits, strict=True)]
+
+    def forget(self, seq: Sequence) -> None:
+        return None

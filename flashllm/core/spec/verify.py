@@ -1,0 +1,169 @@
+"""Verifying drafted tokens against the target model: greedy acceptance and the rejection-sampling rule.
+
+A sequence with k drafted tokens d_1..d_k gets k + 1 rows of target logits in one forward pass: row j
+is the target's distribution p_j for the token after d_1..d_j (row 0 follows the sequence's last
+token). Every proposer in flashllm drafts deterministically (the n-gram lookup copies, the draft model
+takes its argmax), so the draft distribution q_j is one-hot on d_j and the standard rule becomes:
+
+- greedy rows: accept d_{j+1} while it equals the target's choice at row j; the first row whose choice
+  differs, or row k when every draft was accepted, gives one more token from the target;
+- sampled rows: accept d_{j+1} with probability min(1, p_j(d_{j+1}) / q_j(d_{j+1})) = p_j(d_{j+1}); on
+  the first rejection draw the replacement from the residual max(0, p_j - q_j), normalized, which is
+  p_j with d_{j+1} removed; when every draft was accepted draw a bonus token from p_k.
+
+Each emitted token is then distributed exactly as the target's (Leviathan et al., 2023): speculation
+changes how fast tokens come, never which distribution they come from. p_j is the sampler's own
+distribution for the row (penalties, min_tokens, temperature, top-k, top-p, min-p), computed as if
+d_1..d_j had already been generated, so penalties see them. Random draws come from the sequence's own
+generator, one uniform per checked draft and one vocabulary-wide draw per emitted replacement or bonus,
+so a seeded request's tokens depend only on itself, never on the batch around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
+
+
+@dataclass(slots=True)
+class Verified:
+    """The outcome for one sampling sequence: the tokens it emits (1..k+1) and how many drafts it kept."""
+
+    token_ids: list[int]
+    num_drafted: int
+    num_accepted: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def row_states(states: list[SamplingState], drafts: list[list[int]]) -> list[SamplingState]:
+    """One state per verified row: row j of a sequence sees its drafts d_1..d_j as already generated
+    (penalties and min_tokens read them); generators are shared, not copied."""
+    rows: list[SamplingState] = []
+    for state, draft in zip(states, drafts, strict=True):
+        rows.append(state)
+        rows.extend(replace(state, output_token_ids=state.output_token_ids + draft[:j]) for j in range(1, len(draft) + 1))
+    return rows
+
+
+def accept_greedy_tokens(target: list[int], drafts: list[list[int]]) -> list[Verified]:
+    """Greedy acceptance from the target's chosen token of every row (rows grouped per sequence,
+    1 + len(draft) each, in order)."""
+    out: list[Verified] = []
+    row = 0
+    for draft in drafts:
+        chosen = target[row:row + len(draft) + 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+            accepted += 1
+        out.append(Verified(chosen[:accepted + 1], len(draft), accepted))
+        row += len(draft) + 1
+    return out
+
+
+def verify(sampler: Sampler, logits: Tensor, states: list[SamplingState], drafts: list[list[int]]) -> list[Verified]:
+    """Accept or reject every sequence's drafts from the target's logits.
+
+    logits: (R, V) fp32, R = sum(1 + len(d) for d in drafts), each sequence's rows together and in order.
+    states[i] / drafts[i]: the i-th sampling sequence's state and drafted tokens (possibly none).
+    """
+    rows = row_states(states, drafts)
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"verify needs one logits row per sequence and drafted token ({len(rows)}), "
+                         f"got shape {tuple(logits.shape)}")
+    if all(plain_greedy(s) for s in rows):
+        return accept_greedy_tokens(sampler.argmax(logits).tolist(), drafts)
+    processed = sampler.process(logits, rows)
+    logprobs = sampler.logprobs_of(processed, rows)
+    starts = [0]
+    for draft in drafts:
+        starts.append(starts[-1] + len(draft) + 1)
+    tokens: list[list[int]] = [[] for _ in drafts]
+    greedy = [i for i, state in enumerate(states) if state.params.is_greedy]
+    sampled = [i for i, state in enumerate(states) if not state.params.is_greedy]
+    if greedy:
+        index = torch.tensor([r for i in greedy for r in range(starts[i], starts[i + 1])], device=logits.device)
+        choice = sampler.argmax(processed[index]).tolist()
+        for i, verified in zip(greedy, accept_greedy_tokens(choice, [drafts[i] for i in greedy]), strict=True):
+            tokens[i] = verified.token_ids
+    if sampled:
+        for i, emitted in zip(sampled, _accept_sampled(sampler, processed, rows, starts, states, drafts, sampled),
+                              strict=True):
+            tokens[i] = emitted
+    out = [Verified(emitted, len(draft), len(emitted) - 1) for emitted, draft in zip(tokens, drafts, strict=True)]
+    if logprobs is not None:
+        for i, verified in enumerate(out):
+            n = len(verified.token_ids)
+            ids = torch.tensor(verified.token_ids, device=logits.device)
+            verified.logprobs, verified.top_logprobs = sampler.gather_logprobs(
+                logprobs[starts[i]:starts[i] + n], ids, rows[starts[i]:starts[i] + n])
+    return out
+
+
+def _accept_sampled(sampler: Sampler, processed: Tensor, rows: list[SamplingState], starts: list[int],
+                    states: list[SamplingState], drafts: list[list[int]], which: list[int]) -> list[list[int]]:
+    """The rejection-sampling rule for the sampled sequences `which`, all at once.
+
+    Each sequence draws, from its own generator, k uniforms (one per draft, whether or not an earlier
+    draft was rejected) and then one vocabulary-wide draw for the replacement or bonus token: a fixed
+    consumption, so its tokens never depend on the batch, and without drafts exactly a plain step's."""
+    device = processed.device
+    index = torch.tensor([r for i in which for r in range(starts[i], starts[i + 1])], device=device)
+    probs = sampler.filtered_probs(processed[index], [rows[r] for r in index.tolist()])
+    local = [0]
+    for i in which:
+        local.append(local[-1] + len(drafts[i]) + 1)
+    width = max(len(drafts[i]) for i in which)
+    accepted = [0] * len(which)
+    if width:
+        draft_ids = torch.zeros(len(which), width, dtype=torch.long, device=device)
+        draft_rows = torch.zeros(len(which), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(which), width, dtype=torch.bool, device=device)
+        uniforms = torch.ones(len(which), width, device=device)
+        for n, i in enumerate(which):
+            k = len(drafts[i])
+            if k:
+                draft_ids[n, :k] = torch.tensor(drafts[i], device=device)
+                draft_rows[n, :k] = torch.arange(local[n], local[n] + k, device=device)
+                valid[n, :k] = True
+                uniforms[n, :k] = torch.rand(k, generator=states[i].generator, device=device)
+        keep = (uniforms < probs[draft_rows, draft_ids]) & valid
+        accepted = keep.int().cumprod(dim=1).sum(dim=1).tolist()
+    final_rows = torch.tensor([local[n] + a for n, a in enumerate(accepted)], device=device)
+    weights = probs[final_rows]
+    for n, i in enumerate(which):
+        if accepted[n] < len(drafts[i]):  # rejected: the replacement comes from the residual
+            weights[n:n + 1] = residual(weights[n:n + 1], drafts[i][accepted[n]])
+    drawn = sampler.draw(weights, [states[i] for i in which]).tolist()
+    return [drafts[i][:a] + [t] for i, a, t in zip(which, accepted, drawn, strict=True)]
+
+
+def residual(probs: Tensor, token: int) -> Tensor:
+    """max(0, p - q) for a one-hot q on `token`: (1, V) probabilities without the rejected draft (a draw
+    samples proportionally, so it needs no normalizing)."""
+    out = probs.clone()
+    out[0, token] = 0.0
+    return out
+
+
+def to_positions(verified: list[Verified]) -> list[SamplerOutput]:
+    """Per-sequence results as the runner's per-position outputs: position j holds each sequence's
+    j-th emitted token, or None where a sequence emitted fewer (the engine skips those)."""
+    depth = max((len(v.token_ids) for v in verified), default=0)
+    with_logprobs = any(v.logprobs is not None for v in verified)
+    positions: list[SamplerOutput] = []
+    for j in range(depth):
+        present = [j < len(v.token_ids) for v in verified]
+        tokens = [v.token_ids[j] if here else None for v, here in zip(verified, present, strict=True)]
+        out = SamplerOutput(tokens)  # type: ignore[arg-type]  # None marks "no token at this position"
+        if with_logprobs:
+            out.logprobs = [v.logprobs[j] if here and v.logprobs is not None else None
+                            for v, here in zip(verified, present, strict=True)]  # type: ignore[misc]
+            out.top_logprobs = [v.top_logprobs[j] if here and v.top_logprobs is not None else []
+                                for v, here in zip(verified, present, strict=True)]
+        positions.append(out)
+    return positions
