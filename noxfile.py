@@ -23,7 +23,15 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 def tests(session: nox.Session) -> None:
     """The whole CPU test suite: what .ci/run and the README run."""
     _install(session, "test,serve,bench,cuda,structured")  # cuda = triton, whose interpreter proves the kernels on CPU
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", "-m", "not slow", *session.posargs)
+
+
+@nox.session(python="3.11")
+def slow(session: nox.Session) -> None:
+    """The tests marked slow: the long versions of checks the default run makes smaller (e.g. speculative
+    decoding's 200-request greedy parity on every backend and preset)."""
+    _install(session, "test,serve,bench,cuda,structured")
+    session.run("pytest", "-q", "-m", "slow", *session.posargs)
 
 
 @nox.session(python="3.11")

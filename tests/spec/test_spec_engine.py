@@ -1,0 +1,131 @@
+"""Speculative decoding in the engine: greedy tokens exactly as without it, under continuous batching with
+preemption, chunked prefill and prefix caching; stops, max_tokens and logprobs inside accepted runs;
+seeded sampling independent of the batch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from flashllm.llm import LLM
+from flashllm.sampling_params import SamplingParams
+from flashllm.testing.tiny_models import build_tiny_model
+
+BLOCK = 16
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False) for p in ("llama", "qwen2")}
+
+
+def _requests(count: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """Mixed prompt lengths (1..150 tokens), some repeating a span of themselves so lookups find drafts,
+    and mixed max_tokens (1..40)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 110))]
+        if len(prompt) > 4 and rng.random() < 0.7:
+            start = rng.randrange(len(prompt) - 2)
+            prompt += prompt[start:start + rng.randrange(2, 40)]
+        out.append((prompt, SamplingParams(max_tokens=rng.randrange(1, 41), temperature=0.0, ignore_eos=True)))
+    return out
+
+
+def _generate(model_dir: Path, backend: str, requests, speculative=None, **kwargs) -> tuple[list[list[int]], LLM]:
+    options = {"block_size": BLOCK, "num_kv_blocks": 96, "max_num_seqs": 24, "max_num_batched_tokens": 256,
+               "max_model_len": 256, **kwargs}
+    llm = LLM(str(model_dir), backend=backend, dtype="float32", speculative_config=speculative, **options)
+    outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+def _check_greedy_parity(model_dir: Path, backend: str, count: int, num_kv_blocks: int = 96) -> None:
+    requests = _requests(count)
+    plain, _ = _generate(model_dir, backend, requests, num_kv_blocks=num_kv_blocks)
+    spec, llm = _generate(model_dir, backend, requests, NGRAM, num_kv_blocks=num_kv_blocks)
+    stats = llm.engine.speculator.stats
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
+    assert stats.num_accepted > count // 4, f"too few drafts accepted to prove anything: {stats}"
+    assert stats.num_drafted > stats.num_accepted, f"every draft was accepted, so rejection was never tested: {stats}"
+    assert spec == plain
+
+
+@pytest.mark.parametrize(("preset", "backend", "count", "blocks"), [("llama", "cpu", 48, 96), ("qwen2", "cpu", 48, 96),
+                                                                    ("llama", "reference", 16, 32)])
+def test_ngram_greedy_tokens_equal_plain_decoding_under_preemption(model_dirs, preset: str, backend: str,
+                                                                   count: int, blocks: int) -> None:
+    _check_greedy_parity(model_dirs[preset], backend, count, blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+def test_ngram_greedy_parity_over_200_requests(model_dirs, preset: str, backend: str) -> None:
+    _check_greedy_parity(model_dirs[preset], backend, 200)
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(model_dirs) -> None:
+    """A stop token or max_tokens that falls inside a round's accepted drafts ends the output exactly where
+    plain decoding ends it, and the tokens after it are never reported."""
+    model_dir = model_dirs["llama"]
+    requests = _requests(12, seed=5)
+    plain, _ = _generate(model_dir, "cpu", [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                                            for p, _ in requests])
+    stopped = []
+    for (prompt, _), tokens in zip(requests, plain, strict=True):
+        stop = tokens[len(tokens) // 2]
+        stopped.append((prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])))
+    truncated = [tokens[:tokens.index(stop.stop_token_ids[0]) + 1] for tokens, (_, stop) in zip(plain, stopped,
+                                                                                                  strict=True)]
+    spec, llm = _generate(model_dir, "cpu", stopped, NGRAM)
+    assert spec == truncated
+    capped = [(p, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)) for p, _ in requests]
+    spec, llm = _generate(model_dir, "cpu", capped, NGRAM)
+    assert spec == [tokens[:7] for tokens in plain]
+    assert llm.engine.speculator.stats.num_accepted > 0
+
+
+def test_logprobs_of_accepted_tokens_are_the_targets(model_dirs) -> None:
+    requests = [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3, repetition_penalty=1.2))
+                for p, _ in _requests(8, seed=2)]
+    llm_plain = LLM(str(model_dirs["qwen2"]), backend="cpu", dtype="float32", block_size=BLOCK)
+    llm_spec = LLM(str(model_dirs["qwen2"]), backend="cpu", dtype="float32", block_size=BLOCK, speculative_config=NGRAM)
+    plain = llm_plain.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    spec = llm_spec.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    assert llm_spec.engine.speculator.stats.num_accepted > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-5)
+        for top_a, top_b in zip(a.outputs[0].top_logprobs, b.outputs[0].top_logprobs, strict=True):
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            assert [v for _, v in top_a] == pytest.approx([v for _, v in top_b], abs=1e-5)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs) -> None:
+    """With speculation on, a seeded request gets the same tokens alone and among other requests (greedy,
+    sampled, with and without drafts), since its draws come only from its own generator."""
+    model_dir = model_dirs["llama"]
+    prompt = _requests(3, seed=9)[2][0]
+    params = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1234, ignore_eos=True,
+                            frequency_penalty=0.3)
+    alone, llm = _generate(model_dir, "cpu", [(prompt, params)], NGRAM)
+    others = _requests(7, seed=11)
+    others[3] = (others[3][0], SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True))
+    crowded, llm = _generate(model_dir, "cpu", [*others[:4], (prompt, params), *others[4:]], NGRAM)
+    assert crowded[4] == alone[0]
+    assert llm.engine.speculator.stats.num_drafted > 0
+
+
+@pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 0},
+                                    {"method": "ngram", "num_speculative_tokens": 100},
+                                    {"method": "medusa"},
+                                    {"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}])
+def test_bad_speculative_configs_are_refused_before_anything_runs(model_dirs, config) -> None:
+    with pytest.raises(ValueError) as info:
+        LLM(str(model_dirs["llama"]), backend="cpu", speculative_config=config)
+    assert "\n" not in str(info.value)
