@@ -229,13 +229,14 @@ class BlockManager:
         for _ in range(num_missing):
             seq.block_table.append(self._allocate_block())
 
-    def trim(self, seq: Sequence) -> int:
+    def trim(self, seq: Sequence, num_positions: int | None = None) -> int:
         """Give back the blocks at the tail of seq's block_table that no position of its tokens uses
         (grown for positions a multi-step or speculative round did not fill); returns how many.
 
-        Only blocks past the one holding position num_tokens - 1 go; none of them holds computed KV
-        or a prefix-cache hash."""
-        keep = self._num_blocks_for(max(seq.num_tokens, seq.num_computed_tokens))
+        Only blocks past the one holding position num_tokens - 1 (or num_positions - 1, to keep room
+        for that many positions) go; none of them holds computed KV or a prefix-cache hash."""
+        wanted = seq.num_tokens if num_positions is None else max(num_positions, seq.num_tokens)
+        keep = self._num_blocks_for(max(wanted, seq.num_computed_tokens))
         tail = seq.block_table[keep:]
         for block_id in reversed(tail):
             block = self.blocks[block_id]

@@ -129,3 +129,19 @@ def test_bad_speculative_configs_are_refused_before_anything_runs(model_dirs, co
     with pytest.raises(ValueError) as info:
         LLM(str(model_dirs["llama"]), backend="cpu", speculative_config=config)
     assert "\n" not in str(info.value)
+
+
+def test_draft_model_greedy_tokens_equal_plain_decoding(model_dirs, tmp_path_factory) -> None:
+    """A draft model (here: another random model of the same vocabulary, and the target itself) changes
+    how many tokens a round yields, never which; the target as its own draft accepts nearly everything."""
+    requests = _requests(32, seed=4)
+    target = model_dirs["llama"]
+    plain, _ = _generate(target, "cpu", requests, num_kv_blocks=40)
+    other = build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=8, tokenizer=False)
+    for draft, least_acceptance in ((other, 0.0), (target, 0.95)):
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        spec, llm = _generate(target, "cpu", requests, config, num_kv_blocks=40)
+        stats = llm.engine.speculator.stats
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert spec == plain
+        assert stats.num_drafted > 0 and stats.acceptance_rate >= least_acceptance, stats

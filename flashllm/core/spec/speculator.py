@@ -83,27 +83,31 @@ class Speculator:
 
     def attach(self, batch: SchedulerOutput, states: list[SamplingState], token_budget: int) -> int:
         """Set draft_token_ids on the batch's eligible decodes (states: the sampling sequences', in batch
-        order) and grow their block tables to cover the drafts; returns how many tokens were drafted."""
+        order) and grow their block tables to cover the drafts; returns how many tokens were drafted.
+
+        Each candidate's block table grows for its whole allowance before the proposer runs (a draft model
+        writes its KV there); what the drafts did not use goes back at once."""
         candidates: list[ScheduledSequence] = []
         limits: list[int] = []
         sampling = (item for item in batch.scheduled if item.produces_token)
         for item, state in zip(sampling, states, strict=True):
-            limit = self._limit(item, state)
+            limit = min(self._limit(item, state), token_budget)
+            while limit > 0 and not self.block_manager.can_append(item.seq, 1 + limit):
+                limit -= 1
             if limit > 0:
+                self.block_manager.append_slots(item.seq, 1 + limit)
                 candidates.append(item)
                 limits.append(limit)
-        if not candidates or token_budget <= 0:
+                token_budget -= limit
+        if not candidates:
             return 0
         drafts = self.proposer.propose([item.seq for item in candidates], limits)
         total = 0
-        for item, draft in zip(candidates, drafts, strict=True):
-            draft = draft[:min(len(draft), token_budget - total)]
-            while draft and not self.block_manager.can_append(item.seq, 1 + len(draft)):
-                draft.pop()
-            if draft:
-                self.block_manager.append_slots(item.seq, 1 + len(draft))
-                item.draft_token_ids = draft
-                total += len(draft)
+        for item, draft, limit in zip(candidates, drafts, limits, strict=True):
+            item.draft_token_ids = list(draft[:limit])
+            total += len(item.draft_token_ids)
+            if len(item.draft_token_ids) < limit:
+                self.block_manager.trim(item.seq, item.seq.num_tokens + len(item.draft_token_ids))
         return total
 
     def _limit(self, item: ScheduledSequence, state: SamplingState) -> int:

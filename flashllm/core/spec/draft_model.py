@@ -1,0 +1,161 @@
+"""A small draft model as proposer: same vocabulary as the target, its own KV cache over the target's blocks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashllm.config import EngineConfig
+from flashllm.core.block_manager import BlockManager
+from flashllm.core.builder import EngineParts, model_runner_class
+from flashllm.core.model_runner import ModelRunner
+from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from flashllm.core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _DraftView:
+    """What the draft runner reads of a sequence (ModelRunner._flatten): its tokens, how many of them
+    have draft KV, and the target's block table, whose blocks the draft's cache mirrors."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class _DraftState:
+    """Per sequence: the tokens the draft ran (KV written) and the block table they were written under."""
+
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    """Drafts greedily with a small model of the same vocabulary.
+
+    Its KV cache has as many blocks as the target's, indexed by the target's block tables, so no block
+    bookkeeping of its own: a round first catches the draft up on the tokens it has not run (the prompt
+    the first time, then the accepted tokens and the target's own token), then runs k - 1 one-token steps.
+    What the draft computed stays valid while its tokens are a prefix of the sequence's and the blocks
+    they sit in are unchanged (a preempted sequence comes back in other blocks and is caught up again).
+    Drafts only ever change how many tokens a round yields, never which: the target verifies them all.
+    """
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.target_vocab_size = target_vocab_size
+        self._states: dict[int, _DraftState] = {}
+
+    @classmethod
+    def build(cls, config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> DraftModelProposer:
+        """Load --speculative-model on the target's device and backend; ValueError (one line) when it is
+        missing, has another vocabulary, or cannot run beside the target."""
+        spec = config.speculative
+        if not spec.model:
+            raise ValueError("--speculate_method draft_model needs the draft's directory: pass --speculative-model DIR")
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("a draft model does not run under tensor parallelism yet: use --speculate_method ngram "
+                             "or --tensor-parallel-size 1")
+        model, runner = _load_draft(config, parts, Path(spec.model), block_manager.num_total_blocks)
+        logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's", spec.model,
+                    block_manager.num_total_blocks, runner.kv_cache_bytes() / 2**30)
+        return cls(runner, parts.hf_config.vocab_size)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] greedy draft tokens for each sequence (their block tables must already cover
+        num_tokens - 1 + limits[i] positions)."""
+        views = [self._catch_up_view(seq) for seq in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        batch = SchedulerOutput([ScheduledSequence(view, view_new, True)  # type: ignore[arg-type]
+                                 for view, view_new in ((v, len(v.token_ids) - v.num_computed_tokens) for v in views)])
+        tokens = self._greedy(batch)
+        active = list(range(len(seqs)))
+        for step in range(max(limits)):
+            for i, token in zip(active, tokens, strict=True):
+                drafts[i].append(token)
+                view = views[i]
+                view.num_computed_tokens = len(view.token_ids)
+                view.token_ids.append(token)
+            active = [i for i in active if len(drafts[i]) < limits[i] and drafts[i][-1] < self.target_vocab_size]
+            if not active or step + 1 == max(limits):
+                break
+            tokens = self._greedy(SchedulerOutput([ScheduledSequence(views[i], 1, True) for i in active]))  # type: ignore[arg-type]
+        for seq, view in zip(seqs, views, strict=True):
+            state = self._states[seq.seq_id]
+            state.tokens = view.token_ids[:view.num_computed_tokens]
+            state.blocks = list(seq.block_table)
+        return [[t for t in draft[:limit] if t < self.target_vocab_size] for draft, limit in zip(drafts, limits,
+                                                                                               strict=True)]
+
+    def _catch_up_view(self, seq: Sequence) -> _DraftView:
+        """The sequence as the draft sees it: tokens up to the first one whose draft KV is not valid."""
+        state = self._states.setdefault(seq.seq_id, _DraftState())
+        valid = 0
+        limit = min(len(state.tokens), seq.num_tokens - 1)  # at least the last token runs, to draft from it
+        while valid < limit and state.tokens[valid] == seq.token_ids[valid]:
+            valid += 1
+        block = 0
+        while block * self.block_size < valid and block < len(state.blocks) and block < len(seq.block_table) \
+                and state.blocks[block] == seq.block_table[block]:
+            block += 1
+        valid = min(valid, block * self.block_size)
+        return _DraftView(list(seq.token_ids), valid, seq.block_table)
+
+    def _greedy(self, batch: SchedulerOutput) -> list[int]:
+        return self.runner.execute_model(batch, greedy=True).tolist()
+
+    def forget(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)
+
+
+def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_blocks: int) -> tuple[Any, ModelRunner]:
+    from flashllm.models.hf_config import load_hf_config, uses_alibi
+    from flashllm.models.loader import load_model, resolve_dtype
+    from flashllm.models.registry import ModelRegistry
+    from flashllm.quant.spec import weight_quant_spec
+    from flashllm.registry.backend import OpRequest
+    from flashllm.registry.plugins import make_plugin_manager
+    from flashllm.registry.resolve import resolve_ops
+
+    plugins = make_plugin_manager()
+    registry = ModelRegistry()
+    for architecture, target in plugins.model_targets().items():
+        registry.register(architecture, target)
+    hf_config = load_hf_config(model_dir, registry)
+    _check_vocabulary(parts, model_dir, hf_config.vocab_size)
+    selection = parts.selection
+    dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
+                          selection.profile.accelerator)
+    quant = weight_quant_spec(config.speculative.quant_type, -1, False)
+    request = OpRequest(dtype, dtype, quant.scheme, hf_config.head_dim, config.cache.block_size,
+                        alibi=uses_alibi(hf_config))
+    ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
+    model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, progress=False, quant=quant)
+    runner_cls = model_runner_class(selection)
+    runner_cls.prepare_model(model, selection.adapter)
+    runner = runner_cls(model, selection.device, num_blocks, config.cache.block_size, dtype, adapter=selection.adapter)
+    return model, runner
+
+
+def _check_vocabulary(parts: EngineParts, model_dir: Path, draft_vocab_size: int) -> None:
+    """The draft must speak the target's tokens: equal tokenizer vocabularies where both have a tokenizer,
+    else equal vocab_size."""
+    from flashllm.core.builder import TOKENIZER_FILES
+
+    target = parts.tokenizer
+    if target is not None and any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        from flashllm.models.tokenizer import load_tokenizer
+
+        if load_tokenizer(str(model_dir)).get_vocab() != target.get_vocab():
+            raise ValueError(f"the draft model {model_dir} has another vocabulary than the target {parts.model_dir}: "
+                             "speculative decoding needs a draft with the same tokenizer")
+        return
+    if draft_vocab_size != parts.hf_config.vocab_size:
+        raise ValueError(f"the draft model {model_dir} has vocab_size {draft_vocab_size}, the target "
+                         f"{parts.hf_config.vocab_size}: speculative decoding needs a draft with the same vocabulary")
