@@ -61,7 +61,8 @@ class SpecStats:
 class Speculator:
     """Attaches drafts to the decodes of a scheduled batch and learns from what the runner accepted.
 
-    A decode (one new token, sampling) is drafted for when its sequence is not paused by the guard,
+    A decode (one new token, sampling, no structured-output grammar) is drafted for when its sequence is
+    not paused by the guard,
     up to num_speculative_tokens, never more than its max_tokens and max_model_len leave room for
     after the bonus token, the step's unused token budget, and the KV blocks that are free (drafts
     never preempt anyone).
@@ -112,7 +113,9 @@ class Speculator:
 
     def _limit(self, item: ScheduledSequence, state: SamplingState) -> int:
         seq = item.seq
-        if item.num_new_tokens != 1 or seq.is_finished:
+        # a grammar-constrained row's mask depends on every token before it, drafts included; verifying
+        # drafts would need the grammar advanced per row, which flashllm.structured does not offer yet
+        if item.num_new_tokens != 1 or seq.is_finished or state.grammar is not None:
             return 0
         guard = self._guards.setdefault(seq.seq_id, _Guard())
         if guard.skip > 0:
