@@ -84,6 +84,31 @@ def _attention_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace)
     return inputs, kv_bytes + 2 * seqs * q_len * args.heads * args.head_size * dtype.itemsize
 
 
+def _latent_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    """MLA at DeepSeek's proportions for --head-size D: kv_lora_rank 4D, rope D/2, nope and value heads D
+    (D = 128: V2/V3's 512 + 64 latent row); --heads query heads over --seqs x --context cached tokens."""
+    seqs, q_len = _attention_batch(args)
+    d, bs, heads = args.head_size, args.block_size, args.heads
+    rank, rope = 4 * d, d // 2
+    per_seq = -(-args.context // bs)
+    tables = torch.randperm(seqs * per_seq, device=device).view(seqs, per_seq).to(torch.int32)
+    positions = torch.arange(args.context - q_len, args.context, device=device)
+    slots = (tables.long()[:, positions // bs] * bs + positions % bs).flatten()
+    t = seqs * q_len
+    inputs = {
+        "q": _randn(t, heads, d + rope, dtype=dtype, device=device),
+        "latent": _randn(t, rank + rope, dtype=dtype, device=device),
+        "kv_cache": _randn(seqs * per_seq, bs, rank + rope, dtype=dtype, device=device),
+        "kv_b_weight": _randn(heads, 2 * d, rank, dtype=dtype, device=device) * rank**-0.5,
+        "slot_mapping": slots, "block_tables": tables,
+        "cu_seqlens_q": torch.arange(0, t + 1, q_len, dtype=torch.int32, device=device),
+        "seq_lens": torch.full((seqs,), args.context, dtype=torch.int32, device=device),
+        "scale": (d + rope) ** -0.5,
+    }
+    cache_bytes = seqs * args.context * (rank + rope) * dtype.itemsize
+    return inputs, cache_bytes + (heads * 2 * d * rank + t * heads * (2 * d + rope)) * dtype.itemsize
+
+
 def _quant_matmul_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
     from flashllm.ops.quant_matmul import QuantizedWeight
     from flashllm.quant.weight_only import quantize_weight
@@ -147,6 +172,7 @@ BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Input
     "fused_moe": _fused_moe_inputs,
     "lora_shrink": _lora_shrink_inputs,
     "lora_expand": _lora_expand_inputs,
+    "latent_attention": _latent_inputs,
 }
 
 

@@ -86,6 +86,9 @@ def _suite_cases() -> list[Case]:
         cases.append(Case(f"fused_moe {tokens} tokens 8e top2 4096/14336", kernel(
             "fused_moe", "--tokens", str(tokens), "--experts", "8", "--top-k", "2", "--hidden", "4096",
             "--intermediate", "14336")))
+    for seqs in (1, 32):  # DeepSeek-V2-Lite's MLA (16 heads, 512 + 64 latent row) decoding over 4096 cached tokens
+        cases.append(Case(f"latent attn decode {seqs} seqs x 4096", kernel(
+            "latent_attention", "--seqs", str(seqs), "--context", "4096", "--heads", "16", "--head-size", "128")))
     return cases
 
 

@@ -36,6 +36,7 @@ KERNEL_MODULES: dict[str, str] = {
     "fused_moe": "triton_moe",
     "lora_shrink": "triton_lora",
     "lora_expand": "triton_lora",
+    "latent_attention": "triton_mla",
 }
 
 CAPS: dict[str, Caps] = {
@@ -57,6 +58,8 @@ CAPS: dict[str, Caps] = {
     # batched multi-LoRA (one adapter slot per row, -1 for none): no host sync, graph-capturable
     "lora_shrink": Caps(dtypes=FLOATS),
     "lora_expand": Caps(dtypes=FLOATS),
+    # MLA over a float latent cache, any sizes (padded to powers of two); no host sync
+    "latent_attention": Caps(dtypes=FLOATS, kv_dtypes=FLOATS),
 }
 
 
@@ -143,6 +146,14 @@ def lora_expand(out: Tensor, h: Tensor, lora_b: Tensor, lora_indices: Tensor, of
     return launcher_module("lora_expand").lora_expand(out, h, lora_b, lora_indices, offset)
 
 
+def latent_attention(q: Tensor, latent: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, slot_mapping: Tensor,
+                     block_tables: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float,
+                     absorbed: bool = True) -> Tensor:
+    """Triton MLA: latent store + latent-space attention over the paged cache (see triton_mla.latent_attention)."""
+    return launcher_module("latent_attention").latent_attention(q, latent, kv_cache, kv_b_weight, slot_mapping,
+                                                                block_tables, cu_seqlens_q, seq_lens, scale, absorbed)
+
+
 WRAPPERS = {
     "rms_norm": rms_norm,
     "silu_and_mul": silu_and_mul,
@@ -154,6 +165,7 @@ WRAPPERS = {
     "fused_moe": fused_moe,
     "lora_shrink": lora_shrink,
     "lora_expand": lora_expand,
+    "latent_attention": latent_attention,
 }
 
 
