@@ -196,3 +196,19 @@ def test_a_decode_token_streams_only_the_experts_it_is_routed_to(ours) -> None:
     experts = sum(m.experts.w13_weight.nbytes + m.experts.w2_weight.nbytes
                   for m in model.modules() if isinstance(m, DeepseekMoE))
     assert counted.total - counted.streamed == model.model.embed_tokens.weight.nbytes + experts * 6 // 8
+
+
+def test_two_tensor_parallel_ranks_give_transformers_greedy_tokens(ds_dirs, hf_models) -> None:
+    """MLA heads split over the ranks (q_b_proj / kv_b_proj by head, o_proj by input), the latent cache whole on
+    each rank; every rank holds every expert's slice of the intermediate features; partial sums all-reduced
+    over gloo."""
+    theirs = hf_models["v3"]
+    prompts = [random_tokens(n, 256, seed=30 + n) for n in (5, 40)]
+    llm = LLM(str(ds_dirs["v3"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+              distributed_executor_backend="mp", block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=16)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.engine.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(theirs, prompt, 8)[0]
