@@ -88,6 +88,19 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def stress(session: nox.Session) -> None:
+    """Not in CI: sustained mixed load against a live server with every core busy (tests/stress,
+    FLASHLLM_STRESS_SECONDS, default 60), then the reliability suite three times with every core
+    busy (tests/stress/saturate.py runs a competing busy loop per core around a command)."""
+    _install(session, "test,serve")
+    session.env["FLASHLLM_STRESS"] = "1"
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/stress", *session.posargs)
+    for _ in range(3):
+        session.run("python", "tests/stress/saturate.py", "pytest", "-q", "-p", "no:cacheprovider",
+                    "tests/reliability", *session.posargs)
+
+
+@nox.session(python="3.11")
 def dist(session: nox.Session) -> None:
     """Tensor parallelism on CPU over gloo: tests/distributed with the mp, ray and torchrun launches.
 
