@@ -42,6 +42,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 2048,
         "decoder_sparse_step": 1, "norm_topk_prob": False, "qkv_bias": True,
     },
+    # DeepSeek-V2-Lite's attention as it is (16 heads, no q bottleneck, a 512 + 64 latent row, 128-dim
+    # nope/value heads) and routing (64 experts, 6 a token, 2 shared, the first layer dense), hidden
+    # 1024 and 12 layers: ~7.6e9 bytes in fp32; a decode token reads ~0.46e9 of its 1.9e9 parameters
+    "deepseek-v2-lite-scaled": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 1024,
+        "intermediate_size": 5472, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "vocab_size": 102400, "tie_word_embeddings": False, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+        "moe_intermediate_size": 704, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "routed_scaling_factor": 1.0,
+    },
 }
 
 
@@ -87,6 +99,8 @@ def flops_per_token(model_dir: Path, mean_context: float) -> float:
     from flashllm.models.hf_config import load_hf_config
 
     c = load_hf_config(model_dir)
+    if hasattr(c, "flops_per_token"):  # an architecture that counts its own (DeepSeek's MLA and routing)
+        return c.flops_per_token(mean_context)
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size
     mlps = [3 * c.hidden_size * c.intermediate_size] * c.num_hidden_layers

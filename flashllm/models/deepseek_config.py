@@ -122,6 +122,24 @@ class DeepseekModelConfig:
         return layers * attn + mlps + 2 * self.vocab_size * h
 
 
+    def flops_per_token(self, mean_context: float) -> float:
+        """FLOPs of one token's forward: 2 x the matmul parameters it runs (MLA projections, router, k routed
+        and the shared experts, dense MLPs, LM head) + absorbed attention over `mean_context` cached tokens
+        (per head: q_nope through W_UK, scores and weighted sum over L + R / L features, W_UV)."""
+        h, heads, rank = self.hidden_size, self.num_attention_heads, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * heads * qk if self.q_lora_rank is None else self.q_lora_rank * (h + heads * qk)
+        attn = q + h * self.latent_dim + heads * self.v_head_dim * h
+        moe = h * self.n_routed_experts + 3 * h * self.moe_intermediate_size * (self.num_experts_per_tok
+                                                                               + self.n_shared_experts)
+        dense = 3 * h * self.intermediate_size
+        layers, first = self.num_hidden_layers, self.first_k_dense_replace
+        params = layers * attn + first * dense + (layers - first) * moe + self.vocab_size * h
+        absorbed = heads * (self.qk_nope_head_dim + self.v_head_dim) * rank  # W_UK into q, W_UV out
+        attention = layers * (absorbed + heads * (self.latent_dim + rank) * mean_context)
+        return 2.0 * (params + attention)
+
+
 def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> DeepseekModelConfig:
     """Validate a DeepseekV2ForCausalLM / DeepseekV3ForCausalLM config.json, transformers' defaults where absent.
 

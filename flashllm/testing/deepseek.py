@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,40 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
             scales[i, j] = scale
             codes[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = part / scale
     return codes.to(torch.float8_e4m3fn), scales
+
+
+def deepseek_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(HF tensor name, shape, is a norm scale) of every tensor of a DeepSeek-V2/V3 checkpoint (no MTP layers)."""
+    h, heads, rank, rope = config.hidden_size, config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    qk, v = config.qk_nope_head_dim + rope, config.v_head_dim
+    yield "model.embed_tokens.weight", (config.vocab_size, h), False
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,), True
+        yield f"{p}.post_attention_layernorm.weight", (h,), True
+        if config.q_lora_rank is None:
+            yield f"{p}.self_attn.q_proj.weight", (heads * qk, h), False
+        else:
+            yield f"{p}.self_attn.q_a_proj.weight", (config.q_lora_rank, h), False
+            yield f"{p}.self_attn.q_a_layernorm.weight", (config.q_lora_rank,), True
+            yield f"{p}.self_attn.q_b_proj.weight", (heads * qk, config.q_lora_rank), False
+        yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (rank + rope, h), False
+        yield f"{p}.self_attn.kv_a_layernorm.weight", (rank,), True
+        yield f"{p}.self_attn.kv_b_proj.weight", (heads * (config.qk_nope_head_dim + v), rank), False
+        yield f"{p}.self_attn.o_proj.weight", (h, heads * v), False
+        if i < config.first_k_dense_replace:
+            inter, mlps = config.intermediate_size, ((f"{p}.mlp", config.intermediate_size),)
+        else:
+            inter = config.moe_intermediate_size
+            yield f"{p}.mlp.gate.weight", (config.n_routed_experts, h), False
+            if config.sigmoid_scoring:
+                yield f"{p}.mlp.gate.e_score_correction_bias", (config.n_routed_experts,), False
+            mlps = tuple((f"{p}.mlp.experts.{e}", inter) for e in range(config.n_routed_experts))
+            if config.n_shared_experts:
+                mlps += ((f"{p}.mlp.shared_experts", inter * config.n_shared_experts),)
+        for prefix, size in mlps:
+            for proj, shape in (("gate_proj", (size, h)), ("up_proj", (size, h)), ("down_proj", (h, size))):
+                yield f"{prefix}.{proj}.weight", shape, False
+    yield "model.norm.weight", (h,), True
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", (config.vocab_size, h), False

@@ -175,6 +175,11 @@ def _hf_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]
     from flashllm.models.builtin import BUILTIN_MODELS
     from flashllm.models.registry import ModelRegistry
 
+    if hasattr(config, "kv_lora_rank"):  # multi-head latent attention: DeepSeek's own tensor names
+        from flashllm.testing.deepseek import deepseek_tensor_shapes
+
+        yield from deepseek_tensor_shapes(config)
+        return
     registry = ModelRegistry()
     for arch, target in BUILTIN_MODELS.items():
         registry.register(arch, target)

@@ -212,3 +212,23 @@ def test_two_tensor_parallel_ranks_give_transformers_greedy_tokens(ds_dirs, hf_m
         llm.engine.shutdown()
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(theirs, prompt, 8)[0]
+
+
+def test_the_bench_shape_fits_8_gb_in_fp32_and_its_random_checkpoint_loads(tmp_path, model_registry, ops) -> None:
+    from flashllm.bench.shapes import _COMMON, SHAPES, flops_per_token
+    from flashllm.models.loader import load_model
+    from flashllm.testing.tiny_models import build_random_model_from_config
+
+    shape = {**_COMMON, **SHAPES["deepseek-v2-lite-scaled"]}
+    assert parse_hf_config(shape).num_parameters * 4 < 8e9
+    small = {**shape, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 256,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "moe_intermediate_size": 32}
+    model_dir = build_random_model_from_config(tmp_path, small)
+    model, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert isinstance(model.model.layers[1].mlp, DeepseekMoE) and not isinstance(model.model.layers[0].mlp, DeepseekMoE)
+    # per layer: q_proj, kv_a, o_proj; layer 0 dense, layer 1 router + 6 routed + 2 shared experts; the head;
+    # absorbed attention at context 10: W_UK and W_UV per head, then 10 x (L + R + L) per head
+    attn = 64 * 4 * 24 + 64 * 40 + 4 * 16 * 64
+    params = 2 * attn + 3 * 64 * 96 + 64 * 8 + 3 * 64 * 32 * 8 + 256 * 64
+    assert flops_per_token(model_dir, 10) == 2.0 * (params + 2 * (4 * 32 * 32 + 4 * (40 + 32) * 10))
