@@ -60,10 +60,27 @@ def lint(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site")
 
 
+def _pyproject() -> dict:
+    with open("pyproject.toml", "rb") as handle:
+        return tomllib.load(handle)["project"]
+
+
 def _docs_requirements() -> list[str]:
     """The `docs` extra of pyproject.toml: the site needs no torch (mkdocstrings reads the source)."""
-    with open("pyproject.toml", "rb") as handle:
-        return tomllib.load(handle)["project"]["optional-dependencies"]["docs"]
+    return _pyproject()["optional-dependencies"]["docs"]
+
+
+def _install_beside_pinned_torch(session: nox.Session, extras: tuple[str, ...]) -> None:
+    """flashllm and its requirements (with `extras`) except torch, which the session pinned first.
+
+    A vendor package built for one torch version (IPEX 2.8, torch_xla 2.9) needs that torch, older
+    than flashllm's floor, which only the fp8 KV cache on a CPU needs; installing flashllm with its
+    dependencies would replace it.
+    """
+    project = _pyproject()
+    wanted = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    session.install(*(r for r in wanted if not r.replace(" ", "").startswith(("torch>", "torch=", "torch<"))))
+    session.install("--no-deps", "-e", ".")
 
 
 @nox.session(python="3.11")
@@ -73,6 +90,19 @@ def docs(session: nox.Session) -> None:
     a page missing from the nav fails it."""
     session.install(*_docs_requirements())
     session.run("mkdocs", "build", "--strict", "--site-dir", session.posargs[0] if session.posargs else "site")
+
+
+@nox.session(python="3.11", venv_backend="uv")
+def lowest(session: nox.Session) -> None:
+    """The lowest version pyproject.toml allows of every direct dependency (uv's lowest-direct
+    resolution), then the unit tests on them: the floors pyproject states are the versions tested.
+
+    PyPI's Linux torch is the CUDA build (about 2.5 GB with its nvidia wheels); it runs on a CPU.
+    """
+    session.install("--resolution", "lowest-direct", "-e", ".[test,serve,bench,cuda]")  # what `tests` installs
+    session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, "
+                "'transformers', transformers.__version__)")
+    session.run("pytest", "-q", "tests/unit", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -161,7 +191,7 @@ def ipex(session: nox.Session) -> None:
     installs where that index is unreachable. flashllm's own pin (torch>=2.4) keeps the 2.8 build.
     """
     session.install(*IPEX_PINS, "--extra-index-url", TORCH_CPU_INDEX)
-    session.install("-e", ".[test]")
+    _install_beside_pinned_torch(session, ("test",))
     session.run("python", "-c", "import torch, intel_extension_for_pytorch as ipex; print('torch', torch.__version__, 'ipex', ipex.__version__)")
     session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_backend_greedy_parity.py",
                 "-k", "ipex", *session.posargs)
@@ -184,7 +214,7 @@ def xla(session: nox.Session) -> None:
     shape buckets and the compilation counts are checked without an accelerator.
     """
     session.install(*XLA_PINS)
-    session.install("-e", ".[test,xla]")
+    _install_beside_pinned_torch(session, ("test",))
     session.env["PJRT_DEVICE"] = "CPU"
     session.run("python", "-c", "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__)")
     session.run("pytest", "-q", "tests/conformance/test_kernels.py", "tests/conformance/test_backend_greedy_parity.py",

@@ -29,7 +29,7 @@ SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")
 # Flags of other programs that the pages show (pip, curl, nox, torchrun, lm-eval, uv, ...).
 OTHER_TOOLS_FLAGS = {
     "--nproc-per-node", "--nnodes", "--model_args", "--tasks", "--batch_size", "--extra-index-url",
-    "--index-url", "--resolution", "--fail-with-body", "--rootdir", "--no-cache", "--strict",
+    "--index-url", "--resolution", "--fail-with-body", "--rootdir", "--no-cache", "--strict", "--no-deps",
     "--write", "--check",  # python -m flashllm.models.catalog, the capability page's generator
 }
 # A table row of docs/offline.md whose flag flashllm refuses says so in these words.
