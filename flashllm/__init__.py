@@ -7,13 +7,14 @@ from typing import Any
 from flashllm.registry.hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "AutoModel", "hookimpl", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "AutoModel", "hookimpl", "__version__"]
 
 # Heavy pieces load on first use so `import flashllm` (and plugin discovery) stays cheap.
 _LAZY = {
     "LLM": "flashllm.llm",
     "AutoModel": "flashllm.auto_model",
     "SamplingParams": "flashllm.sampling_params",
+    "LoRARequest": "flashllm.lora.manager",
 }
 
 

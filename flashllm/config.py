@@ -78,6 +78,16 @@ class QuantConfig:
     quantize_lm_head: bool = False         # int8 LM head beside weight-only linears (quant/spec.py)
 
 
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md): adapters chosen per request, batched over device slots."""
+
+    enable_lora: bool = False
+    max_loras: int = 4                      # adapters on the device at once (slots; LRU eviction)
+    max_lora_rank: int = 16                 # the largest adapter rank the slots hold
+    max_cpu_loras: int | None = None        # host copies kept (default: max_loras); others re-read from disk
+
+
 # ParallelConfig.distributed_executor_backend values; here, not in core/executor.py, so the CLI can offer
 # them as choices without importing torch
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uniproc", "mp", "ray", "external")
@@ -129,3 +139,4 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)

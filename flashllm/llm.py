@@ -14,6 +14,7 @@ from flashllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     QuantConfig,
@@ -36,6 +37,8 @@ class LLM(ChatMethods):
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed, lora_path (a PEFT LoRA
     adapter directory merged into the weights at load, before quantization),
+    enable_lora (multi-LoRA: generate() takes a LoRARequest per prompt), max_loras (adapters on the device at
+    once, 4), max_lora_rank (16) and max_cpu_loras (host copies kept; docs/lora.md),
     gpu_memory_utilization (accelerators: the share of device memory the engine may fill, 0.9),
     enforce_eager (never replay decode steps from CUDA graphs) and num_scheduler_steps (greedy
     decode steps one scheduling round may run where the device can, 8; the cpu backend runs them
@@ -76,15 +79,22 @@ class LLM(ChatMethods):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        lora_request: a flashllm.lora.LoRARequest for every prompt, or a list with one per prompt
+        (None: the base model); needs LLM(..., enable_lora=True)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one per prompt")
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, sp))
+            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
+                ids.append(self.engine.add_request(prompt, sp, lora_request=lora))
         except BaseException:
             for request_id in ids:  # a bad prompt later in the list must not leave earlier ones queued
                 self.engine.abort(request_id)
@@ -145,6 +155,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
         "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend"}),
+        "lora": (LoRAConfig, {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}),
     }
     speculative = speculative_config(kwargs.pop("speculative_config", None))
     known = set().union(*(keys for _, keys in groups.values()))

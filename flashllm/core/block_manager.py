@@ -37,6 +37,12 @@ def hash_block_tokens(parent_hash: bytes, token_ids: TokenIds[int]) -> bytes:
     return digest.digest()
 
 
+def _root_hash(seq: Sequence) -> bytes:
+    """The chain's start: salted by the sequence's cache_salt (its LoRA adapter), so blocks computed under
+    different weights never match each other."""
+    return hashlib.sha256(_ROOT_HASH + seq.cache_salt).digest() if seq.cache_salt else _ROOT_HASH
+
+
 class BlockManager:
     """Hands out KV blocks to sequences; shares identical full prefixes between them.
 
@@ -104,7 +110,7 @@ class BlockManager:
             return [], [], num_eligible
         block_ids: list[int] = []
         hashes: list[bytes] = []
-        parent = _ROOT_HASH
+        parent = _root_hash(seq)
         for i in range(num_eligible):
             start = i * self.block_size
             parent = hash_block_tokens(parent, seq.token_ids[start : start + self.block_size])
@@ -163,7 +169,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        parent = seq.block_hashes[-1] if seq.block_hashes else _root_hash(seq)
         for i in range(len(seq.block_hashes), num_full):
             start = i * self.block_size
             parent = hash_block_tokens(parent, seq.token_ids[start : start + self.block_size])

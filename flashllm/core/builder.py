@@ -16,7 +16,7 @@ from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
 from flashllm.models.gguf import is_gguf_path, open_gguf
 from flashllm.models.gguf.tensors import gguf_quant_capability
-from flashllm.models.hf_config import HFModelConfig, load_hf_config, uses_alibi
+from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, uses_alibi
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
 from flashllm.quant.spec import weight_quant_spec
@@ -93,6 +93,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
                                   tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path)
     model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
+    lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
     runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
@@ -106,6 +107,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s%s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.kv_cache_bytes() / 2**30,
                 selection.device, f" (rank {rank.rank} of {rank.world_size})" if rank.world_size > 1 else "")
+    runner.lora = lora
     reason = _no_graphs_reason(config, selection, ops, rank.world_size, model)
     if reason is None:
         runner.capture_graphs(config.scheduler.max_num_seqs, int(config.model.max_model_len))
@@ -118,6 +120,19 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
                        num_blocks, model_dir)
+
+
+def _lora_manager(config: EngineConfig, model: torch.nn.Module, model_dir: Path, ops: OpTable, dtype: torch.dtype,
+                  device: torch.device) -> Any:
+    """The multi-LoRA manager (flashllm/lora/manager.py) of an engine started with enable_lora."""
+    from flashllm.models.lora_serving import build_lora_manager
+
+    lora = config.lora
+    try:
+        return build_lora_manager(model, model_dir, ops, dtype, device, lora.max_loras, lora.max_lora_rank,
+                                  lora.max_cpu_loras)
+    except (ModelLoadError, ValueError) as exc:
+        raise EngineConfigError(f"enable_lora: {exc}") from None
 
 
 def model_runner_class(selection: DeviceSelection) -> type[ModelRunner]:
@@ -143,6 +158,8 @@ def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpT
         return "--enforce-eager"
     if world_size > 1:
         return "tensor parallelism (the other ranks run their steps eagerly)"
+    if config.lora.enable_lora:
+        return "multi-LoRA (each step's adapter slots are chosen on the host)"
     if selection.adapter.new_graph(selection.device) is None:
         return f"the {selection.backend.name} backend's device has no graphs"
     unsafe = [op for op in (ops.sources if model is None else bound_ops(model, ops))

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
@@ -42,6 +43,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = self.executor.runner  # the driver rank's
         self.speculator: Speculator | None = make_speculator(config, self.parts, self.block_manager)
+        if getattr(self.runner, "lora", None) is not None:  # multi-LoRA: a batch uses at most max_loras adapters
+            self.scheduler.max_loras = config.lora.max_loras
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -61,8 +64,12 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: Any = None,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Validation happens here."""
+        """Queue a request (text or token ids); returns its id. Validation happens here.
+
+        lora_request: a flashllm.lora LoRARequest to run the request with that adapter (the engine
+        must be built with enable_lora); the adapter is read and checked here on first use."""
         params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -72,13 +79,24 @@ class Engine:
         text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_prompt(token_ids)
         spec = params.structured_output
+        salt = self._lora_salt(lora_request)
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,
                           self.runner.device, self.grammars.compile(spec) if spec is not None else None)
         for seq in request.seqs:
+            if lora_request is not None:
+                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, salt
             self.scheduler.add(seq)
             self._by_seq[seq.seq_id] = request
         self.requests[request_id] = request
         return request_id
+
+    def _lora_salt(self, lora_request: Any) -> bytes:
+        if lora_request is None:
+            return b""
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            raise ValueError("a LoRA request needs an engine started with enable_lora=True (serve: --enable-lora)")
+        return manager.add(lora_request)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

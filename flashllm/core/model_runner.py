@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -114,6 +115,7 @@ class ModelRunner:
         # of the batch to the other tensor-parallel ranks (None on one rank)
         self.on_inputs: Callable[[ModelInput], None] | None = None
         self.block_size = block_size
+        self.lora: Any = None  # a flashllm.lora LoRAManager when multi-LoRA is on: prepare() sets each step's slots
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
     @classmethod
@@ -187,6 +189,9 @@ class ModelRunner:
         if self.shape_buckets is not None:
             num_logits = len(flat.sampling_rows)
             _pad_to_buckets(flat, self.shape_buckets)
+        if self.lora is not None:
+            self.lora.prepare([item.seq.lora_id for item in batch.scheduled],
+                              [item.num_new_tokens for item in batch.scheduled], len(flat.input_ids))
         width = max(len(t) for t in flat.block_tables)
         if self.shape_buckets is not None:
             width = self.shape_buckets.blocks(width)

@@ -63,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # distinct LoRA adapters the running batch may use at once (the device's slots); None: no LoRA
+        self.max_loras: int | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -211,7 +213,7 @@ class Scheduler:
             seq = self.waiting[0]
             num_hit = bm.num_prefix_hit_tokens(seq)
             num_new = self._chunk_size(seq.num_tokens - num_hit, budget)
-            if num_new == 0 or not bm.can_allocate(seq, num_new):
+            if num_new == 0 or not bm.can_allocate(seq, num_new) or not self._adapter_fits(seq):
                 break  # FIFO: later requests do not overtake the head of the queue
             self.waiting.popleft()
             bm.allocate_prompt(seq)
@@ -221,6 +223,13 @@ class Scheduler:
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
         return budget
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether seq's LoRA adapter is running already or a device slot is left for it."""
+        if self.max_loras is None or not seq.lora_id:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in active or len(active) < self.max_loras
 
     @staticmethod
     def _add_to_batch(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:

@@ -68,6 +68,10 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # the LoRA adapter the sequence runs with (0: the base model) and the prefix-cache salt that
+        # keeps its KV blocks apart from other adapters' (b"": unsalted)
+        self.lora_id: int = 0
+        self.cache_salt: bytes = b""
 
     def __repr__(self) -> str:
         return (
@@ -137,4 +141,5 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
+        child.lora_id, child.cache_salt = self.lora_id, self.cache_salt
         return child

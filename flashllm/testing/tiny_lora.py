@@ -66,3 +66,13 @@ def build_random_adapter(out_dir: str | Path, shapes: dict[str, tuple[int, int]]
               "use_rslora": False, "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+@torch.no_grad()
+def greedy_reference(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by repeated full forwards of a transformers (or peft) model: (tokens, the final
+    forward's logits (len(prompt) + steps, vocab)), independent of any cache code."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):], model(input_ids=torch.tensor([ids])).logits[0]
