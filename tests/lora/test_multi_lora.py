@@ -95,7 +95,8 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone(setup) -> None:
     prompts = [shared, shared, *_prompts((30, 17, 5, 33, 21), seed=4), shared]
     loras = [requests[0], requests[1], requests[2], None, requests[3], requests[1], None, requests[0]]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    alone = [llm.generate([p], params, lora_request=lora)[0].outputs[0].token_ids for p, lora in zip(prompts, loras)]
+    alone = [llm.generate([p], params, lora_request=lora)[0].outputs[0].token_ids
+             for p, lora in zip(prompts, loras, strict=True)]
     manager = llm.engine.runner.lora
     loads_before, preempted_before = manager.num_slot_loads, llm.engine.scheduler.num_preemptions
     together = llm.generate(prompts, params, lora_request=loras)
