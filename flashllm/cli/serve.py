@@ -68,6 +68,13 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                                "the KV cache (which takes what a profiled worst-case step leaves)"),
     "seed": (int, 0, "engine seed"),
     "lora_path": (str, None, "a PEFT LoRA adapter directory merged into the weights at load (docs/lora.md)"),
+    "enable_lora": (_bool, False, "multi-LoRA: the request's `model` may name an adapter (docs/lora.md)"),
+    "lora_modules": (str, None, "NAME=DIR adapters served from the start (with --enable-lora; several allowed)"),
+    "max_loras": (int, 4, "adapters held on the device at once (least recently used evicted)"),
+    "max_lora_rank": (int, 16, "the largest adapter rank served"),
+    "max_cpu_loras": (int, None, "adapters kept in host memory (default: --max-loras; others re-read from disk)"),
+    "allowed_lora_dir": (str, None, "directory under which POST /v1/load_lora_adapter may read adapters "
+                         "(needs --api-key; several allowed)"),
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
@@ -76,7 +83,10 @@ MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
-                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path")
+                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path",
+                "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir")
+# options given several times (or as several values) that collect into a list
+LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir"}
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path"}
 
@@ -92,6 +102,8 @@ def add_parser(sub: Any) -> None:
             parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=None, help=text)
         elif dest == "api_key":
             parser.add_argument(*flags, dest=dest, action="append", default=None, help=text)
+        elif dest in LIST_OPTIONS:
+            parser.add_argument(*flags, dest=dest, action="extend", nargs="+", default=None, help=text)
         else:
             parser.add_argument(*flags, dest=dest, type=kind, default=None, metavar=METAVARS.get(dest), help=text)
 
@@ -111,12 +123,16 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
         if given is not None:
             values[dest] = given
         elif env is not None:
-            values[dest] = [env] if dest == "api_key" else _convert(dest, kind, env, f"FLASHLLM_{dest.upper()}")
+            values[dest] = [env] if dest == "api_key" else env.split() if dest in LIST_OPTIONS \
+                else _convert(dest, kind, env, f"FLASHLLM_{dest.upper()}")
         elif dest in config:
             values[dest] = _config_value(dest, kind, config[dest])
         else:
             values[dest] = default
     _check_mode(values)
+    if (values["lora_modules"] or values["allowed_lora_dir"]) and not values["enable_lora"]:
+        raise SystemExit("flashllm serve: --lora-modules and --allowed-lora-dir serve adapters per request; add "
+                         "--enable-lora (or merge one adapter with --lora-path)")
     return values
 
 
@@ -139,7 +155,7 @@ def _convert(dest: str, kind: Any, text: str, where: str) -> Any:
 
 
 def _config_value(dest: str, kind: Any, raw: Any) -> Any:
-    if dest == "api_key":
+    if dest in LIST_OPTIONS:
         return [raw] if isinstance(raw, str) else [str(k) for k in raw]
     if isinstance(raw, bool):
         return raw if kind is _bool else _convert(dest, kind, "invalid", f"--config {dest}")

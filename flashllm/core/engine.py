@@ -90,6 +90,22 @@ class Engine:
         self.requests[request_id] = request
         return request_id
 
+    def add_lora(self, lora_request: Any, pinned: bool = False) -> None:
+        """Register an adapter now (read and checked; LoRAError / ValueError when it cannot be used).
+        pinned: its host copy is never dropped (the server's --lora-modules)."""
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            raise ValueError("loading a LoRA adapter needs an engine started with enable_lora=True (--enable-lora)")
+        manager.add(lora_request, pinned=pinned)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter and free its device slot; ValueError while unfinished requests use it."""
+        manager = getattr(self.runner, "lora", None)
+        users = sum(s.lora_id == lora_int_id for s in (*self.scheduler.waiting, *self.scheduler.running))
+        if users:
+            raise ValueError(f"the adapter is in use by {users} unfinished sequence(s); unload it when they finish")
+        return manager is not None and manager.remove(lora_int_id)
+
     def _lora_salt(self, lora_request: Any) -> bytes:
         if lora_request is None:
             return b""

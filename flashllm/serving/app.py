@@ -112,9 +112,11 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        adapters = [{"id": name, "object": "model", "created": started, "owned_by": "flashllm",
+                     "parent": ctx.model_name, "max_model_len": ctx.max_model_len} for name in ctx.loras]
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": started,
                                             "owned_by": "flashllm", "max_model_len": ctx.max_model_len,
-                                            **ctx.model_info}]}
+                                            **ctx.model_info}, *adapters]}
 
     @app.get("/health")
     async def health() -> Response:

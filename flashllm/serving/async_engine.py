@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -198,8 +199,17 @@ class AsyncEngine:
             self._inbox.put(("abort", request_id))
             self._wake.set()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) run on the engine thread between steps (the only thread touching the engine); its result."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed: {self.error}")
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one reserved request, step by step, the last one with `finished` set.
 
         Leaving the iteration early (client disconnect, timeout, cancellation) aborts the
@@ -209,7 +219,7 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
         if stream is None:
             raise RuntimeError(f"request {request_id!r} has no seat: call reserve() first")
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, lora_request))
         self._wake.set()
         try:
             while True:
@@ -257,13 +267,17 @@ class AsyncEngine:
             if message[0] == "abort":
                 self.engine.abort(message[1])
                 continue
-            _, request_id, prompt_token_ids, params = message
+            if message[0] == "call":
+                _run_call(self.engine, message[1], message[2])
+                continue
+            _, request_id, prompt_token_ids, params, lora_request = message
             with self._lock:
                 alive = request_id in self._streams
             if not alive:
                 continue  # released before it reached the engine
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+                lora = {} if lora_request is None else {"lora_request": lora_request}  # static mode takes none
+                self.engine.add_request(prompt_token_ids, params, request_id=request_id, **lora)
             except ValueError as exc:
                 self._deliver(request_id, exc)
 
@@ -313,3 +327,11 @@ class AsyncEngine:
         while self.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.num_in_flight == 0
+
+
+def _run_call(engine: Any, fn: Callable[[Any], Any], future: concurrent.futures.Future[Any]) -> None:
+    """AsyncEngine.call's body on the engine thread: the caller gets the result or the exception."""
+    try:
+        future.set_result(fn(engine))
+    except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+        future.set_exception(exc)

@@ -37,6 +37,8 @@ class ServerContext:
     model_info: dict[str, Any] = field(default_factory=dict)  # extra /v1/models fields (e.g. static mode's)
     # trusted callers only: special-token spellings in chat message content become control tokens
     allow_special_tokens_in_content: bool = False
+    # multi-LoRA (serving/lora_api.py): adapter name -> LoRARequest, selected by the request's `model`
+    loras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,10 +48,16 @@ class Generation:
     ctx: ServerContext
     prompts: list[list[int]]
     params: SamplingParams
+    lora_request: Any = None  # the adapter the request's `model` named (None: the base model)
     request_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     aborted: str | None = field(default=None, init=False)  # why it ended early, counted once in /metrics
+
+    @property
+    def model_name(self) -> str:
+        """The `model` answers name: the adapter's name, or the served model's."""
+        return self.ctx.model_name if self.lora_request is None else self.lora_request.lora_name
 
     def reserve(self) -> None:
         """Claim engine seats; 503 (busy, draining, engine failed) before anything is sent."""
@@ -93,7 +101,8 @@ class Generation:
 
         async def pump(index: int, request_id: str) -> None:
             try:
-                async for output in self.ctx.engine.generate(request_id, self.prompts[index], self.params):
+                async for output in self.ctx.engine.generate(request_id, self.prompts[index], self.params,
+                                                             self.lora_request):
                     await queue.put((index, output))
                 await queue.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises

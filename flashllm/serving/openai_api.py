@@ -35,10 +35,16 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {ctx.model_name!r}",
+def _check_model(ctx: ServerContext, model: str | None) -> Any:
+    """The LoRARequest `model` names (None: the base model); 404 in OpenAI's shape for any other name."""
+    if model is None or model == ctx.model_name:
+        return None
+    lora = ctx.loras.get(model)
+    if lora is None:
+        adapters = f" and adapters {sorted(ctx.loras)[:20]}" if ctx.loras else ""
+        raise APIError(404, f"model {model!r} is not served here; this server serves {ctx.model_name!r}{adapters}",
                        param="model", code="model_not_found")
+    return lora
 
 
 def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None,
@@ -73,7 +79,7 @@ def _check_vocab(ctx: ServerContext, prompts: list[list[int]]) -> None:
 async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check()
-    _check_model(ctx, req.model)
+    lora = _check_model(ctx, req.model)
     texts = req.prompts()
     if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
@@ -84,7 +90,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     spec, param = from_request(req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs, spec)
-    gen = Generation(ctx, prompts, params)
+    gen = Generation(ctx, prompts, params, lora)
     gen.reserve()
     echo = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in texts] \
         if req.echo else None
@@ -105,7 +111,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             })
     return JSONResponse({"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created,
-                         "model": ctx.model_name, "choices": choices, "usage": usage(prompts, finals)})
+                         "model": gen.model_name, "choices": choices, "usage": usage(prompts, finals)})
 
 
 async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list[str] | None
@@ -115,7 +121,7 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
     offsets: dict[tuple[int, int], int] = {}
     done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
-    head = {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": ctx.model_name}
+    head = {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": gen.model_name}
     try:
         async for p, output in gen.stream():
             for c in output.outputs:
@@ -145,7 +151,7 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
 async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     req.check()
-    _check_model(ctx, req.model)
+    lora = _check_model(ctx, req.model)
     tool_names = _tool_names(req)
     if ctx.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions or start the server with "
@@ -166,7 +172,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     spec, param = _chat_constraint(req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)
-    gen = Generation(ctx, [prompt], params)
+    gen = Generation(ctx, [prompt], params, lora)
     gen.reserve()
     if req.stream:
         return StreamingResponse(_chat_stream(gen, req, tool_names), media_type="text/event-stream",
@@ -177,7 +183,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         return Response(status_code=499)
     choices = [_chat_choice(ctx, c, tool_names, _max_calls(req)) for c in output.outputs]
     return JSONResponse({"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created,
-                         "model": ctx.model_name, "choices": choices, "usage": usage(gen.prompts, [output])})
+                         "model": gen.model_name, "choices": choices, "usage": usage(gen.prompts, [output])})
 
 
 def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
@@ -223,7 +229,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
                        ) -> AsyncIterator[bytes]:
     ctx = gen.ctx
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
-            "model": ctx.model_name}
+            "model": gen.model_name}
     sent: dict[int, int] = {}
     parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} if tool_names is not None else {}
     num_calls: dict[int, int] = {}

@@ -85,6 +85,8 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
+    if options.get("enable_lora"):
+        _serve_loras(options, served.engine, ctx, app)
     if options["ui"]:
         from flashllm.serving.webui import mount_webui
 
@@ -93,6 +95,19 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         base = f"http://{_client_host(options['host'])}:{options['port']}/v1"
         mount_webui(app, base, name, (options["api_key"] or [None])[0])
     return BuiltServer(app, ctx, async_engine, limits)
+
+
+def _serve_loras(options: dict[str, Any], engine: Any, ctx: ServerContext, app: Any) -> None:
+    """--lora-modules loaded now (one-line exit on a bad adapter) and the admin endpoints (serving/lora_api.py)."""
+    from flashllm.lora import LoRAError
+    from flashllm.serving.lora_api import LoRARoutes, parse_lora_modules
+
+    routes = LoRARoutes(ctx, bool(options["api_key"]), options["allowed_lora_dir"] or ())
+    try:
+        routes.register_startup(engine, parse_lora_modules(options["lora_modules"] or ()))
+    except (LoRAError, ValueError) as exc:
+        raise SystemExit(f"flashllm serve: {exc}") from None
+    routes.install(app)
 
 
 def connection_limits(options: dict[str, Any]) -> ConnectionLimits:
@@ -137,6 +152,8 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
         seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],
         distributed_executor_backend=options["distributed_executor_backend"], lora_path=options["lora_path"],
+        enable_lora=options["enable_lora"], max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
+        max_cpu_loras=options["max_cpu_loras"],
     )
     return Engine(config)
 
