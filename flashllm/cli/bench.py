@@ -64,6 +64,13 @@ def add_parser(sub: Any) -> None:
                        help="where latency runs are bracketed by probes (a CPU with --roofline): also probe "
                             "between every TOKENS decode tokens of a one-request run, outside the timed spans, "
                             "each chunk against the probes at its ends (0: only before and after the run)")
+        if mode == "throughput":
+            p.add_argument("--lora", type=int, default=0, metavar="N",
+                           help="also run N random rank --lora-rank PEFT adapters (every projection), spread "
+                                "round-robin over the requests, against the base model in the same rounds")
+            p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters")
+            p.add_argument("--lora-merged", action="store_true",
+                           help="with --lora: also run the first adapter merged at load (--lora_path)")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
@@ -154,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
             plot.check_plot_target(args.plot)  # before the benchmark, which may run for minutes
         if args.mode == "serve":
             return _serve(args)
+        if getattr(args, "lora", 0):
+            from flashllm.bench.lora import run_lora_bench
+
+            return run_lora_bench(args)
         from flashllm.bench.offline import run_offline
 
         return run_offline(args)

@@ -78,7 +78,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
-FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content"}
+FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content", "enable_lora"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",

@@ -138,3 +138,32 @@ def test_lora_requests_are_refused_clearly(setup, tmp_path) -> None:
         llm.generate([[1, 2, 3]], GREEDY, lora_request=LoRARequest("other", 2, requests[3].lora_path))
     with pytest.raises(ValueError, match="id >= 1|whole number"):
         LoRARequest("x", 0, "p")
+
+
+def test_float_adapters_on_a_weight_only_int8_base(setup, tmp_path) -> None:
+    """w8a16 base layers with float adapters: transformers + peft on a float model holding the int8 codes
+    times their scales (quantized per projection here, with flashllm's quantize_weight) is the oracle."""
+    from safetensors.torch import load_file, save_file
+
+    from flashllm.ops.quant_matmul import dequantize
+    from flashllm.quant.weight_only import quantize_weight
+
+    base, requests = setup["llama"]
+    snapped = tmp_path / "snapped"
+    snapped.mkdir()
+    for path in base.iterdir():
+        if path.suffix != ".safetensors":
+            (snapped / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(base / "model.safetensors")
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight"):  # every linear layer the engine quantizes (not embeddings / head)
+            tensors[name] = dequantize(quantize_weight(tensor, "w8a16", -1, True))
+    save_file(tensors, snapped / "model.safetensors")
+    llm = _llm(base, quant_type="weight_only_int8", backend="reference")
+    rows = record_logits(llm)
+    prompt = _prompts((21,), seed=30)[0]
+    output = llm.generate([prompt], GREEDY, lora_request=requests[0])[0]
+    tokens, logits = greedy_reference(load_peft_model(snapped, requests[0].lora_path), prompt, STEPS)
+    assert output.outputs[0].token_ids == tokens
+    for ctx, row in rows:
+        torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
