@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+# Every LoRA layer of a step gets the same indices tensor (a new one each step): its row groups are
+# found once, by identity, instead of once per layer and shard.
+_last: list[Any] = [None, None]
+
 
 def _groups(lora_indices: Tensor) -> list[tuple[int, slice | Tensor]]:
-    """(slot, rows) per adapter slot present (never -1); rows is a slice when the slot's rows are contiguous."""
+    """(slot, rows) per adapter slot present (never -1); rows is a slice when one slot takes the whole batch."""
+    if _last[0] is lora_indices:
+        return _last[1]
+    groups = _find_groups(lora_indices)
+    _last[0], _last[1] = lora_indices, groups
+    return groups
+
+
+def _find_groups(lora_indices: Tensor) -> list[tuple[int, slice | Tensor]]:
     if lora_indices.numel() == 0:
         return []
     first, last = int(lora_indices[0]), int(lora_indices[-1])
