@@ -191,7 +191,8 @@ class ModelRunner:
             _pad_to_buckets(flat, self.shape_buckets)
         if self.lora is not None:
             self.lora.prepare([item.seq.lora_id for item in batch.scheduled],
-                              [item.num_new_tokens for item in batch.scheduled], len(flat.input_ids))
+                              [1 + len(item.draft_token_ids) if item.draft_token_ids else item.num_new_tokens
+                               for item in batch.scheduled], len(flat.input_ids))
         width = max(len(t) for t in flat.block_tables)
         if self.shape_buckets is not None:
             width = self.shape_buckets.blocks(width)

@@ -167,3 +167,14 @@ def test_float_adapters_on_a_weight_only_int8_base(setup, tmp_path) -> None:
     assert output.outputs[0].token_ids == tokens
     for ctx, row in rows:
         torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
+
+
+def test_speculative_decoding_verifies_with_each_rows_adapter(setup) -> None:
+    """ngram drafts verified under each row's adapter: the greedy tokens are those without speculation."""
+    base, requests = setup["llama"]
+    prompt = _prompts((12,), seed=40)[0] * 3  # repeats give the ngram proposer something to draft
+    prompts, loras = [prompt, prompt, prompt[5:]], [requests[0], None, requests[1]]
+    plain = [o.outputs[0].token_ids for o in _llm(base).generate(prompts, GREEDY, lora_request=loras)]
+    spec = _llm(base, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, lora_request=loras)] == plain
+    assert spec.engine.speculator.stats.num_drafted > 0
