@@ -241,7 +241,14 @@ def _iter_tensors(
                         yield name, CheckpointTensor.open(name, f.get_slice(name))
                         bar.update(1)
             except SafetensorError as exc:
-                raise ModelLoadError(f"{path.name} is not a valid safetensors file ({exc})") from None
+                raise ModelLoadError(f"{path.name} is not a valid safetensors file ({_printable(str(exc))})") from None
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """A library's message about a hostile file on one line: it may quote the file's bytes (newlines,
+    control characters), which are escaped; cut to `limit` characters."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def _check_promised(path: Path, promised: set[str] | None, names: list[str]) -> None:

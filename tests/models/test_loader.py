@@ -481,3 +481,17 @@ def test_demo_model_is_built_once_atomically_and_loads(tmp_path, ops, model_regi
     assert read_checkpoint(rebuilt).keys() == read_checkpoint(path).keys()
     ours, theirs = read_checkpoint(rebuilt), read_checkpoint(path)
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_a_safetensors_header_quoting_control_characters_still_fails_in_one_line(tmp_path):
+    # The safetensors library quotes the offending header value in its message (found by tests/fuzz):
+    # a dtype holding a newline and an escape sequence must not break the one-line error.
+    from flashllm.models.loader import _iter_tensors
+
+    header = json.dumps({"w": {"dtype": "\n\x1b[2J", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(ModelLoadError) as excinfo:
+        list(_iter_tensors({path: None}, False, set()))
+    message = str(excinfo.value)
+    assert message.isprintable() and "\\n" in message and "model.safetensors" in message
