@@ -2,7 +2,7 @@
 
 Every engine runs the same requests on the same weights, one after the other, against the
 matmul ceiling measured at the start of the run and a memory-bandwidth ceiling read just before
-and just after that engine ran (the higher of the two; bench/repeats.py says why) (BENCHMARKS.md):
+and just after that engine ran (the higher of the two; bench/repeats.py says why) (docs/benchmarks.md):
 reference and cpu in this process with the backend forced; ipex in a subprocess of the
 interpreter that has IPEX (torch 2.8, `nox -s ipex`), which runs this module with --worker;
 onnx through static mode (`StaticLLM`), exported once into a cache directory keyed by the
@@ -60,7 +60,7 @@ def add_parser(modes: Any) -> None:
     p = modes.add_parser("devices", help="reference vs cpu vs ipex vs onnx static mode: decode and throughput")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--model", default=None, help="HF model directory")
-    group.add_argument("--shape", default=None, help="a named shape of BENCHMARKS.md (default qwen2.5-0.5b)")
+    group.add_argument("--shape", default=None, help="a named model shape (default qwen2.5-0.5b)")
     p.add_argument("--backends", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}, run in order")
     p.add_argument("--ipex-python", type=Path, default=None,
                    help=f"interpreter with IPEX for the ipex engine (default: {IPEX_PYTHON} when it exists)")

@@ -1,6 +1,6 @@
 """`flashllm bench throughput | latency`: flashllm, its baselines and the machine's ceilings in one run.
 
-The GPU workloads of BENCHMARKS.md, bf16, each engine on the same GPU (transformers is loaded onto
+The GPU workloads of docs/benchmarks.md, bf16, each engine on the same GPU (transformers is loaded onto
 the device flashllm ran on; clocks are read after a device synchronize):
 
     # decode latency: batch 1, prompt 128, 128 new tokens
@@ -273,7 +273,7 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
     quantized bytes when weights are quantized; an input embedding table counts only when a float
     LM head is that table: see WeightBytes.streamed). A whole offline run is at best compute-bound:
     ceiling = matmul FLOP/s / FLOPs per token, with FLOPs per token = 2 x matmul parameters +
-    attention at the workload's mean context (BENCHMARKS.md).
+    attention at the workload's mean context (docs/benchmarks.md).
     """
     from flashllm.bench import roofline as rl
     from flashllm.bench.shapes import flops_per_token

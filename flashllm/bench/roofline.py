@@ -16,8 +16,8 @@ class Roofline:
     """Measured limits of one device.
 
     read_bandwidth: bytes/s a read-only stream reaches (a reduction over a large buffer);
-    copy_bandwidth: bytes read + written per second by a large copy (BENCHMARKS.md's "memory
-    bandwidth"); ceiling: which of the two the decode ceiling divides by ("read stream" | "copy").
+    copy_bandwidth: bytes read + written per second by a large copy (the GPU ceiling of
+    docs/benchmarks.md); ceiling: which of the two the decode ceiling divides by ("read stream" | "copy").
     """
 
     read_bandwidth: float
@@ -69,7 +69,7 @@ class Plan:
 # The CPU keeps its read-stream convention: a CPU decode step is a GEMV streaming its weights,
 # and a CPU copy's write-allocate traffic makes "read + written" understate what a read reaches
 # (docs/benchmarks.md reports ~17.5 GB/s read on the 2-core machine). Every other device uses
-# BENCHMARKS.md's definition, a 2 GiB device copy counted as bytes read + written, and an 8192^3
+# docs/benchmarks.md's definition, a 2 GiB device copy counted as bytes read + written, and an 8192^3
 # GEMM in the benchmark dtype.
 # A CPU's runs are bracketed by read probes: on the team's shared 2-core VM the read stream drifted
 # between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
@@ -91,7 +91,7 @@ PLANS: dict[str, Plan] = {"cpu": CPU_PLAN}
 
 
 def plan_for(device: str | torch.device) -> Plan:
-    """The measurement plan of `device`'s type: PLANS' entry, else ACCELERATOR_PLAN (BENCHMARKS.md's)."""
+    """The measurement plan of `device`'s type: PLANS' entry, else ACCELERATOR_PLAN (docs/benchmarks.md's)."""
     return PLANS.get(torch.device(device).type, ACCELERATOR_PLAN)
 
 

@@ -1,4 +1,4 @@
-"""Random-weight models with the exact shapes of real checkpoints (BENCHMARKS.md), cached locally."""
+"""Random-weight models with the exact shapes of real checkpoints (docs/benchmarks.md), cached locally."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmark requests: random lengths (BENCHMARKS.md) or a ShareGPT-layout JSON file."""
+"""Benchmark requests: random lengths (docs/benchmarks.md) or a ShareGPT-layout JSON file."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
         p = modes.add_parser(mode)
         group = p.add_mutually_exclusive_group()
         group.add_argument("--model", default=None, help="HF model directory")
-        group.add_argument("--shape", default=None, help="a named shape of BENCHMARKS.md, e.g. qwen2.5-0.5b")
+        group.add_argument("--shape", default=None, help="random weights of a named model shape, e.g. qwen2.5-0.5b")
         p.add_argument("--dataset", default="random", help="random | sharegpt")
         p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
         p.add_argument("--input-len", default=defaults[0])

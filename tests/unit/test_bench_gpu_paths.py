@@ -14,7 +14,7 @@ from flashllm.cli import build_parser
 
 
 def test_each_device_type_gets_its_plan() -> None:
-    # the CPU keeps its sizes and its read-stream ceiling; a GPU gets BENCHMARKS.md's copy and an 8192^3 GEMM
+    # the CPU keeps its sizes and its read-stream ceiling; a GPU gets docs/benchmarks.md's copy and an 8192^3 GEMM
     assert roofline.plan_for("cpu") == roofline.CPU_PLAN
     assert (roofline.CPU_PLAN.copy_bytes, roofline.CPU_PLAN.matmul_n, roofline.CPU_PLAN.repeats) == (1 << 30, 2048, 5)
     assert roofline.CPU_PLAN.ceiling == "read stream"

@@ -5,7 +5,7 @@ threshold (128 KiB, adapting up to 32 MiB) with a fresh mapping and unmaps it on
 the heap's free top back to the OS; either way the next step's tensor of that size faults its
 pages in again, 4 KiB at a time, each zeroed by the kernel. A prefill step of the 0.5b shape
 allocates its gate_up product (1092 tokens x 9728 features, 42 MB) in every layer, and a decode
-step its logits (16 x 151936, 9.7 MB): one offline run of BENCHMARKS.md's CPU workload faulted
+step its logits (16 x 151936, 9.7 MB): one offline run of docs/benchmarks.md's CPU workload faulted
 ~700,000 pages (2.8 GB). In a VM a fault costs microseconds.
 
 keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
