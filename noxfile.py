@@ -39,7 +39,9 @@ def slow(session: nox.Session) -> None:
 def conformance(session: nox.Session, backend: str) -> None:
     """Every kernel of one backend against the reference; skips with the reason if unavailable."""
     _install(session)
-    session.run("pytest", "-q", "tests/conformance", "-k", backend, *session.posargs, success_codes=[0, 5])
+    # no success_codes=[0, 5]: a run that selects no test (a renamed backend, a broken -k) fails; a backend
+    # unavailable here still selects its cases, which skip with the reason
+    session.run("pytest", "-q", "tests/conformance", "-k", backend, *session.posargs)
 
 
 @nox.session(python="3.11")
