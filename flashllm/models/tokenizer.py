@@ -98,8 +98,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise FileNotFoundError(f"{root} has neither tokenizer.json nor tokenizer_config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"could not load the tokenizer in {root}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        # transformers reads tokenizer_config.json's values without checking their types (a list where
+        # a token belongs, a string where a table does): any of these is a bad file, not a crash
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise ValueError(f"could not load the tokenizer in {root} ({detail}); check tokenizer_config.json "
+                         "against the model's original") from None
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {root} loaded as the slow {type(tokenizer).__name__}; flashllm needs a "
                          "fast tokenizer: add a tokenizer.json")

@@ -356,3 +356,19 @@ def test_assistant_tool_call_without_content_is_valid() -> None:
     out = render_chat("chatml", messages)
     assert f"<tool_call>\n{json.dumps(call['function'], ensure_ascii=False)}\n</tool_call>" in out
     assert out.endswith("<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_tokenizer_config_with_values_of_the_wrong_type_is_a_value_error(tmp_path) -> None:
+    # Found by tests/fuzz: transformers raised TypeError / AttributeError from such files (a traceback at start-up).
+    import json as _json
+
+    from flashllm.models.tokenizer import load_tokenizer
+    from flashllm.testing.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path, "qwen2", seed=2)
+    for bad in ({"tokenizer_class": "Qwen2Tokenizer", "bos_token": ["<s>"]},
+                {"tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": {"5": "x"}}):
+        (model_dir / "tokenizer_config.json").write_text(_json.dumps(bad))
+        with pytest.raises(ValueError, match="could not load the tokenizer") as excinfo:
+            load_tokenizer(model_dir)
+        assert "\n" not in str(excinfo.value)
