@@ -1,4 +1,5 @@
-"""Property fuzzing of what reads untrusted input: config.json, chat templates, safetensors headers, tool calls.
+"""Property fuzzing of what reads untrusted input: config.json, tokenizer_config.json, chat templates, safetensors
+headers, tool calls.
 
 10,000 examples each at the default size (FLASHLLM_FUZZ_EXAMPLES x 67). Each parser may only
 answer with its documented error (ModelLoadError, ChatTemplateError) or a result that satisfies
@@ -14,14 +15,16 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.hf_config import parse_hf_config
 from flashllm.models.loader import _iter_tensors
-from flashllm.models.tokenizer import ChatTemplateError, render_chat
+from flashllm.models.tokenizer import ChatTemplateError, load_chat_template, load_tokenizer, render_chat
 from flashllm.serving.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
+from flashllm.testing.tiny_models import build_tiny_model
 
 EXAMPLES = int(os.environ.get("FLASHLLM_FUZZ_EXAMPLES", "150")) * 67
 FUZZ = settings(max_examples=EXAMPLES, deadline=timedelta(seconds=5), derandomize=True, database=None,
@@ -115,3 +118,33 @@ def test_tool_call_parser(text: str, tool_names: list[str] | None) -> None:
         assert tool_names is None or call.name in tool_names
         assert isinstance(json.loads(call.arguments), dict) and call.name
     assert parsed.content is None or parsed.content.strip() == parsed.content
+
+
+TOKENIZER_KEYS = ["bos_token", "eos_token", "unk_token", "pad_token", "additional_special_tokens",
+                  "extra_special_tokens", "clean_up_tokenization_spaces", "chat_template", "tokenizer_class",
+                  "model_max_length", "added_tokens_decoder", "auto_map"]
+token_values = json_values | st.sampled_from(["<|im_end|>", "", "\n", {"content": "<s>"}, {"content": 5},
+                                              [{"name": "default", "template": "{{ 1 }}"}], "PreTrainedTokenizerFast",
+                                              "Qwen2Tokenizer", "LlamaTokenizer", "NoSuchTokenizer"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("fuzz-tokenizer"), "qwen2", seed=2)
+    return (model_dir / "tokenizer.json").read_bytes()
+
+
+@FUZZ
+@given(config=st.dictionaries(st.sampled_from(TOKENIZER_KEYS), token_values, max_size=6) | json_values)
+def test_tokenizer_config_reader(tokenizer_json: bytes, config: object) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        (root / "tokenizer.json").write_bytes(tokenizer_json)
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+        for load in (load_tokenizer, load_chat_template):
+            try:
+                result = load(root)
+            except (ValueError, ModelLoadError) as exc:  # ChatTemplateError is a ValueError
+                assert str(exc)
+                continue
+            assert result is None or load is load_tokenizer or isinstance(result.source, str)
