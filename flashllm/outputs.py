@@ -57,6 +57,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts
+    # it), else (the token's logprob, [(token_id, logprob)] of the prompt_logprobs most likely, best first)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def text(self) -> str:

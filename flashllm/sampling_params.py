@@ -186,6 +186,7 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     structured_output: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (+ this many most likely); no prefix cache
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -207,6 +208,8 @@ class SamplingParams:
         self.stop_token_ids = _normalize_token_ids("stop_token_ids", self.stop_token_ids)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
                      "use_beam_search"):
             _check_bool(name, getattr(self, name))

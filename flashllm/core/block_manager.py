@@ -106,7 +106,8 @@ class BlockManager:
         """
         # The last token is never taken from the cache: the model must run it to produce logits.
         num_eligible = (seq.num_tokens - 1) // self.block_size
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
+            # prompt logprobs need every prompt position to run through the model
             return [], [], num_eligible
         block_ids: list[int] = []
         hashes: list[bytes] = []

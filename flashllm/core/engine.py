@@ -78,6 +78,8 @@ class Engine:
             raise ValueError("this model has no tokenizer: pass prompts as token ids")
         text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_prompt(token_ids)
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is computed on one rank only; run with --tensor-parallel-size 1")
         spec = params.structured_output
         salt = self._lora_salt(lora_request)
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from flashllm.core.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
+from flashllm.core.sequence import Sequence
 from flashllm.core.spec import verify
 from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from flashllm.ops.attention_metadata import AttentionMetadata
@@ -36,6 +38,9 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     num_logits: int | None = None
+    # SamplingParams.prompt_logprobs: (sequence, first token row, first position, rows) per chunk holding
+    # prompt positions whose next prompt token gets its logprob (flashllm.core.prompt_logprobs)
+    prompt_logprobs: list[tuple[Sequence, int, int, int]] | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class _FlatBatch:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sampling_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
@@ -211,6 +217,7 @@ class ModelRunner:
             attn_metadata=metadata,
             logits_indices=self._tensor(flat.sampling_rows, torch.int64),
             num_logits=num_logits,
+            prompt_logprobs=flat.prompt_logprobs or None,
         )
 
     def _flatten(self, batch: SchedulerOutput) -> _FlatBatch:
@@ -226,6 +233,7 @@ class ModelRunner:
             flat.input_ids.extend(seq.token_ids[start:end])
             flat.positions.extend(range(start, end))
             flat.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            flat.prompt_logprobs.extend(prompt_logprob_rows(seq, len(flat.input_ids) - (end - start), start, end))
             flat.q_lens.append(item.num_new_tokens)
             flat.seq_lens.append(end)
             flat.block_tables.append(table)
@@ -303,6 +311,8 @@ class ModelRunner:
 
     def _execute(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
         hidden = self._forward(inputs)
+        if inputs.prompt_logprobs:
+            record_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
         if inputs.logits_indices.numel() == 0:
             self.adapter.end_step(self.device)
             return hidden.new_empty((0,) if greedy else (0, 0), dtype=torch.int64 if greedy else torch.float32)

@@ -157,4 +157,11 @@ class Request:
                 cumulative_logprob=c.cumulative_logprob,
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.metrics)
+                             self.metrics, self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """SamplingParams.prompt_logprobs: one entry per prompt token (None first), once the prompt has run."""
+        if self.params.prompt_logprobs is None:
+            return None
+        found = self.seqs[0].prompt_logprobs or {}
+        return [None] + [found.get(p) for p in range(1, len(self.prompt_token_ids))]

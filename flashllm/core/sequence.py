@@ -67,6 +67,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.sampling_params = sampling_params
+        # SamplingParams.prompt_logprobs: written by the model runner as prefill chunks run, by position
+        self.prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # the LoRA adapter the sequence runs with (0: the base model) and the prefix-cache salt that
         # keeps its KV blocks apart from other adapters' (b"": unsalted)

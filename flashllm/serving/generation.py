@@ -207,6 +207,27 @@ def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, end:
     return {"content": entries}
 
 
+def echo_logprobs(tokenizer: Any, output: RequestOutput) -> dict[str, Any]:
+    """Legacy completions `logprobs` of the prompt tokens (echo): the first token has none (null)."""
+    tokens, offsets, tops, chosen, offset = [], [], [], [], 0
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        chosen.append(None if entry is None else entry[0])
+        tops.append(None if entry is None else {token_text(tokenizer, tid): lp for tid, lp in entry[1]})
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy `logprobs` objects one after the other (the prompt's, then the completion's)."""
+    if tail is None:
+        return head
+    return {key: head[key] + tail[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, end: int,
                         text_offset: int) -> dict[str, Any] | None:
     """Legacy completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset) for [start, end)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,8 @@ from flashllm.serving.generation import (
     ServerContext,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
     usage,
 )
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
@@ -90,6 +93,11 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     spec, param = from_request(req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs, spec)
+    if req.echo and req.logprobs is not None:  # the prompt's own logprobs, computed during prefill
+        if not ctx.engine.paged:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which static mode does not compute; "
+                           "restart the server with --mode dynamic", param="echo")
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     gen = Generation(ctx, prompts, params, lora)
     gen.reserve()
     echo = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in texts] \
@@ -103,11 +111,14 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
         return Response(status_code=499)
     choices = []
     for p, output in enumerate(finals):
+        head = echo_logprobs(ctx.tokenizer, output) if echo and req.logprobs is not None else None
+        start = sum(len(t) for t in head["tokens"]) if head else 0
         for completion in output.outputs:
+            logprobs = completion_logprobs(ctx.tokenizer, completion, 0, len(completion.token_ids), start)
             choices.append({
                 "index": p * req.n + completion.index,
                 "text": (echo[p] if echo else "") + completion.text,
-                "logprobs": completion_logprobs(ctx.tokenizer, completion, 0, len(completion.token_ids), 0),
+                "logprobs": join_logprobs(head, logprobs) if head else logprobs,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             })
     return JSONResponse({"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created,
@@ -132,10 +143,15 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
                 start, end = sent.get(key, 0), len(c.token_ids)
                 if start == end and not c.finished and not c.delta:
                     continue
-                prefix = echo[p] if echo and key not in sent else ""
+                first = key not in sent
+                prefix = echo[p] if echo and first else ""
                 sent[key] = end
+                echoed = echo_logprobs(ctx.tokenizer, output) if first and echo and req.logprobs is not None else None
+                if echoed:
+                    offsets[key] = sum(len(t) for t in echoed["tokens"])
                 logprobs = completion_logprobs(ctx.tokenizer, c, start, end, offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in (logprobs or {}).get("tokens", []))
+                logprobs = join_logprobs(echoed, logprobs) if echoed else logprobs
                 yield sse({**head, "choices": [{"index": p * req.n + c.index, "text": prefix + c.delta,
                                                 "logprobs": logprobs, "finish_reason": c.finish_reason}]})
             if output.finished:

@@ -226,9 +226,6 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "suffix is not supported by flashllm; leave it out", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of must equal n (flashllm returns every generated sequence)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which flashllm does not compute",
-                           param="echo")
         if len(self.prompts()) * self.n > MAX_PROMPTS:
             raise APIError(400, f"prompts x n must be at most {MAX_PROMPTS}", param="n")
         self._check_budget(self.max_tokens)

@@ -80,6 +80,8 @@ class StaticEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.use_beam_search:
             raise ValueError("beam search is not available in static mode; use --mode dynamic")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available in static mode; use --mode dynamic")
         if params.structured_output is not None:
             raise ValueError("structured output is not available in static mode; use --mode dynamic")
         if isinstance(prompt, str) and self.tokenizer is None:

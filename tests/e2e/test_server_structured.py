@@ -33,7 +33,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with running_server(["--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "256",
+    with running_server(["--dtype", "float32", "--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "256",
                          "--served-model-name", MODEL]) as server:
         yield server
 
@@ -156,3 +156,28 @@ def test_auto_tool_choice_stays_free(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto",
                                            max_tokens=16, temperature=0)
     assert reply.choices[0].message.tool_calls is None  # the random model writes no <tool_call> by itself
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(client: openai.OpenAI) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flashllm.models.demo import demo_model_dir
+    from flashllm.models.tokenizer import load_tokenizer
+
+    prompt = "Hello there, this is a prompt"
+    ids = load_tokenizer(demo_model_dir()).encode(prompt)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32).eval()
+        expected = hf(torch.tensor([ids])).logits[0].log_softmax(dim=-1)
+    for stream in (False, True):
+        reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=3,
+                                          temperature=0, stream=stream)
+        choices = [reply.choices[0]] if not stream else [c.choices[0] for c in reply if c.choices]
+        text = "".join(c.text for c in choices)
+        logprobs = choices[0].logprobs
+        assert text.startswith(prompt)
+        assert len(logprobs.tokens) >= len(ids) and logprobs.token_logprobs[0] is None
+        got = torch.tensor(logprobs.token_logprobs[1:len(ids)])
+        torch.testing.assert_close(got, expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4, rtol=0)
+        assert len(logprobs.top_logprobs[1]) == 2 and logprobs.top_logprobs[0] is None
