@@ -160,16 +160,31 @@ def test_refusals_name_what_was_wrong() -> None:
     assert request_quant([T.F32, T.Q6_K]) == AFFINE_CAPABILITY
 
 
+@pytest.fixture(params=["vnni", "avx2"])
+def int4_body(request):
+    """The int4 x int8 product's AVX-512 VNNI body, or its AVX2 one (where the CPU has no VNNI both are AVX2)."""
+    from flashllm.backends.cpu import native
+
+    if native.library() is None:
+        yield request.param
+        return
+    before = native.a8_vnni()
+    native.a8_vnni(request.param == "vnni")
+    yield request.param
+    native.a8_vnni(before)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_cpu_backend_quant_matmul_matches_the_reference(qtype: GGMLQuantizationType, tokens: int) -> None:
+def test_cpu_backend_quant_matmul_matches_the_reference(qtype: GGMLQuantizationType, tokens: int, int4_body) -> None:
     """The cpu backend's kernel (native where it builds) on real GGUF layouts, fp16 scales included,
     held to the reference on the inputs it says it rounds (int8 activations, as llama.cpp's)."""
     from flashllm.backends.cpu import quant as cpu_quant
     from flashllm.ops.tolerances import assert_close
 
     rng = np.random.default_rng(7 + int(qtype))
-    n, k = 72, 1024
+    # 960 features: an odd number of 64-feature blocks, which the VNNI body leaves to the AVX2 one
+    n, k = 72, 960 if tokens == 3 and GGML_QUANT_SIZES[qtype][0] == 32 else 1024
     weight = weight_from_gguf(_random_blocks(rng, qtype, n, k, extreme=False), qtype, (n, k))
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))

@@ -72,6 +72,7 @@ _SIGNATURES = {
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_a8_set_vnni": ([ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
@@ -309,6 +310,13 @@ def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:
         raise ValueError(f"read_stream reads 1 to 16 streams switching every 32 or 64 floats, not {streams} and {step}")
     return library().flashllm_read_stream(buf.data_ptr(), buf.numel() // READ_RUN_FLOATS, parallel.workers(),
                                           streams, step)
+
+
+def a8_vnni(on: bool | None = None) -> bool:
+    """Whether the int4 x int8 product runs csrc/int4_int8_kernels.c's AVX-512 VNNI body (picked at
+    load where the CPU has it; K must be whole 128-feature pairs of blocks). With `on`, sets it first
+    (True only where the CPU has VNNI), for tests and A/B runs."""
+    return bool(library().flashllm_a8_set_vnni(-1 if on is None else int(on)))
 
 
 def f32_rows(rows: int | None = None) -> int:
