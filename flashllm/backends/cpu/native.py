@@ -313,9 +313,9 @@ def read_stream(buf: Tensor, streams: int = 2, step: int = 64) -> float:
 
 
 def a8_vnni(on: bool | None = None) -> bool:
-    """Whether the int4 x int8 product runs csrc/int4_int8_kernels.c's AVX-512 VNNI body (picked at
-    load where the CPU has it; K must be whole 128-feature pairs of blocks). With `on`, sets it first
-    (True only where the CPU has VNNI), for tests and A/B runs."""
+    """Whether the products against int8 activations run csrc/int4_int8_kernels.c's AVX-512 VNNI
+    bodies (picked at load where the CPU has it; int4 codes need K in whole 128-feature pairs of
+    blocks). With `on`, sets it first (True only where the CPU has VNNI), for tests and A/B runs."""
     return bool(library().flashllm_a8_set_vnni(-1 if on is None else int(on)))
 
 

@@ -225,7 +225,8 @@ A8_VNNI static void vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
     TOKEN_SWEEPS(vnni_rows_for_tokens)
 }
 
-/* 1 where the CPU has AVX-512 VNNI (picked at load; flashllm_a8_set_vnni turns it off for tests and A/B runs) */
+/* 1 where the CPU has AVX-512 VNNI (picked at load; flashllm_a8_set_vnni turns it off for tests and A/B
+ * runs); the int8-code body below reads it too */
 static int a8_vnni = 0, a8_vnni_best = 0;
 __attribute__((constructor)) static void pick_a8_vnni(void) {
     __builtin_cpu_init();
@@ -342,8 +343,56 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
     }
 }
 
+/* int8 codes with VNNI, one 64-feature block a step: vpdpbusd takes an unsigned operand, so the codes
+ * are offset to w + 128 (a sign-bit flip) and 128 * the activations' sum per lane, itself one
+ * vpdpbusd of 0x80 bytes, is taken off first: exact int32 lanes, lane i = features 4i..4i + 3. The
+ * block's four quarters (16 features each) meet scale[group] * d[block]: GGUF's groups of 16 and
+ * 32 too. */
+A8_VNNI static inline __m128 w8_quarter_scales(const float *scales, int64_t b, int64_t group) {
+    if (group == 16) return _mm_loadu_ps(scales + 4 * b);
+    if (group == 32) return _mm_setr_ps(scales[2 * b], scales[2 * b], scales[2 * b + 1], scales[2 * b + 1]);
+    return _mm_set1_ps(scales[b * A8_BLOCK / group]);
+}
+
+A8_VNNI static inline void w8_vnni_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int64_t t0,
+                                                   const int TT) {
+    const int64_t blocks = a->K / A8_BLOCK, G = a->G, group = a->K / G;
+    const int8_t *codes = (const int8_t *)a->w;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *row = codes + n * a->K;
+        const float *scales = a->scales + n * G;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b = 0; b < blocks; b++) {
+            _mm_prefetch((const char *)(row + b * A8_BLOCK + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(row + b * A8_BLOCK), flip);
+            const __m128 sq = w8_quarter_scales(scales, b, group);
+            for (int j = 0; j < TT; j++) {
+                const __m512i q = _mm512_loadu_si512(a->q + (t0 + j) * a->K + b * A8_BLOCK);
+                const __m512i shift = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, q);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), shift), w, q);
+                const __m128 lane = _mm_mul_ps(sq, _mm_set1_ps(a->d[(t0 + j) * blocks + b]));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                         _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(lane)), acc[j]);
+            }
+        }
+        for (int j = 0; j < TT; j++)
+            a->y[(t0 + j) * a->ldy + n] = _mm512_reduce_add_ps(acc[j]) +
+                                          (a->offsets ? offset_term(a->offsets + n * G, a->qsum + (t0 + j) * G, G) : 0.0f);
+    }
+}
+
+A8_VNNI static void w8_vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
+    TOKEN_SWEEPS(w8_vnni_rows_for_tokens)
+}
+
 static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
     const a8_args *a = ctx;
+    if (a8_vnni) {
+        w8_vnni_share(a, n0, n1);
+        return;
+    }
     TOKEN_SWEEPS(w8_rows_for_tokens)
 }
 
