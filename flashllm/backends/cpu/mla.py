@@ -36,16 +36,18 @@ def _naive(q: Tensor, context: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float)
 
 def _absorbed(q: Tensor, context: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
     """The same attention in the latent space: one key of L + R features and one value of L per token,
-    shared by every head (MQA), with W_UK folded into the query and W_UV applied to the output."""
+    shared by every head (MQA), with W_UK folded into the query and W_UV applied to the output. The
+    shared keys make the scores one (H * n, L + R) x (L + R, S) product (SDPA would expand them per head)."""
     rank, nope = w_uk.shape[2], w_uk.shape[1]
-    heads = q.shape[1]
+    n, heads = q.shape[0], q.shape[1]
     q = q.transpose(0, 1)  # (H, n, Dn + R)
     q_latent = torch.matmul(q[..., :nope], w_uk)  # (H, n, L)
-    query = torch.cat((q_latent, q[..., nope:]), dim=-1)  # (H, n, L + R)
-    keys = context.expand(heads, -1, -1)
-    values = context[:, :rank].expand(heads, -1, -1)
-    out_latent = _sdpa(query, keys, values, scale)  # (H, n, L)
-    return torch.matmul(out_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # (n, H, Dv)
+    query = torch.cat((q_latent, q[..., nope:]), dim=-1).reshape(heads * n, -1)  # (H * n, L + R)
+    scores = torch.matmul(query, context.T).view(heads, n, -1) * scale  # (H, n, S)
+    if n > 1:
+        scores = scores.masked_fill(~causal_mask(n, context.shape[0], q.device), float("-inf"))
+    out_latent = torch.matmul(torch.softmax(scores, dim=-1).view(heads * n, -1), context[:, :rank])
+    return torch.matmul(out_latent.view(heads, n, rank), w_uv.transpose(1, 2)).transpose(0, 1)  # (n, H, Dv)
 
 
 def _sdpa(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
