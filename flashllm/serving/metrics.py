@@ -79,6 +79,14 @@ class ServerMetrics:
         gauge("kv_blocks_free", "free paged KV cache blocks", lambda s: s.num_blocks_free)
         gauge("num_preemptions", "sequences preempted (recomputed later) since start",
               lambda s: s.num_preemptions)
+        gauge("spec_decode_num_draft_tokens", "speculative decoding: tokens drafted since start",
+              lambda s: s.spec_drafted)
+        gauge("spec_decode_num_accepted_tokens", "speculative decoding: drafted tokens the model accepted",
+              lambda s: s.spec_accepted)
+        gauge("spec_decode_acceptance_rate", "speculative decoding: accepted / drafted tokens since start",
+              lambda s: s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0)
+        gauge("spec_decode_mean_accepted_length", "speculative decoding: tokens per verified round, the model's "
+              "own token included (1 = no gain)", lambda s: s.spec_emitted / s.spec_rounds if s.spec_rounds else 0.0)
         self.aborted = Counter("flashllm:requests_aborted", "requests aborted, by reason",
                                [*labels, "reason"], registry=self.registry)
         self.rejected = Counter("flashllm:requests_rejected", "requests refused before running, by reason",

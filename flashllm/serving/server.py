@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from flashllm.config import speculative_flags_config
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
@@ -156,6 +157,7 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         distributed_executor_backend=options["distributed_executor_backend"], lora_path=options["lora_path"],
         enable_lora=options["enable_lora"], max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
         max_cpu_loras=options["max_cpu_loras"],
+        speculative_config=speculative_flags_config(options.get),
     )
     return Engine(config)
 

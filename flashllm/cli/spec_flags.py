@@ -1,0 +1,43 @@
+"""Speculative decoding flags (PaddleNLP's names, vLLM's form), declared once for every command that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, speculative_flags_config
+
+# dest -> (spellings, type, help); every spelling also has its other-case twin (- or _)
+SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
+    "speculate_method": (("--speculate_method",), str,
+                         f"speculative decoding: {' | '.join(SPECULATE_METHODS)} (inference_with_reference is the "
+                         "n-gram lookup in the prompt and output; draft_model needs --speculative-model)"),
+    "speculate_max_draft_token_num": (("--speculate_max_draft_token_num", "--num_speculative_tokens"), int,
+                                      f"tokens drafted per sequence and round, 1..{MAX_DRAFT_TOKENS} (default 4)"),
+    "speculate_max_ngram_size": (("--speculate_max_ngram_size",), int,
+                                 "n-gram lookup: the longest suffix matched (default 3)"),
+    "speculative_model": (("--speculative_model",), str,
+                          "draft model directory (same vocabulary as the model); implies draft_model"),
+    "speculative_quant_type": (("--speculative_quant_type",), str,
+                               "weight-only quantization of the draft model (e.g. weight_only_int8)"),
+}
+
+
+def spellings(dest: str) -> list[str]:
+    """Every command-line spelling of one flag: snake_case (PaddleNLP) and kebab-case (vLLM)."""
+    names: list[str] = []
+    for name in SPEC_FLAGS[dest][0]:
+        names += [name, "--" + name[2:].replace("_", "-")]
+    return names
+
+
+def add_speculative_flags(parser: Any) -> None:
+    """Add the flags to an argparse parser or argument group (defaults None: not given)."""
+    for dest, (_, kind, text) in SPEC_FLAGS.items():
+        parser.add_argument(*spellings(dest), dest=dest, type=kind, default=None, help=text)
+
+
+def speculative_config(values: dict[str, Any] | argparse.Namespace) -> dict[str, Any] | None:
+    """The parsed flags as LLM(speculative_config=...), or None when speculation was not asked for."""
+    get = values.get if isinstance(values, dict) else lambda key: getattr(values, key, None)
+    return speculative_flags_config(get)
