@@ -49,6 +49,7 @@ from flashllm.bench.repeats import (
     times_in_chunks,
 )
 from flashllm.bench.workload import BenchRequest, warm_up_prompt
+from flashllm.config import speculative_flags_config
 
 
 def run_offline(args: argparse.Namespace) -> int:
@@ -58,6 +59,13 @@ def run_offline(args: argparse.Namespace) -> int:
 
     from flashllm.bench.shapes import parameter_bytes, shape_model_dir
 
+    speculative = speculative_flags_config(lambda dest: getattr(args, dest, None))
+    if speculative is not None:
+        from flashllm.bench.shapes import shape_model_dir
+        from flashllm.bench.speculative import run_speculative
+
+        model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
+        return run_speculative(args, model_dir, speculative)
     baselines = set(args.baseline or ()) - {"none"}
     if "llama.cpp" in baselines:
         _llama_cpp_ready()  # fail in one line before a benchmark that may run for minutes

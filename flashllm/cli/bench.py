@@ -9,6 +9,7 @@ from typing import Any
 
 from flashllm.bench import devices, serve_run
 from flashllm.cli.parallel_flags import add_parallel_flags
+from flashllm.cli.spec_flags import add_speculative_flags
 
 
 def add_parser(sub: Any) -> None:
@@ -19,7 +20,9 @@ def add_parser(sub: Any) -> None:
         group = p.add_mutually_exclusive_group()
         group.add_argument("--model", default=None, help="HF model directory")
         group.add_argument("--shape", default=None, help="random weights of a named model shape, e.g. qwen2.5-0.5b")
-        p.add_argument("--dataset", default="random", help="random | sharegpt")
+        p.add_argument("--dataset", default="random",
+                       help="random | sharegpt | copy (chat prompts to repeat, fix or reformat a given text; "
+                            "with --speculate_method)")
         p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
         p.add_argument("--input-len", default=defaults[0])
         p.add_argument("--output-len", default=defaults[1])
@@ -43,6 +46,7 @@ def add_parser(sub: Any) -> None:
                             "1 = one step a round")
         p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
         add_parallel_flags(p)
+        add_speculative_flags(p)  # with a method: batch-1 decode with and without it (bench/speculative.py)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="accelerators: share of device memory the engine fills")
         p.add_argument("--max-model-len", type=int, default=None,

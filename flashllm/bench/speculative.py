@@ -1,0 +1,166 @@
+"""`flashllm bench latency --speculate_method ...`: batch-1 decode with and without speculation in the same run,
+the verify step's cost against a one-token step, and transformers' own prompt lookup as the baseline."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+# Copy-heavy chat prompts: the answer repeats, fixes or reformats text the prompt holds.
+COPY_TASKS = (
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Fix the spelling mistakes in this text and write out the corrected text in full:\n\n{text}",
+    "Rewrite the following text as a bulleted list, one sentence per bullet, keeping every word:\n\n{text}",
+    "Copy this code exactly as it is:\n\n{code}",
+)
+_VERIFY_STEPS = 20  # timed steps per kind in the verify-cost measurement
+
+
+def run_speculative(args: argparse.Namespace, model_dir: Path, speculative: dict[str, Any]) -> int:
+    """Round-robin over --repeats rounds: the plain engine, the speculating engine, and (with --baseline
+    transformers) transformers' prompt lookup decoding, each decoding every request at batch 1."""
+    result: dict[str, Any] = {"mode": "latency", "model": str(model_dir), "dtype": args.dtype,
+                              "speculative_config": speculative, "dataset": args.dataset,
+                              "date": date.today().isoformat(), "machine": platform.processor() or platform.machine()}
+    rounds: list[dict[str, Any]] = []
+    requests: list[tuple[list[int], int]] = []
+    for _ in range(args.repeats):
+        plain, requests = _engine_run(args, model_dir, None, requests)
+        spec, _ = _engine_run(args, model_dir, speculative, requests)
+        entry = {"plain": plain, "speculative": spec}
+        if "transformers" in (args.baseline or ()):
+            entry["transformers_prompt_lookup"] = _hf_prompt_lookup(args, model_dir, requests, speculative)
+        rounds.append(entry)
+    result["num_requests"] = len(requests)
+    result["rounds"] = rounds
+    ratios = [r["speculative"]["decode_tokens_per_s"] / r["plain"]["decode_tokens_per_s"] for r in rounds]
+    result["speedup_vs_plain"] = statistics.median(ratios)
+    result["verify_step_cost"] = statistics.median(r["speculative"]["verify_step_cost"] for r in rounds)
+    if "transformers" in (args.baseline or ()):
+        result["speedup_vs_transformers_prompt_lookup"] = statistics.median(
+            r["speculative"]["decode_tokens_per_s"] / r["transformers_prompt_lookup"]["decode_tokens_per_s"]
+            for r in rounds)
+    result["speedup_method"] = "median over rounds of the ratio within a round (each round runs every engine once)"
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str, Any] | None,
+                requests: list[tuple[list[int], int]]) -> tuple[dict[str, Any], list[tuple[list[int], int]]]:
+    """Every request alone (batch 1), greedy, its full output length: decode tokens/s over all of them."""
+    from flashllm.llm import LLM
+    from flashllm.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
+              max_model_len=args.max_model_len, num_scheduler_steps=args.num_scheduler_steps,
+              speculative_config=speculative)
+    requests = requests or _requests(args, llm)
+    llm.generate([requests[0][0][:8]], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
+    decode_s, decode_tokens = 0.0, 0
+    for prompt, output_len in requests:
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        decode_s += out.metrics.latency - out.metrics.time_to_first_token
+        decode_tokens += len(out.outputs[0].token_ids) - 1
+    record: dict[str, Any] = {"decode_tokens_per_s": decode_tokens / decode_s, "decode_tokens": decode_tokens}
+    speculator = llm.engine.speculator
+    if speculator is not None:
+        stats = speculator.stats
+        record.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+                      drafted=stats.num_drafted, accepted=stats.num_accepted,
+                      verify_step_cost=verify_step_cost(llm, speculator.config.num_speculative_tokens))
+    del llm
+    gc.collect()
+    return record, requests
+
+
+def verify_step_cost(llm: Any, drafts: int) -> float:
+    """Median time of a verify step (one sequence: its token + `drafts` drafted tokens) over the median time of
+    a one-token decode step of the same sequence, both through the runner's execute on the same blocks."""
+    from flashllm.core.sampler import SamplingState
+    from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
+    from flashllm.core.sequence import Sequence
+    from flashllm.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    seq = Sequence("verify-cost", list(range(1, 129)), params)
+    bm = engine.block_manager
+    bm.allocate_prompt(seq)
+    bm.append_slots(seq, seq.num_tokens + drafts)
+    try:
+        seq.num_computed_tokens = seq.num_tokens - 1  # the prompt's KV content does not change the step's cost
+        state = SamplingState.create(params, engine.runner.device, seq.token_ids)
+        times = {}
+        for kind, draft in (("decode", []), ("verify", [7] * drafts)):
+            batch = SchedulerOutput([ScheduledSequence(seq, 1, True, list(draft))])
+            samples = []
+            for _ in range(_VERIFY_STEPS + 2):
+                start = time.perf_counter()
+                engine.executor.execute(batch, [state], 1)
+                samples.append(time.perf_counter() - start)
+            times[kind] = statistics.median(samples[2:])
+        return times["verify"] / times["decode"]
+    finally:
+        bm.free(seq)
+
+
+def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]:
+    """(prompt tokens, output length) pairs: chat prompts of COPY_TASKS (--dataset copy, needs a tokenizer and a
+    chat template), else random tokens (nothing to copy)."""
+    from flashllm.bench.workload import parse_range, random_requests
+
+    output_len = parse_range(args.output_len)[1]
+    if args.dataset == "copy":
+        from flashllm.testing.corpus import CORPUS
+
+        prose = [line for line in CORPUS if line.endswith(".") and len(line) > 40]
+        code = [line for line in CORPUS if line.startswith(("def ", "    ", "for ", "print(", "import "))]
+        prompts = []
+        for i in range(args.num_prompts):
+            text = " ".join(prose[(i * 4 + j) % len(prose)] for j in range(4))
+            snippet = "\n".join(code[(i * 5 + j) % len(code)] for j in range(8))
+            task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=snippet)
+            prompts.append(llm.render_chat([{"role": "user", "content": task}]))
+        return [(prompt, output_len) for prompt in prompts]  # render_chat gives token ids
+    vocab = llm.engine.parts.hf_config.vocab_size
+    return [(r.prompt_token_ids, r.output_len)
+            for r in random_requests(args.num_prompts, parse_range(args.input_len), (output_len, output_len), vocab,
+                                     args.seed)]
+
+
+def _hf_prompt_lookup(args: argparse.Namespace, model_dir: Path, requests: list[tuple[list[int], int]],
+                      speculative: dict[str, Any]) -> dict[str, Any]:
+    """transformers' generate with prompt_lookup_num_tokens (its n-gram lookup), greedy, batch 1, on the same
+    weights: decode tokens/s over the requests (the first token's time, prefill included, left out)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    lookup = int(speculative.get("num_speculative_tokens", 4))
+    decode_s, decode_tokens = 0.0, 0
+    with torch.inference_mode():
+        for prompt, output_len in requests:
+            ids = torch.tensor([prompt])
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 prompt_lookup_num_tokens=lookup)
+            total = time.perf_counter() - start
+            decode_s += max(total - first, 1e-9)
+            decode_tokens += out.shape[1] - len(prompt) - 1
+    del model
+    gc.collect()
+    return {"decode_tokens_per_s": decode_tokens / decode_s, "prompt_lookup_num_tokens": lookup}
