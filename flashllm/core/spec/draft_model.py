@@ -25,6 +25,10 @@ class _DraftView:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    # the rest of what the runner may read of a Sequence: the draft wants no prompt logprobs and no adapter
+    sampling_params: Any = None
+    num_prompt_tokens: int = 0
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
