@@ -24,8 +24,10 @@ DEFAULT_MAX_NEW_TOKENS = 20
 GENERATE_KWARGS = frozenset({
     "inputs", "input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
     "temperature", "top_p", "top_k", "repetition_penalty", "seed", "eos_token_id", "pad_token_id",
-    "num_return_sequences",
+    "num_return_sequences", "decode_strategy", "num_beams",
 })
+# PaddleNLP's generate(decode_strategy=...) values
+DECODE_STRATEGIES = ("greedy_search", "sampling", "beam_search")
 
 # Names users bring from other generate() APIs, with what to write instead.
 _KWARG_HINTS = {
@@ -92,6 +94,9 @@ class AutoModel:
         max_new_tokens (default: generation_config, else 20), min_new_tokens, do_sample (False =
         greedy), temperature, top_p, top_k (0 = off), repetition_penalty, seed, eos_token_id
         (int or list; extends the model's EOS ids), num_return_sequences.
+        PaddleNLP's spelling works too: decode_strategy "greedy_search" | "sampling" (do_sample)
+        | "beam_search" with num_beams (num_beams > 1 alone also means beam search; beams return
+        their best num_return_sequences hypotheses, best first).
         Output rows are in input order (with num_return_sequences=k, k consecutive rows per
         input); a row that stopped on an EOS id ends with that id, as in transformers.
         Unknown keyword arguments raise TypeError naming them.
@@ -102,8 +107,28 @@ class AutoModel:
                 raise TypeError("pass the prompt as inputs= or input_ids=, not both")
             inputs = kwargs.pop("input_ids")
         prompts = token_rows(inputs, kwargs.pop("attention_mask", None), kwargs.get("pad_token_id"))
+        num_beams = _paddle_strategy(kwargs)
+        if num_beams > 1:
+            return self._beam_generate(prompts, num_beams, kwargs)
         outputs = self.llm.generate(prompts, self.sampling_params(**kwargs))
         return [list(completion.token_ids) for output in outputs for completion in output.outputs]
+
+    def _beam_generate(self, prompts: list[list[int]], num_beams: int, kwargs: dict[str, Any]) -> list[list[int]]:
+        """Beam search (PaddleNLP's decode_strategy="beam_search"): each input's best num_return_sequences beams."""
+        if kwargs.get("do_sample"):
+            raise ValueError("beam search does not sample: drop do_sample=True or num_beams")
+        # sampling knobs PaddleNLP callers pass along with beam_search mean nothing to beams: ignored
+        ignored = {"do_sample", "temperature", "top_p", "top_k", "seed", "pad_token_id"}
+        unsupported = sorted(set(kwargs) - {"max_new_tokens", "num_return_sequences"} - ignored)
+        if unsupported:
+            raise TypeError(f"beam search does not take {unsupported}; drop them or use greedy_search / sampling")
+        keep = int(kwargs.get("num_return_sequences", 1))
+        if not 1 <= keep <= num_beams:
+            raise ValueError(f"num_return_sequences ({keep}) must be between 1 and num_beams ({num_beams})")
+        max_tokens = int(kwargs.get("max_new_tokens") or self.generation_config.get("max_new_tokens")
+                         or DEFAULT_MAX_NEW_TOKENS)
+        outputs = self.llm.beam_search(prompts, beam_width=num_beams, max_tokens=max_tokens)
+        return [list(c.token_ids) for output in outputs for c in output.outputs[:keep]]
 
     def sampling_params(self, **kwargs: Any) -> SamplingParams:
         """The SamplingParams that generate() builds from HF-style keyword arguments.
@@ -113,6 +138,8 @@ class AutoModel:
         (temperature 0) and ignores temperature / top_p / top_k.
         """
         _check_kwargs(kwargs)
+        if _paddle_strategy(kwargs) > 1:
+            raise ValueError("beam search has no SamplingParams; call generate(num_beams=...) instead")
         extra = set(kwargs) - (GENERATE_KWARGS - {"inputs", "input_ids", "attention_mask"})
         if extra:
             raise TypeError(f"sampling_params() does not take {sorted(extra)}; pass them to generate()")
@@ -227,6 +254,19 @@ def _sampling_knobs(pick: Callable[[str, Any], Any]) -> dict[str, Any]:
     # transformers / PaddleNLP switch top-k off with 0; SamplingParams spells "off" as -1.
     return {"temperature": temperature, "top_p": pick("top_p", 1.0),
             "top_k": -1 if top_k == 0 else top_k}
+
+
+def _paddle_strategy(kwargs: dict[str, Any]) -> int:
+    """Pop PaddleNLP's decode_strategy / num_beams, turning them into do_sample; the beam count (1: no beams)."""
+    strategy = kwargs.pop("decode_strategy", None)
+    num_beams = kwargs.pop("num_beams", 1)
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}")
+    if strategy is not None and strategy not in DECODE_STRATEGIES:
+        raise ValueError(f"decode_strategy {strategy!r} is not one of {', '.join(DECODE_STRATEGIES)}")
+    if strategy is not None:
+        kwargs["do_sample"] = strategy == "sampling"  # beam_search with one beam is greedy search
+    return 1 if strategy in ("greedy_search", "sampling") else num_beams
 
 
 def _check_kwargs(kwargs: Mapping[str, Any]) -> None:

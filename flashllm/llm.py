@@ -158,6 +158,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "lora": (LoRAConfig, {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}),
     }
     speculative = speculative_config(kwargs.pop("speculative_config", None))
+    _expand_a8w8c8(kwargs)
     known = set().union(*(keys for _, keys in groups.values()))
     unknown = set(kwargs) - known
     if unknown:
@@ -168,6 +169,19 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     parts["model"].model = model
     _check_parallel(parts["parallel"])
     return EngineConfig(**parts, speculative=speculative)
+
+
+def _expand_a8w8c8(kwargs: dict[str, Any]) -> None:
+    """PaddleNLP's quant_type a8w8c8: a8w8 weights and activations plus an int8 KV cache with static (calibrated,
+    from the checkpoint) scales. In place; a kv_cache_dtype other than auto/int8 is an error."""
+    if kwargs.get("quant_type") != "a8w8c8":
+        return
+    for key, wanted, default in (("kv_cache_dtype", "int8", "auto"), ("cachekv_int8_type", "static", "dynamic")):
+        if kwargs.get(key) not in (None, default, wanted):
+            raise ValueError(f"quant_type a8w8c8 means {key}={wanted}, but {key}={kwargs[key]!r} was given; "
+                             f"drop {key} or use quant_type a8w8")
+        kwargs[key] = wanted
+    kwargs["quant_type"] = "a8w8"
 
 
 # speculative_config keys: vLLM's and PaddleNLP's spellings -> SpeculativeConfig fields

@@ -28,7 +28,8 @@ def _bool(text: str) -> bool:
 OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "host": (str, "127.0.0.1", "bind address (binding beyond loopback without --api-key logs a warning)"),
     "port": (int, 8000, "TCP port"),
-    "served_model_name": (str, None, "model name in the API (default: the model directory's name)"),
+    "served_model_name": (str, None, "model name in the API (default: the model directory's name); repeat for "
+                          "aliases: the first is reported, every one is accepted"),
     "api_key": (str, None, "required bearer key; repeat for several (env FLASHLLM_API_KEY)"),
     "max_queue": (int, 256, "requests waiting beyond --max-num-seqs before new ones get 503"),
     "request_timeout": (float, 600.0, "seconds before a request is aborted with 408"),
@@ -57,6 +58,11 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "num_kv_blocks": (int, None, "KV cache size in blocks"),
     "kv_cache_memory": (int, None, "KV cache size in bytes"),
     "kv_cache_dtype": (str, "auto", "auto | float32 | float16 | bfloat16 | int8 | fp8 (e4m3; works on CPUs too)"),
+    "quant_type": (str, "none", "quantize the weights at load (also --quantization): none | weight_only_int8 | "
+                   "weight_only_int4 | weight_only_int4_asym | a8w8 | a8w8_fp8 | a8w8c8 (a8w8 + static int8 KV "
+                   "cache, scales from the checkpoint)"),
+    "weightonly_group_size": (int, -1, "input features per weight scale for weight-only types: -1 (per channel) "
+                              "| 32 | 64 | 128"),
     "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
@@ -87,11 +93,13 @@ DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv
                 "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path",
                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
-                *SPEC_FLAGS)
+                "quant_type", "weightonly_group_size", *SPEC_FLAGS)
 # options given several times (or as several values) that collect into a list
-LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir"}
+LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir", "served_model_name"}
 # options also spelled the PaddleNLP way, with underscores
-UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path"}
+UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonly_group_size", "kv_cache_dtype"}
+# other spellings (vLLM's)
+EXTRA_ALIASES = {"quant_type": ["--quantization"]}
 
 
 def add_parser(sub: Any) -> None:
@@ -101,10 +109,11 @@ def add_parser(sub: Any) -> None:
     for dest, (kind, _, text) in OPTIONS.items():
         flags = list(FLAG_NAMES.get(dest, ())) or (spellings(dest) if dest in SPEC_FLAGS else
                                                    ["--" + dest.replace("_", "-")]
-                                                   + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else []))
+                                                   + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
+                                                   + EXTRA_ALIASES.get(dest, []))
         if dest in FLAGS:
             parser.add_argument(*flags, dest=dest, action="store_const", const=True, default=None, help=text)
-        elif dest == "api_key":
+        elif dest in ("api_key", "served_model_name"):
             parser.add_argument(*flags, dest=dest, action="append", default=None, help=text)
         elif dest in LIST_OPTIONS:
             parser.add_argument(*flags, dest=dest, action="extend", nargs="+", default=None, help=text)
@@ -127,7 +136,7 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
         if given is not None:
             values[dest] = given
         elif env is not None:
-            values[dest] = [env] if dest == "api_key" else env.split() if dest in LIST_OPTIONS \
+            values[dest] = [env] if dest in ("api_key", "served_model_name") else env.split() if dest in LIST_OPTIONS \
                 else _convert(dest, kind, env, f"FLASHLLM_{dest.upper()}")
         elif dest in config:
             values[dest] = _config_value(dest, kind, config[dest])

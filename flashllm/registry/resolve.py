@@ -90,6 +90,8 @@ def select_device(spec: str = "auto", backend: str | None = None, *, plugins: Fl
     reference backend runs on any device). When nothing matches, the error lists every backend
     with the reason it is unavailable and what would provide it.
     """
+    if spec == "gpu" or spec.startswith("gpu:"):  # PaddleNLP's spelling of an NVIDIA device
+        spec = "cuda" + spec[3:]
     backends = plugins.backends()
     if backend is not None:
         if backend not in backends:

@@ -39,6 +39,7 @@ class ServerContext:
     allow_special_tokens_in_content: bool = False
     # multi-LoRA (serving/lora_api.py): adapter name -> LoRARequest, selected by the request's `model`
     loras: dict[str, Any] = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as model_name
 
 
 @dataclass

@@ -40,7 +40,7 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 def _check_model(ctx: ServerContext, model: str | None) -> Any:
     """The LoRARequest `model` names (None: the base model); 404 in OpenAI's shape for any other name."""
-    if model is None or model == ctx.model_name:
+    if model is None or model == ctx.model_name or model in ctx.model_aliases:
         return None
     lora = ctx.loras.get(model)
     if lora is None:

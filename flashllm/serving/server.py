@@ -73,9 +73,12 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
     except (EngineConfigError, ModelLoadError) as exc:
         raise SystemExit(f"flashllm serve: {exc}") from None
-    name = options["served_model_name"] or (Path(options["model"] or served.model_dir).resolve().name
-                                            if options["model"] or not is_demo_model(served.model_dir)
-                                            else DEMO_MODEL_NAME)
+    names = options["served_model_name"] or [Path(options["model"] or served.model_dir).resolve().name
+                                             if options["model"] or not is_demo_model(served.model_dir)
+                                             else DEMO_MODEL_NAME]
+    if isinstance(names, str):
+        names = [names]
+    name = names[0]
     async_engine = AsyncEngine(served.engine, options["max_queue"], stall_warning_s=options["engine_stall_warning"])
     ctx = ServerContext(
         engine=async_engine, tokenizer=served.tokenizer, model_name=name, max_model_len=served.max_model_len,
@@ -86,6 +89,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         chat_template=_chat_template(served, options["chat_template"]),
         vocab_size=served.vocab_size, model_info=served.info,
         allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
+        model_aliases=tuple(names[1:]),
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options.get("enable_lora"):
@@ -156,7 +160,8 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],
         distributed_executor_backend=options["distributed_executor_backend"], lora_path=options["lora_path"],
         enable_lora=options["enable_lora"], max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
-        max_cpu_loras=options["max_cpu_loras"],
+        max_cpu_loras=options["max_cpu_loras"], quant_type=options.get("quant_type", "none"),
+        group_size=options.get("weightonly_group_size", -1),
         speculative_config=speculative_flags_config(options.get),
     )
     return Engine(config)

@@ -263,7 +263,8 @@ def test_binding_beyond_loopback_without_a_key_warns(monkeypatch: pytest.MonkeyP
 PRECEDENCE_CASES = {
     "port": (lambda i: str(1000 + i), lambda i: str(2000 + i), lambda i: 3000 + i, int),
     "request_timeout": (lambda i: f"{i}.5", lambda i: f"{i}.25", lambda i: i + 0.75, float),
-    "served_model_name": (lambda i: f"cli{i}", lambda i: f"env{i}", lambda i: f"yaml{i}", str),
+    # repeatable (aliases): a list from every source
+    "served_model_name": (lambda i: f"cli{i}", lambda i: f"env{i}", lambda i: [f"yaml{i}"], lambda v: [v]),
     "max_queue": (lambda i: str(10 + i), lambda i: str(20 + i), lambda i: 30 + i, int),
 }
 
