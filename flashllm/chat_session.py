@@ -28,11 +28,17 @@ HELP = """Commands:
   /set seed S          seed for reproducible sampling
   /set NAME default    back to the default for NAME
   /set system TEXT     set the system prompt (clears the conversation)
-  /set                 show the current settings
+  /set                 show the current settings (/show too)
+  /set parameter NAME VALUE   Ollama's spelling (num_predict = max_tokens)
+  /save FILE, /load FILE      write / read the conversation and settings (JSON)
   /clear               forget the conversation (the system prompt stays)
   /help                this text
   /bye                 leave (Ctrl-D too)
 Ctrl-C stops a reply that is being written. Start and end a multi-line message with \"\"\"."""
+
+# Ollama's /set parameter names that differ from ours
+_OLLAMA_NAMES = {"num_predict": "max_tokens"}
+MAX_SAVED_BYTES = 4 << 20
 
 _CLEAR_HINT = "; /clear starts a new conversation, /set max_tokens N shortens replies"
 
@@ -132,6 +138,13 @@ class ChatSession:
         if name == "/clear":
             self.history.clear()
             return CommandResult("(conversation cleared)")
+        if name in ("/save", "/load"):
+            try:
+                return self._save(rest.strip()) if name == "/save" else self._load(rest.strip())
+            except ChatError as exc:
+                return CommandResult(str(exc), error=True)
+        if name == "/show":
+            return self._set("")
         if name != "/set":
             return CommandResult(f"unknown command {name!r}; type /help for the list", error=True)
         try:
@@ -144,6 +157,9 @@ class ChatSession:
             system = self.history.system or "(none)"
             return CommandResult(f"{self.settings.describe()}\n  system = {system}")
         name, _, value = rest.partition(" ")
+        if name == "parameter":  # Ollama: /set parameter NAME VALUE
+            name, _, value = value.strip().partition(" ")
+            name = _OLLAMA_NAMES.get(name, name)
         if name == "system":
             self.history.system = value.strip() or None
             self.history.clear()  # earlier replies answered another system prompt
@@ -153,6 +169,46 @@ class ChatSession:
         self.settings.update(name, value)
         value = getattr(self.settings, name)
         return CommandResult(f"(set {name} = {'default' if value is None else value})")
+
+
+    def _save(self, path: str) -> CommandResult:
+        if not path:
+            raise ChatError("/save needs a file name, e.g. /save chat.json")
+        data = {"system": self.history.system, "turns": self.history.turns, "settings": self.settings.overrides()}
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+        except OSError as exc:
+            raise ChatError(f"/save {path}: {exc.strerror or exc}") from None
+        return CommandResult(f"(saved {len(self.history.turns)} messages to {path})")
+
+    def _load(self, path: str) -> CommandResult:
+        """Read a /save file back (plain JSON, bounded and checked); nothing changes when it is refused."""
+        if not path:
+            raise ChatError("/load needs a file name, e.g. /load chat.json")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_SAVED_BYTES + 1)
+            data = json.loads(raw) if len(raw) <= MAX_SAVED_BYTES else None
+        except (OSError, ValueError, RecursionError) as exc:
+            raise ChatError(f"/load {path}: not a saved chat ({type(exc).__name__})") from None
+        if not isinstance(data, dict):
+            raise ChatError(f"/load {path}: not a saved chat (a JSON object of at most {MAX_SAVED_BYTES} bytes)")
+        turns, system, settings = data.get("turns", []), data.get("system"), data.get("settings", {})
+        ok_turns = isinstance(turns, list) and all(
+            isinstance(t, dict) and set(t) == {"role", "content"} and t["role"] in ("user", "assistant")
+            and isinstance(t["content"], str) for t in turns)
+        if not ok_turns or not (system is None or isinstance(system, str)) or not isinstance(settings, dict):
+            raise ChatError(f"/load {path}: not a saved chat (turns of user/assistant role and content strings)")
+        unknown = set(settings) - set(_PARSERS)
+        if unknown:
+            raise ChatError(f"/load {path}: unknown settings {sorted(unknown)}")
+        try:
+            loaded = ChatSettings(**settings)
+        except TypeError as exc:
+            raise ChatError(f"/load {path}: {exc}") from None
+        self.settings, self.history = loaded, ChatHistory(system, [dict(t) for t in turns])
+        return CommandResult(f"(loaded {len(turns)} messages from {path})")
 
 
 class InProcessResponder:
