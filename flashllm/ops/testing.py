@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -14,6 +13,7 @@ from flashllm.ops.alibi_slopes import alibi_slopes
 from flashllm.ops.lora_testing import LORA_CASES, expand_inputs, shrink_inputs
 from flashllm.ops.quant_matmul import AFFINE_CAPABILITY, QuantizedWeight, pack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache
+from flashllm.ops.testing_blocks import random_block_tables  # noqa: F401 (re-exported)
 from flashllm.ops.testing_latent import LATENT_CASES, latent_attention_inputs
 
 Inputs = dict[str, Any]
@@ -22,25 +22,6 @@ Inputs = dict[str, Any]
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, std: float = 1.0) -> Tensor:
     # drawn in fp32 on the CPU so a seed gives the same values on every device and dtype
     return (torch.randn(shape, generator=gen) * std).to(device=device, dtype=dtype)
-
-
-def random_block_tables(
-    gen: torch.Generator, seq_lens: list[int], block_size: int, spare_blocks: int = 3
-) -> tuple[Tensor, int]:
-    """Block tables (B, max_blocks) int32 over a shuffled pool, and the pool's num_blocks.
-
-    Blocks are drawn from a random permutation of the pool so no sequence gets contiguous or
-    ascending blocks; `spare_blocks` unused blocks stay in the pool, and each row is padded with
-    one extra 0 entry so kernels cannot rely on the table width.
-    """
-    per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(per_seq) + spare_blocks
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(per_seq, default=0) + 1, dtype=torch.int32)
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = torch.tensor(pool[:n], dtype=torch.int32)
-        pool = pool[n:]
-    return tables, num_blocks
 
 
 def _rms_norm(

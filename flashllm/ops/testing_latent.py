@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flashllm.ops.testing_blocks import random_block_tables
+
 Inputs = dict[str, Any]
 
 # case -> (q_lens, seq_lens, absorbed); the context of a chunk or decode sits in the cache already
@@ -30,8 +32,6 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, st
 def latent_attention_inputs(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int,
                             case: str) -> Inputs:
     """Keyword arguments of one latent_attention call (head_size is not used: MLA's sizes are LATENT_DIMS)."""
-    from flashllm.ops.testing import random_block_tables  # ops.testing imports this module
-
     q_lens, seq_lens, absorbed = _LAYOUTS[case]
     heads, rank, rope, nope, v_dim = LATENT_DIMS
     tables, num_blocks = random_block_tables(gen, seq_lens, block_size)

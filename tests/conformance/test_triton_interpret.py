@@ -389,7 +389,8 @@ def test_kernels_compile_for_ampere_and_hopper(monkeypatch: pytest.MonkeyPatch) 
             for op_case in quant_cases[arch] if op == "quant_matmul" else (case.get(op),):
                 fn(**make_inputs(op, dtype, case=op_case, block_size=64))
     every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel", "_gated_kernel",
-             "_stream_kernel", "_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_store_latent_kernel", "_mla_kernel"}
+             "_stream_kernel", "_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_store_latent_kernel", "_mla_kernel",
+             "_shrink_kernel", "_expand_kernel"}
     # sm80's one-row int4 case splits K (its 32-row tiles leave too few programs): the summing pass
     assert {name.removesuffix("@sm80") for name in built if name.endswith("@sm80")} == every | {"_split_sum_kernel"}
     assert {name.removesuffix("@sm90") for name in built if name.endswith("@sm90")} == every | {"merge_kernel"}

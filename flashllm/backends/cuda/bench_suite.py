@@ -89,6 +89,11 @@ def _suite_cases() -> list[Case]:
     for seqs in (1, 32):  # DeepSeek-V2-Lite's MLA (16 heads, 512 + 64 latent row) decoding over 4096 cached tokens
         cases.append(Case(f"latent attn decode {seqs} seqs x 4096", kernel(
             "latent_attention", "--seqs", str(seqs), "--context", "4096", "--heads", "16", "--head-size", "128")))
+    for tokens in (16, 256):  # multi-LoRA: rows over 4 rank-16 adapters on a 4096-wide projection
+        cases.append(Case(f"lora shrink {tokens} rows 4096 -> r16", kernel(
+            "lora_shrink", "--tokens", str(tokens), "--hidden", "4096")))
+        cases.append(Case(f"lora expand {tokens} rows r16 -> 4096", kernel(
+            "lora_expand", "--tokens", str(tokens), "--out-features", "4096")))
     return cases
 
 
