@@ -145,3 +145,12 @@ def test_draft_model_greedy_tokens_equal_plain_decoding(model_dirs, tmp_path_fac
         assert llm.engine.scheduler.num_preemptions > 0
         assert spec == plain
         assert stats.num_drafted > 0 and stats.acceptance_rate >= least_acceptance, stats
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_factory) -> None:
+    other = build_tiny_model(tmp_path_factory.mktemp("other-vocab"), "llama", seed=8, tokenizer=False, vocab_size=300)
+    with pytest.raises(ValueError, match="vocab") as info:
+        LLM(str(model_dirs["llama"]), backend="cpu", speculative_config={"model": str(other)})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="--speculative-model"):
+        LLM(str(model_dirs["llama"]), backend="cpu", speculative_config={"method": "draft_model"})
