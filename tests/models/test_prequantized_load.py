@@ -173,7 +173,10 @@ def test_prequantized_logits_match_the_dequantized_float_model(
 
 
 @pytest.mark.parametrize("index", [1, 6])
-def test_greedy_generation_matches_the_float_twin(float_dirs, tmp_path, index):
+def test_greedy_generation_matches_the_float_twin(float_dirs, tmp_path, index, monkeypatch):
+    # exact fp32 activations: the cpu default for int4 weights rounds them to int8 per block (its own
+    # conformance tests hold it to the reference on the rounded inputs), which may flip a near-tie
+    monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     preset, qconfig = CASES[index]
     quant_dir, twin_dir = write_pair(float_dirs[preset], tmp_path, qconfig)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
