@@ -12,7 +12,7 @@ keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX
 the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
 steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
 after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
-processes, on the team's Intel VM; eighteenth session, docs/benchmarks.md). It also gives threads
+processes, on a 2-vCPU Intel VM). It also gives threads
 started later the main heap (M_ARENA_MAX 1): glibc would give each its own heaps and unmap them as
 they empty, and the server steps its engine in such a thread (a run there faulted ~520,000 pages
 without this, 5,600 in its second run with it). A thread that already has its own heap keeps it.
