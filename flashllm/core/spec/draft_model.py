@@ -9,7 +9,7 @@ from typing import Any
 
 from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import EngineParts, model_runner_class
+from flashllm.core.builder import TOKENIZER_FILES, EngineParts, model_runner_class
 from flashllm.core.model_runner import ModelRunner
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
@@ -150,8 +150,6 @@ def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_b
 def _check_vocabulary(parts: EngineParts, model_dir: Path, draft_vocab_size: int) -> None:
     """The draft must speak the target's tokens: equal tokenizer vocabularies where both have a tokenizer,
     else equal vocab_size."""
-    from flashllm.core.builder import TOKENIZER_FILES
-
     target = parts.tokenizer
     if target is not None and any((model_dir / name).exists() for name in TOKENIZER_FILES):
         from flashllm.models.tokenizer import load_tokenizer

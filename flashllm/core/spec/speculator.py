@@ -10,6 +10,7 @@ from flashllm.core.block_manager import BlockManager
 from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
+from flashllm.core.spec.ngram import NgramProposer
 
 # The guard's memory: each round's acceptance enters an exponential average with this weight.
 _EMA_WEIGHT = 0.3
@@ -160,8 +161,6 @@ class NgramDrafts:
     """The n-gram lookup as a Proposer (it keeps nothing per sequence)."""
 
     def __init__(self, max_ngram_size: int, min_ngram_size: int) -> None:
-        from flashllm.core.spec.ngram import NgramProposer
-
         self._lookup = NgramProposer(max_ngram_size, min_ngram_size)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
