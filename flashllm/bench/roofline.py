@@ -67,21 +67,20 @@ class Plan:
 
 
 # The CPU keeps its read-stream convention: a CPU decode step is a GEMV streaming its weights,
-# and a CPU copy's write-allocate traffic makes "read + written" understate what a read reaches
-# (docs/benchmarks.md reports ~17.5 GB/s read on the 2-core machine). Every other device uses
-# docs/benchmarks.md's definition, a 2 GiB device copy counted as bytes read + written, and an 8192^3
-# GEMM in the benchmark dtype.
-# A CPU's runs are bracketed by read probes: on the team's shared 2-core VM the read stream drifted
-# between 18 and 25 GB/s within an hour. An accelerator's are not: the copy probe needs 4 GiB that
-# the engine's KV cache holds while it is loaded, and HBM bandwidth did not drift in the team's runs.
+# and a CPU copy's write-allocate traffic makes "read + written" understate what a read reaches.
+# Every other device uses docs/benchmarks.md's definition, a 2 GiB device copy counted as bytes
+# read + written, and an 8192^3 GEMM in the benchmark dtype.
+# A CPU's runs are bracketed by read probes: on a shared 2-vCPU VM (`epyc3-2c`, the machines of
+# docs/benchmarks.md) the read stream drifts between 18 and 25 GB/s within an hour. An
+# accelerator's are not: the copy probe needs 4 GiB that the engine's KV cache holds while it is
+# loaded, and HBM bandwidth does not drift that way (`h100`).
 # A CPU's read probes are also the cpu backend's multi-stream reads over huge pages, the way the
-# engine's weights are read: on the team's EPYC VM two streams per thread read 1.13-1.18x a
-# `torch.sum` over 4 KiB pages with 1 KiB runs, 1.2-1.3x with the 256 B runs used since the twelfth
-# session; on its Intel VM eight streams read ~1.1-1.2x two (sixteenth session). The highest counts.
+# engine's weights are read: on `epyc3-2c` two streams per thread switching every 256 B read
+# 1.2-1.3x a `torch.sum` over 4 KiB pages; on `intel-2c` eight streams read ~1.1-1.2x two. The
+# highest counts.
 # A CPU probe times 10 reads back to back (~0.5 s): the ceiling is the fastest, and the rate over
-# all ten is recorded beside it. The sustained rate was tried as the ceiling and the engine passed
-# it (up to 1.09 of it over whole 128-token runs, docs/benchmarks.md, eleventh session), so it is
-# no ceiling.
+# all ten is recorded beside it. The sustained rate is no ceiling: the engine's decode exceeds it
+# (up to 1.09x of it over whole 128-token runs on `epyc3-2c`).
 CPU_PLAN = Plan(copy_bytes=1 << 30, read_bytes=1 << 30, matmul_n=2048, repeats=5, calls_per_timing=1,
                 ceiling="read stream", bracket_runs=True,
                 fast_read="flashllm.backends.cpu.read_probe:stream_reads", sustained_reads=10)
@@ -198,10 +197,10 @@ def held_ceiling_probe(device: str | torch.device, plan: Plan | None = None) -> 
     stream (each read probe timed read by read; the highest fastest read and the highest sustained
     rate) or its copy (its best timing, both), over buffers allocated here, once, held by the call.
 
-    For probes around and inside one timed run (bench/repeats.py): on the team's VM a probe that
-    allocated and freed its 2 GiB each time slowed the engine's decode after it by 8% (chunked
-    runs against plain ones, slower in 6 of 6 rounds); with the buffers held the chunked runs ran
-    1.02x the plain ones (3 of 6), so the churn, not the reads, was the cost.
+    For probes around and inside one timed run (bench/repeats.py): the buffers are held because a
+    probe that allocates and frees its 2 GiB each time slows the engine's decode after it by ~8%
+    (`epyc3-2c` in docs/benchmarks.md), while held buffers leave it within noise (1.02x); the
+    churn, not the reads, is the cost.
     """
     plan = plan or plan_for(device)
     dev, repeats, calls = str(device), plan.repeats, plan.calls_per_timing

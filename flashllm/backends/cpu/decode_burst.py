@@ -1,10 +1,11 @@
 """The cpu backend's greedy decode bursts: several greedy decode steps of the same sequences in one
 native call (flashllm_decode_burst in csrc/decode_stack.c).
 
-Between two batch-1 decode steps the engine spent ~1.2 ms in Python (scheduling, the flat batch's
+Between two batch-1 decode steps the engine spends ~1.2 ms in Python (scheduling, the flat batch's
 tensors, the fused step's and the greedy head's set-up, sampling bookkeeping) of a ~52-60 ms token
-for the 0.5b shape on the team's 2-core VM. Little of it is work: it runs just after 1.6 GB of
-weights streamed through the caches, so every interpreter object it touches comes from memory.
+for the 0.5b shape (`intel-2c`, the machines of docs/benchmarks.md). Little of it is work: it runs
+just after 1.6 GB of weights have streamed through the caches, so every interpreter object it
+touches comes from memory.
 A burst runs decode_stack.py's fused step and greedy_screen.py's screen and pick back to back in C,
 feeding each step's tokens to the next, so that cost is paid once per burst instead of per token.
 Each step computes what the engine's single greedy steps compute, in the same order, so the tokens

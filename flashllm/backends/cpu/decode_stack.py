@@ -1,7 +1,7 @@
 """The cpu backend's fused decode step: a standard decoder stack in one native call (csrc/decode_stack.c).
 
 The per-op path spends ~0.3 ms of interpreter and ctypes work per layer at batch 1 (8 ms of a
-72 ms token for the 0.5b shape on the team's 2-core VM). For a decode step this module hands the
+72 ms token for the 0.5b shape on `epyc3-2c`, docs/benchmarks.md). For a decode step this module hands the
 whole stack, embedding output to final norm, to one C call running the same native kernels in
 the same order, so its hidden states equal the per-op native path's (tests hold it to that).
 
@@ -103,7 +103,7 @@ def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) ->
 
 def _embedding_table(table: Tensor, hidden: int) -> Tensor | None:
     """The declared one-rank embedding table if the C code can copy its rows itself (fp32 (vocab,
-    hidden), contiguous; F.embedding cost ~0.1 ms of a batch-1 step); None where torch embeds the
+    hidden), contiguous; F.embedding costs ~0.1 ms of a batch-1 step); None where torch embeds the
     ids before the call."""
     if not (_fp32(table) and table.is_contiguous() and table.dim() == 2 and table.shape[1] == hidden):
         return None
@@ -181,7 +181,7 @@ class FusedDecode:
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
-        # Kept from step to step, as building them took ~0.1 ms of a batch-1 step (their Python runs
+        # Kept from step to step, as building them costs ~0.1 ms of a batch-1 step (their Python runs
         # cold after each step's weight stream): the descriptor, whose per-step fields (every tensor
         # pointer among them) each call sets before the C code reads them; the residual stream,
         # scratch the C code alone writes; the scratch and its size per token count.

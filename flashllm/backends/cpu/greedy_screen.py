@@ -148,9 +148,9 @@ class GreedyScreen:
         self.max_row_norm = float(norms.max()) if len(norms) else 0.0
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
-        # Tensors a call only writes and reads itself, kept for the next: a batch-1 step's scores
-        # (600 KB), the kernels' scratch and the pick's counts took ~0.1 ms to allocate, run cold
-        # after the copy's stream. The scores of the last call's token count; scratch per count.
+        # Tensors a call only writes and reads itself, kept for the next: allocating a batch-1 step's
+        # scores (600 KB), the kernels' scratch and the pick's counts costs ~0.1 ms, run cold after
+        # the copy's stream. The scores of the last call's token count; scratch per count.
         self._kept: dict[object, Tensor] = {}
 
     def _quantize(self, rows: Tensor, exact: Tensor, codes: Tensor, scales: Tensor, norms: Tensor) -> Tensor:

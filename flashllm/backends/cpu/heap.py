@@ -5,25 +5,24 @@ threshold (128 KiB, adapting up to 32 MiB) with a fresh mapping and unmaps it on
 the heap's free top back to the OS; either way the next step's tensor of that size faults its
 pages in again, 4 KiB at a time, each zeroed by the kernel. A prefill step of the 0.5b shape
 allocates its gate_up product (1092 tokens x 9728 features, 42 MB) in every layer, and a decode
-step its logits (16 x 151936, 9.7 MB): one offline run of docs/benchmarks.md's CPU workload faulted
-~700,000 pages (2.8 GB). In a VM a fault costs microseconds.
+step its logits (16 x 151936, 9.7 MB): one offline run of docs/benchmarks.md's CPU workload faults
+~700,000 pages (2.8 GB) that way. In a VM a fault costs microseconds.
 
 keep_freed_memory() tells glibc to serve every request from its heap (M_MMAP_MAX 0) and to keep
 the heap's free top (M_TRIM_THRESHOLD at its largest), so a step's tensors reuse the pages earlier
-steps freed: the same run then faulted 30,000-47,000 pages the first time and under 10 in each run
-after, and its runs took 0.86x the time (medians of 8 runs with it and 14 without, alternating
-processes, on a 2-vCPU Intel VM). It also gives threads
-started later the main heap (M_ARENA_MAX 1): glibc would give each its own heaps and unmap them as
-they empty, and the server steps its engine in such a thread (a run there faulted ~520,000 pages
-without this, 5,600 in its second run with it). A thread that already has its own heap keeps it.
+steps freed: the same run faults 30,000-47,000 pages the first time and under 10 in each run after,
+in 0.86x the time (medians of 8 runs with it and 14 without, alternating processes, `intel-2c` in
+docs/benchmarks.md). It also gives threads started later the main heap (M_ARENA_MAX 1): glibc
+would give each its own heaps and unmap them as they empty, and the server steps its engine in
+such a thread (a run there faults ~520,000 pages without this, 5,600 in its second run with it).
+A thread that already has its own heap keeps it.
 
 The cost is the one of any caching allocator: the process keeps its largest steps' activations
 mapped, and the OS counts them as used (a second engine in the same process sizes a CPU KV cache
 from less free memory). torch asks for 64-byte-aligned blocks, slightly more than a freed block of
 the same size holds, so the heap grows by a few blocks before its free ones merge: a loop of 64 MiB
-tensors reused memory from its 2nd to 7th tensor on in the main thread (three runs of 40), from its
-9th in a later thread. The offline run ended at 6.12 GB resident against 5.89 GB without (whose
-peak was 6.06 GB).
+tensors reuses memory from its 2nd to 7th tensor on in the main thread, from its 9th in a later
+thread. The offline run ends at 6.12 GB resident against 5.89 GB without (peak 6.06 GB).
 
 The setting is process-wide; the cpu adapter applies it once a model's weights are placed
 (core/builder.py), so loading's one-off buffers come and go as before. FLASHLLM_CPU_KEEP_HEAP=0

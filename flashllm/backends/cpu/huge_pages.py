@@ -1,10 +1,10 @@
 """Weights in transparent huge pages: the cpu backend's `place_weights` after a model loads.
 
 A decode step streams every weight once. With 4 KiB pages it walks a page table entry per 4 KiB,
-and the hardware prefetchers stop at every page boundary. In paired runs in one process on the
-team's 2-core AVX2 EPYC (Linux THP mode "madvise"), the native one-token product over a 544 MB
-fp32 weight read 4-9% faster from 2 MiB pages (18-19 -> 19-20 GB/s), and the 16-token product
-ran 3-7% faster.
+and the hardware prefetchers stop at every page boundary. From 2 MiB pages the native one-token
+product over a 544 MB fp32 weight reads 4-9% faster (18-19 -> 19-20 GB/s) and the 16-token product
+runs 3-7% faster (paired runs in one process, `epyc3-2c` in docs/benchmarks.md, THP mode
+"madvise").
 
 Each float or integer weight of at least HUGE_PAGE bytes is copied into an anonymous mapping whose
 2 MiB-aligned interior is advised MADV_HUGEPAGE before it is written, so the kernel backs it with

@@ -197,8 +197,8 @@ def _prefill_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
     SDPA with enable_gqa takes its math path on CPU. Here the G = Hq / Hk query heads of a KV head
     share one bmm against its keys, a chunk of query tokens at a time. On the 0.5b shape's heads
-    (14 over 2, 64 wide) this ran 1.1-1.8x SDPA at 32-256 tokens and 2.8x at 1024, and the offline
-    workload's prefill attention took 0.39 s a run against 0.63 s (2-vCPU Intel VM).
+    (14 over 2, 64 wide) this runs 1.1-1.8x SDPA at 32-256 tokens and 2.8x at 1024, and the offline
+    workload's prefill attention takes 0.39 s a run against 0.63 s (`intel-2c`, docs/benchmarks.md).
     """
     length, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = k.shape[:2]

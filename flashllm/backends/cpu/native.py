@@ -8,8 +8,9 @@ library's own spinning worker pool (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
 split over two threads, and it has no vectorized int8/int4-weight GEMV on AVX2 at all (see
-quant.py). On the team's 2-core AVX2 EPYC, per 4864 x 896 product with two threads: fp32 0.53 ms
-(32.7 GB/s), int8 weights 0.19 ms, int4 weights 0.15 ms, against torch's 0.65 ms fp32.
+quant.py). On `epyc3-2c` (2-core AVX2 EPYC, docs/benchmarks.md), per 4864 x 896 product with two
+threads: fp32 0.53 ms (32.7 GB/s), int8 weights 0.19 ms, int4 weights 0.15 ms, against torch's
+0.65 ms fp32.
 
 The library is compiled from the packaged source into the cache directory (keyed by the source's
 hash and the flags) with `cc -O3 -mavx2 -mfma`, and used only where torch itself reports AVX2 or
@@ -54,8 +55,8 @@ W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
-# parallel.py's Python pool, so products from 64 Ki weights split: the 896 x 896 o_proj of the
-# 0.5b shape read 3.2 MB on one core (~0.2 ms) at 1 Mi, 24 times a token.
+# parallel.py's Python pool, so products from 64 Ki weights split: with parallel.py's 1 Mi the 0.5b
+# shape's 896 x 896 o_proj (3.2 MB, ~0.2 ms, 24 times a token) would stay on one core.
 SPLIT_MIN_ELEMENTS = 1 << 16
 CAPABILITIES = frozenset({"AVX2", "AVX512"})
 

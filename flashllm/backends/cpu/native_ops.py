@@ -1,7 +1,7 @@
 """ctypes wrappers of the native per-layer ops (RMSNorm, rotary, one-token paged attention, SiLU-and-mul).
 
-At decode sizes torch spends tens of microseconds per call on these (measured on the team's
-2-core AVX2 VM, one token of the 0.5b shape, torch at one thread: rms_norm with a residual 27 us,
+At decode sizes torch spends tens of microseconds per call on these (`epyc3-2c` in
+docs/benchmarks.md, one token of the 0.5b shape, torch at one thread: rms_norm with a residual 27 us,
 rotary 85 us, write + paged attention of one token ~280 us per layer), against a few microseconds
 of arithmetic. Each wrapper says which inputs it takes (fp32, the layouts the engine produces)
 and returns None otherwise, so the caller runs its torch body; every index the C code follows
@@ -19,7 +19,7 @@ MAX_NORM_ROWS = 64  # past a decode batch torch's threaded kernel is the better 
 # below this many outputs one thread finishes silu_and_mul before a hand-off would pay
 SILU_SPLIT_ELEMENTS = 1 << 16
 # decode attention: below this many (sequence, head, context slot) triples one thread is done first
-# (14 heads of 64 features at batch 1 on the team's 2-core VM, workers spinning: 16 slots 6.3 us on
+# (14 heads of 64 features at batch 1 on `epyc3-2c`, workers spinning: 16 slots 6.3 us on
 # one thread against 7.6 on two, 64 slots 14.6 against 11.8, 128 slots 16.5 against 13.8; the line
 # sits between 16 and 64 slots)
 ATTENTION_SPLIT_WORK = 1 << 9
@@ -122,7 +122,7 @@ def silu_and_mul(x: Tensor) -> Tensor | None:
     """The silu_and_mul op for contiguous fp32 x (T, 2I); None where not taken.
 
     torch runs it as a SiLU over a strided half of x and a separate multiply: 27 ms + 25 ms per
-    layer for a 1881-token prefill of the 0.5b shape on the team's 2-core VM. The native body reads
+    layer for a 1881-token prefill of the 0.5b shape on `epyc3-2c` (docs/benchmarks.md). The native body reads
     x once and computes e^-g in AVX2 lanes (~2 ulp), split over the cores for prefill sizes.
     """
     if not (_ready(x) and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 2 == 0 and x.shape[1] > 0):

@@ -1,9 +1,9 @@
 """Decode-sized matmuls split by output rows across the CPU's cores, one torch call per core.
 
-Measured on the team's 2-core AVX2 VM (torch 2.13, 40 distinct 4864x896 fp32 weights, so every
-read comes from DRAM): F.linear of one token reads 18.5 GB/s with 1 or 2 intra-op threads
-alike (BLAS runs a GEMV on one core), while two Python threads each running F.linear on half
-the rows read 26.6 GB/s; llama.cpp's own GEMV reaches ~33 GB/s on the same machine. torch ops
+On `epyc3-2c` (docs/benchmarks.md; 40 distinct 4864x896 fp32 weights, so every read comes from
+DRAM) F.linear of one token reads 18.5 GB/s with 1 or 2 intra-op threads alike (BLAS runs a
+GEMV on one core), while two Python threads each running F.linear on half the rows read
+26.6 GB/s; llama.cpp's own GEMV reaches ~33 GB/s there. torch ops
 release the GIL, so a small thread pool is enough: the calling thread runs the first share
 itself and waits for the others. Only calls with few tokens and a large weight split: for
 larger batches BLAS already threads the GEMM, and small weights cost less than a hand-off.
@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import torch
 
 # A decode batch. Up to here flashllm threads the products itself: MKL's fp32 GEMM with 2..32 rows
-# ran at 6-8 GB/s of weight reads on the team's 2-core VM (5.5 ms for 16 x 896 by 9728 against
-# 2.5 ms for the native tiles of csrc/decode_kernels.c); from ~64 rows BLAS catches up.
+# reads weights at 6-8 GB/s on `epyc3-2c` (5.5 ms for 16 x 896 by 9728 against 2.5 ms for the
+# native tiles of csrc/decode_kernels.c); from ~64 rows BLAS catches up.
 SPLIT_MAX_TOKENS = 32
 SPLIT_MIN_ELEMENTS = 1 << 20   # ~4 MB of fp32 weight: below it a hand-off (~20 us) costs more than it saves
 ROW_ALIGN = 16                 # share boundaries on whole cache lines of output
@@ -43,8 +43,8 @@ def torch_single_threaded() -> Iterator[None]:
     torch's OpenMP workers spin for a while after every parallel region. In a decode step the
     GEMVs run on this module's threads between small torch ops (norms, rotary, attention of one
     token) that gain nothing from a second thread, so the spinning workers only steal the cores
-    the GEMV threads need: on the 2-core test VM, batch-1 decode of the 0.5b shape ran 8.1 tokens/s
-    with torch at 2 threads and 12.0 with torch at 1 (w8a16: 15.8 -> 23.9). Not reentrant across
+    the GEMV threads need: on `epyc3-2c` (docs/benchmarks.md) batch-1 decode of the 0.5b shape runs
+    8.1 tokens/s with torch at 2 threads and 12.0 with torch at 1 (w8a16: 15.8 -> 23.9). Not reentrant across
     threads: torch's thread count is process-wide, and the engine steps on one thread.
     """
     global _workers_override

@@ -3,19 +3,20 @@ torch vectorizes them, else chunked dequantize + GEMM.
 
 Decode batches (<= native.MAX_TOKENS tokens) of w8a16/w4a16 weights whose groups are a multiple
 of 32 features run the native kernels of csrc/decode_kernels.c when they build here (native.py):
-0.19 / 0.15 ms per 4864 x 896 product with two threads against 0.53 ms for the native fp32 one.
+0.19 / 0.15 ms per 4864 x 896 product with two threads against 0.53 ms for the native fp32 one
+(`epyc3-2c`, docs/benchmarks.md).
 w4a16 weights with groups of a multiple of 64 features run csrc/int4_int8_kernels.c instead, which
 rounds the activations to int8 first (`rounded_inputs` says how; FLASHLLM_CPU_INT4_ACTIVATIONS=fp32
 turns it off); w8a16 weights do the same only with FLASHLLM_CPU_W8_ACTIVATIONS=int8.
 What follows is the choice where they do not.
 
-Measured on an AVX2 EPYC (torch 2.13, one thread, N=4864 K=896): fp32 GEMV 0.8 ms,
-`_weight_int8pack_mm` 4.2 ms, `_weight_int4pack_mm_for_cpu` 8.6 ms, both growing linearly with
-the token count (scalar code: torch has vectorized bodies for them only under
-CPU_CAPABILITY_AVX512), while dequantizing 1-4 MB row chunks and running the BLAS GEMM on each
-took 0.9-1.0 ms and scales like a GEMM. So the packed kernels run only where torch reports
-AVX512 and the batch is a few decode tokens (a rule from torch's source, not yet timed on an
-AVX512 machine); every other call takes the chunked path.
+On `epyc3-2c` (AVX2; one thread, N=4864 K=896): fp32 GEMV 0.8 ms, `_weight_int8pack_mm` 4.2 ms,
+`_weight_int4pack_mm_for_cpu` 8.6 ms, both growing linearly with the token count (scalar code:
+torch has vectorized bodies for them only under CPU_CAPABILITY_AVX512), while dequantizing
+1-4 MB row chunks and running the BLAS GEMM on each takes 0.9-1.0 ms and scales like a GEMM. So
+the packed kernels run only where torch reports AVX512 and the batch is a few decode tokens (a
+rule read from torch's source, with no AVX512 timing behind it); every other call takes the
+chunked path.
 
 a8w8 (per-token int8 activations x per-channel int8 weights) runs fbgemm's dynamic int8 GEMM
 exactly: fbgemm quantizes its input per tensor (uint8, 0..127 with reduce_range), so it is fed

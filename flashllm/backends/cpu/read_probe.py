@@ -3,14 +3,14 @@
 The bench's decode ceiling divides bytes per token by a read bandwidth probed in the same run. A
 `torch.sum` over a fresh 1 GiB tensor reads 4 KiB pages, one stream per thread. The engine's
 weights sit in huge pages (huge_pages.py) and its one-token fp32 products read several rows, so
-several streams, per thread at once: two where the CPU lacks AVX-512 (on a 2-core AVX2 EPYC VM
-that read ran 1.13-1.18x `torch.sum`), eight where it has it (on a 2-vCPU Intel Xeon VM). These reads are those access patterns without the
-arithmetic, over a buffer placed the way place_weights places weights, each in the fastest form
-measured on the VM it was found on: two streams switching every 256 B (EPYC; the
-products switch every 128 B) and eight switching every 128 B (Intel: ~1.05x the eight-row product
-loop's read there, ~1.2x the two-stream read). The bench takes the highest of all its probes on
-whatever CPU it runs (bench/roofline.py, CPU_PLAN.fast_read), so a pattern that is slow on one CPU
-costs the ceiling nothing there.
+several streams, per thread at once: two where the CPU lacks AVX-512 (on `epyc3-2c`, the machines
+of docs/benchmarks.md, that read runs 1.13-1.18x `torch.sum`), eight where it has it (`intel-2c`).
+These reads are those access patterns without the arithmetic, over a buffer placed the way
+place_weights places weights, each in the fastest form on the machine where it matters: two
+streams switching every 256 B (`epyc3-2c`; the products switch every 128 B) and eight switching
+every 128 B (`intel-2c`: ~1.05x the eight-row product loop's read there, ~1.2x the two-stream read).
+The bench takes the highest of all its probes on whatever CPU it runs (bench/roofline.py,
+CPU_PLAN.fast_read), so a pattern that is slow on one CPU costs the ceiling nothing there.
 """
 
 from __future__ import annotations
