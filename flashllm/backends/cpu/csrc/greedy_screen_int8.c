@@ -6,7 +6,7 @@
  * caller), and the score is fl(fl(fl(I) s_n) (t / m)).
  *
  * Half the bytes of the bf16 copy: the head of the 0.5b shape (151936 x 896), read cold by two
- * threads on the team's Intel VM (twenty-fourth session, 7 interleaved rounds): 4.2-4.4 ms against
+ * threads on `intel-2c` (docs/benchmarks.md, interleaved rounds): 4.2-4.4 ms against
  * 8.3-8.5 for the bf16 copy at one token, 4.6-5.0 against 9.5-9.9 at two, 6.9 against 8.9 at five;
  * with AMX-INT8 8.3-10.2 ms against 14-15.4 for the bf16 AMX tiles at 8-16 tokens (scores alone). */
 #include <immintrin.h>

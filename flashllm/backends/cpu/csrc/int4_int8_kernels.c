@@ -31,9 +31,9 @@
 #include "simd.h"
 
 #define A8_BLOCK 64  /* features per activation scale: 32 bytes of int4 codes */
-/* Rows are read in order, one line per two blocks, and the hardware prefetcher alone left DRAM
- * half idle: 9728 x 896 codes took 0.45 ms for one token on the team's 2-core VM, 0.33 ms when
- * each step prefetches the line this far ahead (512 to 4096 bytes measured alike, within noise). */
+/* Rows are read in order, one line per two blocks, and the hardware prefetcher alone leaves DRAM
+ * half idle: 9728 x 896 codes take 0.45 ms for one token on `epyc3-2c` (docs/benchmarks.md), 0.33 ms
+ * when each step prefetches the line this far ahead (512 to 4096 bytes alike, within noise). */
 #define PREFETCH_AHEAD 1024
 
 
@@ -175,8 +175,8 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
 /* ---- the same product with AVX-512 VNNI, two activation blocks (128 features, 64 code bytes) a step ----
  * Where the CPU has it: vpdpbusd multiplies 64 unsigned codes by 64 int8 activations and adds each
  * four products into an int32 lane, exactly (no int16 saturation), one instruction where AVX2 takes
- * three, and AVX2's 0.33 ms for a 9728 x 896 token left the int4 GEMV compute-bound on the team's
- * 2-core AVX-512 EPYC. Lanes 0-7 hold block b (lanes 0-3 its features 0..31, 4-7 32..63), lanes
+ * three, and with AVX2 alone (0.33 ms for a 9728 x 896 token) the int4 GEMV is compute-bound on
+ * `epyc4-2c` (docs/benchmarks.md). Lanes 0-7 hold block b (lanes 0-3 its features 0..31, 4-7 32..63), lanes
  * 8-15 block b + 1, so a group of 32 features is four lanes and a group of 64 or more eight. The
  * scale each lane meets is scale[group] * d[block], built once per step from four floats. K must be
  * whole pairs of blocks (K % 128 == 0); a8_share falls back to the AVX2 rows otherwise. */

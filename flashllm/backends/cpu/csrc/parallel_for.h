@@ -16,9 +16,9 @@ void flashllm_parallel_items(flashllm_share_fn fn, void *ctx, int64_t n, int thr
 /* Shares per thread: a tiled share starts with its first block not prefetched, so where tiles read
  * fast enough for that to show (int8 and int4 codes for one token) a thread takes few shares; fp32
  * products and 16-token integer ones take many, so a thread the host slows down hands its rows to
- * the other. Interleaved runs of the 0.5b shape's 97 products of a token, two threads on the
- * team's 2-core VM, fine (32) against coarse (4): fp32 one token +4% (9 of 12 rounds), 16 tokens
- * +7% (6 of 6); int8 16 tokens +4% (5 of 6), one token -3% (2 of 12 faster). */
+ * the other. The 0.5b shape's 97 products of a token, two threads on `epyc3-2c` (docs/benchmarks.md),
+ * fine (32) against coarse (4) shares: fp32 one token +4%, 16 tokens +7%; int8 16 tokens +4%, one
+ * token -3%. */
 #define COARSE_SHARES 4
 #define FINE_SHARES 32
 

@@ -11,10 +11,9 @@
 
 /* The unit the probe's buffer comes in: READ_RUN floats (256 B). A share of runs is read as
  * `streams` streams, switching every `step` floats (32 or 64). Two streams switching every 256 B
- * read fastest of the two-stream patterns on the EPYC VM, against 1 KiB runs (the twelfth session,
- * interleaved reads of 2 GiB by two threads in huge pages): 256 B 1.09, 1.03, 1.06; 128 B 1.08,
- * 0.98, 1.03; 512 B 1.03, 1.05; `torch.sum` 0.84-0.88. On the Intel VM eight streams switching
- * every 128 B read fastest (sixteenth session). */
+ * read fastest of the two-stream patterns on `epyc3-2c` (docs/benchmarks.md; reads of 2 GiB by two
+ * threads in huge pages, against 1 KiB runs: 256 B 1.03-1.09x, 128 B 0.98-1.08x, 512 B 1.03-1.05x,
+ * `torch.sum` 0.84-0.88x); on `intel-2c` eight streams switching every 128 B read fastest. */
 #define READ_RUN 64
 
 typedef struct { const float *p; int streams, step; _Atomic uint64_t total; } read_args;  /* total: a double's bits */

@@ -143,8 +143,8 @@ static void pick_rows_share(void *ctx, int64_t i0, int64_t i1) {
  * then takes that token's full logits). counts[0]: the rows computed over all tokens, counts[1]: the
  * tokens left at -1. Tokens, and with fewer tokens than threads each token's rows, are split over the
  * worker pool. The margins are worked out here rather than by the caller: a handful of torch ops on
- * one token took ~0.3 ms there, run just after the head's copy streamed through the caches
- * (twenty-third session). */
+ * one token cost ~0.3 ms there, run just after the head's copy streamed through the caches
+ * (`intel-2c`, docs/benchmarks.md). */
 void flashllm_screen_pick(const float *x, int64_t T, int64_t K, const float *w, const float *scores, int64_t N,
                           int64_t ldy, const float *b, double factor, double floor0, double floor1, int64_t *out,
                           int64_t *counts, int threads) {

@@ -16,21 +16,21 @@
 
 #define FLASHLLM_MAX_WORKERS 64
 #define FLASHLLM_ROW_ALIGN 16  /* flashllm_parallel_for's shares start at multiples of this many rows */
-/* _mm_pause rounds before a worker sleeps: ~5 ms on the team's 2-core EPYC VM (~30 ns a pause).
+/* _mm_pause rounds before a worker sleeps: ~5 ms on `epyc3-2c` (docs/benchmarks.md; ~30 ns a pause).
  * The next product of a step follows within ~100 us, but between steps the engine's Python takes
- * 2-3 ms (its data cold after the weights streamed through the caches). With 20000 rounds (~0.6 ms)
- * the worker slept in that gap and in the one before the LM head, ~1.8 times a token at the 0.5b
- * shape, and joined the next task 210-270 us late, leaving the first products to the caller alone. */
+ * 2-3 ms (its data cold after the weights streamed through the caches). The spin outlasts that gap:
+ * a worker that sleeps in it (or in the one before the LM head) joins the next task 210-270 us
+ * late, leaving the first products to the caller alone. */
 #define FLASHLLM_SPIN_ROUNDS 160000
 
 /* A task is published as one 64-bit ticket that its shares are claimed from by compare-and-swap:
  * bits 63..24 number the ticket (unique per publication), 23..16 hold the helpers taking part,
  * 15..0 the next unclaimed share (a task has at most FINE_SHARES x FLASHLLM_MAX_WORKERS = 2048).
- * Claims and completions are counted by share, not by worker. Under CPU contention (other
- * processes busy on every core) the caller used to wait until every worker had woken, even one
- * with nothing left to do, and the host ran those workers late: a 1.5 ms decode step of the demo
- * model took ~300 ms with two busy-looping processes on the team's 2-core VM. Now the caller runs
- * whatever nobody claimed and waits only for shares that a worker is running. */
+ * Claims and completions are counted by share, not by worker, so the caller runs whatever nobody
+ * claimed and waits only for shares that a worker is running. Under CPU contention (other processes
+ * busy on every core) the host runs workers late: a caller that waited for every worker to wake,
+ * even one with nothing left to do, would stretch a 1.5 ms decode step of the demo model to ~300 ms
+ * with two busy-looping processes on `epyc4-2c` (tests/unit/test_cpu_pool_contention.py). */
 #define TASK_SHIFT 24
 #define HELPERS_SHIFT 16
 #define FIELD_MASK 0xffffULL
@@ -38,9 +38,9 @@
 /* _mm_pause rounds (~60 us) between two sched_yield calls of a spinning thread: on a busy host the
  * caller waiting for a worker's share, or a worker waiting for the next task, hands its core to a
  * thread that may be waiting for exactly that core; on an idle one the call returns at once.
- * With 2 busy-looping processes on the team's 2-core VM, 300 split products of 2048 x 512 took
- * 1.1-1.4x their unsplit time with these yields and 1.2-1.7x without them (5-50x before the
- * share-counted tasks above). */
+ * With 2 busy-looping processes on `epyc4-2c`, 300 split products of 2048 x 512 take 1.1-1.4x
+ * their unsplit time with these yields, 1.2-1.7x without them, and 5-50x where the caller waits for
+ * every worker instead of counting shares. */
 #define FLASHLLM_YIELD_ROUNDS 2048
 
 static struct {
