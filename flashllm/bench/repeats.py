@@ -1,8 +1,8 @@
 """Timed runs repeated, in rounds, and bracketed by bandwidth probes: `flashllm bench latency |
 throughput --repeats N`.
 
-A shared VM's memory bandwidth drifts: on the team's 2-core EPYC the read stream moved between 18
-and 25 GB/s within one hour, and the fp32 batch-1 decode rate by as much. One probe taken after
+A shared VM's memory bandwidth drifts: on `epyc3-2c` (docs/benchmarks.md) the read stream moves
+between 18 and 25 GB/s within one hour, and the fp32 batch-1 decode rate by as much. One probe taken after
 all engines ran then says little about the bandwidth an engine had while it ran, and a single
 run cannot tell a 0.85 fraction from a 0.75 one. So:
 - --repeats N runs N rounds, each running every engine once (flashllm per quant type, then the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-# The calibration workload's median on the team's idle 2-core EPYC VM (2026-11-29, cpu-bench: 8.9-9.2 ms).
+# The calibration workload's median on `epyc4-2c` (docs/benchmarks.md) when idle (2026-11-29, cpu-bench: 8.9-9.2 ms).
 # With the CPU shared by ~10 busy processes it took 33-44 ms, which is the slowdown a test then sees.
 IDLE_REFERENCE_S = 0.009
 _ROUNDS = 7

@@ -20,7 +20,7 @@ from flashllm.testing.server import ServerProcess, start_server
 
 FLAGS = ["--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "128", "--max-num-seqs", "2"]
 # Four requests over two running seats: two run, two wait. The tiny model decodes a wave of two
-# 480-token requests in ~0.12 s in process on the team's 2-core VM (more when served and streamed),
+# 480-token requests in ~0.12 s in process on `intel-2c` (more when served and streamed),
 # so the drain that must cut work off gets twelve requests: the last pair waits for five waves
 # (~0.6 s in process) after the first. With four, both waves once finished inside the short drain
 # (CI, 8795449), most likely behind a SIGTERM that the busy server handled late.

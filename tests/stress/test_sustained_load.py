@@ -33,7 +33,7 @@ FLAGS = ["--max-model-len", "128", "--block-size", "16", "--num-kv-blocks", "64"
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 BURST = 16
 # The canary waits behind at most a full batch and queue of short requests while this process's own
-# clients (and, on the team's shared 2-core VM, other people's work) share the busy cores: its p99
+# clients (and, on a shared 2-vCPU VM, other people's work) share the busy cores: its p99
 # under load may be this many times its p99 alone, both with every core busy. Measured there:
 # 18x, 37x and 80x (0.5-2.2 s against ~0.027 s) in three 20 s runs at load averages of 6-10; the
 # stall of issue 40 timed every request out (3 s, --request-timeout).

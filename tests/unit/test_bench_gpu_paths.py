@@ -107,7 +107,7 @@ def test_the_read_bandwidth_is_the_fastest_of_the_plans_read_probes(monkeypatch:
 
 def test_a_held_probe_allocates_once_and_takes_the_faster_read(monkeypatch: pytest.MonkeyPatch) -> None:
     # held for the probes around and inside one run: allocating 2 GiB per probe slowed the engine's
-    # next chunk by 8% on the team's VM. Timings faked: torch.sum reads in 1 s each; the native reads
+    # next chunk by 8% on `epyc3-2c`. Timings faked: torch.sum reads in 1 s each; the native reads
     # in 0.5 s, but one of their three reads takes 3 s, so their sustained rate (3/4 of the bytes per
     # second) falls below torch.sum's while their fastest read stays the higher: each is the higher of its kind
     from flashllm.backends.cpu import native

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel
 
 CALLS = 300  # ~30 ms of products a round: long enough that one late timeslice is noise
 ROUNDS = 5
-# With every core busy elsewhere, split products took 1.0-1.7x their unsplit time on the team's 2-core
-# VM; before the fix the median round was 8-20x (a call waited for an unscheduled worker).
+# With every core busy elsewhere, split products take 1.0-1.7x their unsplit time on `epyc4-2c`
+# (docs/benchmarks.md); a pool whose caller waits for an unscheduled worker takes 8-20x (median round).
 SLOWDOWN_LIMIT = 4.0
 
 

@@ -8,7 +8,9 @@ Cheap checks (no model, no network, well under a second each) that keep the user
 - every `--flag` written anywhere in the pages exists on some flashllm command, or is another
   tool's flag listed in OTHER_TOOLS_FLAGS;
 - the predictor page's "not accepted" PaddleNLP flags are indeed refused by `flashllm predict`;
-- the pages read as a product, not a lab notebook: no "team's", no ordinal session or pass entries.
+- the pages read as a product, not a lab notebook: no "team's", no ordinal session or pass entries;
+  and so do the sources (flashllm/, its C kernels, benchmarks/, tests/, noxfile.py): no "team's", no
+  ordinal sessions or GPU/CPU passes (a number there names its machine, as docs/benchmarks.md does).
 """
 
 from __future__ import annotations
@@ -197,3 +199,31 @@ def test_pages_are_not_a_lab_notebook(page: Path) -> None:
     hits = sorted({m.group(0) for m in _DIARY.finditer(page.read_text(encoding="utf-8"))})
     assert not hits, (f"{page.relative_to(ROOT)} reads like a lab notebook ({hits}): say what is true now, with "
                       "the command, commit, date and machine of any number; history belongs in commit messages")
+
+
+# In code "a second pass" is an algorithm's, so the sources' check leaves bare passes alone.
+_CODE_DIARY = re.compile(rf"\bteam's\b|\b(?:{_ORDINALS}) (?:session|(?:GPU|CPU) pass)\b|\brun[0-9]+\.sh\b", re.I)
+SOURCE_SUFFIXES = (".py", ".c", ".h", ".sh")
+SOURCES = sorted(p for top in ("flashllm", "benchmarks", "tests", "examples") for p in (ROOT / top).rglob("*")
+                 if p.suffix in SOURCE_SUFFIXES and p.is_file() and p != Path(__file__).resolve())
+SOURCES.append(ROOT / "noxfile.py")
+
+
+def test_code_diary_pattern() -> None:
+    """The sources' pattern catches the entries it is for and passes an algorithm's second pass."""
+    entries = ["on the team's 2-core VM", "(twenty-third session)", "the eleventh GPU pass", "benchmarks/gpu/run7.sh",
+               "sixteenth session, docs/benchmarks.md"]
+    assert all(_CODE_DIARY.search(entry) for entry in entries)
+    fine = ["the fp32 partial sums are added by a second pass", "one session of nox", "on `intel-2c`", "run_shares"]
+    assert not any(_CODE_DIARY.search(line) for line in fine)
+
+
+def test_sources_are_not_a_lab_notebook() -> None:
+    assert len(SOURCES) > 100, f"only {len(SOURCES)} source files found under {ROOT}"
+    hits = []
+    for path in SOURCES:
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            hits.extend(f"{path.relative_to(ROOT)}:{number}: {m.group(0)}" for m in _CODE_DIARY.finditer(line))
+    assert not hits, ("comments and docstrings that read like a lab notebook (say why the code is so, and name the "
+                      "machine of a number as docs/benchmarks.md does; history belongs in commit messages):\n"
+                      + "\n".join(hits))
