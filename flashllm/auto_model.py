@@ -9,12 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from flashllm.llm import LLM
-from flashllm.models.tokenizer import (
-    BUILTIN_TEMPLATES,
-    MAX_TEMPLATE_BYTES,
-    ChatTemplate,
-    ChatTemplateError,
-)
+from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+from flashllm.models.chat_template import MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError
 from flashllm.sampling_params import SamplingParams
 
 # transformers' GenerationConfig caps new tokens through max_length=20 when nothing else is set;

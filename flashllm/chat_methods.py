@@ -18,7 +18,9 @@ def select_chat_template(chat_template: str | None, own: Any, model_dir: Any) ->
     chat_template: a built-in name (chatml, llama-2, llama-3), a template source string, or None
     for the model's own; a model without one raises ValueError naming the alternatives.
     """
-    from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+    from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+    from flashllm.models.chat_template import ChatTemplate
+    from flashllm.models.tokenizer import load_chat_template
 
     if chat_template in BUILTIN_TEMPLATES:
         return ChatTemplate.builtin(chat_template), own

@@ -96,7 +96,7 @@ _TEMPLATE_HINT = "On the command line: --chat-template chatml (or llama-2, llama
 
 def _template_option(value: str | None) -> str | None:
     """--chat-template as LLM.chat_template takes it: a built-in name, or the text of a template file."""
-    from flashllm.models.tokenizer import BUILTIN_TEMPLATES
+    from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
 
     if value is None or value in BUILTIN_TEMPLATES:
         return value

@@ -320,7 +320,8 @@ class FlashLLMEval(TemplateLM):
         """Source of the template apply_chat_template will use: the model's own (True) or one by name."""
         if chat_template is False or chat_template is None:
             return None
-        from flashllm.models.tokenizer import BUILTIN_TEMPLATES, load_chat_template
+        from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+        from flashllm.models.tokenizer import load_chat_template
 
         if chat_template is True or chat_template in BUILTIN_TEMPLATES:
             self._template = self.llm.chat_template(None if chat_template is True else chat_template)

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from flashllm.models.tokenizer import ChatTemplate, ChatTemplateError
+from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
 
 ALLOW_FLAG = "--allow-special-tokens-in-content"
 

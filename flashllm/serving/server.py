@@ -18,9 +18,11 @@ from flashllm.config import speculative_flags_config
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
+from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+from flashllm.models.chat_template import ChatTemplate
 from flashllm.models.default_model import is_demo_model
 from flashllm.models.hf_config import ModelLoadError
-from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+from flashllm.models.tokenizer import load_chat_template
 from flashllm.sampling_params import SamplingParams
 from flashllm.serving.app import create_app
 from flashllm.serving.async_engine import AsyncEngine, StepEngine

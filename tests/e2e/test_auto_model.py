@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import flashllm
 from flashllm.auto_model import AutoModel, token_rows
-from flashllm.models.tokenizer import BUILTIN_TEMPLATES, ChatTemplateError
+from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+from flashllm.models.chat_template import ChatTemplateError
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
 

@@ -11,7 +11,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from flashllm.models.tokenizer import ChatTemplate, load_tokenizer  # noqa: E402
+from flashllm.models.chat_template import ChatTemplate  # noqa: E402
+from flashllm.models.tokenizer import load_tokenizer  # noqa: E402
 from flashllm.testing.memorize import memorize  # noqa: E402
 from flashllm.testing.server import ServerProcess, running_server  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402

@@ -19,10 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flashllm.models.chat_template import ChatTemplateError, render_chat
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.hf_config import parse_hf_config
 from flashllm.models.loader import _iter_tensors
-from flashllm.models.tokenizer import ChatTemplateError, load_chat_template, load_tokenizer, render_chat
+from flashllm.models.tokenizer import load_chat_template, load_tokenizer
 from flashllm.serving.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from flashllm.testing.tiny_models import build_tiny_model
 

@@ -372,7 +372,7 @@ def test_a_declared_position_embedding_settles_an_ambiguous_config() -> None:
 def test_the_baichuan2_chat_format_renders_as_build_chat_input_builds_it() -> None:
     """System text first, <reserved_106> before each user turn, <reserved_107> before each assistant turn
     and once more to prompt the answer (Baichuan2-Chat's generation_utils.build_chat_input)."""
-    from flashllm.models.tokenizer import ChatTemplate
+    from flashllm.models.chat_template import ChatTemplate
 
     template = ChatTemplate.builtin("baichuan-2")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -388,7 +388,7 @@ def test_the_baichuan2_chat_format_renders_as_build_chat_input_builds_it() -> No
     [{"role": "user", "content": "a"}, {"role": "tool", "content": "{}"}],
 ])
 def test_the_baichuan2_chat_format_refuses_what_it_cannot_write(messages) -> None:
-    from flashllm.models.tokenizer import ChatTemplate, ChatTemplateError
+    from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
 
     with pytest.raises(ChatTemplateError, match="baichuan-2"):
         ChatTemplate.builtin("baichuan-2").render(messages)
@@ -400,7 +400,8 @@ def test_the_baichuan2_chat_format_refuses_what_it_cannot_write(messages) -> Non
 def test_the_tokenizer_is_built_from_tokenizer_model_without_its_code(tmp_path, tokenizer_class, add_bos) -> None:
     import sentencepiece
 
-    from flashllm.models.tokenizer import ChatTemplate, load_tokenizer
+    from flashllm.models.chat_template import ChatTemplate
+    from flashllm.models.tokenizer import load_tokenizer
     from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
     model = train_sentencepiece_model(tmp_path / "tokenizer.model", vocab_size=1000,

@@ -15,8 +15,9 @@ import pytest
 import sentencepiece
 
 from flashllm.core.detokenizer import IncrementalDetokenizer
+from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.tokenizer import ChatTemplate, ChatTemplateError, load_tokenizer
+from flashllm.models.tokenizer import load_tokenizer
 from flashllm.models.tokenizers.sentencepiece_tokenizer import (
     SentencePieceTokenizer,
     load_chatglm_tokenizer,

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from tokenizers import AddedToken
 
-from flashllm.models.tokenizer import ChatTemplate, ChatTemplateError, load_chat_template, load_tokenizer
+from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
+from flashllm.models.tokenizer import load_chat_template, load_tokenizer
 from flashllm.serving.chat_prompt import chat_prompt_ids
 from flashllm.testing.server import ServerProcess
 

@@ -14,18 +14,16 @@ from hypothesis import strategies as st
 from jinja2.sandbox import SecurityError
 from transformers import PreTrainedTokenizerFast
 
-from flashllm.models.tokenizer import (
-    BUILTIN_TEMPLATES,
+from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
+from flashllm.models.chat_template import (
     MAX_RENDERED_CHARS,
     MAX_TEMPLATE_BYTES,
     ChatTemplate,
     ChatTemplateError,
-    eos_token_ids,
-    load_chat_template,
-    load_tokenizer,
     render_chat,
     validate_messages,
 )
+from flashllm.models.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 from flashllm.testing.timing import time_limit
 from flashllm.testing.tokenizer import train_tokenizer
 
