@@ -27,22 +27,40 @@ class ServeRequest:
 
 @dataclass(slots=True)
 class RequestResult:
-    """Timings of one request in seconds; `itl` holds every gap between streamed text chunks."""
+    """Timings of one request in seconds from its send.
+
+    token_times[i]: arrival of the streamed chunk that carried output token i. A chunk carries one
+    token unless it says otherwise (its logprobs list); where the server packs several tokens into
+    a chunk without saying so (usage counts more tokens than were stamped), `per_token` is False
+    and token_times holds one stamp per chunk.
+    """
 
     success: bool = False
     prompt_len: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0
     e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    per_token: bool = True
     error: str = ""
 
     @property
+    def ttft(self) -> float:
+        """Seconds from the send to the first output token (0.0 when none came)."""
+        return self.token_times[0] if self.token_times else 0.0
+
+    @property
+    def itl(self) -> list[float]:
+        """Every gap between consecutive token stamps (0.0 for tokens that came in the same chunk)."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
-        if not self.success or self.output_tokens < 2:
+        """Time per output token after the first, from the arrival of the first and the last token:
+        (t_last - t_first) / (output_tokens - 1); the tail after the last token is not counted."""
+        if not self.success or self.output_tokens < 2 or len(self.token_times) < 2:
             return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,23 +121,32 @@ def request_body(target: ServeTarget, request: ServeRequest) -> dict[str, Any]:
     return body
 
 
-def _carries_output(chunk: dict[str, Any], endpoint: str) -> bool:
-    """Whether a chunk reports generated tokens: text, or (completions) a mid-stream chunk whose
-    tokens decode to no text, as random-weight models with a small tokenizer produce."""
+def chunk_tokens(chunk: dict[str, Any], endpoint: str) -> int:
+    """Output tokens a streamed chunk carries: 0 for one without output (a role-only delta, the
+    closing chunk with only finish_reason, the usage chunk), the length of its logprobs list where
+    it has one, else 1. A completions chunk whose text is empty mid-stream is a token that decoded
+    to no text, as random-weight models with a small tokenizer produce."""
     choices = chunk.get("choices") or []
     if not choices:
-        return False
+        return 0
+    choice = choices[0]
     if endpoint == "chat":
-        return bool((choices[0].get("delta") or {}).get("content"))
-    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
+        if not (choice.get("delta") or {}).get("content"):
+            return 0
+        listed = (choice.get("logprobs") or {}).get("content")
+    else:
+        if not choice.get("text") and choice.get("finish_reason") is not None:
+            return 0
+        listed = (choice.get("logprobs") or {}).get("tokens")
+    return len(listed) if isinstance(listed, list) and listed else 1
 
 
 async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: ServeRequest) -> RequestResult:
-    """POST one streaming request and time the arrival of every chunk that carries output."""
+    """POST one streaming request and stamp every output token with the arrival of its chunk."""
     result = RequestResult(prompt_len=request.prompt_len)
     url = f"{target.url.rstrip('/')}{ENDPOINTS[target.endpoint]}"
-    chunks, usage, done = 0, None, False
-    start = last = time.perf_counter()
+    usage, done = None, False
+    start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=request_body(target, request), headers=target.headers()) as resp:
             if resp.status_code != 200:
@@ -138,24 +165,21 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: 
                     result.error = f"error in stream: {chunk['error']}"
                     return result
                 usage = chunk.get("usage") or usage
-                if _carries_output(chunk, target.endpoint):
-                    now = time.perf_counter()
-                    if chunks:
-                        result.itl.append(now - last)
-                    else:
-                        result.ttft = now - start
-                    chunks, last = chunks + 1, now
+                tokens = chunk_tokens(chunk, target.endpoint)
+                if tokens:
+                    result.token_times += [time.perf_counter() - start] * tokens
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e = time.perf_counter() - start
     if not done:
         result.error = "the stream ended without data: [DONE]"
-    elif not chunks:
+    elif not result.token_times:
         result.error = "the stream carried no generated output"
     else:
         result.success = True
-        result.output_tokens = int(usage["completion_tokens"]) if usage else chunks
+        result.output_tokens = int(usage["completion_tokens"]) if usage else len(result.token_times)
+        result.per_token = result.output_tokens == len(result.token_times)
         if usage and usage.get("prompt_tokens"):
             result.prompt_len = int(usage["prompt_tokens"])
     return result

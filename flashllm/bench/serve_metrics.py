@@ -30,7 +30,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def latency_samples(results: Sequence[RequestResult]) -> dict[str, list[float]]:
     """Samples in seconds per metric over the successful requests: one TTFT / TPOT / E2E per
-    request (TPOT only where at least 2 tokens came back) and every inter-token gap for ITL."""
+    request (TPOT only where at least 2 tokens came back) and every gap between consecutive output
+    tokens' arrival stamps for ITL (serve_client.RequestResult)."""
     ok = [r for r in results if r.success]
     return {
         "ttft": [r.ttft for r in ok],
@@ -55,6 +56,8 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        # False where a server packed several tokens into a chunk without saying how many: ITL is then per chunk
+        "per_token_stamps": all(r.per_token for r in ok),
     }
     for name, samples in latency_samples(results).items():
         ms = [s * 1000.0 for s in samples]
@@ -65,13 +68,15 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
 
 
 def per_request(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
-    """One JSON-ready row per request (times in ms; the ITL list left out to keep files small)."""
+    """One JSON-ready row per request: times in ms, and each output token's arrival (token_times_ms,
+    rounded to 0.01 ms; one stamp per chunk where per_token is false)."""
     rows = []
     for r in results:
         tpot = r.tpot
         rows.append({"success": r.success, "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
                      "ttft_ms": r.ttft * 1000.0, "tpot_ms": None if tpot is None else tpot * 1000.0,
-                     "e2e_ms": r.e2e * 1000.0, "error": r.error})
+                     "e2e_ms": r.e2e * 1000.0, "per_token": r.per_token,
+                     "token_times_ms": [round(t * 1000.0, 2) for t in r.token_times], "error": r.error})
     return rows
 
 

@@ -74,12 +74,15 @@ def test_percentile_agrees_with_numpy(values: list[float], q: float) -> None:
 
 
 def test_tpot_and_summary_against_hand_computed_values() -> None:
-    a = RequestResult(success=True, prompt_len=10, output_tokens=5, ttft=0.2, e2e=1.0, itl=[0.1, 0.2, 0.3, 0.2])
-    b = RequestResult(success=True, prompt_len=20, output_tokens=3, ttft=0.4, e2e=0.8, itl=[0.1, 0.3])
-    one = RequestResult(success=True, prompt_len=6, output_tokens=1, ttft=0.5, e2e=0.5)
+    # token arrival stamps: a's gaps 100 200 300 200 ms, b's 100 300 ms; e2e includes a tail after the last token
+    a = RequestResult(success=True, prompt_len=10, output_tokens=5, e2e=1.1, token_times=[0.2, 0.3, 0.5, 0.8, 1.0])
+    b = RequestResult(success=True, prompt_len=20, output_tokens=3, e2e=0.8, token_times=[0.4, 0.5, 0.8])
+    one = RequestResult(success=True, prompt_len=6, output_tokens=1, e2e=0.5, token_times=[0.5])
     failed = RequestResult(success=False, prompt_len=99, output_tokens=0, error="HTTP 500")
+    # TPOT from the first and last token's arrival, not from e2e
     assert a.tpot == pytest.approx((1.0 - 0.2) / 4) and b.tpot == pytest.approx((0.8 - 0.4) / 2)
     assert one.tpot is None and failed.tpot is None  # no decode interval / no answer
+    assert a.itl == pytest.approx([0.1, 0.2, 0.3, 0.2]) and a.ttft == 0.2 and failed.ttft == 0.0
 
     s = summarize([a, b, one, failed], duration=4.0)
     assert (s["completed"], s["failed"]) == (3, 1)
@@ -95,8 +98,9 @@ def test_tpot_and_summary_against_hand_computed_values() -> None:
     # ITL pools every gap: 100 100 200 200 300 300 ms; rank 0.5*5 = 2.5 -> 200, rank 0.9*5 = 4.5 -> 300
     assert s["mean_itl_ms"] == pytest.approx(200) and s["p50_itl_ms"] == pytest.approx(200)
     assert s["p90_itl_ms"] == pytest.approx(300)
-    # E2E: 500, 800, 1000 ms
-    assert s["mean_e2e_ms"] == pytest.approx(2300 / 3) and s["p50_e2e_ms"] == pytest.approx(800)
+    # E2E: 500, 800, 1100 ms
+    assert s["mean_e2e_ms"] == pytest.approx(2400 / 3) and s["p50_e2e_ms"] == pytest.approx(800)
+    assert s["per_token_stamps"]
 
 
 def test_summary_of_no_samples_is_none_not_nan() -> None:
@@ -147,6 +151,29 @@ def test_send_request_times_text_chunks_and_reads_usage() -> None:
     assert r.ttft >= 0.15 and len(r.itl) == 2
     assert r.itl[0] >= 0.05 and r.itl[1] >= 0.1 and r.e2e >= r.ttft + sum(r.itl) - 1e-6
     assert (r.output_tokens, r.prompt_len) == (5, 11)  # the server's usage, not the 3 text chunks
+    assert not r.per_token  # 5 tokens in 3 chunks that do not say how many each carried: stamps per chunk
+
+
+def test_tokens_a_chunk_lists_share_its_arrival_stamp() -> None:
+    # a server that streams decode bursts: 1, then 3, then 2 tokens a chunk, each listing its tokens
+    def chunk(tokens: list[str], finish: str | None = None) -> dict[str, Any]:
+        logprobs = {"tokens": tokens, "token_logprobs": [-1.0] * len(tokens)} if tokens else None
+        return {"choices": [{"index": 0, "text": "".join(tokens), "logprobs": logprobs, "finish_reason": finish}]}
+
+    chunks = [chunk(["a"]), chunk(["b", "c", "d"]), chunk(["e", "f"]), chunk([], "length"),
+              {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 6}}]
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=_sse(chunks, [0.0, 0.2, 0.3, 0.1, 0.0])))
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_request(client, ServeTarget("http://test/v1", "m"), ServeRequest([5, 6], 2, 6))
+
+    r = asyncio.run(go())
+    assert r.success and r.per_token and r.output_tokens == len(r.token_times) == 6
+    gaps = r.itl  # the burst's later tokens arrived with its first: gaps of 0
+    assert gaps[1] == gaps[2] == gaps[4] == 0.0 and gaps[0] >= 0.2 and gaps[3] >= 0.3
+    assert r.tpot == pytest.approx((r.token_times[-1] - r.token_times[0]) / 5)
+    assert r.e2e >= r.token_times[-1] + 0.1  # the closing chunk's delay is no token's
 
 
 def test_send_request_without_usage_counts_output_chunks_and_reports_http_errors() -> None:
