@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -68,7 +69,7 @@ def run_offline(args: argparse.Namespace) -> int:
         return run_speculative(args, model_dir, speculative)
     baselines = set(args.baseline or ()) - {"none"}
     if "llama.cpp" in baselines:
-        _llama_cpp_ready()  # fail in one line before a benchmark that may run for minutes
+        _llama_cpp_ready(args)  # fail in one line before a benchmark that may run for minutes
     quant_types = [q.strip() for q in args.quant_type.split(",") if q.strip()] or ["none"]
     model_dir = Path(args.model) if args.model else shape_model_dir(args.shape or "qwen2.5-0.5b", args.dtype)
     result: dict[str, Any] = {"mode": args.mode, "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
@@ -139,6 +140,9 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
     # --quantize-lm-head applies to the weight-only runs of a comma list; the float run stays float
     quantized_head = getattr(args, "quantize_lm_head", False) and QUANT_TYPES.get(quant_type.lower(), ("",))[0] in LM_HEAD_SCHEMES
 
+    from flashllm.bench.peak_memory import peak_rss_bytes, reset_peak
+
+    peak_from_here = reset_peak()  # this engine's peak, not the previous engine's
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, backend=args.backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None), max_model_len=max_model_len(args.max_model_len, model_dir), quant_type=quant_type,
@@ -161,6 +165,9 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
         numbers = _probed_generate(llm, requests[0], params[0], probe, args.probe_every)
     else:
         numbers = bracketed_run(partial(_timed_generate, llm, requests, params), probe)
+    peaks = peak_rss_bytes(os.getpid()) if peak_from_here else None
+    # the benchmark process's peak since this engine began loading (None where the peak cannot be reset)
+    numbers["peak_rss_bytes"] = peaks["process"] if peaks else None
     del llm
     gc.collect()  # the next configuration or baseline loads its own copy of the weights
     selection.adapter.empty_cache(selection.device)  # and sizes its KV cache from what is free
@@ -355,24 +362,43 @@ def max_model_len(requested: int | None, model_dir: Path) -> int:
     return min(4096, load_hf_config(model_dir).max_position_embeddings)
 
 
-def _llama_cpp_ready() -> None:
+def _llama_cpp_ready(args: argparse.Namespace) -> None:
+    """Throughput runs need a llama-server binary, latency runs llama-cpp-python; SystemExit in one line if absent."""
     from flashllm.bench.llamacpp_baseline import LlamaCppUnavailable, require_llama_cpp
+    from flashllm.bench.llamacpp_server import LlamaServerUnavailable, find_llama_server
 
     try:
-        require_llama_cpp()
-    except LlamaCppUnavailable as exc:
+        if args.mode == "throughput":
+            find_llama_server(getattr(args, "llama_server", None))
+        else:
+            require_llama_cpp()
+    except (LlamaCppUnavailable, LlamaServerUnavailable) as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
 
 
 def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]) -> dict[str, Any]:
-    """One llama.cpp run: batch 1 over the same requests, on a GGUF of the same weights."""
-    from flashllm.bench.gguf_export import GGUFExportError
+    """One llama.cpp run on a GGUF of the same weights: throughput through llama-server with one slot
+    per sequence flashllm may run at once (min(--max-num-seqs, requests)); latency (batch 1) through
+    llama-cpp-python, one request after another."""
+    from flashllm.bench.gguf_export import GGUFExportError, cached_gguf
     from flashllm.bench.llamacpp_baseline import GGUF_TYPE_FOR_DTYPE, run_baseline
 
     file_type = args.gguf_type or GGUF_TYPE_FOR_DTYPE.get(args.dtype, "f32")
     try:
-        probe = _bracket_probe(args, "cpu")
-        record = run_baseline(model_dir, requests, file_type, probe=probe, probe_every=getattr(args, "probe_every", 0))
+        if args.mode == "throughput":
+            from flashllm.bench import llamacpp_server as ls
+            from flashllm.bench.serve_compare import flashllm_threads, throughput_run
+
+            binary, gguf = ls.find_llama_server(getattr(args, "llama_server", None)), cached_gguf(model_dir, file_type)
+            slots = min(args.max_num_seqs, len(requests))
+            record = throughput_run(binary, gguf, requests, slots, flashllm_threads(), args.max_model_len,
+                                       tuple(getattr(args, "llama_server_arg", None) or ()))
+            record.update(gguf=str(gguf), gguf_type=file_type, n_threads=flashllm_threads(),
+                          llama_server=str(binary), llama_server_version=ls.llama_server_version(binary))
+        else:
+            probe = _bracket_probe(args, "cpu")
+            record = run_baseline(model_dir, requests, file_type, probe=probe,
+                                  probe_every=getattr(args, "probe_every", 0))
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size

@@ -17,16 +17,31 @@ from flashllm.bench.serve_metrics import format_table, per_request, summarize
 
 # engine flags passed to `flashllm serve` when bench serve starts the server itself (cli/bench.py
 # declares a `bench serve` flag for each)
-SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                "max_num_batched_tokens", "kv_cache_dtype", "cachekv_int8_type", "tensor_parallel_size",
-                "distributed_executor_backend")
+SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
+                "max_num_batched_tokens", "num_scheduler_steps", "kv_cache_dtype", "cachekv_int8_type",
+                "tensor_parallel_size", "distributed_executor_backend")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the serving benchmark described by the parsed `bench serve` flags; 0 when no request failed."""
     kind, dataset_path = _dataset(args)
+    if getattr(args, "baseline", None) not in (None, "none"):
+        from flashllm.bench.serve_compare import check_baseline_flags
+
+        check_baseline_flags(args)  # before prompts or weights are made
+    if getattr(args, "shape", None):
+        from flashllm.bench.shapes import shape_model_dir
+
+        args.model = str(shape_model_dir(args.shape, args.dtype or "float32"))
     tokenizer = _tokenizer(args)
     requests = serve_requests(kind, dataset_path, tokenizer, args)
+    if getattr(args, "baseline", None) not in (None, "none"):
+        from flashllm.bench.serve_compare import run_compare
+
+        if not args.model:
+            raise SystemExit("flashllm bench serve: --baseline needs the weights both engines serve: --model DIR or "
+                             "--shape NAME")
+        return run_compare(args, Path(args.model), requests, _server_args(args))
     with _server(args) as (url, model):
         target = ServeTarget(url, model, args.endpoint, args.api_key)
         results, duration = asyncio.run(run_benchmark(target, requests, args.request_rate, args.max_concurrency,
@@ -128,6 +143,8 @@ def _server_args(args: argparse.Namespace) -> list[str]:
     for name in SERVER_FLAGS:
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if getattr(args, "quant_type", None):
+        flags += ["--quant-type", args.quant_type]
     return flags + (["--no-prefix-caching"] if args.no_prefix_caching else [])
 
 

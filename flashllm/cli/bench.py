@@ -53,9 +53,17 @@ def add_parser(sub: Any) -> None:
                        help="context length (default: 4096, or the model's own when shorter)")
         p.add_argument("--baseline", nargs="+", action="extend", choices=BASELINES, default=None,
                        help="engines run on the same requests after flashllm; several may be given "
-                            "(--baseline transformers llama.cpp)")
+                            "(--baseline transformers llama.cpp). llama.cpp: throughput runs llama-server with "
+                            "one slot per sequence (min(--max-num-seqs, requests)); latency runs "
+                            "llama-cpp-python, one request at a time")
         p.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
                        help="llama.cpp baseline weights (default: the one matching --dtype)")
+        if mode == "throughput":
+            p.add_argument("--llama-server", default=None, metavar="PATH",
+                           help="llama-server binary for --baseline llama.cpp (default: $FLASHLLM_LLAMA_SERVER, "
+                                "then PATH, then `python -m flashllm.bench.llamacpp_build`'s)")
+            p.add_argument("--llama-server-arg", action="append", default=None, metavar="ARG",
+                           help="one more argv word for llama-server (repeatable)")
         p.add_argument("--baseline-batch-sizes", type=_batch_sizes, default="1,16",
                        help="static batch sizes tried for the transformers baseline, comma-separated; one that runs "
                             "out of device memory is recorded as an error and the rest still run")
@@ -126,9 +134,11 @@ def _add_serve_parser(modes: Any) -> None:
     p = modes.add_parser("serve", help="load an OpenAI-compatible server with Poisson arrivals")
     p.add_argument("--url", default=None, help="API root, e.g. http://127.0.0.1:8000/v1 (default: start a server)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None,
-                   help="with --url: the API model name (default: the first of /v1/models); without: the model "
-                        "directory to serve (default: the demo model)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--model", default=None,
+                       help="with --url: the API model name (default: the first of /v1/models); without: the model "
+                            "directory to serve (default: the demo model)")
+    group.add_argument("--shape", default=None, help="serve random weights of a named model shape, e.g. qwen2.5-0.5b")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for the prompts (default: --model's)")
     p.add_argument("--dataset", nargs="+", default=["random"], metavar="KIND [FILE]",
                    help="random | sharegpt FILE")
@@ -149,6 +159,22 @@ def _add_serve_parser(modes: Any) -> None:
     _add_kv_cache_flags(p, server=True)
     add_parallel_flags(p, passed_on=True)
     p.add_argument("--no-prefix-caching", action="store_true", help="passed to the started server")
+    p.add_argument("--quant-type", "--quant_type", dest="quant_type", default=None,
+                   help="passed to the started server; with --baseline a comma list (none,weight_only_int8) "
+                        "runs a flashllm server for each")
+    p.add_argument("--baseline", choices=("none", "llama.cpp"), default=None,
+                   help="llama.cpp: after flashllm, run llama.cpp's llama-server (one slot per concurrent request, "
+                        "flashllm's thread count) on a GGUF of the same weights with the same client and requests")
+    p.add_argument("--gguf-type", nargs="+", choices=GGUF_TYPES, default=None,
+                   help="llama-server weights, one run each (default: the one matching --dtype, f32)")
+    p.add_argument("--repeats", type=_positive, default=1,
+                   help="with --baseline: rounds, each running every engine once; the record gives medians")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (default: $FLASHLLM_LLAMA_SERVER, then PATH, then the one "
+                        "`python -m flashllm.bench.llamacpp_build` built)")
+    p.add_argument("--llama-server-arg", action="append", default=None, metavar="ARG",
+                   help="one more argv word for llama-server (repeat it: --llama-server-arg=--cache-ram "
+                        "--llama-server-arg=0)")
 
 
 def run(args: argparse.Namespace) -> int:
