@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from flashllm.models.decoder_fields import checkpoint_fields, decoder_sizes
 from flashllm.models.hf_config import (
     MAX_HEAD_DIM,
     MAX_HIDDEN_SIZE,
@@ -18,13 +19,11 @@ from flashllm.models.hf_config import (
     CheckpointQuant,
     ModelLoadError,
     check_rope,
-    checkpoint_dtype,
     config_architecture,
     flag,
     normalize_rope,
     positive_float,
     positive_int,
-    token_ids,
 )
 
 SUPPORTED = ("ChatGLM2-6B, ChatGLM3-6B and GLM-4 checkpoints (ChatGLMModel / ChatGLMForConditionalGeneration "
@@ -117,11 +116,8 @@ def parse_chatglm_config(raw: dict[str, Any], source: str = "config.json") -> GL
         qkv_bias=flag(raw, "add_qkv_bias", source),
         linear_bias=flag(raw, "add_bias_linear", source),
         final_norm=flag(raw, "post_layer_norm", source) if "post_layer_norm" in raw else True,
-        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
-        torch_dtype=checkpoint_dtype(raw, source),
-        bos_token_id=token_ids(raw, "bos_token_id", source),
-        eos_token_id=token_ids(raw, "eos_token_id", source),
         raw=raw,
+        **checkpoint_fields(raw, source),
     )
 
 
@@ -162,42 +158,27 @@ def parse_glm_config(raw: dict[str, Any], source: str = "config.json") -> GLMCon
     checkpoint, or invalid rope settings.
     """
     architecture = config_architecture(raw, source)
-    hidden = positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
-    num_heads = positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
-    num_kv_heads = positive_int(raw, "num_key_value_heads", num_heads, MAX_NUM_HEADS, source)
-    _check_groups(num_heads, num_kv_heads, "num_key_value_heads", source)
-    head_dim = _head_dim(raw, "head_dim", hidden, num_heads, source)
+    sizes = decoder_sizes(raw, source, max_position_default=131072)
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; GLM's MLP is SwiGLU (silu)")
     if raw.get("quantization_config") is not None:
         raise ModelLoadError(f"{source}: pre-quantized GlmForCausalLM checkpoints are not supported yet; load the "
                              "float checkpoint and pass --quant_type")
-    rotary_dim, rope_raw = _glm_rotary_dim(raw, head_dim, source)
+    rotary_dim, rope_raw = _glm_rotary_dim(raw, sizes["head_dim"], source)
     rope_theta, rope_scaling = normalize_rope(rope_raw, source)
-    max_position = positive_int(raw, "max_position_embeddings", 131072, MAX_POSITION_EMBEDDINGS, source)
-    check_rope(rotary_dim, rope_theta, rope_scaling, max_position, source)
+    check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
     return GLMConfig(
         architecture=architecture,
-        hidden_size=hidden,
-        intermediate_size=positive_int(raw, "intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
-        num_hidden_layers=positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
         rotary_dim=rotary_dim,
-        vocab_size=positive_int(raw, "vocab_size", None, MAX_VOCAB_SIZE, source),
-        max_position_embeddings=max_position,
         rms_norm_eps=positive_float(raw, "rms_norm_eps", 1.5625e-07, source),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         qkv_bias=flag(raw, "attention_bias", source) if "attention_bias" in raw else True,
         linear_bias=False,
         final_norm=True,
-        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
-        torch_dtype=checkpoint_dtype(raw, source),
-        bos_token_id=token_ids(raw, "bos_token_id", source),
-        eos_token_id=token_ids(raw, "eos_token_id", source),
         raw=raw,
+        **sizes,
+        **checkpoint_fields(raw, source),
     )
 
 

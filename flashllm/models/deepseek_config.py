@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from flashllm.models.decoder_fields import checkpoint_fields
 from flashllm.models.hf_config import (
     MAX_HEAD_DIM,
     MAX_HIDDEN_SIZE,
@@ -18,13 +19,11 @@ from flashllm.models.hf_config import (
     MAX_VOCAB_SIZE,
     ModelLoadError,
     check_rope,
-    checkpoint_dtype,
     config_architecture,
     flag,
     normalize_rope,
     positive_float,
     positive_int,
-    token_ids,
 )
 from flashllm.models.mixtral import MAX_NUM_EXPERTS
 
@@ -160,13 +159,10 @@ def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> D
         rms_norm_eps=positive_float(raw, "rms_norm_eps", 1e-6, source),
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         rope_interleaved=architecture == V2 or raw.get("rope_interleave", True) is not False,
-        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
         attention_bias=flag(raw, "attention_bias", source),
-        torch_dtype=checkpoint_dtype(raw, source),
-        bos_token_id=token_ids(raw, "bos_token_id", source), eos_token_id=token_ids(raw, "eos_token_id", source),
         softmax_scale=qk**-0.5 * _mscale_squared(rope_scaling),
         fp8_block=_fp8_block(raw.get("quantization_config"), source),
-        raw=raw, **sizes, **routing,
+        raw=raw, **sizes, **routing, **checkpoint_fields(raw, source),
     )
 
 

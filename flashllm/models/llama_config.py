@@ -7,25 +7,16 @@ from typing import Any
 
 import torch
 
+from flashllm.models.decoder_fields import checkpoint_fields, decoder_sizes
 from flashllm.models.hf_config import (
-    MAX_HEAD_DIM,
-    MAX_HIDDEN_SIZE,
-    MAX_INTERMEDIATE_SIZE,
-    MAX_NUM_HEADS,
-    MAX_NUM_LAYERS,
-    MAX_POSITION_EMBEDDINGS,
-    MAX_VOCAB_SIZE,
     CheckpointQuant,
     ModelLoadError,
     check_rope,
-    checkpoint_dtype,
     config_architecture,
     flag,
     normalize_rope,
     parse_quantization_config,
     positive_float,
-    positive_int,
-    token_ids,
 )
 
 
@@ -78,7 +69,7 @@ def parse_llama_config(raw: dict[str, Any], source: str = "config.json") -> Llam
     Raises ModelLoadError (one line) on a missing or non-positive required field, a size past the
     sanity limits, inconsistent head counts, invalid rope settings or an activation other than silu.
     """
-    sizes = _sizes(raw, source)
+    sizes = decoder_sizes(raw, source)
     rope_theta, rope_scaling = normalize_rope(raw, source)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
@@ -95,46 +86,15 @@ def parse_llama_config(raw: dict[str, Any], source: str = "config.json") -> Llam
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rotary_dim=rotary_dim,
-        tie_word_embeddings=flag(raw, "tie_word_embeddings", source),
         attention_bias=flag(raw, "attention_bias", source),
         mlp_bias=flag(raw, "mlp_bias", source),
         hidden_act=hidden_act,
-        torch_dtype=checkpoint_dtype(raw, source),
-        bos_token_id=token_ids(raw, "bos_token_id", source),
-        eos_token_id=token_ids(raw, "eos_token_id", source),
         sliding_windows=_sliding_windows(raw, sizes["num_hidden_layers"], source),
         raw=raw,
         quantization=parse_quantization_config(raw.get("quantization_config"), _linear_inputs(sizes), source),
         **sizes,
+        **checkpoint_fields(raw, source),
     )
-
-
-def _sizes(raw: dict[str, Any], source: str) -> dict[str, int]:
-    hidden = positive_int(raw, "hidden_size", None, MAX_HIDDEN_SIZE, source)
-    num_heads = positive_int(raw, "num_attention_heads", None, MAX_NUM_HEADS, source)
-    num_kv_heads = positive_int(raw, "num_key_value_heads", num_heads, MAX_NUM_HEADS, source)
-    if raw.get("head_dim") is None and hidden % num_heads != 0:
-        raise ModelLoadError(
-            f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={num_heads}"
-        )
-    head_dim = positive_int(raw, "head_dim", hidden // num_heads, MAX_HEAD_DIM, source)
-    if num_heads % num_kv_heads != 0:
-        raise ModelLoadError(
-            f"{source}: num_attention_heads={num_heads} is not a multiple of "
-            f"num_key_value_heads={num_kv_heads}"
-        )
-    return {
-        "hidden_size": hidden,
-        "intermediate_size": positive_int(raw, "intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
-        "num_hidden_layers": positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": positive_int(raw, "vocab_size", None, MAX_VOCAB_SIZE, source),
-        "max_position_embeddings": positive_int(
-            raw, "max_position_embeddings", 2048, MAX_POSITION_EMBEDDINGS, source
-        ),
-    }
 
 
 def _num_parameters(hidden: int, intermediate: int, num_layers: int, num_heads: int, num_kv_heads: int,
