@@ -196,16 +196,33 @@ def onnx(session: nox.Session) -> None:
 
 IPEX_PINS = ("torch==2.8.*", "intel-extension-for-pytorch==2.8.*")  # IPEX x.y runs only on torch x.y
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# IPEX 2.8, the newest release, imports transformers 4.x classes that transformers 5 removed:
+# `import intel_extension_for_pytorch` raises NameError (MoeModelOutputWithPast) beside transformers 5.
+IPEX_TRANSFORMERS_MAJOR = 4
+
+
+def _floor(package: str) -> str:
+    """The lowest version pyproject.toml's dependencies allow `package` ("" where it sets none)."""
+    for requirement in _pyproject()["dependencies"]:
+        name, sep, version = requirement.partition(">=")
+        if sep and name.strip() == package:
+            return version.split(",")[0].split(";")[0].strip()
+    return ""
 
 
 @nox.session(python="3.11")
 def ipex(session: nox.Session) -> None:
     """torch 2.8 + intel-extension-for-pytorch 2.8 (x86 CPU): the ipex kernels' conformance and a tiny Llama.
 
-    torch's CPU index is tried as an extra index: its 2.8.0+cpu sorts above PyPI's 2.8.0, which on
-    Linux is the CUDA build (about 3 GB with its nvidia wheels, runs on CPU too) and is what pip
-    installs where that index is unreachable. flashllm's own pin (torch>=2.4) keeps the 2.8 build.
+    Skips, saying why, while flashllm's transformers floor is past what IPEX_PINS' IPEX imports with
+    (no installable set exists). torch's CPU index is tried as an extra index: its 2.8.0+cpu sorts
+    above PyPI's 2.8.0, which on Linux is the CUDA build (about 3 GB with its nvidia wheels, runs on
+    CPU too) and is what pip installs where that index is unreachable.
     """
+    floor = _floor("transformers")
+    if floor and int(floor.split(".")[0]) > IPEX_TRANSFORMERS_MAJOR:
+        session.skip(f"IPEX 2.8 imports only beside transformers {IPEX_TRANSFORMERS_MAJOR}.x and flashllm needs "
+                     f"transformers>={floor}: no release of IPEX runs with flashllm yet (docs/devices.md)")
     session.install(*IPEX_PINS, "--extra-index-url", TORCH_CPU_INDEX)
     _install_beside_pinned_torch(session, ("test",))
     session.run("python", "-c", "import torch, intel_extension_for_pytorch as ipex; print('torch', torch.__version__, 'ipex', ipex.__version__)")
