@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flashllm.cli import main
+from flashllm.cli import USAGE_ERROR, main
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 
@@ -119,7 +119,7 @@ def test_manifest_is_validated_on_load(breakage, message, exported, tmp_path: Pa
     data.write_text(json.dumps({"src": "hi"}) + "\n")
     argv = ["predict", "--model_name_or_path", str(target), "--mode", "static", "--data_file", str(data),
             "--output_file", str(tmp_path / "out.jsonl"), "--device", "cpu"]
-    assert main(argv) == 1
+    assert main(argv) == USAGE_ERROR  # a model directory the user can fix: one line, exit 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
 
