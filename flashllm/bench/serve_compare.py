@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from flashllm.bench.repeats import median_run, paired_ratio
+from flashllm.bench.repeats import paired_ratio
 from flashllm.bench.serve_client import ServeRequest, ServeTarget, fetch_model_name, run_benchmark
 from flashllm.bench.serve_metrics import per_request, summarize
 
@@ -194,22 +194,48 @@ def _record(args: argparse.Namespace, model_dir: Path, requests: list[ServeReque
         "output_len": args.output_len, "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "max_concurrency": args.max_concurrency or len(requests), "seed": args.seed, "repeats": args.repeats,
         "threads": flashllm_threads(), "date": date.today().isoformat(),
-        "machine": platform.processor() or platform.machine(), "engines": {},
-        "method": "each engine's median over rounds of each number (round-robin rounds, one server at a time); "
-                  "speedups: median over rounds of the ratio within a round",
+        "machine": platform.processor() or platform.machine(),
+        "engines": {e.name: {"kind": e.kind, "setting": e.setting, "command": commands[e], "runs": runs[e]}
+                    for e in todo},
     }
-    for engine in todo:
-        engine_runs = runs[engine]
-        medians = {k: statistics.median(r[k] for r in engine_runs) if all(r.get(k) is not None for r in engine_runs)
-                   else None for k in MEDIAN_KEYS}
-        record["engines"][engine.name] = {"kind": engine.kind, "setting": engine.setting,
-                                          "command": commands[engine], "median": medians,
-                                          "median_run": median_run(engine_runs, RANK_KEY)}
-    flash = [e for e in todo if e.kind == "flashllm"]
-    llama = [e for e in todo if e.kind == "llama.cpp"]
-    record["output_throughput_speedups"] = {f"{a.name} / {b.name}": paired_ratio(runs[a], runs[b], RANK_KEY)
-                                            for a in flash for b in llama}
+    return with_medians(record)
+
+
+def with_medians(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with each engine's medians over its runs and the paired flashllm / llama.cpp ratios filled in
+    (every engine must have run the same number of rounds, in the same order)."""
+    record["method"] = ("each engine's median over rounds of each number (round-robin rounds, one server at a "
+                        "time); speedups: median over rounds of the ratio within a round")
+    engines_ = record["engines"]
+    for engine in engines_.values():
+        engine_runs = engine["runs"]
+        engine["median"] = {k: statistics.median(r[k] for r in engine_runs)
+                            if all(r.get(k) is not None for r in engine_runs) else None for k in MEDIAN_KEYS}
+    flash = [name for name, e in engines_.items() if e["kind"] == "flashllm"]
+    llama = [name for name, e in engines_.items() if e["kind"] == "llama.cpp"]
+    record["output_throughput_speedups"] = {
+        f"{a} / {b}": paired_ratio(engines_[a]["runs"], engines_[b]["runs"], RANK_KEY) for a in flash for b in llama}
+    record["repeats"] = len(next(iter(engines_.values()))["runs"]) if engines_ else 0
     return record
+
+
+def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the rounds of several `bench serve --baseline` records of the same workload and
+    engines (commands kept short on a shared machine, each running one or more rounds)."""
+    if not records:
+        raise ValueError("merge_records needs at least one record")
+    same = ("model", "endpoint", "num_prompts", "input_len", "output_len", "request_rate", "max_concurrency", "seed")
+    first = records[0]
+    for other in records[1:]:
+        differ = [k for k in same if other.get(k) != first.get(k)] + (
+            ["engines"] if set(other["engines"]) != set(first["engines"]) else [])
+        if differ:
+            raise ValueError(f"cannot merge records that differ in {', '.join(differ)}; merge runs of one workload "
+                             "and one set of engines")
+    merged = {**first, "engines": {name: {**engine, "runs": [run for r in records for run in r["engines"][name]["runs"]]}
+                                   for name, engine in first["engines"].items()},
+              "dates": sorted({r["date"] for r in records})}
+    return with_medians(merged)
 
 
 def format_comparison(record: dict[str, Any]) -> str:
@@ -252,3 +278,23 @@ def throughput_run(binary: Path, gguf: Path, requests: list[BenchRequest], slots
             "total_tokens_per_s": summary["total_token_throughput"], "mean_ttft_s": summary["mean_ttft_ms"] / 1000,
             "p99_ttft_s": summary["p99_ttft_ms"] / 1000, "p50_tpot_s": (summary["p50_tpot_ms"] or 0.0) / 1000,
             "peak_rss_bytes": summary["peak_rss_bytes"], "engine": "llama-server", "command": command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flashllm.bench.serve_compare A.json B.json ... [--json OUT]`: the medians over every round."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("records", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path, default=None, help="write the merged record here")
+    args = parser.parse_args(argv)
+    try:
+        merged = merge_records([json.loads(path.read_text()) for path in args.records])
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"flashllm.bench.serve_compare: {exc}") from exc
+    print(format_comparison(merged))
+    if args.json:
+        args.json.write_text(json.dumps(merged, indent=2, allow_nan=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -144,7 +144,7 @@ def test_engines_pair_each_quant_type_with_each_gguf_type() -> None:
 
 
 def test_record_takes_medians_and_pairs_ratios_within_rounds() -> None:
-    from flashllm.bench.serve_compare import MEDIAN_KEYS, Engine, _record, format_comparison
+    from flashllm.bench.serve_compare import MEDIAN_KEYS, Engine, _record, format_comparison, merge_records
 
     args = _serve_args("--shape", "qwen2.5-0.5b", "--baseline", "llama.cpp", "--max-concurrency", "4")
     flash, llama = Engine("flashllm", "none"), Engine("llama.cpp", "f32")
@@ -153,15 +153,26 @@ def test_record_takes_medians_and_pairs_ratios_within_rounds() -> None:
         return {**dict.fromkeys(MEDIAN_KEYS, 1.0), "output_throughput": out, "p50_ttft_ms": ttft, "failed": 0}
 
     runs = {flash: [run(100, 5), run(90, 7), run(120, 6)], llama: [run(50, 9), run(45, 8), run(40, 10)]}
-    record = _record(args, Path("m"), [object()] * 8, [flash, llama], runs, {flash: ["a"], llama: ["b"]})  # type: ignore[list-item]
+    commands = {flash: ["a"], llama: ["b"]}
+    record = _record(args, Path("m"), [object()] * 8, [flash, llama], runs, commands)  # type: ignore[list-item]
     assert record["engines"]["flashllm[none]"]["median"]["output_throughput"] == 100
     assert record["engines"]["flashllm[none]"]["median"]["p50_ttft_ms"] == 6  # its own median, not the median run's
-    assert record["engines"]["llama.cpp[f32]"]["median_run"]["output_throughput"] == 45
+    assert record["engines"]["llama.cpp[f32]"]["median"]["output_throughput"] == 45
     # within rounds: 100/50, 90/45, 120/40 -> 2, 2, 3: median 2.0 (the ratio of the medians would be 100/45)
     assert record["output_throughput_speedups"]["flashllm[none] / llama.cpp[f32]"] == pytest.approx(2.0)
-    assert record["max_concurrency"] == 4 and record["num_prompts"] == 8
+    assert record["max_concurrency"] == 4 and record["num_prompts"] == 8 and record["repeats"] == 3
     table = format_comparison(record)
     assert "flashllm[none]" in table and "2.00x" in table
+    # three one-round commands merge into the same record
+    singles = [_record(args, Path("m"), [object()] * 8, [flash, llama], {flash: [runs[flash][i]], llama: [runs[llama][i]]},
+                       commands) for i in range(3)]  # type: ignore[list-item]
+    merged = merge_records(singles)
+    assert merged["output_throughput_speedups"] == record["output_throughput_speedups"] and merged["repeats"] == 3
+    assert merged["engines"]["flashllm[none]"]["median"] == record["engines"]["flashllm[none]"]["median"]
+    other = _record(_serve_args("--shape", "qwen2.5-0.5b", "--baseline", "llama.cpp", "--max-concurrency", "16"),
+                    Path("m"), [object()] * 8, [flash, llama], runs, commands)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="max_concurrency"):
+        merge_records([record, other])
 
 
 def test_baseline_refuses_url_and_missing_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
