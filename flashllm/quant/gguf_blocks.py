@@ -151,6 +151,21 @@ def weight_from_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType | int, sha
     offsets_t = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets).reshape(n, k // group))
     if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K):
         data = pack_int4(torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)))
-        return QuantizedWeight("w4a16", data, scales_t, None, group, offsets=offsets_t)
+        return QuantizedWeight("w4a16", data, scales_t, None, group, offsets=offsets_t, gguf_type=ggml_type.name)
     data = torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k).view(np.int8))
-    return QuantizedWeight("w8a16", data, scales_t, None, group, offsets=offsets_t)
+    return QuantizedWeight("w8a16", data, scales_t, None, group, offsets=offsets_t, gguf_type=ggml_type.name)
+
+
+# The layout weight_from_gguf gives each type: (scheme, group, scale dtype, has offsets). Types of one
+# layout join into one fused weight (Q4_K_M's qkv of 896-wide rows: q, k Q5_0 and v Q8_0).
+_SCALES_FP16 = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+_OFFSETS = frozenset({T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K})
+
+
+def layout_of(ggml_type: GGMLQuantizationType | int) -> tuple[str, int, str, bool]:
+    """(scheme, group, scale dtype, has offsets) of weight_from_gguf's weight for a SUPPORTED_TYPES type."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in SUPPORTED_TYPES:
+        raise _unsupported(ggml_type)
+    scheme = "w4a16" if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else "w8a16"
+    return scheme, GROUP[ggml_type], "float16" if ggml_type in _SCALES_FP16 else "float32", ggml_type in _OFFSETS

@@ -42,13 +42,15 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "F32", *, tokenizer: bool = True,
-               metadata: dict[str, Any] | None = None) -> Path:
+               metadata: dict[str, Any] | None = None, types: dict[str, str] | None = None) -> Path:
     """Write the tiny model in `model_dir` (config.json, model.safetensors, tokenizer.json) as a GGUF file.
 
     qtype: "F32", "F16" or a block type of gguf.quants ("Q8_0", "Q4_0", ...) for the 2-D weights
     (norms and biases stay F32, as llama.cpp keeps them). Llama's q/k rows are interleaved for
     llama.cpp's rotary; Qwen2's are not. A tied lm_head is left out, as llama.cpp does.
     metadata: extra key -> value pairs (strings, ints, floats) written as they are.
+    types: per-projection exceptions to qtype, llama.cpp's name part -> type ({"attn_v": "Q8_0"}), as
+    llama.cpp's mixes (Q4_K_M) store some projections in another type.
     """
     import gguf
 
@@ -78,12 +80,20 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "F32", 
         proj = name.rsplit(".", 2)[-2]
         if arch == "llama" and proj in ("q_proj", "k_proj"):
             array = interleave_rope_rows(array, heads if proj == "q_proj" else kv_heads)
-        _add_tensor(writer, gguf, gguf_name(name), array, qtype if array.ndim == 2 else "F32")
+        kind = tensor_type(gguf_name(name), qtype, types) if array.ndim == 2 else "F32"
+        _add_tensor(writer, gguf, gguf_name(name), array, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return Path(out_path)
+
+
+def tensor_type(name: str, qtype: str, types: dict[str, str] | None) -> str:
+    """The type write_gguf stores the 2-D tensor `name` ("blk.0.attn_v.weight") in."""
+    parts = name.split(".")
+    part = parts[2] if len(parts) > 3 else parts[0]
+    return (types or {}).get(part, qtype)
 
 
 def _add_tensor(writer: Any, gguf: Any, name: str, array: np.ndarray, qtype: str) -> None:

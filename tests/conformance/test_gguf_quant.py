@@ -195,3 +195,22 @@ def test_cpu_backend_quant_matmul_matches_the_reference(qtype: GGMLQuantizationT
     bound = k / 16 * 2.0**-24 * (xr.abs() @ w.abs().T + bias.double().abs())
     got = cpu_quant.quant_matmul(x, weight, bias).double()
     assert bool(((got - expected).abs() <= bound).all()), float(((got - expected).abs() / bound).max())
+
+
+def test_cpu_gguf_int8_codes_meet_int8_activations_as_in_llama_cpp(monkeypatch) -> None:
+    """Q8_0 / Q5_0 (int8 codes, group 32, like flashllm's own w8a16 at group 32) run against int8
+    activations by default because they came from a GGUF file; flashllm's own w8a16 stays exact."""
+    from flashllm.backends.cpu import native
+    from flashllm.quant import quantize_weight
+
+    if native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    monkeypatch.delenv(native.W8_ACTIVATIONS_ENV, raising=False)
+    rng = np.random.default_rng(3)
+    for qtype in (T.Q8_0, T.Q5_0):
+        weight = weight_from_gguf(_random_blocks(rng, qtype, 8, 256, extreme=False), qtype, (8, 256))
+        assert weight.gguf_type == qtype.name and native.int8_activations(weight)
+    own = quantize_weight(torch.randn(8, 256), "w8a16", 32)
+    assert own.gguf_type is None and not native.int8_activations(own)
+    monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, "fp32")
+    assert not native.int8_activations(weight)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.ops.quant_matmul import QuantizedWeight  # noqa: E402
-from flashllm.testing.gguf_files import interleave_rope_rows, write_gguf  # noqa: E402
+from flashllm.testing.gguf_files import gguf_name, interleave_rope_rows, tensor_type, write_gguf  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 300, 77, 12, 1, 402, 64, 33, 7, 210, 150, 9, 60]
@@ -74,13 +74,13 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(preset, tiny_with
     assert _greedy(ours, paged_driver, PROMPT, 12) == expected[0, len(PROMPT):].tolist()
 
 
-def _dequantized_copy(source: Path, out: Path, qtype: str) -> Path:
+def _dequantized_copy(source: Path, out: Path, qtype: str, types: dict[str, str] | None = None) -> Path:
     """`source` with every 2-D weight replaced by what gguf's quantize-then-dequantize gives (the float model)."""
     shutil.copytree(source, out)
-    kind = gguf.GGMLQuantizationType[qtype]
     weights = load_file(str(source / "model.safetensors"))
     for name, value in weights.items():
         if value.dim() == 2:
+            kind = gguf.GGMLQuantizationType[tensor_type(gguf_name(name), qtype, types)]
             array = value.float().numpy()
             weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, kind), kind))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -105,6 +105,33 @@ def test_quantized_gguf_equals_the_gguf_dequantized_float_model(preset, qtype, t
     assert (_logits(float_model, paged_driver, PROMPT) - ref_logits).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+def test_a_fused_layer_of_two_block_types_of_one_layout_loads_as_blocks(preset, tiny_with_tokenizer, tmp_path, ops,
+                                                                       model_registry, paged_driver):
+    """llama.cpp's Q4_K_M of rows that are not whole super-blocks: q, k Q5_0 and v Q8_0 (both int8 codes,
+    group 32, fp16 scales) join into one qkv weight instead of loading as float."""
+    mix = {"attn_v": "Q8_0", "ffn_up": "Q8_0"}
+    source = tiny_with_tokenizer(preset)
+    path = write_gguf(source, tmp_path / "model.gguf", "Q5_0", types=mix)
+    float_dir = _dequantized_copy(source, tmp_path / "float", "Q5_0", mix)
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    layer = ours.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj.qweight.gguf_type == "Q5_0+Q8_0"
+    assert layer.mlp.gate_up_proj.qweight.gguf_type == "Q5_0+Q8_0"
+    assert layer.self_attn.o_proj.qweight.gguf_type == "Q5_0"
+    reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    torch.testing.assert_close(_logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT),
+                               rtol=0, atol=1e-5)
+
+
+def test_a_fused_layer_of_two_layouts_loads_as_float(tiny_with_tokenizer, tmp_path, ops, model_registry):
+    path = write_gguf(tiny_with_tokenizer("llama"), tmp_path / "model.gguf", "Q4_0", types={"attn_v": "Q8_0"})
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    layer = ours.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is not None  # int4 and int8 codes: no one weight holds both
+    assert layer.mlp.down_proj.qweight.gguf_type == "Q4_0"
+
+
 def _w8a16_from_q8_0(raw: np.ndarray, ggml_type, shape: tuple[int, int]) -> QuantizedWeight:
     """A stand-in for flashllm.quant.gguf_blocks: Q8_0 blocks (fp16 scale + 32 int8) as w8a16 group 32, exactly."""
     assert ggml_type == gguf.GGMLQuantizationType.Q8_0
@@ -120,6 +147,7 @@ def test_linear_layers_take_quantized_weights_from_gguf_blocks(tiny_with_tokeniz
     fake = types.ModuleType("flashllm.quant.gguf_blocks")
     fake.SUPPORTED_TYPES = {gguf.GGMLQuantizationType.Q8_0}
     fake.weight_from_gguf = _w8a16_from_q8_0
+    fake.layout_of = lambda ggml_type: ("w8a16", 32, "float32", False)
     monkeypatch.setitem(sys.modules, "flashllm.quant.gguf_blocks", fake)
     source = tiny_with_tokenizer("llama")
     path = write_gguf(source, tmp_path / "model.gguf", "Q8_0")

@@ -50,7 +50,8 @@ GROUP_MULTIPLE = 32                   # the integer kernels step 32 input featur
 # activations are quantized per block of A8_BLOCK features, so groups must be multiples of it
 INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
 # int8 weights meet int8 activations the same way only when this says "int8" (opt-in: the exact
-# fp32 kernel is the default for w8a16, whose users chose int8 for its fidelity)
+# fp32 kernel is the default for flashllm's own w8a16, whose users chose int8 for its fidelity;
+# GGUF weights default to int8 activations, as llama.cpp runs them)
 W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
@@ -222,10 +223,12 @@ def _int8_layout(weight: QuantizedWeight) -> bool:
 def int8_activations(weight: QuantizedWeight) -> bool:
     """Whether this weight's native products quantize the activations to int8 in blocks of
     A8_BLOCK features: w4a16 by default (FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 turns it off); w8a16
-    with FLASHLLM_CPU_W8_ACTIVATIONS=int8, and by default for the layouts only GGUF files bring
-    (offsets or groups of 16, which the exact fp32 kernel does not run; =fp32 sends them to the
+    with FLASHLLM_CPU_W8_ACTIVATIONS=int8, and by default for weights read from GGUF files (gguf_type
+    set: llama.cpp runs Q8_0/Q5_0 against int8 activations too) and the layouts only GGUF files bring
+    (offsets or groups of 16, which the exact fp32 kernel does not run; =fp32 sends those to the
     exact dequantize path); either needs a layout _int8_layout accepts."""
-    gguf_only = weight.offsets is not None or (weight.in_features // weight.num_groups) % GROUP_MULTIPLE != 0
+    gguf_only = (weight.gguf_type is not None or weight.offsets is not None
+                 or (weight.in_features // weight.num_groups) % GROUP_MULTIPLE != 0)
     env, default = {"w4a16": (INT4_ACTIVATIONS_ENV, "int8"),
                     "w8a16": (W8_ACTIVATIONS_ENV, "int8" if gguf_only else "fp32")}.get(weight.scheme, (None, "fp32"))
     mode = os.environ.get(env, default) if env else default

@@ -135,8 +135,8 @@ class GGUFWeights:
                 layers.setdefault(prefix, []).append((item, shard_id))
         for prefix, shards in layers.items():
             types = {self.gf.tensors[item.gguf_name].tensor_type for item, _ in shards}
-            if len(types) != 1 or next(iter(types)) not in blocks.SUPPORTED_TYPES:
-                continue  # mixed or float projections: the layer loads float
+            if not types <= blocks.SUPPORTED_TYPES or len({blocks.layout_of(t) for t in types}) != 1:
+                continue  # float projections, or block types of different layouts: the layer loads float
             module = model.get_submodule(prefix)
             setattr(module, _ATTR, _Shards(len(shards)))
             module.weight = None
@@ -214,7 +214,8 @@ def concat_rows(weights: list[Any]) -> Any:
     """QuantizedWeights of the projections of one fused layer joined along the output features (N).
 
     Every tensor field of a QuantizedWeight leads with N (data, scales, zeros), so the join is per
-    field; the shards must share the scheme, group size and which fields they carry.
+    field; the shards must share the scheme, group size, which fields they carry and their dtypes
+    (GGUF types of one gguf_blocks.layout_of do).
     """
     first = weights[0]
     if len(weights) == 1:
@@ -222,15 +223,17 @@ def concat_rows(weights: list[Any]) -> Any:
     fields = [f.name for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), Tensor)]
     for other in weights[1:]:
         same = (other.scheme, other.group_size) == (first.scheme, first.group_size) and fields == [
-            f.name for f in dataclasses.fields(other) if isinstance(getattr(other, f.name), Tensor)]
+            f.name for f in dataclasses.fields(other) if isinstance(getattr(other, f.name), Tensor)] and all(
+            getattr(other, n).dtype == getattr(first, n).dtype for n in fields)
         if not same:
             raise ModelLoadError(f"the projections of a fused layer are stored as {first.scheme} and {other.scheme}; "
                                  "they cannot be joined")
     for name in ("smooth", "input_perm"):
         if getattr(first, name, None) is not None:
             raise ModelLoadError(f"GGUF weights carry no {name}; cannot join shards that do")
+    names = list(dict.fromkeys(w.gguf_type for w in weights if w.gguf_type))
     return dataclasses.replace(first, **{n: torch.cat([getattr(w, n) for w in weights]) for n in fields},
-                               kernel_cache={})
+                               gguf_type="+".join(names) or None, kernel_cache={})
 
 
 def gguf_quant_capability(gf: GGUFFile, scheme: str, tp_size: int = 1) -> str:
