@@ -1,6 +1,6 @@
 """One line per engine of a GPU latency bench's JSON (`flashllm bench latency ... --json FILE`): the
 per-round decode rates and times to first token, then the speedup, the bandwidth fraction and the
-copy bandwidth it came from. The GPU pass scripts beside this file print it after their run.
+copy bandwidth it came from. run.sh beside this file prints it after its latency run.
 
     python3 benchmarks/gpu/latency_summary.py $OUT/latency-0.5b.json
 """
