@@ -10,7 +10,8 @@ its checkpoints' config.json, by flashllm (models/builtin.py) or by a plugin thr
    vocab_size, head_dim, max_position_embeddings, torch_dtype, quantization, bos_token_id,
    eos_token_id, tie_word_embeddings, raw, num_parameters); the shared loader checks those against
    sanity bounds before anything is allocated. The helpers in hf_config (positive_int, flag,
-   token_ids, checkpoint_dtype, normalize_rope, parse_quantization_config, ...) do the field work.
+   token_ids, checkpoint_dtype, normalize_rope, parse_quantization_config, ...) and decoder_fields
+   (decoder_sizes, checkpoint_fields: fields under transformers' names) do the field work.
 2. `cls(config, ops, dtype, device, tp_rank=0, tp_size=1)` builds the layers: `ops` is the bound
    op table every layer calls (never a kernel picked inside the model), `dtype` the parameter
    dtype, and (tp_rank, tp_size) this rank's place among the tensor-parallel ranks; the layers in
