@@ -273,4 +273,5 @@ def cuda(session: nox.Session) -> None:
     session.run("pytest", "-q", "tests/conformance", "-k", "cuda", *session.posargs)
     session.run("pytest", "-q", "tests/conformance/test_triton_interpret.py",
                 "tests/conformance/test_triton_quant_interpret.py", *session.posargs)
-    session.run("pytest", "-q", "-m", "cuda", *session.posargs, success_codes=[0, 5])
+    # tests/gpu carries the cuda marker: a run that selects none of it is a broken marker, and fails
+    session.run("pytest", "-q", "-m", "cuda", *session.posargs)
