@@ -23,7 +23,9 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 def tests(session: nox.Session) -> None:
     """The whole CPU test suite: what .ci/run and the README run."""
     _install(session, "test,serve,bench,cuda,structured")  # cuda = triton, whose interpreter proves the kernels on CPU
-    session.run("pytest", "-q", "-m", "not slow", *session.posargs)
+    # -rs: every skip reason with its count, so what this machine cannot run (other vendors' devices,
+    # the ipex/xla pins) is on record beside the total
+    session.run("pytest", "-q", "-rs", "-m", "not slow", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -16,8 +16,9 @@ from flashllm.registry.backend import Availability, Backend, Caps
 from flashllm.registry.precision import DeviceProfile
 
 DISTRIBUTION = "intel-extension-for-pytorch"
-MISSING = "intel_extension_for_pytorch is not installed: pip install intel-extension-for-pytorch (needs torch 2.8)"
-INSTALL_HINT = "pip install intel-extension-for-pytorch==2.8.* with torch 2.8 (or run `nox -s ipex`)"
+MISSING = ("intel_extension_for_pytorch is not installed: pip install intel-extension-for-pytorch==2.8.* needs "
+           "torch 2.8 and transformers 4, and flashllm needs transformers>=5, so none runs today (docs/devices.md)")
+INSTALL_HINT = "pip install intel-extension-for-pytorch==2.8.* beside torch 2.8 and transformers 4 (docs/devices.md)"
 
 
 def _major_minor(version: str) -> str:
