@@ -197,29 +197,25 @@ def _even(rope_dim: int, source: str) -> int:
 
 def _routing(raw: dict[str, Any], architecture: str, defaults: dict[str, Any], num_layers: int,
              source: str) -> dict[str, Any]:
-    def get(key: str) -> Any:
-        value = raw.get(key, defaults[key])
-        return defaults[key] if value is None and defaults[key] is not None else value
-
-    experts = positive_int({"n_routed_experts": get("n_routed_experts")}, "n_routed_experts", None,
-                           MAX_NUM_EXPERTS, source)
-    top_k = positive_int({"num_experts_per_tok": get("num_experts_per_tok")}, "num_experts_per_tok", None,
-                         MAX_NUM_EXPERTS, source)
+    # config.json's routing fields over the architecture's defaults (a null takes the default where there is one)
+    values = {key: default if raw.get(key) is None else raw[key] for key, default in defaults.items()}
+    experts = positive_int(values, "n_routed_experts", None, MAX_NUM_EXPERTS, source)
+    top_k = positive_int(values, "num_experts_per_tok", None, MAX_NUM_EXPERTS, source)
     if top_k > experts:
         raise ModelLoadError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
-    method, scoring = get("topk_method"), get("scoring_func")
+    method, scoring = values["topk_method"], values["scoring_func"]
     if method not in _TOPK_METHODS[architecture] or scoring != defaults["scoring_func"]:
         raise ModelLoadError(f"{source}: topk_method={method!r} with scoring_func={scoring!r} is not what "
                              f"{architecture} routes by; expected topk_method in {_TOPK_METHODS[architecture]} and "
                              f"scoring_func {defaults['scoring_func']!r}")
-    norm = flag({"norm_topk_prob": get("norm_topk_prob")}, "norm_topk_prob", source)
+    norm = flag(values, "norm_topk_prob", source)
     if architecture == V2 and norm:
         raise ModelLoadError(f"{source}: norm_topk_prob=true for {V2}: transformers' class ignores it while "
                              "DeepSeek's own code renormalizes, so the reference is ambiguous; flashllm refuses it")
     group_limited = method != "greedy"
-    n_group, topk_group = (get("n_group"), get("topk_group")) if group_limited else (1, 1)
-    n_group = positive_int({"n_group": n_group}, "n_group", None, MAX_NUM_EXPERTS, source)
-    topk_group = positive_int({"topk_group": topk_group}, "topk_group", None, MAX_NUM_EXPERTS, source)
+    groups = values if group_limited else {"n_group": 1, "topk_group": 1}
+    n_group = positive_int(groups, "n_group", None, MAX_NUM_EXPERTS, source)
+    topk_group = positive_int(groups, "topk_group", None, MAX_NUM_EXPERTS, source)
     per_group = experts // n_group
     if experts % n_group or topk_group > n_group or top_k > topk_group * per_group or (
             architecture == V3 and per_group < 2):
@@ -229,19 +225,18 @@ def _routing(raw: dict[str, Any], architecture: str, defaults: dict[str, Any], n
     if raw.get("moe_layer_freq", 1) != 1:
         raise ModelLoadError(f"{source}: moe_layer_freq={raw.get('moe_layer_freq')!r} is not supported; "
                              "transformers' DeepSeek classes make every layer from first_k_dense_replace on MoE")
-    first_dense = get("first_k_dense_replace")
+    first_dense = values["first_k_dense_replace"]
     if isinstance(first_dense, bool) or not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
         raise ModelLoadError(f"{source}: first_k_dense_replace={first_dense!r} must be an int in 0..{num_layers}")
-    shared = get("n_shared_experts") or 0
+    shared = values["n_shared_experts"] or 0
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise ModelLoadError(f"{source}: n_shared_experts={shared!r} must be a non-negative int")
     return {
         "first_k_dense_replace": first_dense, "n_routed_experts": experts, "num_experts_per_tok": top_k,
         "n_shared_experts": shared, "sigmoid_scoring": architecture == V3,
-        "moe_intermediate_size": positive_int({"m": get("moe_intermediate_size")}, "m", None,
-                                              MAX_INTERMEDIATE_SIZE, source),
+        "moe_intermediate_size": positive_int(values, "moe_intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
         "group_limited": group_limited, "n_group": n_group, "topk_group": topk_group, "norm_topk_prob": norm,
-        "routed_scaling_factor": positive_float({"r": get("routed_scaling_factor")}, "r", 1.0, source),
+        "routed_scaling_factor": positive_float(values, "routed_scaling_factor", 1.0, source),
     }
 
 

@@ -170,6 +170,9 @@ def test_a_quantized_kv_cache_is_refused_for_the_latent_cache(ds_dirs) -> None:
     ("v2", {"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
     ("v2", {"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
     ("v3", {"first_k_dense_replace": 9}, "first_k_dense_replace=9 must be an int in 0..3"),
+    ("v2", {"moe_intermediate_size": 0}, "moe_intermediate_size=0 must be a positive int"),
+    ("v3", {"routed_scaling_factor": -1.0}, "routed_scaling_factor=-1.0 must be a finite positive number"),
+    ("v2", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds n_routed_experts=8"),
     ("v3", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config=.* is not supported"),
 ])
 def test_bad_configs_are_refused_in_one_line_naming_the_field(preset, changes, fragment) -> None:
