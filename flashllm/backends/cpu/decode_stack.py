@@ -103,7 +103,7 @@ def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) ->
 
 def _embedding_table(table: Tensor, hidden: int) -> Tensor | None:
     """The declared one-rank embedding table if the C code can copy its rows itself (fp32 (vocab,
-    hidden), contiguous; F.embedding costs ~0.1 ms of a batch-1 step); None where torch embeds the
+    hidden), contiguous; F.embedding costs ~0.1 ms of a batch-1 step on `intel-2c`); None where torch embeds the
     ids before the call."""
     if not (_fp32(table) and table.is_contiguous() and table.dim() == 2 and table.shape[1] == hidden):
         return None
@@ -181,7 +181,7 @@ class FusedDecode:
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
-        # Kept from step to step, as building them costs ~0.1 ms of a batch-1 step (their Python runs
+        # Kept from step to step, as building them costs ~0.1 ms of a batch-1 step on `intel-2c` (their Python runs
         # cold after each step's weight stream): the descriptor, whose per-step fields (every tensor
         # pointer among them) each call sets before the C code reads them; the residual stream,
         # scratch the C code alone writes; the scratch and its size per token count.
@@ -197,7 +197,7 @@ class FusedDecode:
         """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take.
 
         Each step compares every cache's pointer, shape, strides and dtype with those last checked:
-        the same caches skip the full check (~0.15 ms a step for 48 caches, more between the native
+        the same caches skip the full check (~0.15 ms a step for 48 caches on `epyc3-2c`, more between the native
         calls, whose weight streams leave the interpreter's data cold)."""
         key = [(c.data_ptr(), c.shape, c.stride(), c.dtype) for cache in kv_caches for c in cache]
         if key == self._cache_key:

@@ -149,7 +149,7 @@ class GreedyScreen:
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
         # Tensors a call only writes and reads itself, kept for the next: allocating a batch-1 step's
-        # scores (600 KB), the kernels' scratch and the pick's counts costs ~0.1 ms, run cold after
+        # scores (600 KB), the kernels' scratch and the pick's counts costs ~0.1 ms on `intel-2c`, run cold after
         # the copy's stream. The scores of the last call's token count; scratch per count.
         self._kept: dict[object, Tensor] = {}
 
