@@ -122,7 +122,7 @@ class SpeculativeConfig:
     model: str | None = None                # draft_model: its HF directory (--speculative-model), same vocabulary
     quant_type: str = "none"                # draft_model: weight-only quantization of the draft (e.g. weight_only_int8)
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
-    # drafting for a while (see core/spec/guard.py); 0 turns the guard off
+    # drafting for a while (see core/spec/speculator.py); 0 turns the guard off
     min_acceptance: float = 0.25
 
     @property

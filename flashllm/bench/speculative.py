@@ -13,13 +13,16 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-# Copy-heavy chat prompts: the answer repeats, fixes or reformats text the prompt holds.
+# Copy-heavy chat prompts: the answer repeats, fixes or reformats text the prompt holds. The texts are long
+# enough that a whole answer is the copy; it ends where the model ends it (end of text), never past it,
+# since what a model writes after its answer under ignore_eos is not a copy workload.
 COPY_TASKS = (
     "Repeat the following text exactly, word for word:\n\n{text}",
     "Fix the spelling mistakes in this text and write out the corrected text in full:\n\n{text}",
     "Rewrite the following text as a bulleted list, one sentence per bullet, keeping every word:\n\n{text}",
     "Copy this code exactly as it is:\n\n{code}",
 )
+_COPY_SENTENCES, _COPY_LINES = 8, 16  # per prompt: ~150-250 tokens of text to copy
 _VERIFY_STEPS = 20  # timed steps per kind in the verify-cost measurement
 
 
@@ -36,7 +39,9 @@ def run_speculative(args: argparse.Namespace, model_dir: Path, speculative: dict
         spec, _ = _engine_run(args, model_dir, speculative, requests)
         entry = {"plain": plain, "speculative": spec}
         if "transformers" in (args.baseline or ()):
-            entry["transformers_prompt_lookup"] = _hf_prompt_lookup(args, model_dir, requests, speculative)
+            lookup = int(speculative.get("num_speculative_tokens", 4))
+            entry["transformers_prompt_lookup"] = _hf_generate(args, model_dir, requests, lookup)
+            entry["transformers_plain"] = _hf_generate(args, model_dir, requests, None)
         rounds.append(entry)
     result["num_requests"] = len(requests)
     result["rounds"] = rounds
@@ -46,6 +51,9 @@ def run_speculative(args: argparse.Namespace, model_dir: Path, speculative: dict
     if "transformers" in (args.baseline or ()):
         result["speedup_vs_transformers_prompt_lookup"] = statistics.median(
             r["speculative"]["decode_tokens_per_s"] / r["transformers_prompt_lookup"]["decode_tokens_per_s"]
+            for r in rounds)
+        result["transformers_prompt_lookup_speedup"] = statistics.median(
+            r["transformers_prompt_lookup"]["decode_tokens_per_s"] / r["transformers_plain"]["decode_tokens_per_s"]
             for r in rounds)
     result["speedup_method"] = "median over rounds of the ratio within a round (each round runs every engine once)"
     print(json.dumps(result, indent=2))
@@ -68,7 +76,8 @@ def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str
     decode_s, decode_tokens = 0.0, 0
     for prompt, output_len in requests:
         llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=args.dataset != "copy",
+                                detokenize=False)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         decode_s += out.metrics.latency - out.metrics.time_to_first_token
         decode_tokens += len(out.outputs[0].token_ids) - 1
@@ -128,8 +137,8 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
         code = [line for line in CORPUS if line.startswith(("def ", "    ", "for ", "print(", "import "))]
         prompts = []
         for i in range(args.num_prompts):
-            text = " ".join(prose[(i * 4 + j) % len(prose)] for j in range(4))
-            snippet = "\n".join(code[(i * 5 + j) % len(code)] for j in range(8))
+            text = " ".join(prose[(i * _COPY_SENTENCES + j) % len(prose)] for j in range(_COPY_SENTENCES))
+            snippet = "\n".join(code[(i * _COPY_LINES + j) % len(code)] for j in range(_COPY_LINES))
             task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=snippet)
             prompts.append(llm.render_chat([{"role": "user", "content": task}]))
         return [(prompt, output_len) for prompt in prompts]  # render_chat gives token ids
@@ -139,28 +148,29 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
                                      args.seed)]
 
 
-def _hf_prompt_lookup(args: argparse.Namespace, model_dir: Path, requests: list[tuple[list[int], int]],
-                      speculative: dict[str, Any]) -> dict[str, Any]:
-    """transformers' generate with prompt_lookup_num_tokens (its n-gram lookup), greedy, batch 1, on the same
-    weights: decode tokens/s over the requests (the first token's time, prefill included, left out)."""
+def _hf_generate(args: argparse.Namespace, model_dir: Path, requests: list[tuple[list[int], int]],
+                 lookup: int | None) -> dict[str, Any]:
+    """transformers' greedy generate at batch 1 on the same weights, with prompt_lookup_num_tokens=lookup (its
+    n-gram lookup) or without (lookup None): decode tokens/s over the requests (the first token's time,
+    prefill included, left out). Copy prompts end at the model's end of text, as flashllm's do."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    lookup = int(speculative.get("num_speculative_tokens", 4))
+    extra: dict[str, Any] = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
     decode_s, decode_tokens = 0.0, 0
     with torch.inference_mode():
         for prompt, output_len in requests:
             ids = torch.tensor([prompt])
+            least = 1 if args.dataset == "copy" else output_len
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
             first = time.perf_counter() - start
             start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                                 prompt_lookup_num_tokens=lookup)
+            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=least, do_sample=False, **extra)
             total = time.perf_counter() - start
             decode_s += max(total - first, 1e-9)
             decode_tokens += out.shape[1] - len(prompt) - 1
     del model
     gc.collect()
-    return {"decode_tokens_per_s": decode_tokens / decode_s, "prompt_lookup_num_tokens": lookup}
+    return {"decode_tokens_per_s": decode_tokens / decode_s, "decode_tokens": decode_tokens, **extra}

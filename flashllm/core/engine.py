@@ -155,7 +155,7 @@ class Engine:
         sampling = [item.seq for item in batch.scheduled if item.produces_token]
         states = [self._by_seq[seq.seq_id].sampling_state(seq) for seq in sampling]
         drafted = self._draft(batch, states)
-        max_steps = 1 if drafted else self._max_steps(batch, states)
+        max_steps = 1 if drafted else self._max_steps(batch, states, sampling)
         if max_steps > 1:
             for item in batch.scheduled:
                 self.block_manager.append_slots(item.seq, max_steps)
@@ -214,7 +214,7 @@ class Engine:
                 self.scheduler.finish(seq, reason)
             touched[request.request_id] = request
 
-    def _max_steps(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
+    def _max_steps(self, batch: SchedulerOutput, states: list[SamplingState], sampling: list[Sequence]) -> int:
         """How many new positions per sequence this round may return (1: a single step).
 
         Several only for a decode batch (every sequence one token, all sampling) while nothing
@@ -222,9 +222,11 @@ class Engine:
         round ends where any sequence reaches a stop token or its max_tokens), at most
         num_scheduler_steps and what the executor's runner takes for these states, no more than
         any sequence may still take (max_tokens, max_model_len), and where the blocks all its
-        positions need are free."""
+        positions need are free, and what speculation allows sequences that may have a draft again soon."""
         config, scheduler = self.config.scheduler, self.scheduler
         steps = config.num_scheduler_steps
+        if self.speculator is not None:
+            steps = min(steps, self.speculator.burst_steps(sampling) or steps)
         if (steps < 2 or (scheduler.num_waiting and scheduler.num_running < config.max_num_seqs) or batch.preempted
                 or len(states) != len(batch.scheduled)
                 or any(item.num_new_tokens != 1 for item in batch.scheduled)):

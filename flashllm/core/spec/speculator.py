@@ -16,8 +16,13 @@ from flashllm.core.spec.ngram import NgramProposer
 _EMA_WEIGHT = 0.3
 # A sequence is judged only after this many verified rounds with drafts.
 _MIN_ROUNDS = 3
-# Paused sequences try again after this many of their decode rounds, doubling each time up to the cap.
+# Paused sequences try again after this many tokens, doubling each time up to the cap (tokens, not rounds:
+# a round without drafts may decode several).
 _FIRST_PAUSE, _MAX_PAUSE = 8, 512
+# After rounds where the proposer had nothing, a sequence still drafting runs multi-step decode bursts of
+# 1, 2, 4, ... steps, up to this: a copy resumes a token or two after a miss, and a burst would decode
+# past it, while text with nothing to copy soon runs at full burst length again.
+_MAX_MISS_SHIFT = 3
 
 
 class Proposer(Protocol):
@@ -35,8 +40,9 @@ class _Guard:
 
     rate: float = 1.0
     rounds: int = 0
-    skip: int = 0          # decode rounds left without drafts
+    resume_at: int = 0     # no drafts while the sequence is shorter than this
     pause: int = _FIRST_PAUSE
+    misses: int = 0        # rounds in a row where the proposer had no draft
 
 
 @dataclass(slots=True)
@@ -106,11 +112,27 @@ class Speculator:
         drafts = self.proposer.propose([item.seq for item in candidates], limits)
         total = 0
         for item, draft, limit in zip(candidates, drafts, limits, strict=True):
+            guard = self._guards[item.seq.seq_id]
+            guard.misses = 0 if draft else guard.misses + 1
             item.draft_token_ids = list(draft[:limit])
             total += len(item.draft_token_ids)
             if len(item.draft_token_ids) < limit:
                 self.block_manager.trim(item.seq, item.seq.num_tokens + len(item.draft_token_ids))
         return total
+
+    def burst_steps(self, seqs: list[Sequence]) -> int | None:
+        """The most decode steps a round without drafts should run for these sequences (None: no limit).
+
+        A sequence the proposer just missed on gets 2 ** (misses - 1) steps, capped at 2 ** _MAX_MISS_SHIFT;
+        one the guard pauses, or one never drafted for, sets no limit."""
+        steps: int | None = None
+        for seq in seqs:
+            guard = self._guards.get(seq.seq_id)
+            if guard is None or seq.num_tokens < guard.resume_at or not 0 < guard.misses <= _MAX_MISS_SHIFT:
+                continue
+            allowed = 1 << (guard.misses - 1)
+            steps = allowed if steps is None else min(steps, allowed)
+        return steps
 
     def _limit(self, item: ScheduledSequence, state: SamplingState) -> int:
         seq = item.seq
@@ -119,8 +141,7 @@ class Speculator:
         if item.num_new_tokens != 1 or seq.is_finished or state.grammar is not None:
             return 0
         guard = self._guards.setdefault(seq.seq_id, _Guard())
-        if guard.skip > 0:
-            guard.skip -= 1
+        if seq.num_tokens < guard.resume_at:
             return 0
         limit = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
         if state.params.max_tokens is not None:
@@ -148,7 +169,8 @@ class Speculator:
             guard.rounds += 1
             if guard.rounds >= _MIN_ROUNDS and guard.rate < min_acceptance:
                 # below break-even: stop drafting for a while, then judge afresh
-                guard.skip, guard.pause = guard.pause, min(2 * guard.pause, _MAX_PAUSE)
+                guard.resume_at = item.seq.num_tokens + guard.pause
+                guard.pause = min(2 * guard.pause, _MAX_PAUSE)
                 guard.rate, guard.rounds = 1.0, 0
 
     def forget(self, seq: Sequence) -> None:
