@@ -55,6 +55,9 @@ def run_speculative(args: argparse.Namespace, model_dir: Path, speculative: dict
         result["transformers_prompt_lookup_speedup"] = statistics.median(
             r["transformers_prompt_lookup"]["decode_tokens_per_s"] / r["transformers_plain"]["decode_tokens_per_s"]
             for r in rounds)
+    result["request_speedups"] = [  # per request (for copy: COPY_TASKS in turn), median over rounds
+        statistics.median(r["speculative"]["request_tokens_per_s"][i] / r["plain"]["request_tokens_per_s"][i]
+                          for r in rounds) for i in range(len(requests))]
     result["speedup_method"] = "median over rounds of the ratio within a round (each round runs every engine once)"
     print(json.dumps(result, indent=2))
     if args.json:
@@ -73,15 +76,16 @@ def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str
               speculative_config=speculative)
     requests = requests or _requests(args, llm)
     llm.generate([requests[0][0][:8]], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
-    decode_s, decode_tokens = 0.0, 0
+    per_request = []
     for prompt, output_len in requests:
         llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=args.dataset != "copy",
                                 detokenize=False)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        decode_s += out.metrics.latency - out.metrics.time_to_first_token
-        decode_tokens += len(out.outputs[0].token_ids) - 1
-    record: dict[str, Any] = {"decode_tokens_per_s": decode_tokens / decode_s, "decode_tokens": decode_tokens}
+        per_request.append((len(out.outputs[0].token_ids) - 1, out.metrics.latency - out.metrics.time_to_first_token))
+    decode_tokens, decode_s = sum(n for n, _ in per_request), sum(t for _, t in per_request)
+    record: dict[str, Any] = {"decode_tokens_per_s": decode_tokens / decode_s, "decode_tokens": decode_tokens,
+                              "request_tokens_per_s": [n / t for n, t in per_request]}
     speculator = llm.engine.speculator
     if speculator is not None:
         stats = speculator.stats
