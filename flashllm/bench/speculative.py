@@ -22,7 +22,31 @@ COPY_TASKS = (
     "Rewrite the following text as a bulleted list, one sentence per bullet, keeping every word:\n\n{text}",
     "Copy this code exactly as it is:\n\n{code}",
 )
-_COPY_SENTENCES, _COPY_LINES = 8, 16  # per prompt: ~150-250 tokens of text to copy
+_COPY_SENTENCES = 8  # per prompt: ~150-250 tokens of text to copy
+# The code to copy: one coherent module (a model copies code it can read, not a jumble of unrelated lines).
+_COPY_CODE = '''import json
+from pathlib import Path
+
+
+class Inventory:
+    """Items and their counts, saved as JSON."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.items: dict[str, int] = {}
+
+    def add(self, name: str, count: int = 1) -> int:
+        self.items[name] = self.items.get(name, 0) + count
+        return self.items[name]
+
+    def remove(self, name: str) -> None:
+        if name not in self.items:
+            raise KeyError(f"no item named {name!r}")
+        del self.items[name]
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.items, indent=2, sort_keys=True))
+'''
 _VERIFY_STEPS = 20  # timed steps per kind in the verify-cost measurement
 
 
@@ -138,12 +162,10 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
         from flashllm.testing.corpus import CORPUS
 
         prose = [line for line in CORPUS if line.endswith(".") and len(line) > 40]
-        code = [line for line in CORPUS if line.startswith(("def ", "    ", "for ", "print(", "import "))]
         prompts = []
         for i in range(args.num_prompts):
             text = " ".join(prose[(i * _COPY_SENTENCES + j) % len(prose)] for j in range(_COPY_SENTENCES))
-            snippet = "\n".join(code[(i * _COPY_LINES + j) % len(code)] for j in range(_COPY_LINES))
-            task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=snippet)
+            task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=_COPY_CODE)
             prompts.append(llm.render_chat([{"role": "user", "content": task}]))
         return [(prompt, output_len) for prompt in prompts]  # render_chat gives token ids
     vocab = llm.engine.parts.hf_config.vocab_size
