@@ -22,6 +22,13 @@ COPY_TASKS = (
     "Rewrite the following text as a bulleted list, one sentence per bullet, keeping every word:\n\n{text}",
     "Copy this code exactly as it is:\n\n{code}",
 )
+# Open questions: the prompt holds nothing to copy (--dataset chat), the guard's workload.
+OPEN_TASKS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a ten-year-old how a refrigerator keeps food cold.",
+    "Suggest five things to do with friends on a rainy Saturday afternoon, with a sentence on each.",
+    "What are the main differences between a lake and a sea?",
+)
 _COPY_SENTENCES = 8  # per prompt: ~150-250 tokens of text to copy
 # The code to copy: one coherent module (a model copies code it can read, not a jumble of unrelated lines).
 _COPY_CODE = '''import json
@@ -47,6 +54,7 @@ class Inventory:
     def save(self) -> None:
         self.path.write_text(json.dumps(self.items, indent=2, sort_keys=True))
 '''
+_CHAT_DATASETS = ("copy", "chat")  # chat prompts whose answers end at the model's end of text
 _VERIFY_STEPS = 20  # timed steps per kind in the verify-cost measurement
 
 
@@ -103,7 +111,7 @@ def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str
     per_request = []
     for prompt, output_len in requests:
         llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=args.dataset != "copy",
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=args.dataset not in _CHAT_DATASETS,
                                 detokenize=False)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         per_request.append((len(out.outputs[0].token_ids) - 1, out.metrics.latency - out.metrics.time_to_first_token))
@@ -168,6 +176,9 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
             task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=_COPY_CODE)
             prompts.append(llm.render_chat([{"role": "user", "content": task}]))
         return [(prompt, output_len) for prompt in prompts]  # render_chat gives token ids
+    if args.dataset == "chat":
+        return [(llm.render_chat([{"role": "user", "content": OPEN_TASKS[i % len(OPEN_TASKS)]}]), output_len)
+                for i in range(args.num_prompts)]
     vocab = llm.engine.parts.hf_config.vocab_size
     return [(r.prompt_token_ids, r.output_len)
             for r in random_requests(args.num_prompts, parse_range(args.input_len), (output_len, output_len), vocab,
@@ -188,7 +199,7 @@ def _hf_generate(args: argparse.Namespace, model_dir: Path, requests: list[tuple
     with torch.inference_mode():
         for prompt, output_len in requests:
             ids = torch.tensor([prompt])
-            least = 1 if args.dataset == "copy" else output_len
+            least = 1 if args.dataset in _CHAT_DATASETS else output_len
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
             first = time.perf_counter() - start

@@ -22,7 +22,8 @@ def add_parser(sub: Any) -> None:
         group.add_argument("--shape", default=None, help="random weights of a named model shape, e.g. qwen2.5-0.5b")
         p.add_argument("--dataset", default="random",
                        help="random | sharegpt | copy (chat prompts to repeat, fix or reformat a given text; "
-                            "with --speculate_method)")
+                            "with --speculate_method) | chat (open questions, nothing to copy; with "
+                            "--speculate_method)")
         p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
         p.add_argument("--input-len", default=defaults[0])
         p.add_argument("--output-len", default=defaults[1])

@@ -28,7 +28,7 @@ def _bench(tmp_path: Path, model_dir: Path, dataset: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("dataset", ["copy", "random"])
+@pytest.mark.parametrize("dataset", ["copy", "chat", "random"])
 def test_latency_bench_compares_the_same_tokens_with_and_without_drafts(model_dir: Path, tmp_path: Path,
                                                                         dataset: str) -> None:
     record = _bench(tmp_path, model_dir, dataset)
