@@ -99,7 +99,7 @@ def test_accepted_drafts_keep_drafting_without_a_pause() -> None:
     assert speculator.stats.mean_accepted_length == 3.0
 
 
-def test_bursts_after_misses_grow_1_2_4_then_are_unlimited_and_a_draft_resets_them() -> None:
+def test_bursts_after_misses_grow_1_2_4_then_are_unlimited_and_an_accepted_draft_resets_them() -> None:
     speculator, proposer, bm, seqs, states = _setup()
     assert speculator.burst_steps(seqs) is None  # never drafted for
     proposer.drafting = False
@@ -110,9 +110,13 @@ def test_bursts_after_misses_grow_1_2_4_then_are_unlimited_and_a_draft_resets_th
     assert allowed == [1, 2, 4, None, None]
     proposer.drafting = True
     _round(speculator, bm, seqs, states, accepted=K)
+    assert speculator.burst_steps(seqs) is None  # drafting works again: no miss to answer
     proposer.drafting = False
     _round(speculator, bm, seqs, states)
     assert speculator.burst_steps(seqs) == 1
+    proposer.drafting = True
+    _round(speculator, bm, seqs, states, accepted=0)  # a draft all rejected is a miss too
+    assert speculator.burst_steps(seqs) == 2
 
 
 def test_a_batch_bursts_as_far_as_its_most_recently_missed_sequence_allows() -> None:

@@ -19,9 +19,9 @@ _MIN_ROUNDS = 3
 # Paused sequences try again after this many tokens, doubling each time up to the cap (tokens, not rounds:
 # a round without drafts may decode several).
 _FIRST_PAUSE, _MAX_PAUSE = 8, 512
-# After rounds where the proposer had nothing, a sequence still drafting runs multi-step decode bursts of
-# 1, 2, 4, ... steps, up to this: a copy resumes a token or two after a miss, and a burst would decode
-# past it, while text with nothing to copy soon runs at full burst length again.
+# After rounds without an accepted draft token (none proposed, or all rejected), a sequence still drafting
+# runs multi-step decode bursts of 1, 2, 4, ... steps, up to this: a copy resumes a token or two after a
+# miss, and a burst would decode past it, while text with nothing to copy soon runs at full bursts again.
 _MAX_MISS_SHIFT = 3
 
 
@@ -42,7 +42,7 @@ class _Guard:
     rounds: int = 0
     resume_at: int = 0     # no drafts while the sequence is shorter than this
     pause: int = _FIRST_PAUSE
-    misses: int = 0        # rounds in a row where the proposer had no draft
+    misses: int = 0        # rounds in a row without an accepted draft token
 
 
 @dataclass(slots=True)
@@ -112,8 +112,8 @@ class Speculator:
         drafts = self.proposer.propose([item.seq for item in candidates], limits)
         total = 0
         for item, draft, limit in zip(candidates, drafts, limits, strict=True):
-            guard = self._guards[item.seq.seq_id]
-            guard.misses = 0 if draft else guard.misses + 1
+            if not draft:
+                self._guards[item.seq.seq_id].misses += 1
             item.draft_token_ids = list(draft[:limit])
             total += len(item.draft_token_ids)
             if len(item.draft_token_ids) < limit:
@@ -123,8 +123,8 @@ class Speculator:
     def burst_steps(self, seqs: list[Sequence]) -> int | None:
         """The most decode steps a round without drafts should run for these sequences (None: no limit).
 
-        A sequence the proposer just missed on gets 2 ** (misses - 1) steps, capped at 2 ** _MAX_MISS_SHIFT;
-        one the guard pauses, or one never drafted for, sets no limit."""
+        A sequence whose last `misses` rounds brought no accepted draft token gets 2 ** (misses - 1) steps,
+        no limit past 2 ** _MAX_MISS_SHIFT; one the guard pauses, or one never drafted for, sets no limit."""
         steps: int | None = None
         for seq in seqs:
             guard = self._guards.get(seq.seq_id)
@@ -157,12 +157,14 @@ class Speculator:
             if not drafted:
                 continue
             accepted = max(count - 1, 0)
+            guard = self._guards.get(item.seq.seq_id)
+            if guard is not None:
+                guard.misses = 0 if accepted else guard.misses + 1
             stats = self.stats
             stats.num_rounds += 1
             stats.num_drafted += drafted
             stats.num_accepted += accepted
             stats.num_emitted += count
-            guard = self._guards.get(item.seq.seq_id)
             if guard is None or min_acceptance <= 0:
                 continue
             guard.rate += _EMA_WEIGHT * (accepted / drafted - guard.rate)
