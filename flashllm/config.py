@@ -59,6 +59,10 @@ class SchedulerConfig:
     # greedy decode steps one scheduling round may run where the device can (the cpu backend's
     # multi-step decode, bounded by what the runner takes: Engine._max_steps); 1 = one step a round
     num_scheduler_steps: int = 8
+    # prompt tokens (new prompts, later chunks, recomputes) one step may run; decodes do not count.
+    # None: up to max_num_batched_tokens. Lower, a burst of new prompts is prefilled over several
+    # steps, so the first ones start streaming while the rest are prefilled (time to first token)
+    max_prefill_tokens: int | None = None
 
 
 @dataclass

@@ -151,7 +151,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
                                 "cachekv_int8_type", "enable_prefix_caching", "gpu_memory_utilization"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                                        "num_scheduler_steps"}),
+                                        "num_scheduler_steps", "max_prefill_tokens"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
         "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend"}),

@@ -46,8 +46,9 @@ class Scheduler:
 
     Running sequences go first, in admission order (decodes and later prefill chunks); then waiting
     ones are admitted FIFO while seats (max_num_seqs), tokens (max_num_batched_tokens) and KV blocks
-    allow. When a running sequence needs a block that is not there, the most recently admitted
-    running sequence is preempted: its blocks are freed and it re-queues at the front to recompute.
+    allow. Prompt tokens (everything but decodes) share a further per-step budget, max_prefill_tokens
+    when set, so a burst of new prompts is prefilled over several steps and decodes run in each.
+    When a running sequence needs a block that is not there, the most recently admitted running sequence is preempted: its blocks are freed and it re-queues at the front to recompute.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -56,10 +57,14 @@ class Scheduler:
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {config.max_num_seqs} "
                 f"and {config.max_num_batched_tokens}; fix SchedulerConfig"
             )
+        if config.max_prefill_tokens is not None and config.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {config.max_prefill_tokens}; "
+                             "fix SchedulerConfig")
         if config.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {config.num_scheduler_steps}; fix SchedulerConfig")
         self.config = config
         self.block_manager = block_manager
+        self._prefill_left = 0  # prompt tokens the step being scheduled may still take
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -149,6 +154,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch; never exceeds max_num_batched_tokens or max_num_seqs."""
         out = SchedulerOutput()
+        cap = self.config.max_prefill_tokens
+        self._prefill_left = self.config.max_num_batched_tokens if cap is None else cap
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # blocks are short: admitting now would only preempt again
             budget = self._admit_waiting(out, budget)
@@ -156,7 +163,13 @@ class Scheduler:
         return out
 
     def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
-        """Tokens to schedule of a sequence with num_uncomputed tokens left; 0 = not this step."""
+        """Tokens to schedule of a sequence with num_uncomputed tokens left; 0 = not this step.
+
+        More than one token left is prompt work (a prompt, a later chunk, a recompute): it also draws
+        on the step's prefill budget, unless chunking is off and the whole prompt must run at once
+        (then only the step's first prompt work may exceed that budget)."""
+        if num_uncomputed > 1:
+            budget = self._prefill_budget(num_uncomputed, budget)
         if num_uncomputed <= budget:
             return num_uncomputed
         # A recompute after preemption can exceed the whole budget even with chunking off;
@@ -164,6 +177,21 @@ class Scheduler:
         if self.config.enable_chunked_prefill or num_uncomputed > self.config.max_num_batched_tokens:
             return budget
         return 0
+
+    def _prefill_budget(self, num_uncomputed: int, budget: int) -> int:
+        """The share of budget that prompt work of num_uncomputed tokens may take in this step."""
+        left = self._prefill_left
+        if self.config.max_prefill_tokens is None or left >= min(num_uncomputed, budget):
+            return budget
+        first = left == self.config.max_prefill_tokens  # no prompt work in this step yet
+        if not self.config.enable_chunked_prefill and first:
+            return budget  # the cap would hold this prompt back forever; let it run alone
+        return left
+
+    def _take(self, num_uncomputed: int, num_new: int) -> None:
+        """Count num_new scheduled tokens against the prefill budget when they are prompt work."""
+        if num_uncomputed > 1:
+            self._prefill_left -= min(num_new, self._prefill_left)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -177,6 +205,7 @@ class Scheduler:
                 continue  # seq itself was preempted; running[i] is now the next one
             self.block_manager.append_slots(seq, num_new)
             self._add_to_batch(out, seq, num_new)
+            self._take(seq.num_uncomputed_tokens, num_new)
             budget -= num_new
             i += 1
         return budget
@@ -221,6 +250,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(out, seq, num_new)
+            self._take(seq.num_tokens - num_hit, num_new)
             budget -= num_new
         return budget
 
