@@ -65,6 +65,13 @@ class SchedulerConfig:
     max_prefill_tokens: int | None = None
 
 
+# `flashllm serve`'s max_prefill_tokens on a CPU when none is given: a step there costs about its token
+# count (the GEMMs are compute-bound), so 16 new prompts of ~128 tokens prefilled in one 2,048-token
+# step all wait ~9 s for their first token on the 2-core test VM, while 512-token steps hand the
+# first four theirs after ~2.5 s at the same output tokens/s (docs/benchmarks.md, serving)
+CPU_SERVE_MAX_PREFILL_TOKENS = 512
+
+
 @dataclass
 class DeviceConfig:
     """Device and backend selection."""

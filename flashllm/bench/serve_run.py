@@ -18,7 +18,7 @@ from flashllm.bench.serve_metrics import format_table, per_request, summarize
 # engine flags passed to `flashllm serve` when bench serve starts the server itself (cli/bench.py
 # declares a `bench serve` flag for each)
 SERVER_FLAGS = ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "num_scheduler_steps", "kv_cache_dtype", "cachekv_int8_type",
+                "max_num_batched_tokens", "max_prefill_tokens", "num_scheduler_steps", "kv_cache_dtype", "cachekv_int8_type",
                 "tensor_parallel_size", "distributed_executor_backend")
 
 

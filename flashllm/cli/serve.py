@@ -11,6 +11,7 @@ from typing import Any
 
 from flashllm.cli.parallel_flags import FLAG_NAMES, HELP, METAVARS, executor_backend, tensor_parallel_size
 from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
+from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS
 
 logger = logging.getLogger("flashllm.serve")
 
@@ -66,6 +67,9 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
+    "max_prefill_tokens": (int, None, "prompt tokens one step may prefill, decodes not counted (default: "
+                           f"{CPU_SERVE_MAX_PREFILL_TOKENS} on CPUs, so a burst of new prompts starts streaming in turn; "
+                           "--max-num-batched-tokens elsewhere)"),
     "num_scheduler_steps": (int, 1, "greedy decode steps one scheduling round may run where the device can (the "
                             "cpu backend); streamed tokens then come in groups of up to this many"),
     "no_prefix_caching": (_bool, False, "disable prefix caching"),
@@ -90,7 +94,7 @@ FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_sp
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
-                "max_num_batched_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
+                "max_num_batched_tokens", "max_prefill_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path",
                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
                 "quant_type", "weightonly_group_size", *SPEC_FLAGS)

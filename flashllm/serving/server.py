@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from flashllm.config import speculative_flags_config
+from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS, speculative_flags_config
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
@@ -156,7 +156,7 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
         kv_cache_dtype=options["kv_cache_dtype"], cachekv_int8_type=options["cachekv_int8_type"],
         max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
-        num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"],
+        max_prefill_tokens=options.get("max_prefill_tokens"), num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"],
         strict_kernels=options["strict_kernels"],
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
         seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],
@@ -166,7 +166,11 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         group_size=options.get("weightonly_group_size", -1),
         speculative_config=speculative_flags_config(options.get),
     )
-    return Engine(config)
+    engine = Engine(config)
+    runner = getattr(engine, "runner", None)
+    if options.get("max_prefill_tokens") is None and runner is not None and runner.device.type == "cpu":
+        config.scheduler.max_prefill_tokens = CPU_SERVE_MAX_PREFILL_TOKENS  # the scheduler reads it each step
+    return engine
 
 
 def _load_static(options: dict[str, Any]) -> ServedModel:

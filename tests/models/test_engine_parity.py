@@ -135,6 +135,16 @@ def test_chunked_prefill_matches(model_dirs, hf_models) -> None:
     _check_against_hf(hf_models["qwen2"], prompts, recorder, outputs)
 
 
+def test_prefill_cap_matches(model_dirs, hf_models) -> None:
+    """max_prefill_tokens (serve's CPU default): prompts prefilled a few tokens a step while the
+    earlier ones decode alongside give transformers' logits and tokens."""
+    llm = _llm(model_dirs["qwen2"], max_prefill_tokens=40)
+    recorder = LogitRecorder(llm)
+    prompts = _prompts(hf_models["qwen2"].config.vocab_size, (30, 65, 7, 90), seed=12)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    _check_against_hf(hf_models["qwen2"], prompts, recorder, outputs)
+
+
 def test_forced_preemption_recomputes_identically(model_dirs, hf_models) -> None:
     # 32 blocks of 16 tokens: six growing sequences cannot all stay resident.
     llm = _llm(model_dirs["llama"], num_kv_blocks=32, enable_prefix_caching=False)

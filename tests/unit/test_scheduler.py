@@ -104,27 +104,44 @@ def check_budget_used(sched: Scheduler, out: SchedulerOutput) -> None:
     A sequence gets part of its uncomputed tokens only at the budget's edge; a running sequence
     sits out only when the budget is spent or (prefill unchunked) its tokens do not fit what is
     left; the waiting head stays waiting with budget left only when seats are full, this step
-    preempted, its next chunk does not fit unchunked, or its blocks are not free.
+    preempted, its next chunk does not fit unchunked, or its blocks are not free. Prompt work (more
+    than one token left) also has max_prefill_tokens: it may stop at that edge, which only an
+    unchunked prompt alone in its step exceeds.
     """
     cfg, bm = sched.config, sched.block_manager
     left = cfg.max_num_batched_tokens - out.num_batched_tokens
+    prompt_items = [item for item in out.scheduled if item.seq.num_uncomputed_tokens > 1]
+    prompt_left = left
+    if cfg.max_prefill_tokens is not None:
+        used = sum(item.num_new_tokens for item in prompt_items)
+        assert used <= cfg.max_prefill_tokens or (not cfg.enable_chunked_prefill and len(prompt_items) == 1), \
+            f"{used} prompt tokens in a step, more than max_prefill_tokens={cfg.max_prefill_tokens}"
+        prompt_left = min(left, max(cfg.max_prefill_tokens - used, 0))
+
+    def room(need: int) -> int:
+        return left if need <= 1 else prompt_left
+
     if left == 0:
         return
     for item in out.scheduled:
-        assert item.num_new_tokens == item.seq.num_uncomputed_tokens, \
-            f"a {item.num_new_tokens}-token chunk of {item.seq.num_uncomputed_tokens} with {left} budget left"
+        need = item.seq.num_uncomputed_tokens
+        assert item.num_new_tokens == need or room(need) == 0, \
+            f"a {item.num_new_tokens}-token chunk of {need} with {room(need)} budget left"
     scheduled = {id(item.seq) for item in out.scheduled}
     for seq in sched.running:
         if id(seq) not in scheduled:
-            assert not cfg.enable_chunked_prefill and seq.num_uncomputed_tokens > left, \
-                f"running sequence {seq.seq_id} sat out with {left} budget left"
+            need = seq.num_uncomputed_tokens
+            assert room(need) == 0 or (not cfg.enable_chunked_prefill and need > room(need)), \
+                f"running sequence {seq.seq_id} sat out with {room(need)} budget left"
     if not sched.waiting or out.preempted or sched.num_running >= cfg.max_num_seqs:
         return
     head = sched.waiting[0]
     need = head.num_tokens - bm.num_prefix_hit_tokens(head)
-    if need > left and not cfg.enable_chunked_prefill and need <= cfg.max_num_batched_tokens:
+    if room(need) == 0:
+        return
+    if need > room(need) and not cfg.enable_chunked_prefill and need <= cfg.max_num_batched_tokens:
         return  # an unchunked prompt waits for a step with room for all of it
-    assert not bm.can_allocate(head, min(need, left)), f"the waiting head could run {min(need, left)} tokens"
+    assert not bm.can_allocate(head, min(need, room(need))), f"the waiting head could run {min(need, room(need))} tokens"
 
 
 def run_engine(sched: Scheduler, requests: list[Request], max_steps: int = 5000) -> list[Sequence]:
@@ -199,6 +216,7 @@ def test_simulation_matches_solo_runs_under_kv_pressure(chunked: bool, caching: 
     budget=st.integers(12, 24),
     chunked=st.booleans(),
     caching=st.booleans(),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 16)),
 )
 def test_random_workloads_match_solo_runs(
     reqs: list[tuple[int, list[int], int]],
@@ -208,6 +226,7 @@ def test_random_workloads_match_solo_runs(
     budget: int,
     chunked: bool,
     caching: bool,
+    prefill_cap: int | None,
 ) -> None:
     requests = [Request(a, p, m) for a, p, m in reqs]
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
@@ -219,6 +238,7 @@ def test_random_workloads_match_solo_runs(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
+        max_prefill_tokens=prefill_cap,
     )
     seqs = run_engine(sched, requests)
     check_outputs(sched, requests, seqs)
@@ -235,9 +255,11 @@ def test_random_workloads_match_solo_runs(
     max_num_seqs=st.integers(1, 6),
     spare_blocks=st.integers(0, 8),
     chunked=st.booleans(),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 5)),
 )
 def test_small_budgets_are_used_to_the_last_token(
     reqs: list[tuple[int, list[int], int]], budget: int, max_num_seqs: int, spare_blocks: int, chunked: bool,
+    prefill_cap: int | None,
 ) -> None:
     # Budgets of a few tokens put the edge cases (one token left, a chunk exactly the rest) in most
     # steps; run_engine's check_budget_used looks at every step.
@@ -246,11 +268,41 @@ def test_small_budgets_are_used_to_the_last_token(
     requests = [Request(a, p, m) for a, p, m in reqs]
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
     sched = make(-(-longest // 2) + spare_blocks, 2, True, max_num_seqs=max_num_seqs,
-                 max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+                 max_num_batched_tokens=budget, enable_chunked_prefill=chunked, max_prefill_tokens=prefill_cap)
     check_outputs(sched, requests, run_engine(sched, requests))
 
 
 # ---- policy examples -----------------------------------------------------------------------
+
+
+def test_prefill_cap_staggers_a_burst_of_prompts_and_decodes_ride_along() -> None:
+    # four 8-token prompts at once, a 64-token step budget but 12 prompt tokens a step: the first
+    # prompt streams after one step instead of all four after one big step
+    sched = make(64, 4, False, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens=12)
+    seqs = [Sequence(str(i), list(range(1 + 10 * i, 9 + 10 * i)), SimpleNamespace(max_tokens=99)) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    plan = []
+    for _ in range(4):
+        out = sched.schedule()
+        plan.append([(item.seq.request_id, item.num_new_tokens, item.produces_token) for item in out.scheduled])
+        run_step(sched, out)
+    assert plan == [
+        [("0", 8, True), ("1", 4, False)],                   # 12 prompt tokens: 1's prompt is split
+        [("0", 1, True), ("1", 4, True), ("2", 8, True)],    # 0's decode does not count against the 12
+        [("0", 1, True), ("1", 1, True), ("2", 1, True), ("3", 8, True)],
+        [("0", 1, True), ("1", 1, True), ("2", 1, True), ("3", 1, True)],
+    ]
+    # without the cap all four prompts share the first step
+    sched = make(64, 4, False, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(4):
+        sched.add(Sequence(str(i), list(range(1 + 10 * i, 9 + 10 * i)), SimpleNamespace(max_tokens=99)))
+    assert [item.num_new_tokens for item in sched.schedule().scheduled] == [8, 8, 8, 8]
+
+
+def test_prefill_cap_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        make(max_prefill_tokens=0)
 
 
 def run_step(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[Sequence]:
