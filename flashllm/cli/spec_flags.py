@@ -11,7 +11,8 @@ from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, speculative_fla
 SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculate_method": (("--speculate_method",), str,
                          f"speculative decoding: {' | '.join(SPECULATE_METHODS)} (inference_with_reference is the "
-                         "n-gram lookup in the prompt and output; draft_model needs --speculative-model)"),
+                         "n-gram lookup in the prompt and output; draft_model needs --speculative-model; mtp drafts with a "
+                         "DeepSeek-V3 checkpoint's own next-token-prediction layer)"),
     "speculate_max_draft_token_num": (("--speculate_max_draft_token_num", "--num_speculative_tokens"), int,
                                       f"tokens drafted per sequence and round, 1..{MAX_DRAFT_TOKENS} (default 4)"),
     "speculate_max_ngram_size": (("--speculate_max_ngram_size",), int,

@@ -41,6 +41,8 @@ class ModelInput:
     # SamplingParams.prompt_logprobs: (sequence, first token row, first position, rows) per chunk holding
     # prompt positions whose next prompt token gets its logprob (flashllm.core.prompt_logprobs)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] | None = None
+    # the seq_id of each entry of cu_seqlens_q (a drafted decode has 1 + k entries): what hidden_sink reads
+    seq_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class _FlatBatch:
     block_tables: list[list[int]] = field(default_factory=list)
     sampling_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
 
 
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
@@ -122,6 +125,9 @@ class ModelRunner:
         self.on_inputs: Callable[[ModelInput], None] | None = None
         self.block_size = block_size
         self.lora: Any = None  # a flashllm.lora LoRAManager when multi-LoRA is on: prepare() sets each step's slots
+        # called with each step's inputs and the model's (T, hidden) output before the head: a proposer that
+        # drafts from the target's hidden states (core/spec/mtp.py); set, it keeps steps off device graphs
+        self.hidden_sink: Callable[[ModelInput, torch.Tensor], None] | None = None
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
 
     @classmethod
@@ -218,6 +224,7 @@ class ModelRunner:
             logits_indices=self._tensor(flat.sampling_rows, torch.int64),
             num_logits=num_logits,
             prompt_logprobs=flat.prompt_logprobs or None,
+            seq_ids=flat.seq_ids,
         )
 
     def _flatten(self, batch: SchedulerOutput) -> _FlatBatch:
@@ -228,6 +235,7 @@ class ModelRunner:
             table = seq.block_table
             if item.draft_token_ids:
                 self._flatten_drafted(flat, item.seq.token_ids[start], item.draft_token_ids, start, table)
+                flat.seq_ids.extend([seq.seq_id] * (1 + len(item.draft_token_ids)))
                 continue
             end = start + item.num_new_tokens
             flat.input_ids.extend(seq.token_ids[start:end])
@@ -235,6 +243,7 @@ class ModelRunner:
             flat.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             flat.prompt_logprobs.extend(prompt_logprob_rows(seq, len(flat.input_ids) - (end - start), start, end))
             flat.q_lens.append(item.num_new_tokens)
+            flat.seq_ids.append(seq.seq_id)
             flat.seq_lens.append(end)
             flat.block_tables.append(table)
             if item.produces_token:
@@ -276,7 +285,7 @@ class ModelRunner:
     def _replay(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """The step's logits from a captured graph, or None when it is not a decode step a graph holds."""
         graphs = self.graphs
-        if graphs is None or not all(item.num_new_tokens == 1 and item.produces_token for item in batch.scheduled):
+        if graphs is None or self.hidden_sink is not None or not all(item.num_new_tokens == 1 and item.produces_token for item in batch.scheduled):
             return None
         flat = self._flatten(batch)
         if not graphs.fits(len(flat.q_lens), max(len(t) for t in flat.block_tables)):
@@ -311,6 +320,8 @@ class ModelRunner:
 
     def _execute(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
         hidden = self._forward(inputs)
+        if self.hidden_sink is not None:
+            self.hidden_sink(inputs, hidden)
         if inputs.prompt_logprobs:
             record_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
         if inputs.logits_indices.numel() == 0:

@@ -151,7 +151,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     The paged cache holds ONE tensor per layer, (num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim):
     the normalized latent and the rotated shared key of each token (kv_caches_per_layer = 1). Block-FP8
     weights (e4m3 `weight` + `weight_scale_inv` per block) are dequantized at load; the checkpoint's
-    next-token-prediction layers (model.layers.{num_hidden_layers}.., V3's MTP) are skipped.
+    next-token-prediction layers (model.layers.{num_hidden_layers}.., V3's MTP) are skipped here
+    (models/deepseek_mtp.py loads them as a speculative proposer).
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -217,12 +218,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         stream = self._decoder_tensors(weights)
         if self.config.fp8_block is not None:
             stream = dequantize_block_fp8(stream, self.config.fp8_block)
-        loaded = super().load_weights(stream)
-        for name, module in self.named_modules():
-            if isinstance(module, FusedMoE):
-                loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
-                loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
-        return loaded
+        return with_fused_experts(self, super().load_weights(stream))
 
     def _decoder_tensors(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         skipped = 0
@@ -233,7 +229,8 @@ class DeepseekV2ForCausalLM(CausalLM):
                 continue
             yield name, tensor
         if skipped:
-            logger.info("skipped %d tensors of layers past num_hidden_layers (MTP heads; not used yet)", skipped)
+            logger.info("skipped %d tensors of layers past num_hidden_layers (MTP layers: loaded by "
+                        "--speculate_method mtp, models/deepseek_mtp.py)", skipped)
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): expert tensors first, then packed projections."""
@@ -243,6 +240,16 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 / R1: V2's MLA with sigmoid routing, e_score_correction_bias and optional neox RoPE."""
+
+
+def with_fused_experts(model: nn.Module, loaded: set[str]) -> set[str]:
+    """The loaded parameter names, each FusedMoE's stacked w13 / w2 counted only once every expert's
+    projections arrived (CausalLM.load_weights counts a parameter at its first shard)."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
+            loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
+    return loaded
 
 
 def dequantize_block_fp8(weights: Iterable[tuple[str, Tensor]], block: tuple[int, int]

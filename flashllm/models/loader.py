@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "checkpoint_quant_spec",
     "load_generation_config",
     "load_model",
+    "load_selected_weights",
     "resolve_dtype",
     "safetensors_files",
 ]
@@ -108,6 +109,29 @@ def load_model(
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval(), config
+
+
+def load_selected_weights(model: CausalLM, model_dir: str | Path, rename: Callable[[str], str | None],
+                          quant: WeightQuantSpec | None = None) -> None:
+    """Fill `model`, which holds part of a checkpoint (DeepSeek's MTP layers, models/deepseek_mtp.py), from the
+    directory's safetensors: rename(checkpoint name) gives the model's name for a tensor it holds, None for one
+    it does not (skipped unread). The checks and post-processing of load_model: ModelLoadError on a tensor of
+    the wrong shape or a parameter nothing loaded; quant as in load_model."""
+    files = safetensors_files(model_dir)
+    seen: set[str] = set()
+    tensors = ((local, tensor) for name, tensor in _iter_tensors(files, False, set())
+               if (local := rename(name)) is not None and not seen.add(local))
+    try:
+        loaded = model.load_weights(tensors)
+    finally:
+        tensors.close()
+    _check_complete(model, loaded, seen)
+    for module in model.modules():
+        if isinstance(module, (LinearBase, LMHead, FusedMoE)):
+            module.process_weights_after_loading(quant)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    model.eval()
 
 
 def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path, set[str] | None],

@@ -51,13 +51,13 @@ def raw_config(preset: str, **changes: Any) -> dict[str, Any]:
     return {"architectures": [architecture], "model_type": model_type, **BASE, **fields, **changes}
 
 
-def build_deepseek_model(out_dir: Path, preset: str, seed: int = 0) -> Path:
+def build_deepseek_model(out_dir: Path, preset: str, seed: int = 0, **changes: Any) -> Path:
     """Save a tiny random transformers DeepSeek model: weights N(0, 0.1) (norms 1 + that), the V3 correction
-    bias too, so routing and every MLA projection matter."""
+    bias too, so routing and every MLA projection matter. changes: config fields over the preset's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, architecture, fields = PRESETS[preset]
-    config = AutoConfig.for_model(model_type, architectures=[architecture], **BASE, **fields)
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **BASE, **{**fields, **changes})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -144,3 +144,49 @@ def deepseek_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], 
     yield "model.norm.weight", (h,), True
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (config.vocab_size, h), False
+
+
+def build_deepseek_mtp_model(out_dir: Path, preset: str = "v3", seed: int = 0, predictable: float | None = None
+                             ) -> Path:
+    """A tiny DeepSeek-V3 checkpoint laid out as V3 ships its multi-token-prediction (MTP) layer: the decoder
+    of `preset`, then model.layers.{N} (N = num_hidden_layers) holding a full decoder block (random, MoE when
+    N >= first_k_dense_replace) plus enorm, hnorm, eh_proj (hidden, 2 * hidden), shared_head.norm,
+    shared_head.head and its own embed_tokens; config.json says num_nextn_predict_layers = 1.
+
+    The MTP embedding and head are random, not copies of the model's, so using the wrong ones shows.
+    transformers builds the block (as layer N of an N + 1 layer model); it ignores the MTP tensors on load.
+
+    predictable (a factor in (0, 1)): a model whose MTP layer guesses right often, for engine tests that need
+    accepted drafts. Every block's output projections (o_proj, down_proj) are scaled by the factor, so the
+    next token depends mostly on the current one (a bigram model, with some context), and the MTP layer
+    maps the embedding of t_{i+1} through eh_proj = [I 0] to the model's own head: it predicts what the
+    model would say after t_{i+1}."""
+    from safetensors.torch import load_file, save_file
+
+    layers = PRESETS[preset][2]["num_hidden_layers"]
+    build_deepseek_model(out_dir, preset, seed, num_hidden_layers=layers + 1)
+    tensors = load_file(out_dir / "model.safetensors")
+    h, vocab = BASE["hidden_size"], BASE["vocab_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.layers.{layers}."
+    extra = {"enorm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
+             "hnorm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
+             "eh_proj.weight": INIT_STD * torch.randn(h, 2 * h, generator=gen),
+             "shared_head.norm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
+             "shared_head.head.weight": INIT_STD * torch.randn(vocab, h, generator=gen),
+             "embed_tokens.weight": INIT_STD * torch.randn(vocab, h, generator=gen)}
+    if predictable is not None:
+        for name in tensors:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = tensors[name] * predictable
+        eye = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+        extra.update({"enorm.weight": torch.ones(h), "eh_proj.weight": eye,
+                      "shared_head.norm.weight": tensors["model.norm.weight"].clone(),
+                      "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                      "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    tensors.update({prefix + name: tensor.to(tensors["model.norm.weight"].dtype) for name, tensor in extra.items()})
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir

@@ -23,6 +23,10 @@ def make_speculator(config: EngineConfig, parts: EngineParts, block_manager: Blo
     proposer: Proposer
     if spec.method in ("ngram", "inference_with_reference"):
         proposer = NgramDrafts(spec.max_ngram_size, spec.min_ngram_size)
+    elif spec.method == "mtp":
+        from flashllm.core.spec.mtp import MTPProposer
+
+        proposer = MTPProposer.build(config, parts, block_manager)
     else:
         from flashllm.core.spec.draft_model import DraftModelProposer
 

@@ -29,6 +29,7 @@ class _DraftView:
     sampling_params: Any = None
     num_prompt_tokens: int = 0
     lora_id: int = 0
+    seq_id: int = -1  # ModelInput.seq_ids: read by a hidden_sink only, which a draft runner has none of
 
 
 @dataclass(slots=True)

@@ -1,0 +1,193 @@
+"""DeepSeek-V3's multi-token prediction layer as proposer: drafts from the target's own final hidden states."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashllm.config import EngineConfig
+from flashllm.core.block_manager import BlockManager
+from flashllm.core.builder import EngineParts
+from flashllm.core.model_runner import ModelInput, ModelRunner
+from flashllm.core.sequence import Sequence
+from flashllm.ops.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One sequence's target hidden states the MTP layer has not consumed: rows for positions base, base + 1, ...
+    The MTP layer's cache holds valid entries (computed from the target's hidden states) below `base`."""
+
+    base: int
+    chunks: list[Tensor] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, first: int, hidden: Tensor) -> None:
+        """The target computed positions first.. (hidden (n, H)): they replace what was recorded from there on."""
+        end = self.base + self.count
+        if first < self.base or first > end:
+            # recomputed from an earlier position (preemption), or positions ran where nothing was recorded
+            # (a multi-step burst): the MTP layer resumes at `first`; its entries in between keep older values,
+            # which can lower acceptance but never change a verified token
+            self.base, self.chunks, self.count = first, [], 0
+        elif first < end:  # rows of rejected drafts: the target scored these positions again
+            self.chunks, self.count = [torch.cat(self.chunks)[: first - self.base]], first - self.base
+        self.chunks.append(hidden)
+        self.count += hidden.shape[0]
+
+    def take(self, end: int) -> Tensor:
+        """Rows for positions base..end - 1 (the caller checked they are here); afterwards base = end."""
+        rows = torch.cat(self.chunks)[: end - self.base] if len(self.chunks) != 1 else self.chunks[0][: end - self.base]
+        self.base, self.chunks, self.count = end, [], 0
+        return rows
+
+
+class MTPProposer:
+    """Drafts greedily with the checkpoint's MTP layer, reused for every draft after the first.
+
+    The target runner hands over each step's final hidden states (ModelRunner.hidden_sink). A round for a
+    sequence of tokens t_0..t_n (t_n not yet run by the target) first runs the MTP layer over every position
+    i < n it has not run, from (h_i, t_{i+1}); its output at n - 1 gives draft d_1 (for t_{n+1}). Each further
+    draft d_j runs the layer once more at position n + j - 2 from (its previous output, d_{j-1}), the output
+    standing in for the target's hidden state. Those entries are scratch: the next round recomputes from
+    the target's own hidden states. The layer's latent cache has as many blocks as the target's and is
+    indexed by the target's block tables, so no block bookkeeping of its own. Drafts only change how many
+    tokens a round yields, never which: the target verifies them all.
+    """
+
+    def __init__(self, mtp: Any, runner: ModelRunner, num_blocks: int, target_vocab_size: int) -> None:
+        self.mtp = mtp
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.target_vocab_size = target_vocab_size
+        dtype = next(mtp.parameters()).dtype
+        _, heads, width = mtp.kv_cache_shape()
+        self.kv_caches = [(torch.zeros(num_blocks, self.block_size, heads, width, dtype=dtype, device=self.device),)]
+        self.adapter = runner.adapter
+        self._pending: dict[int, _Pending] = {}
+        runner.hidden_sink = self.record
+
+    @classmethod
+    def build(cls, config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> MTPProposer:
+        """Load the target checkpoint's MTP layer beside the target; ValueError (one line) when the model has
+        none or cannot share its hidden states (tensor parallelism)."""
+        from flashllm.models.deepseek_mtp import load_mtp
+        from flashllm.models.loader import checkpoint_quant_spec
+        from flashllm.quant.spec import weight_quant_spec
+
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("--speculate_method mtp runs on one rank for now: use --tensor-parallel-size 1")
+        if not hasattr(parts.model, "config") or getattr(parts.model.config, "latent_dim", None) is None:
+            raise ValueError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
+                             f"{parts.hf_config.architecture} has none (use ngram or draft_model)")
+        quant = checkpoint_quant_spec(parts.hf_config, weight_quant_spec(
+            config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
+        dtype = next(parts.model.parameters()).dtype
+        mtp = load_mtp(parts.model_dir, parts.model, parts.ops, dtype, parts.runner.device, quant)
+        mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
+        proposer = cls(mtp, parts.runner, block_manager.num_total_blocks, parts.hf_config.vocab_size)
+        weights = sum(p.numel() * p.element_size() for p in mtp.parameters())
+        cache = sum(t.numel() * t.element_size() for layer in proposer.kv_caches for t in layer)
+        logger.info("MTP layer of %s: %.1f MiB of weights, a latent cache of %.1f MiB beside the target's",
+                    parts.model_dir, weights / 2**20, cache / 2**20)
+        return proposer
+
+    def record(self, inputs: ModelInput, hidden: Tensor) -> None:
+        """The target's step: keep each sequence's final hidden states (hidden (T, H)) by position."""
+        seq_ids = inputs.seq_ids
+        if not seq_ids:
+            return
+        bounds = inputs.attn_metadata.cu_seqlens_q[: len(seq_ids) + 1].tolist()
+        starts = inputs.positions[bounds[:-1]].tolist()
+        entry = 0
+        while entry < len(seq_ids):
+            last = entry  # a drafted decode comes as consecutive one-token entries of one sequence
+            while last + 1 < len(seq_ids) and seq_ids[last + 1] == seq_ids[entry]:
+                last += 1
+            rows = hidden[bounds[entry]:bounds[last + 1]].clone()  # the runner may reuse its output buffer
+            pending = self._pending.get(seq_ids[entry])
+            if pending is None:
+                # a prefix-cache hit starts past 0: the hit's MTP entries are the ones its writer left
+                pending = self._pending[seq_ids[entry]] = _Pending(starts[entry])
+            pending.add(starts[entry], rows)
+            entry = last + 1
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] greedy drafts for each sequence (block tables covering num_tokens - 1 + limits[i]
+        positions); none for a sequence whose latest hidden state the target did not hand over."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        ready, rows, hidden = [], [], []
+        for i, seq in enumerate(seqs):
+            last = seq.num_tokens - 1  # t_last has no target hidden state yet; h_{last-1} drafts t_{last+1}
+            pending = self._pending.get(seq.seq_id)
+            if pending is None or not pending.base < last <= pending.base + pending.count:
+                if pending is not None:
+                    pending.base, pending.chunks, pending.count = last, [], 0
+                continue
+            start = pending.base
+            ready.append(i)
+            rows.append((seq, start, last))
+            hidden.append(pending.take(last))
+        if not ready:
+            return drafts
+        with self.adapter.inference_mode():
+            # catch up: positions start..last-1 from (h_p, t_{p+1}); the output at last - 1 drafts t_{last+1}
+            ids = [t for seq, start, last in rows for t in seq.token_ids[start + 1:last + 1]]
+            positions = [p for _, start, last in rows for p in range(start, last)]
+            out = self._run(ids, positions, torch.cat(hidden), [seq for seq, _, _ in rows],
+                            [last - start for _, start, last in rows], [last for _, _, last in rows])
+            ends = list(accumulate(last - start for _, start, last in rows))
+            states = out[torch.tensor(ends, device=out.device) - 1]
+            tokens = self._greedy(states)
+            active = list(range(len(ready)))
+            for step in range(1, max(limits[i] for i in ready) + 1):
+                for n, token in zip(active, tokens, strict=True):
+                    drafts[ready[n]].append(token)
+                keep = [k for k, n in enumerate(active) if len(drafts[ready[n]]) < limits[ready[n]]]
+                if not keep:
+                    break
+                active = [active[k] for k in keep]
+                # draft step + 1: position last + step - 1 from (the layer's previous output, the latest draft)
+                states = states[torch.tensor(keep, device=states.device)] if len(keep) != len(states) else states
+                seqs_now = [rows[n][0] for n in active]
+                positions = [rows[n][2] + step - 1 for n in active]
+                states = self._run([drafts[ready[n]][-1] for n in active], positions, states, seqs_now,
+                                   [1] * len(active), [p + 1 for p in positions])
+                tokens = self._greedy(states)
+        return [[t for t in draft if t < self.target_vocab_size] for draft in drafts]
+
+    def _run(self, ids: list[int], positions: list[int], hidden: Tensor, seqs: list[Sequence], q_lens: list[int],
+             seq_lens: list[int]) -> Tensor:
+        """One forward of the MTP layer over a flat batch: each sequence's q_lens[i] tokens end at context
+        length seq_lens[i]; K/V go to the sequence's slots in the target's block tables."""
+        bs = self.block_size
+        tables = [seq.block_table for seq in seqs]
+        slots = []
+        row = 0
+        for table, q_len in zip(tables, q_lens, strict=True):
+            slots.extend(table[p // bs] * bs + p % bs for p in positions[row:row + q_len])
+            row += q_len
+        width = max(len(t) for t in tables)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+        return self.mtp(torch.tensor(ids, dtype=torch.int64, device=device),
+                        torch.tensor(positions, dtype=torch.int64, device=device), self.kv_caches, metadata,
+                        previous_hidden=hidden)
+
+    def _greedy(self, states: Tensor) -> list[int]:
+        return self.mtp.compute_logits(states).float().argmax(dim=-1).tolist()
+
+    def forget(self, seq: Sequence) -> None:
+        self._pending.pop(seq.seq_id, None)

@@ -1,0 +1,182 @@
+"""DeepSeek-V3 MTP speculation: the proposer's drafts against an independent reference of the MTP forward (plain
+torch around transformers' own decoder layer, recomputed over the whole sequence every time), greedy tokens equal
+to plain decoding under preemption and prefix caching, acceptance in the stats, bad setups refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashllm.config import SpeculativeConfig
+from flashllm.llm import LLM
+from flashllm.sampling_params import SamplingParams
+from flashllm.testing.deepseek import PRESETS, build_deepseek_model, build_deepseek_mtp_model
+
+BLOCK = 16
+LAYERS = PRESETS["v3"][2]["num_hidden_layers"]
+# the predictable model's output projections scale: about half the drafts accepted (measured 0.57 with k = 3)
+PREDICTABLE = 0.03
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {"random": build_deepseek_mtp_model(tmp_path_factory.mktemp("mtp_random"), "v3", seed=5),
+            "predictable": build_deepseek_mtp_model(tmp_path_factory.mktemp("mtp_pred"), "v3", seed=5,
+                                                    predictable=PREDICTABLE)}
+
+
+class ReferenceMTP:
+    """The MTP forward written from the DeepSeek-V3 report, without any cache: the target's final hidden states
+    from transformers' DeepseekV3 (last_hidden_state, after the final norm), then
+    o = block(eh_proj([rmsnorm(emb(t_{i+1})) * enorm ; rmsnorm(h_i) * hnorm])) over every position at once,
+    with transformers' own decoder layer as the block (layer N of an N + 1 layer model) and a causal mask,
+    logits = shared_head.head(rmsnorm(o) * shared_head.norm). Draft j + 1 appends (o at the last position,
+    draft j) and recomputes everything."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        grown = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, num_hidden_layers=LAYERS + 1,
+                                                     attn_implementation="eager").eval()
+        self.block, self.rotary = grown.model.layers[LAYERS], grown.model.rotary_emb
+        prefix = f"model.layers.{LAYERS}."
+        self.w = {k[len(prefix):]: v.float() for k, v in load_file(model_dir / "model.safetensors").items()
+                  if k.startswith(prefix)}
+        self.eps = self.target.config.rms_norm_eps
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    @torch.inference_mode()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        w = self.w
+        hidden = self.target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # h_0 .. h_{n-1}
+        inputs = list(tokens[1:])  # t_1 .. t_n
+        out: list[int] = []
+        for _ in range(k):
+            x = torch.cat((self._norm(w["embed_tokens.weight"][torch.tensor(inputs)], w["enorm.weight"]),
+                           self._norm(hidden, w["hnorm.weight"])), dim=-1) @ w["eh_proj.weight"].T
+            n = x.shape[0]
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            o = self.block(x[None], attention_mask=mask, position_ids=positions,
+                           position_embeddings=self.rotary(x[None], positions))[0]
+            logits = self._norm(o[-1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+            out.append(int(logits.argmax()))
+            inputs.append(out[-1])
+            hidden = torch.cat((hidden, o[-1:]))
+        return out
+
+
+def _requests(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(1, 90))] for _ in range(count)]
+
+
+def _llm(model_dir: Path, backend: str, spec: SpeculativeConfig | None, **kwargs) -> LLM:
+    options = {"block_size": BLOCK, "num_kv_blocks": 96, "max_num_seqs": 16, "max_num_batched_tokens": 128,
+               "max_model_len": 256, **kwargs}
+    return LLM(str(model_dir), backend=backend, dtype="float32", speculative_config=spec, **options)
+
+
+def _spy(llm: LLM) -> list[tuple[list[int], int, list[int]]]:
+    """Record every proposer call: (the sequence's tokens, its draft limit, the drafts)."""
+    proposer = llm.engine.speculator.proposer
+    calls: list[tuple[list[int], int, list[int]]] = []
+    propose = proposer.propose
+
+    def spy(seqs, limits):
+        drafts = propose(seqs, limits)
+        calls.extend((list(seq.token_ids), limit, list(draft))
+                     for seq, limit, draft in zip(seqs, limits, drafts, strict=True))
+        return drafts
+
+    proposer.propose = spy
+    return calls
+
+
+@pytest.mark.parametrize(("which", "guard"), [("random", 0.25), ("predictable", 0.0)])
+def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: float) -> None:
+    """Every round's drafts (k = 3) equal the reference's from the same tokens: the catch-up over chunked prompts,
+    over accepted drafts (predictable model) and over the rounds the guard paused drafting for (random model,
+    nothing accepted), the MTP layer's own embedding and head (random model: they differ from the target's),
+    its reuse for drafts 2 and 3."""
+    model_dir = mtp_dirs[which]
+    llm = _llm(model_dir, "cpu", SpeculativeConfig(method="mtp", num_speculative_tokens=3, min_acceptance=guard),
+               max_num_batched_tokens=48)  # prompts over 48 tokens prefill in chunks
+    calls = _spy(llm)
+    prompts = _requests(6, seed=11)
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
+    reference = ReferenceMTP(model_dir)
+    for tokens, limit, drafts in calls[::3]:
+        assert drafts == reference.drafts(tokens, limit), f"after {len(tokens)} tokens"
+    stats = llm.engine.speculator.stats
+    if which == "predictable":
+        assert 0 < stats.num_accepted < stats.num_drafted, stats
+
+
+@pytest.mark.parametrize(("backend", "k", "count", "blocks"), [("cpu", 3, 16, 24), ("cpu", 1, 8, 96),
+                                                             ("reference", 4, 8, 96)])
+def test_greedy_tokens_equal_plain_decoding(mtp_dirs, backend: str, k: int, count: int, blocks: int) -> None:
+    """Under continuous batching, with preemption forced by a small cache (and prefix-cache hits from repeated
+    prompts), speculation with the MTP layer changes no token; acceptance lands in the speculator's stats."""
+    model_dir = mtp_dirs["predictable"]
+    prompts = _requests(count, seed=3)
+    prompts += [list(p) for p in prompts[: count // 4]]  # the same prompts again: prefix-cache hits
+    rng = random.Random(4)
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
+    plain = [o.outputs[0].token_ids for o in _llm(model_dir, backend, None, **options).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(model_dir, backend, SpeculativeConfig(method="mtp", num_speculative_tokens=k), **options)
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.speculator.stats
+    assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
+    assert 0.0 < stats.acceptance_rate < 1.0 and stats.mean_accepted_length > 1.0
+    if blocks < 96:
+        assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
+    assert spec == plain
+
+
+def test_models_without_mtp_layers_are_refused(tmp_path: Path, mtp_dirs) -> None:
+    plain_v3 = build_deepseek_model(tmp_path / "v3", "v3", seed=1)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        _llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
+    config = json.loads((plain_v3 / "config.json").read_text())
+    (plain_v3 / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(ValueError, match=f"no model.layers.{LAYERS}.eh_proj.weight"):
+        _llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
+    from flashllm.testing.tiny_models import build_tiny_model
+
+    llama = build_tiny_model(tmp_path / "llama", "llama", seed=1, tokenizer=False)
+    with pytest.raises(ValueError, match="needs a DeepSeek-V3 model with MTP layers"):
+        _llm(llama, "cpu", SpeculativeConfig(method="mtp"))
+
+
+def test_pending_hidden_states_follow_what_the_target_recomputed() -> None:
+    """The per-sequence record of target hidden states: rows of rejected drafts are replaced when the target
+    scores those positions again, a recompute from an earlier position (preemption) or a gap (steps that
+    handed nothing over) restarts the record there."""
+    from flashllm.core.spec.mtp import _Pending
+
+    def rows(first: int, n: int, tag: float) -> torch.Tensor:
+        return torch.stack([torch.tensor([float(first + i), tag]) for i in range(n)])
+
+    pending = _Pending(0)
+    pending.add(0, rows(0, 5, 0.0))      # a prompt
+    pending.add(5, rows(5, 4, 1.0))      # a verify round: t_5 and drafts at 6, 7, 8
+    pending.add(7, rows(7, 1, 2.0))      # only 6 was accepted: the next step scores position 7 again
+    taken = pending.take(8)
+    assert taken[:, 0].tolist() == list(range(8)) and taken[:, 1].tolist() == [0.0] * 5 + [1.0, 1.0, 2.0]
+    assert (pending.base, pending.count) == (8, 0)
+    pending.add(3, rows(3, 6, 3.0))      # preempted: recomputed from position 3
+    assert (pending.base, pending.count) == (3, 6)
+    pending.add(20, rows(20, 1, 4.0))    # positions 9..19 ran without handing their states over
+    assert (pending.base, pending.count) == (20, 1) and pending.take(21)[:, 1].tolist() == [4.0]
