@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install gguf"
 # Bump when the written file changes for the same weights, so cached GGUFs are rebuilt.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # 2: the pre-tokenizer of the tokenizer transformers loads
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANT_BLOCK = 32  # Q8_0 packs rows in blocks of 32 values
 
@@ -355,7 +355,8 @@ def read_bpe_vocab(model_dir: Path, config: Any, gguf: Any) -> BPEVocab:
     add_bos = tokenizer_config.get("add_bos_token")
     if add_bos is None:
         add_bos = _template_adds_special_first(data.get("post_processor"))
-    return BPEVocab([t for t in tokens if t is not None], types, merges, _pre_tokenizer_name(data.get("pre_tokenizer")),
+    pre = _pre_tokenizer_name(_loaded_pre_tokenizer(model_dir) or data.get("pre_tokenizer"))
+    return BPEVocab([t for t in tokens if t is not None], types, merges, pre,
                     _first_id(config.bos_token_id), _first_id(config.eos_token_id), bool(add_bos))
 
 
@@ -364,6 +365,20 @@ def _place(tokens: list[str | None], token_id: int, text: str, path: Path) -> No
         raise GGUFExportError(f"{path}: token {text!r} has id {token_id} but the model's embedding has "
                               f"{len(tokens)} rows; the tokenizer does not belong to this model")
     tokens[token_id] = text
+
+
+def _loaded_pre_tokenizer(model_dir: Path) -> dict[str, Any] | None:
+    """The pre-tokenizer of the tokenizer flashllm loads (transformers), which can differ from tokenizer.json's:
+    transformers 5 builds a Qwen2 model's tokenizer with Qwen2's split pattern (digits one by one) whatever
+    tokenizer.json says. None where transformers cannot load it."""
+    try:
+        from flashllm.models.tokenizer import load_tokenizer
+
+        backend = load_tokenizer(model_dir).backend_tokenizer
+        return json.loads(backend.to_str()).get("pre_tokenizer")
+    except Exception:  # noqa: BLE001 - any failure falls back to tokenizer.json's own pre-tokenizer
+        logger.debug("could not load the tokenizer of %s through transformers", model_dir, exc_info=True)
+        return None
 
 
 def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
