@@ -158,10 +158,13 @@ def ui(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def baselines(session: nox.Session) -> None:
-    """The lm-eval adapter and the llama.cpp baseline (llama-cpp-python builds llama.cpp: minutes)."""
-    _install(session, "test,bench,lm-eval,llamacpp")
+    """The lm-eval adapter and the llama.cpp baselines: llama-cpp-python (batch-1 latency; pip builds llama.cpp)
+    and llama.cpp's own llama-server (serving and throughput), found via $FLASHLLM_LLAMA_SERVER or PATH or else
+    built from the source llama-cpp-python vendors (python -m flashllm.bench.llamacpp_build; tens of minutes)."""
+    _install(session, "test,serve,bench,lm-eval,llamacpp")
+    session.run("python", "-m", "flashllm.bench.llamacpp_build", "--if-missing")
     session.run("pytest", "-q", "tests/e2e/test_lm_eval_adapter.py", "tests/e2e/test_gguf_export.py",
-                "tests/e2e/test_bench_llamacpp.py", *session.posargs)
+                "tests/e2e/test_bench_llamacpp.py", "tests/e2e/test_bench_llama_server.py", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -1,7 +1,8 @@
 """llama.cpp's llama-server as the serving baseline: its answers on an exported GGUF agree with transformers,
 and `bench serve | throughput --baseline llama.cpp` start it and read its OpenAI answers (the `baselines` session).
 
-Skipped where no llama-server is found ($FLASHLLM_LLAMA_SERVER, PATH, or `python -m flashllm.bench.llamacpp_build`).
+Skipped where no llama-server is found ($FLASHLLM_LLAMA_SERVER, PATH, or `python -m flashllm.bench.llamacpp_build`);
+marked slow, so `nox -s baselines` (and `nox -s slow`) run it and the default run leaves it out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _binary() -> Path | None:
 
 BINARY = _binary()
 pytestmark = [
+    pytest.mark.slow,  # about 40 s of servers: the `baselines` session runs it, the default run does not
     pytest.mark.skipif(BINARY is None, reason="no llama-server ($FLASHLLM_LLAMA_SERVER, PATH, or "
                                               "python -m flashllm.bench.llamacpp_build)"),
     pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed; pip install gguf"),

@@ -187,3 +187,46 @@ def test_baseline_refuses_url_and_missing_weights(tmp_path: Path, monkeypatch: p
         assert main(["bench", mode, "--model", str(tmp_path / "m"), "--baseline", "llama.cpp"]) == 2
         err = capsys.readouterr().err.strip()
         assert "no-llama-server" in err and "not an executable file" in err and "\n" not in err
+
+
+# ---------------------------------------------------------------- the build helper, without building
+
+
+def test_build_helper_downloads_the_sdist_and_builds_only_llama_server(tmp_path: Path) -> None:
+    from flashllm.bench.llamacpp_build import build_command, configure_command, download_command
+
+    download = download_command(tmp_path, "0.3.36")
+    assert download[1:4] == ["-m", "pip", "download"] and download[-1] == "llama-cpp-python==0.3.36"
+    assert _flag(download, "--no-binary") == ":all:" and "--no-deps" in download  # source only, nothing else
+    configure = configure_command(tmp_path / "src", tmp_path / "build")
+    assert "-DBUILD_SHARED_LIBS=OFF" in configure and "-DLLAMA_CURL=OFF" in configure
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in configure  # nothing fetched while building
+    assert build_command(tmp_path / "build", 2)[-4:] == ["--target", "llama-server", "--parallel", "2"]
+
+
+def _sdist(path: Path, members: dict[str, bytes]) -> Path:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_unpack_finds_the_vendored_source_and_refuses_escapes(tmp_path: Path) -> None:
+    import tarfile
+
+    from flashllm.bench.llamacpp_build import BuildError, unpack_vendored_source
+
+    good = _sdist(tmp_path / "good.tar.gz", {"llama_cpp_python-1/vendor/llama.cpp/CMakeLists.txt": b"project(x)"})
+    assert unpack_vendored_source(good, tmp_path / "a") == tmp_path / "a/llama_cpp_python-1/vendor/llama.cpp"
+    empty = _sdist(tmp_path / "empty.tar.gz", {"llama_cpp_python-1/setup.py": b""})
+    with pytest.raises(BuildError, match="no vendor/llama.cpp"):
+        unpack_vendored_source(empty, tmp_path / "b")
+    evil = _sdist(tmp_path / "evil.tar.gz", {"../escaped.txt": b"x"})
+    with pytest.raises(tarfile.FilterError):
+        unpack_vendored_source(evil, tmp_path / "c" / "d")
+    assert not (tmp_path / "c" / "escaped.txt").exists()
