@@ -102,8 +102,7 @@ def _add_tensor(writer: Any, gguf: Any, name: str, array: np.ndarray, qtype: str
     elif qtype == "F16":
         writer.add_tensor(name, array.astype(np.float16))
     else:
-        kind = gguf.GGMLQuantizationType[qtype]
-        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
+        writer.add_tensor(name, quantize_rows(array, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
 
 
 def _add_value(writer: Any, key: str, value: Any) -> None:
@@ -149,3 +148,63 @@ def add_bpe_vocab(writer: Any, model_dir: Path, rows: int, pre: str = "gpt-2") -
     source = template.read_text() if template.is_file() else config.get("chat_template")
     if isinstance(source, str):
         writer.add_chat_template(source)
+
+
+def quantize_rows(rows: np.ndarray, qtype: str) -> np.ndarray:
+    """(N, K) fp32 rows as GGUF blocks of `qtype`, uint8 (N, row bytes): the gguf package's quantizer
+    where it has one, else this module's plain Q4_K / Q6_K ones (the gguf package has none for them)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if qtype == "Q4_K":
+        return _q4_k(rows)
+    if qtype == "Q6_K":
+        return _q6_k(rows)
+    return gguf.quants.quantize(rows, kind)
+
+
+def _half(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16)
+
+
+def _q4_k(rows: np.ndarray) -> np.ndarray:
+    """Q4_K: per 256 features fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and minimum codes,
+    4-bit codes; W = d * sc * q - dmin * m (the block layout of ggml's block_q4_K)."""
+    n, k = rows.shape
+    x = rows.reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)                       # (B, 8) <= 0
+    step = (x.max(-1) - low) / 15.0
+    d = _half(step.max(-1) / 63.0).astype(np.float32)      # (B,)
+    dmin = _half(-low.min(-1) / 63.0).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(step / d[:, None]), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin[:, None] > 0, np.rint(-low / dmin[:, None]), 0).clip(0, 63).astype(np.uint8)
+        scale = d[:, None] * sc.astype(np.float32)
+        q = np.where(scale[..., None] > 0, np.rint((x + (dmin[:, None] * m)[..., None]) / scale[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)   # 32 bytes per 64 features: low nibbles first
+    packed = np.concatenate((
+        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)), axis=-1).astype(np.uint8)
+    heads = np.stack((_half(d), _half(dmin)), -1).view(np.uint8).reshape(-1, 4)
+    return np.concatenate((heads, packed, qs), axis=-1).reshape(n, -1)
+
+
+def _q6_k(rows: np.ndarray) -> np.ndarray:
+    """Q6_K: per 256 features 6-bit codes (low 4 bits in ql, high 2 in qh), 16 int8 scales of 16
+    features and an fp16 d; W = d * scale * (q - 32) (the block layout of ggml's block_q6_K)."""
+    n, k = rows.shape
+    x = rows.reshape(-1, 16, 16)
+    step = np.abs(x).max(-1) / 31.0                         # (B, 16)
+    d = _half(step.max(-1) / 127.0).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sub = np.where(d[:, None] > 0, np.rint(step / d[:, None]), 0).clip(-128, 127).astype(np.int8)
+        scale = d[:, None] * sub.astype(np.float32)
+        q = np.where(scale[..., None] > 0, np.rint(x / scale[..., None]), 0)
+    c = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)   # (B, half, quarter, 32)
+    low, high = c & 15, c >> 4
+    ql = np.stack((low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)), axis=2).reshape(-1, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    tail = np.concatenate((sub.view(np.uint8), _half(d).view(np.uint8).reshape(-1, 2)), axis=-1)
+    return np.concatenate((ql, qh, tail), axis=-1).reshape(n, -1)

