@@ -12,6 +12,7 @@ import pytest
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
+from flashllm.testing.tiny_moe import build_moe_model
 
 BLOCK = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -19,7 +20,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False) for p in ("llama", "qwen2")}
+    dirs = {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False) for p in ("llama", "qwen2")}
+    for preset in ("mixtral", "qwen2_moe"):  # experts chosen per token: drafts must not change which
+        dirs[preset] = build_moe_model(tmp_path_factory.mktemp(preset), preset, seed=3)
+    return dirs
 
 
 def _requests(count: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
@@ -56,7 +60,9 @@ def _check_greedy_parity(model_dir: Path, backend: str, count: int, num_kv_block
 
 
 @pytest.mark.parametrize(("preset", "backend", "count", "blocks"), [("llama", "cpu", 48, 96), ("qwen2", "cpu", 48, 96),
-                                                                    ("llama", "reference", 16, 32)])
+                                                                    ("llama", "reference", 16, 32),
+                                                                    ("mixtral", "cpu", 24, 64),
+                                                                    ("qwen2_moe", "reference", 12, 32)])
 def test_ngram_greedy_tokens_equal_plain_decoding_under_preemption(model_dirs, preset: str, backend: str,
                                                                    count: int, blocks: int) -> None:
     _check_greedy_parity(model_dirs[preset], backend, count, blocks)
@@ -64,7 +70,7 @@ def test_ngram_greedy_tokens_equal_plain_decoding_under_preemption(model_dirs, p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "mixtral", "qwen2_moe"])
 def test_ngram_greedy_parity_over_200_requests(model_dirs, preset: str, backend: str) -> None:
     _check_greedy_parity(model_dirs[preset], backend, 200)
 

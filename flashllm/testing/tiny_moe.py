@@ -1,0 +1,46 @@
+"""Tiny random-weight Mixtral and Qwen2-MoE checkpoints written by transformers, for tests of the MoE models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+INIT_STD = 0.1  # routing logits of order one: experts are chosen decisively, and a wrong one shows
+MOE_BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2}
+# preset -> (transformers model_type, architecture, config fields)
+MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("mixtral", "MixtralForCausalLM",
+                {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral_top1": ("mixtral", "MixtralForCausalLM",
+                     {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 1}),
+    # layers 1 and 5 sparse (decoder_sparse_step 2; layer 3 listed in mlp_only_layers), the rest dense;
+    # top-4 of 8 weights not renormalized, a shared expert beside them
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM",
+                  {"intermediate_size": 128, "num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 4,
+                   "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80, "decoder_sparse_step": 2,
+                   "mlp_only_layers": [3], "norm_topk_prob": False}),
+    "qwen2_moe_top2_renormalized": ("qwen2_moe", "Qwen2MoeForCausalLM",
+                                    {"intermediate_size": 128, "num_hidden_layers": 2, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 80, "norm_topk_prob": True}),
+}
+
+
+def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True) -> Path:
+    """Save a tiny random transformers MoE model; original_format=False keeps transformers 5's stacked experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, architecture, fields = MOE_PRESETS[preset]
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **MOE_BASE, **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen) * INIT_STD
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    model.save_pretrained(out_dir, save_original_format=original_format)
+    return out_dir
