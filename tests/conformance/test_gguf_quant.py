@@ -214,27 +214,3 @@ def test_cpu_gguf_int8_codes_meet_int8_activations_as_in_llama_cpp(monkeypatch) 
     assert own.gguf_type is None and not native.int8_activations(own)
     monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, "fp32")
     assert not native.int8_activations(weight)
-
-
-def test_cpu_gguf_prompts_of_any_length_take_the_int8_kernel(monkeypatch) -> None:
-    """A GGUF weight's prompt-sized product runs the native int8 kernel (not dequantize + GEMM), and
-    stays the reference's product on the rounded activations; flashllm's own w4a16 keeps the GEMM."""
-    from flashllm.backends.cpu import native
-    from flashllm.backends.cpu import quant as cpu_quant
-    from flashllm.quant import quantize_weight
-
-    if native.library() is None:
-        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
-    tokens = 3 * native.MAX_TOKENS + 5
-    rng = np.random.default_rng(11)
-    weight = weight_from_gguf(_random_blocks(rng, T.Q4_1, 40, 512, extreme=False), T.Q4_1, (40, 512))
-    assert cpu_quant.choose_path(weight, tokens, cpu_quant.PACKED_FAST) == "native"
-    own = quantize_weight(torch.randn(40, 512), "w4a16", 32)
-    assert cpu_quant.choose_path(own, tokens, cpu_quant.PACKED_FAST) != "native"
-    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(3))
-    xr = cpu_quant.rounded_inputs({"x": x, "weight": weight})["x"].double()
-    w = dequantize(weight).double()
-    bound = 512 / 16 * 2.0**-24 * (xr.abs() @ w.abs().T)
-    assert bool(((cpu_quant.quant_matmul(x, weight).double() - xr @ w.T).abs() <= bound).all())
-    monkeypatch.setenv(native.INT4_ACTIVATIONS_ENV, "fp32")  # exact activations: back to the dequantizing GEMM
-    assert cpu_quant.choose_path(weight, tokens, cpu_quant.PACKED_FAST) != "native"

@@ -204,13 +204,9 @@ def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
 def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
     """Whether int_linear takes this weight: w8a16/w4a16 in a decode batch, with groups of a multiple
     of 32 features (the exact fp32 kernels), or the layouts only the int8-activation kernels run
-    (GGUF's: offsets, groups of 16 or 32; see int8_activations). GGUF weights against int8
-    activations take prompts of any length too: for 128 tokens of a 4864 x 896 Q4_0 weight the
-    int8 kernel took 12 ms where dequantizing for a GEMM took 60 ms (2-core AVX-512 EPYC)."""
-    if weight.scheme not in ("w8a16", "w4a16") or num_tokens <= 0 or library() is None:
+    (GGUF's: offsets, groups of 16 or 32; see int8_activations)."""
+    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS or library() is None:
         return False
-    if num_tokens > MAX_TOKENS:
-        return weight.gguf_type is not None and int8_activations(weight)
     if int8_activations(weight):
         return True
     return weight.offsets is None and (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0
@@ -280,7 +276,7 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     n, groups = weight.out_features, weight.num_groups
     codes, scales, zeros = _layout(weight)
     out = torch.empty(tokens, n, dtype=torch.float32)
-    threads = threads_for(min(tokens, MAX_TOKENS), n, k)  # a GGUF prompt: at least a decode batch's work
+    threads = threads_for(tokens, n, k)
     if int8_activations(weight):
         offsets = offsets_layout(weight)
         offsets_ptr = None if offsets is None else _ptr(offsets)
