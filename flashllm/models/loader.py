@@ -101,14 +101,21 @@ def load_model(
         # and the file is unmapped before the error is reported, not at interpreter exit.
         tensors.close()
     _check_complete(model, loaded, seen)
+    _after_loading(model, quant, lambda m: finish_prequantized(m) or (gguf_weights is not None and gguf_weights.finish(m)))
+    return model.eval(), config
+
+
+def _after_loading(model: CausalLM, quant: WeightQuantSpec | None,
+                   finished: Callable[[Any], bool] = lambda module: False) -> None:
+    """Each module's post-load processing (quantizing linear weights per `quant`), except modules that
+    `finished(module)` reports it already prepared (prequantized or GGUF blocks)."""
     for module in model.modules():
-        if finish_prequantized(module) or (gguf_weights is not None and gguf_weights.finish(module)):
+        if finished(module):
             continue
         if isinstance(module, (LinearBase, LMHead, FusedMoE)):
             module.process_weights_after_loading(quant)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    return model.eval(), config
 
 
 def load_selected_weights(model: CausalLM, model_dir: str | Path, rename: Callable[[str], str | None],
@@ -126,11 +133,7 @@ def load_selected_weights(model: CausalLM, model_dir: str | Path, rename: Callab
     finally:
         tensors.close()
     _check_complete(model, loaded, seen)
-    for module in model.modules():
-        if isinstance(module, (LinearBase, LMHead, FusedMoE)):
-            module.process_weights_after_loading(quant)
-        elif hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+    _after_loading(model, quant)
     model.eval()
 
 
