@@ -31,7 +31,8 @@ def adapter_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 
 def run_lora_bench(args: argparse.Namespace) -> int:
-    """Rounds of (base, multi-LoRA[, merged]) engines over the same requests; medians and paired ratios."""
+    """Rounds of (base, multi-LoRA[, merged]) engines over the same requests, the order rotating from round
+    to round; medians and paired ratios."""
     from flashllm.bench.shapes import shape_model_dir
     from flashllm.lora import LoRARequest
     from flashllm.testing.tiny_lora import build_random_adapter
@@ -46,10 +47,14 @@ def run_lora_bench(args: argparse.Namespace) -> int:
                  for i in range(args.lora)]
         runs: dict[str, list[dict[str, Any]]] = {"base": [], "lora": [], **({"merged": []} if args.lora_merged else {})}
         requests: list[BenchRequest] = []
-        for _ in range(args.repeats):
-            for kind in runs:
+        kinds = list(runs)
+        for round_index in range(args.repeats):
+            # the order rotates from round to round, so no engine always runs first in the process (the
+            # first run meets a cold heap and page cache) or always right after a given other one
+            shift = round_index % len(kinds)
+            for position, kind in enumerate(kinds[shift:] + kinds[:shift]):
                 numbers, requests = _run(args, model_dir, kind, loras, requests)
-                runs[kind].append(numbers)
+                runs[kind].append({**numbers, "position_in_round": position})
     result: dict[str, Any] = {
         "mode": "throughput-lora", "model": str(model_dir), "shape": args.shape, "dtype": args.dtype,
         "num_requests": len(requests), "num_adapters": args.lora, "lora_rank": args.lora_rank,
