@@ -198,7 +198,12 @@ class LoRAManager:
 
 def check_allowed(path: str | Path, roots: Sequence[str | Path]) -> Path:
     """`path` resolved, when it lies inside one of `roots` (resolved); LoRAError otherwise."""
-    real = Path(path).resolve()
+    try:
+        real = Path(path).resolve()
+    except (ValueError, OSError, RuntimeError):  # a NUL byte, a symlink loop: a path the caller must fix
+        # (not quoting the error: a loop's message names where the links lead)
+        raise LoRAError(f"LoRA adapter path {str(path)[:200]!r} cannot be resolved (a NUL byte or a symlink "
+                        "loop?); give a plain directory path") from None
     if not any(real.is_relative_to(Path(root).resolve()) for root in roots):
         raise LoRAError(f"LoRA adapter path {path} is outside --allowed-lora-dir; put it there or list it "
                         "with --lora-modules")

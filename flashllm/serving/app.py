@@ -95,15 +95,7 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
             media_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
             if media_type.lower() != "application/json":  # media types are case-insensitive (RFC 9110)
                 raise APIError(415, "send the body as application/json", code="unsupported_media_type")
-            try:
-                body = await read_body(request, max_body_bytes)
-            except ClientDisconnect:
-                # routine on the internet and free to cause: one INFO line and a counter, no traceback
-                ctx.metrics.client_disconnect()
-                logger.info("client %s went away before sending the whole body of %s",
-                            _client(request), request.url.path[:100])
-                return Response(status_code=400)  # nobody is left to read it
-            return await handler(ctx, request, body)
+            return await handler(ctx, request, await read_body(request, max_body_bytes))
 
         app.add_api_route(path, endpoint, methods=["POST"])
 
@@ -134,7 +126,7 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    _install_error_handlers(app)
+    _install_error_handlers(app, ctx)
     keys = list(api_keys)
     if keys:
         app.add_middleware(APIKeyMiddleware, api_keys=keys)
@@ -145,7 +137,21 @@ def _client(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "unknown"
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _printable(text: str) -> str:
+    """`text` with control characters escaped: a path is echoed into replies and log lines, one line each."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # on any route that reads a body (the LoRA admin ones too): routine on the internet and free
+        # to cause, so one INFO line and a counter, never the traceback of the catch-all below
+        ctx.metrics.client_disconnect()
+        logger.info("client %s went away before sending the whole body of %s", _client(request),
+                    _printable(request.url.path[:100]))
+        return Response(status_code=400)  # nobody is left to read it
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> Response:
         return error_response(err)
@@ -154,8 +160,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # the path is echoed back, so control characters in it are escaped rather than returned raw
-        path = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in request.url.path[:200])
-        message = f"{request.method} {path}: {exc.detail}"
+        message = f"{request.method} {_printable(request.url.path[:200])}: {exc.detail}"
         return error_response(APIError(exc.status_code, message, kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)

@@ -312,16 +312,22 @@ def test_the_app_refuses_two_authorization_headers_even_when_one_is_valid(helper
             assert helpers.error_shape_problems(reply.json()) == []
 
 
-def test_a_mid_body_disconnect_is_one_info_line(caplog: pytest.LogCaptureFixture,
-                                                serving_checks: SimpleNamespace) -> None:
-    """The app alone, driven through ASGI: a body cut short by http.disconnect logs one INFO line and counts."""
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_a_mid_body_disconnect_is_one_info_line(caplog: pytest.LogCaptureFixture, serving_checks: SimpleNamespace,
+                                                path: str) -> None:
+    """The app alone, driven through ASGI: a body cut short by http.disconnect logs one INFO line and counts,
+    on the LoRA admin routes (serve --enable-lora) as on the API's."""
     from flashllm.serving.app import create_app
     from flashllm.serving.async_engine import EngineStats
+    from flashllm.serving.lora_api import LoRARoutes
     from flashllm.serving.metrics import ServerMetrics
 
     metrics = ServerMetrics("m", EngineStats)
-    app = create_app(SimpleNamespace(metrics=metrics))
-    messages = [{"type": "http.request", "body": b'{"prompt": "unfini', "more_body": True}, {"type": "http.disconnect"}]
+    ctx = SimpleNamespace(metrics=metrics, loras={}, model_name="m")
+    app = create_app(ctx, api_keys=["k"])  # type: ignore[arg-type]
+    LoRARoutes(ctx, admin_keys=True, allowed_dirs=["/nonexistent"]).install(app)  # type: ignore[arg-type]
+    messages = [{"type": "http.request", "body": b'{"lora_name": "a", "prompt": "unfini', "more_body": True},
+                {"type": "http.disconnect"}]
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -331,8 +337,9 @@ def test_a_mid_body_disconnect_is_one_info_line(caplog: pytest.LogCaptureFixture
         sent.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000"),
+                         (b"authorization", b"Bearer k")],
              "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 8000)}
     with caplog.at_level(logging.DEBUG):
         asyncio.run(app(scope, receive, send))
