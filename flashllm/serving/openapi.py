@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from flashllm.lora.manager import MAX_NAME_CHARS
+from flashllm.serving.lora_api import MAX_PATH_CHARS
 from flashllm.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{model}"
@@ -49,6 +51,17 @@ _POST_ERRORS = {"400": "invalid request", "404": "unknown model", "408": "reques
                 "413": "body too large", "415": "not application/json", "503": "busy, draining or failed"}
 
 
+# The LoRA admin routes (serve --enable-lora; serving/lora_api.py): 400 bad body, name taken or adapter
+# unreadable; 403 no --api-key, or a path outside --allowed-lora-dir; 404 unknown name; 409 still in use
+_ADMIN_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+_ADMIN_LOAD = {"type": "object", "required": ["lora_name", "lora_path"],
+               "properties": {"lora_name": _ADMIN_NAME,
+                              "lora_path": {"type": "string", "minLength": 1, "maxLength": MAX_PATH_CHARS}}}
+_ADMIN_UNLOAD = {"type": "object", "required": ["lora_name"], "properties": {"lora_name": _ADMIN_NAME}}
+_ADMIN_OK = {"type": "object", "required": ["status", "lora_name"],
+             "properties": {"status": {"const": "ok"}, "lora_name": {"type": "string"}}}
+
+
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -71,28 +84,44 @@ def _get(schema: dict[str, Any], summary: str, unavailable: bool = False) -> dic
     return {"get": {"summary": summary, "responses": responses}}
 
 
-def openapi_schema() -> dict[str, Any]:
+def _admin(request: dict[str, Any], errors: dict[str, str], summary: str) -> dict[str, Any]:
+    responses = {"200": _json(_ADMIN_OK, summary),
+                 **{code: _json({"$ref": "#/components/schemas/Error"}, text) for code, text in errors.items()}}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": request}}}, "responses": responses}}
+
+
+def openapi_schema(lora_admin: bool = False) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the routes create_app serves, request bodies from the pydantic models.
 
     The request schemas state each field's type and bounds; the server also refuses some schema-valid
     bodies with 400 (prompt plus max_tokens past the context, min_tokens above max_tokens, ...).
+    `lora_admin` adds the adapter load / unload routes of `serve --enable-lora`.
     """
     refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
                                     ref_template=_REF)
     schemas = {**defs.get("$defs", {}), "Error": _ERROR}
+    paths = {
+        "/v1/completions": _post(refs[(CompletionRequest, "validation")],
+                                 _completion("text_completion", _TEXT_CHOICE), "text completion"),
+        "/v1/chat/completions": _post(refs[(ChatCompletionRequest, "validation")],
+                                      _completion("chat.completion", _CHAT_CHOICE), "chat completion"),
+        "/v1/models": _get(_MODELS, "the served model"),
+        "/health": _get(_STATUS, "liveness", unavailable=True),
+        "/ready": _get(_STATUS, "readiness", unavailable=True),
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+            "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
+    if lora_admin:
+        paths["/v1/load_lora_adapter"] = _admin(_ADMIN_LOAD, {
+            "400": "bad body, name taken or adapter unreadable", "403": "no --api-key, or outside --allowed-lora-dir",
+            "413": "body too large"}, "load an adapter")
+        paths["/v1/unload_lora_adapter"] = _admin(_ADMIN_UNLOAD, {
+            "400": "bad body", "403": "no --api-key", "404": "no such adapter", "409": "requests still use it",
+            "413": "body too large"}, "unload an adapter")
     return {
         "openapi": "3.1.0",
         "info": {"title": "flashllm", "version": "1"},
-        "paths": {
-            "/v1/completions": _post(refs[(CompletionRequest, "validation")],
-                                     _completion("text_completion", _TEXT_CHOICE), "text completion"),
-            "/v1/chat/completions": _post(refs[(ChatCompletionRequest, "validation")],
-                                          _completion("chat.completion", _CHAT_CHOICE), "chat completion"),
-            "/v1/models": _get(_MODELS, "the served model"),
-            "/health": _get(_STATUS, "liveness", unavailable=True),
-            "/ready": _get(_STATUS, "readiness", unavailable=True),
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
-                "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        },
+        "paths": paths,
         "components": {"schemas": schemas},
     }

@@ -25,3 +25,22 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     model_dir: Path = build_tiny_model(tmp_path_factory.mktemp("fuzz-model"), "qwen2", seed=5)
     with running_server([str(model_dir), *SERVER_FLAGS]) as server:
         yield server
+
+
+ADMIN_KEY = "fuzz-admin-key"
+
+
+@pytest.fixture(scope="session")
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def lora_fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with the LoRA admin routes open to ADMIN_KEY, reading adapters only under an empty directory."""
+    root = tmp_path_factory.mktemp("fuzz-lora")
+    model_dir: Path = build_tiny_model(root / "model", "qwen2", seed=5)
+    (root / "adapters").mkdir()
+    flags = ["--enable-lora", "--api-key", ADMIN_KEY, "--allowed-lora-dir", str(root / "adapters")]
+    with running_server([str(model_dir), *SERVER_FLAGS, *flags]) as server:
+        yield server

@@ -174,6 +174,11 @@ def run(server: ServerProcess, busy_cores: None) -> SimpleNamespace:
     baseline, text = asyncio.run(alone())
     fast_s = time_limit(FAST_S)
     seen = asyncio.run(_load(server, SECONDS))
+    # the record of the run (docs/reliability.md quotes it; pytest -rA shows it)
+    print(f"{SECONDS:.0f} s: bursts {dict(seen.bursts)}, cut streams {dict(seen.cut)}, oversized "
+          f"{dict(seen.oversized)}, slow clients {dict(seen.slow)}, canary {dict(seen.canary_status)} p99 "
+          f"{_p99(seen.canary):.3f} s (alone {_p99(baseline):.3f} s), /health p99 {_p99(seen.health):.3f} s "
+          f"over {len(seen.health)}, slowest 503 {max(seen.refusal_s, default=0):.3f} s, fast bound {fast_s:.2f} s")
     return SimpleNamespace(baseline=baseline, text=text, fast_s=fast_s, seen=seen, ended=time.monotonic())
 
 
