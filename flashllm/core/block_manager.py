@@ -63,6 +63,10 @@ class BlockManager:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # blocks handed out since their memory was last released (take_released), and the freed ones
+        # among them that hold nothing worth keeping: what the runner may give back to the OS
+        self._resident: set[int] = set()
+        self._releasable: set[int] = set()
         self._num_queried_blocks = 0
         self._num_hit_blocks = 0
 
@@ -81,6 +85,11 @@ class BlockManager:
     def free_block_ids(self) -> tuple[int, ...]:
         """Free block ids in the order they will be handed out."""
         return tuple(self._free)
+
+    @property
+    def num_resident_blocks(self) -> int:
+        """Blocks handed out since their memory was last released: the KV memory a lazily backed cache holds."""
+        return len(self._resident)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -185,6 +194,7 @@ class BlockManager:
         for block in self.blocks:
             block.hash = None
         self._cached.clear()
+        self._releasable.update(b for b in self._free if b in self._resident)
         self._num_queried_blocks = 0
         self._num_hit_blocks = 0
 
@@ -208,7 +218,29 @@ class BlockManager:
             del self._cached[block.hash]
             block.hash = None
         block.ref_count = 1
+        self._resident.add(block_id)
         return block_id
+
+    def take_released(self, retain_cached: int | None = None) -> list[int]:
+        """Free blocks whose memory may go back to the OS now, sorted; they count as not resident after.
+
+        Always the resident free blocks that hold no prefix-cache hash. With `retain_cached` (the
+        engine passes it once its load ends), also the cached free blocks beyond the `retain_cached`
+        most recently freed: their hashes are dropped (the prefix cache forgets them) and they move
+        to the front of the free queue."""
+        released = {b for b in self._releasable if self.blocks[b].ref_count == 0 and self.blocks[b].hash is None}
+        self._releasable.clear()
+        if retain_cached is not None:
+            cached = [b for b in self._free if self.blocks[b].hash is not None and b in self._resident]
+            for block_id in cached[: max(len(cached) - retain_cached, 0)]:  # the queue's front: freed longest ago
+                block = self.blocks[block_id]
+                del self._cached[block.hash]
+                block.hash = None
+                self._free.move_to_end(block_id, last=False)
+                released.add(block_id)
+        released &= self._resident
+        self._resident -= released
+        return sorted(released)
 
     def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks seq's block_table lacks to cover num_computed_tokens + num_new_tokens."""
@@ -253,6 +285,7 @@ class BlockManager:
             block.ref_count = 0
             self._free[block_id] = None
             self._free.move_to_end(block_id, last=False)
+            self._releasable.add(block_id)
         del seq.block_table[keep:]
         return len(tail)
 
@@ -272,6 +305,7 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)
+                    self._releasable.add(block_id)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -91,11 +91,12 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
                         alibi=uses_alibi(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
+    runner_cls = model_runner_class(selection)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
-                                  tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path)
+                                  tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path,
+                                  place_params=runner_cls.place_empty_weights)
     model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
-    runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
     _set_max_model_len(config, hf_config)

@@ -179,7 +179,20 @@ class Engine:
             for item in batch.scheduled:
                 if not item.seq.is_finished:
                     self.block_manager.trim(item.seq)
+        self._release_kv()
         return [self._emit(request) for request in touched.values()]
+
+    def _release_kv(self) -> None:
+        """Hand the runner the free blocks whose KV memory may go back to the OS, where its cache
+        memory follows use (the cpu runner's): those without a prefix-cache hash after every step;
+        once no request is left, also cached ones beyond one max_model_len sequence's worth."""
+        if not getattr(self.runner, "releases_kv_memory", False):
+            return  # a cache allocated whole (accelerators) keeps its blocks and its prefix cache as before
+        bm = self.block_manager
+        retain = None if self.scheduler.has_unfinished() else -(-self.max_model_len // bm.block_size)
+        block_ids = bm.take_released(retain)
+        if block_ids:
+            self.runner.release_kv_blocks(block_ids)
 
     def _draft(self, batch: SchedulerOutput, states: list[SamplingState]) -> int:
         """Speculative decoding: drafts for this round's decodes (core/spec/speculator.py); how many."""

@@ -128,7 +128,15 @@ class ModelRunner:
         # called with each step's inputs and the model's (T, hidden) output before the head: a proposer that
         # drafts from the target's hidden states (core/spec/mtp.py); set, it keeps steps off device graphs
         self.hidden_sink: Callable[[ModelInput, torch.Tensor], None] | None = None
-        self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type)
+        self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type,
+                                            zeros=self.kv_zeros)
+
+    @classmethod
+    def place_empty_weights(cls, model: torch.nn.Module) -> None:
+        """Once, after the model is built and before its weights load: parameters may be swapped for
+        uninitialized ones of the same shapes in memory this runner prefers (loading fills them, so no
+        copy is made later). The generic runner leaves them."""
+        return None
 
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, adapter: DeviceAdapter) -> None:
@@ -270,6 +278,18 @@ class ModelRunner:
         """Bytes the allocated KV caches (and their scales) take over all layers."""
         return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
+    def kv_zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed KV cache tensor (num_blocks, ...): allocate_kv_caches' factory. A backend's runner
+        may back it lazily (the cpu runner maps pages only once written); the generic one is torch.zeros."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    releases_kv_memory = False  # whether release_kv_blocks gives memory back (the engine then calls it)
+
+    def release_kv_blocks(self, block_ids: list[int]) -> None:
+        """Free blocks whose KV content nothing needs any more (BlockManager.take_released): a runner
+        whose cache memory follows use hands their memory back. The generic runner keeps its cache whole."""
+        return None
+
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -344,14 +364,16 @@ class ModelRunner:
 
 def allocate_kv_caches(
     model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-    cachekv_int8_type: str = "dynamic",
+    cachekv_int8_type: str = "dynamic", zeros: Callable[..., torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """One (k_cache, v_cache[, k_scale, v_scale]) tuple per layer, laid out as ModelRunner describes."""
+    """One (k_cache, v_cache[, k_scale, v_scale]) tuple per layer, laid out as ModelRunner describes;
+    `zeros(shape, dtype, device)` makes each zeroed cache (default torch.zeros; not the scales)."""
     num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    make = zeros if zeros is not None else torch.zeros
 
     def cache() -> torch.Tensor:
-        return torch.zeros(shape, dtype=kv_dtype, device=device)
+        return make(shape, dtype=kv_dtype, device=device)
 
     per_layer = _caches_per_layer(model)
     if per_layer == 1:  # one cache a layer (MLA's latent cache): float only

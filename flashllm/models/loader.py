@@ -55,6 +55,7 @@ def load_model(
     model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
     model_registry: ModelRegistry, progress: bool = True, quant: WeightQuantSpec | None = None,
     tp_rank: int = 0, tp_size: int = 1, lora_path: str | Path | None = None,
+    place_params: Callable[[torch.nn.Module], Any] | None = None,
 ) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
@@ -74,6 +75,9 @@ def load_model(
     only that part of each sharded tensor is read from the files (see models/checkpoint_tensor.py).
     lora_path: a PEFT LoRA adapter directory merged into the weights as they load (flashllm/lora/merge.py),
     so quantization applies to the merged weights; its shapes are checked before the model is built.
+    place_params: called with the model once built, before any weight is read: it may swap
+    parameters for uninitialized ones of the same shapes in memory of its choosing (the runner's
+    place_empty_weights), which loading then fills.
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -87,6 +91,8 @@ def load_model(
     checkpoint_quant_spec(config, quant)
     adapter = None if lora_path is None else _read_adapter(lora_path, config, files, model_cls)
     model = model_cls(config, ops, dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
+    if place_params is not None:
+        place_params(model)
     prepare_prequantized(model, config.quantization)
     if gguf_weights is not None:
         gguf_weights.prepare(model)
@@ -255,6 +261,11 @@ def _iter_tensors(
     Nothing is read here: a weight loader narrows the tensor to this rank's shard and reads only
     that (the whole tensor where it keeps it whole, and always with one rank). The copy into the
     parameter converts dtype and device in one pass.
+
+    Each tensor comes from its own opening of the file: safetensors maps the whole file, and every
+    page read stays in the process's resident memory while the mapping lives, so one opening per
+    file held a whole shard's bytes beside the parameters they were copied into (the 0.5b shape's
+    load peaked at 3.0 GB resident for 1.98 GB of fp32 weights). Re-reading the header is cheap.
     """
     total = sum(len(names) for names in files.values() if names is not None) or None
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -262,11 +273,12 @@ def _iter_tensors(
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     names = list(f.keys())
-                    _check_promised(path, promised, names)
-                    for name in names:
-                        seen.add(name)
+                _check_promised(path, promised, names)
+                for name in names:
+                    seen.add(name)
+                    with safe_open(path, framework="pt", device="cpu") as f:
                         yield name, CheckpointTensor.open(name, f.get_slice(name))
-                        bar.update(1)
+                    bar.update(1)
             except SafetensorError as exc:
                 raise ModelLoadError(f"{path.name} is not a valid safetensors file ({_printable(str(exc))})") from None
 

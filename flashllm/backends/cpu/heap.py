@@ -58,6 +58,17 @@ def _mallopt() -> Callable[[int, int], int] | None:
     return fn
 
 
+def trim_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc malloc_trim(0): the free top and whole free
+    pages inside it); what loading freed would otherwise stay resident once keep_freed_memory() keeps
+    the heap. Returns whether anything was released (False off glibc)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if is_glibc() else None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
 @cache  # once per process (a racing second call would set the same values again)
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory for reuse; returns whether the setting is in effect

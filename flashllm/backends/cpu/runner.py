@@ -12,6 +12,9 @@ path computes:
 - multi-step greedy decode (decode_burst.py): up to the engine's bound of greedy decode steps of
   the same sequences in one native call, each step's tokens fed to the next.
 
+Its KV cache is backed by memory only where written, and freed blocks' pages go back to the OS
+(kv_pages.py), so resident memory follows the blocks in use.
+
 Decode-sized steps also run torch single-threaded while the native kernels use their own threads,
 and argmax goes through numpy (parallel.py, CpuRunner.argmax).
 """
@@ -52,10 +55,21 @@ class CpuRunner(ModelRunner):
     """The generic runner plus the cpu backend's fused decode, greedy head and multi-step decode."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from flashllm.backends.cpu.kv_pages import KVPages
+
+        self.kv_pages = KVPages()  # before the generic runner allocates the caches through kv_zeros
+        self.releases_kv_memory = self.kv_pages.lazy
         super().__init__(*args, **kwargs)
         self._fused_decode: Any = _UNBUILT
         self._greedy_head: Any = _UNBUILT
         self._greedy_burst: Any = _UNBUILT
+
+    @classmethod
+    def place_empty_weights(cls, model: torch.nn.Module) -> None:
+        """Large parameters into huge pages before loading writes them (huge_pages.place_empty)."""
+        from flashllm.backends.cpu import huge_pages
+
+        huge_pages.place_empty(model)
 
     @classmethod
     def prepare_model(cls, model: torch.nn.Module, adapter: DeviceAdapter) -> None:
@@ -68,11 +82,25 @@ class CpuRunner(ModelRunner):
             import logging
 
             logging.getLogger(__name__).info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
-        heap.keep_freed_memory()
         greedy_screen.build(model, numpy_argmax)
+        # loading's and the builds' freed buffers go back before the heap starts keeping what is freed
+        heap.trim_heap()
+        heap.keep_freed_memory()
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         return numpy_argmax(rows)
+
+    def kv_zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A KV cache tensor whose pages are backed only once written (kv_pages.py)."""
+        return self.kv_pages.zeros(shape, dtype, device)
+
+    def release_kv_blocks(self, block_ids: list[int]) -> None:
+        """The pages of these free blocks go back to the OS (kv_pages.py)."""
+        self.kv_pages.release(block_ids)
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV cache now in memory (0 where the cache is not lazily backed)."""
+        return self.kv_pages.resident_bytes()
 
     def _fast(self) -> bool:
         """Whether the fused paths may run: no device graphs or shape buckets in the way."""
