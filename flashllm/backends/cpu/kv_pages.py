@@ -17,7 +17,6 @@ nothing is released.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
@@ -96,18 +95,20 @@ class KVPages:
         return advised
 
     def resident_bytes(self) -> int:
-        """Bytes of the lazily backed caches now in memory, as the kernel counts them (mincore)."""
-        return sum(resident_pages(mapping) for mapping, _ in self._tensors) * PAGE
+        """Bytes of the lazily backed caches now in memory, as the kernel counts them (/proc/self/smaps
+        Rss; a page only read maps the shared zero page and is not counted). 0 where none is lazy."""
+        starts = {tensor.data_ptr() for _, tensor in self._tensors}
+        return smaps_rss(starts) if starts else 0
 
 
-def resident_pages(mapping: mmap.mmap) -> int:
-    """How many pages of `mapping` are resident in memory now (Linux mincore)."""
-    size = len(mapping)
-    pages = -(-size // PAGE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    vec = (ctypes.c_ubyte * pages)()
-    mincore = ctypes.CDLL(None, use_errno=True).mincore
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    if mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed on a KV cache mapping")
-    return pages - bytes(vec).count(0)  # the low bit says resident; the others are reserved (0)
+def smaps_rss(starts: set[int]) -> int:
+    """Resident bytes, summed, of this process's mappings that begin at the addresses in `starts`."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
+                counting = int(head.split("-")[0], 16) in starts
+            elif counting and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
