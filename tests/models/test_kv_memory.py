@@ -22,13 +22,15 @@ MAX_MODEL_LEN = 128
 
 
 def mapping_rss(tensors: list[torch.Tensor]) -> int:
-    """Resident bytes of the mappings the tensors start, as the kernel reports them in /proc/self/smaps."""
-    starts, total, counting = {t.data_ptr() for t in tensors}, 0, False
+    """Resident bytes of the kernel mappings holding the tensors (adjacent ones may be one mapping),
+    as /proc/self/smaps reports them: the kernel's accounting, read here on its own."""
+    total, counting = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             fields = line.split()
             if not fields[0].endswith(":"):
-                counting = int(fields[0].split("-")[0], 16) in starts
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                counting = any(t.data_ptr() < high and low < t.data_ptr() + t.nbytes for t in tensors)
             elif counting and fields[0] == "Rss:":
                 total += int(fields[1]) * 1024
     return total

@@ -13,19 +13,19 @@ from flashllm.backends.cpu.kv_pages import PAGE, KVPages, block_runs, inner_page
 pytestmark = pytest.mark.skipif(not kv_pages.enabled(), reason="lazily backed KV pages need Linux")
 
 
-def smaps_rss(tensor: torch.Tensor) -> int:
-    """Resident bytes of the mapping that starts at tensor's first byte, as /proc/self/smaps reports it
-    (the kernel's accounting, read here on its own)."""
-    start = tensor.data_ptr()
-    found = False
+def smaps_rss(*tensors: torch.Tensor) -> int:
+    """Resident bytes of the kernel mappings holding the tensors (adjacent ones may be one mapping),
+    as /proc/self/smaps reports them: the kernel's accounting, read here on its own."""
+    total, counting = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                found = int(head.split("-")[0], 16) == start
-            elif found and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping starts at {start:#x}")
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                counting = any(t.data_ptr() < high and low < t.data_ptr() + t.nbytes for t in tensors)
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
 
 
 @given(st.lists(st.integers(0, 40), max_size=30))
@@ -67,16 +67,16 @@ def test_release_drops_the_pages_of_freed_blocks_and_keeps_the_rest():
     k.copy_(torch.randn_like(k))
     v.copy_(torch.randn_like(v))
     kept_k, kept_v = k.clone(), v.clone()
-    assert smaps_rss(k) == smaps_rss(v) == 32 * 2 * PAGE
+    assert smaps_rss(k, v) == 2 * 32 * 2 * PAGE
     advised = pages.release([5, 6, 7, 20])
     assert advised == 2 * 4 * 2 * PAGE
-    assert smaps_rss(k) == smaps_rss(v) == 28 * 2 * PAGE
+    assert smaps_rss(k, v) == 2 * 28 * 2 * PAGE == pages.resident_bytes()
     freed = [5, 6, 7, 20]
     kept = [b for b in range(32) if b not in freed]
     assert torch.equal(k[kept], kept_k[kept]) and torch.equal(v[kept], kept_v[kept])
     assert torch.count_nonzero(k[freed]) == 0 and torch.count_nonzero(v[freed]) == 0
     k[6].fill_(3.0)  # a reused block is backed again and holds what was written
-    assert torch.all(k[6] == 3.0) and smaps_rss(k) == 29 * 2 * PAGE
+    assert torch.all(k[6] == 3.0) and smaps_rss(k, v) == (29 + 28) * 2 * PAGE
 
 
 def test_release_of_blocks_smaller_than_a_page_never_drops_a_neighbour_in_use():

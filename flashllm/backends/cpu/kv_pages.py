@@ -96,19 +96,23 @@ class KVPages:
 
     def resident_bytes(self) -> int:
         """Bytes of the lazily backed caches now in memory, as the kernel counts them (/proc/self/smaps
-        Rss; a page only read maps the shared zero page and is not counted). 0 where none is lazy."""
-        starts = {tensor.data_ptr() for _, tensor in self._tensors}
-        return smaps_rss(starts) if starts else 0
+        Rss; a page only read maps the shared zero page and is not counted). 0 where none is lazy.
+
+        Counted per kernel mapping: adjacent caches share one when the kernel merges them, and a
+        mapping merged with other anonymous memory of the same flags would be counted whole."""
+        ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for _, t in self._tensors]
+        return smaps_rss(ranges) if ranges else 0
 
 
-def smaps_rss(starts: set[int]) -> int:
-    """Resident bytes, summed, of this process's mappings that begin at the addresses in `starts`."""
+def smaps_rss(ranges: list[tuple[int, int]]) -> int:
+    """Resident bytes of this process's mappings that overlap any [start, end) address range, each counted once."""
     total, counting = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split(maxsplit=1)[0]
             if not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
-                counting = int(head.split("-")[0], 16) in starts
+                low, high = (int(x, 16) for x in head.split("-"))
+                counting = any(start < high and low < end for start, end in ranges)
             elif counting and head == "Rss:":
                 total += int(line.split()[1]) * 1024
     return total
