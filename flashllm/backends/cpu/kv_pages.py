@@ -10,7 +10,10 @@ reuses the block (which writes its KV before reading it, like any reused block).
 
 MADV_FREE was the other candidate: cheaper to reuse, but the pages stay counted as resident until
 the system runs short, so a server's memory would not visibly return. Huge pages are advised off
-(MADV_NOHUGEPAGE) so that a release of a few blocks is not held back by a 2 MiB page around it.
+(MADV_NOHUGEPAGE) so that a release of a few blocks is not held back by a 2 MiB page around it,
+and the cache is left out of core dumps (MADV_DONTDUMP: the requests' KV has no place in a crash
+report, and the two flags together keep the kernel from merging other anonymous memory into the
+cache's mappings, which resident_bytes counts whole).
 Off Linux, or with FLASHLLM_CPU_LAZY_KV=0 (A/B runs), the cache is torch.zeros as before and
 nothing is released.
 """
@@ -72,8 +75,9 @@ class KVPages:
             return torch.zeros(shape, dtype=dtype, device=device)
         nbytes = math.prod(shape) * dtype.itemsize
         mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        for advice in ("MADV_NOHUGEPAGE", "MADV_DONTDUMP"):
+            if hasattr(mmap, advice):
+                mapping.madvise(getattr(mmap, advice))
         tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
         self._tensors.append((mapping, tensor))
         return tensor
