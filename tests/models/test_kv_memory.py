@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import random
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
 from flashllm.backends.cpu import kv_pages
+from flashllm.backends.cpu.kv_pages import PAGE
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
@@ -21,18 +23,19 @@ NUM_BLOCKS = 48
 MAX_MODEL_LEN = 128
 
 
-def mapping_rss(tensors: list[torch.Tensor]) -> int:
-    """Resident bytes of the kernel mappings holding the tensors (adjacent ones may be one mapping),
-    as /proc/self/smaps reports them: the kernel's accounting, read here on its own."""
-    total, counting = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if not fields[0].endswith(":"):
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                counting = any(t.data_ptr() < high and low < t.data_ptr() + t.nbytes for t in tensors)
-            elif counting and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
+def backed_pages(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the pages under the tensors that the kernel backs for this process alone (written, not
+    the shared zero page a read maps; or swapped out), from /proc/self/pagemap entry by entry: the
+    kernel's own accounting, read here on its own and per address, so another mapping the kernel
+    merged with these (another test's cache still alive) cannot add to it."""
+    total = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for t in tensors:
+            first, end = t.data_ptr() // PAGE, -(-(t.data_ptr() + t.nbytes) // PAGE)
+            pagemap.seek(first * 8)
+            for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - first) * 8)):
+                written = entry >> 63 & 1 and entry >> 56 & 1  # present, and mapped by this process alone
+                total += PAGE if written or entry >> 62 & 1 else 0
     return total
 
 
@@ -77,7 +80,7 @@ def test_kv_memory_grows_with_load_stays_under_the_cap_and_returns(model_dir, mo
     assert runner.kv_cache_bytes() <= cap
 
     def resident() -> int:
-        return mapping_rss(caches)
+        return backed_pages(caches)
 
     assert resident() == 0  # nothing written yet: a fresh engine holds no KV memory
     light, light_tokens = _drive(llm, _requests(1, seed=1), resident)

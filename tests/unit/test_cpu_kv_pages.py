@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from hypothesis import given
@@ -13,18 +15,19 @@ from flashllm.backends.cpu.kv_pages import PAGE, KVPages, block_runs, inner_page
 pytestmark = pytest.mark.skipif(not kv_pages.enabled(), reason="lazily backed KV pages need Linux")
 
 
-def smaps_rss(*tensors: torch.Tensor) -> int:
-    """Resident bytes of the kernel mappings holding the tensors (adjacent ones may be one mapping),
-    as /proc/self/smaps reports them: the kernel's accounting, read here on its own."""
-    total, counting = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if not fields[0].endswith(":"):
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                counting = any(t.data_ptr() < high and low < t.data_ptr() + t.nbytes for t in tensors)
-            elif counting and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
+def backed_pages(*tensors: torch.Tensor) -> int:
+    """Bytes of the pages under the tensors that the kernel backs for this process alone (written, not
+    the shared zero page a read maps; or swapped out), from /proc/self/pagemap entry by entry: the
+    kernel's own accounting, read here on its own and per address, so another mapping the kernel
+    merged with these (another test's cache still alive) cannot add to it."""
+    total = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for t in tensors:
+            first, end = t.data_ptr() // PAGE, -(-(t.data_ptr() + t.nbytes) // PAGE)
+            pagemap.seek(first * 8)
+            for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - first) * 8)):
+                written = entry >> 63 & 1 and entry >> 56 & 1  # present, and mapped by this process alone
+                total += PAGE if written or entry >> 62 & 1 else 0
     return total
 
 
@@ -51,12 +54,12 @@ def test_cache_reads_zeros_and_is_resident_only_where_written():
     pages = KVPages()
     cache = pages.zeros((64, 8, 2, 64), torch.float32, "cpu")  # blocks of 8 x 2 x 64 x 4 B = one page
     assert cache.shape == (64, 8, 2, 64) and cache.dtype == torch.float32
-    assert smaps_rss(cache) == 0
+    assert backed_pages(cache) == 0
     assert torch.count_nonzero(cache) == 0  # reading maps the shared zero page, nothing resident
-    assert smaps_rss(cache) == 0
+    assert backed_pages(cache) == 0
     cache[3].fill_(1.0)
     cache[10:12].fill_(2.0)
-    assert smaps_rss(cache) == 3 * PAGE == pages.resident_bytes()
+    assert backed_pages(cache) == 3 * PAGE == pages.resident_bytes()
 
 
 def test_release_drops_the_pages_of_freed_blocks_and_keeps_the_rest():
@@ -67,16 +70,16 @@ def test_release_drops_the_pages_of_freed_blocks_and_keeps_the_rest():
     k.copy_(torch.randn_like(k))
     v.copy_(torch.randn_like(v))
     kept_k, kept_v = k.clone(), v.clone()
-    assert smaps_rss(k, v) == 2 * 32 * 2 * PAGE
+    assert backed_pages(k, v) == 2 * 32 * 2 * PAGE
     advised = pages.release([5, 6, 7, 20])
     assert advised == 2 * 4 * 2 * PAGE
-    assert smaps_rss(k, v) == 2 * 28 * 2 * PAGE == pages.resident_bytes()
+    assert backed_pages(k, v) == 2 * 28 * 2 * PAGE == pages.resident_bytes()
     freed = [5, 6, 7, 20]
     kept = [b for b in range(32) if b not in freed]
     assert torch.equal(k[kept], kept_k[kept]) and torch.equal(v[kept], kept_v[kept])
     assert torch.count_nonzero(k[freed]) == 0 and torch.count_nonzero(v[freed]) == 0
     k[6].fill_(3.0)  # a reused block is backed again and holds what was written
-    assert torch.all(k[6] == 3.0) and smaps_rss(k, v) == (29 + 28) * 2 * PAGE
+    assert torch.all(k[6] == 3.0) and backed_pages(k, v) == (29 + 28) * 2 * PAGE
 
 
 def test_release_of_blocks_smaller_than_a_page_never_drops_a_neighbour_in_use():
@@ -90,7 +93,18 @@ def test_release_of_blocks_smaller_than_a_page_never_drops_a_neighbour_in_use():
     assert torch.equal(cache[0], before[0])
     assert torch.count_nonzero(cache[per_page : 2 * per_page]) == 0
     assert torch.equal(cache[2 * per_page :], before[2 * per_page :])
-    assert smaps_rss(cache) == 3 * PAGE
+    assert backed_pages(cache) == 3 * PAGE
+
+
+def test_resident_bytes_counts_its_own_caches_only():
+    """Two runners' caches, mapped one after the other with the same flags, may be one kernel mapping
+    (smaps would then give each the other's pages too): each counts the pages of its own addresses."""
+    busy, idle = KVPages(), KVPages()
+    written = busy.zeros((16, 8, 2, 64), torch.float32, "cpu")  # one page a block
+    untouched = idle.zeros((16, 8, 2, 64), torch.float32, "cpu")
+    written.fill_(1.0)
+    assert busy.resident_bytes() == backed_pages(written) == 16 * PAGE
+    assert idle.resident_bytes() == backed_pages(untouched) == 0
 
 
 def test_switched_off_the_cache_is_torch_zeros(monkeypatch):

@@ -12,8 +12,9 @@ MADV_FREE was the other candidate: cheaper to reuse, but the pages stay counted 
 the system runs short, so a server's memory would not visibly return. Huge pages are advised off
 (MADV_NOHUGEPAGE) so that a release of a few blocks is not held back by a 2 MiB page around it,
 and the cache is left out of core dumps (MADV_DONTDUMP: the requests' KV has no place in a crash
-report, and the two flags together keep the kernel from merging other anonymous memory into the
-cache's mappings, which resident_bytes counts whole).
+report). resident_bytes reads the kernel's page table entries of the caches' own addresses: the
+kernel may merge adjacent mappings of the same flags (another engine's cache) into one, whose
+smaps Rss would count both.
 Off Linux, or with FLASHLLM_CPU_LAZY_KV=0 (A/B runs), the cache is torch.zeros as before and
 nothing is released.
 """
@@ -26,6 +27,7 @@ import os
 import sys
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -99,24 +101,26 @@ class KVPages:
         return advised
 
     def resident_bytes(self) -> int:
-        """Bytes of the lazily backed caches now in memory, as the kernel counts them (/proc/self/smaps
-        Rss; a page only read maps the shared zero page and is not counted). 0 where none is lazy.
+        """Bytes of the lazily backed caches now in memory: their pages the kernel has backed for this
+        process alone (/proc/self/pagemap, page by page over the caches' own addresses, so memory the
+        kernel merged into the same mapping is not counted), swapped-out ones included. A page only
+        read maps the shared zero page and is not counted, nor is one still shared with a forked
+        child. 0 where none is lazy."""
+        return sum(backed_bytes(t.data_ptr(), t.nbytes) for _, t in self._tensors)
 
-        Counted per kernel mapping: adjacent caches share one when the kernel merges them, and a
-        mapping merged with other anonymous memory of the same flags would be counted whole."""
-        ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for _, t in self._tensors]
-        return smaps_rss(ranges) if ranges else 0
+
+_PRESENT, _SWAPPED, _EXCLUSIVE = 1 << 63, 1 << 62, 1 << 56  # /proc/pid/pagemap entry bits (kernel docs)
 
 
-def smaps_rss(ranges: list[tuple[int, int]]) -> int:
-    """Resident bytes of this process's mappings that overlap any [start, end) address range, each counted once."""
-    total, counting = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
-                low, high = (int(x, 16) for x in head.split("-"))
-                counting = any(start < high and low < end for start, end in ranges)
-            elif counting and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
+def backed_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the pages overlapping [address, address + nbytes) that this process alone has backed
+    (written anonymous pages, in memory or swapped out), from /proc/self/pagemap's 64-bit entry a page."""
+    first, end = address // PAGE, -(-(address + nbytes) // PAGE)
+    if end <= first:
+        return 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((end - first) * 8), dtype=np.uint64)
+    present = (entries & np.uint64(_PRESENT | _EXCLUSIVE)) == np.uint64(_PRESENT | _EXCLUSIVE)
+    swapped = (entries & np.uint64(_SWAPPED)) != 0
+    return int(np.count_nonzero(present | swapped)) * PAGE
