@@ -126,9 +126,17 @@ def test_needle_is_identical_alone_and_inside_a_batch(client: httpx.Client, keye
                                                       auth_headers: dict[str, str], helpers: SimpleNamespace,
                                                       needle_first: bool) -> None:
     alone = _generate(client, "completions", NEEDLE)
-    in_batch, busiest = asyncio.run(_needle_in_batch(keyed_server.base_url, auth_headers, needle_first))
-    assert busiest >= 2, "the needle never ran with others; the test proved nothing"
-    assert in_batch == alone
+    # Whether the haystack reaches the server while the needle still runs is up to the scheduler: with
+    # every core busy elsewhere (nox -s stress) one try in a few missed it. Every try must equal the
+    # needle alone; at least one of them must have run it beside others.
+    busiest_seen: list[int] = []
+    for _ in range(3):
+        in_batch, busiest = asyncio.run(_needle_in_batch(keyed_server.base_url, auth_headers, needle_first))
+        assert in_batch == alone
+        busiest_seen.append(busiest)
+        if busiest >= 2:
+            break
+    assert max(busiest_seen) >= 2, f"the needle never ran with others ({busiest_seen}); the test proved nothing"
     free, total = helpers.wait_blocks_free(keyed_server.base_url, auth_headers)
     assert free == total
 
