@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 JOIN_TIMEOUT_S = 10.0
+RANK_EXIT_GRACE_S = 2.0  # how long a failed collective waits for the watcher to name a dead rank
 
 
 class Executor:
@@ -118,6 +119,7 @@ class DistributedExecutor(Executor):
                  launcher: _Launcher | None) -> None:
         self._launcher = launcher
         self._failure: str | None = None
+        self._rank_exited = threading.Event()
         self._closed = False
         plain = _plain(config)
         plugins = plugins or make_plugin_manager()
@@ -143,6 +145,7 @@ class DistributedExecutor(Executor):
         if not self._closed and self._failure is None:
             self._failure = f"tensor-parallel rank {rank} {how}"
             logger.error("%s; the engine stops", self._failure)
+        self._rank_exited.set()
 
     def max_tokens_per_step(self, states: list[SamplingState]) -> int:
         return 1  # the other ranks run one forward pass per step they receive
@@ -157,6 +160,10 @@ class DistributedExecutor(Executor):
         try:
             return super().execute(batch, states, 1)
         except RuntimeError as exc:  # gloo / nccl: a peer's socket closed, or the timeout passed
+            if self._launcher is not None:
+                # a killed rank's sockets close before the watcher reaps its exit: give the watcher a moment
+                # to name the rank, so the error says which one died, not only that a collective failed
+                self._rank_exited.wait(RANK_EXIT_GRACE_S)
             reason = self._failure or f"a collective failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
             self._failure = reason
             self._stop_ranks(graceful=False)
@@ -209,7 +216,6 @@ class _Launcher:
 
     def stop(self) -> None:
         raise NotImplementedError
-
 
 class _ProcessLauncher(_Launcher):
     """mp: a spawned process per rank; a watcher thread reports any that exits."""
