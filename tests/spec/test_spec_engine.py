@@ -153,6 +153,32 @@ def test_draft_model_greedy_tokens_equal_plain_decoding(model_dirs, tmp_path_fac
         assert stats.num_drafted > 0 and stats.acceptance_rate >= least_acceptance, stats
 
 
+def test_a_draft_model_decodes_its_steps_in_native_multi_step_calls(model_dirs, monkeypatch) -> None:
+    """On the cpu backend the draft's k - 1 steps after its catch-up pass run as one multi-step call, and
+    what they draft is what single steps draft: the target as its own draft is accepted nearly always."""
+    from flashllm.backends.cpu.runner import CpuRunner
+
+    bursts: list[tuple[CpuRunner, int]] = []
+    execute_burst = CpuRunner.execute_burst
+
+    def counting(self, batch, states, steps):
+        rows = execute_burst(self, batch, states, steps)
+        if rows is not None:
+            bursts.append((self, len(rows)))
+        return rows
+
+    monkeypatch.setattr(CpuRunner, "execute_burst", counting)
+    requests = _requests(12, seed=6)
+    target = model_dirs["llama"]
+    plain, _ = _generate(target, "cpu", requests)
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    spec, llm = _generate(target, "cpu", requests, config)
+    assert spec == plain
+    assert llm.engine.speculator.stats.acceptance_rate >= 0.95, llm.engine.speculator.stats
+    drafts = [steps for runner, steps in bursts if runner is llm.engine.speculator.proposer.runner]
+    assert drafts and max(drafts) == 3, f"the draft ran no 3-step call: {drafts}"
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_factory) -> None:
     other = build_tiny_model(tmp_path_factory.mktemp("other-vocab"), "llama", seed=8, tokenizer=False, vocab_size=300)
     with pytest.raises(ValueError, match="vocab") as info:

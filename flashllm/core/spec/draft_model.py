@@ -11,8 +11,10 @@ from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.builder import TOKENIZER_FILES, EngineParts, model_runner_class
 from flashllm.core.model_runner import ModelRunner
+from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
+from flashllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class DraftModelProposer:
         self.block_size = runner.block_size
         self.target_vocab_size = target_vocab_size
         self._states: dict[int, _DraftState] = {}
+        # what the runner's multi-step decode reads of each row: plain greedy, no stop token ends a draft
+        self._greedy_state = SamplingState(SamplingParams(temperature=0.0, ignore_eos=True), None, ())
 
     @classmethod
     def build(cls, config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> DraftModelProposer:
@@ -79,24 +83,37 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         batch = SchedulerOutput([ScheduledSequence(view, view_new, True)  # type: ignore[arg-type]
                                  for view, view_new in ((v, len(v.token_ids) - v.num_computed_tokens) for v in views)])
-        tokens = self._greedy(batch)
+        steps = [self._greedy(batch)]  # the catch-up pass drafts each sequence's first token
         active = list(range(len(seqs)))
-        for step in range(max(limits)):
-            for i, token in zip(active, tokens, strict=True):
-                drafts[i].append(token)
-                view = views[i]
-                view.num_computed_tokens = len(view.token_ids)
-                view.token_ids.append(token)
+        while True:
+            for tokens in steps:
+                for i, token in zip(active, tokens, strict=True):
+                    drafts[i].append(token)
+                    view = views[i]
+                    view.num_computed_tokens = len(view.token_ids)
+                    view.token_ids.append(token)
+            # a token past the target's vocabulary ends that draft (the target could never accept it)
             active = [i for i in active if len(drafts[i]) < limits[i] and drafts[i][-1] < self.target_vocab_size]
-            if not active or step + 1 == max(limits):
+            if not active:
                 break
-            tokens = self._greedy(SchedulerOutput([ScheduledSequence(views[i], 1, True) for i in active]))  # type: ignore[arg-type]
+            steps = self._decode(views, active, min(limits[i] - len(drafts[i]) for i in active))
         for seq, view in zip(seqs, views, strict=True):
             state = self._states[seq.seq_id]
             state.tokens = view.token_ids[:view.num_computed_tokens]
             state.blocks = list(seq.block_table)
-        return [[t for t in draft[:limit] if t < self.target_vocab_size] for draft, limit in zip(drafts, limits,
-                                                                                               strict=True)]
+        return [_in_vocabulary(draft[:limit], self.target_vocab_size) for draft, limit in zip(drafts, limits,
+                                                                                            strict=True)]
+
+    def _decode(self, views: list[_DraftView], active: list[int], steps: int) -> list[list[int]]:
+        """Up to `steps` greedy one-token steps of the active sequences: [step][active sequence]. A runner
+        that decodes several steps in one call (the cpu backend's native multi-step decode) runs them
+        so; the generic runner gives one step per call."""
+        batch = SchedulerOutput([ScheduledSequence(views[i], 1, True) for i in active])  # type: ignore[arg-type]
+        states = [self._greedy_state] * len(active)
+        if steps > 1 and self.runner.max_tokens_per_step(states) > 1:
+            outputs = self.runner.execute(batch, states, min(steps, self.runner.max_tokens_per_step(states)))
+            return [[int(t) for t in out.token_ids] for out in outputs]  # type: ignore[arg-type]
+        return [self._greedy(batch)]
 
     def _catch_up_view(self, seq: Sequence) -> _DraftView:
         """The sequence as the draft sees it: tokens up to the first one whose draft KV is not valid."""
@@ -117,6 +134,14 @@ class DraftModelProposer:
 
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
+
+
+def _in_vocabulary(draft: list[int], vocab_size: int) -> list[int]:
+    """The draft up to its first token outside the target's vocabulary."""
+    for i, token in enumerate(draft):
+        if token >= vocab_size:
+            return draft[:i]
+    return draft
 
 
 def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_blocks: int) -> tuple[Any, ModelRunner]:
