@@ -17,6 +17,7 @@ from flashllm.core.spec import verify
 from flashllm.core.step_graphs import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter, ShapeBuckets
+from flashllm.structured.mask import prefetch_masks
 
 # How int8/fp8 KV caches get their scales (PaddleNLP's --cachekv_int8_type): per written token
 # and head, or calibrated per layer and stored in the checkpoint.
@@ -176,6 +177,8 @@ class ModelRunner:
         each with a token for every sequence that samples, in batch order (states[i] is the i-th
         one's). Later positions exist only where the runner ran several steps; each is what a
         single step after the previous one would give. Empty when nothing samples."""
+        # structured output: each grammar row's mask is computed on a CPU thread while the forward runs
+        prefetch_masks([s.grammar for s in states])
         drafts = [item.draft_token_ids for item in batch.scheduled if item.produces_token]
         if any(drafts):
             return self._execute_drafted(batch, states, drafts)

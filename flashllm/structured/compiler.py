@@ -61,13 +61,14 @@ def _short(message: str) -> str:
 class CompiledGrammar:
     """A compiled constraint: a pristine matcher that every sequence copies (`new_state`)."""
 
-    def __init__(self, matcher: Any, compile_s: float) -> None:
+    def __init__(self, matcher: Any, compile_s: float, vocab_size: int) -> None:
         self._matcher = matcher
         self.compile_s = compile_s
+        self.vocab_size = vocab_size
 
     def new_state(self) -> GrammarState:
         """Matcher state for one sequence, at the start of the output."""
-        return GrammarState(self._matcher.deep_copy())
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size)
 
 
 class GrammarCompiler:
@@ -131,7 +132,7 @@ class GrammarCompiler:
         elapsed = time.perf_counter() - start
         if elapsed > 0.5:
             logger.warning("compiling a %s constraint took %.2f s", spec.kind, elapsed)
-        return CompiledGrammar(matcher, elapsed)
+        return CompiledGrammar(matcher, elapsed, self.vocab_size)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex", "choice": "choice list",

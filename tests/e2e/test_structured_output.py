@@ -125,3 +125,42 @@ def test_many_requests(llm: LLM) -> None:
     assert not problems, "\n".join(problems[:10])
     assert counts.get("stop", 0) >= 0.6 * sum(counts.values()), counts
 
+
+def test_masks_are_computed_while_the_forward_runs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's masks start on the worker thread before its forward returns (each forward waits until they
+    have: were they computed after it, in the sampler, it would time out), and the tokens are the same."""
+    import threading
+
+    from flashllm.structured import mask
+
+    spec = StructuredOutput(regex="[a-z]{3}( [a-z]{2,6}){4}")
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=11, structured_output=spec)
+    monkeypatch.setattr(mask, "PREFETCH", False)
+    after = llm.generate(["Hello"], params)[0].outputs[0]
+    monkeypatch.setattr(mask, "PREFETCH", True)
+
+    started = threading.Semaphore(0)
+    mask_threads: list[str] = []
+    waits: list[bool] = []
+    compute = mask.GrammarState.compute_bitmask
+
+    def counted_compute(self: mask.GrammarState, row: object) -> None:
+        mask_threads.append(threading.current_thread().name)
+        started.release()
+        compute(self, row)
+
+    runner = llm.engine.runner
+    forward = runner._forward
+
+    def waiting_forward(inputs: object) -> object:
+        # a generous timeout: the worker starts within milliseconds even on a loaded machine
+        waits.append(started.acquire(timeout=20 if all(waits) else 0))
+        return forward(inputs)
+
+    monkeypatch.setattr(mask.GrammarState, "compute_bitmask", counted_compute)
+    monkeypatch.setattr(runner, "_forward", waiting_forward)
+    during = llm.generate(["Hello"], params)[0].outputs[0]
+    assert waits and all(waits), waits
+    assert len(mask_threads) == len(waits) and all(name.startswith("flashllm-grammar-mask") for name in mask_threads)
+    assert (during.text, during.finish_reason) == (after.text, after.finish_reason)
+    assert regex_problems(spec.regex, during.text, during.finish_reason) is None
