@@ -106,7 +106,8 @@ def _windows(args: argparse.Namespace, model_dir: str) -> tuple[int, int]:
 
 
 def _require_one_rank(args: argparse.Namespace, prefixes: tuple[str, ...]) -> None:
-    """ppl and kl score with the model built in this process (eval/forward.py), so they refuse several ranks."""
+    """ppl and kl score on one rank (prompt logprobs are computed on one; kl runs eval/forward.py), so they refuse
+    several ranks."""
     for prefix in prefixes:
         options = parallel_options(args, prefix)
         if options["tensor_parallel_size"] != 1 or options["distributed_executor_backend"] not in (None, "uniproc"):
@@ -124,16 +125,14 @@ def _scoring_config(args: argparse.Namespace, model: str, prefix: str = "") -> A
 
 def _run_ppl(args: argparse.Namespace) -> dict[str, Any]:
     from flashllm.eval.data import read_text
-    from flashllm.eval.forward import load_scoring_parts
-    from flashllm.eval.perplexity import perplexity
+    from flashllm.eval.perplexity import load_scoring_engine, perplexity
 
     _require_one_rank(args, ("",))
     text = read_text(args.text)
     max_length, stride = _windows(args, args.model)
-    parts = load_scoring_parts(_scoring_config(args, args.model), max_length)
-    token_ids = _encode(parts, text)
-    result = perplexity(parts, token_ids, max_length, stride, progress=not args.no_progress,
-                        chunk_tokens=args.chunk_tokens)
+    llm = load_scoring_engine(_scoring_config(args, args.model), max_length, args.chunk_tokens)
+    token_ids = _encode(llm.engine.parts, text)
+    result = perplexity(llm, token_ids, max_length, stride, progress=not args.no_progress)
     print(f"perplexity: {result.perplexity:.4f}  (mean NLL {result.mean_nll:.4f} nats over {result.num_tokens} "
           f"tokens, {result.num_windows} windows of {max_length} moving by {stride})")
     return {"model": args.model, "text": str(args.text), **result.to_dict()}

@@ -112,8 +112,34 @@ def test_ppl_equals_transformers_sliding_window_loss(model_dir: Path, text_file:
     assert result["perplexity"] == pytest.approx(math.exp(result["nll_sum"] / result["num_tokens"]), rel=1e-12)
 
 
+def test_ppl_window_of_the_whole_context_is_refused(model_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    # the engine samples one token after each window's prompt, so a window must leave one position free
+    text = tmp_path / "long.txt"
+    text.write_text("\n".join(CORPUS * 4), encoding="utf-8")
+    assert main(["ppl", "--model", str(model_dir), "--text", str(text), "--max-length", "512", "--device", "cpu",
+                 "--no-progress"]) == 2
+    assert "pass --max-length 511 or less" in capsys.readouterr().err
+
+
 def test_ppl_in_chunked_prefill_steps_equals_transformers(model_dir: Path, text_file: Path, hf_model,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runner's prompt logprobs score the windows, chunk by chunk: eval's own forward is not used."""
+    import flashllm.core.model_runner as model_runner
+    import flashllm.eval.forward as forward
+
+    chunks: list[int] = []
+    record = model_runner.record_prompt_logprobs
+
+    def counted(model: object, hidden: torch.Tensor, entries: list) -> None:
+        chunks.extend(count for _, _, _, count in entries)
+        record(model, hidden, entries)
+
+    def no_forward(*args: object, **kwargs: object) -> None:
+        raise AssertionError("eval ppl ran its own forward")
+
+    monkeypatch.setattr(model_runner, "record_prompt_logprobs", counted)
+    monkeypatch.setattr(forward, "window_hidden", no_forward)
     # chunks of 7 tokens cross the 16-token KV blocks at every offset; each attends to what the
     # earlier chunks of its window wrote
     result = _eval(tmp_path, "ppl", "--model", str(model_dir), "--text", str(text_file), "--dtype", "float32",
@@ -121,6 +147,8 @@ def test_ppl_in_chunked_prefill_steps_equals_transformers(model_dir: Path, text_
     expected, count = _hf_sliding_window_ppl(hf_model, TEXT, 48, 30)
     assert result["num_tokens"] == count
     assert result["perplexity"] == pytest.approx(expected, rel=1e-4)
+    # every window's prompt ran in steps of at most 7 tokens, each recording its rows' logprobs
+    assert chunks and max(chunks) <= 7 and len(chunks) > result["num_windows"]
 
 
 @pytest.mark.parametrize("chunk_tokens", [None, 8])
