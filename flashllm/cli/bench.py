@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench import devices, serve_run
+from flashllm.bench import devices, serve_run, structured
 from flashllm.cli.parallel_flags import add_parallel_flags
 from flashllm.cli.spec_flags import add_speculative_flags
 
@@ -88,6 +88,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
     devices.add_parser(modes)
+    structured.add_structured_parser(modes)
     plot = modes.add_parser("plot", help="chart saved --json records: serve runs as latency vs load")
     plot.add_argument("records", nargs="+", type=Path, help="serve records (one per request rate) or one "
                                                              "throughput/latency record")
@@ -183,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.mode == "devices":
         return devices.run_devices(args)
+    if args.mode == "structured":
+        return structured.run_structured(args)
     try:
         if args.mode == "plot":
             plot.plot_records([plot.load_record(path) for path in args.records], args.output)
