@@ -154,7 +154,7 @@ def test_masks_are_computed_while_the_forward_runs(llm: LLM, monkeypatch: pytest
 
     def waiting_forward(inputs: object) -> object:
         # a generous timeout: the worker starts within milliseconds even on a loaded machine
-        waits.append(started.acquire(timeout=20 if all(waits) else 0))
+        waits.append(started.acquire(timeout=60 if all(waits) else 0))
         return forward(inputs)
 
     monkeypatch.setattr(mask.GrammarState, "compute_bitmask", counted_compute)
