@@ -90,6 +90,23 @@ def test_disabling_the_mask_fails_every_case(llm: LLM, monkeypatch: pytest.Monke
     assert failed == {c.name for c in TAUGHT}, sorted({c.name for c in TAUGHT} - failed)
 
 
+def test_speculative_decoding_leaves_constrained_rows_exact(model_dir: Path, llm: LLM) -> None:
+    """With n-gram speculation on, constrained rows (never drafted: their grammar would have to advance through
+    the drafts) give the tokens they give without it, beside unconstrained rows that are drafted."""
+    spec_llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=256,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    requests = _requests(per_case=1)  # greedy, each on its own case's prompt
+    free = [(None, memorized_prompt(c) + " " + c.memorized * 3, SamplingParams(max_tokens=24, temperature=0))
+            for c in TAUGHT[:4]]
+    prompts = [p for _, p, _ in requests + free]
+    params = [sp for _, _, sp in requests + free]
+    plain = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    drafted = [o.outputs[0].text for o in spec_llm.generate(prompts, params)]
+    assert drafted == plain
+    assert not run_cases(spec_llm, requests).problems
+    assert spec_llm.engine.speculator.stats.num_drafted > 0  # the free rows were drafted
+
+
 @pytest.mark.slow
 def test_many_requests(llm: LLM) -> None:
     """The acceptance run: 20 requests per case, over 500 on the JSON schemas alone."""
