@@ -29,6 +29,6 @@ def test_bench_structured_writes_every_arm(tmp_path: Path) -> None:
     assert mask.PREFETCH  # the arm that turns it off turns it back on
 
 
-def test_bench_structured_refuses_a_zero_batch() -> None:
-    with pytest.raises(SystemExit, match="--batch-size must be at least 1"):
-        main(["bench", "structured", "--model", str(demo_model_dir()), "--batch-size", "0"])
+def test_bench_structured_refuses_a_zero_batch(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "structured", "--model", str(demo_model_dir()), "--batch-size", "0"]) == 2
+    assert "--batch-size must be at least 1" in capsys.readouterr().err
