@@ -7,13 +7,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 ENV_VAR = "FLASHLLM_LLAMA_SERVER"
 BUILD_COMMAND = "python -m flashllm.bench.llamacpp_build"
@@ -126,7 +123,7 @@ def start_llama_server(binary: Path, plan: LlamaServerPlan, timeout: float = 300
 
     Raises RuntimeError with the end of its log when it exits or is not ready within `timeout` s.
     """
-    from flashllm.testing.server import free_port
+    from flashllm.testing.server import free_port, wait_healthy
 
     port = free_port()
     command = plan.command(binary, port)
@@ -135,16 +132,9 @@ def start_llama_server(binary: Path, plan: LlamaServerPlan, timeout: float = 300
     with os.fdopen(fd, "wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = LlamaServer(proc, port, log, command)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} ({' '.join(command)}):\n{server.log()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    if wait_healthy(proc, f"http://127.0.0.1:{port}/health", timeout, lambda: f"llama-server exited with "
+                    f"{proc.returncode} ({' '.join(command)}):\n{server.log()[-3000:]}"):
+        return server
     server.stop()
     raise RuntimeError(f"llama-server was not ready after {timeout:.0f} s ({' '.join(command)}):\n{server.log()[-3000:]}")
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,18 +72,27 @@ def start_server(args: Sequence[str] = (), env: dict[str, str] | None = None, ti
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env)
     server = ServerProcess(proc, port, log)
+    if wait_healthy(proc, f"{server.base_url}/health", timeout, lambda: f"flashllm serve exited with "
+                    f"{proc.returncode}:\n{server.log()[-4000:]}"):
+        return server
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"flashllm serve was not healthy after {timeout:.0f} s:\n{server.log()[-4000:]}")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, exited: Callable[[], str]) -> bool:
+    """Poll GET `url` until it answers 200 (True) or `timeout` seconds pass (False). When `proc` exits
+    first, RuntimeError with the message `exited()` composes (the process's return code is set by then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flashllm serve exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(exited())
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
-                return server
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"flashllm serve was not healthy after {timeout:.0f} s:\n{server.log()[-4000:]}")
+    return False
 
 
 @contextmanager
