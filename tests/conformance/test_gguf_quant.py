@@ -175,7 +175,7 @@ def int4_body(request):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 37])
 def test_cpu_backend_quant_matmul_matches_the_reference(qtype: GGMLQuantizationType, tokens: int, int4_body) -> None:
     """The cpu backend's kernel (native where it builds) on real GGUF layouts, fp16 scales included,
     held to the reference on the inputs it says it rounds (int8 activations, as llama.cpp's)."""

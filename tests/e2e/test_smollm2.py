@@ -210,3 +210,26 @@ def test_greedy_tokens_equal_llama_cpp_on_the_same_file():
     # and on both paths the first tokens, which no earlier flip has changed, agree almost everywhere
     for ours in (cpu, reference):
         assert sum(a[:4] == b[:4] for a, b in zip(ours, theirs, strict=True)) >= len(PROMPTS) - 4
+
+
+def test_the_quick_start_answer_survives_the_int8_prompt_path(monkeypatch):
+    """The 37-token chat prompt runs on the integer prompt kernels (two int8 terms by default) and the
+    answer stays 'Paris'. The exact model's first token leads by 0.08 logits ('The' 25.33 vs 'L' 25.24):
+    one int8 term per block (llama.cpp's rounding, FLASHLLM_CPU_PROMPT_ACTIVATIONS=int8) moves the logits
+    by ~0.3-0.6 and answered "L'Étoile, la Cité, ..." (f24afec); two terms move them by ~1e-3."""
+    from flashllm import LLM, SamplingParams
+    from flashllm.backends.cpu import native
+
+    monkeypatch.delenv(native.PROMPT_ACTIVATIONS_ENV, raising=False)
+    calls = [0]
+    real = native.prompt_linear
+
+    def counted(x, weight):
+        calls[0] += 1
+        return real(x, weight)
+
+    monkeypatch.setattr(native, "prompt_linear", counted)
+    llm = LLM(str(SMOLLM2), device="cpu", max_model_len=512)
+    out = llm.chat([[{"role": "user", "content": QUESTIONS[0][0]}]], SamplingParams(temperature=0.0, max_tokens=16))
+    assert calls[0] > 0, "the prompt did not take the integer prompt path"
+    assert "paris" in out[0].outputs[0].text.lower(), out[0].outputs[0].text

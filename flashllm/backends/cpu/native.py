@@ -54,6 +54,13 @@ INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
 # GGUF weights default to int8 activations, as llama.cpp runs them)
 W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
+# Prompts (more than MAX_TOKENS rows) of int8/int4 weights run the same integer kernels (prompt_linear)
+# against activations in two int8 terms per block by default ("int8x2": x to within absmax / 64516 of
+# the block, about 16 bits, what w8a16's name promises); "int8" is one term (llama.cpp's rounding,
+# twice as fast, but it flips close calls: SmolLM2's quick-start answer, docs/gguf.md), "fp32"
+# dequantizes for a BLAS GEMM as before.
+PROMPT_ACTIVATIONS_ENV = "FLASHLLM_CPU_PROMPT_ACTIVATIONS"
+PROMPT_TERMS = {"int8x2": 2, "int8": 1, "fp32": 0}
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
 # parallel.py's Python pool, so products from 64 Ki weights split: with parallel.py's 1 Mi the 0.5b
@@ -74,6 +81,10 @@ _SIGNATURES = {
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
+    "flashllm_w4a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int, ctypes.c_int],
+                                ctypes.c_int),
+    "flashllm_w8a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int, ctypes.c_int],
+                                ctypes.c_int),
     "flashllm_a8_set_vnni": ([ctypes.c_int], ctypes.c_int),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
@@ -237,15 +248,75 @@ def int8_activations(weight: QuantizedWeight) -> bool:
     return mode == "int8" and _int8_layout(weight)
 
 
-def int8_rounded(x: Tensor) -> Tensor:
-    """x (T, K) as the integer x int8 kernels see it, in x's dtype: per token and block of A8_BLOCK
-    features, round-half-even(x * (127 / absmax)) in fp32 times absmax / 127 (tests and docs use it
-    to state that kernel's one approximation)."""
-    tokens, k = x.shape
-    blocks = x.float().reshape(tokens, k // A8_BLOCK, A8_BLOCK)
+def _int8_terms(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 blocks (..., A8_BLOCK) -> (codes, scales, remainder) in fp32 as the kernels compute them:
+    scale absmax / 127, codes round-half-even(x * (127 / absmax)), remainder x - code * scale rounded
+    once (the kernels' fused multiply-add; in float64 the product and difference are exact)."""
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inverse).double() * (amax / 127.0).double()).reshape(tokens, k).to(x.dtype)
+    codes, scales = torch.round(blocks * inverse), amax / 127.0
+    return codes, scales, (blocks.double() - codes.double() * scales.double()).float()
+
+
+def int8_rounded(x: Tensor, terms: int = 1) -> Tensor:
+    """x (T, K) as the integer x int8 kernels see it, in x's dtype: per token and block of A8_BLOCK
+    features, round-half-even(x * (127 / absmax)) in fp32 times absmax / 127; with terms=2 plus the
+    remainder x - that, rounded the same way (prompt_linear's default; tests and docs use it to state
+    the kernels' one approximation)."""
+    tokens, k = x.shape
+    blocks = x.float().reshape(tokens, k // A8_BLOCK, A8_BLOCK)
+    codes, scales, remainder = _int8_terms(blocks)
+    out = codes.double() * scales.double()
+    if terms == 2:
+        codes2, scales2, _ = _int8_terms(remainder)
+        out = out + codes2.double() * scales2.double()
+    return out.reshape(tokens, k).to(x.dtype)
+
+
+def prompt_terms(weight: QuantizedWeight) -> int:
+    """Activation terms prompt_linear uses for this weight: 2 or 1 (FLASHLLM_CPU_PROMPT_ACTIVATIONS
+    int8x2 or int8), 0 where prompts dequantize for a GEMM instead (=fp32, or a layout the integer
+    kernels do not run)."""
+    mode = os.environ.get(PROMPT_ACTIVATIONS_ENV, "int8x2")
+    if mode not in PROMPT_TERMS:
+        raise ValueError(f"{PROMPT_ACTIVATIONS_ENV} must be one of {sorted(PROMPT_TERMS)}, got {mode!r}")
+    if weight.scheme not in ("w8a16", "w4a16") or not _int8_layout(weight):
+        return 0
+    return PROMPT_TERMS[mode]
+
+
+def supports_prompt(weight: QuantizedWeight, num_tokens: int) -> bool:
+    """Whether prompt_linear takes this product: more than MAX_TOKENS rows of an int8/int4 weight
+    whose layout the integer x int8 kernels run, unless FLASHLLM_CPU_PROMPT_ACTIVATIONS=fp32."""
+    return num_tokens > MAX_TOKENS and prompt_terms(weight) > 0 and library() is not None
+
+
+def prompt_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
+    """x (T, K) float @ dequantized W.T -> (T, N) fp32 for a prompt-sized T: the activations are
+    rounded as int8_rounded(x, prompt_terms(weight)) says, the rest is exact integer products and
+    fp32 scaling; rows (and the activations' quantization) split over the configured cores."""
+    lib = library()
+    x = x.float().contiguous()
+    tokens, k = x.shape
+    n, groups = weight.out_features, weight.num_groups
+    codes, scales, zeros = _layout(weight)
+    offsets = offsets_layout(weight)
+    offsets_ptr = None if offsets is None else _ptr(offsets)
+    out = torch.empty(tokens, n, dtype=torch.float32)
+    terms = prompt_terms(weight)
+    split = n * k >= SPLIT_MIN_ELEMENTS and n >= 2 * parallel.ROW_ALIGN
+    threads = parallel.workers() if split else 1
+    if weight.scheme == "w4a16":
+        status = lib.flashllm_w4a8_prompt_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
+                                             None if zeros is None else _ptr(zeros), offsets_ptr, groups, _ptr(out),
+                                             n, n, terms, threads)
+    else:
+        status = lib.flashllm_w8a8_prompt_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), offsets_ptr, groups,
+                                             _ptr(out), n, n, terms, threads)
+    if status != 0:
+        raise MemoryError(f"the integer x int8 prompt kernel could not allocate its activation scratch "
+                          f"({tokens} tokens x {k} features, {terms} terms)")
+    return out
 
 
 def _layout(weight: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -86,15 +86,20 @@ def rounded_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     runs against int8 activations sees x rounded per block (native.int8_rounded, after any act-order permutation),
     in fp32; every other call sees its inputs as given."""
     x, weight = inputs["x"], inputs["weight"]
-    if choose_path(weight, x.shape[0], PACKED_FAST) != "native" or not native.int8_activations(weight):
+    path = choose_path(weight, x.shape[0], PACKED_FAST)
+    if path == "native_prompt":
+        terms = native.prompt_terms(weight)
+    elif path == "native" and native.int8_activations(weight):
+        terms = 1
+    else:
         return inputs
     rounded = {key: v.float() if key in ("x", "bias") and isinstance(v, Tensor) else v for key, v in inputs.items()}
     x = rounded["x"]
     if weight.input_perm is None:
-        rounded["x"] = native.int8_rounded(x)
+        rounded["x"] = native.int8_rounded(x, terms)
     else:
         rounded["x"] = torch.empty_like(x).index_copy_(-1, weight.input_perm,
-                                                       native.int8_rounded(x.index_select(-1, weight.input_perm)))
+                                                       native.int8_rounded(x.index_select(-1, weight.input_perm), terms))
     return rounded
 
 
@@ -116,6 +121,9 @@ def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None 
     if path == "native":
         out = native.int_linear(x, weight)
         return (out if bias is None else out.add_(bias.float())).to(x.dtype)
+    if path == "native_prompt":
+        out = native.prompt_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.out_features)
+        return (out if bias is None else out.add_(bias.float())).to(x.dtype)
     if path == "int8pack":
         out = torch._weight_int8pack_mm(x.contiguous(), weight.data, weight.scales.view(-1).to(x.dtype))
     elif path == "int4pack":
@@ -124,8 +132,8 @@ def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None 
     elif path == "dequant":
         return dequant_matmul(x, weight, bias)
     else:
-        raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, native, int8pack, int4pack, "
-                         "dequant, a8w8_fbgemm or a8w8_dequant")
+        raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, native, native_prompt, int8pack, "
+                         "int4pack, dequant, a8w8_fbgemm or a8w8_dequant")
     return out if bias is None else out.add_(bias.to(out.dtype))
 
 
@@ -133,7 +141,8 @@ def choose_path(
     weight: QuantizedWeight, num_tokens: int, packed_fast: bool, fbgemm: bool = FBGEMM_READY,
     native_ready: bool | None = None,
 ) -> str:
-    """Which body runs: "dense", "native" (csrc/decode_kernels.c), "int8pack", "int4pack", "dequant"
+    """Which body runs: "dense", "native" (csrc/decode_kernels.c), "native_prompt" (a prompt on
+    csrc/int4_int8_kernels.c, native.prompt_linear), "int8pack", "int4pack", "dequant"
     (chunked dequantize + GEMM), "a8w8_fbgemm" or "a8w8_dequant". native_ready None = whether the
     native library loads here."""
     if weight.scheme in ("none", "fp8"):  # fp8 is not claimed here; the reference body is the answer
@@ -144,6 +153,8 @@ def choose_path(
         native_ready = native.library() is not None
     if native_ready and native.supports_quantized(weight, num_tokens):
         return "native"
+    if native_ready and native.supports_prompt(weight, num_tokens):
+        return "native_prompt"
     if not packed_fast or num_tokens > PACKED_MAX_TOKENS or weight.offsets is not None:
         return "dequant"
     if weight.scheme == "w8a16" and weight.num_groups == 1:

@@ -35,41 +35,58 @@
  * half idle: 9728 x 896 codes take 0.45 ms for one token on `epyc3-2c` (docs/benchmarks.md), 0.33 ms
  * when each step prefetches the line this far ahead (512 to 4096 bytes alike, within noise). */
 #define PREFETCH_AHEAD 1024
+/* Activations of at least this many features (tokens x K) are quantized on every thread */
+#define QUANTIZE_SPLIT_FEATURES (1 << 16)
 
 
-/* Token t's K features -> q (K int8; with split, each block's even features then its odd ones, for
- * the int4 codes' nibbles; else in order, for int8 codes), d (K / 64 scales) and qsum (G per-group
- * sums of d[b] * sum q over the group's features: groups of 16 or 32 features (GGUF's) lie within a
+/* One block of 64 features v -> out (64 int8; with split, the even features then the odd ones, for
+ * the int4 codes' nibbles; else in order, for int8 codes) and *d, adding d * sum q over each group's
+ * features to qsum (the token's G group sums: groups of 16 or 32 features (GGUF's) lie within a
  * block, groups of a multiple of 64 span whole blocks). The scale is absmax / 127 in fp32; a feature
- * becomes round-to-nearest-even(x * (127 / absmax)), an all-zero block scale 0 and codes 0. */
-static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum,
-                                 int split) {
-    const int64_t blocks = K / A8_BLOCK, group = K / G;
+ * becomes round-to-nearest-even(v * (127 / absmax)), an all-zero block scale 0 and codes 0. With
+ * residual (64 floats), v - code * d rounded once (fused) goes there: what a second term quantizes. */
+static void quantize_block(const float *v, int64_t b, int64_t group, int8_t *out, float *d, float *qsum, int split,
+                           float *residual) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+    const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t codes[A8_BLOCK];
+    for (int i = 0; i < A8_BLOCK; i += 8)
+        _mm256_storeu_si256((__m256i *)(codes + i),
+                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
+    int32_t total = 0, part = 0;
+    *d = amax / 127.0f;
+    if (residual)
+        for (int i = 0; i < A8_BLOCK; i += 8)
+            _mm256_storeu_ps(residual + i, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(codes + i))),
+                                                            _mm256_set1_ps(*d), _mm256_loadu_ps(v + i)));
+    for (int i = 0; i < A8_BLOCK / 2; i++) {
+        out[split ? i : 2 * i] = (int8_t)codes[2 * i];
+        out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
+        total += codes[2 * i] + codes[2 * i + 1];
+        part += codes[2 * i] + codes[2 * i + 1];
+        if (group < A8_BLOCK && (2 * i + 2) % group == 0) {  /* a sub-block group ends here */
+            qsum[(b * A8_BLOCK + 2 * i + 1) / group] += *d * (float)part;
+            part = 0;
+        }
+    }
+    if (group >= A8_BLOCK) qsum[b * A8_BLOCK / group] += *d * (float)total;
+}
+
+/* Token t's K features -> q (K int8), d (K / 64 scales) and qsum (G group sums), block by block as
+ * quantize_block says. With q2 and d2 (a second term), each block's remainder x - code * d is
+ * quantized the same way into q2, d2, and its group sums join qsum: the two terms carry x to within
+ * absmax / 64516 per block (half a step of the remainder, itself at most half a step of x), where
+ * one leaves absmax / 254. */
+static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum,
+                                 int split, int8_t *q2, float *d2) {
+    const int64_t blocks = K / A8_BLOCK, group = K / G;
     for (int64_t g = 0; g < G; g++) qsum[g] = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-        const float *v = x + b * A8_BLOCK;
-        __m256 top = _mm256_setzero_ps();
-        for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
-        const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t codes[A8_BLOCK];
-        for (int i = 0; i < A8_BLOCK; i += 8)
-            _mm256_storeu_si256((__m256i *)(codes + i),
-                                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
-        int8_t *out = q + b * A8_BLOCK;
-        int32_t total = 0, part = 0;
-        d[b] = amax / 127.0f;
-        for (int i = 0; i < A8_BLOCK / 2; i++) {
-            out[split ? i : 2 * i] = (int8_t)codes[2 * i];
-            out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
-            total += codes[2 * i] + codes[2 * i + 1];
-            part += codes[2 * i] + codes[2 * i + 1];
-            if (group < A8_BLOCK && (2 * i + 2) % group == 0) {  /* a sub-block group ends here */
-                qsum[(b * A8_BLOCK + 2 * i + 1) / group] = d[b] * (float)part;
-                part = 0;
-            }
-        }
-        if (group >= A8_BLOCK) qsum[b * A8_BLOCK / group] += d[b] * (float)total;
+        float residual[A8_BLOCK];
+        quantize_block(x + b * A8_BLOCK, b, group, q + b * A8_BLOCK, d + b, qsum, split, q2 ? residual : NULL);
+        if (q2) quantize_block(residual, b, group, q2 + b * A8_BLOCK, d2 + b, qsum, split, NULL);
     }
 }
 
@@ -88,7 +105,8 @@ typedef struct {
     const int8_t *q;        /* (T, K) */
     const float *d, *qsum;  /* (T, K / 64), (T, G) */
     float *y;
-    int64_t T, K, G, ldy;
+    int64_t T, K, G, ldy;   /* T: activation rows, terms per token (T / terms tokens) */
+    int terms;              /* 1, or 2: rows 2t and 2t + 1 are token t's two terms (x ~ q0 d0 + q1 d1) */
 } a8_args;
 
 /* sum_g scales[g] * zeros[g] * qsum[g] over G groups, 8 at a time (masked loads for the tail) */
@@ -119,6 +137,19 @@ static inline float row_term(const a8_args *a, int64_t n, const float *qsum) {
     const int64_t G = a->G;
     if (a->offsets) return offset_term(a->offsets + n * G, qsum, G);
     return -zero_term(a->scales + n * G, a->zeros ? a->zeros + n * G : NULL, qsum, G);
+}
+
+/* Row n's results for activation rows t0..t0 + TT from their block sums: a token's terms (adjacent
+ * rows; t0 and TT are multiples of a->terms) add up, then the row's offsets (w8: offsets only) or
+ * zero-point term joins once per token. */
+static inline void store_rows(const a8_args *a, int64_t n, int64_t t0, int TT, const float *sums, int w8) {
+    const int64_t G = a->G;
+    for (int j = 0; j < TT; j += a->terms) {
+        const int64_t t = (t0 + j) / a->terms;
+        const float *qsum = a->qsum + t * G;
+        const float extra = !w8 ? row_term(a, n, qsum) : a->offsets ? offset_term(a->offsets + n * G, qsum, G) : 0.0f;
+        a->y[t * a->ldy + n] = (a->terms == 2 ? sums[j] + sums[j + 1] : sums[j]) + extra;
+    }
 }
 
 /* Rows n0..n1 for tokens t0..t0 + TT (TT <= 4): each block's codes are split into nibbles once for
@@ -156,19 +187,28 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_broadcast_ss(d[j] + b)), acc[j]);
             }
         }
-        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) + row_term(a, n, a->qsum + (t0 + j) * G);
+        float sums[4];
+        for (int j = 0; j < TT; j++) sums[j] = hsum8(acc[j]);
+        store_rows(a, n, t0, TT, sums, 0);
     }
 }
 
-/* A share of rows: ROWS(a, n0, n1, t0, TT) over the tokens 4 at a time, TT a constant in each call
- * so that the token loop unrolls. */
-#define TOKEN_SWEEPS(ROWS)                                                                        \
-    for (int64_t t0 = 0; t0 < a->T; t0 += 4) {                                                    \
-        switch (a->T - t0 < 4 ? a->T - t0 : 4) {                                                  \
-            case 1: ROWS(a, n0, n1, t0, 1); break;                                                \
-            case 2: ROWS(a, n0, n1, t0, 2); break;                                                \
-            case 3: ROWS(a, n0, n1, t0, 3); break;                                                \
-            default: ROWS(a, n0, n1, t0, 4); break;                                               \
+/* A share of rows: ROWS(a, r0, r1, t0, TT) over the activation rows 4 at a time, TT a constant in
+ * each call so that the token loop unrolls, one tile of rows at a time: for a prompt (hundreds of
+ * rows) every 4 rows re-read the tile's codes, which stay in L2 when the tile is TILE_BYTES, where
+ * sweeping the whole share re-read it from memory (a decode batch sweeps once either way). */
+#define TILE_BYTES (128 * 1024)
+#define TOKEN_SWEEPS(ROWS, ROW_BYTES)                                                             \
+    const int64_t tile = (ROW_BYTES) >= TILE_BYTES / 16 ? 16 : TILE_BYTES / (ROW_BYTES);          \
+    for (int64_t r0 = n0; r0 < n1; r0 += tile) {                                                  \
+        const int64_t r1 = r0 + tile < n1 ? r0 + tile : n1;                                       \
+        for (int64_t t0 = 0; t0 < a->T; t0 += 4) {                                                \
+            switch (a->T - t0 < 4 ? a->T - t0 : 4) {                                              \
+                case 1: ROWS(a, r0, r1, t0, 1); break;                                            \
+                case 2: ROWS(a, r0, r1, t0, 2); break;                                            \
+                case 3: ROWS(a, r0, r1, t0, 3); break;                                            \
+                default: ROWS(a, r0, r1, t0, 4); break;                                           \
+            }                                                                                     \
         }                                                                                         \
     }
 
@@ -216,13 +256,14 @@ A8_VNNI static inline void vnni_rows_for_tokens(const a8_args *a, int64_t n0, in
                                          _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(lane)), acc[j]);
             }
         }
-        for (int j = 0; j < TT; j++)
-            a->y[(t0 + j) * a->ldy + n] = _mm512_reduce_add_ps(acc[j]) + row_term(a, n, a->qsum + (t0 + j) * a->G);
+        float sums[4];
+        for (int j = 0; j < TT; j++) sums[j] = _mm512_reduce_add_ps(acc[j]);
+        store_rows(a, n, t0, TT, sums, 0);
     }
 }
 
 A8_VNNI static void vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
-    TOKEN_SWEEPS(vnni_rows_for_tokens)
+    TOKEN_SWEEPS(vnni_rows_for_tokens, a->K / 2)
 }
 
 /* 1 where the CPU has AVX-512 VNNI (picked at load; flashllm_a8_set_vnni turns it off for tests and A/B
@@ -247,7 +288,7 @@ static void a8_share(void *ctx, int64_t n0, int64_t n1) {
         vnni_share(a, n0, n1);
         return;
     }
-    TOKEN_SWEEPS(rows_for_tokens)
+    TOKEN_SWEEPS(rows_for_tokens, a->K / 2)
 }
 
 /* Bytes of scratch flashllm_w4a8_gemv_mt needs for T tokens: the int8 activations and their scales. */
@@ -255,20 +296,41 @@ static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
     return T * K + (int64_t)sizeof(float) * T * (K / A8_BLOCK + G);
 }
 
-/* Quantize the T tokens' activations (split: for int4 codes) into scratch (scratch_bytes, 4-byte
- * aligned, or NULL to allocate it here) and run `share` over the N rows. Returns 0, or -1 when the
- * scratch could not be allocated. */
+typedef struct {
+    const float *x;
+    int64_t K, G;
+    int8_t *q;
+    float *d, *qsum;
+    int split, terms;
+} quantize_args;
+
+/* Tokens t0..t1 into their activation rows: token t's at row t * terms, its second term's (if any) next. */
+static void quantize_share(void *ctx, int64_t t0, int64_t t1) {
+    const quantize_args *a = ctx;
+    const int64_t K = a->K, blocks = K / A8_BLOCK;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t row = t * a->terms;
+        quantize_activations(a->x + t * K, K, a->G, a->q + row * K, a->d + row * blocks, a->qsum + t * a->G, a->split,
+                             a->terms == 2 ? a->q + (row + 1) * K : NULL, a->terms == 2 ? a->d + (row + 1) * blocks : NULL);
+    }
+}
+
+/* Quantize the T tokens' activations (split: for int4 codes; terms 1 or 2 rows per token, see
+ * quantize_share) into scratch (scratch_bytes for T * terms rows, 4-byte aligned, or NULL to
+ * allocate it here) and run `share` over the N rows. Returns 0, or -1 when the scratch could not
+ * be allocated. */
 static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w, const float *scales,
                             const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
-                            void *scratch, int threads, int split, flashllm_share_fn share) {
-    const int64_t blocks = K / A8_BLOCK;
-    void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(T, K, G));
+                            void *scratch, int threads, int split, int terms, flashllm_share_fn share) {
+    const int64_t blocks = K / A8_BLOCK, rows = T * terms;
+    void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(rows, K, G));
     if (!scratch && !owned) return -1;
-    float *d = scratch ? scratch : owned, *qsum = d + T * blocks;
-    int8_t *q = (int8_t *)(qsum + T * G);
-    for (int64_t t = 0; t < T; t++)
-        quantize_activations(x + t * K, K, G, q + t * K, d + t * blocks, qsum + t * G, split);
-    a8_args a = {w, scales, zeros, offsets, q, d, qsum, y, T, K, G, ldy};
+    float *d = scratch ? scratch : owned, *qsum = d + rows * blocks;
+    int8_t *q = (int8_t *)(qsum + rows * G);
+    quantize_args qa = {x, K, G, q, d, qsum, split, terms};
+    if (T * K >= QUANTIZE_SPLIT_FEATURES) flashllm_parallel_items(quantize_share, &qa, T, threads, 1);
+    else quantize_share(&qa, 0, T);
+    a8_args a = {w, scales, zeros, offsets, q, d, qsum, y, rows, K, G, ldy, terms};
     flashllm_parallel_for(share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
@@ -280,7 +342,15 @@ static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w,
 int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
                           const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
                           void *scratch, int threads) {
-    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, scratch, threads, 1, a8_share);
+    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, scratch, threads, 1, 1, a8_share);
+}
+
+/* The same for a prompt: terms 1 or 2 activation rows per token (quantize_share); scratch allocated here. */
+int flashllm_w4a8_prompt_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
+                            const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
+                            int terms, int threads) {
+    if (terms != 1 && terms != 2) return -2;
+    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, NULL, threads, 1, terms, a8_share);
 }
 
 /* ---- int8 weights against int8 activations (opt-in for w8a16: FLASHLLM_CPU_W8_ACTIVATIONS=int8) ----
@@ -337,9 +407,9 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dj)), acc[j]);
             }
         }
-        for (int j = 0; j < TT; j++)
-            a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]) +
-                                          (a->offsets ? offset_term(a->offsets + n * G, a->qsum + (t0 + j) * G, G) : 0.0f);
+        float sums[4];
+        for (int j = 0; j < TT; j++) sums[j] = hsum8(acc[j]);
+        store_rows(a, n, t0, TT, sums, 1);
     }
 }
 
@@ -377,14 +447,14 @@ A8_VNNI static inline void w8_vnni_rows_for_tokens(const a8_args *a, int64_t n0,
                                          _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(lane)), acc[j]);
             }
         }
-        for (int j = 0; j < TT; j++)
-            a->y[(t0 + j) * a->ldy + n] = _mm512_reduce_add_ps(acc[j]) +
-                                          (a->offsets ? offset_term(a->offsets + n * G, a->qsum + (t0 + j) * G, G) : 0.0f);
+        float sums[4];
+        for (int j = 0; j < TT; j++) sums[j] = _mm512_reduce_add_ps(acc[j]);
+        store_rows(a, n, t0, TT, sums, 1);
     }
 }
 
 A8_VNNI static void w8_vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
-    TOKEN_SWEEPS(w8_vnni_rows_for_tokens)
+    TOKEN_SWEEPS(w8_vnni_rows_for_tokens, a->K)
 }
 
 static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
@@ -393,7 +463,7 @@ static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
         w8_vnni_share(a, n0, n1);
         return;
     }
-    TOKEN_SWEEPS(w8_rows_for_tokens)
+    TOKEN_SWEEPS(w8_rows_for_tokens, a->K)
 }
 
 /* y[t * ldy + n] for t < T, n < N as above (+ sum_g offsets[n, g] * the group's activations where
@@ -402,5 +472,12 @@ static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
 int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                           const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
                           int threads) {
-    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, scratch, threads, 0, w8a8_share);
+    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, scratch, threads, 0, 1, w8a8_share);
+}
+
+/* The same for a prompt: terms 1 or 2 activation rows per token (quantize_share); scratch allocated here. */
+int flashllm_w8a8_prompt_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
+                            const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, int terms, int threads) {
+    if (terms != 1 && terms != 2) return -2;
+    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, NULL, threads, 0, terms, w8a8_share);
 }
