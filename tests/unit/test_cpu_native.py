@@ -265,12 +265,16 @@ def test_row_split_over_threads_gives_the_single_thread_bits(threads, scheme: st
         check_integer_product(weight, x)
 
 
-def test_engine_paths_choose_the_native_kernels_for_decode_batches() -> None:
+def test_engine_paths_choose_the_native_kernels_for_decode_batches(monkeypatch) -> None:
+    monkeypatch.delenv(native.PROMPT_ACTIVATIONS_ENV, raising=False)
     w8 = quantize_weight(torch.randn(64, 128), "w8a16")
     w4_group16 = quantize_weight(torch.randn(64, 128), "w4a16", 16)
     assert cpu_quant.choose_path(w8, 1, packed_fast=True) == "native"
-    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "dequant"
+    # a prompt takes the integer prompt kernels (native.prompt_linear) unless told to dequantize
+    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "native_prompt"
     assert cpu_quant.choose_path(w4_group16, 1, packed_fast=False) == "dequant"  # groups of 16: not taken
+    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "fp32")
+    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "dequant"
     x = torch.randn(1, 128, dtype=torch.bfloat16)
     got = cpu_quant.run_path("native", x, w8, torch.ones(64))
     assert got.dtype == torch.bfloat16
