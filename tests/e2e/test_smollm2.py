@@ -213,14 +213,15 @@ def test_greedy_tokens_equal_llama_cpp_on_the_same_file():
 
 
 def test_the_quick_start_answer_survives_the_int8_prompt_path(monkeypatch):
-    """The 37-token chat prompt runs on the integer prompt kernels (two int8 terms by default) and the
+    """With FLASHLLM_CPU_PROMPT_ACTIVATIONS=int8x2 the 37-token chat prompt runs on the integer prompt kernels
+    (two int8 terms) and the
     answer stays 'Paris'. The exact model's first token leads by 0.08 logits ('The' 25.33 vs 'L' 25.24):
     one int8 term per block (llama.cpp's rounding, FLASHLLM_CPU_PROMPT_ACTIVATIONS=int8) moves the logits
     by ~0.3-0.6 and answered "L'Étoile, la Cité, ..." (f24afec); two terms move them by ~1e-3."""
     from flashllm import LLM, SamplingParams
     from flashllm.backends.cpu import native
 
-    monkeypatch.delenv(native.PROMPT_ACTIVATIONS_ENV, raising=False)
+    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")
     calls = [0]
     real = native.prompt_linear
 

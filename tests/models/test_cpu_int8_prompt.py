@@ -1,8 +1,8 @@
 """Prompts of int8/int4 weights on the cpu backend's integer kernels (native.prompt_linear) against the fp32 path.
 
-The fp32 path (FLASHLLM_CPU_PROMPT_ACTIVATIONS=fp32) dequantizes each weight and runs a BLAS GEMM: the
-dequantized float model's arithmetic. The integer path rounds the activations per token and block of 64
-features; by default to two int8 terms, which carry each feature to within absmax / 64516 of its block
+The fp32 path (FLASHLLM_CPU_PROMPT_ACTIVATIONS=fp32, the default) dequantizes each weight and runs a BLAS
+GEMM: the dequantized float model's arithmetic. The integer path rounds the activations per token and block
+of 64 features; with =int8x2 to two int8 terms, which carry each feature to within absmax / 64516 of its block
 (2^-16 of the block's largest |x|), so a linear's output moves by at most that times sum |w| |x|_max:
 about 1e-5 of its scale, and a tiny model's logprobs by ~1e-5 (measured 1e-5..4e-5 here; gate 1e-3).
 One int8 term (llama.cpp's rounding, absmax / 254) moves them ~250x as far, which the test also

@@ -100,6 +100,8 @@ def test_prompts_split_over_threads_give_the_single_thread_bits(monkeypatch):
 
 def test_fp32_mode_and_decode_batches_keep_their_paths(monkeypatch):
     weight = quantize_weight(torch.randn(72, K), "w8a16", -1, True)
+    monkeypatch.delenv(native.PROMPT_ACTIVATIONS_ENV, raising=False)
+    assert cpu_quant.choose_path(weight, 100, cpu_quant.PACKED_FAST) == "dequant"  # the default: exact, faster today
     monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "fp32")
     assert cpu_quant.choose_path(weight, 100, cpu_quant.PACKED_FAST) == "dequant"
     monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")

@@ -270,11 +270,11 @@ def test_engine_paths_choose_the_native_kernels_for_decode_batches(monkeypatch) 
     w8 = quantize_weight(torch.randn(64, 128), "w8a16")
     w4_group16 = quantize_weight(torch.randn(64, 128), "w4a16", 16)
     assert cpu_quant.choose_path(w8, 1, packed_fast=True) == "native"
-    # a prompt takes the integer prompt kernels (native.prompt_linear) unless told to dequantize
-    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "native_prompt"
-    assert cpu_quant.choose_path(w4_group16, 1, packed_fast=False) == "dequant"  # groups of 16: not taken
-    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "fp32")
+    # a prompt dequantizes for a GEMM unless told to take the integer prompt kernels (native.prompt_linear)
     assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "dequant"
+    assert cpu_quant.choose_path(w4_group16, 1, packed_fast=False) == "dequant"  # groups of 16: not taken
+    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")
+    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "native_prompt"
     x = torch.randn(1, 128, dtype=torch.bfloat16)
     got = cpu_quant.run_path("native", x, w8, torch.ones(64))
     assert got.dtype == torch.bfloat16

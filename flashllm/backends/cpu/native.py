@@ -54,11 +54,13 @@ INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
 # GGUF weights default to int8 activations, as llama.cpp runs them)
 W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
-# Prompts (more than MAX_TOKENS rows) of int8/int4 weights run the same integer kernels (prompt_linear)
-# against activations in two int8 terms per block by default ("int8x2": x to within absmax / 64516 of
-# the block, about 16 bits, what w8a16's name promises); "int8" is one term (llama.cpp's rounding,
-# twice as fast, but it flips close calls: SmolLM2's quick-start answer, docs/gguf.md), "fp32"
-# dequantizes for a BLAS GEMM as before.
+# Prompts (more than MAX_TOKENS rows) of int8/int4 weights dequantize for a BLAS GEMM by default
+# ("fp32": exact, and the fastest here: 512 tokens of the 0.5b shape's w8a16 ran 184 tokens/s against
+# 110 for "int8x2" and 171 for "int8" on `epyc4-2c`, docs/gguf.md). Opt-in, the same integer kernels as
+# decode (prompt_linear) against activations in two int8 terms per block ("int8x2": x to within
+# absmax / 64516 of the block, about 16 bits) or one ("int8": llama.cpp's rounding, which flips close
+# calls: SmolLM2's quick-start answer). They are GEMV-shaped (one row, four tokens a step): a faster
+# integer GEMM is what would make them pay.
 PROMPT_ACTIVATIONS_ENV = "FLASHLLM_CPU_PROMPT_ACTIVATIONS"
 PROMPT_TERMS = {"int8x2": 2, "int8": 1, "fp32": 0}
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
@@ -275,9 +277,9 @@ def int8_rounded(x: Tensor, terms: int = 1) -> Tensor:
 
 def prompt_terms(weight: QuantizedWeight) -> int:
     """Activation terms prompt_linear uses for this weight: 2 or 1 (FLASHLLM_CPU_PROMPT_ACTIVATIONS
-    int8x2 or int8), 0 where prompts dequantize for a GEMM instead (=fp32, or a layout the integer
-    kernels do not run)."""
-    mode = os.environ.get(PROMPT_ACTIVATIONS_ENV, "int8x2")
+    int8x2 or int8), 0 where prompts dequantize for a GEMM instead (=fp32, the default, or a layout
+    the integer kernels do not run)."""
+    mode = os.environ.get(PROMPT_ACTIVATIONS_ENV, "fp32")
     if mode not in PROMPT_TERMS:
         raise ValueError(f"{PROMPT_ACTIVATIONS_ENV} must be one of {sorted(PROMPT_TERMS)}, got {mode!r}")
     if weight.scheme not in ("w8a16", "w4a16") or not _int8_layout(weight):
@@ -287,7 +289,7 @@ def prompt_terms(weight: QuantizedWeight) -> int:
 
 def supports_prompt(weight: QuantizedWeight, num_tokens: int) -> bool:
     """Whether prompt_linear takes this product: more than MAX_TOKENS rows of an int8/int4 weight
-    whose layout the integer x int8 kernels run, unless FLASHLLM_CPU_PROMPT_ACTIVATIONS=fp32."""
+    whose layout the integer x int8 kernels run, with FLASHLLM_CPU_PROMPT_ACTIVATIONS int8x2 or int8."""
     return num_tokens > MAX_TOKENS and prompt_terms(weight) > 0 and library() is not None
 
 
