@@ -92,6 +92,7 @@ def test_prompts_split_over_threads_give_the_single_thread_bits(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     weight = quantize_weight(torch.randn(1024, K, generator=gen), "w8a16", -1, True)
     x = torch.randn(70, K, generator=gen)
+    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")
     monkeypatch.setattr(native.parallel, "workers", lambda: 1)
     one = native.prompt_linear(x, weight)
     monkeypatch.setattr(native.parallel, "workers", lambda: 3)
@@ -106,6 +107,9 @@ def test_fp32_mode_and_decode_batches_keep_their_paths(monkeypatch):
     assert cpu_quant.choose_path(weight, 100, cpu_quant.PACKED_FAST) == "dequant"
     monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")
     assert cpu_quant.choose_path(weight, native.MAX_TOKENS, cpu_quant.PACKED_FAST) == "native"
+    monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "fp32")
+    with pytest.raises(ValueError, match="supports_prompt"):
+        native.prompt_linear(torch.randn(40, K), weight)
     monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int16")
     with pytest.raises(ValueError, match="FLASHLLM_CPU_PROMPT_ACTIVATIONS"):
         native.prompt_terms(weight)

@@ -306,6 +306,9 @@ def prompt_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     offsets_ptr = None if offsets is None else _ptr(offsets)
     out = torch.empty(tokens, n, dtype=torch.float32)
     terms = prompt_terms(weight)
+    if terms == 0:
+        raise ValueError(f"prompt_linear runs with {PROMPT_ACTIVATIONS_ENV}=int8x2 or int8 on a layout the integer "
+                         "kernels take; check supports_prompt first")
     split = n * k >= SPLIT_MIN_ELEMENTS and n >= 2 * parallel.ROW_ALIGN
     threads = parallel.workers() if split else 1
     if weight.scheme == "w4a16":
