@@ -142,8 +142,17 @@ static inline float row_term(const a8_args *a, int64_t n, const float *qsum) {
 /* Row n's results for activation rows t0..t0 + TT from their block sums: a token's terms (adjacent
  * rows; t0 and TT are multiples of a->terms) add up, then the row's offsets (w8: offsets only) or
  * zero-point term joins once per token. */
-static inline void store_rows(const a8_args *a, int64_t n, int64_t t0, int TT, const float *sums, int w8) {
+static inline __attribute__((always_inline)) void store_rows(const a8_args *a, int64_t n, int64_t t0, int TT,
+                                                              const float *sums, int w8) {
     const int64_t G = a->G;
+    if (a->terms == 1) {  /* a decode batch: as before the prompt path came, one store per token */
+        for (int j = 0; j < TT; j++) {
+            const float *qsum = a->qsum + (t0 + j) * G;
+            a->y[(t0 + j) * a->ldy + n] = sums[j] + (!w8 ? row_term(a, n, qsum)
+                                                     : a->offsets ? offset_term(a->offsets + n * G, qsum, G) : 0.0f);
+        }
+        return;
+    }
     for (int j = 0; j < TT; j += a->terms) {
         const int64_t t = (t0 + j) / a->terms;
         const float *qsum = a->qsum + t * G;
@@ -198,8 +207,10 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
  * rows) every 4 rows re-read the tile's codes, which stay in L2 when the tile is TILE_BYTES, where
  * sweeping the whole share re-read it from memory (a decode batch sweeps once either way). */
 #define TILE_BYTES (128 * 1024)
+#define TILE_MIN_ROWS 32  /* decode batches (one term, at most native.MAX_TOKENS rows) sweep the share whole */
 #define TOKEN_SWEEPS(ROWS, ROW_BYTES)                                                             \
-    const int64_t tile = (ROW_BYTES) >= TILE_BYTES / 16 ? 16 : TILE_BYTES / (ROW_BYTES);          \
+    const int64_t tile = a->T <= TILE_MIN_ROWS ? n1 - n0 + 1                                     \
+                         : (ROW_BYTES) >= TILE_BYTES / 16 ? 16 : TILE_BYTES / (ROW_BYTES);          \
     for (int64_t r0 = n0; r0 < n1; r0 += tile) {                                                  \
         const int64_t r1 = r0 + tile < n1 ? r0 + tile : n1;                                       \
         for (int64_t t0 = 0; t0 < a->T; t0 += 4) {                                                \
