@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import random
-import struct
 from pathlib import Path
 
 import pytest
-import torch
 
 from flashllm.backends.cpu import kv_pages
-from flashllm.backends.cpu.kv_pages import PAGE
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.pages import backed_pages
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not kv_pages.enabled(), reason="lazily backed KV pages need Linux")
@@ -21,22 +19,6 @@ pytestmark = pytest.mark.skipif(not kv_pages.enabled(), reason="lazily backed KV
 BLOCK = 32  # the tiny model's K (or V) block of one layer: 32 tokens x 2 heads x 16 x 4 B = one 4 KiB page
 NUM_BLOCKS = 48
 MAX_MODEL_LEN = 128
-
-
-def backed_pages(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the pages under the tensors that the kernel backs for this process alone (written, not
-    the shared zero page a read maps; or swapped out), from /proc/self/pagemap entry by entry: the
-    kernel's own accounting, read here on its own and per address, so another mapping the kernel
-    merged with these (another test's cache still alive) cannot add to it."""
-    total = 0
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        for t in tensors:
-            first, end = t.data_ptr() // PAGE, -(-(t.data_ptr() + t.nbytes) // PAGE)
-            pagemap.seek(first * 8)
-            for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - first) * 8)):
-                written = entry >> 63 & 1 and entry >> 56 & 1  # present, and mapped by this process alone
-                total += PAGE if written or entry >> 62 & 1 else 0
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +62,7 @@ def test_kv_memory_grows_with_load_stays_under_the_cap_and_returns(model_dir, mo
     assert runner.kv_cache_bytes() <= cap
 
     def resident() -> int:
-        return backed_pages(caches)
+        return backed_pages(*caches)
 
     assert resident() == 0  # nothing written yet: a fresh engine holds no KV memory
     light, light_tokens = _drive(llm, _requests(1, seed=1), resident)

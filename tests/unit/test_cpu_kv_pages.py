@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 import torch
 from hypothesis import given
@@ -11,24 +9,9 @@ from hypothesis import strategies as st
 
 from flashllm.backends.cpu import kv_pages
 from flashllm.backends.cpu.kv_pages import PAGE, KVPages, block_runs, inner_pages
+from flashllm.testing.pages import backed_pages
 
 pytestmark = pytest.mark.skipif(not kv_pages.enabled(), reason="lazily backed KV pages need Linux")
-
-
-def backed_pages(*tensors: torch.Tensor) -> int:
-    """Bytes of the pages under the tensors that the kernel backs for this process alone (written, not
-    the shared zero page a read maps; or swapped out), from /proc/self/pagemap entry by entry: the
-    kernel's own accounting, read here on its own and per address, so another mapping the kernel
-    merged with these (another test's cache still alive) cannot add to it."""
-    total = 0
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        for t in tensors:
-            first, end = t.data_ptr() // PAGE, -(-(t.data_ptr() + t.nbytes) // PAGE)
-            pagemap.seek(first * 8)
-            for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - first) * 8)):
-                written = entry >> 63 & 1 and entry >> 56 & 1  # present, and mapped by this process alone
-                total += PAGE if written or entry >> 62 & 1 else 0
-    return total
 
 
 @given(st.lists(st.integers(0, 40), max_size=30))
