@@ -154,6 +154,9 @@ class StepChannel:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0] = _STOP
         dist.broadcast(header, src=0, group=control_group())
+        # every rank has read the stop before any tears its group down: a rank that closed its sockets
+        # while another was still reading would fail that one's last collective
+        dist.barrier(group=control_group())
 
     def receive(self) -> ModelInput | None:
         """Other ranks: the next step's inputs, or None when the driver stops."""
@@ -162,6 +165,7 @@ class StepChannel:
         dist.broadcast(header, src=0, group=group)
         command, tokens, seqs, width, rows, num_logits, max_q, max_k = header.tolist()
         if command == _STOP:
+            dist.barrier(group=group)  # the driver's send_stop waits here too
             return None
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
