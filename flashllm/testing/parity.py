@@ -28,6 +28,17 @@ def record_logits(llm: Any) -> list[tuple[list[int], torch.Tensor]]:
     return rows
 
 
+def assert_rows_match(rows: list[tuple[list[int], torch.Tensor]], prompt: list[int], tokens: list[int],
+                      logits: torch.Tensor, steps: int, atol: float) -> None:
+    """Every recorded row that scored a prefix of prompt + tokens, from the prompt on (at least `steps` of
+    them), is within `atol` of `logits` (the reference's rows over prompt + tokens) at its last position."""
+    full = prompt + tokens
+    mine = [(ctx, row) for ctx, row in rows if len(ctx) >= len(prompt) and ctx == full[:len(ctx)]]
+    assert len(mine) >= steps, f"prompt of {len(prompt)} tokens: {len(mine)} logits rows recorded"
+    for ctx, row in mine:
+        torch.testing.assert_close(row, logits[len(ctx) - 1], atol=atol, rtol=0)
+
+
 class LogitRecorder:
     """`record_logits` as an object: `.rows` fills as the LLM generates."""
 

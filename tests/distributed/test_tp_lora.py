@@ -5,13 +5,12 @@ rank starts."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("peft")
 
 from flashllm import LLM, SamplingParams  # noqa: E402
 from flashllm.core.builder import EngineConfigError  # noqa: E402
-from flashllm.testing.parity import record_logits  # noqa: E402
+from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import build_peft_adapter, greedy_reference, load_peft_model  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -36,11 +35,7 @@ def test_merged_adapter_on_two_ranks_matches_peft(tmp_path) -> None:
     for prompt, output in zip(prompts, outputs, strict=True):
         tokens, logits = greedy_reference(reference, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens
-        full = prompt + tokens
-        mine = [(ctx, row) for ctx, row in rows if len(ctx) >= len(prompt) and ctx == full[:len(ctx)]]
-        assert len(mine) >= STEPS
-        for ctx, row in mine:
-            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
+        assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=1e-4)
 
 
 def test_multi_lora_with_two_ranks_is_refused_before_any_rank_starts(tmp_path) -> None:

@@ -19,7 +19,7 @@ from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.models.registry import ModelRegistry  # noqa: E402
 from flashllm.quant.spec import weight_quant_spec  # noqa: E402
 from flashllm.sampling_params import SamplingParams  # noqa: E402
-from flashllm.testing.parity import record_logits  # noqa: E402
+from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import build_peft_adapter, load_peft_model  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -55,11 +55,7 @@ def _check_engine_against_peft(base: Path, adapter: Path, reference=None) -> Non
     for prompt, output in zip(prompts, outputs, strict=True):
         tokens, logits = _hf_greedy(reference, prompt)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        full = prompt + tokens
-        mine = [(ctx, row) for ctx, row in rows if len(ctx) >= len(prompt) and ctx == full[:len(ctx)]]
-        assert len(mine) >= STEPS
-        for ctx, row in mine:
-            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
+        assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=1e-4)
 
 
 @pytest.mark.parametrize(("preset", "targets", "rslora"), [

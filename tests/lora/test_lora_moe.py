@@ -14,7 +14,7 @@ pytest.importorskip("peft")
 from flashllm.llm import LLM  # noqa: E402
 from flashllm.lora import LoRAError, LoRARequest  # noqa: E402
 from flashllm.sampling_params import SamplingParams  # noqa: E402
-from flashllm.testing.parity import record_logits  # noqa: E402
+from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import (  # noqa: E402
     build_peft_adapter,
     build_random_adapter,
@@ -64,11 +64,7 @@ def _check(llm: LLM, rows, prompts, loras, base: Path, batched: bool = True) -> 
         else:
             tokens, logits = greedy_reference(reference, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"{lora and lora.lora_name} diverged from peft"
-        full = prompt + tokens
-        mine = [(ctx, row) for ctx, row in rows if len(ctx) >= len(prompt) and ctx == full[:len(ctx)]]
-        assert len(mine) >= STEPS
-        for ctx, row in mine:
-            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
+        assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=1e-4)
 
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64,

@@ -13,7 +13,7 @@ from flashllm.llm import LLM  # noqa: E402
 from flashllm.lora import LoRAError, LoRARequest  # noqa: E402
 from flashllm.models.layers.linear import LinearBase  # noqa: E402
 from flashllm.sampling_params import SamplingParams  # noqa: E402
-from flashllm.testing.parity import record_logits  # noqa: E402
+from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import build_peft_adapter, greedy_reference, load_peft_model  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -79,11 +79,7 @@ def test_batched_adapters_match_transformers_and_peft(preset, setup) -> None:
         else:
             tokens, logits = greedy_reference(reference, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"{lora and lora.lora_name} diverged"
-        full = prompt + tokens
-        mine = [(ctx, row) for ctx, row in rows if len(ctx) >= len(prompt) and ctx == full[:len(ctx)]]
-        assert len(mine) >= STEPS
-        for ctx, row in mine:
-            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=1e-4, rtol=0)
+        assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=1e-4)
 
 
 def test_mixed_batch_gives_each_row_what_it_gives_alone(setup) -> None:

@@ -22,6 +22,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.parity import assert_rows_match
 from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
@@ -220,11 +221,7 @@ def _check_tokens_and_logits(hf_model, prompts, outputs, rows) -> None:
     for prompt, output in zip(prompts, outputs, strict=True):
         tokens, logits = _hf_greedy(hf_model, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        full = prompt + tokens
-        mine = [(ctx, row) for ctx, row in rows if ctx == full[:len(ctx)] and len(ctx) >= len(prompt)]
-        assert len(mine) >= STEPS, f"prompt of {len(prompt)} tokens: {len(mine)} logits rows recorded"
-        for ctx, row in mine:
-            torch.testing.assert_close(row, logits[len(ctx) - 1], atol=ATOL, rtol=0)
+        assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=ATOL)
 
 
 def _llm(model_dir: Path, **kw) -> LLM:

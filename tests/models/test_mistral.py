@@ -14,7 +14,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.models.mistral import DEFAULT_SLIDING_WINDOW
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import LogitRecorder
+from flashllm.testing.parity import LogitRecorder, assert_rows_match
 
 WINDOW = 24     # shorter than most prompts below, and not a multiple of the block size
 BLOCK = 16
@@ -137,11 +137,7 @@ def test_engine_greedy_tokens_and_logits_match_transformers(backend, mistral_dir
     for prompt, output in zip(prompts, outputs, strict=True):
         tokens, final = _hf_greedy(hf_mistral, prompt)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        full = prompt + tokens
-        rows = [(ctx, row) for ctx, row in recorder.rows if ctx == full[:len(ctx)] and len(ctx) >= len(prompt)]
-        assert len(rows) >= STEPS
-        for ctx, row in rows:
-            torch.testing.assert_close(row, final[len(ctx) - 1], atol=ATOL, rtol=0)
+        assert_rows_match(recorder.rows, prompt, tokens, final, STEPS, atol=ATOL)
 
 
 def test_prefix_cache_hits_give_transformers_tokens(mistral_dir, hf_mistral):
