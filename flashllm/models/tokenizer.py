@@ -108,12 +108,14 @@ CHAT_FORMATS: dict[str, tuple[str | None, tuple[str, ...]]] = {
 
 def eos_token_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[int]:
     """The tokenizer's EOS id, then generation_config's `eos_token_id` (int or list), then the stop
-    tokens of its `chat_format` (CHAT_FORMATS), deduped."""
+    tokens of its `chat_format` (CHAT_FORMATS), then the tokenizer's own `turn_end_tokens` (tokens a
+    natively built tokenizer names as ending a turn, e.g. ChatGLM3's <|user|>), deduped."""
     candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
     configured = (generation_config or {}).get("eos_token_id")
     candidates += configured if isinstance(configured, list) else [configured]
     chat_format = (generation_config or {}).get("chat_format")
     _, stop_tokens = CHAT_FORMATS.get(chat_format, (None, ())) if isinstance(chat_format, str) else (None, ())
+    stop_tokens = (*stop_tokens, *getattr(tokenizer, "turn_end_tokens", ()))
     candidates += [_token_id(tokenizer, t) for t in stop_tokens]
     ids = [t for t in candidates if t is not None]
     for token_id in ids:
@@ -147,8 +149,8 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
     Looks at, in order: `chat_template.jinja` (or `additional_chat_templates/<name>.jinja`
     when `name` is given), `chat_template` in tokenizer_config.json (a string, or a list of
     {name, template} from which `name`, default "default", is taken), then the built-in
-    template called `name` (without a name: the one generation_config.json's `chat_format`
-    names in CHAT_FORMATS). Special tokens come from tokenizer_config.json.
+    template called `name` (without a name: the one the checkpoint's own files point to, see
+    checkpoint_chat_format). Special tokens come from tokenizer_config.json.
     """
     root = Path(path)
     if name is not None and not _NAME.fullmatch(name):
@@ -165,8 +167,8 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
     source = file.read_text(encoding="utf-8") if file.is_file() else _template_from_config(config, name, config_path)
     if source is not None:
         return ChatTemplate(source, name=name or "default", **tokens)
-    if name is None:  # a checkpoint that names its prompt format (first-generation Qwen) instead
-        name = _chat_format_template(root)
+    if name is None:  # a checkpoint whose prompt format lives in its remote code: pick the built-in one
+        name = checkpoint_chat_format(root, config)
     if name is not None and name in BUILTIN_TEMPLATES:
         return ChatTemplate.builtin(name, **{k: v or None for k, v in tokens.items()})
     if name is not None:
@@ -188,7 +190,33 @@ def _gguf_chat_template(path: Path, name: str | None) -> ChatTemplate | None:
     return None if name is None else ChatTemplate.builtin(name, **{k: v or None for k, v in special.items()})
 
 
-def _chat_format_template(root: Path) -> str | None:
+def checkpoint_chat_format(root: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The built-in template a checkpoint without a template of its own was made for, or None.
+
+    First-generation Qwen: generation_config.json's `chat_format` (CHAT_FORMATS). Baichuan-13B-Chat
+    and Baichuan2-Chat: generation_config.json's `user_token_id` and `assistant_token_id` (the ids
+    their build_chat_input writes before each turn) -> "baichuan-2". ChatGLM2 / ChatGLM3 (a
+    ChatGLMTokenizer; ChatGLM3's later revisions ship a template, read before this): the
+    generation named in config.json's `_name_or_path` or tokenizer_config.json's `name_or_path`,
+    since their files are otherwise alike; a fine-tune naming neither gets no template (pass one).
+    """
     path = root / "generation_config.json"
-    fmt = _read_json(path).get("chat_format") if path.is_file() else None
-    return CHAT_FORMATS[fmt][0] if isinstance(fmt, str) and fmt in CHAT_FORMATS else None
+    generation = _read_json(path) if path.is_file() else {}
+    fmt = generation.get("chat_format")
+    if isinstance(fmt, str) and fmt in CHAT_FORMATS:
+        return CHAT_FORMATS[fmt][0]
+    if all(_is_id(generation.get(k)) for k in ("user_token_id", "assistant_token_id")):
+        return "baichuan-2"
+    if tokenizer_config.get("tokenizer_class") == "ChatGLMTokenizer":
+        config_path = root / "config.json"
+        names = [(_read_json(config_path) if config_path.is_file() else {}).get("_name_or_path"),
+                 tokenizer_config.get("name_or_path")]
+        for name in (n.lower() for n in names if isinstance(n, str)):
+            for generation_name in ("chatglm3", "chatglm2"):
+                if generation_name in name:
+                    return generation_name
+    return None
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -422,3 +422,50 @@ def test_the_tokenizer_is_built_from_tokenizer_model_without_its_code(tmp_path, 
     assert tok.decode(ids) == prompt and tok.eos_token_id == own.eos_id() == 2
     assert tok.encode("hello") == [own.bos_id()] * add_bos + own.encode("hello")
     assert not marker.exists()
+
+
+def _baichuan_chat_dir(root: Path, generation: dict) -> Path:
+    """Baichuan2-Chat's tokenizer files without a chat template: tokenizer.model, its tokenizer_config.json
+    and generation_config.json naming the turn markers' ids (user_token_id / assistant_token_id)."""
+    from flashllm.testing.sentencepiece_model import train_sentencepiece_model
+
+    train_sentencepiece_model(root / "tokenizer.model", vocab_size=1000,
+                              user_defined_symbols=["<reserved_105>", "<reserved_106>", "<reserved_107>"])
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BaichuanTokenizer", "add_bos_token": False, "add_eos_token": False}))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **generation}))
+    return root
+
+
+def test_a_baichuan_chat_checkpoint_gets_the_baichuan2_format_and_its_turn_ids(tmp_path) -> None:
+    """generation_config.json's user_token_id / assistant_token_id pick the built-in format, and the
+    rendered prompt encodes to the ids build_chat_input appends: the system text, then per turn the
+    marker id followed by the turn's text, the assistant marker last."""
+    import sentencepiece
+
+    from flashllm.models.tokenizer import load_chat_template, load_tokenizer
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(_baichuan_chat_dir(tmp_path, {}) / "tokenizer.model"))
+    user, assistant = sp.piece_to_id("<reserved_106>"), sp.piece_to_id("<reserved_107>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"user_token_id": user,
+                                                                 "assistant_token_id": assistant}))
+    template = load_chat_template(tmp_path)
+    assert template is not None and template.name == "baichuan-2"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How are you?"},
+                {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "And the weather"}]
+    ids = load_tokenizer(tmp_path).encode(template.render(messages), add_special_tokens=True)
+    expected = [*sp.encode("Be brief."), user, *sp.encode("How are you?"), assistant, *sp.encode("Fine."),
+                user, *sp.encode("And the weather"), assistant]
+    assert ids == expected
+    (tmp_path / "generation_config.json").write_text(json.dumps({"user_token_id": user}))
+    assert load_chat_template(tmp_path) is None  # one marker alone is not Baichuan's chat format
+
+
+@pytest.mark.parametrize("bad", [5000, -1, "195", True])
+def test_a_turn_marker_id_outside_the_tokenizer_is_refused_in_one_line(tmp_path, bad) -> None:
+    from flashllm.models.tokenizer import load_tokenizer
+
+    _baichuan_chat_dir(tmp_path, {"user_token_id": bad, "assistant_token_id": 4})
+    with pytest.raises(ModelLoadError) as info:
+        load_tokenizer(tmp_path)
+    assert f"user_token_id={bad!r}" in str(info.value) and "\n" not in str(info.value)

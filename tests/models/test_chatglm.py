@@ -273,18 +273,22 @@ def test_the_cpu_fused_decode_step_takes_the_glm_block_and_gives_transformers_to
 
 
 def test_chat_through_the_checkpoints_sentencepiece_tokenizer(tmp_path):
-    """A ChatGLM directory with tokenizer.model and ChatGLMTokenizer's config: chat prompts start with
-    [gMASK] sop <|user|>, text prompts with [gMASK] sop, and the greedy tokens are transformers' ones."""
+    """A ChatGLM3 directory with tokenizer.model and ChatGLMTokenizer's config but no chat template (its
+    first revisions): chat prompts take the chatglm3 format (named by _name_or_path) and start with
+    [gMASK] sop <|user|>, text prompts with [gMASK] sop; generation stops at eos and at <|user|> and
+    <|observation|> as ChatGLM3's chat() does; the greedy tokens are transformers' ones."""
     hf_model = build_glm(seed=9, vocab_size=1024)  # room for the tokenizer's ~800 pieces and 9 specials
-    model_dir = write_chatglm_dir(tmp_path, hf_model, padded_vocab_size=1024)
+    model_dir = write_chatglm_dir(tmp_path, hf_model, padded_vocab_size=1024, _name_or_path="THUDM/chatglm3-6b")
     train_sentencepiece_model(model_dir / "tokenizer.model")
     (model_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "ChatGLMTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}}))
     llm = _llm(model_dir)
     tok = llm.tokenizer
+    pieces = tok.sp.get_piece_size()  # ChatGLM's specials follow the pieces: ... <|user|> is the 7th, <|observation|> 9th
+    assert llm.engine.parts.eos_token_ids == [tok.sp.eos_id(), pieces + 6, pieces + 8]
     prefix = [tok.convert_tokens_to_ids(t) for t in ("[gMASK]", "sop")]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params, chat_template="chatglm3")
+    (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params)
     assert chat.prompt_token_ids[:3] == [*prefix, tok.convert_tokens_to_ids("<|user|>")]
     assert chat.prompt_token_ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
     assert chat.outputs[0].token_ids == _hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]

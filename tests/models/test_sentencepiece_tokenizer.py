@@ -17,7 +17,7 @@ import sentencepiece
 from flashllm.core.detokenizer import IncrementalDetokenizer
 from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.tokenizer import load_tokenizer
+from flashllm.models.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 from flashllm.models.tokenizers.sentencepiece_tokenizer import (
     SentencePieceTokenizer,
     load_chatglm_tokenizer,
@@ -200,3 +200,40 @@ def test_a_rendered_chatglm3_prompt_encodes_to_chatglm3_special_ids(tok, sp):
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:3] == [special_id(sp, "[gMASK]"), special_id(sp, "sop"), special_id(sp, "<|user|>")]
     assert ids[3:-1] == sp.encode("\n Hello") and ids[-1] == special_id(sp, "<|assistant|>")
+
+
+def test_chatglm3s_turn_starts_end_generation_beside_eos(tok, sp):
+    """ChatGLM3's chat() passes eos_token_id=[eos, <|user|>, <|observation|>]: the model writes one of
+    them when its turn is over."""
+    assert eos_token_ids(tok, None) == [sp.eos_id(), special_id(sp, "<|user|>"), special_id(sp, "<|observation|>")]
+    assert eos_token_ids(tok, {"eos_token_id": [2]}) == [sp.eos_id(), special_id(sp, "<|user|>"),
+                                                          special_id(sp, "<|observation|>")]
+
+
+@pytest.mark.parametrize(("names", "expected"), [
+    ({"config": "THUDM/chatglm3-6b"}, "chatglm3"),
+    ({"config": "THUDM/ChatGLM2-6B-int4"}, "chatglm2"),
+    ({"tokenizer": "/models/chatglm3-6b-32k"}, "chatglm3"),
+    ({"config": "THUDM/chatglm2-6b", "template": "{{ 'own' }}"}, "own"),  # a shipped template wins
+    ({}, None),  # a fine-tune naming neither generation: no guess
+])
+def test_a_chatglm_checkpoint_without_a_template_gets_the_one_of_its_generation(chatglm_dir, tmp_path, names,
+                                                                                 expected):
+    (tmp_path / "tokenizer.model").write_bytes((chatglm_dir / "tokenizer.model").read_bytes())
+    config = json.loads((chatglm_dir / "tokenizer_config.json").read_text())
+    if "tokenizer" in names:
+        config["name_or_path"] = names["tokenizer"]
+    if "template" in names:
+        config["chat_template"] = names["template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if "config" in names:
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ChatGLMModel"],
+                                                          "_name_or_path": names["config"]}))
+    template = load_chat_template(tmp_path)
+    if expected is None:
+        assert template is None
+        return
+    messages = [{"role": "user", "content": "hi"}]
+    expected_text = {"chatglm3": "[gMASK]sop<|user|>\n hi<|assistant|>", "chatglm2": "[gMASK]sop[Round 1]\n\n问：hi\n\n答：",
+                     "own": "own"}[expected]
+    assert template.render(messages) == expected_text

@@ -18,15 +18,19 @@ from typing import Any
 from transformers import BatchEncoding
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.hf_config import read_json_object
 
 MODEL_FILE = "tokenizer.model"
 MAX_MODEL_BYTES = 64 << 20  # ChatGLM's and Baichuan's are 1-2 MB
+MAX_GENERATION_CONFIG_BYTES = 1 << 20
 # ChatGLM2/3's tokens numbered after the sentencepiece pieces, in id order (ChatGLM2 uses the first five;
 # their ids are the same in both, so one list serves both)
 CHATGLM_SPECIAL_TOKENS: tuple[str, ...] = (
     "[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
 )
 CHATGLM_PREFIX: tuple[str, ...] = ("[gMASK]", "sop")
+# ChatGLM3's chat() stops at eos or at the model starting the next turn: a user turn, or a tool result
+CHATGLM_TURN_ENDS: tuple[str, ...] = ("<|user|>", "<|observation|>")
 _WORD = re.compile(r"\w+")
 
 
@@ -72,9 +76,11 @@ class SentencePieceTokenizer:
     def __init__(self, processor: Any, *, added_tokens: Sequence[str] = (), prefix: Sequence[str] = (),
                  suffix: Sequence[str] = (), bos_token: str | None = None, eos_token: str | None = None,
                  unk_token: str | None = None, pad_token: str | None = None,
-                 extra_special_tokens: Sequence[str] = (), name_or_path: str = "") -> None:
+                 extra_special_tokens: Sequence[str] = (), turn_end_tokens: Sequence[str] = (),
+                 name_or_path: str = "") -> None:
         self.sp = processor
         self.name_or_path = name_or_path
+        self.turn_end_tokens = tuple(turn_end_tokens)  # besides eos, end generation (models/tokenizer.py)
         self._num_pieces = processor.get_piece_size()
         self._added = {token: self._num_pieces + i for i, token in enumerate(added_tokens)}
         special = {processor.id_to_piece(i): i for i in range(self._num_pieces) if processor.is_control(i)}
@@ -233,7 +239,8 @@ def load_chatglm_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, An
 
     Ids: the sentencepiece pieces, then CHATGLM_SPECIAL_TOKENS. encode(text) puts `[gMASK]sop` first
     (add_special_tokens=False leaves it out: the chat templates write it); eos is the model's `</s>`,
-    unk and pad its `<unk>`; there is no bos. Raises ModelLoadError (one line) on a missing or
+    unk and pad its `<unk>`; there is no bos. <|user|> and <|observation|> end a turn as eos does
+    (turn_end_tokens: ChatGLM2 never writes them). Raises ModelLoadError (one line) on a missing or
     invalid tokenizer.model.
     """
     root = Path(model_dir)
@@ -241,7 +248,8 @@ def load_chatglm_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, An
     unk = processor.id_to_piece(processor.unk_id())
     eos = processor.id_to_piece(processor.eos_id()) if processor.eos_id() >= 0 else None
     return SentencePieceTokenizer(processor, added_tokens=CHATGLM_SPECIAL_TOKENS, prefix=CHATGLM_PREFIX,
-                                  eos_token=eos, unk_token=unk, pad_token=unk, name_or_path=str(root))
+                                  eos_token=eos, unk_token=unk, pad_token=unk, turn_end_tokens=CHATGLM_TURN_ENDS,
+                                  name_or_path=str(root))
 
 
 def load_sentencepiece_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, Any] | None = None
@@ -249,9 +257,11 @@ def load_sentencepiece_tokenizer(model_dir: str | Path, tokenizer_config: dict[s
     """A LlamaTokenizer-style sentencepiece tokenizer (Baichuan's) from tokenizer.model and tokenizer_config.json.
 
     Special tokens are pieces of the model: bos/eos/unk/pad_token from the config (the model's own
-    <s>, </s>, <unk> when absent) and additional_special_tokens. encode(text) adds bos when
-    add_bos_token (default true) and eos when add_eos_token (default false). Raises ModelLoadError
-    (one line) on an invalid tokenizer.model or a special token the model does not have.
+    <s>, </s>, <unk> when absent), additional_special_tokens, and the pieces generation_config.json's
+    `user_token_id` / `assistant_token_id` name (Baichuan chat models' turn markers, <reserved_106> /
+    <reserved_107>, so their text in a rendered chat prompt is always that one id). encode(text) adds
+    bos when add_bos_token (default true) and eos when add_eos_token (default false). Raises
+    ModelLoadError (one line) on an invalid tokenizer.model or a special token the model does not have.
     """
     config = tokenizer_config or {}
     root = Path(model_dir)
@@ -264,12 +274,32 @@ def load_sentencepiece_tokenizer(model_dir: str | Path, tokenizer_config: dict[s
               "unk_token": own(processor.unk_id()), "pad_token": None}
     tokens.update({key: _token_text(config[key]) for key in tokens if config.get(key) is not None})
     extra = [t for t in map(_token_text, config.get("additional_special_tokens") or []) if t]
+    extra += _turn_markers(root, processor)
     add_bos = config.get("add_bos_token", True) is not False
     add_eos = config.get("add_eos_token", False) is True
     prefix = [tokens["bos_token"]] if add_bos and tokens["bos_token"] else []
     suffix = [tokens["eos_token"]] if add_eos and tokens["eos_token"] else []
     return SentencePieceTokenizer(processor, prefix=prefix, suffix=suffix, extra_special_tokens=extra,
                                   name_or_path=str(root), **tokens)
+
+
+def _turn_markers(root: Path, processor: Any) -> list[str]:
+    """The pieces at generation_config.json's user_token_id / assistant_token_id (none when absent);
+    an id outside the model's pieces is refused in one line."""
+    path = root / "generation_config.json"
+    if not path.is_file():
+        return []
+    generation = read_json_object(path, MAX_GENERATION_CONFIG_BYTES)
+    markers = []
+    for key in ("user_token_id", "assistant_token_id"):
+        value = generation.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < processor.get_piece_size():
+            raise ModelLoadError(f"{path}: {key}={value!r} is not a piece of {root / MODEL_FILE} "
+                                 f"(0..{processor.get_piece_size() - 1}); expected the id of the turn marker")
+        markers.append(processor.id_to_piece(value))
+    return markers
 
 
 def _token_text(value: Any) -> str | None:
