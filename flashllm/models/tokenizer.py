@@ -78,9 +78,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise FileNotFoundError(f"{root} has neither tokenizer.json nor tokenizer_config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, ImportError) as exc:
         # transformers reads tokenizer_config.json's values without checking their types (a list where
-        # a token belongs, a string where a table does): any of these is a bad file, not a crash
+        # a token belongs, a string where a table does): any of these is a bad file, not a crash; older
+        # transformers 5.x releases fall back to a slow tokenizer for such a file and fail importing its
+        # optional dependency (protobuf), so the ImportError is the same bad file
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise ValueError(f"could not load the tokenizer in {root} ({detail}); check tokenizer_config.json "
                          "against the model's original") from None
