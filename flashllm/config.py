@@ -115,6 +115,9 @@ class ParallelConfig:
     # on a Ray cluster) | external (ranks launched by torchrun; the process group comes from its
     # environment); None: uniproc for one rank, external under torchrun, else mp
     distributed_executor_backend: str | None = None
+    # MoE layers hold whole experts per rank (E / tensor_parallel_size each) instead of every expert's
+    # slice; the rest of the model stays tensor parallel (models that implement it: DeepSeek-V2/V3)
+    enable_expert_parallel: bool = False
 
 
 # SpeculativeConfig.method values; PaddleNLP's "inference_with_reference" is the n-gram lookup

@@ -154,7 +154,8 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
                                         "num_scheduler_steps", "max_prefill_tokens"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
-        "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend"}),
+        "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend",
+                                      "enable_expert_parallel"}),
         "lora": (LoRAConfig, {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}),
     }
     speculative = speculative_config(kwargs.pop("speculative_config", None))

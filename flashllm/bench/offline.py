@@ -151,6 +151,7 @@ def _flashllm_run(args: argparse.Namespace, model_dir: Path, quant_type: str,
               enforce_eager=getattr(args, "enforce_eager", False),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
               distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
+              enable_expert_parallel=getattr(args, "enable_expert_parallel", None),
               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None))
     requests = requests or _requests(args, llm)
     counted = weight_bytes(llm.engine.parts.model)

@@ -60,8 +60,15 @@ def add_parallel_flags(parser: Any, prefix: str = "", who: str = "", passed_on: 
         default = 1 if dest == "tensor_parallel_size" and not passed_on else None
         parser.add_argument(*names, dest=snake + dest, type=parse, default=default, metavar=METAVARS[dest],
                             help=who + HELP[dest] + suffix)
+    if not passed_on:  # an engine built here (bench serve's server takes its own flags)
+        parser.add_argument(f"--{prefix}enable-expert-parallel", f"--{snake}enable_expert_parallel",
+                            dest=snake + "enable_expert_parallel", action="store_true",
+                            help=who + "MoE layers hold whole experts per rank (experts / tensor-parallel-size "
+                            "each) instead of every expert's slice (DeepSeek-V2/V3; docs/deepseek.md)")
 
 
 def parallel_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The parsed flags as LLM / engine_config keywords."""
-    return {dest: getattr(args, prefix + dest) for dest in FLAG_NAMES}
+    options = {dest: getattr(args, prefix + dest) for dest in FLAG_NAMES}
+    options["enable_expert_parallel"] = getattr(args, prefix + "enable_expert_parallel", False)
+    return options

@@ -94,7 +94,8 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     runner_cls = model_runner_class(selection)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
                                   tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path,
-                                  place_params=runner_cls.place_empty_weights)
+                                  place_params=runner_cls.place_empty_weights,
+                                  expert_parallel=config.parallel.enable_expert_parallel)
     model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below

@@ -124,6 +124,13 @@ class CausalLM(nn.Module, ABC):
         (None where it has none): what an int8/fp8 KV cache with --cachekv_int8_type static reads."""
         return [(m.k_scale, m.v_scale) for m in self.modules() if isinstance(m, Attention)]
 
+    @classmethod
+    def with_expert_parallel(cls, config: HFModelConfig) -> HFModelConfig:
+        """--enable-expert-parallel: the config whose MoE layers hold whole experts per rank instead of every
+        expert's slice of features. Architectures that implement it override this; the default refuses."""
+        raise ModelLoadError(f"{config.architecture} does not implement expert parallelism; drop "
+                             "--enable-expert-parallel (its MoE layers, if any, split every expert over the ranks)")
+
     def set_matrix_absorption(self, enabled: bool) -> None:
         """--mla_use_matrix_absorption: how a model with multi-head latent attention attends (models/deepseek.py);
         every other model has nothing to choose and ignores it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -177,6 +178,12 @@ class DeepseekV2ForCausalLM(CausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> DeepseekModelConfig:
         """config.json -> DeepseekModelConfig, validated (see flashllm.models.deepseek_config)."""
         return parse_deepseek_config(raw, source)
+
+    @classmethod
+    def with_expert_parallel(cls, config: DeepseekModelConfig) -> DeepseekModelConfig:
+        """--enable-expert-parallel: the routed experts are split whole over the ranks (E/tp each), while
+        MLA, the dense MLPs and the shared experts stay tensor parallel (models/layers/moe.py FusedMoE)."""
+        return dataclasses.replace(config, expert_parallel=True)
 
     def set_matrix_absorption(self, enabled: bool) -> None:
         """--mla_use_matrix_absorption: attend in the latent space (True, the default) or up-project keys and

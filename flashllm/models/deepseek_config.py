@@ -94,6 +94,8 @@ class DeepseekModelConfig:
     fp8_block: tuple[int, int] | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     quantization: None = None  # block FP8 is dequantized at load (fp8_block); no packed formats
+    # --enable-expert-parallel: the MoE layers' ranks hold whole experts (models/layers/moe.py FusedMoE)
+    expert_parallel: bool = False
 
     @property
     def head_dim(self) -> int:

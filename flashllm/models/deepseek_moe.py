@@ -80,18 +80,19 @@ class DeepseekMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = DeepseekRouter(config, ops, device)
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, ops,
-                                dtype, device, tp_rank, tp_size)
+                                dtype, device, tp_rank, tp_size, expert_parallel=config.expert_parallel)
         self.shared_experts: GatedMLP | None = None
         if config.n_shared_experts:
             self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                            False, ops, dtype, device, tp_rank, tp_size)
 
     def unstreamed_bytes(self) -> int:
-        """Expert weight bytes one decode token does not read: E - k of the E routed experts."""
+        """Expert weight bytes one decode token does not read on this rank: E - k of the E routed experts
+        (expert parallel: at least E/tp - k of the rank's E/tp)."""
         experts = self.experts
         params = (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)
-        per_expert = sum(p.nbytes for p in params if p is not None) // experts.num_experts
-        return (experts.num_experts - self.top_k) * per_expert
+        per_expert = sum(p.nbytes for p in params if p is not None) // experts.num_local_experts
+        return max(experts.num_local_experts - self.top_k, 0) * per_expert
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, hidden) -> (T, hidden) in x.dtype."""

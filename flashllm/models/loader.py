@@ -55,7 +55,7 @@ def load_model(
     model_dir: str | Path, ops: Any, dtype: torch.dtype, device: torch.device | str,
     model_registry: ModelRegistry, progress: bool = True, quant: WeightQuantSpec | None = None,
     tp_rank: int = 0, tp_size: int = 1, lora_path: str | Path | None = None,
-    place_params: Callable[[torch.nn.Module], Any] | None = None,
+    place_params: Callable[[torch.nn.Module], Any] | None = None, expert_parallel: bool = False,
 ) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
@@ -78,6 +78,8 @@ def load_model(
     place_params: called with the model once built, before any weight is read: it may swap
     parameters for uninitialized ones of the same shapes in memory of its choosing (the runner's
     place_empty_weights), which loading then fills.
+    expert_parallel: the MoE layers' ranks hold whole experts (the architecture's with_expert_parallel;
+    ModelLoadError where it has none).
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -89,6 +91,8 @@ def load_model(
     gguf_weights = _gguf_weights(model_dir, config, tp_size, quant) if gguf else None
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
+    if expert_parallel:
+        config = model_cls.with_expert_parallel(config)
     adapter = None if lora_path is None else _read_adapter(lora_path, config, files, model_cls)
     model = model_cls(config, ops, dtype, torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
     if place_params is not None:

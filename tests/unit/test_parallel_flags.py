@@ -148,7 +148,19 @@ def test_commands_default_to_one_rank_and_no_chosen_executor(command: str, tmp_p
         main(COMMANDS[command](tmp_path))
     except _Stop:
         pass
-    assert [(c.parallel.tensor_parallel_size, c.parallel.distributed_executor_backend) for c in built] == [(1, None)]
+    assert [(c.parallel.tensor_parallel_size, c.parallel.distributed_executor_backend,
+             c.parallel.enable_expert_parallel) for c in built] == [(1, None, False)]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("spelling", ["--enable-expert-parallel", "--enable_expert_parallel"])
+def test_commands_hand_expert_parallelism_to_engine_config(command: str, spelling: str, tmp_path: Path,
+                                                           built: list[EngineConfig]) -> None:
+    try:
+        main(COMMANDS[command](tmp_path) + ["-tp", "2", spelling])
+    except _Stop:
+        pass
+    assert [c.parallel.enable_expert_parallel for c in built] == [True]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS) + ["serve", "eval ppl", "bench serve"])

@@ -74,20 +74,35 @@ class FusedMoE(nn.Module):
     Under tensor parallelism every rank holds every expert, with its slice of the intermediate
     features (gate and up rows [r*I/tp, (r+1)*I/tp), the same columns of down); the ranks' partial
     outputs are summed with an all-reduce, as a row-parallel linear does.
+    With expert_parallel the ranks instead hold whole experts, E/tp each (rank r: experts
+    [r*E/tp, (r+1)*E/tp)): every rank has every token (the attention before it ends in an
+    all-reduce), runs only the (token, expert) pairs routed to its own experts, and the same
+    all-reduce combines the ranks' weighted sums. The stacked parameters are then (E/tp, 2I, H) and
+    (E/tp, H, I); num_experts stays the model's E.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: Any,
-                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
-        if intermediate_size % tp_size:
+        self.expert_parallel = expert_parallel and tp_size > 1
+        if self.expert_parallel and num_experts % tp_size:
+            raise ValueError(f"{num_experts} experts do not split evenly over {tp_size} expert-parallel ranks; "
+                             "choose a tensor parallel size that divides the expert count, or drop "
+                             "--enable-expert-parallel")
+        # ranks splitting each expert's intermediate features (1 under expert parallelism)
+        self.feature_shards = 1 if self.expert_parallel else tp_size
+        if intermediate_size % self.feature_shards:
             raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by tp_size={tp_size}; "
-                             "choose a tensor parallel size that divides it")
+                             "choose a tensor parallel size that divides it, or --enable-expert-parallel")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size  # whole, as in the checkpoint
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        inter = intermediate_size // tp_size
-        self.w13_weight = self._param((num_experts, 2 * inter, hidden_size), dtype, device)
-        self.w2_weight = self._param((num_experts, hidden_size, inter), dtype, device)
+        self.num_local_experts = num_experts // tp_size if self.expert_parallel else num_experts
+        self.first_expert = tp_rank * self.num_local_experts if self.expert_parallel else 0
+        inter = intermediate_size // self.feature_shards
+        self.w13_weight = self._param((self.num_local_experts, 2 * inter, hidden_size), dtype, device)
+        self.w2_weight = self._param((self.num_local_experts, hidden_size, inter), dtype, device)
         self._fused_moe = ops.fused_moe
         self._expert_schemes = _kernel_schemes(ops)
         self._loaded: dict[str, set[tuple[int, str] | None]] = {W13: set(), W2: set()}
@@ -109,7 +124,7 @@ class FusedMoE(nn.Module):
         """
         name = W13 if param is self.w13_weight else W2
         inter = self.w2_weight.shape[2]  # this rank's intermediate features
-        start = self.tp_rank * inter
+        start = 0 if self.expert_parallel else self.tp_rank * inter
         if shard_id is None:
             self._load_stacked(name, loaded, inter, start)
         else:
@@ -120,6 +135,7 @@ class FusedMoE(nn.Module):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         expected = (e, 2 * i, h) if name == W13 else (e, h, i)
         _check(loaded, expected, f"stacked experts {name}")
+        loaded = loaded.narrow(0, self.first_expert, self.num_local_experts)  # this rank's experts (all: no EP)
         if name == W2:
             copy_checked(self.w2_weight, loaded.narrow(2, start, inter), name)
             return
@@ -134,13 +150,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{part} projection cannot load into {name}")
         h, i = self.hidden_size, self.intermediate_size
         what = f"expert {expert} {part}"
+        _check(loaded, (h, i) if part == "down" else (i, h), what)
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another expert-parallel rank's expert: never read from the file here
         if part == "down":
-            _check(loaded, (h, i), what)
-            copy_checked(self.w2_weight[expert], loaded.narrow(1, start, inter), what)
+            copy_checked(self.w2_weight[local], loaded.narrow(1, start, inter), what)
             return
-        _check(loaded, (i, h), what)
         offset = 0 if part == "gate" else inter
-        copy_checked(self.w13_weight[expert].narrow(0, offset, inter), loaded.narrow(0, start, inter), what)
+        copy_checked(self.w13_weight[local].narrow(0, offset, inter), loaded.narrow(0, start, inter), what)
 
     def fully_loaded(self) -> set[str]:
         """Names (w13_weight, w2_weight) whose every expert and projection has been loaded."""
@@ -186,7 +204,7 @@ class FusedMoE(nn.Module):
         qmax = INT8_MAX if scheme == "w8a16" else INT4_SYMMETRIC_MAX
         w = weight.data.float().reshape(experts, rows, groups, k // groups)
         amax = w.abs().amax(dim=-1)  # (E, N, G)
-        if input_is_sharded and self.tp_size > 1 and groups == 1:
+        if input_is_sharded and self.feature_shards > 1 and groups == 1:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         scales = (amax / qmax).clamp(min=MIN_SCALE)
         codes = torch.round(w / scales[..., None]).clamp_(-qmax, qmax).reshape(experts, rows, k)
@@ -198,14 +216,30 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x (T, H), topk_weights (T, k) fp32, topk_ids (T, k) int64 -> (T, H) in x.dtype, summed over ranks."""
-        if self.w13_scale is None:
-            out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        else:
-            out = self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                  self.w13_scale, self.w2_scale)
+        out = self._local_experts(x, topk_weights, topk_ids) if self.expert_parallel else self._run(
+            x, topk_weights, topk_ids)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+    def _run(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.w13_scale is None:
+            return self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                               self.w13_scale, self.w2_scale)
+
+    def _local_experts(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """Dispatch: the (token, slot) pairs routed to this rank's experts become rows of one k=1 call on
+        the local experts (global id - first_expert); combine: their outputs added back at their tokens
+        (a token with two local experts gets both). This rank's share of the sum, (T, H) in x.dtype."""
+        local = topk_ids - self.first_expert
+        token_idx, slot_idx = ((local >= 0) & (local < self.num_local_experts)).nonzero(as_tuple=True)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # summed in fp32, as fused_moe sums
+        if token_idx.numel():
+            rows = self._run(x[token_idx], topk_weights[token_idx, slot_idx, None],
+                             local[token_idx, slot_idx, None])
+            out.index_add_(0, token_idx, rows.float())
+        return out.to(x.dtype)
 
 
 _WARNED: set[str] = set()
