@@ -31,23 +31,52 @@ _Record = TypeVar("_Record")
 
 
 @dataclass(frozen=True, slots=True)
+class LoRASlots:
+    """A linear layer's multi-LoRA adapter slots (flashllm/models/layers/lora.py's LinearLoRA), the
+    live tables: adapters load into them in place while the record stands.
+
+    With slot i, a row x adds, for each shard s, B_s[i] @ (A[i] @ x)[s * rank:(s + 1) * rank] to the
+    output columns [offsets[s], offsets[s] + B_s.shape[1]); slot -1 adds nothing.
+    lora_a: (max_loras, S * rank, in_features); lora_b: S tensors (max_loras, rows_s, rank), the LoRA
+    scale folded in; smaller ranks zero-padded.
+    """
+
+    lora_a: Tensor
+    lora_b: tuple[Tensor, ...]
+    offsets: tuple[int, ...]
+    rank: int
+
+    @classmethod
+    def of(cls, table: Any) -> LoRASlots:
+        """The record of a slot table holding `lora_a`, `lora_b`, `shards` ((offset, rows) each) and `max_rank`."""
+        return cls(table.lora_a, tuple(table.lora_b), tuple(offset for offset, _ in table.shards), table.max_rank)
+
+
+@dataclass(frozen=True, slots=True)
 class LinearWeights:
-    """One linear layer on this rank: y = x @ W.T + b through the quant_matmul op.
+    """One linear layer on this rank: y = x @ W.T + b through the quant_matmul op, plus each row's
+    adapter delta where the layer has multi-LoRA slots.
 
     weight: what quant_matmul multiplies by, (out_features, in_features) in its scheme; None before
       the model's weights were processed after loading.
     bias: (out_features,) or None.
     tp_size: the ranks the layer is split over (1: whole on this rank).
+    lora: the layer's adapter slots, or None (no multi-LoRA); a fast path that does not apply them
+      must not take a step with adapter rows.
     """
 
     weight: QuantizedWeight | None
     bias: Tensor | None
     tp_size: int
+    lora: LoRASlots | None = None
 
     @classmethod
     def of(cls, layer: Any) -> LinearWeights:
-        """The record of a linear layer holding `qweight`, `bias` (a parameter or None) and `tp_size`."""
-        return cls(layer.qweight, None if layer.bias is None else layer.bias.data, layer.tp_size)
+        """The record of a linear layer holding `qweight`, `bias` (a parameter or None), `tp_size` and,
+        with multi-LoRA, `lora` (its slot table)."""
+        table = getattr(layer, "lora", None)
+        return cls(layer.qweight, None if layer.bias is None else layer.bias.data, layer.tp_size,
+                   None if table is None else LoRASlots.of(table))
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,10 +67,11 @@ class GreedyBurst:
         return bool(lib.flashllm_bf16_screen_takes(num_seqs))
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
-                 md: AttentionMetadata, steps: int, stop_ids: Iterable[int]) -> list[list[int]] | None:
+                 md: AttentionMetadata, steps: int, stop_ids: Iterable[int],
+                 lora_slots: Tensor | None = None) -> list[list[int]] | None:
         if steps < 1 or input_ids.dtype != torch.int64:
             return None
-        hidden = self.fused.set_step(input_ids, positions, kv_caches, md)
+        hidden = self.fused.set_step(input_ids, positions, kv_caches, md, lora_slots)
         if hidden is None:
             return None
         lib, screen, head = native.library(), self.screen, self._head

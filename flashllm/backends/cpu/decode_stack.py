@@ -11,7 +11,8 @@ Qwen2 do) on one rank, whose op table resolved its ops to the cpu backend's kern
 reference's, which shares the cpu adapter), no sliding window, fp32 norms and activations, fp32 or
 native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch (every sequence one
 new token, at most native.MAX_TOKENS of them). Anything else returns None and the model's own
-forward runs. Every index the C code follows is range-checked, in C, before the step writes anything.
+forward runs. Multi-LoRA rows run here too: layers with adapter slot tables (fp32, one slot count
+and rank) add each row's adapter delta after the base product (csrc/decode_lora.c). Every index the C code follows is range-checked, in C, before the step writes anything.
 FLASHLLM_CPU_FUSED_DECODE=0 turns it off (for A/B runs).
 """
 
@@ -28,7 +29,7 @@ from torch import Tensor
 from flashllm.backends.cpu import native, native_ops, parallel
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
-from flashllm.registry.fusions import DECODER_STACK, DecoderStackFusion, LinearWeights, declared
+from flashllm.registry.fusions import DECODER_STACK, DecoderStackFusion, LinearWeights, LoRASlots, declared
 from flashllm.registry.resolve import OpTable
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
@@ -36,11 +37,17 @@ _KINDS = {"none": 0, "w8a16": 1, "w4a16": 2}
 # csrc/decode_stack.c's LINEAR_W4A8 / LINEAR_W8A8: weights the per-op path runs against int8 activations
 _AGAINST_INT8 = {"w4a16": 3, "w8a16": 4}
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
+_LORA_MAX_SHARDS = 3
+
+
+class _Lora(ctypes.Structure):  # csrc/decode_lora.h's stack_lora
+    _fields_ = [("shards", _I64), ("rank", _I64), ("count", _I64), ("a", _P), ("b", _P * _LORA_MAX_SHARDS),
+                ("offset", _I64 * _LORA_MAX_SHARDS), ("rows", _I64 * _LORA_MAX_SHARDS)]
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I64), ("N", _I64), ("K", _I64), ("G", _I64),
-                ("weight", _P), ("scales", _P), ("zeros", _P), ("offsets", _P), ("bias", _P)]
+                ("weight", _P), ("scales", _P), ("zeros", _P), ("offsets", _P), ("bias", _P), ("lora", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,7 +61,7 @@ class _Step(ctypes.Structure):
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
         ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
         ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64), ("ids", _P), ("embed", _P),
-        ("vocab", _I64)]
+        ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64)]
 
 
 def _fp32(t: Tensor | None) -> bool:
@@ -65,7 +72,24 @@ class _Unsupported(Exception):
     """The model is not one the fused step takes (the message says why; kept for debugging)."""
 
 
-def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) -> _Linear:
+def _lora(slots: LoRASlots, shape: tuple[int, int], keep: list[Any]) -> _Lora:
+    """The C descriptor of a linear layer's adapter slots (out_features, in_features = `shape`); keeps
+    the tensors and the descriptor alive. The C code reads the live tables, which adapters load into in place."""
+    a, b = slots.lora_a, slots.lora_b
+    if not (_fp32(a) and a.is_contiguous() and a.dim() == 3 and 0 < len(b) <= _LORA_MAX_SHARDS
+            and len(slots.offsets) == len(b) and a.shape[1:] == (len(b) * slots.rank, shape[1])):
+        raise _Unsupported("LoRA slots are not fp32 (max_loras, shards * rank, in_features) tables")
+    lora = _Lora(shards=len(b), rank=slots.rank, count=a.shape[0], a=a.data_ptr())
+    for s, (table, offset) in enumerate(zip(b, slots.offsets, strict=True)):
+        if not (_fp32(table) and table.is_contiguous() and table.dim() == 3 and table.shape[0] == a.shape[0]
+                and table.shape[2] == slots.rank and 0 <= offset and offset + table.shape[1] <= shape[0]):
+            raise _Unsupported("a LoRA B table is not fp32 (max_loras, rows, rank) within the layer's outputs")
+        lora.b[s], lora.offset[s], lora.rows[s] = table.data_ptr(), offset, table.shape[1]
+    keep.extend((a, *b, lora))
+    return lora
+
+
+def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Any]) -> _Linear:
     """The C descriptor of a declared linear layer on one rank, whose weight must be `shape`
     (out_features, in_features); keeps the tensors it points at alive."""
     weight: QuantizedWeight | None = layer.weight
@@ -98,7 +122,19 @@ def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Tensor]) ->
         bias = bias.contiguous()
         desc.bias = bias.data_ptr()
         keep.append(bias)
+    if layer.lora is not None:
+        desc.lora = ctypes.addressof(_lora(layer.lora, shape, keep))
     return desc
+
+
+def _lora_geometry(layers: list[_Layer]) -> tuple[int, int]:
+    """(slots, rank) every adapted linear layer shares, (0, 0) without adapters; _Unsupported for a
+    mix the step's one slot per token cannot index (different slot counts or ranks)."""
+    found = {(lora.count, lora.rank) for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+             if linear.lora for lora in (_Lora.from_address(linear.lora),)}
+    if len(found) > 1:
+        raise _Unsupported(f"LoRA slot tables of different slot counts or ranks: {sorted(found)}")
+    return found.pop() if found else (0, 0)
 
 
 def _embedding_table(table: Tensor, hidden: int) -> Tensor | None:
@@ -139,7 +175,7 @@ class FusedDecode:
         if kv_heads < 1 or heads % kv_heads:
             raise _Unsupported(f"{heads} query heads do not share {kv_heads} KV heads evenly")
         rotary, inter = stack.rotary, stack.intermediate_size
-        self._keep: list[Tensor] = []
+        self._keep: list[Any] = []
         layers = []
         for layer in stack.layers:
             if layer.sliding_window is not None:
@@ -162,6 +198,7 @@ class FusedDecode:
                    for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             raise _Unsupported("norms with different eps")
         self._layers = (_Layer * len(layers))(*layers)
+        self._lora_count, self._lora_rank = _lora_geometry(layers)
         self._embed = stack.embed_tokens  # (vocab, hidden) on this one rank
         self._hidden = hidden
         table = _embedding_table(self._embed, self._hidden)
@@ -177,7 +214,8 @@ class FusedDecode:
                             scale=stack.scale, cos_sin=cos_sin.data_ptr(),
                             final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS,
                             attention_split=native_ops.ATTENTION_SPLIT_WORK,
-                            silu_split=native_ops.SILU_SPLIT_ELEMENTS)
+                            silu_split=native_ops.SILU_SPLIT_ELEMENTS, lora_count=self._lora_count,
+                            lora_rank=self._lora_rank)
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
@@ -217,8 +255,8 @@ class FusedDecode:
         return self._bound
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
-                 md: AttentionMetadata) -> Tensor | None:
-        hidden = self.set_step(input_ids, positions, kv_caches, md)
+                 md: AttentionMetadata, lora_slots: Tensor | None = None) -> Tensor | None:
+        hidden = self.set_step(input_ids, positions, kv_caches, md, lora_slots)
         if hidden is None:
             return None
         # every index the C code follows is range-checked there before anything is written: a bad
@@ -245,16 +283,23 @@ class FusedDecode:
             stops.numel(), tokens.data_ptr(), picked.data_ptr())
 
     def set_step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
-                 md: AttentionMetadata) -> Tensor | None:
+                 md: AttentionMetadata, lora_slots: Tensor | None = None) -> Tensor | None:
         """Point the kept step descriptor at this decode step and size the scratch; the (T, H) hidden
         buffer the C code writes (it holds the embedded tokens where the C code does not copy them),
         or None for a step the fused call does not take. With the embedding table in use, the
         descriptor points at input_ids, positions, slot_mapping and seq_lens themselves (the tensors,
-        when contiguous and of the dtypes the C code reads), as decode_burst.py relies on."""
+        when contiguous and of the dtypes the C code reads), as decode_burst.py relies on.
+        lora_slots: (T,) int64 each token's adapter slot (-1: the base model), or None for a step
+        without adapter rows; a step with them needs a model whose layers have slot tables."""
         tokens = input_ids.numel()
         if not (0 < tokens <= native.MAX_TOKENS and md.max_seqlen_q == 1 and md.seq_lens.numel() == tokens
                 and md.slot_mapping.numel() == tokens and int(md.cu_seqlens_q[-1]) == tokens):
             return None
+        if lora_slots is not None:
+            if not (self._lora_rank and lora_slots.dtype == torch.int64 and lora_slots.device.type == "cpu"
+                    and lora_slots.numel() == tokens):
+                return None  # slots in range: checked in C with the other indices
+            lora_slots = lora_slots.contiguous()
         bound = self._bind_caches(kv_caches)
         if bound is None:
             return None
@@ -276,7 +321,9 @@ class FusedDecode:
         step.T, step.block_size, step.width, step.num_blocks = tokens, block_size, tables.shape[1], num_blocks
         step.positions, step.slots, step.tables = positions.data_ptr(), slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.threads = seq_lens.data_ptr(), parallel.workers()
-        self._held = (input_ids, positions, slots, tables, seq_lens)  # alive while the descriptor points at them
+        step.lora_slots = None if lora_slots is None else lora_slots.data_ptr()
+        # alive while the descriptor points at them
+        self._held = (input_ids, positions, slots, tables, seq_lens, lora_slots)
         size = self._scratch_floats.get(tokens)
         if size is None:
             size = self._scratch_floats[tokens] = native.library().flashllm_decode_stack_scratch(ctypes.addressof(step))

@@ -40,9 +40,9 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
            _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
-           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c")
+           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h",
-           _CSRC / "amx.h")
+           _CSRC / "amx.h", _CSRC / "decode_lora.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time

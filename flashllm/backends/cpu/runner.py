@@ -152,10 +152,9 @@ class CpuRunner(ModelRunner):
             if not state.params.ignore_eos:
                 stop_ids.update(state.eos_token_ids)
         inputs = self.prepare(batch)
-        if self._lora_rows():
-            return None  # the native steps run no adapters
-        with self.adapter.inference_mode():
-            tokens = burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, steps, stop_ids)
+        with self.adapter.inference_mode():  # each sequence keeps its adapter slot for every step
+            tokens = burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, steps, stop_ids,
+                           self._lora_slots())
             self.adapter.end_step(self.device)
         return tokens
 
@@ -164,15 +163,16 @@ class CpuRunner(ModelRunner):
             from flashllm.backends.cpu import decode_stack
 
             self._fused_decode = decode_stack.build(self.model) if self._fast() else None
-        if self._fused_decode is not None and not self._lora_rows():
-            hidden = self._fused_decode(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if self._fused_decode is not None:
+            hidden = self._fused_decode(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+                                        self._lora_slots())
             if hidden is not None:
                 return hidden
         return super()._forward(inputs)
 
-    def _lora_rows(self) -> bool:
-        """Whether the prepared step has rows with a LoRA adapter (the fused native paths run none)."""
-        return self.lora is not None and self.lora.context.indices is not None
+    def _lora_slots(self) -> torch.Tensor | None:
+        """The prepared step's per-token adapter slots (-1: base), or None when no row has an adapter."""
+        return None if self.lora is None else self.lora.context.indices
 
     def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
         if self._greedy_head is _UNBUILT:

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "decode_kernels.h"
+#include "decode_lora.h"
 
 enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2, LINEAR_W4A8 = 3, LINEAR_W8A8 = 4 };  /* xA8: x int8 activations */
 
@@ -27,6 +28,7 @@ typedef struct {
     const int32_t *zeros;             /* (N, G) int4 zero points, or NULL for 8 */
     const float *offsets;             /* (N, G) per-group offsets (GGUF's minimums; xA8 kinds only), or NULL */
     const float *bias;                /* (N,) or NULL */
+    const stack_lora *lora;           /* the layer's adapter slots (decode_lora.h), or NULL */
 } stack_linear;
 
 typedef struct {
@@ -54,6 +56,8 @@ typedef struct {
     const int64_t *ids;         /* (T,) token ids whose embed rows start the step, or NULL (hidden holds them) */
     const float *embed;         /* (vocab, H) embedding table, read where ids is set */
     int64_t vocab;
+    const int64_t *lora_slots;  /* (T,) each token's adapter slot, -1 for none; NULL: no adapters this step */
+    int64_t lora_count, lora_rank;  /* the layers' adapter slots and their rank (0, 0 without adapter tables) */
 } stack_step;
 
 /* Whether every index the step follows is in range: each token id within the embedding table,
@@ -69,15 +73,18 @@ static int indices_in_range(const stack_step *s) {
         if (len < 1 || len > s->width * s->block_size) return 0;
         if (s->positions[t] < 0 || s->positions[t] >= s->max_position) return 0;
         if (s->slots[t] < 0 || s->slots[t] >= s->num_blocks * s->block_size) return 0;
+        if (s->lora_slots && (s->lora_slots[t] < -1 || s->lora_slots[t] >= s->lora_count)) return 0;
         for (int64_t j = 0; j < (len + s->block_size - 1) / s->block_size; j++)
             if (s->tables[t * s->width + j] < 0 || s->tables[t * s->width + j] >= s->num_blocks) return 0;
     }
     return 1;
 }
 
-/* y (T, N) = x (T, K) W^T (+ bias); even / odd: (T, K/2) scratch for an int4 weight's activations
- * (the two together, T x K floats, hold the int8 ones and their scales for LINEAR_W4A8) */
-static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd) {
+/* y (T, N) = x (T, K) W^T (+ bias) (+ each token's adapter delta); even / odd: (T, K/2) scratch for an
+ * int4 weight's activations (the two together, T x K floats, hold the int8 ones and their scales for
+ * LINEAR_W4A8); lora: decode_lora.c's scratch */
+static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd,
+                   float *lora) {
     const int64_t T = s->T;
     const int threads = l->N * l->K >= s->split_elements ? s->threads : 1;
     if (l->kind == LINEAR_F32) {
@@ -101,12 +108,20 @@ static void linear(const stack_linear *l, const stack_step *s, const float *x, f
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t n = 0; n < l->N; n++) y[t * l->N + n] += l->bias[n];
+    flashllm_lora_apply(l->lora, s->lora_slots, T, x, l->K, y, l->N, lora, s->split_elements, s->threads);
+}
+
+/* The stack's own scratch floats for T tokens; decode_lora.c's follow them. */
+static int64_t stack_scratch(const stack_step *s) {
+    const int64_t qkv = (s->Hq + 2 * s->Hk) * s->D, widest = s->I > s->H ? s->I : s->H;
+    return s->T * (s->H + qkv + s->Hq * s->D + 2 * s->I + s->I + widest);
 }
 
 /* Scratch floats flashllm_decode_stack needs for T tokens (the caller allocates them). */
 int64_t flashllm_decode_stack_scratch(const stack_step *s) {
-    const int64_t qkv = (s->Hq + 2 * s->Hk) * s->D, widest = s->I > s->H ? s->I : s->H;
-    return s->T * (s->H + qkv + s->Hq * s->D + 2 * s->I + s->I + widest);
+    int64_t widest = s->I > s->H ? s->I : s->H;
+    widest = s->Hq * s->D > widest ? s->Hq * s->D : widest;
+    return stack_scratch(s) + (s->lora_rank ? flashllm_lora_scratch(s->T, widest, s->lora_rank) : 0);
 }
 
 /* hidden (T, H): the embedded tokens in (or, with s->ids set, their rows of s->embed copied in here),
@@ -121,6 +136,7 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
     const int64_t widest = s->I > H ? s->I : H;
     float *x = scratch, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * s->Hq * D;
     float *act = gate_up + T * 2 * s->I, *even = act + T * s->I, *odd = even + T * widest / 2;
+    float *lora = scratch + stack_scratch(s);
     const int64_t slot_floats = s->Hk * D;
     int64_t longest = 0;
     for (int64_t t = 0; t < T; t++) longest = s->seq_lens[t] > longest ? s->seq_lens[t] : longest;
@@ -134,7 +150,7 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
         } else {
             flashllm_rms_norm(hidden, residual, residual, layer->input_norm, x, T, H, s->eps);
         }
-        linear(&layer->qkv, s, x, qkv, even, odd);
+        linear(&layer->qkv, s, x, qkv, even, odd, lora);
         flashllm_rotary(qkv, T, qkv_width, s->Hq, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
         flashllm_rotary(qkv + s->Hq * D, T, qkv_width, s->Hk, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
         for (int64_t t = 0; t < T; t++) {
@@ -144,11 +160,11 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
         }
         flashllm_decode_attention(qkv, qkv_width, layer->k_cache, layer->v_cache, s->tables, s->width, s->seq_lens,
                                   s->rows, T, s->Hq, s->Hk, D, s->block_size, s->scale, attn, attention_threads);
-        linear(&layer->o, s, attn, hidden, even, odd);
+        linear(&layer->o, s, attn, hidden, even, odd, lora);
         flashllm_rms_norm(hidden, residual, residual, layer->post_norm, x, T, H, s->eps);
-        linear(&layer->gate_up, s, x, gate_up, even, odd);
+        linear(&layer->gate_up, s, x, gate_up, even, odd, lora);
         flashllm_silu_and_mul_mt(gate_up, act, T, s->I, T * s->I >= s->silu_split ? s->threads : 1);
-        linear(&layer->down, s, act, hidden, even, odd);
+        linear(&layer->down, s, act, hidden, even, odd, lora);
     }
     flashllm_rms_norm(hidden, residual, residual, s->final_norm, x, T, H, s->eps);
     memcpy(hidden, x, (size_t)(T * H) * sizeof(float));
