@@ -59,6 +59,9 @@ class EngineParts:
     runner: ModelRunner
     num_blocks: int
     model_dir: Path
+    # the speculative proposer's weights (core/spec/build.py load_drafter), loaded before the KV cache was
+    # sized so its own cache shares the budget; None without one
+    drafter: Any = None
 
 
 def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None,
@@ -101,7 +104,14 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
     _set_max_model_len(config, hf_config)
-    num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype))
+    drafter = None
+    if config.speculative.enabled:  # its weights and cache count against the same memory as the target's
+        from flashllm.core.spec.build import load_drafter
+        from flashllm.core.spec.speculator import Target
+
+        drafter = load_drafter(Target(config, selection, ops, model, hf_config, tokenizer, model_dir))
+    draft_per_block = drafter.kv_bytes_per_block if drafter is not None else 0
+    num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype, draft_per_block))
     try:
         runner = runner_cls(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
                             config.cache.cachekv_int8_type, adapter=selection.adapter)
@@ -122,7 +132,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
 
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
-                       num_blocks, model_dir)
+                       num_blocks, model_dir, drafter)
 
 
 def _lora_manager(config: EngineConfig, model: torch.nn.Module, model_dir: Path, ops: OpTable, dtype: torch.dtype,
@@ -231,11 +241,16 @@ def _set_max_model_len(config: EngineConfig, hf_config: HFModelConfig) -> None:
 
 
 def _num_kv_blocks(
-    config: EngineConfig, model: torch.nn.Module, selection: DeviceSelection, kv_dtype: torch.dtype
+    config: EngineConfig, model: torch.nn.Module, selection: DeviceSelection, kv_dtype: torch.dtype,
+    draft_per_block: int = 0,
 ) -> int:
-    """Blocks from --num-kv-blocks, else --kv-cache-memory, else a share of the device's free memory."""
+    """Blocks from --num-kv-blocks, else --kv-cache-memory, else a share of the device's free memory.
+
+    draft_per_block: bytes a speculative drafter's own cache takes per block (it has as many blocks as the
+    target's), so a memory budget covers both caches."""
     block_size = config.cache.block_size
     per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype, config.cache.cachekv_int8_type)
+    per_block += draft_per_block
     blocks_per_seq = math.ceil(config.model.max_model_len / block_size)
     if config.cache.num_kv_blocks is not None:
         num_blocks = config.cache.num_kv_blocks
@@ -250,8 +265,9 @@ def _num_kv_blocks(
     if num_blocks < blocks_per_seq:
         raise EngineConfigError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
-            f"max_model_len {config.model.max_model_len} needs {blocks_per_seq} blocks; raise --num-kv-blocks / "
-            f"--kv-cache-memory or lower --max-model-len"
+            f"max_model_len {config.model.max_model_len} needs {blocks_per_seq} blocks"
+            f"{' (each block also holds the speculative drafter cache)' if draft_per_block else ''}; raise "
+            f"--num-kv-blocks / --kv-cache-memory or lower --max-model-len"
         )
     return num_blocks
 

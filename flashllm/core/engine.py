@@ -16,7 +16,7 @@ from flashllm.core.request import Request
 from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from flashllm.core.sequence import FinishReason, Sequence
-from flashllm.core.spec.build import make_speculator
+from flashllm.core.spec.build import check_speculative_config, make_speculator
 from flashllm.core.spec.speculator import Speculator
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
@@ -37,6 +37,7 @@ class Engine:
         if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:  # before any rank starts
             raise EngineConfigError("multi-LoRA (enable_lora / --enable-lora) runs on one rank; drop "
                                     "tensor_parallel_size, or merge one adapter at load with --lora_path")
+        check_speculative_config(config)  # a bad draft count or method fails before any model loads
         self.executor: Executor = make_executor(config, plugins)
         self.parts: EngineParts = self.executor.parts
         self.config = config

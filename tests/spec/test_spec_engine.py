@@ -137,6 +137,16 @@ def test_bad_speculative_configs_are_refused_before_anything_runs(model_dirs, co
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("config", [{"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 0},
+                                    {"method": "eagle", "model": "DRAFT", "num_speculative_tokens": 100},
+                                    {"method": "mtp", "num_speculative_tokens": 9}])
+def test_bad_draft_counts_are_refused_before_any_model_loads(tmp_path: Path, config) -> None:
+    """The draft count is checked before the target (here: a directory that does not exist) or a draft loads."""
+    with pytest.raises(ValueError, match=r"in 1\.\.8, got") as info:
+        LLM(str(tmp_path / "no-model"), backend="cpu", speculative_config=config)
+    assert "\n" not in str(info.value)
+
+
 def test_draft_model_greedy_tokens_equal_plain_decoding(model_dirs, tmp_path_factory) -> None:
     """A draft model (here: another random model of the same vocabulary, and the target itself) changes
     how many tokens a round yields, never which; the target as its own draft accepts nearly everything."""

@@ -1,36 +1,80 @@
-"""Builds the engine's Speculator from SpeculativeConfig: the proposer, checked against the target model."""
+"""Builds the engine's Speculator from SpeculativeConfig: checks, the drafter's weights, then the proposer."""
 
 from __future__ import annotations
 
 import logging
 
-from flashllm.config import SPECULATE_METHODS, EngineConfig
+from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, EngineConfig
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.builder import EngineParts
-from flashllm.core.spec.speculator import NgramDrafts, Proposer, Speculator
+from flashllm.core.spec.ngram import NgramProposer
+from flashllm.core.spec.speculator import Drafter, NgramDrafts, Proposer, Speculator, Target
 
 logger = logging.getLogger(__name__)
 
+# methods that load weights beside the target (a draft model, a head), with a KV cache of their own
+_LOADED_METHODS = ("draft_model", "eagle", "mtp")
+
+
+def check_speculative_config(config: EngineConfig) -> None:
+    """What SpeculativeConfig alone can tell, before any model loads or rank starts: ValueError (one line)
+    for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard, a missing
+    --speculative-model, or a loaded drafter under tensor parallelism."""
+    spec = config.speculative
+    if not spec.enabled:
+        return
+    if spec.method not in SPECULATE_METHODS:
+        raise ValueError(f"--speculate_method {spec.method!r} is not one of {', '.join(SPECULATE_METHODS)}")
+    count = spec.num_speculative_tokens
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculate_max_draft_token_num must be an integer in 1..{MAX_DRAFT_TOKENS}, got {count!r}")
+    if not 0.0 <= spec.min_acceptance < 1.0:
+        raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {spec.min_acceptance}")
+    if spec.method in ("ngram", "inference_with_reference"):
+        NgramProposer(spec.max_ngram_size, spec.min_ngram_size)  # raises on bad sizes
+    if spec.method in ("draft_model", "eagle") and not spec.model:
+        what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"
+        raise ValueError(f"--speculate_method {spec.method} needs {what} directory: pass --speculative-model DIR")
+    if spec.method in _LOADED_METHODS and config.parallel.tensor_parallel_size > 1:
+        raise ValueError(f"--speculate_method {spec.method} runs on one rank for now: use --tensor-parallel-size 1 "
+                         "or --speculate_method ngram")
+
+
+def load_drafter(target: Target) -> Drafter | None:
+    """The configured drafter's weights, loaded beside the target before its KV cache is sized (None for the
+    n-gram lookup, which keeps no weights or cache). ValueError (one line) for a drafter that does not fit
+    the target (another vocabulary, another hidden size, no MTP layer)."""
+    spec = target.config.speculative
+    check_speculative_config(target.config)
+    if not spec.enabled or spec.method not in _LOADED_METHODS:
+        return None
+    if spec.method == "mtp":
+        from flashllm.core.spec.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(target)
+    if spec.method == "eagle":
+        from flashllm.core.spec.eagle import load_eagle_drafter
+
+        return load_eagle_drafter(target)
+    from flashllm.core.spec.draft_model import load_draft_model
+
+    return load_draft_model(target)
+
 
 def make_speculator(config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> Speculator | None:
-    """None when speculation is off; otherwise the Speculator over the configured proposer.
-    ValueError, before anything runs, for an unknown method or a draft model that does not fit."""
+    """None when speculation is off; otherwise the Speculator over the configured proposer, whose cache (if
+    any) gets as many blocks as the target's (parts.drafter was loaded before they were counted)."""
     spec = config.speculative
     if not spec.enabled:
         return None
-    if spec.method not in SPECULATE_METHODS:
-        raise ValueError(f"--speculate_method {spec.method!r} is not one of {', '.join(SPECULATE_METHODS)}")
+    check_speculative_config(config)
     proposer: Proposer
     if spec.method in ("ngram", "inference_with_reference"):
         proposer = NgramDrafts(spec.max_ngram_size, spec.min_ngram_size)
-    elif spec.method == "mtp":
-        from flashllm.core.spec.mtp import MTPProposer
-
-        proposer = MTPProposer.build(config, parts, block_manager)
+    elif parts.drafter is None:
+        raise ValueError(f"--speculate_method {spec.method}: the engine parts were built without its drafter")
     else:
-        from flashllm.core.spec.draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer.build(config, parts, block_manager)
+        proposer = parts.drafter.proposer(parts.runner, block_manager.num_total_blocks)
     speculator = Speculator(spec, proposer, block_manager, int(config.model.max_model_len or 0))
     logger.info("speculative decoding: %s, up to %d drafts per round", spec.method, spec.num_speculative_tokens)
     return speculator

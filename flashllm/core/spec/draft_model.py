@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.config import EngineConfig
-from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import TOKENIZER_FILES, EngineParts, model_runner_class
+from flashllm.core.builder import TOKENIZER_FILES, model_runner_class
 from flashllm.core.model_runner import ModelRunner
 from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
+from flashllm.core.spec.speculator import Target
 from flashllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,21 +59,6 @@ class DraftModelProposer:
         self._states: dict[int, _DraftState] = {}
         # what the runner's multi-step decode reads of each row: plain greedy, no stop token ends a draft
         self._greedy_state = SamplingState(SamplingParams(temperature=0.0, ignore_eos=True), None, ())
-
-    @classmethod
-    def build(cls, config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> DraftModelProposer:
-        """Load --speculative-model on the target's device and backend; ValueError (one line) when it is
-        missing, has another vocabulary, or cannot run beside the target."""
-        spec = config.speculative
-        if not spec.model:
-            raise ValueError("--speculate_method draft_model needs the draft's directory: pass --speculative-model DIR")
-        if config.parallel.tensor_parallel_size > 1:
-            raise ValueError("a draft model does not run under tensor parallelism yet: use --speculate_method ngram "
-                             "or --tensor-parallel-size 1")
-        model, runner = _load_draft(config, parts, Path(spec.model), block_manager.num_total_blocks)
-        logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's", spec.model,
-                    block_manager.num_total_blocks, runner.kv_cache_bytes() / 2**30)
-        return cls(runner, parts.hf_config.vocab_size)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Up to limits[i] greedy draft tokens for each sequence (their block tables must already cover
@@ -135,6 +119,10 @@ class DraftModelProposer:
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the draft's KV cache."""
+        return self.runner.kv_cache_bytes()
+
 
 def _in_vocabulary(draft: list[int], vocab_size: int) -> list[int]:
     """The draft up to its first token outside the target's vocabulary."""
@@ -144,7 +132,28 @@ def _in_vocabulary(draft: list[int], vocab_size: int) -> list[int]:
     return draft
 
 
-def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_blocks: int) -> tuple[Any, ModelRunner]:
+@dataclass(slots=True)
+class _LoadedDraft:
+    """The draft model's weights, loaded; its runner (and KV cache) comes once the target's blocks are counted."""
+
+    model: Any
+    runner_cls: type[ModelRunner]
+    target: Target
+    dtype: Any
+    kv_bytes_per_block: int
+
+    def proposer(self, runner: ModelRunner, num_blocks: int) -> DraftModelProposer:
+        selection, block_size = self.target.selection, self.target.config.cache.block_size
+        draft_runner = self.runner_cls(self.model, selection.device, num_blocks, block_size, self.dtype,
+                                       adapter=selection.adapter)
+        logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's",
+                    self.target.config.speculative.model, num_blocks, draft_runner.kv_cache_bytes() / 2**30)
+        return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size)
+
+
+def load_draft_model(target: Target) -> _LoadedDraft:
+    """Load --speculative-model on the target's device and backend (its KV cache comes later, sized with the
+    target's); ValueError (one line) when its vocabulary is not the target's."""
     from flashllm.models.hf_config import load_hf_config, uses_alibi
     from flashllm.models.loader import load_model, resolve_dtype
     from flashllm.models.registry import ModelRegistry
@@ -153,13 +162,14 @@ def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_b
     from flashllm.registry.plugins import make_plugin_manager
     from flashllm.registry.resolve import resolve_ops
 
+    config, model_dir = target.config, Path(str(target.config.speculative.model))
     plugins = make_plugin_manager()
     registry = ModelRegistry()
-    for architecture, target in plugins.model_targets().items():
-        registry.register(architecture, target)
+    for architecture, model_target in plugins.model_targets().items():
+        registry.register(architecture, model_target)
     hf_config = load_hf_config(model_dir, registry)
-    _check_vocabulary(parts, model_dir, hf_config.vocab_size)
-    selection = parts.selection
+    _check_vocabulary(target, model_dir, hf_config.vocab_size)
+    selection = target.selection
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
     quant = weight_quant_spec(config.speculative.quant_type, -1, False)
@@ -169,21 +179,20 @@ def _load_draft(config: EngineConfig, parts: EngineParts, model_dir: Path, num_b
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, progress=False, quant=quant)
     runner_cls = model_runner_class(selection)
     runner_cls.prepare_model(model, selection.adapter)
-    runner = runner_cls(model, selection.device, num_blocks, config.cache.block_size, dtype, adapter=selection.adapter)
-    return model, runner
+    per_block = runner_cls.kv_bytes_per_block(model, config.cache.block_size, dtype)
+    return _LoadedDraft(model, runner_cls, target, dtype, per_block)
 
 
-def _check_vocabulary(parts: EngineParts, model_dir: Path, draft_vocab_size: int) -> None:
+def _check_vocabulary(target: Target, model_dir: Path, draft_vocab_size: int) -> None:
     """The draft must speak the target's tokens: equal tokenizer vocabularies where both have a tokenizer,
     else equal vocab_size."""
-    target = parts.tokenizer
-    if target is not None and any((model_dir / name).exists() for name in TOKENIZER_FILES):
+    if target.tokenizer is not None and any((model_dir / name).exists() for name in TOKENIZER_FILES):
         from flashllm.models.tokenizer import load_tokenizer
 
-        if load_tokenizer(str(model_dir)).get_vocab() != target.get_vocab():
-            raise ValueError(f"the draft model {model_dir} has another vocabulary than the target {parts.model_dir}: "
+        if load_tokenizer(str(model_dir)).get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"the draft model {model_dir} has another vocabulary than the target {target.model_dir}: "
                              "speculative decoding needs a draft with the same tokenizer")
         return
-    if draft_vocab_size != parts.hf_config.vocab_size:
+    if draft_vocab_size != target.hf_config.vocab_size:
         raise ValueError(f"the draft model {model_dir} has vocab_size {draft_vocab_size}, the target "
-                         f"{parts.hf_config.vocab_size}: speculative decoding needs a draft with the same vocabulary")
+                         f"{target.hf_config.vocab_size}: speculative decoding needs a draft with the same vocabulary")

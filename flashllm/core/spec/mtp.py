@@ -10,11 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashllm.config import EngineConfig
-from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import EngineParts
-from flashllm.core.model_runner import ModelInput, ModelRunner
+from flashllm.core.model_runner import ModelInput, ModelRunner, allocate_kv_caches
 from flashllm.core.sequence import Sequence
+from flashllm.core.spec.speculator import Target
 from flashllm.ops.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -62,42 +60,23 @@ class MTPProposer:
     tokens a round yields, never which: the target verifies them all.
     """
 
+    reads_hidden_states = True  # the Speculator then keeps target steps single (see Speculator.burst_steps)
+
     def __init__(self, mtp: Any, runner: ModelRunner, num_blocks: int, target_vocab_size: int) -> None:
         self.mtp = mtp
         self.device = runner.device
         self.block_size = runner.block_size
         self.target_vocab_size = target_vocab_size
         dtype = next(mtp.parameters()).dtype
-        _, heads, width = mtp.kv_cache_shape()
-        self.kv_caches = [(torch.zeros(num_blocks, self.block_size, heads, width, dtype=dtype, device=self.device),)]
+        # the layer's own cache (a latent one for MTP, K and V for an EAGLE head), indexed by the target's blocks
+        self.kv_caches = allocate_kv_caches(mtp, self.device, num_blocks, self.block_size, dtype)
         self.adapter = runner.adapter
         self._pending: dict[int, _Pending] = {}
         runner.hidden_sink = self.record
 
-    @classmethod
-    def build(cls, config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> MTPProposer:
-        """Load the target checkpoint's MTP layer beside the target; ValueError (one line) when the model has
-        none or cannot share its hidden states (tensor parallelism)."""
-        from flashllm.models.deepseek_mtp import load_mtp
-        from flashllm.models.loader import checkpoint_quant_spec
-        from flashllm.quant.spec import weight_quant_spec
-
-        if config.parallel.tensor_parallel_size > 1:
-            raise ValueError("--speculate_method mtp runs on one rank for now: use --tensor-parallel-size 1")
-        if not hasattr(parts.model, "config") or getattr(parts.model.config, "latent_dim", None) is None:
-            raise ValueError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
-                             f"{parts.hf_config.architecture} has none (use ngram or draft_model)")
-        quant = checkpoint_quant_spec(parts.hf_config, weight_quant_spec(
-            config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
-        dtype = next(parts.model.parameters()).dtype
-        mtp = load_mtp(parts.model_dir, parts.model, parts.ops, dtype, parts.runner.device, quant)
-        mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
-        proposer = cls(mtp, parts.runner, block_manager.num_total_blocks, parts.hf_config.vocab_size)
-        weights = sum(p.numel() * p.element_size() for p in mtp.parameters())
-        cache = sum(t.numel() * t.element_size() for layer in proposer.kv_caches for t in layer)
-        logger.info("MTP layer of %s: %.1f MiB of weights, a latent cache of %.1f MiB beside the target's",
-                    parts.model_dir, weights / 2**20, cache / 2**20)
-        return proposer
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the layer's own cache."""
+        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
     def record(self, inputs: ModelInput, hidden: Tensor) -> None:
         """The target's step: keep each sequence's final hidden states (hidden (T, H)) by position."""
@@ -191,3 +170,46 @@ class MTPProposer:
 
     def forget(self, seq: Sequence) -> None:
         self._pending.pop(seq.seq_id, None)
+
+
+@dataclass(slots=True)
+class LoadedHead:
+    """A drafting layer fed the target's hidden states (MTP, EAGLE), loaded; its cache comes once the target's
+    blocks are counted."""
+
+    module: Any
+    vocab_size: int
+    kv_bytes_per_block: int
+    name: str
+
+    def proposer(self, runner: ModelRunner, num_blocks: int) -> MTPProposer:
+        proposer = MTPProposer(self.module, runner, num_blocks, self.vocab_size)
+        weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        logger.info("%s: %.1f MiB of weights, a cache of %.1f MiB (%d blocks) beside the target's", self.name,
+                    weights / 2**20, proposer.kv_cache_bytes() / 2**20, num_blocks)
+        return proposer
+
+
+def head_kv_bytes_per_block(module: Any, block_size: int) -> int:
+    """Bytes a drafting layer's own cache takes per block (its parameters' dtype, as MTPProposer allocates)."""
+    return ModelRunner.kv_bytes_per_block(module, block_size, next(module.parameters()).dtype)
+
+
+def load_mtp_drafter(target: Target) -> LoadedHead:
+    """The target checkpoint's MTP layer, loaded beside the target; ValueError (one line) when the model has
+    none."""
+    from flashllm.models.deepseek_mtp import load_mtp
+    from flashllm.models.loader import checkpoint_quant_spec
+    from flashllm.quant.spec import weight_quant_spec
+
+    config, model = target.config, target.model
+    if not hasattr(model, "config") or getattr(model.config, "latent_dim", None) is None:
+        raise ValueError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
+                         f"{target.hf_config.architecture} has none (use ngram or draft_model)")
+    quant = checkpoint_quant_spec(target.hf_config, weight_quant_spec(
+        config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
+    dtype = next(model.parameters()).dtype
+    mtp = load_mtp(target.model_dir, model, target.ops, dtype, target.selection.device, quant)
+    mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
+    return LoadedHead(mtp, target.hf_config.vocab_size, head_kv_bytes_per_block(mtp, config.cache.block_size),
+                      f"MTP layer of {target.model_dir}")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from flashllm.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 from flashllm.core.block_manager import BlockManager
@@ -32,6 +33,33 @@ class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]: ...
 
     def forget(self, seq: Sequence) -> None: ...
+
+    def kv_cache_bytes(self) -> int: ...
+
+
+@dataclass(slots=True)
+class Target:
+    """What a drafter is loaded beside: the target model as core/builder.py has it before the KV cache is sized."""
+
+    config: Any            # EngineConfig
+    selection: Any         # DeviceSelection
+    ops: Any               # the target's OpTable
+    model: Any             # the loaded target CausalLM
+    hf_config: Any         # its HFModelConfig
+    tokenizer: Any         # None off rank 0 or for a model without one
+    model_dir: Path
+
+
+class Drafter(Protocol):
+    """A proposer's weights, loaded before the target's KV cache is sized (so its cache is inside the budget).
+
+    kv_bytes_per_block: bytes the proposer's own cache takes per target KV block (0: none); the builder sizes
+    num_blocks so that num_blocks * (target's + this) fits the budget. proposer(runner, num_blocks) then
+    allocates that cache and returns the Proposer (runner: the target's, whose hidden states it may read)."""
+
+    kv_bytes_per_block: int
+
+    def proposer(self, runner: Any, num_blocks: int) -> Proposer: ...
 
 
 @dataclass(slots=True)
@@ -124,7 +152,11 @@ class Speculator:
         """The most decode steps a round without drafts should run for these sequences (None: no limit).
 
         A sequence whose last `misses` rounds brought no accepted draft token gets 2 ** (misses - 1) steps,
-        no limit past 2 ** _MAX_MISS_SHIFT; one the guard pauses, or one never drafted for, sets no limit."""
+        no limit past 2 ** _MAX_MISS_SHIFT; one the guard pauses, or one never drafted for, sets no limit.
+        A proposer that reads the target's hidden states (MTP, EAGLE) gets one step at a time: a multi-step
+        burst hands none over, and the head's cache would miss those positions."""
+        if getattr(self.proposer, "reads_hidden_states", False):
+            return 1
         steps: int | None = None
         for seq in seqs:
             guard = self._guards.get(seq.seq_id)
@@ -192,3 +224,6 @@ class NgramDrafts:
 
     def forget(self, seq: Sequence) -> None:
         return None
+
+    def kv_cache_bytes(self) -> int:
+        return 0
