@@ -121,7 +121,7 @@ class ParallelConfig:
 
 
 # SpeculativeConfig.method values; PaddleNLP's "inference_with_reference" is the n-gram lookup
-SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model", "mtp")
+SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model", "eagle", "mtp")
 MAX_DRAFT_TOKENS = 8
 
 

@@ -11,14 +11,16 @@ from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, speculative_fla
 SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculate_method": (("--speculate_method",), str,
                          f"speculative decoding: {' | '.join(SPECULATE_METHODS)} (inference_with_reference is the "
-                         "n-gram lookup in the prompt and output; draft_model needs --speculative-model; mtp drafts with a "
-                         "DeepSeek-V3 checkpoint's own next-token-prediction layer)"),
+                         "n-gram lookup in the prompt and output; draft_model and eagle need --speculative-model (a draft "
+                         "model, an EAGLE-1 head); mtp drafts with a DeepSeek-V3 checkpoint's own "
+                         "next-token-prediction layer)"),
     "speculate_max_draft_token_num": (("--speculate_max_draft_token_num", "--num_speculative_tokens"), int,
                                       f"tokens drafted per sequence and round, 1..{MAX_DRAFT_TOKENS} (default 4)"),
     "speculate_max_ngram_size": (("--speculate_max_ngram_size",), int,
                                  "n-gram lookup: the longest suffix matched (default 3)"),
     "speculative_model": (("--speculative_model",), str,
-                          "draft model directory (same vocabulary as the model); implies draft_model"),
+                          "draft model or EAGLE head directory (same vocabulary as the model); implies "
+                          "draft_model unless --speculate_method eagle"),
     "speculative_quant_type": (("--speculative_quant_type",), str,
                                "weight-only quantization of the draft model (e.g. weight_only_int8)"),
 }

@@ -302,6 +302,36 @@ def test_attention_long_context_split_across_many_programs() -> None:
 
 
 @interpreted_or_gpu
+@pytest.mark.parametrize("drafts", [1, 4, 8])
+def test_attention_verify_rows_of_drafted_decodes(drafts: int) -> None:
+    """Speculative decoding's verify step (core/spec): a decode with k drafts runs as k + 1 one-token rows over one
+    block table, row j attending to its first L + 1 + j keys (across a block edge here), beside a plain decode and
+    a prefill chunk. The kernel matches the reference on that batch, and its verify rows equal the reference's
+    one causal (k + 1)-token chunk over the same keys: the two forms of the same attention agree."""
+    heads, kv_heads, head_size, bs, dtype = 8, 2, 64, 16, torch.float32
+    context = 2 * bs - 3
+    gen = torch.Generator().manual_seed(drafts)
+    tables, num_blocks = random_block_tables(gen, [context + 1 + drafts, 9, 40], bs)
+    q_lens = [1] * (drafts + 1) + [1, 7]
+    seq_lens = [context + 1 + j for j in range(drafts + 1)] + [9, 40]
+    shape = (num_blocks, bs, kv_heads, head_size)
+    inputs = dev({
+        "q": torch.randn(sum(q_lens), heads, head_size, generator=gen),
+        "k_cache": torch.randn(shape, generator=gen), "v_cache": torch.randn(shape, generator=gen),
+        "block_tables": torch.cat((tables[:1].expand(drafts + 1, -1), tables[1:])),
+        "cu_seqlens_q": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "scale": head_size**-0.5,
+    })
+    check("paged_attention", inputs, dtype, attend(partition_size=64))
+    chunk = {**inputs, "q": inputs["q"][: drafts + 1], "block_tables": inputs["block_tables"][:1],
+             "cu_seqlens_q": dev(torch.tensor([0, drafts + 1], dtype=torch.int32)),
+             "seq_lens": dev(torch.tensor([context + 1 + drafts], dtype=torch.int32))}
+    as_chunk = run_case(SPECS["paged_attention"].reference, "paged_attention", chunk)
+    as_rows = run_case(KERNELS["paged_attention"].fn, "paged_attention", inputs)[: drafts + 1]
+    assert_close(as_rows, as_chunk, dtype)
+
+
+@interpreted_or_gpu
 def test_attention_window_and_alibi_skip_whole_splits() -> None:
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(4)])
     # window 70 over splits of 64: 197 leaves split 1 a single visible key (127), 198 starts at 128

@@ -1,0 +1,152 @@
+"""EAGLE-1 heads: drafts against an independent reference of the head's forward (transformers' own Llama decoder
+layer and the target's hidden states from transformers, recomputed over the whole sequence every time), greedy
+tokens equal to plain decoding under preemption, acceptance in the stats, bad heads refused at load."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashllm.config import SpeculativeConfig
+from flashllm.llm import LLM
+from flashllm.sampling_params import SamplingParams
+from flashllm.testing.eagle import build_eagle_head
+from flashllm.testing.tiny_models import build_tiny_model
+
+BLOCK = 16
+PREDICTABLE = 0.03
+
+
+@pytest.fixture(scope="module")
+def eagle_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    random_target = build_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=3, tokenizer=False)
+    predictable_target = build_tiny_model(tmp_path_factory.mktemp("ptarget"), "llama", seed=3, tokenizer=False)
+    return {"target": random_target, "head": build_eagle_head(tmp_path_factory.mktemp("head"), random_target, seed=6),
+            "ptarget": predictable_target,
+            "phead": build_eagle_head(tmp_path_factory.mktemp("phead"), predictable_target, seed=6,
+                                      predictable=PREDICTABLE)}
+
+
+class ReferenceEagle:
+    """The EAGLE-1 head's forward written from the paper, without any cache: the target's final hidden states
+    h_0..h_{n-1} from transformers (last_hidden_state, after the final norm), then
+    x = fc([emb(t_{i+1}) ; h_i]); o = transformers' LlamaDecoderLayer with its input norm replaced by the identity;
+    logits = target lm_head(o) over every position with a causal mask. Draft j + 1 appends (o at the last
+    position, draft j) and recomputes everything."""
+
+    def __init__(self, target_dir: Path, head_dir: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        config = LlamaConfig(**json.loads((head_dir / "config.json").read_text()))
+        config._attn_implementation = "eager"
+        self.block = LlamaDecoderLayer(config, layer_idx=0).eval()
+        self.block.input_layernorm = torch.nn.Identity()
+        weights = load_file(head_dir / "model.safetensors")
+        missing, unexpected = self.block.load_state_dict(
+            {k[len("layers.0."):]: v for k, v in weights.items() if k.startswith("layers.0.")}, strict=False)
+        assert missing == [] and unexpected == [], (missing, unexpected)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.fc_weight, self.fc_bias = weights["fc.weight"], weights["fc.bias"]
+
+    @torch.inference_mode()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        embed, head = self.target.model.embed_tokens, self.target.lm_head
+        hidden = self.target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # h_0 .. h_{n-1}
+        inputs = list(tokens[1:])  # t_1 .. t_n
+        out: list[int] = []
+        for _ in range(k):
+            x = torch.cat((embed(torch.tensor(inputs)), hidden), dim=-1) @ self.fc_weight.T + self.fc_bias
+            n = x.shape[0]
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            o = self.block(x[None], attention_mask=mask, position_ids=positions,
+                           position_embeddings=self.rotary(x[None], positions))[0]
+            out.append(int(head(o[-1]).argmax()))
+            inputs.append(out[-1])
+            hidden = torch.cat((hidden, o[-1:]))
+        return out
+
+
+def _requests(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(1, 90))] for _ in range(count)]
+
+
+def _llm(model_dir: Path, backend: str, spec: SpeculativeConfig | None, **kwargs) -> LLM:
+    options = {"block_size": BLOCK, "num_kv_blocks": 96, "max_num_seqs": 16, "max_num_batched_tokens": 128,
+               "max_model_len": 256, **kwargs}
+    return LLM(str(model_dir), backend=backend, dtype="float32", speculative_config=spec, **options)
+
+
+def _eagle(head: Path, k: int = 3, guard: float = 0.25) -> SpeculativeConfig:
+    return SpeculativeConfig(method="eagle", model=str(head), num_speculative_tokens=k, min_acceptance=guard)
+
+
+@pytest.mark.parametrize(("target", "head", "guard"), [("target", "head", 0.25), ("ptarget", "phead", 0.0)])
+def test_drafts_equal_the_reference_eagle_forward(eagle_dirs, target: str, head: str, guard: float) -> None:
+    """Every checked round's drafts (k = 3) equal the reference's from the same tokens: the catch-up over chunked
+    prompts, over accepted drafts (predictable head) and over rounds the guard paused (random head), the reuse
+    of the head's output for drafts 2 and 3."""
+    llm = _llm(eagle_dirs[target], "cpu", _eagle(eagle_dirs[head], guard=guard), max_num_batched_tokens=48)
+    proposer = llm.engine.speculator.proposer
+    calls: list[tuple[list[int], int, list[int]]] = []
+    propose = proposer.propose
+
+    def spy(seqs, limits):
+        drafts = propose(seqs, limits)
+        calls.extend((list(s.token_ids), n, list(d)) for s, n, d in zip(seqs, limits, drafts, strict=True))
+        return drafts
+
+    proposer.propose = spy
+    prompts = _requests(6, seed=11)
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
+    reference = ReferenceEagle(eagle_dirs[target], eagle_dirs[head])
+    for tokens, limit, drafts in calls[::3]:
+        assert drafts == reference.drafts(tokens, limit), f"after {len(tokens)} tokens"
+    stats = llm.engine.speculator.stats
+    if head == "phead":
+        assert 0 < stats.num_accepted < stats.num_drafted, stats
+
+
+@pytest.mark.parametrize(("backend", "k", "count", "blocks"), [("cpu", 3, 16, 24), ("reference", 4, 8, 96)])
+def test_greedy_tokens_equal_plain_decoding(eagle_dirs, backend: str, k: int, count: int, blocks: int) -> None:
+    """Under continuous batching, with preemption forced by a small cache and prefix-cache hits, an EAGLE head
+    changes no token; acceptance rate and mean accepted length land in the speculator's stats."""
+    target = eagle_dirs["ptarget"]
+    prompts = _requests(count, seed=3)
+    prompts += [list(p) for p in prompts[: count // 4]]
+    rng = random.Random(4)
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
+    plain = [o.outputs[0].token_ids for o in _llm(target, backend, None, **options).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(target, backend, _eagle(eagle_dirs["phead"], k=k), **options)
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.speculator.stats
+    assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
+    assert 0.0 < stats.acceptance_rate < 1.0 and stats.mean_accepted_length > 1.0
+    if blocks < 96:
+        assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
+    assert spec == plain
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(eagle_dirs, tmp_path: Path) -> None:
+    """Another hidden size, another vocabulary, more than one layer, no head directory: one line, at load."""
+    target = eagle_dirs["target"]
+    cases = {"hidden_size 32": build_eagle_head(tmp_path / "narrow", target, hidden_size=32, intermediate_size=64),
+             "vocab_size 300": build_eagle_head(tmp_path / "vocab", target, vocab_size=300),
+             "num_hidden_layers=2": build_eagle_head(tmp_path / "deep", target, num_hidden_layers=2)}
+    for message, head in cases.items():
+        with pytest.raises(ValueError, match=message) as info:
+            _llm(target, "cpu", _eagle(head))
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="--speculative-model"):
+        _llm(target, "cpu", SpeculativeConfig(method="eagle"))
