@@ -46,7 +46,8 @@ def row_states(states: list[SamplingState], drafts: list[list[int]]) -> list[Sam
     rows: list[SamplingState] = []
     for state, draft in zip(states, drafts, strict=True):
         rows.append(state)
-        rows.extend(replace(state, output_token_ids=state.output_token_ids + draft[:j]) for j in range(1, len(draft) + 1))
+        rows.extend(replace(state, output_token_ids=state.output_token_ids + draft[:j])
+                    for j in range(1, len(draft) + 1))
     return rows
 
 
