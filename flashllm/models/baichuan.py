@@ -3,6 +3,7 @@ Baichuan2's LM head with L2-normalized rows. Which applies comes from config.jso
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -19,11 +20,12 @@ from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.prequantized import split_output_features
 from flashllm.models.llama import LlamaForCausalLM, LlamaModel
 from flashllm.ops.alibi_slopes import alibi_slopes
 from flashllm.registry.fusions import DECODER_STACK
 
-W_PACK = ".self_attn.W_pack.weight"
+W_PACK = re.compile(r"(.*)\.self_attn\.W_pack\.(weight|qweight|qzeros|scales|g_idx)")  # the last four: GPTQ / AWQ
 
 
 class BaichuanAlibiAttention(nn.Module):
@@ -101,13 +103,14 @@ class BaichuanForCausalLM(LlamaForCausalLM):
     The RoPE models are Llama's decoder exactly (a LlamaModel, so backends' fused paths for it
     apply); the ALiBi models run BaichuanAlibiModel and offer no fused decoder stack, whose fused
     decode applies RoPE and no ALiBi bias. W_pack (3 * hidden, hidden), rows [q; k; v], loads as
-    the q, k and v shards of qkv_proj; Baichuan2's LM head rows are normalized once, at load.
+    the q, k and v shards of qkv_proj (a GPTQ / AWQ W_pack's packed tensors too); Baichuan2's LM
+    head rows are normalized once, at load (GPTQ / AWQ checkpoints keep the head in float).
     """
 
     # Baichuan-7B checkpoints may keep the RoPE inverse frequencies, which are rebuilt from the config
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     attention_needs: ClassVar[tuple[str, ...]] = ("ALiBi (13B)",)
-    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # baichuan_config refuses quantization_config
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")  # W_pack split in packed words
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.model",)  # sentencepiece
 
     def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
@@ -145,19 +148,22 @@ class BaichuanForCausalLM(LlamaForCausalLM):
         return loaded
 
     def _split_w_pack(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """Yield the checkpoint's tensors with each W_pack (3 * hidden, hidden) as its q, k and v rows (unread)."""
+        """Yield the checkpoint's tensors with each W_pack (3 * hidden, hidden) as its q, k and v rows (unread);
+        a GPTQ / AWQ W_pack's packed tensors are cut along their output features the same way."""
         size = self.config.num_attention_heads * self.config.head_dim
         expected = (3 * size, self.config.hidden_size)
         for name, tensor in weights:
-            if not name.endswith(W_PACK):
+            match = W_PACK.fullmatch(name)
+            if match is None:
                 yield name, tensor
                 continue
-            if tuple(tensor.shape) != expected:
+            prefix, suffix = match.groups()
+            if suffix == "weight" and tuple(tensor.shape) != expected:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected} "
                                      "(q, k and v rows of the heads config.json describes)")
-            prefix = name.removesuffix(W_PACK)
-            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                yield f"{prefix}.self_attn.{proj}.weight", tensor.narrow(0, i * size, size)
+            parts = split_output_features(name, tensor, (size,) * 3, self.config.quantization)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                yield f"{prefix}.self_attn.{proj}.{suffix}", part
 
     def fusions(self) -> dict[str, Any]:
         """LlamaForCausalLM's fusions, never DECODER_STACK for ALiBi (its fused decode applies RoPE, no ALiBi)."""

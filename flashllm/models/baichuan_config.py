@@ -61,10 +61,6 @@ class BaichuanModelConfig(LlamaModelConfig):
 def parse_baichuan_config(raw: dict[str, Any], source: str = "config.json") -> BaichuanModelConfig:
     """Validate a Baichuan / Baichuan2 config.json dict; ModelLoadError (one line) on anything flashllm cannot run."""
     architecture = config_architecture(raw, source)
-    if raw.get("quantization_config") is not None:
-        raise ModelLoadError(f"{source}: pre-quantized (GPTQ / AWQ) {architecture} checkpoints are not supported "
-                             "(their W_pack packs q, k and v together); load the float checkpoint and pass "
-                             "--quant_type w8a16 or w4a16")
     position = _position_embedding(raw, architecture, source)
     _check_heads(raw, source)
     view = dict(raw)

@@ -37,10 +37,12 @@ from flashllm.models.hf_config import (
     checkpoint_dtype,
     config_architecture,
     flag,
+    parse_quantization_config,
     positive_float,
     positive_int,
     token_ids,
 )
+from flashllm.models.layers.prequantized import split_output_features
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.models.qwen2 import Qwen2ForCausalLM
@@ -60,7 +62,7 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight"}
 _LAYER_TENSOR = re.compile(r"transformer\.h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.w1|mlp\.w2|mlp\.c_proj)"
-                           r"\.(weight|bias)")
+                           r"\.(weight|bias|qweight|qzeros|scales|g_idx)")  # the last four: GPTQ / AWQ
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +84,12 @@ def parse_qwen_config(raw: dict[str, Any], source: str = "config.json") -> QWenM
 
     Raises ModelLoadError (one line, naming the field) on a missing or non-positive size, sizes
     that disagree (kv_channels * num_attention_heads != hidden_size, an odd intermediate_size),
-    a rotary_pct giving no even rotary dimension, scale_attn_weights false, or a pre-quantized
-    (GPTQ / AWQ) checkpoint.
+    a rotary_pct giving no even rotary dimension, scale_attn_weights false, or a
+    quantization_config flashllm cannot load (GPTQ and AWQ ones, Qwen-7B-Chat-Int4's, it can).
     """
     sizes = _sizes(raw, source)
-    if raw.get("quantization_config") is not None:
-        raise ModelLoadError(f"{source}: pre-quantized (GPTQ / AWQ) QWen checkpoints are not supported; load the "
-                             "float checkpoint and quantize it with --quant_type")
+    inputs = (sizes["hidden_size"], sizes["num_attention_heads"] * sizes["head_dim"], sizes["intermediate_size"])
+    quantization = parse_quantization_config(raw.get("quantization_config"), inputs, source)
     if raw.get("scale_attn_weights", True) is not True:
         raise ModelLoadError(f"{source}: scale_attn_weights={raw['scale_attn_weights']!r} is not supported; "
                              "flashllm's QWen scales attention scores by 1/sqrt(kv_channels)")
@@ -117,7 +118,8 @@ def parse_qwen_config(raw: dict[str, Any], source: str = "config.json") -> QWenM
         attention_bias=not no_bias, mlp_bias=not no_bias, hidden_act="silu", torch_dtype=_dtype(raw, source),
         bos_token_id=token_ids(raw, "bos_token_id", source), eos_token_id=token_ids(raw, "eos_token_id", source),
         sliding_windows=(None,) * sizes["num_hidden_layers"], raw=raw, seq_length=seq_length,
-        use_logn_attn=flag(values, "use_logn_attn", source), use_dynamic_ntk=dynamic_ntk, **sizes,
+        use_logn_attn=flag(values, "use_logn_attn", source), use_dynamic_ntk=dynamic_ntk, quantization=quantization,
+        **sizes,
     )
 
 
@@ -180,10 +182,11 @@ class QWenLMHeadModel(Qwen2ForCausalLM):
     Checkpoint names (transformer.wte, transformer.h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2,
     mlp.w1, mlp.w2, mlp.c_proj}, transformer.ln_f, lm_head) load into the Llama layers; the fused
     `c_attn` (3 * hidden, hidden) is split into its q, k and v rows as it loads, which keeps
-    tensor-parallel ranks reading only their slices.
+    tensor-parallel ranks reading only their slices. GPTQ / AWQ checkpoints (Qwen-7B-Chat-Int4)
+    split c_attn's packed tensors along their output features the same way.
     """
 
-    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # parse_qwen_config refuses quantization_config
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")  # c_attn split in packed words
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("qwen.tiktoken",)
 
     def __init__(self, config: QWenModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
@@ -228,8 +231,9 @@ class QWenLMHeadModel(Qwen2ForCausalLM):
                 yield f"{prefix}{_LAYER_NAMES[module]}.{kind}", tensor
                 continue
             rows = self.config.num_attention_heads * self.config.head_dim
-            if tensor.dim() < 1 or tensor.shape[0] != 3 * rows:
+            if kind in ("weight", "bias") and (tensor.dim() < 1 or tensor.shape[0] != 3 * rows):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; expected "
                                      f"{3 * rows} rows (q, k and v of {rows} each) as config.json says")
-            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                yield f"{prefix}self_attn.{proj}.{kind}", tensor.narrow(0, i * rows, rows)
+            parts = split_output_features(name, tensor, (rows,) * 3, self.config.quantization)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                yield f"{prefix}self_attn.{proj}.{kind}", part

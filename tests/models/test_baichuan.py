@@ -299,6 +299,51 @@ def test_weight_only_int8_alibi_computes_with_its_dequantized_weights(models, op
     torch.testing.assert_close(logits.double(), naive.logits(prompt), atol=ATOL, rtol=0)
 
 
+QUANTIZED = {
+    "gptq-int4": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+    "gptq-int8-act-order": {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "sym": True},
+    "awq-int4": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+}
+BAICHUAN_LINEARS = ("self_attn.W_pack", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_a_quantized_baichuan2_13b_computes_its_dequantized_weights(case, models, tmp_path, ops, model_registry,
+                                                                    paged_driver) -> None:
+    """A GPTQ / AWQ Baichuan2-13B (W_pack quantized whole, the normalized head left in float, as quantizers
+    leave lm_head): W_pack's packed tensors are cut into q, k and v along their output features, and the
+    logits of a prompt across blocks and of decode steps are the naive model's on the dequantized weights."""
+    from flashllm.testing.packed_quant import quantize_linear
+
+    tensors = load_file(models["2-13b"][0] / "model.safetensors")
+    gen = torch.Generator().manual_seed(31)
+    packed, twin = dict(tensors), dict(tensors)
+    for i in range(ALIBI["num_hidden_layers"]):
+        orders = {}
+        for linear in BAICHUAN_LINEARS:
+            name = f"model.layers.{i}.{linear}"
+            weight = packed.pop(f"{name}.weight")
+            source = "mlp.gate_up" if linear in ("mlp.gate_proj", "mlp.up_proj") else linear  # one input: one order
+            k = weight.shape[1]
+            orders.setdefault(source, torch.randperm(k, generator=gen) if QUANTIZED[case].get("desc_act")
+                              else torch.arange(k))
+            layer, twin[f"{name}.weight"] = quantize_linear(weight, QUANTIZED[case], orders[source])
+            packed.update({f"{name}.{suffix}": t for suffix, t in layer.items()})
+    config = {**ALIBI, "z_loss_weight": 0}
+    quant_dir = write_baichuan(tmp_path / "quant", packed, {**config, "quantization_config": QUANTIZED[case]})
+    naive = NaiveBaichuan(write_baichuan(tmp_path / "twin", twin, config), norm_head=True)
+    ours, _ = load_model(quant_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert ours.model.layers[0].self_attn.qkv_proj.weight is None
+    prompt = random_tokens(40, seed=32)
+    driver = paged_driver(ours, block_size=BLOCK, num_blocks=16)
+    seq, new = driver.add_sequence(), list(prompt)
+    for _ in range(4):  # the prompt, then three decode steps
+        (logits,) = driver.step([(seq, new)])
+        torch.testing.assert_close(logits.double(), naive.logits(prompt)[-len(new):], atol=ATOL, rtol=0)
+        prompt.append(int(logits[-1].argmax()))
+        new = prompt[-1:]
+
+
 def test_a_w_pack_of_the_wrong_shape_is_refused(models, tmp_path, ops, model_registry) -> None:
     tensors = load_file(models["13b"][0] / "model.safetensors")
     tensors["model.layers.1.self_attn.W_pack.weight"] = tensors["model.layers.1.self_attn.W_pack.weight"][:-16]
@@ -353,7 +398,7 @@ def test_published_configs_get_their_position_encoding_and_head(raw, position, n
     ({**BAICHUAN_13B, "num_key_value_heads": 8}, "num_key_value_heads=8 differs"),
     ({**BAICHUAN2_7B, "tie_word_embeddings": True}, "normalizes its rows"),
     ({**BAICHUAN_13B, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "ALiBi, which has no rotary"),
-    ({**BAICHUAN2_13B, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized"),
+    ({**BAICHUAN2_13B, "quantization_config": {"quant_method": "gptq", "bits": 3}}, "bits=3 is not supported"),
 ])
 def test_configs_flashllm_cannot_run_are_refused_in_one_line(raw, match) -> None:
     with pytest.raises(ModelLoadError, match=match) as info:

@@ -22,66 +22,13 @@ from flashllm.models.layers.linear import LinearBase
 from flashllm.models.loader import load_model
 from flashllm.quant.spec import weight_quant_spec
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.packed_quant import dequantized, pack_awq, pack_gptq, quantize
 from flashllm.testing.tiny_models import build_tiny_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_SLOT_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)  # column held by nibble i of an AWQ GEMM word
 BLOCK = 16
 # projections fused over one input: GPTQ's act order of that input is the same for all of them
 SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def _pack_slots(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Pack along the last dim: word w's slot i (bits i*b..) holds value w*P + order[i]; int32 result."""
-    per = 32 // bits
-    words = torch.zeros(*values.shape[:-1], values.shape[-1] // per, dtype=torch.int64)
-    for slot in range(per):
-        source = slot if order is None else order[slot]
-        words |= values[..., source::per].to(torch.int64) << (bits * slot)
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # the top bit is int32's sign
-
-
-def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, order: torch.Tensor):
-    """Round-to-nearest codes (N, K), zero points (N, G) in 1..2**bits - 1, fp16 scales (N, G), g_idx (K,).
-
-    order: the input features in quantization order; group g is order[g*gs:(g+1)*gs] (act order).
-    """
-    n, k = w.shape
-    groups = 1 if group_size == -1 else k // group_size
-    g_idx = torch.empty(k, dtype=torch.int64)
-    g_idx[order] = torch.arange(k) // (k // groups)
-    top = 2**bits - 1
-    codes = torch.empty(n, k, dtype=torch.int64)
-    zeros = torch.empty(n, groups, dtype=torch.int64)
-    scales = torch.empty(n, groups, dtype=torch.float16)
-    for g in range(groups):
-        cols = (g_idx == g).nonzero().flatten()
-        part = w[:, cols]
-        if sym:
-            scale = (part.abs().amax(1) / (top // 2)).half()
-            zero = torch.full((n,), 2 ** (bits - 1), dtype=torch.int64)
-        else:
-            low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
-            scale = ((high - low) / top).half()
-            zero = torch.round(-low / scale.float()).long().clamp(1, top)
-        codes[:, cols] = (torch.round(part / scale.float()[:, None]) + zero[:, None]).long().clamp(0, top)
-        zeros[:, g], scales[:, g] = zero, scale
-    return codes, zeros, scales, g_idx
-
-
-def dequantized(codes, zeros, scales, g_idx) -> torch.Tensor:
-    return (codes - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
-
-
-def pack_gptq(codes, zeros, scales, g_idx, bits: int, v1: bool) -> dict[str, torch.Tensor]:
-    return {"qweight": _pack_slots(codes, bits).t().contiguous(),  # packed along K: (K * bits / 32, N)
-            "qzeros": _pack_slots((zeros - (1 if v1 else 0)).t(), bits),
-            "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
-
-
-def pack_awq(codes, zeros, scales) -> dict[str, torch.Tensor]:
-    return {"qweight": _pack_slots(codes.t(), 4, AWQ_SLOT_COLUMN), "qzeros": _pack_slots(zeros.t(), 4, AWQ_SLOT_COLUMN),
-            "scales": scales.t().contiguous()}
 
 
 def write_pair(float_dir: Path, out: Path, qconfig: dict, seed: int = 0) -> tuple[Path, Path]:

@@ -20,6 +20,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.packed_quant import quantize_linear
 from flashllm.testing.parity import assert_rows_match
 from flashllm.testing.parity import record_logits as _record_logits
 
@@ -311,6 +312,70 @@ def test_partial_rotary_and_biases_match_the_naive_forward(tmp_path, ops, model_
     assert_close(logits, naive_qwen_logits(tensors, config, prompt))
 
 
+# ---------------------------------------------------------------- GPTQ / AWQ checkpoints (Qwen-7B-Chat-Int4 / -Int8)
+
+QUANTIZED = {
+    # Qwen-7B-Chat-Int4's settings (its groups are 128 input features; this model's inputs are 64 and 96)
+    "gptq-int4": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+                  "static_groups": False, "true_sequential": True, "damp_percent": 0.01},
+    "gptq-int8-act-order": {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "sym": True},
+    "awq-int4": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+}
+QWEN_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.w1", "mlp.w2", "mlp.c_proj")
+
+
+def quantized_qwen(config: dict, tensors: dict[str, torch.Tensor], qconfig: dict, seed: int
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the checkpoint's tensors with every decoder linear packed as `qconfig` says, c_attn quantized whole as
+    the published checkpoints quantize it; the float tensors those integers stand for). w1 and w2 read one
+    input, so under act order they share its order, as GPTQ's shared Hessian gives them."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, twin = dict(tensors), dict(tensors)
+    for i in range(config["num_hidden_layers"]):
+        orders = {}
+        for linear in QWEN_LINEARS:
+            name = f"transformer.h.{i}.{linear}"
+            weight = packed.pop(f"{name}.weight")
+            source = "mlp.w" if linear in ("mlp.w1", "mlp.w2") else linear
+            if source not in orders:
+                k = weight.shape[1]
+                orders[source] = torch.randperm(k, generator=gen) if qconfig.get("desc_act") else torch.arange(k)
+            layer, twin[f"{name}.weight"] = quantize_linear(weight, qconfig, orders[source])
+            packed.update({f"{name}.{suffix}": t for suffix, t in layer.items()})
+    return packed, twin
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_a_quantized_checkpoint_computes_its_dequantized_weights(case, tmp_path, ops, model_registry, paged_driver):
+    """c_attn's packed tensors are cut into q, k and v along their output features (whole packed words):
+    logits of prompts over blocks and of decode steps equal the naive forward on the dequantized weights."""
+    config = qwen_config(no_bias=False)
+    packed, twin = quantized_qwen(config, random_qwen_tensors(config, seed=21), QUANTIZED[case], seed=22)
+    quant_dir = write_qwen_dir(tmp_path, packed, {**config, "quantization_config": QUANTIZED[case]})
+    model, parsed = load_model(quant_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    assert parsed.quantization.method == QUANTIZED[case]["quant_method"]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.qweight.scheme == ("w8a16" if QUANTIZED[case]["bits"] == 8 else "w4a16")
+    driver = paged_driver(model, block_size=BLOCK, num_blocks=16, seed=23)
+    prompts = [random_tokens(n, seed=24 + n) for n in (37, 5)]
+    seqs = [driver.add_sequence() for _ in prompts]
+    new_tokens = [list(p) for p in prompts]
+    for _ in range(4):  # the prompts, then three decode steps of both sequences
+        for prompt, logits in zip(prompts, driver.step(list(zip(seqs, new_tokens, strict=True))), strict=True):
+            assert_close(logits, naive_qwen_logits(twin, config, prompt)[-len(logits):])
+            prompt.append(int(logits[-1].argmax()))
+        new_tokens = [prompt[-1:] for prompt in prompts]
+
+
+def test_a_quantized_c_attn_of_the_wrong_width_is_refused_naming_the_tensor(tmp_path, ops, model_registry):
+    config = qwen_config()
+    packed, _ = quantized_qwen(config, random_qwen_tensors(config, seed=1), QUANTIZED["gptq-int4"], seed=2)
+    packed["transformer.h.0.attn.c_attn.scales"] = packed["transformer.h.0.attn.c_attn.scales"][:, :-8]
+    quant_dir = write_qwen_dir(tmp_path, packed, {**config, "quantization_config": QUANTIZED["gptq-int4"]})
+    with pytest.raises(ModelLoadError, match=r"transformer\.h\.0\.attn\.c_attn\.scales.*expected 192 along"):
+        load_model(quant_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+
+
 # ---------------------------------------------------------------- configs and checkpoints refused in one line
 
 
@@ -323,7 +388,8 @@ def test_partial_rotary_and_biases_match_the_naive_forward(tmp_path, ops, model_
     ({"scale_attn_weights": False}, "scale_attn_weights"),
     ({"bf16": True, "fp16": True}, "bf16, fp16"),
     ({"use_logn_attn": "yes"}, "use_logn_attn"),
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "bits": 4}}, "quant_method='bitsandbytes'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 48}}, "group_size=48"),
 ])
 def test_an_inconsistent_config_is_refused_naming_the_field(overrides, field):
     with pytest.raises(ModelLoadError) as info:

@@ -22,7 +22,7 @@ MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "De
 # pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
 DEQUANTIZED_AT_LOAD = {"fp8"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = (MOE - {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}) | {"QWenLMHeadModel", "BaichuanForCausalLM", "BaiChuanForCausalLM", "ChatGLMModel",
+PREQUANT_REFUSED = (MOE - {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}) | {"ChatGLMModel",
                           "ChatGLMForConditionalGeneration", "GlmForCausalLM"}
 
 
@@ -96,7 +96,8 @@ def test_devices_lists_every_architecture_in_text_and_json(capsys) -> None:
     assert set(models) >= set(BUILTIN_MODELS)
     assert "reference" in models["Qwen2MoeForCausalLM"]["required_ops"]["fused_moe"]
     assert models["LlamaForCausalLM"]["prequantized"] == ["gptq", "awq"]
-    assert models["BaiChuanForCausalLM"]["prequantized"] == []
+    assert models["BaiChuanForCausalLM"]["prequantized"] == models["QWenLMHeadModel"]["prequantized"] == ["gptq", "awq"]
+    assert models["ChatGLMModel"]["prequantized"] == []
     assert main(["devices"]) == 0
     text = capsys.readouterr().out.split("\nModels", 1)[1]
     for name in BUILTIN_MODELS:

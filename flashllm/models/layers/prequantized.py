@@ -4,6 +4,7 @@ its QuantizedWeight."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,8 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.quant import awq, gptq
 from flashllm.quant.gptq import WORD_BITS, IntegerWeight, PrequantizedFormatError, default_g_idx
 
-__all__ = ["PrequantizedLinear", "finish_prequantized", "load_prequantized", "prepare_prequantized"]
+__all__ = ["PrequantizedLinear", "finish_prequantized", "load_prequantized", "prepare_prequantized",
+           "split_output_features"]
 
 # `<linear prefix>.<suffix>` tensors of a GPTQ / AWQ layer
 REQUIRED_SUFFIXES = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales")}
@@ -181,6 +183,42 @@ class PrequantizedLinear:
 
     def _where(self, shard_id: Any) -> str:
         return self.name if shard_id is None else f"{self.name} (shard {shard_id})"
+
+
+def split_output_features(name: str, tensor: Tensor, sizes: Sequence[int],
+                          quant: CheckpointQuant | None) -> list[Tensor]:
+    """Checkpoint tensor `name` (`<linear>.<suffix>`) of a projection fused along its outputs (QWen's
+    c_attn, Baichuan's W_pack) cut into the projections of `sizes` output features each: unread views.
+
+    weight / bias: rows. GPTQ / AWQ tensors: along their output dimension, in whole packed words;
+    g_idx (per input feature) is the same for every projection. Raises ModelLoadError (one line,
+    naming the tensor) on a suffix the checkpoint's format does not have, a size off the packed
+    words, or a tensor whose output dimension does not hold sum(sizes) features.
+    """
+    suffix = name.rpartition(".")[2]
+    if suffix in ("weight", "bias"):
+        dim, per = 0, 1
+    else:
+        layout = _LAYOUT[quant.method].get(suffix) if quant is not None else None
+        if layout is None:
+            formats = "a float checkpoint" if quant is None else f"a {quant.method.upper()} checkpoint"
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {formats} has no {suffix!r} tensors")
+        if "N" not in layout:
+            return [tensor] * len(sizes)
+        dim, unit = layout["N"]
+        per = WORD_BITS // quant.bits if unit == "word" else unit
+    total = sum(sizes)
+    if any(size % per for size in sizes):
+        raise ModelLoadError(f"checkpoint tensor {name!r}: projections of {list(sizes)} output features do not fall "
+                             f"on whole {per}-feature packed words, so the fused tensor cannot be split")
+    if tensor.dim() <= dim or tensor.shape[dim] != total // per:
+        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; expected {total // per} "
+                             f"along dimension {dim} ({total} output features: {list(sizes)} fused) as config.json says")
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(tensor.narrow(dim, start // per, size // per))
+        start += size
+    return parts
 
 
 def _shard_sizes(layer: LinearBase) -> dict[Any, int]:
