@@ -153,14 +153,19 @@ class Speculator:
 
         A sequence whose last `misses` rounds brought no accepted draft token gets 2 ** (misses - 1) steps,
         no limit past 2 ** _MAX_MISS_SHIFT; one the guard pauses, or one never drafted for, sets no limit.
-        A proposer that reads the target's hidden states (MTP, EAGLE) gets one step at a time: a multi-step
-        burst hands none over, and the head's cache would miss those positions."""
-        if getattr(self.proposer, "reads_hidden_states", False):
-            return 1
+        With a proposer that reads the target's hidden states (MTP, EAGLE), a sequence still drafting allows
+        one step: a burst hands no hidden states over, so the head's cache would miss those positions. One the
+        guard pauses bursts freely; when it drafts again, its head resumes with that gap (worse drafts for a
+        while, never other tokens)."""
+        reads_hidden = getattr(self.proposer, "reads_hidden_states", False)
         steps: int | None = None
         for seq in seqs:
             guard = self._guards.get(seq.seq_id)
-            if guard is None or seq.num_tokens < guard.resume_at or not 0 < guard.misses <= _MAX_MISS_SHIFT:
+            if guard is None or seq.num_tokens < guard.resume_at:
+                continue
+            if reads_hidden:
+                return 1
+            if not 0 < guard.misses <= _MAX_MISS_SHIFT:
                 continue
             allowed = 1 << (guard.misses - 1)
             steps = allowed if steps is None else min(steps, allowed)
