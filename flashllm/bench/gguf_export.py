@@ -1,4 +1,4 @@
-"""Convert a flashllm-loadable HF directory (Llama, Qwen2) to a GGUF file for the llama.cpp baseline."""
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen2-MoE, Mixtral) to a GGUF file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from flashllm.bench import gguf_moe
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class ArchSpec:
 ARCHS: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
+    "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False),
+    "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
 }
 
 _LAYER_NAMES = {
@@ -49,6 +53,7 @@ _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    **gguf_moe.LAYER_NAMES,
 }
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -164,6 +169,11 @@ def _check_supported(config: Any, spec: ArchSpec) -> None:
     if any(window is not None for window in config.sliding_windows):
         raise GGUFExportError("sliding-window attention layers have no GGUF export here; llama.cpp's "
                               f"{spec.gguf_arch} runs full attention")
+    if config.architecture in gguf_moe.ARCHITECTURES:
+        try:
+            gguf_moe.check(config)
+        except gguf_moe.MoEExportError as exc:
+            raise GGUFExportError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +238,18 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
     for path in files:
         with safe_open(str(path), framework="pt") as fh:
             entries += [(name, tuple(fh.get_slice(name).get_shape()), path) for name in fh.keys()]
+    items = []
     for name, shape, path in sorted(entries):
         proj = name.rsplit(".", 1)[0].split(".", 3)[-1]
         num_heads = heads.get(proj) if spec.permute_qk else None
-        yield name, shape, _loader(path, name, num_heads)
+        items.append((name, shape, _loader(path, name, num_heads)))
+    if config.architecture not in gguf_moe.ARCHITECTURES:
+        yield from items
+        return
+    try:  # a layer's experts stacked into one tensor per projection, as llama.cpp reads them
+        yield from gguf_moe.group_experts(items, config.num_experts)
+    except gguf_moe.MoEExportError as exc:
+        raise GGUFExportError(f"{model_dir}: {exc}") from exc
 
 
 def _loader(path: Path, name: str, num_heads: int | None) -> Any:
@@ -273,6 +291,8 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(_FILE_TYPE_IDS[file_type](gguf))
+    if config.architecture in gguf_moe.ARCHITECTURES:
+        gguf_moe.add_hparams(writer, config)
     rope_type = rope_type_of(config.rope_scaling)
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -28,12 +28,14 @@ MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True) -> Path:
-    """Save a tiny random transformers MoE model; original_format=False keeps transformers 5's stacked experts."""
+def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True,
+                    **overrides: object) -> Path:
+    """Save a tiny random transformers MoE model; original_format=False keeps transformers 5's stacked experts;
+    overrides replace config fields of the preset (vocab_size=512 for a trained tokenizer, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, architecture, fields = MOE_PRESETS[preset]
-    config = AutoConfig.for_model(model_type, architectures=[architecture], **MOE_BASE, **fields)
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **{**MOE_BASE, **fields, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

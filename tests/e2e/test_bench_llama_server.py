@@ -166,3 +166,29 @@ def test_bench_throughput_baseline_is_llama_server(tiny: Path, tmp_path: Path, m
     assert llama["output_tokens"] == record["flashllm"]["output_tokens"] == _asked_output(tiny)
     assert llama["peak_rss_bytes"] > 10 << 20 and record["flashllm"]["peak_rss_bytes"] > 10 << 20
     assert record["speedup_vs_llama_cpp"] > 0
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": []}),  # llama.cpp's qwen2moe: every layer sparse
+    ("mixtral", {}),
+])
+def test_moe_gguf_on_llama_server_gives_transformers_greedy_tokens(tmp_path: Path, preset: str, overrides: dict) -> None:
+    """The MoE export (experts stacked, the shared expert's gate a vector, the expert counts) read by llama.cpp
+    itself: its greedy tokens are transformers' on the same weights."""
+    from flashllm.bench.gguf_export import export_gguf
+    from flashllm.bench.llamacpp_server import LlamaServerPlan, running_llama_server
+    from flashllm.testing.tiny_moe import build_moe_model
+    from flashllm.testing.tokenizer import train_tokenizer
+
+    model_dir = build_moe_model(tmp_path / "model", preset, seed=3, vocab_size=512, **overrides)
+    train_tokenizer(model_dir, vocab_size=300)
+    gguf = export_gguf(model_dir, tmp_path / "model.gguf", "f32")
+    assert BINARY is not None
+    rng = random.Random(11)
+    with running_llama_server(BINARY, LlamaServerPlan(gguf, parallel=1, ctx_per_slot=256, threads=2)) as server:
+        for length in (5, 40):
+            prompt = [rng.randrange(3, 300) for _ in range(length)]
+            body = {"prompt": prompt, "n_predict": 12, "temperature": 0.0, "ignore_eos": True, "return_tokens": True,
+                    "cache_prompt": False}
+            answer = httpx.post(f"{server.url.removesuffix('/v1')}/completion", json=body, timeout=120).json()
+            assert answer["tokens"] == transformers_greedy(model_dir, prompt, 12), (preset, length)
