@@ -12,14 +12,26 @@ from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
 from flashllm.models.hf_config import ModelLoadError, positive_int
+from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
-from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock, expert_param_target
+from flashllm.models.layers.mlp import GatedMLP
+from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, expert_param_target
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import LlamaAttention, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
-from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
+from flashllm.registry.fusions import (
+    DECODER_STACK,
+    LM_HEAD,
+    DecoderLayerWeights,
+    DecoderStackFusion,
+    LinearWeights,
+    LMHeadFusion,
+    MoEWeights,
+    RMSNormWeights,
+    RotaryTable,
+)
 
 # More experts than this is not a model flashllm could run; refused before allocating.
 MAX_NUM_EXPERTS = 4096
@@ -151,7 +163,7 @@ class MixtralForCausalLM(CausalLM):
 
     Checkpoint names: HF's `block_sparse_moe.gate` / `block_sparse_moe.experts.N.w1|w3|w2`, or
     transformers 5's `mlp.gate` / `mlp.experts.gate_up_proj|down_proj` (the layer's MLP is `mlp` here).
-    Declares the LM head fusion only: its blocks are not the standard SwiGLU block DECODER_STACK describes.
+    Declares the LM head fusion and, for stacks of the standard blocks, DECODER_STACK with MoEWeights.
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
@@ -217,12 +229,30 @@ class MixtralForCausalLM(CausalLM):
         return len(self.model.layers), attn.num_kv_heads, attn.head_dim
 
     def fusions(self) -> dict[str, Any]:
-        """LM_HEAD while compute_logits is this class's plain head; never DECODER_STACK (MoE blocks)."""
+        """LM_HEAD while compute_logits is this class's plain head; DECODER_STACK while the forward is
+        this class's and every layer the standard block (_fusable_block) with one rotary table and
+        one attention geometry, its MLP a plain SparseMoeBlock (as MoEWeights) or GatedMLP."""
+        found: dict[str, Any] = {}
         head = self.lm_head
-        if type(self).compute_logits is not MixtralForCausalLM.compute_logits or type(head) is not LMHead:
-            return {}
-        return {LM_HEAD: LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
-                                      tied=head.weight is self.model.embed_tokens.weight)}
+        if type(self).compute_logits is MixtralForCausalLM.compute_logits and type(head) is LMHead:
+            found[LM_HEAD] = LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
+                                          tied=head.weight is self.model.embed_tokens.weight)
+        stack = self.model
+        first = stack.layers[0].self_attn if len(stack.layers) else None
+        if (type(self).forward is MixtralForCausalLM.forward and type(stack) is MoEModel and first is not None
+                and type(stack.embed_tokens) is VocabEmbedding and type(stack.norm) is RMSNorm
+                and all(_fusable_block(layer, first, stack.rotary_emb) for layer in stack.layers)):
+            rotary = stack.rotary_emb
+            dense = [layer.mlp for layer in stack.layers if type(layer.mlp) is GatedMLP]
+            found[DECODER_STACK] = DecoderStackFusion(
+                layers=tuple(_layer_weights(layer) for layer in stack.layers),
+                num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+                scale=first.attn.scale,
+                intermediate_size=dense[0].gate_up_proj.output_sizes[0] if dense else self.config.intermediate_size,
+                activation="silu", rotary=RotaryTable(rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox),
+                embed_tokens=stack.embed_tokens.weight.data, embed_tp_size=stack.embed_tokens.tp_size,
+                norm=RMSNormWeights.of(stack.norm), ops=self.ops)
+        return found
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
@@ -240,3 +270,40 @@ class MixtralForCausalLM(CausalLM):
             name = name.replace(old, new)
         target = expert_param_target(name)
         return target if target is not None else super()._param_target(name)
+
+
+def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedding) -> bool:
+    """Whether `layer` computes what DecoderLayerWeights describes (this file's and the layers'
+    classes, not subclasses), with `first`'s attention geometry and the shared `rotary` table."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(mlp) is SparseMoeBlock:
+        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE
+                 and (mlp.shared_expert is None or (type(mlp.shared_expert) is GatedMLP
+                                                    and type(mlp.shared_expert_gate) is RouterLinear)))
+    else:
+        plain = type(mlp) is GatedMLP
+    return (plain and type(layer) is MoEDecoderLayer and type(attn) is LlamaAttention and type(attn.attn) is Attention
+            and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
+            == (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale))
+
+
+def _layer_weights(layer: MoEDecoderLayer) -> DecoderLayerWeights:
+    """One fusable block's weights (see _fusable_block) as the fusion record holds them."""
+    attn, mlp, linear, norm = layer.self_attn, layer.mlp, LinearWeights.of, RMSNormWeights.of
+    norms = (norm(layer.input_layernorm), norm(layer.post_attention_layernorm))
+    if type(mlp) is GatedMLP:
+        return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
+                                   linear(mlp.down_proj), attn.attn.sliding_window)
+    experts, shared = mlp.experts, mlp.shared_expert
+    scales = (experts.w13_scale, experts.w2_scale)
+    moe = MoEWeights(
+        router=linear(mlp.gate), top_k=mlp.top_k, renormalize=mlp.renormalize, w13=experts.w13_weight.data,
+        w2=experts.w2_weight.data, w13_scale=None if scales[0] is None else scales[0].data,
+        w2_scale=None if scales[1] is None else scales[1].data, experts_tp_size=experts.tp_size,
+        shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
+        shared_down=None if shared is None else linear(shared.down_proj),
+        shared_gate=None if shared is None else linear(mlp.shared_expert_gate))
+    return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), None, None,
+                               attn.attn.sliding_window, moe)

@@ -93,6 +93,35 @@ class RMSNormWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEWeights:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE) in place of a block's dense one:
+
+        probs = softmax(router(h)) in fp32 over the E experts
+        weights, ids = topk(probs, top_k)          # divided by their sum when renormalize
+        out = fused_moe(h, w13, w2, weights, ids, w13_scale, w2_scale)
+        out += sigmoid(shared_gate(h)) * shared_down(silu_and_mul(shared_gate_up(h)))   # with a shared expert
+
+    router: (E, hidden) in the model dtype. w13 (E, 2I, hidden) gate rows then up rows, w2 (E, hidden,
+    I), with scales as the fused_moe op takes them (flashllm.ops.fused_moe: None for float experts,
+    (E, N) for w8a16, (E, N, G) for w4a16). shared_gate_up / shared_down / shared_gate ((1, hidden)):
+    the shared expert and its gate, all three None without one. experts_tp_size: the ranks the experts'
+    intermediate features are split over (1: whole on this rank).
+    """
+
+    router: LinearWeights
+    top_k: int
+    renormalize: bool
+    w13: Tensor
+    w2: Tensor
+    w13_scale: Tensor | None
+    w2_scale: Tensor | None
+    experts_tp_size: int
+    shared_gate_up: LinearWeights | None
+    shared_down: LinearWeights | None
+    shared_gate: LinearWeights | None
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderLayerWeights:
     """One standard pre-norm decoder block, the residual add fused into its norms:
 
@@ -104,15 +133,18 @@ class DecoderLayerWeights:
         out = down_proj(activation_and_mul(gate_up_proj(h)))   # gate_up rows: (gate | up)
 
     sliding_window: this layer's attention window in tokens, or None for full attention.
+    moe: where set, the block's MLP is this mixture of experts instead, and gate_up_proj and
+    down_proj are None.
     """
 
     input_layernorm: RMSNormWeights
     post_attention_layernorm: RMSNormWeights
     qkv_proj: LinearWeights
     o_proj: LinearWeights
-    gate_up_proj: LinearWeights
-    down_proj: LinearWeights
+    gate_up_proj: LinearWeights | None
+    down_proj: LinearWeights | None
     sliding_window: int | None
+    moe: MoEWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +168,11 @@ class DecoderStackFusion:
 
     Every layer shares the attention geometry on this rank: num_heads query heads, num_kv_heads
     KV heads (num_heads a multiple of it), head_dim, softmax `scale`; its MLP's activation
-    ("silu": SwiGLU) over intermediate_size features. embed_tokens: (V_p, hidden_size), the
-    vocabulary rows of this rank (embed_tp_size ranks hold one part each). ops: the op table the
-    layers were built with, which says which backend's kernel each op resolved to (ops.sources,
-    ops.kernel), so a fast path can stand in only for the kernels it reproduces.
+    ("silu": SwiGLU, the experts' too) over intermediate_size features (the dense layers').
+    embed_tokens: (V_p, hidden_size), the vocabulary rows of this rank (embed_tp_size ranks hold one
+    part each). ops: the op table the layers were built with, which says which backend's kernel
+    each op resolved to (ops.sources, ops.kernel), so a fast path can stand in only for the kernels
+    it reproduces.
     """
 
     layers: tuple[DecoderLayerWeights, ...]

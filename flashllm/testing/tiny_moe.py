@@ -25,6 +25,12 @@ MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
                                     {"intermediate_size": 128, "num_hidden_layers": 2, "num_experts": 8,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "shared_expert_intermediate_size": 80, "norm_topk_prob": True}),
+    # top-8 of 12, not renormalized, with a shared expert; every product's input features a multiple of
+    # 32, so int8 / int4 experts run on the native kernels (layer 1 dense)
+    "qwen2_moe_top8": ("qwen2_moe", "Qwen2MoeForCausalLM",
+                       {"intermediate_size": 128, "num_hidden_layers": 3, "num_experts": 12, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96, "mlp_only_layers": [1],
+                        "norm_topk_prob": False}),
 }
 
 

@@ -131,10 +131,20 @@ def test_transformers_5_stacked_expert_tensors_load_the_same_model(tmp_path, our
             torch.testing.assert_close(stacked_param, ours_param, atol=0, rtol=0, msg=name)
 
 
-def test_moe_models_offer_the_lm_head_fusion_and_never_the_decoder_stack(ours) -> None:
-    for model in ours.values():
+def test_moe_models_declare_their_moe_layers_in_the_decoder_stack_fusion(ours) -> None:
+    for preset, model in ours.items():
         declared = model.fusions()
-        assert LM_HEAD in declared and DECODER_STACK not in declared
+        assert LM_HEAD in declared and DECODER_STACK in declared
+        sparse = model.config.sparse_layers
+        layers = declared[DECODER_STACK].layers
+        assert [layer.moe is not None for layer in layers] == list(sparse), preset
+        for layer, block in zip(layers, model.model.layers, strict=True):
+            if layer.moe is None:
+                continue
+            assert layer.gate_up_proj is None and layer.down_proj is None
+            assert layer.moe.w13.data_ptr() == block.mlp.experts.w13_weight.data_ptr()
+            assert (layer.moe.top_k, layer.moe.renormalize) == (block.mlp.top_k, model.config.norm_topk_prob)
+            assert (layer.moe.shared_gate is None) == (model.config.shared_expert_intermediate_size == 0)
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:

@@ -6,9 +6,10 @@ whole stack, embedding output to final norm, to one C call running the same nati
 the same order, so its hidden states equal the per-op native path's (tests hold it to that).
 
 It takes a step only when everything is plain: a model that declares the decoder_stack fusion
-(flashllm/registry/fusions.py: every layer the standard pre-norm block with a SwiGLU MLP; Llama and
-Qwen2 do) on one rank, whose op table resolved its ops to the cpu backend's kernels (not the
-reference's, which shares the cpu adapter), no sliding window, fp32 norms and activations, fp32 or
+(flashllm/registry/fusions.py: every layer the standard pre-norm block with a SwiGLU MLP, or with a
+mixture of SwiGLU experts, moe_stack.py; Llama, Qwen2, Mixtral and Qwen2-MoE do) on one rank, whose
+op table resolved its ops to the cpu backend's kernels (not the reference's, which shares the cpu
+adapter), no sliding window, fp32 norms and activations, fp32 or
 native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch (every sequence one
 new token, at most native.MAX_TOKENS of them). Anything else returns None and the model's own
 forward runs. Multi-LoRA rows run here too: layers with adapter slot tables (fp32, one slot count
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashllm.backends.cpu import native, native_ops, parallel
+from flashllm.backends.cpu import moe_stack, native, native_ops, parallel
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.fusions import DECODER_STACK, DecoderStackFusion, LinearWeights, LoRASlots, declared
@@ -52,7 +53,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P)]
+                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("moe", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -176,6 +177,7 @@ class FusedDecode:
             raise _Unsupported(f"{heads} query heads do not share {kv_heads} KV heads evenly")
         rotary, inter = stack.rotary, stack.intermediate_size
         self._keep: list[Any] = []
+        self._moe: list[ctypes.Structure] = []  # the MoE layers' descriptors (moe_stack.py), alive while used
         layers = []
         for layer in stack.layers:
             if layer.sliding_window is not None:
@@ -184,12 +186,21 @@ class FusedDecode:
             if not all(_fp32(n) and n.is_contiguous() and tuple(n.shape) == (hidden,) for n in norms):
                 raise _Unsupported("norm weights are not fp32 (hidden_size,)")
             self._keep.extend(norms)
+            if layer.moe is not None:
+                try:
+                    self._moe.append(moe_stack.describe(layer.moe, hidden, stack.ops, self._keep, _linear))
+                except moe_stack.Unsupported as exc:
+                    raise _Unsupported(str(exc)) from exc
+                mlp = {"moe": ctypes.addressof(self._moe[-1])}
+            else:
+                mlp = {"gate_up": _linear(layer.gate_up_proj, (2 * inter, hidden), self._keep),
+                       "down": _linear(layer.down_proj, (hidden, inter), self._keep)}
             layers.append(_Layer(
                 qkv=_linear(layer.qkv_proj, ((heads + 2 * kv_heads) * dim, hidden), self._keep),
                 o=_linear(layer.o_proj, (hidden, heads * dim), self._keep),
-                gate_up=_linear(layer.gate_up_proj, (2 * inter, hidden), self._keep),
-                down=_linear(layer.down_proj, (hidden, inter), self._keep),
-                input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr()))
+                input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), **mlp))
+        if self._moe:
+            self._keep.append(moe_stack.attach_scratch(self._moe))
         cos_sin = rotary.cos_sin_cache
         if not (_fp32(cos_sin) and cos_sin.is_contiguous() and rotary.rotary_dim % 2 == 0 and _fp32(stack.norm.weight)
                 and cos_sin.dim() == 2 and cos_sin.shape[1] == rotary.rotary_dim <= dim):

@@ -1,10 +1,10 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
-csrc/greedy_screen.c, csrc/greedy_screen_int8.c and csrc/screen_pick.c, and the bandwidth probe's
-reads in csrc/read_probe.c; the small ops'
-wrappers are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C
-compiler on first use, loaded through ctypes; the GEMVs split their output rows over the
-library's own spinning worker pool (csrc/thread_pool.h).
+csrc/greedy_screen.c, csrc/greedy_screen_int8.c and csrc/screen_pick.c, a decode step's MoE layers'
+csrc/moe_decode.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops' wrappers
+are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C compiler on
+first use, loaded through ctypes; the GEMVs split their output rows over the library's own
+spinning worker pool (csrc/thread_pool.h).
 
 Why native code: for one token, torch's fp32 GEMV reads 18.5 GB/s on one core and ~26.6 GB/s
 split over two threads, and it has no vectorized int8/int4-weight GEMV on AVX2 at all (see
@@ -40,9 +40,9 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
            _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
-           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c")
+           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c", _CSRC / "moe_decode.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h",
-           _CSRC / "amx.h", _CSRC / "decode_lora.h")
+           _CSRC / "amx.h", _CSRC / "decode_lora.h", _CSRC / "decode_stack.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
 GROUP_MULTIPLE = 32                   # the integer kernels step 32 input features at a time
@@ -100,6 +100,8 @@ _SIGNATURES = {
                               ctypes.c_double, _P, _P, ctypes.c_int], None),
     "flashllm_decode_stack": ([_P, _I64, _P, _P, _P, _P], ctypes.c_int),
     "flashllm_decode_stack_scratch": ([_P], _I64),
+    "flashllm_moe_scratch": ([_P, _I64], _I64),
+    "flashllm_moe_block": ([_P, _P, _P, _P], None),
     "flashllm_bf16_screen_takes": ([_I64], ctypes.c_int),
     "flashllm_i8_screen_takes": ([_I64, _I64], ctypes.c_int),
     "flashllm_decode_burst": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P], _I64),

@@ -10,7 +10,7 @@
  * Per layer, with h the layer input and r the residual stream (r = h before the first layer):
  *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); rotate q, k; cache[slot] = k, v;
  *   a = attention(q, cache); h = a Wo^T (+b); r += h; x = rms(r) * w_post;
- *   h = down(silu(gate(x)) * up(x)) (+b)
+ *   h = down(silu(gate(x)) * up(x)) (+b)    (or a mixture of experts, moe_decode.c)
  * and after the last layer out = rms(h + r) * w_final.
  */
 #include <stdint.h>
@@ -18,23 +18,13 @@
 
 #include "decode_kernels.h"
 #include "decode_lora.h"
-
-enum { LINEAR_F32 = 0, LINEAR_W8 = 1, LINEAR_W4 = 2, LINEAR_W4A8 = 3, LINEAR_W8A8 = 4 };  /* xA8: x int8 activations */
-
-typedef struct {
-    int64_t kind, N, K, G;           /* kind: LINEAR_*; weight (N, K) fp32, int8, or (N, K/2) int4 bytes */
-    const void *weight;
-    const float *scales;              /* (N, G), integer kinds */
-    const int32_t *zeros;             /* (N, G) int4 zero points, or NULL for 8 */
-    const float *offsets;             /* (N, G) per-group offsets (GGUF's minimums; xA8 kinds only), or NULL */
-    const float *bias;                /* (N,) or NULL */
-    const stack_lora *lora;           /* the layer's adapter slots (decode_lora.h), or NULL */
-} stack_linear;
+#include "decode_stack.h"
 
 typedef struct {
-    stack_linear qkv, o, gate_up, down;
+    stack_linear qkv, o, gate_up, down;   /* gate_up and down unused where moe is set */
     const float *input_norm, *post_norm;  /* (H,) */
     float *k_cache, *v_cache;             /* (blocks, block_size, Hk, D) fp32, contiguous */
+    const stack_moe *moe;                 /* the layer's mixture-of-experts MLP, or NULL for the dense one */
 } stack_layer;
 
 typedef struct {
@@ -80,13 +70,8 @@ static int indices_in_range(const stack_step *s) {
     return 1;
 }
 
-/* y (T, N) = x (T, K) W^T (+ bias) (+ each token's adapter delta); even / odd: (T, K/2) scratch for an
- * int4 weight's activations (the two together, T x K floats, hold the int8 ones and their scales for
- * LINEAR_W4A8); lora: decode_lora.c's scratch */
-static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd,
-                   float *lora) {
-    const int64_t T = s->T;
-    const int threads = l->N * l->K >= s->split_elements ? s->threads : 1;
+void flashllm_stack_linear(const stack_linear *l, int64_t T, int threads, const float *x, float *y, float *even,
+                           float *odd) {
     if (l->kind == LINEAR_F32) {
         flashllm_f32_gemv_mt(x, l->weight, y, T, l->K, l->N, l->N, threads);
     } else if (l->kind == LINEAR_W8) {
@@ -108,7 +93,15 @@ static void linear(const stack_linear *l, const stack_step *s, const float *x, f
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t n = 0; n < l->N; n++) y[t * l->N + n] += l->bias[n];
-    flashllm_lora_apply(l->lora, s->lora_slots, T, x, l->K, y, l->N, lora, s->split_elements, s->threads);
+}
+
+/* flashllm_stack_linear of the step's T tokens, split over its threads where the weight is large enough
+ * (even / odd: T x K floats together, see there), plus each token's adapter delta; lora: decode_lora.c's
+ * scratch */
+static void linear(const stack_linear *l, const stack_step *s, const float *x, float *y, float *even, float *odd,
+                   float *lora) {
+    flashllm_stack_linear(l, s->T, l->N * l->K >= s->split_elements ? s->threads : 1, x, y, even, odd);
+    flashllm_lora_apply(l->lora, s->lora_slots, s->T, x, l->K, y, l->N, lora, s->split_elements, s->threads);
 }
 
 /* The stack's own scratch floats for T tokens; decode_lora.c's follow them. */
@@ -130,6 +123,8 @@ int64_t flashllm_decode_stack_scratch(const stack_step *s) {
 int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step *s, float *hidden,
                           float *residual, float *scratch) {
     if (!indices_in_range(s)) return 0;
+    for (int64_t l = 0; l < L; l++)
+        if (layers[l].moe && !flashllm_moe_takes(layers[l].moe, s->T)) return 0;
     const int64_t T = s->T, H = s->H, D = s->D, qkv_width = (s->Hq + 2 * s->Hk) * D;
     if (s->ids)
         for (int64_t t = 0; t < T; t++) memcpy(hidden + t * H, s->embed + s->ids[t] * H, (size_t)H * sizeof(float));
@@ -142,6 +137,7 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
     for (int64_t t = 0; t < T; t++) longest = s->seq_lens[t] > longest ? s->seq_lens[t] : longest;
     /* the per-op path's thresholds (native_ops.py); threads never change the result */
     const int attention_threads = T * s->Hq * longest >= s->attention_split ? s->threads : 1;
+    const moe_sizes moe = {T, H, s->threads, s->split_elements, s->silu_split};
     for (int64_t l = 0; l < L; l++) {
         const stack_layer *layer = layers + l;
         if (l == 0) {
@@ -162,6 +158,10 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
                                   s->rows, T, s->Hq, s->Hk, D, s->block_size, s->scale, attn, attention_threads);
         linear(&layer->o, s, attn, hidden, even, odd, lora);
         flashllm_rms_norm(hidden, residual, residual, layer->post_norm, x, T, H, s->eps);
+        if (layer->moe) {  /* its router and shared expert carry no adapters (moe_stack.py refuses them) */
+            flashllm_moe_block(layer->moe, &moe, x, hidden);
+            continue;
+        }
         linear(&layer->gate_up, s, x, gate_up, even, odd, lora);
         flashllm_silu_and_mul_mt(gate_up, act, T, s->I, T * s->I >= s->silu_split ? s->threads : 1);
         linear(&layer->down, s, act, hidden, even, odd, lora);
