@@ -91,3 +91,18 @@ def test_an_eagle_heads_cache_is_inside_kv_cache_memory(tmp_path: Path) -> None:
     budget = 33 * (target_per_block + head_per_block) + head_per_block
     _check(_llm(target, {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
                 kv_cache_memory=budget), budget, target_per_block, head_per_block)
+
+
+def test_the_share_of_free_memory_covers_both_caches(tmp_path: Path, monkeypatch) -> None:
+    """Without an explicit size the CPU cache takes CPU_KV_MEMORY_FRACTION of the free memory: both caches."""
+    from flashllm.backends.cpu import CpuAdapter
+    from flashllm.core.builder import CPU_KV_MEMORY_FRACTION
+
+    target = build_tiny_model(tmp_path / "target", "llama", seed=3, tokenizer=False, num_hidden_layers=3)
+    draft = build_tiny_model(tmp_path / "draft", "llama", seed=4, tokenizer=False, num_hidden_layers=1)
+    per_block = _kv_bytes_per_block(target) + _kv_bytes_per_block(draft)
+    free = int(51 * per_block / CPU_KV_MEMORY_FRACTION)  # 51 blocks of both (fewer than max_num_seqs want)
+    monkeypatch.setattr(CpuAdapter, "memory_info", lambda self, device: (free, 2 * free))
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    _check(_llm(target, spec), int(free * CPU_KV_MEMORY_FRACTION), _kv_bytes_per_block(target),
+           _kv_bytes_per_block(draft))
