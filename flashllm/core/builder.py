@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 from dataclasses import dataclass
@@ -14,12 +13,14 @@ import torch
 from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
+from flashllm.core.runner_select import EngineConfigError, model_runner_class
 from flashllm.models.default_model import resolve_model
 from flashllm.models.gguf import is_gguf_path, open_gguf
 from flashllm.models.gguf.tensors import gguf_quant_capability
 from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_config, uses_alibi
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
+from flashllm.models.tokenizers import TOKENIZER_FILES
 from flashllm.quant.spec import weight_quant_spec
 from flashllm.registry.backend import OpRequest
 from flashllm.registry.plugins import FlashPlugins, make_plugin_manager
@@ -38,10 +39,6 @@ QUANTIZED_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
-
-
-class EngineConfigError(ValueError):
-    """The engine cannot start with this configuration; the message says which numbers clash."""
 
 
 @dataclass
@@ -148,19 +145,6 @@ def _lora_manager(config: EngineConfig, model: torch.nn.Module, model_dir: Path,
         raise EngineConfigError(f"enable_lora: {exc}") from None
 
 
-def model_runner_class(selection: DeviceSelection) -> type[ModelRunner]:
-    """The selected backend's own ModelRunner subclass (Backend.model_runner), else the generic one."""
-    target = selection.backend.model_runner
-    if target is None:
-        return ModelRunner
-    module_name, _, class_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
-        raise EngineConfigError(f"backend {selection.backend.name!r} names model runner {target!r}, which is not "
-                                "a subclass of flashllm.core.model_runner.ModelRunner")
-    return cls
-
-
 def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpTable,
                       world_size: int = 1, model: torch.nn.Module | None = None) -> str | None:
     """Why decode steps cannot be captured as device graphs here, or None when they can.
@@ -206,9 +190,6 @@ def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 def _config_eos(generation_config: dict[str, Any]) -> list[int]:
     eos = generation_config.get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _tokenizer(path: Path) -> Any:

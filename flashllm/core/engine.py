@@ -46,7 +46,8 @@ class Engine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = self.executor.runner  # the driver rank's
-        self.speculator: Speculator | None = make_speculator(config, self.parts, self.block_manager)
+        self.speculator: Speculator | None = make_speculator(config, self.parts.drafter, self.parts.runner,
+                                                                 self.block_manager)
         if getattr(self.runner, "lora", None) is not None:  # multi-LoRA: a batch uses at most max_loras adapters
             self.scheduler.max_loras = config.lora.max_loras
         self.requests: dict[str, Request] = {}

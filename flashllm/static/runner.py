@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from flashllm.chat_methods import ChatMethods
 from flashllm.models.hf_config import load_hf_config
 from flashllm.models.loader import load_generation_config
+from flashllm.models.tokenizers import TOKENIZER_FILES
 from flashllm.outputs import RequestOutput
 from flashllm.sampling_params import SamplingParams, per_prompt
 from flashllm.static.engine import StaticEngine
@@ -25,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 MAX_DEFAULT_MODEL_LEN = 8192
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class StaticLLM(ChatMethods):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, EngineConfig
 from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import EngineParts
 from flashllm.core.spec.ngram import NgramProposer
 from flashllm.core.spec.speculator import Drafter, NgramDrafts, Proposer, Speculator, Target
 
@@ -61,9 +61,11 @@ def load_drafter(target: Target) -> Drafter | None:
     return load_draft_model(target)
 
 
-def make_speculator(config: EngineConfig, parts: EngineParts, block_manager: BlockManager) -> Speculator | None:
+def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,
+                    block_manager: BlockManager) -> Speculator | None:
     """None when speculation is off; otherwise the Speculator over the configured proposer, whose cache (if
-    any) gets as many blocks as the target's (parts.drafter was loaded before they were counted)."""
+    any) gets as many blocks as the target's: `drafter` (load_drafter's, the engine parts' `drafter`) was
+    loaded before they were counted; `runner` is the target's ModelRunner."""
     spec = config.speculative
     if not spec.enabled:
         return None
@@ -71,10 +73,10 @@ def make_speculator(config: EngineConfig, parts: EngineParts, block_manager: Blo
     proposer: Proposer
     if spec.method in ("ngram", "inference_with_reference"):
         proposer = NgramDrafts(spec.max_ngram_size, spec.min_ngram_size)
-    elif parts.drafter is None:
+    elif drafter is None:
         raise ValueError(f"--speculate_method {spec.method}: the engine parts were built without its drafter")
     else:
-        proposer = parts.drafter.proposer(parts.runner, block_manager.num_total_blocks)
+        proposer = drafter.proposer(runner, block_manager.num_total_blocks)
     speculator = Speculator(spec, proposer, block_manager, int(config.model.max_model_len or 0))
     logger.info("speculative decoding: %s, up to %d drafts per round", spec.method, spec.num_speculative_tokens)
     return speculator

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.core.builder import TOKENIZER_FILES, model_runner_class
 from flashllm.core.model_runner import ModelRunner
+from flashllm.core.runner_select import model_runner_class
 from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
 from flashllm.core.spec.speculator import Target
+from flashllm.models.tokenizers import TOKENIZER_FILES
 from flashllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# the files a model directory's tokenizer is read from (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 # tokenizer_config.json's exact `tokenizer_class` -> "module:function" building it as
 # function(model_dir: Path, tokenizer_config: dict) -> a transformers PreTrainedTokenizerFast (or, for
 # sentencepiece models, a SentencePieceTokenizer with the interface flashllm calls)
