@@ -11,6 +11,7 @@ import pytest
 
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.eagle import build_eagle_head
 from flashllm.testing.tiny_models import build_tiny_model
 from flashllm.testing.tiny_moe import build_moe_model
 
@@ -48,10 +49,11 @@ def _generate(model_dir: Path, backend: str, requests, speculative=None, **kwarg
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-def _check_greedy_parity(model_dir: Path, backend: str, count: int, num_kv_blocks: int = 96) -> None:
+def _check_greedy_parity(model_dir: Path, backend: str, count: int, num_kv_blocks: int = 96,
+                         speculative: dict | None = None) -> None:
     requests = _requests(count)
     plain, _ = _generate(model_dir, backend, requests, num_kv_blocks=num_kv_blocks)
-    spec, llm = _generate(model_dir, backend, requests, NGRAM, num_kv_blocks=num_kv_blocks)
+    spec, llm = _generate(model_dir, backend, requests, speculative or NGRAM, num_kv_blocks=num_kv_blocks)
     stats = llm.engine.speculator.stats
     assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
     assert stats.num_accepted > count // 4, f"too few drafts accepted to prove anything: {stats}"
@@ -73,6 +75,26 @@ def test_ngram_greedy_tokens_equal_plain_decoding_under_preemption(model_dirs, p
 @pytest.mark.parametrize("preset", ["llama", "qwen2", "mixtral", "qwen2_moe"])
 def test_ngram_greedy_parity_over_200_requests(model_dirs, preset: str, backend: str) -> None:
     _check_greedy_parity(model_dirs[preset], backend, 200)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("proposer", ["draft_model", "eagle"])
+def test_loaded_drafters_greedy_parity_over_200_requests(tmp_path: Path, preset: str, backend: str,
+                                                         proposer: str) -> None:
+    """The same 200 requests with a draft model (the target quantized to int8 weights: it agrees often, not
+    always) and with an EAGLE head (a predictable one over a predictable target; untied, since a nearly bigram
+    model with tied embeddings repeats its token forever and every draft would be accepted)."""
+    untied = {"tie_word_embeddings": False} if proposer == "eagle" else {}
+    target = build_tiny_model(tmp_path / "target", preset, seed=3, tokenizer=False, **untied)
+    if proposer == "eagle":
+        head = build_eagle_head(tmp_path / "head", target, seed=6, predictable=0.03)
+        config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    else:
+        config = {"method": "draft_model", "model": str(target), "quant_type": "weight_only_int8",
+                  "num_speculative_tokens": 3}
+    _check_greedy_parity(target, backend, 200, speculative=config)
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(model_dirs) -> None:
