@@ -75,6 +75,14 @@ _BAICHUAN_2 = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt and messages[-1].role != 'assistant' %}{{ '<reserved_107>' }}{% endif %}"
 )
+# GLM-4-Chat (its tokenizer's build_chat_input): [gMASK]<sop>, then each message after its role token and a
+# newline, <|assistant|> to prompt the answer; tools are the checkpoint's own template's business
+_GLM_4 = (
+    "{% if tools %}{{ raise_exception('the built-in glm-4 template does not render tools; use the checkpoint\\'s '"
+    " 'own chat template') }}{% endif %}{{ '[gMASK]<sop>' }}{% for message in messages %}"
+    "{{ '<|' + ('observation' if message.role == 'tool' else message.role) + '|>\\n' + (message.content or '') }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 BUILTIN_TEMPLATES: dict[str, tuple[str, str, str]] = {
     "chatml": (_CHATML, "", "<|im_end|>"),
     "qwen": (_QWEN, "", "<|im_end|>"),
@@ -83,4 +91,5 @@ BUILTIN_TEMPLATES: dict[str, tuple[str, str, str]] = {
     "baichuan-2": (_BAICHUAN_2, "", "</s>"),
     "chatglm2": (_CHATGLM2, "", "</s>"),
     "chatglm3": (_CHATGLM3, "", "</s>"),
+    "glm-4": (_GLM_4, "", "<|endoftext|>"),
 }

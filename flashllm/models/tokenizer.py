@@ -201,6 +201,7 @@ def checkpoint_chat_format(root: Path, tokenizer_config: dict[str, Any]) -> str 
     ChatGLMTokenizer; ChatGLM3's later revisions ship a template, read before this): the
     generation named in config.json's `_name_or_path` or tokenizer_config.json's `name_or_path`,
     since their files are otherwise alike; a fine-tune naming neither gets no template (pass one).
+    GLM-4-Chat (a ChatGLM4Tokenizer; its releases ship a template, read before this) -> "glm-4".
     """
     path = root / "generation_config.json"
     generation = _read_json(path) if path.is_file() else {}
@@ -209,6 +210,8 @@ def checkpoint_chat_format(root: Path, tokenizer_config: dict[str, Any]) -> str 
         return CHAT_FORMATS[fmt][0]
     if all(_is_id(generation.get(k)) for k in ("user_token_id", "assistant_token_id")):
         return "baichuan-2"
+    if tokenizer_config.get("tokenizer_class") == "ChatGLM4Tokenizer":
+        return "glm-4"
     if tokenizer_config.get("tokenizer_class") == "ChatGLMTokenizer":
         config_path = root / "config.json"
         names = [(_read_json(config_path) if config_path.is_file() else {}).get("_name_or_path"),

@@ -27,6 +27,7 @@ BUILTIN_MARKERS = {
     "llama-3": "<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>",
     "chatglm2": "[gMASK]sop[Round 1]\n\n问：hello\n\n答：",
     "chatglm3": "[gMASK]sop<|user|>\n hello<|assistant|>",
+    "glm-4": "[gMASK]<sop><|user|>\nhello<|assistant|>",
     "qwen": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
     "baichuan-2": "<reserved_106>hello<reserved_107>",
 }

@@ -297,6 +297,33 @@ def test_chat_through_the_checkpoints_sentencepiece_tokenizer(tmp_path):
     assert plain.outputs[0].text == tok.decode(plain.outputs[0].token_ids, skip_special_tokens=True)
 
 
+def test_a_glm4_checkpoint_chats_through_its_tiktoken_tokenizer(tmp_path):
+    """GLM-4's layout: a tiktoken rank file named tokenizer.model under ChatGLM4Tokenizer, no template
+    shipped: chat prompts take the glm-4 format ([gMASK] <sop> <|user|> ... <|assistant|>), generation
+    stops at <|endoftext|>, <|user|> and <|observation|>, and the greedy tokens are transformers' ones."""
+    from flashllm.testing.corpus import CORPUS
+    from flashllm.testing.tiktoken_files import train_ranks, write_rank_file
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    ranks = train_ranks(CORPUS, pattern, num_merges=200)
+    hf_model = build_glm(seed=11, vocab_size=512)  # the ~456 ranks and GLM-4's 14 specials
+    model_dir = write_chatglm_dir(tmp_path, hf_model, padded_vocab_size=512, eos_token_id=[len(ranks)])
+    write_rank_file(model_dir / "tokenizer.model", ranks)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ChatGLM4Tokenizer", "eos_token": "<|endoftext|>",
+        "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLM4Tokenizer", None]}}))
+    llm = _llm(model_dir)
+    tok, n = llm.tokenizer, len(ranks)
+    assert sorted(llm.engine.parts.eos_token_ids) == [n, n + 7, n + 9]  # endoftext, <|user|>, <|observation|>
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params)
+    assert chat.prompt_token_ids == [n + 2, n + 4, n + 7, *tok.encode("\nHello", add_special_tokens=False), n + 8]
+    assert chat.outputs[0].token_ids == _hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
+    (plain,) = llm.generate("Hello", params)
+    assert plain.prompt_token_ids == [n + 2, n + 4, *tok.encode("Hello", add_special_tokens=False)]
+
+
 # ---------------------------------------------------------------- configs refused in one line
 
 

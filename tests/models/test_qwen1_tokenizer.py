@@ -4,18 +4,17 @@ and malformed rank files refused in one line."""
 
 from __future__ import annotations
 
-import base64
 import json
 import unicodedata
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import regex
 import torch
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
+from flashllm.testing.tiktoken_files import naive_encode as naive_tiktoken_encode
+from flashllm.testing.tiktoken_files import train_ranks, write_rank_file
 
 # Qwen's pre-tokenization regex, as published in tokenization_qwen.py
 PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -36,74 +35,15 @@ TEXTS = [
 ]
 
 
-def train_ranks(num_merges: int = 150) -> dict[bytes, int]:
-    """A small tiktoken vocabulary: the 256 bytes (ranks 0..255 in a shuffled order), then the
-    most frequent adjacent pairs of CORPUS's pre-tokenized pieces, merged one by one."""
-    order = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
-    ranks = {bytes([b]): r for r, b in enumerate(order)}
-    words = Counter(tuple(bytes([c]) for c in piece.encode()) for text in CORPUS for piece in regex.findall(PAT, text))
-    for _ in range(num_merges):
-        pairs = Counter()
-        for word, count in words.items():
-            for pair in zip(word, word[1:], strict=False):
-                pairs[pair] += count
-        if not pairs:
-            break
-        (left, right), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
-        ranks[left + right] = len(ranks)
-        words = Counter({_merge_word(w, left, right): c for w, c in words.items()})
-    return ranks
-
-
-def _merge_word(word: tuple[bytes, ...], left: bytes, right: bytes) -> tuple[bytes, ...]:
-    out, i = [], 0
-    while i < len(word):
-        if i + 1 < len(word) and word[i] == left and word[i + 1] == right:
-            out.append(left + right)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out)
-
-
 def naive_encode(ranks: dict[bytes, int], text: str) -> list[int]:
-    """What QWenTokenizer (tiktoken, allowed_special="all") gives: NFC, special tokens cut out,
-    the regex pieces, then each piece whole if it is a token, else merged pair by lowest rank."""
-    special_ids = {t: len(ranks) + i for i, t in enumerate(SPECIALS)}
-    ids: list[int] = []
-    specials = "(" + "|".join(regex.escape(t) for t in SPECIALS) + ")"
-    for part in regex.split(specials, unicodedata.normalize("NFC", text)):
-        if part in special_ids:
-            ids.append(special_ids[part])
-            continue
-        for piece in regex.findall(PAT, part):
-            ids += _bpe(ranks, piece.encode())
-    return ids
-
-
-def _bpe(ranks: dict[bytes, int], piece: bytes) -> list[int]:
-    if piece in ranks:
-        return [ranks[piece]]
-    parts = [bytes([b]) for b in piece]
-    while True:
-        pairs = enumerate(zip(parts, parts[1:], strict=False))
-        candidates = [(ranks[a + b], i) for i, (a, b) in pairs if a + b in ranks]
-        if not candidates:
-            return [ranks[p] for p in parts]
-        _, i = min(candidates)
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-
-
-def write_rank_file(path: Path, ranks: dict[bytes, int]) -> None:
-    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
-    lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in ordered]
-    path.write_text("\n".join(lines) + "\n")
+    """What QWenTokenizer (tiktoken, allowed_special="all") gives: NFC, special tokens cut out, the
+    regex pieces, then each piece whole if it is a token, else merged pair by lowest rank."""
+    return naive_tiktoken_encode(ranks, text, PAT, SPECIALS, nfc=True)
 
 
 @pytest.fixture(scope="module")
 def ranks() -> dict[bytes, int]:
-    return train_ranks()
+    return train_ranks(CORPUS, PAT)
 
 
 @pytest.fixture(scope="module")

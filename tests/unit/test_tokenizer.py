@@ -115,6 +115,9 @@ def _expected(name: str, messages: list[dict[str, str]], add_generation_prompt: 
     if name == "chatglm3":
         out = "[gMASK]sop" + "".join(f"<|{m['role']}|>\n {m['content']}" for m in messages)
         return out + ("<|assistant|>" if add_generation_prompt else "")
+    if name == "glm-4":  # GLM-4's build_chat_input: role token, then "\n" and the text (no space, unlike ChatGLM3)
+        out = "[gMASK]<sop>" + "".join(f"<|{m['role']}|>\n{m['content']}" for m in messages)
+        return out + ("<|assistant|>" if add_generation_prompt else "")
     if name == "chatglm2":  # numbered rounds; the answer prompt belongs to the user turn
         return "[gMASK]sop" + "".join(
             f"[Round {i // 2 + 1}]\n\n问：{m['content']}\n\n答：" if m["role"] == "user" else f"{m['content']}\n\n"

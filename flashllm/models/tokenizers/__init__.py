@@ -15,6 +15,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # sentencepiece models, a SentencePieceTokenizer with the interface flashllm calls)
 NATIVE_TOKENIZERS: dict[str, str] = {
     "QWenTokenizer": "flashllm.models.tokenizers.qwen_tiktoken:load_qwen_tokenizer",
+    # GLM-4's remote-code tokenizer: a tiktoken rank file under the name tokenizer.model
+    "ChatGLM4Tokenizer": "flashllm.models.tokenizers.qwen_tiktoken:load_glm4_tokenizer",
     "ChatGLMTokenizer": "flashllm.models.tokenizers.sentencepiece_tokenizer:load_chatglm_tokenizer",
     # Baichuan-13B / Baichuan2 and Baichuan-7B (its class is spelt BaiChuanTokenizer)
     "BaichuanTokenizer": "flashllm.models.tokenizers.sentencepiece_tokenizer:load_sentencepiece_tokenizer",

@@ -1,33 +1,37 @@
-"""First-generation Qwen's tokenizer, built from the checkpoint's `qwen.tiktoken` as a Rust-backed fast tokenizer.
+"""First-generation Qwen's and GLM-4's tokenizers, built from their tiktoken rank files (tiktoken_bpe.py).
 
-`qwen.tiktoken` holds one token a line, `base64(token bytes) rank`, the ranks numbering the
-tokens 0..n-1. tiktoken encodes a pre-tokenized piece by repeatedly merging the adjacent pair
-whose concatenation has the lowest rank (a piece that is itself a token is taken whole). A
-byte-level BPE whose merges are every (left, right) split of every token, ordered by the rank of
-their concatenation, does the same, so the `tokenizers` library runs it, and flashllm hands the
-engine the same PreTrainedTokenizerFast interface as for any other model. Qwen's special tokens
-take the ids after the ranks: <|endoftext|>, <|im_start|>, <|im_end|>, <|extra_0|>..<|extra_204|>.
+Qwen: `qwen.tiktoken`, NFC-normalized text, single digits, and <|endoftext|>, <|im_start|>,
+<|im_end|>, <|extra_0|>..<|extra_204|> after the ranks. GLM-4 (`ChatGLM4Tokenizer`): a rank file
+named `tokenizer.model`, no normalization, runs of up to three digits, its 14 special tokens after
+the ranks, and `[gMASK]<sop>` before every encoded prompt.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from flashllm.models.errors import ModelLoadError
+from flashllm.models.tokenizers.tiktoken_bpe import build_tiktoken_tokenizer
 
 VOCAB_FILE = "qwen.tiktoken"
-MAX_VOCAB_FILE_BYTES = 64 << 20  # Qwen's own is ~2.5 MB
 # Qwen's pre-tokenization: contractions, letter runs, single digits, punctuation runs, newlines, spaces
 PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END, *(f"<|extra_{i}|>" for i in range(205)))
+
+GLM4_VOCAB_FILE = "tokenizer.model"
+# GLM-4's pre-tokenization: Qwen's with runs of up to three digits
+GLM4_PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GLM4_SPECIAL_TOKENS: tuple[str, ...] = (
+    ENDOFTEXT, "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+)
+GLM4_PREFIX: tuple[str, ...] = ("[gMASK]", "<sop>")
+GLM4_TURN_ENDS: tuple[str, ...] = ("<|user|>", "<|observation|>")  # GLM-4-Chat's generation_config stops
 
 
 def load_qwen_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, Any] | None = None
@@ -38,94 +42,20 @@ def load_qwen_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, Any] 
     eos_token and pad_token are <|endoftext|> (generation_config.json's eos_token_id). Raises
     ModelLoadError (one line, naming the file and line) on a missing or malformed rank file.
     """
-    path = Path(model_dir) / VOCAB_FILE
-    ranks = read_ranks(path)
-    backend = Tokenizer(models.BPE(vocab=_vocab(ranks), merges=_merges(ranks), ignore_merges=True))
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    if backend.token_to_id(ENDOFTEXT) != len(ranks):  # a rank file holding a special token's text
-        raise ModelLoadError(f"{path}: {ENDOFTEXT} did not get id {len(ranks)} (right after the ranks); "
-                             "the file must not contain Qwen's special tokens")
-    max_length = (tokenizer_config or {}).get("model_max_length")
-    extra = {"model_max_length": max_length} if isinstance(max_length, int) and not isinstance(max_length, bool) else {}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT,
-                                   clean_up_tokenization_spaces=False, **extra)
+    return build_tiktoken_tokenizer(Path(model_dir) / VOCAB_FILE, pattern=PRETOKENIZE_PATTERN,
+                                    special_tokens=SPECIAL_TOKENS, eos_token=ENDOFTEXT, nfc=True,
+                                    tokenizer_config=tokenizer_config)
 
 
-def read_ranks(path: Path) -> dict[bytes, int]:
-    """token bytes -> rank, from a tiktoken rank file; the ranks must be exactly 0..n-1 and the
-    single bytes all present (each byte of any text must have a token). Empty lines are skipped.
+def load_glm4_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, Any] | None = None
+                        ) -> PreTrainedTokenizerFast:
+    """GLM-4's ChatGLM4Tokenizer from the directory's tiktoken `tokenizer.model`, without its code.
 
-    Raises ModelLoadError naming the file (and the line) on anything else.
+    encode(text) puts [gMASK] <sop> first (add_special_tokens=False leaves them out: chat templates
+    write them); special tokens are recognised anywhere in the text; eos and pad are <|endoftext|>;
+    <|user|> and <|observation|> end a turn as eos does. Raises ModelLoadError (one line, naming the
+    file and line) on a missing or malformed rank file.
     """
-    if not path.is_file():
-        raise ModelLoadError(f"{path} does not exist; a QWen tokenizer needs the checkpoint's {VOCAB_FILE}")
-    size = path.stat().st_size
-    if size > MAX_VOCAB_FILE_BYTES:
-        raise ModelLoadError(f"{path} is {size} bytes, over the {MAX_VOCAB_FILE_BYTES}-byte limit for a rank file")
-    ranks: dict[bytes, int] = {}
-    lines_of_rank: dict[int, int] = {}
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        token, rank = _parse_line(path, number, line)
-        if token in ranks or rank in lines_of_rank:
-            what = f"token {token!r}" if token in ranks else f"rank {rank}"
-            first = lines_of_rank[ranks[token]] if token in ranks else lines_of_rank[rank]
-            raise ModelLoadError(f"{path} line {number}: {what} was already given on line {first}")
-        ranks[token] = rank
-        lines_of_rank[rank] = number
-    if not ranks or max(lines_of_rank) != len(ranks) - 1:
-        raise ModelLoadError(f"{path}: {len(ranks)} tokens whose ranks are not 0..{len(ranks) - 1}; "
-                             "a tiktoken rank file numbers its tokens without gaps")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ModelLoadError(f"{path}: {len(missing)} of the 256 single-byte tokens are missing (first: "
-                             f"{bytes([missing[0]])!r}); every byte needs one so that any text can be encoded")
-    return ranks
-
-
-def _parse_line(path: Path, number: int, line: bytes) -> tuple[bytes, int]:
-    fields = line.split()
-    if len(fields) == 2 and fields[1].isdigit():
-        try:
-            token = base64.b64decode(fields[0], validate=True)
-        except (binascii.Error, ValueError):
-            token = b""
-        if token:
-            return token, int(fields[1])
-    raise ModelLoadError(f"{path} line {number}: expected '<base64 token bytes> <rank>', got {line[:60]!r}")
-
-
-def byte_alphabet() -> dict[int, str]:
-    """The reversible byte -> character map byte-level BPE vocabularies are written in (GPT-2's):
-    printable Latin-1 bytes stand for themselves, the others for U+0100 onwards, in byte order."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in kept}
-    for offset, b in enumerate(b for b in range(256) if b not in table):
-        table[b] = chr(256 + offset)
-    return table
-
-
-def _vocab(ranks: dict[bytes, int]) -> dict[str, int]:
-    alphabet = byte_alphabet()
-    return {"".join(alphabet[b] for b in token): rank for token, rank in ranks.items()}
-
-
-def _merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
-    """Every split of every token into two tokens, ordered by the rank of the token they make:
-    BPE then merges the pair tiktoken would (the lowest-ranked concatenation; leftmost on ties)."""
-    alphabet = byte_alphabet()
-    found: list[tuple[int, int, bytes, bytes]] = []
-    for token, rank in ranks.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ranks and right in ranks:
-                found.append((rank, ranks[left], left, right))
-    found.sort()
-    return [("".join(alphabet[b] for b in left), "".join(alphabet[b] for b in right)) for _, _, left, right in found]
+    return build_tiktoken_tokenizer(Path(model_dir) / GLM4_VOCAB_FILE, pattern=GLM4_PRETOKENIZE_PATTERN,
+                                    special_tokens=GLM4_SPECIAL_TOKENS, eos_token=ENDOFTEXT, prefix=GLM4_PREFIX,
+                                    turn_end_tokens=GLM4_TURN_ENDS, tokenizer_config=tokenizer_config)
