@@ -10,7 +10,7 @@ from typing import Any
 
 from flashllm.config import EngineConfig
 from flashllm.core.block_manager import BlockManager
-from flashllm.core.builder import EngineConfigError, EngineParts
+from flashllm.core.builder import EngineParts
 from flashllm.core.executor import Executor, make_executor
 from flashllm.core.request import Request
 from flashllm.core.sampler import SamplerOutput, SamplingState
@@ -34,9 +34,6 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, plugins: FlashPlugins | None = None) -> None:
-        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:  # before any rank starts
-            raise EngineConfigError("multi-LoRA (enable_lora / --enable-lora) runs on one rank; drop "
-                                    "tensor_parallel_size, or merge one adapter at load with --lora_path")
         check_speculative_config(config)  # a bad draft count or method fails before any model loads
         self.executor: Executor = make_executor(config, plugins)
         self.parts: EngineParts = self.executor.parts

@@ -137,7 +137,7 @@ class DistributedExecutor(Executor):
             self._stop_ranks(graceful=False)
             raise
         super().__init__(parts)
-        self._channel = StepChannel(parts.runner.device)
+        self._channel = StepChannel(parts.runner.device, getattr(parts.runner, "lora", None), driver=True)
         self.runner.on_inputs = self._channel.send
         atexit.register(self.shutdown)  # the other ranks leave their loops (torchrun's exit with code 0)
 
@@ -198,7 +198,7 @@ def run_worker(plain: dict[str, Any], rank: RankContext, address: str | None) ->
         parallel.init_process_group(rank, backend, store=parallel.rendezvous(address, rank))
     try:
         parts = build_engine_parts(config, plugins, rank)
-        channel = StepChannel(parts.runner.device)
+        channel = StepChannel(parts.runner.device, getattr(parts.runner, "lora", None))
         while (inputs := channel.receive()) is not None:
             parts.runner.execute_inputs(inputs)
     finally:

@@ -3,11 +3,14 @@
 Every rank holds a shard of the model and of the KV cache and runs every forward pass; the
 layers' all-reduce / all-gather (flashllm/models/layers) cross the ranks. Rank 0, the driver,
 schedules and samples; before each forward pass it sends the step's flat inputs to the other
-ranks over the step channel, as plain int64 tensors (never pickled objects).
+ranks over the step channel, as plain int64 tensors (never pickled objects). With multi-LoRA the
+step also carries each token's adapter slot and the driver's adapter slot loads since the last
+step (JSON: slot, id, name, directory), which the other ranks repeat from the same directories.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -29,7 +32,10 @@ logger = logging.getLogger(__name__)
 DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 60.0
 
-_HEADER = 8  # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k
+# command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k, LoRA slot rows
+# (0 or tokens), bytes of LoRA slot loads
+_HEADER = 10
+MAX_LOAD_BYTES = 1 << 20  # a step's slot loads: at most 256 adapters' names and paths
 _STEP, _STOP = 1, 0
 
 
@@ -130,24 +136,45 @@ def destroy_process_group() -> None:
 
 
 class StepChannel:
-    """Rank 0 sends each step's ModelInput to the other ranks; they receive it and run the same step."""
+    """Rank 0 sends each step's ModelInput to the other ranks; they receive it and run the same step.
 
-    def __init__(self, device: torch.device) -> None:
+    lora: this rank's multi-LoRA manager (flashllm/lora/manager.py), or None. The driver's (driver
+    True) then keeps its slot loads for send() to carry; the other ranks' receive() repeats them and
+    sets each step's per-token slots in their manager's context before returning the inputs.
+    """
+
+    def __init__(self, device: torch.device, lora: Any = None, driver: bool = False) -> None:
         self.device = device
+        self.lora = lora
+        if lora is not None and driver:
+            lora.slot_loads = []
 
     def send(self, inputs: ModelInput) -> None:
         """Driver: broadcast one step's inputs (call before running the step itself)."""
         md = inputs.attn_metadata
         tables = md.block_tables
+        lora_slots = None if self.lora is None else self.lora.context.indices
+        loads = b""
+        if self.lora is not None and self.lora.slot_loads:
+            loads = json.dumps([[slot, r.lora_int_id, r.lora_name, r.lora_path]
+                                for slot, r in self.lora.slot_loads]).encode()
+            self.lora.slot_loads.clear()
+        if len(loads) > MAX_LOAD_BYTES:
+            raise ValueError(f"a step's LoRA slot loads take {len(loads)} bytes, more than the step channel's "
+                             f"{MAX_LOAD_BYTES}; use shorter adapter names or paths")
+        extra = () if lora_slots is None else (lora_slots,)
         header = torch.tensor([_STEP, inputs.input_ids.numel(), md.seq_lens.numel(), tables.shape[1],
                                inputs.logits_indices.numel(), -1 if inputs.num_logits is None else inputs.num_logits,
-                               md.max_seqlen_q, md.max_seqlen_k], dtype=torch.int64)
+                               md.max_seqlen_q, md.max_seqlen_k, 0 if lora_slots is None else lora_slots.numel(),
+                               len(loads)], dtype=torch.int64)
         payload = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
             inputs.input_ids, inputs.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, tables,
-            inputs.logits_indices)])
+            inputs.logits_indices, *extra)])
         group = control_group()
         dist.broadcast(header, src=0, group=group)
         dist.broadcast(payload, src=0, group=group)
+        if loads:
+            dist.broadcast(torch.frombuffer(bytearray(loads), dtype=torch.uint8), src=0, group=group)
 
     def send_stop(self) -> None:
         """Driver: tell the other ranks to leave their loops."""
@@ -158,19 +185,36 @@ class StepChannel:
         # while another was still reading would fail that one's last collective
         dist.barrier(group=control_group())
 
+    def _repeat_loads(self, data: bytes) -> None:
+        """Other ranks: the driver's slot loads, in its order, into this rank's tables."""
+        from flashllm.lora.manager import LoRARequest
+
+        if self.lora is None:
+            raise DistributedError("the driver sent LoRA slot loads to a rank without multi-LoRA tables")
+        for slot, lora_id, name, path in json.loads(data):
+            self.lora.load_into(int(slot), LoRARequest(str(name), int(lora_id), str(path)))
+
     def receive(self) -> ModelInput | None:
         """Other ranks: the next step's inputs, or None when the driver stops."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         group = control_group()
         dist.broadcast(header, src=0, group=group)
-        command, tokens, seqs, width, rows, num_logits, max_q, max_k = header.tolist()
+        command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes = header.tolist()
         if command == _STOP:
             dist.barrier(group=group)  # the driver's send_stop waits here too
             return None
-        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows]
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        ids, positions, slots, cu, seq_lens, tables, logits_rows = payload.split(sizes)
+        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots = payload.split(sizes)
+        if load_bytes:
+            loads = torch.empty(load_bytes, dtype=torch.uint8)
+            dist.broadcast(loads, src=0, group=group)
+            self._repeat_loads(bytes(loads.numpy()))
+        if self.lora is not None:
+            self.lora.context.indices = lora_slots.to(self.device) if lora_rows else None
+        elif lora_rows:
+            raise DistributedError("the driver sent LoRA slots to a rank without multi-LoRA tables")
 
         def on_device(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return t.to(self.device, dtype)

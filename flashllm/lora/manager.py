@@ -72,6 +72,9 @@ class LoRAManager:
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot, least recently used first
         self._generation = itertools.count(1)
         self.num_slot_loads = 0
+        # under tensor parallelism the driver's slot loads since the last step sent (slot, request), in
+        # order, for the other ranks to repeat (flashllm/core/parallel.py's StepChannel); None: not kept
+        self.slot_loads: list[tuple[int, LoRARequest]] | None = None
 
     # ---- registration ------------------------------------------------------------------------
 
@@ -190,6 +193,23 @@ class LoRAManager:
         for table, shard, lora_a, lora_b in entry.writes:
             table.set(slot, shard, lora_a.to(self.device), lora_b.to(self.device))
         self.num_slot_loads += 1
+        if self.slot_loads is not None:
+            self.slot_loads.append((slot, entry.request))
+
+    def load_into(self, slot: int, request: LoRARequest) -> None:
+        """Another rank's copy of a driver's slot load: `request`'s adapter (registered here first, read
+        from its directory and checked as add() does) into device slot `slot`, whatever held it before."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot}: expected 0..{self.max_loras - 1}")
+        for other in list(self._registered.values()):  # the driver unloaded and reused an id or a name
+            known = other.request
+            if known != request and (known.lora_int_id == request.lora_int_id or known.lora_name == request.lora_name):
+                self.remove(other.request.lora_int_id)
+        self.add(request)
+        for lora_id in [i for i, s in self._slots.items() if s == slot or i == request.lora_int_id]:
+            del self._slots[lora_id]
+        self._load_slot(request.lora_int_id, slot)
+        self._slots[request.lora_int_id] = slot
 
     def slot_of(self, lora_int_id: int) -> int | None:
         """The device slot holding the adapter now, or None."""

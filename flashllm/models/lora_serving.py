@@ -20,11 +20,9 @@ def build_lora_manager(model: torch.nn.Module, model_dir: str | Path, ops: Any, 
     """Give `model`'s linear layers `max_loras` adapter slots of rank `max_lora_rank` and return their manager.
 
     Adapters are checked against the shapes in the checkpoint's safetensors headers (nothing is
-    read). Raises ModelLoadError for a model multi-LoRA cannot serve (tensor parallel, GGUF).
+    read). Under tensor parallelism each rank's tables hold its part of every adapter. Raises
+    ModelLoadError for a model multi-LoRA cannot serve (GGUF).
     """
-    if getattr(model, "tp_size", 1) != 1:
-        raise ModelLoadError("multi-LoRA serving runs on one rank; drop --tensor-parallel-size, or merge one adapter "
-                             "with --lora_path")
     if Path(model_dir).is_file():
         raise ModelLoadError(f"multi-LoRA needs a safetensors checkpoint directory; {model_dir} is a file")
     shapes, _ = checkpoint_headers(safetensors_files(model_dir))

@@ -29,6 +29,10 @@ class LinearLoRA:
     S is the number of checkpoint projections the layer fuses (3 for qkv_proj, 2 for gate_up_proj,
     else 1); shard s of slot i holds an adapter's A in rows [s * R, s * R + r) and its B, with the
     LoRA scale folded in, in the first r columns (the rest stay zero, so smaller ranks need no mask).
+    Under tensor parallelism the table holds this rank's part, cut as the layer cuts its weight: a
+    column-parallel layer's B rows of its output shard (A whole), a row-parallel layer's A columns of
+    its input shard (B whole). The row-parallel layer's shrink is then a partial sum, all-reduced
+    (T x S * R values) before the expand adds the delta to the reduced output.
     """
 
     def __init__(self, layer: LinearBase, context: LoRAContext, ops: Any, max_loras: int, max_rank: int,
@@ -44,6 +48,10 @@ class LinearLoRA:
             self.shards.append((offset, rows))
         self.in_features = layer.input_size_per_partition
         self.shard_ids = shards
+        # (first checkpoint row, rows, checkpoint rows) per shard; (first column, columns, checkpoint columns)
+        self._rows = [layer.output_shard(shard)[1:] for shard in shards]
+        self._columns = layer.input_shard()
+        self._reduce = layer.tp_size > 1 and getattr(layer, "input_is_sharded", False)
         self.lora_a = torch.zeros((max_loras, len(shards) * max_rank, self.in_features), dtype=dtype, device=device)
         self.lora_b = [torch.zeros((max_loras, rows, max_rank), dtype=dtype, device=device) for _, rows in self.shards]
 
@@ -62,10 +70,17 @@ class LinearLoRA:
             b[slot].zero_()
 
     def set(self, slot: int, shard: int, lora_a: Tensor, lora_b: Tensor) -> None:
-        """Write one projection of an adapter into slot `slot`: lora_a (r, K), lora_b (N_s, r) with the scale folded in."""
+        """Write one projection of an adapter into slot `slot`: lora_a (r, K), lora_b (N_s, r) with the scale
+        folded in, as the checkpoint's projection is shaped (this rank's part is cut here)."""
         rank = lora_a.shape[0]
         if rank > self.max_rank:
             raise ValueError(f"adapter rank {rank} is above --max-lora-rank {self.max_rank}")
+        first, rows, full_rows = self._rows[shard]
+        first_column, columns, full_columns = self._columns
+        if tuple(lora_b.shape) != (full_rows, rank) or tuple(lora_a.shape) != (rank, full_columns):
+            raise ValueError(f"LoRA shard {shard}: A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit "
+                             f"a ({full_rows}, {full_columns}) weight at rank {rank}")
+        lora_b, lora_a = lora_b.narrow(0, first, rows), lora_a.narrow(1, first_column, columns)
         start = shard * self.max_rank
         self.lora_a[slot, start:start + rank].copy_(lora_a)
         self.lora_b[shard][slot, :, :rank].copy_(lora_b)
@@ -73,6 +88,8 @@ class LinearLoRA:
     def apply(self, x: Tensor, out: Tensor, indices: Tensor) -> None:
         """out (T, N) += each row's adapter delta, in place: one shrink for every shard, one expand per shard."""
         h = self._shrink(x, self.lora_a, indices)  # (T, S * R)
+        if self._reduce:  # this rank's input features only: the ranks' partial products sum to x @ A^T
+            torch.distributed.all_reduce(h)
         r = self.max_rank
         for s, ((offset, _), lora_b) in enumerate(zip(self.shards, self.lora_b, strict=True)):
             self._expand(out, h[:, s * r:(s + 1) * r], lora_b, indices, offset)
@@ -116,13 +133,10 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, LinearBase]]:
 def enable_lora(model: nn.Module, ops: Any, max_loras: int, max_rank: int, dtype: torch.dtype) -> LoRAContext:
     """Give every linear layer of `model` an adapter slot table (`layer.lora`) and the LoRA forward.
 
-    dtype: the activation dtype (the tables' dtype). Only the instances change: a model without enable_lora runs its layers' forward untouched.
-    Returns the context the runner fills with each step's per-token slots. Tensor parallelism is
-    not supported (a row-parallel layer's shrink would need an all-reduce).
+    dtype: the activation dtype (the tables' dtype). Only the instances change: a model without
+    enable_lora runs its layers' forward untouched. Returns the context the runner fills with each
+    step's per-token slots (under tensor parallelism every rank's context gets the same slots).
     """
-    if getattr(model, "tp_size", 1) != 1:
-        raise ValueError("multi-LoRA serving runs on one rank; drop --tensor-parallel-size or merge the adapter "
-                         "with --lora_path")
     context = LoRAContext()
     for _, layer in lora_layers(model):
         layer.lora = LinearLoRA(layer, context, ops, max_loras, max_rank, dtype)
