@@ -13,7 +13,8 @@ adapter), no sliding window, fp32 norms and activations, fp32 or
 native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch (every sequence one
 new token, at most native.MAX_TOKENS of them). Anything else returns None and the model's own
 forward runs. Multi-LoRA rows run here too: layers with adapter slot tables (fp32, one slot count
-and rank) add each row's adapter delta after the base product (csrc/decode_lora.c). Every index the C code follows is range-checked, in C, before the step writes anything.
+and rank) add each row's adapter delta after the base product (csrc/decode_lora.c). Every index
+the C code follows (adapter slots included) is range-checked, in C, before the step writes anything.
 FLASHLLM_CPU_FUSED_DECODE=0 turns it off (for A/B runs).
 """
 
