@@ -129,6 +129,46 @@ def test_tiled_rows_give_each_row_its_own_bits(f32_rows: int, tokens: int, k: in
     assert torch.equal(got, alone)
 
 
+@pytest.fixture(params=["z", "avx2"])
+def w8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Per-channel int8 products of 2+ tokens on the AVX-512 16-lane tiles ("z"; skipped where the CPU
+    lacks AVX-512F) or the AVX2 ones, for one test."""
+    default = native.w8_z_min()
+    if request.param == "z" and native.w8_z_min(2) != 2:
+        pytest.skip("the 16-lane int8 tiles need AVX-512F, which this CPU lacks")
+    native.w8_z_min(2 if request.param == "z" else 0)
+    yield request.param
+    native.w8_z_min(default)
+
+
+@pytest.mark.parametrize("tokens", [2, 4, 7, 16, native.MAX_TOKENS])
+@pytest.mark.parametrize("k,n", [(896, 67), (272, 130), (4864, 9)])
+def test_per_channel_int8_tiles_give_each_row_and_token_its_own_bits(w8_tiles: str, tokens: int, k: int,
+                                                                     n: int) -> None:
+    # w8a16 per channel, 2+ tokens: 4-row tiles (rows a quarter of the share apart on the 16-lane
+    # path; n 67 and 9 leave rows for the one-row tiles, 130 rows split over the pool's threads) swept
+    # over the tokens 6 (16-lane) or 3 (AVX2) at a time. Against the dequantized product in float64,
+    # and each row and token must get the bits it gets alone: a tile reading another row's codes or
+    # scale, another token's activations, or summing across sweeps fails one or the other
+    gen = torch.Generator().manual_seed(k + n + tokens)
+    weight = quantize_weight(torch.randn(n, k, generator=gen), "w8a16", -1, True)
+    x = torch.randn(tokens, k, generator=gen)
+    x[:, 5] *= 40
+    got = native.int_linear(x, weight)
+    assert_within_fp32_bound(got, x, dequantize(weight).float())
+    rows = torch.cat([native.int_linear(x, _rows_of(weight, i)) for i in range(n)], dim=1)
+    assert torch.equal(got, rows)
+    if w8_tiles == "z":  # the same bits whatever the rest of the batch (two tokens: still the 16-lane tiles)
+        pairs = torch.cat([native.int_linear(x[[t, (t + 1) % tokens]], weight)[:1] for t in range(tokens)])
+        assert torch.equal(got, pairs)
+
+
+def _rows_of(weight: QuantizedWeight, row: int) -> QuantizedWeight:
+    """One output row of a per-channel int8 weight as its own weight."""
+    return QuantizedWeight(weight.scheme, weight.data[row : row + 1].contiguous(),
+                           weight.scales[row : row + 1].contiguous(), None, group_size=weight.group_size)
+
+
 @pytest.mark.parametrize("runs", [1, 2, 33, 1000])
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize(("streams", "step"), [(2, 64), (8, 32), (1, 32), (3, 64), (16, 32)])

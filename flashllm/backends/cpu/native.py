@@ -91,6 +91,7 @@ _SIGNATURES = {
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_w8_set_z_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
     "flashllm_i8_screen_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
@@ -406,3 +407,10 @@ def f32_rows(rows: int | None = None) -> int:
     small batches' tiles too, run the AVX-512 code), else 2 (AVX2). With `rows`, sets it first (an
     unsupported count changes nothing), for tests and A/B runs."""
     return library().flashllm_f32_set_rows(0 if rows is None else rows)
+
+
+def w8_z_min(tokens: int | None = None) -> int:
+    """The fewest tokens whose products of per-row-scaled int8 weights (w8a16 per channel) run the
+    AVX-512 16-lane tiles of csrc/decode_kernels.c (0: never, as on CPUs without AVX-512F). With
+    `tokens`, sets it first (0 turns them off), for tests and A/B runs."""
+    return library().flashllm_w8_set_z_min(-1 if tokens is None else tokens)

@@ -412,6 +412,84 @@ static void f32_gemm_z8(const float *x, const float *w, float *y, int64_t T, int
     for (int64_t n = n0 + OCT_ROWS * q; n < n1; n++) z_sweeps(ZTILES_1, x, T, K, w + n * K, K, y + n, ldy, 1, 0);
 }
 
+/* ---- small batches of int8 weights with one scale per row, on CPUs with AVX-512F ----
+ * The AVX2 int8 tiles (i8row, 4 rows x 3 tokens of 8 lanes) widen and convert each 8 codes for at most
+ * three tokens; with 16 tokens a block is swept six times and every code is widened and converted six
+ * times. These tiles are f32_gemm_z's over int8 codes: 4 rows a quarter of the share apart x up to 6
+ * tokens in 16-lane accumulators (24 of the 32 registers), 16 codes widened (vpmovsxbd) and converted
+ * once per 6 tokens, the row's scale multiplied into its finished sums (as flashllm_w8_gemv does). The
+ * codes convert exactly, so only the order of the sums differs from the AVX2 tiles; each output is its
+ * own accumulator's sum in one order whatever the tile, the sweep or the share, so a token's bits do
+ * not depend on the other tokens of the batch (T >= W8_Z_MIN_TOKENS) or on the thread split. In its
+ * first sweep a tile prefetches each row's successor, one line a row per 64 codes. */
+#define WIDEN_I8_16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+typedef void (*i8ztile_fn)(const float *x, int64_t K, const int8_t *w, int64_t rs, const float *scales, int64_t ss,
+                           float *y, int64_t ldy, int64_t ys, int64_t ahead);
+
+#define DEFINE_I8_ZTILE(NAME, R, TT)                                                              \
+__attribute__((target("avx512f")))                                                               \
+static void NAME(const float *x, int64_t K, const int8_t *w, int64_t rs, const float *scales, int64_t ss, \
+                 float *y, int64_t ldy, int64_t ys, int64_t ahead) {                             \
+    __m512 acc[R][TT];                                                                           \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps(); \
+    for (int64_t k = 0; k < K; k += 16) {                                                        \
+        if (ahead && (k & 63) == 0)                                                              \
+            UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + r * rs + k) + ahead, _MM_HINT_T1); \
+        __m512 xv[TT];                                                                           \
+        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm512_loadu_ps(x + t * K + k);              \
+        UNROLL for (int r = 0; r < R; r++) {                                                     \
+            const __m512 wv = WIDEN_I8_16(w + r * rs + k);                                       \
+            UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]); \
+        }                                                                                        \
+    }                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)                       \
+        y[t * ldy + r * ys] = _mm512_reduce_add_ps(acc[r][t]) * scales[r * ss];                  \
+}
+#define DEFINE_I8_ZTILES_OF(R, P) DEFINE_I8_ZTILE(P##1, R, 1) DEFINE_I8_ZTILE(P##2, R, 2) DEFINE_I8_ZTILE(P##3, R, 3) \
+    DEFINE_I8_ZTILE(P##4, R, 4) DEFINE_I8_ZTILE(P##5, R, 5) DEFINE_I8_ZTILE(P##6, R, 6)
+DEFINE_I8_ZTILES_OF(4, i8ztile_4x)
+DEFINE_I8_ZTILES_OF(1, i8ztile_1x)
+static const i8ztile_fn I8ZTILES_4[ZTILE_TOKENS] = {i8ztile_4x1, i8ztile_4x2, i8ztile_4x3, i8ztile_4x4, i8ztile_4x5,
+                                                    i8ztile_4x6};
+static const i8ztile_fn I8ZTILES_1[ZTILE_TOKENS] = {i8ztile_1x1, i8ztile_1x2, i8ztile_1x3, i8ztile_1x4, i8ztile_1x5,
+                                                    i8ztile_1x6};
+
+static void i8_z_sweeps(const i8ztile_fn *tiles, const float *x, int64_t T, int64_t K, const int8_t *w, int64_t rs,
+                        const float *scales, int64_t ss, float *y, int64_t ldy, int64_t ys, int64_t ahead) {
+    const int64_t sweeps = (T + ZTILE_TOKENS - 1) / ZTILE_TOKENS;
+    for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+        const int64_t tokens = sweep_tokens(T, t, sweeps, sweep);
+        tiles[tokens - 1](x + t * K, K, w, rs, scales, ss, y + t * ldy, ldy, ys, sweep == 0 ? ahead : 0);
+        t += tokens;
+    }
+}
+
+/* Rows n0..n1 of the one-scale-per-row int8 product for T tokens, K a multiple of 16: as f32_gemm_z */
+static void w8_gemm_z(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, float *y,
+                      int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t q = (n1 - n0) / 4;
+    for (int64_t i = 0; i < q; i++)
+        i8_z_sweeps(I8ZTILES_4, x, T, K, w + (n0 + i) * K, q * K, scales + n0 + i, q, y + n0 + i, ldy, q,
+                    i + 1 < q ? K : 0);
+    for (int64_t n = n0 + 4 * q; n < n1; n++) i8_z_sweeps(I8ZTILES_1, x, T, K, w + n * K, K, scales + n, 1, y + n, ldy, 1, 0);
+}
+
+/* The fewest tokens the AVX-512 int8 tiles take (0: never, as on CPUs without AVX-512F); set at load,
+ * flashllm_w8_set_z_min changes it for tests and A/B runs. */
+#define W8_Z_MIN_TOKENS 2
+static int w8_z_min = 0;
+__attribute__((constructor)) static void pick_w8_z(void) {
+    __builtin_cpu_init();
+    w8_z_min = __builtin_cpu_supports("avx512f") ? W8_Z_MIN_TOKENS : 0;
+}
+
+/* Sets the fewest tokens the AVX-512 int8 tiles take (0 turns them off; ignored without AVX-512F) and
+ * returns the setting in use afterwards. */
+int flashllm_w8_set_z_min(int tokens) {
+    if (tokens >= 0 && __builtin_cpu_supports("avx512f")) w8_z_min = tokens;
+    return w8_z_min;
+}
+
 /* flashllm_f32_gemv's product for K a multiple of 8, tiled (any T) */
 void flashllm_f32_gemm(const float *x, const float *w, float *y, int64_t T, int64_t K,
                        int64_t n0, int64_t n1, int64_t ldy) {
@@ -462,7 +540,9 @@ static void w8_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
     /* one token with short rows too: the tiles' prefetch reads 9728 x 896 int8 at ~26 GB/s against ~23
      * row at a time; with 4864-feature rows the row loop stays ahead (~22.5 against ~20.5; `epyc3-2c`) */
-    if (a->T > 1 || a->K <= 2048) flashllm_w8_gemm(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
+    if (w8_z_min && a->T >= w8_z_min && a->G == 1 && a->K % 16 == 0)
+        w8_gemm_z(a->x, a->T, a->K, a->w, a->scales, a->y, n0, n1, a->ldy);
+    else if (a->T > 1 || a->K <= 2048) flashllm_w8_gemm(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
     else flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
 }
 
