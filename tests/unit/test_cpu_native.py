@@ -74,12 +74,13 @@ def f32_rows(request: pytest.FixtureRequest) -> Iterator[int]:
     native.f32_rows(default)
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 13, 16, native.MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 13, 16, native.MAX_TOKENS, 35, 100])
 @pytest.mark.parametrize("k", [264, 272])
 def test_f32_tiles_cover_every_row_and_token(f32_rows: int, tokens: int, k: int) -> None:
     # K a multiple of 8 takes the AVX2 register tiles (4 rows x 3 tokens), and with the AVX-512 paths
     # on (f32_rows 8) K a multiple of 16 takes the 16-lane ones (4 rows x 6 tokens); 67 rows leave 3
-    # for the one-row tiles, and token counts that are not multiples of 3 or 6 exercise uneven sweeps
+    # for the one-row tiles, and token counts that are not multiples of 3 or 6 exercise uneven sweeps;
+    # past 32 tokens the 16-lane tiles take them 32 at a time (35: a chunk of 3 after one of 32)
     gen = torch.Generator().manual_seed(tokens + k)
     x, w = torch.randn(tokens, k, generator=gen), torch.randn(67, k, generator=gen)
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)
@@ -114,7 +115,7 @@ def test_one_token_rows_read_together_give_each_row_its_own_bits(f32_rows: int, 
     assert torch.equal(got, alone)
 
 
-@pytest.mark.parametrize("tokens", [2, 7, 16])
+@pytest.mark.parametrize("tokens", [2, 7, 16, 70])
 @pytest.mark.parametrize("k", [272, 896])
 @pytest.mark.parametrize("n", [5, 67, 130])
 def test_tiled_rows_give_each_row_its_own_bits(f32_rows: int, tokens: int, k: int, n: int) -> None:
@@ -141,13 +142,14 @@ def w8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
     native.w8_z_min(default)
 
 
-@pytest.mark.parametrize("tokens", [2, 4, 7, 16, native.MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [2, 4, 7, 16, native.MAX_TOKENS, 33, 100])
 @pytest.mark.parametrize("k,n", [(896, 67), (272, 130), (4864, 9)])
 def test_per_channel_int8_tiles_give_each_row_and_token_its_own_bits(w8_tiles: str, tokens: int, k: int,
                                                                      n: int) -> None:
     # w8a16 per channel, 2+ tokens: 4-row tiles (rows a quarter of the share apart on the 16-lane
     # path; n 67 and 9 leave rows for the one-row tiles, 130 rows split over the pool's threads) swept
-    # over the tokens 6 (16-lane) or 3 (AVX2) at a time. Against the dequantized product in float64,
+    # over the tokens 6 (16-lane, 32 tokens a chunk past 32) or 3 (AVX2) at a time. Against the
+    # dequantized product in float64,
     # and each row and token must get the bits it gets alone: a tile reading another row's codes or
     # scale, another token's activations, or summing across sweeps fails one or the other
     gen = torch.Generator().manual_seed(k + n + tokens)
@@ -310,8 +312,12 @@ def test_engine_paths_choose_the_native_kernels_for_decode_batches(monkeypatch) 
     w8 = quantize_weight(torch.randn(64, 128), "w8a16")
     w4_group16 = quantize_weight(torch.randn(64, 128), "w4a16", 16)
     assert cpu_quant.choose_path(w8, 1, packed_fast=True) == "native"
-    # a prompt dequantizes for a GEMM unless told to take the integer prompt kernels (native.prompt_linear)
-    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "dequant"
+    # a prompt of a per-channel int8 weight runs the 16-lane tiles where the CPU has AVX-512F (int_linear,
+    # exact fp32 like dequantizing), else it dequantizes for a GEMM; grouped ones dequantize; either takes
+    # the integer prompt kernels when told to (native.prompt_linear)
+    prompt = "native" if native.w8_z_min() else "dequant"
+    assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == prompt
+    assert cpu_quant.choose_path(quantize_weight(torch.randn(64, 128), "w8a16", 32), 100, packed_fast=False) == "dequant"
     assert cpu_quant.choose_path(w4_group16, 1, packed_fast=False) == "dequant"  # groups of 16: not taken
     monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, "int8x2")
     assert cpu_quant.choose_path(w8, native.MAX_TOKENS + 1, packed_fast=False) == "native_prompt"
@@ -329,9 +335,12 @@ def test_dense_decode_products_take_the_native_kernel(monkeypatch) -> None:
     got = cpu_quant.dense_matmul(x, QuantizedWeight.dense(w), torch.ones(48))
     assert calls == [(2, 64)]
     assert_within_fp32_bound(got - 1, x, w)
-    cpu_quant.dense_matmul(torch.randn(native.MAX_TOKENS + 1, 64), QuantizedWeight.dense(w))
+    cpu_quant.dense_matmul(torch.randn(native.dense_max_tokens() + 1, 64), QuantizedWeight.dense(w))
     cpu_quant.dense_matmul(x.bfloat16(), QuantizedWeight.dense(w.bfloat16()))
-    assert len(calls) == 1  # a prefill-sized batch and half precision stay on torch
+    assert len(calls) == 1  # a long prompt and half precision stay on torch
+    # prompts up to dense_max_tokens(): the 16-lane tiles where the CPU has AVX-512F, else torch
+    cpu_quant.dense_matmul(torch.randn(native.MAX_TOKENS + 1, 64), QuantizedWeight.dense(w))
+    assert len(calls) == (2 if native.f32_rows() == 8 else 1)
 
 
 def test_switched_off_or_unbuildable_the_torch_paths_take_over(monkeypatch, tmp_path) -> None:

@@ -54,7 +54,8 @@ INT4_ACTIVATIONS_ENV = "FLASHLLM_CPU_INT4_ACTIVATIONS"
 # GGUF weights default to int8 activations, as llama.cpp runs them)
 W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
-# Prompts (more than MAX_TOKENS rows) of int8/int4 weights dequantize for a BLAS GEMM by default
+# Prompts (more than MAX_TOKENS rows) of int8/int4 weights other than per-channel w8a16 on AVX-512F
+# (see F32_PROMPT_MAX_TOKENS) dequantize for a BLAS GEMM by default
 # ("fp32": exact, and the fastest here: 512 tokens of the 0.5b shape's w8a16 ran 184 tokens/s against
 # 110 for "int8x2" and 171 for "int8" on `epyc4-2c`, docs/gguf.md). Opt-in, the same integer kernels as
 # decode (prompt_linear) against activations in two int8 terms per block ("int8x2": x to within
@@ -63,7 +64,14 @@ A8_BLOCK = 64
 # integer GEMM is what would make them pay.
 PROMPT_ACTIVATIONS_ENV = "FLASHLLM_CPU_PROMPT_ACTIVATIONS"
 PROMPT_TERMS = {"int8x2": 2, "int8": 1, "fp32": 0}
-MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS
+MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS, except:
+# on AVX-512F CPUs the 16-lane tiles take prompt-sized products too, 32 tokens at a time through each
+# row share (csrc/decode_kernels.c): fp32 ones of up to F32_PROMPT_MAX_TOKENS rows, where they beat
+# torch's GEMM (the 0.5b shape's 24 layers, `epyc4-2c`: 141 / 159 / 154 GFLOP/s at 32 / 128 / 256
+# rows against 58 / 117 / 128; at 512, 165 against 173), and per-channel int8 (w8a16) ones of any
+# size, exact fp32 arithmetic like the dequantize-and-GEMM path they replace (176-191 GFLOP/s at 64
+# to 512 rows against 54-152 for that path)
+F32_PROMPT_MAX_TOKENS = 384
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
 # parallel.py's Python pool, so products from 64 Ki weights split: with parallel.py's 1 Mi the 0.5b
 # shape's 896 x 896 o_proj (3.2 MB, ~0.2 ms, 24 times a token) would stay on one core.
@@ -195,15 +203,21 @@ def _ptr(t: Tensor) -> int:
 
 
 def threads_for(num_tokens: int, out_features: int, in_features: int) -> int:
-    """Row shares for one product: every configured core for a decode batch of SPLIT_MIN_ELEMENTS weights."""
-    split = 0 < num_tokens <= MAX_TOKENS and out_features * in_features >= SPLIT_MIN_ELEMENTS
+    """Row shares for one product: every configured core for a product of SPLIT_MIN_ELEMENTS weights."""
+    split = num_tokens > 0 and out_features * in_features >= SPLIT_MIN_ELEMENTS
     return parallel.workers() if split and out_features >= 2 * parallel.ROW_ALIGN else 1
 
 
+def dense_max_tokens() -> int:
+    """The most rows f32_linear takes: F32_PROMPT_MAX_TOKENS where the 16-lane tiles run (AVX-512F),
+    else a decode batch (MAX_TOKENS)."""
+    return F32_PROMPT_MAX_TOKENS if f32_rows() == 8 else MAX_TOKENS
+
+
 def supports_dense(x: Tensor, weight: Tensor) -> bool:
-    """Whether f32_linear takes this product: fp32 x of at most MAX_TOKENS rows, fp32 weight."""
+    """Whether f32_linear takes this product: fp32 x of at most dense_max_tokens() rows, fp32 weight."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and library() is not None)
+            and x.device.type == "cpu" and library() is not None and 0 < x.shape[0] <= dense_max_tokens())
 
 
 def f32_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -221,11 +235,22 @@ def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
     """Whether int_linear takes this weight: w8a16/w4a16 in a decode batch, with groups of a multiple
     of 32 features (the exact fp32 kernels), or the layouts only the int8-activation kernels run
     (GGUF's: offsets, groups of 16 or 32; see int8_activations)."""
-    if weight.scheme not in ("w8a16", "w4a16") or not 0 < num_tokens <= MAX_TOKENS or library() is None:
+    if weight.scheme not in ("w8a16", "w4a16") or num_tokens <= 0 or library() is None:
         return False
+    if num_tokens > MAX_TOKENS:
+        return _z_prompt(weight)
     if int8_activations(weight):
         return True
     return weight.offsets is None and (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0
+
+
+def _z_prompt(weight: QuantizedWeight) -> bool:
+    """Whether a prompt-sized product of this weight runs the 16-lane int8 tiles (int_linear) rather than
+    dequantize-and-GEMM: per-channel w8a16 against fp32 activations, K a multiple of 16, the tiles
+    on (AVX-512F), and FLASHLLM_CPU_PROMPT_ACTIVATIONS at its fp32 default (exact either way)."""
+    return (weight.scheme == "w8a16" and weight.num_groups == 1 and weight.offsets is None
+            and weight.in_features % 16 == 0 and not int8_activations(weight) and prompt_terms(weight) == 0
+            and w8_z_min() > 0)
 
 
 def _int8_layout(weight: QuantizedWeight) -> bool:

@@ -510,6 +510,24 @@ void flashllm_w4_gemm(const float *xe, const float *xo, int64_t T, int64_t K, co
     tiled_product(i4_TILES, 2, xe, xo, T, K / 2, w, K / 2, 1, scales, zeros, G, y, n0, n1, ldy);
 }
 
+/* The tokens the 16-lane tiles take at once: a prompt's tokens go through a share in chunks of this
+ * many, so a chunk's activations (32 x 4864 fp32: 608 KiB) stay in the L2 while the share's rows (at
+ * most a few hundred KiB) are swept once per chunk from the L2 too. Every output is still its own
+ * accumulator's sum in one order, so the chunking changes no bits. */
+#define Z_CHUNK_TOKENS 32
+
+static void f32_gemm_z_chunks(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0,
+                              int64_t n1, int64_t ldy) {
+    for (int64_t t = 0; t < T; t += Z_CHUNK_TOKENS)
+        f32_gemm_z(x + t * K, w, y + t * ldy, T - t < Z_CHUNK_TOKENS ? T - t : Z_CHUNK_TOKENS, K, n0, n1, ldy);
+}
+
+static void w8_gemm_z_chunks(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, float *y,
+                             int64_t n0, int64_t n1, int64_t ldy) {
+    for (int64_t t = 0; t < T; t += Z_CHUNK_TOKENS)
+        w8_gemm_z(x + t * K, T - t < Z_CHUNK_TOKENS ? T - t : Z_CHUNK_TOKENS, K, w, scales, y + t * ldy, n0, n1, ldy);
+}
+
 /* ---- the products above over row shares of the worker pool (thread_pool.h; shares per thread:
  * parallel_for.h) ---- */
 
@@ -531,7 +549,8 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     else if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T > 1 && a->T <= OCT_TILE_MAX_TOKENS && a->K % 16 == 0 && f32_rows == OCT_ROWS)
         f32_gemm_z8(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
-    else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS) f32_gemm_z(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS)
+        f32_gemm_z_chunks(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
@@ -541,7 +560,7 @@ static void w8_share(void *ctx, int64_t n0, int64_t n1) {
     /* one token with short rows too: the tiles' prefetch reads 9728 x 896 int8 at ~26 GB/s against ~23
      * row at a time; with 4864-feature rows the row loop stays ahead (~22.5 against ~20.5; `epyc3-2c`) */
     if (w8_z_min && a->T >= w8_z_min && a->G == 1 && a->K % 16 == 0)
-        w8_gemm_z(a->x, a->T, a->K, a->w, a->scales, a->y, n0, n1, a->ldy);
+        w8_gemm_z_chunks(a->x, a->T, a->K, a->w, a->scales, a->y, n0, n1, a->ldy);
     else if (a->T > 1 || a->K <= 2048) flashllm_w8_gemm(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
     else flashllm_w8_gemv(a->x, a->T, a->K, a->w, a->scales, a->G, a->y, n0, n1, a->ldy);
 }
