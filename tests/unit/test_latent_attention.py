@@ -72,3 +72,23 @@ def test_bad_inputs_are_refused_saying_what_was_expected(fn) -> None:
         fn(**{**inputs, "seq_lens": torch.zeros_like(inputs["seq_lens"])})
     with pytest.raises(ValueError, match=r"kv_b_weight \(H, Dn \+ Dv, L\)"):
         fn(**{**inputs, "kv_b_weight": inputs["kv_b_weight"][:-1]})  # one head fewer than q
+
+
+@pytest.mark.parametrize("dims", [(5, 64, 16, 32, 48), (3, 20, 6, 13, 11), (16, 512, 64, 128, 128)],
+                         ids=["conformance", "odd", "v2-lite"])
+def test_cpu_decode_batches_take_the_native_absorbed_path_and_match_the_oracle(dims, monkeypatch) -> None:
+    """One token a sequence, absorbed: the per-head W_UK / W_UV products and the attention run native
+    (the torch path is made to fail), odd sizes included (tails of the vector loops)."""
+    from flashllm.backends.cpu import mla, native
+    from flashllm.ops import testing_latent
+
+    if native.library() is None:
+        pytest.skip(f"no native cpu kernels: {native.unavailable_reason()}")
+    monkeypatch.setattr(testing_latent, "LATENT_DIMS", dims)
+    monkeypatch.setattr(mla, "_absorbed", lambda *a: pytest.fail("a decode batch took the torch path"))
+    inputs = testing_latent.latent_attention_inputs(torch.Generator().manual_seed(7), torch.float32, "cpu", 0, 16,
+                                                    "decode")
+    expected, cache = oracle(inputs)
+    out = cpu_latent_attention(**inputs)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(inputs["kv_cache"].double(), cache, atol=0, rtol=0)

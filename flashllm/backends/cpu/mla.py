@@ -1,4 +1,4 @@
-"""CPU latent_attention (MLA): one index_copy_ for the latents, SDPA per sequence in the naive or absorbed form."""
+"""CPU latent_attention (MLA): one index_copy_ for the latents, then native absorbed decode or SDPA per sequence."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashllm.backends.cpu import native, native_ops, parallel
 from flashllm.ops.latent_attention import causal_mask, check_inputs
 from flashllm.registry.backend import Backend, Caps
 
@@ -75,6 +76,10 @@ def latent_attention(
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
     nope = check_inputs(q, latent, kv_cache, kv_b_weight, slot_mapping, q_lens, lens)[1]
     _write(latent, kv_cache, slot_mapping)
+    if absorbed and max(q_lens, default=0) == 1 == min(q_lens):
+        out = _native_decode(q, kv_cache, kv_b_weight, block_tables, lens, nope, scale)
+        if out is not None:
+            return out
     w_kv = kv_b_weight.float()
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     attend = _absorbed if absorbed else _naive
@@ -87,6 +92,36 @@ def latent_attention(
         blocks = block_tables[b, : -(-seq_len // block_size)].long()
         context = kv_cache[blocks].flatten(0, 1)[:seq_len].float()
         out[start:end] = attend(q[start:end].float(), context, w_uk, w_uv, scale).to(out.dtype)
+    return out
+
+
+def _native_decode(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, block_tables: Tensor, seq_lens: list[int],
+                   nope: int, scale: float) -> Tensor | None:
+    """A decode batch (one query token per sequence, row b of q for sequence b) in the absorbed form on the
+    native kernels: q_nope W_UK per head (csrc/mla_decode.c), one-token attention of the H heads over the
+    latent rows as one shared key/value head of L + R (csrc/decode_attention.c; the R rope columns of
+    its output are not used), then W_UV per head. fp32 only; None (nothing computed) where not taken.
+    Why: torch's batched one-row products of W_UK / W_UV read ~9.5 GB/s here (docs/deepseek.md)."""
+    heads, rows, rank = kv_b_weight.shape
+    width = kv_cache.shape[-1]
+    if not (native_ops._ready(q, kv_cache, kv_b_weight) and kv_b_weight.is_contiguous() and kv_cache.is_contiguous()
+            and q.stride(2) == 1):
+        return None
+    tokens, dv, lib, threads = len(seq_lens), rows - nope, native.library(), parallel.workers()
+    query = torch.empty(tokens, heads, width)
+    lib.flashllm_mla_vxm_mt(q.data_ptr(), q.stride(0), q.stride(1), kv_b_weight.data_ptr(), rows * rank,
+                            query.data_ptr(), heads * width, width, tokens, heads, nope, rank, threads)
+    query[:, :, rank:] = q[:, :, nope:]
+    out_latent = torch.empty(tokens, heads, width)
+    cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, width)
+    batch = list(range(tokens))
+    if not native_ops.decode_attention(query, cache, cache, block_tables.to(torch.int32), batch, batch, seq_lens,
+                                       scale, out_latent):
+        return None
+    out = torch.empty(q.shape[0], heads, dv) if q.shape[0] == tokens else q.new_zeros(q.shape[0], heads, dv)
+    w_uv = kv_b_weight.data_ptr() + nope * rank * kv_b_weight.element_size()
+    lib.flashllm_mla_mxv_mt(out_latent.data_ptr(), heads * width, width, w_uv, rows * rank, out.data_ptr(),
+                            heads * dv, dv, tokens, heads, rank, dv, threads)
     return out
 
 

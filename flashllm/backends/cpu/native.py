@@ -40,7 +40,8 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
            _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
-           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c", _CSRC / "moe_decode.c")
+           _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c", _CSRC / "moe_decode.c",
+           _CSRC / "mla_decode.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h",
            _CSRC / "amx.h", _CSRC / "decode_lora.h", _CSRC / "decode_stack.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
@@ -116,6 +117,8 @@ _SIGNATURES = {
     "flashllm_decode_burst": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
+    "flashllm_mla_vxm_mt": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int], None),
+    "flashllm_mla_mxv_mt": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                    ctypes.c_float, _P, ctypes.c_int], None),
 }
