@@ -89,6 +89,8 @@ class QuantConfig:
     quant_type: str = "none"
     group_size: int = -1
     quantize_lm_head: bool = False         # int8 LM head beside weight-only linears (quant/spec.py)
+    # MoE experts only (PaddleNLP's --moe_quant_type): weight_only_int8 | weight_only_int4; None: as quant_type
+    moe_quant_type: str | None = None
 
 
 @dataclass

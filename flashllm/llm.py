@@ -153,7 +153,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                                         "num_scheduler_steps", "max_prefill_tokens"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
-        "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head"}),
+        "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head", "moe_quant_type"}),
         "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend",
                                       "enable_expert_parallel"}),
         "lora": (LoRAConfig, {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}),

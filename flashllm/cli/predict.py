@@ -81,6 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "quant_type", default="none",
           help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | weight_only_int4_asym (w4a16_asym): "
                "quantize the linear weights at load")
+    _flag(parser, "moe_quant_type", default=None, choices=("weight_only_int8", "weight_only_int4"),
+          help="MoE models: quantize the experts only (the rest as --quant_type says); docs/deepseek.md")
     _flag(parser, "weightonly_group_size", type=int, default=-1,
           help="input features per weight scale: -1 = one per output channel, or 32 | 64 | 128")
     _flag(parser, "quantize_lm_head", action="store_true",
@@ -220,6 +222,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
                kv_cache_dtype=args.kv_cache_dtype, cachekv_int8_type=args.cachekv_int8_type,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                strict_kernels=args.strict_kernels, quant_type=args.quant_type, group_size=args.weightonly_group_size,
+               moe_quant_type=args.moe_quant_type,
                quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
                mla_use_matrix_absorption=args.mla_use_matrix_absorption,
                gpu_memory_utilization=args.gpu_memory_utilization, lora_path=args.lora_path,

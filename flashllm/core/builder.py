@@ -21,7 +21,7 @@ from flashllm.models.hf_config import HFModelConfig, ModelLoadError, load_hf_con
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
 from flashllm.models.tokenizers import TOKENIZER_FILES
-from flashllm.quant.spec import weight_quant_spec
+from flashllm.quant.spec import WeightQuantSpec, weight_quant_spec
 from flashllm.registry.backend import OpRequest
 from flashllm.registry.plugins import FlashPlugins, make_plugin_manager
 from flashllm.registry.precision import parse_dtype
@@ -85,6 +85,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     quant = checkpoint_quant_spec(hf_config, weight_quant_spec(config.quant.quant_type, config.quant.group_size,
                                                                 config.quant.quantize_lm_head))
     scheme = quant.scheme
+    moe_quant = _moe_quant_spec(config)
     if is_gguf_path(model_dir):  # layers holding GGUF blocks as stored need kernels for their layouts
         scheme = gguf_quant_capability(open_gguf(model_dir), scheme, rank.world_size)
     request = OpRequest(dtype, kv_dtype, scheme, hf_config.head_dim, config.cache.block_size,
@@ -94,7 +95,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     runner_cls = model_runner_class(selection)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, quant=quant,
                                   tp_rank=rank.rank, tp_size=rank.world_size, lora_path=config.model.lora_path,
-                                  place_params=runner_cls.place_empty_weights,
+                                  place_params=runner_cls.place_empty_weights, moe_quant=moe_quant,
                                   expert_parallel=config.parallel.enable_expert_parallel)
     model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
@@ -130,6 +131,22 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
                        num_blocks, model_dir, drafter)
+
+
+# --moe_quant_type values: the experts' own weight-only scheme
+MOE_QUANT_TYPES = ("weight_only_int8", "weight_only_int4")
+
+
+def _moe_quant_spec(config: EngineConfig) -> WeightQuantSpec | None:
+    """--moe_quant_type as the experts' WeightQuantSpec (group size from --weightonly_group_size); None: the
+    experts follow --quant_type. Raises EngineConfigError for any other value."""
+    name = config.quant.moe_quant_type
+    if name is None:
+        return None
+    if name not in MOE_QUANT_TYPES:
+        raise EngineConfigError(f"--moe_quant_type {name!r} is not one of {', '.join(MOE_QUANT_TYPES)}; drop it to "
+                                "quantize the experts as --quant_type says")
+    return weight_quant_spec(name, config.quant.group_size)
 
 
 def _lora_manager(config: EngineConfig, model: torch.nn.Module, model_dir: Path, ops: OpTable, dtype: torch.dtype,

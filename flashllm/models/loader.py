@@ -56,6 +56,7 @@ def load_model(
     model_registry: ModelRegistry, progress: bool = True, quant: WeightQuantSpec | None = None,
     tp_rank: int = 0, tp_size: int = 1, lora_path: str | Path | None = None,
     place_params: Callable[[torch.nn.Module], Any] | None = None, expert_parallel: bool = False,
+    moe_quant: WeightQuantSpec | None = None,
 ) -> tuple[CausalLM, HFModelConfig]:
     """Build the model `config.json` describes and fill it from the directory's safetensors.
 
@@ -80,6 +81,7 @@ def load_model(
     place_empty_weights), which loading then fills.
     expert_parallel: the MoE layers' ranks hold whole experts (the architecture's with_expert_parallel;
     ModelLoadError where it has none).
+    moe_quant: how the MoE experts store their weights (--moe_quant_type), in place of `quant`; None: `quant`.
     Returns (model in eval mode, with process_weights_after_loading() applied; its config).
     """
     model_dir = Path(model_dir)
@@ -111,18 +113,22 @@ def load_model(
         # and the file is unmapped before the error is reported, not at interpreter exit.
         tensors.close()
     _check_complete(model, loaded, seen)
-    _after_loading(model, quant, lambda m: finish_prequantized(m) or (gguf_weights is not None and gguf_weights.finish(m)))
+    _after_loading(model, quant, lambda m: finish_prequantized(m) or (gguf_weights is not None and gguf_weights.finish(m)),
+                   moe_quant)
     return model.eval(), config
 
 
 def _after_loading(model: CausalLM, quant: WeightQuantSpec | None,
-                   finished: Callable[[Any], bool] = lambda module: False) -> None:
-    """Each module's post-load processing (quantizing linear weights per `quant`), except modules that
-    `finished(module)` reports it already prepared (prequantized or GGUF blocks)."""
+                   finished: Callable[[Any], bool] = lambda module: False,
+                   moe_quant: WeightQuantSpec | None = None) -> None:
+    """Each module's post-load processing (quantizing linear weights per `quant`, MoE experts per `moe_quant`
+    when given), except modules that `finished(module)` reports it already prepared (prequantized or GGUF blocks)."""
     for module in model.modules():
         if finished(module):
             continue
-        if isinstance(module, (LinearBase, LMHead, FusedMoE)):
+        if isinstance(module, FusedMoE) and moe_quant is not None:
+            module.process_weights_after_loading(moe_quant)
+        elif isinstance(module, (LinearBase, LMHead, FusedMoE)):
             module.process_weights_after_loading(quant)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
