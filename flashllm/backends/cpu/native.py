@@ -1,7 +1,8 @@
 """The cpu backend's native decode kernels (csrc/decode_kernels.c, csrc/int4_int8_kernels.c,
 csrc/layer_ops.c, csrc/decode_attention.c, csrc/decode_stack.c, the greedy LM head's
 csrc/greedy_screen.c, csrc/greedy_screen_int8.c and csrc/screen_pick.c, a decode step's MoE layers'
-csrc/moe_decode.c, and the bandwidth probe's reads in csrc/read_probe.c; the small ops' wrappers
+csrc/moe_decode.c, MLA decode's per-head products in csrc/mla_decode.c, and the bandwidth probe's reads
+in csrc/read_probe.c; the small ops' wrappers
 are in native_ops.py, the greedy head's in greedy_screen.py): built with the system C compiler on
 first use, loaded through ctypes; the GEMVs split their output rows over the library's own
 spinning worker pool (csrc/thread_pool.h).
