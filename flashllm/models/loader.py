@@ -115,6 +115,8 @@ def load_model(
     _check_complete(model, loaded, seen)
     _after_loading(model, quant, lambda m: finish_prequantized(m) or (gguf_weights is not None and gguf_weights.finish(m)),
                    moe_quant)
+    if gguf_weights is not None:
+        gguf_weights.mark_head(model)
     return model.eval(), config
 
 

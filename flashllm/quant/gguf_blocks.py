@@ -50,6 +50,12 @@ def row_bytes(ggml_type: GGMLQuantizationType, in_features: int) -> int:
     return in_features // block * size
 
 
+def block_of(ggml_type: GGMLQuantizationType | int) -> int:
+    """Features a weight of this type must be cut at (a rank's share of a row-parallel layer): its
+    block, 32, or 256 for the K-quants, whose activations llama.cpp rounds per 256 features too."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+
+
 def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
     """raw's bytes as (N * K / block, type_size) uint8, after checking they are exactly the tensor's."""
     n, k = (int(v) for v in shape)

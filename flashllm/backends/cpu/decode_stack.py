@@ -31,7 +31,15 @@ from torch import Tensor
 from flashllm.backends.cpu import moe_stack, native, native_ops, parallel
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
-from flashllm.registry.fusions import DECODER_STACK, DecoderStackFusion, LinearWeights, LoRASlots, declared
+from flashllm.registry.fusions import (
+    DECODER_STACK,
+    LM_HEAD,
+    DecoderStackFusion,
+    LinearWeights,
+    LMHeadFusion,
+    LoRASlots,
+    declared,
+)
 from flashllm.registry.resolve import OpTable
 
 ENV_SWITCH = "FLASHLLM_CPU_FUSED_DECODE"
@@ -49,8 +57,8 @@ class _Lora(ctypes.Structure):  # csrc/decode_lora.h's stack_lora
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I64), ("N", _I64), ("K", _I64), ("G", _I64),
-                ("weight", _P), ("scales", _P), ("zeros", _P), ("offsets", _P), ("bias", _P), ("lora", _P)]
-
+                ("weight", _P), ("scales", _P), ("zeros", _P), ("offsets", _P), ("bias", _P), ("lora", _P),
+                ("afmt", _I64)]
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
@@ -63,8 +71,7 @@ class _Step(ctypes.Structure):
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
         ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
         ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64), ("ids", _P), ("embed", _P),
-        ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64)]
-
+        ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64), ("head_afmt", _I64)]
 
 def _fp32(t: Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
@@ -115,6 +122,7 @@ def _linear(layer: LinearWeights, shape: tuple[int, int], keep: list[Any]) -> _L
         desc.G = weight.num_groups
         if native.int8_activations(weight):  # the per-op path's choice, made once for the step
             desc.kind = _AGAINST_INT8[weight.scheme]
+            desc.afmt = native.A8_FORMATS[native.llama_format(weight)]
         desc.weight, desc.scales = codes.data_ptr(), scales.data_ptr()
         desc.zeros = None if zeros is None else zeros.data_ptr()
         offsets = native.offsets_layout(weight)  # only the xA8 kinds read it: supports_quantized saw to that
@@ -168,7 +176,7 @@ class FusedDecode:
     """Callable(input_ids, positions, kv_caches, attn_metadata) -> final hidden (T, H), or None when
     the step is not a plain decode step; built by `build` from a model's declared decoder stack."""
 
-    def __init__(self, stack: DecoderStackFusion) -> None:
+    def __init__(self, stack: DecoderStackFusion, head_format: str | None = None) -> None:
         _check_cpu_kernels(stack.ops)
         if stack.activation != "silu" or stack.embed_tp_size != 1 or not stack.layers:
             raise _Unsupported(f"activation {stack.activation!r}, an embedding over {stack.embed_tp_size} ranks "
@@ -227,7 +235,7 @@ class FusedDecode:
                             final_norm=self._final_norm.data_ptr(), split_elements=native.SPLIT_MIN_ELEMENTS,
                             attention_split=native_ops.ATTENTION_SPLIT_WORK,
                             silu_split=native_ops.SILU_SPLIT_ELEMENTS, lora_count=self._lora_count,
-                            lora_rank=self._lora_rank)
+                            lora_rank=self._lora_rank, head_afmt=_head_afmt(head_format, hidden))
         self._rows = torch.arange(native.MAX_TOKENS, dtype=torch.int64)  # sequence b's query is row b
         self._cache_key: list[tuple[object, ...]] = []  # the caches _bind_caches last took, as it compares them
         self._bound: tuple[int, int] | None = None
@@ -353,6 +361,27 @@ def build(model: Any) -> FusedDecode | None:
     if stack is None:
         return None
     try:
-        return FusedDecode(stack)
+        return FusedDecode(stack, _head_format(model))
     except _Unsupported:
         return None
+
+
+def _head_afmt(fmt: str | None, hidden: int) -> int:
+    """csrc/decode_stack.c's head_afmt for a head input format (0: none)."""
+    if fmt is None:
+        return 0
+    from flashllm.quant.gguf_activations import BLOCK
+
+    if hidden % max(native.A8_BLOCK, BLOCK[fmt]):
+        raise _Unsupported(f"{hidden} hidden features are not whole blocks of the head's {fmt} rounding")
+    return native.A8_FORMATS[fmt]
+
+
+def _head_format(model: Any) -> str | None:
+    """llama.cpp's rounding of the LM head's input where the head is a GGUF one on one rank (see
+    native.llama_format): the step's final states leave rounded so, as the head's product would
+    round them (the greedy head and the decode bursts read them straight from the step)."""
+    head = declared(model, LM_HEAD, LMHeadFusion)
+    if head is None or head.qweight is None or head.tp_size != 1:
+        return None
+    return native.llama_format(head.qweight)

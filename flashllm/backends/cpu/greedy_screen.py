@@ -150,6 +150,7 @@ class GreedyScreen:
         self.max_row_norm = float(norms.max()) if len(norms) else 0.0
         self._fallback = fallback  # hidden rows -> their tokens from the head's full logits
         self.picked = 0  # rows whose fp32 logit was computed, over all calls (tests and A/B runs read it)
+        self.input_format: str | None = None  # llama.cpp's rounding of the input (a GGUF head), or None
         # Tensors a call only writes and reads itself, kept for the next: allocating a batch-1 step's
         # scores (600 KB), the kernels' scratch and the pick's counts costs ~0.1 ms on `intel-2c`, run cold after
         # the copy's stream. The scores of the last call's token count; scratch per count.
@@ -226,6 +227,8 @@ class GreedyScreen:
         if lib is None or hidden.dtype != torch.float32 or not 0 < tokens <= native.MAX_TOKENS:
             return None
         x = hidden.contiguous()
+        if self.input_format is not None:  # a GGUF head: its input as llama.cpp's integer product sees it
+            x = native.round_activations(x, self.input_format)
         n = self.vocab_size
         scores = self.kept_tensor("scores", (tokens, n), torch.float32)
         path = self._scores(lib, x, scores)
@@ -270,6 +273,7 @@ def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyS
         return None
     logits = model.compute_logits
     screen = GreedyScreen(weight, head.vocab_size, lambda rows: argmax(logits(rows).float()))
+    screen.input_format = native.llama_format(head.qweight)  # the logits' own rounding (quant.dense_matmul)
     head.qweight.kernel_cache[KEPT_AS] = screen
     return screen
 

@@ -66,6 +66,18 @@ A8_BLOCK = 64
 # integer GEMM is what would make them pay.
 PROMPT_ACTIVATIONS_ENV = "FLASHLLM_CPU_PROMPT_ACTIVATIONS"
 PROMPT_TERMS = {"int8x2": 2, "int8": 1, "fp32": 0}
+# How activations meeting GGUF weights are rounded: "block64" (the default) flashllm's own (one fp32
+# scale per 64 features in decode, exact prompts and LM head); "llama" as llama.cpp's CPU backend rounds
+# them (q8_0 / q8_1 blocks of 32 features with fp16 scales, q8_K blocks of 256 for the K-quants;
+# flashllm/quant/gguf_activations.py) in decode, prompts and the LM head alike: each product then equals
+# llama.cpp's up to the fp32 order of its sums. Why not the default: it does not make greedy tokens
+# follow llama.cpp's more often. Rounding to int8 is discontinuous, so a 1-ulp difference anywhere
+# before it (norms, rotary, softmax) flips codes, and over 30 layers SmolLM2's logprobs move by
+# 0.13-0.25 either way, as far as from exact activations (docs/gguf.md).
+GGUF_ACTIVATIONS_ENV = "FLASHLLM_CPU_GGUF_ACTIVATIONS"
+GGUF_MODES = ("block64", "llama")
+# csrc/int4_int8_kernels.c's A8_* formats
+A8_FORMATS = {None: 0, "q8_0": 1, "q8_1": 2, "q8_K": 3}
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS, except:
 # on AVX-512F CPUs the 16-lane tiles take prompt-sized products too, 32 tokens at a time through each
 # row share (csrc/decode_kernels.c): fp32 ones of up to F32_PROMPT_MAX_TOKENS rows, where they beat
@@ -83,7 +95,7 @@ CAPABILITIES = frozenset({"AVX2", "AVX512"})
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "flashllm_f32_gemv": ([_P, _P, _P, _I64, _I64, _I64, _I64, _I64], None),
     "flashllm_w8_gemv": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64], None),
@@ -91,13 +103,12 @@ _SIGNATURES = {
     "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
-    "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
-    "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
-    "flashllm_w4a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int, ctypes.c_int],
-                                ctypes.c_int),
-    "flashllm_w8a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int, ctypes.c_int],
-                                ctypes.c_int),
+    "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, _INT, _INT], _INT),
+    "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _INT, _INT], _INT),
+    "flashllm_w4a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
+    "flashllm_w8a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
     "flashllm_a8_set_vnni": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_round_activations": ([_P, _I64, _I64, _INT], _INT),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
@@ -245,6 +256,8 @@ def supports_quantized(weight: QuantizedWeight, num_tokens: int) -> bool:
         return _z_prompt(weight)
     if int8_activations(weight):
         return True
+    if llama_format(weight) is not None:  # not on the exact kernel: quant.py's dequant path rounds as llama.cpp
+        return False
     return weight.offsets is None and (weight.in_features // weight.num_groups) % GROUP_MULTIPLE == 0
 
 
@@ -280,6 +293,43 @@ def int8_activations(weight: QuantizedWeight) -> bool:
     if mode not in ("int8", "fp32"):
         raise ValueError(f"{env} must be int8 or fp32, got {mode!r}")
     return mode == "int8" and _int8_layout(weight)
+
+
+def gguf_mode() -> str:
+    """FLASHLLM_CPU_GGUF_ACTIVATIONS: "block64" (default) or "llama" (see GGUF_MODES' comment)."""
+    mode = os.environ.get(GGUF_ACTIVATIONS_ENV, "block64")
+    if mode not in GGUF_MODES:
+        raise ValueError(f"{GGUF_ACTIVATIONS_ENV} must be one of {', '.join(GGUF_MODES)}, got {mode!r}")
+    return mode
+
+
+def llama_format(weight: QuantizedWeight) -> str | None:
+    """The llama.cpp activation format ("q8_0", "q8_1", "q8_K") this weight's products round to:
+    a GGUF weight's in the opt-in "llama" mode, else None (flashllm's own rounding, or none, as with
+    FLASHLLM_CPU_INT4_ACTIVATIONS / FLASHLLM_CPU_W8_ACTIVATIONS=fp32 for the weight's scheme)."""
+    if weight.gguf_type is None or gguf_mode() != "llama":
+        return None
+    env = INT4_ACTIVATIONS_ENV if weight.scheme == "w4a16" else W8_ACTIVATIONS_ENV
+    if os.environ.get(env) == "fp32":
+        return None
+    from flashllm.quant.gguf_activations import format_of
+
+    return format_of(weight.gguf_type)
+
+
+def round_activations(x: Tensor, fmt: str) -> Tensor:
+    """x (T, K) fp32 -> a copy rounded to llama.cpp's `fmt` blocks (code * scale; flashllm/quant/
+    gguf_activations.py says how), natively where K is whole 64-feature blocks (256 for q8_K)."""
+    from flashllm.quant.gguf_activations import BLOCK
+    from flashllm.quant.gguf_activations import round_activations as rounded
+
+    lib = library()
+    out = x.float().contiguous().clone()
+    if lib is None or x.dim() != 2 or x.shape[1] % max(A8_BLOCK, BLOCK[fmt]):
+        return rounded(x.reshape(-1, x.shape[-1]), fmt)[0].float().reshape(x.shape)
+    if lib.flashllm_round_activations(_ptr(out), out.shape[0], out.shape[1], A8_FORMATS[fmt]) != 0:
+        raise ValueError(f"cannot round {tuple(x.shape)} activations to {fmt} blocks")
+    return out
 
 
 def _int8_terms(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -343,13 +393,14 @@ def prompt_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
                          "kernels take; check supports_prompt first")
     split = n * k >= SPLIT_MIN_ELEMENTS and n >= 2 * parallel.ROW_ALIGN
     threads = parallel.workers() if split else 1
+    afmt = A8_FORMATS[llama_format(weight)] if terms == 1 else 0  # two terms are flashllm's own rounding
     if weight.scheme == "w4a16":
         status = lib.flashllm_w4a8_prompt_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
                                              None if zeros is None else _ptr(zeros), offsets_ptr, groups, _ptr(out),
-                                             n, n, terms, threads)
+                                             n, n, terms, threads, afmt)
     else:
         status = lib.flashllm_w8a8_prompt_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), offsets_ptr, groups,
-                                             _ptr(out), n, n, terms, threads)
+                                             _ptr(out), n, n, terms, threads, afmt)
     if status != 0:
         raise MemoryError(f"the integer x int8 prompt kernel could not allocate its activation scratch "
                           f"({tokens} tokens x {k} features, {terms} terms)")
@@ -388,13 +439,14 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
     if int8_activations(weight):
         offsets = offsets_layout(weight)
         offsets_ptr = None if offsets is None else _ptr(offsets)
+        afmt = A8_FORMATS[llama_format(weight)]
         if weight.scheme == "w4a16":
             status = lib.flashllm_w4a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales),
                                                None if zeros is None else _ptr(zeros), offsets_ptr, groups, _ptr(out),
-                                               n, n, None, threads)
+                                               n, n, None, threads, afmt)
         else:
             status = lib.flashllm_w8a8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), offsets_ptr, groups,
-                                               _ptr(out), n, n, None, threads)
+                                               _ptr(out), n, n, None, threads, afmt)
         if status != 0:
             raise MemoryError("the integer x int8 kernel could not allocate its activation scratch")
     elif weight.offsets is not None:

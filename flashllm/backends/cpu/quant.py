@@ -48,6 +48,7 @@ from flashllm.ops.quant_matmul import (
     quantize_activation_int8,
 )
 from flashllm.ops.quant_matmul import quant_matmul as reference
+from flashllm.quant.gguf_activations import round_activations
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -91,10 +92,16 @@ def rounded_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         terms = native.prompt_terms(weight)
     elif path == "native" and native.int8_activations(weight):
         terms = 1
+    elif path == "dequant" and native.llama_format(weight):
+        terms = 1
     else:
         return inputs
     rounded = {key: v.float() if key in ("x", "bias") and isinstance(v, Tensor) else v for key, v in inputs.items()}
     x = rounded["x"]
+    fmt = native.llama_format(weight) if terms == 1 else None
+    if fmt is not None:  # llama.cpp's blocks (q8_1's fp16 sums are a second term the inputs cannot carry)
+        rounded["x"] = round_activations(x.reshape(-1, x.shape[-1]), fmt)[0].reshape(x.shape).to(x.dtype)
+        return rounded
     if weight.input_perm is None:
         rounded["x"] = native.int8_rounded(x, terms)
     else:
@@ -130,6 +137,9 @@ def run_path(path: str, x: Tensor, weight: QuantizedWeight, bias: Tensor | None 
         packed, scales_and_zeros = int4pack_layout(weight, x.dtype)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, _int4pack_group(weight), scales_and_zeros)
     elif path == "dequant":
+        fmt = native.llama_format(weight)
+        if fmt is not None:
+            return llama_dequant_matmul(x, weight, fmt, bias)
         return dequant_matmul(x, weight, bias)
     else:
         raise ValueError(f"unknown cpu quant_matmul path {path!r}; expected dense, native, native_prompt, int8pack, "
@@ -199,6 +209,9 @@ def dense_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
     """The reference body, with a decode-sized float product on the native fp32 kernel where it
     loads, else split by rows across the cores through torch."""
     w = weight.data
+    fmt = native.llama_format(weight) if weight.scheme == "none" else None
+    if fmt is not None:  # a GGUF head kept as float: its input as llama.cpp's integer product sees it
+        x = native.round_activations(x.reshape(-1, x.shape[-1]), fmt).reshape(x.shape).to(x.dtype)
     if weight.scheme != "none" or weight.input_perm is not None or x.dim() != 2:
         return reference(x, weight, bias)
     use_native = native.supports_dense(x, w)
@@ -242,6 +255,19 @@ def dequant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = Non
     if bias is not None:
         out.add_(bias.float())
     return out.to(x.dtype)
+
+
+def llama_dequant_matmul(x: Tensor, weight: QuantizedWeight, fmt: str, bias: Tensor | None = None) -> Tensor:
+    """A GGUF weight's product as llama.cpp's CPU backend computes it, for prompts: x (..., K) rounded to
+    its `fmt` blocks (flashllm/quant/gguf_activations.py), then the fp32 GEMM of dequant_matmul; q8_1's
+    fp16 block sums meet the weight's minimums in a (T, K / 32) x (K / 32, N) product. The same
+    values as llama.cpp's integer dot products up to the fp32 order of the sums; (..., N) in x.dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    rounded, correction = round_activations(flat, fmt)
+    out = dequant_matmul(rounded.float(), weight, bias)
+    if correction is not None and weight.offsets is not None and weight.num_groups == correction.shape[-1]:
+        out.add_((correction @ weight.offsets.double().T).float())
+    return out.reshape(*x.shape[:-1], weight.out_features).to(x.dtype)
 
 
 def _dequant_rows(

@@ -85,9 +85,11 @@ class GGUFWeights:
 
     Float tensors load as float; quantized ones are dequantized with the gguf package, except the
     2-D linear weights of layers whose every projection is of one type flashllm.quant.gguf_blocks
-    represents (when that module is present, one rank runs and `keep_blocks`, i.e. no --quant_type asks
-    for another scheme): those become the layer's QuantizedWeight as stored. Embedding and norm
-    tensors are always float.
+    represents (when that module is present and `keep_blocks`, i.e. no --quant_type asks for another
+    scheme): those become the layer's QuantizedWeight as stored. Under tensor parallelism a rank keeps
+    its rows of each projection and, for a row-parallel layer, its input features, cut at block
+    boundaries of the stored bytes (a layer whose rank slice would split a block loads as float).
+    Embedding and norm tensors are always float.
     """
 
     def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1, keep_blocks: bool = True) -> None:
@@ -117,7 +119,7 @@ class GGUFWeights:
     def prepare(self, model: nn.Module) -> None:
         """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice)."""
         blocks = _gguf_blocks()
-        if blocks is None or self.tp_size != 1 or not self.keep_blocks:
+        if blocks is None or not self.keep_blocks:
             return
         from flashllm.models.layers.linear import LinearBase
 
@@ -138,6 +140,9 @@ class GGUFWeights:
             if not types <= blocks.SUPPORTED_TYPES or len({blocks.layout_of(t) for t in types}) != 1:
                 continue  # float projections, or block types of different layouts: the layer loads float
             module = model.get_submodule(prefix)
+            k_start, k_size, _ = module.input_shard()
+            if any((k_start % blocks.block_of(t)) or (k_size % blocks.block_of(t)) for t in types):
+                continue  # a rank's input features would cut a block (or q8_K's 256 activations): float
             setattr(module, _ATTR, _Shards(len(shards)))
             module.weight = None
             self._routed.update({item.gguf_name: (prefix, shard_id) for item, shard_id in shards})
@@ -183,7 +188,8 @@ class GGUFWeights:
         if shape is None:
             raise ModelLoadError(f"{self.gf.name}: {item.gguf_name} is not a 2-D weight")
         try:
-            weight = _gguf_blocks().weight_from_gguf(np.ascontiguousarray(self._rows(item)), tensor.tensor_type, shape)
+            raw, shape = _rank_slice(module, shard_id, self._rows(item), tensor.tensor_type, shape)
+            weight = _gguf_blocks().weight_from_gguf(raw, tensor.tensor_type, shape)
         except ValueError as exc:
             raise ModelLoadError(f"{self.gf.name}: {item.gguf_name}: {exc}") from None
         getattr(module, _ATTR).weights[shard_id] = weight
@@ -194,7 +200,7 @@ class GGUFWeights:
         if not isinstance(collected, _Shards):
             return False
         shards = collected.weights
-        order = sorted(shards, key=lambda s: -1 if s is None else s)
+        order = sorted(shards, key=lambda s: module.output_shard(s)[0])  # where each lands in this rank's rows
         if len(order) != collected.expected:
             raise ModelLoadError(f"{self.gf.name}: a layer received {len(order)} of its {collected.expected} "
                                  "GGUF projections")
@@ -208,6 +214,40 @@ class GGUFWeights:
         module.qweight = dataclasses.replace(weight, **moved)
         delattr(module, _ATTR)
         return True
+
+
+    def mark_head(self, model: nn.Module) -> None:
+        """Name the GGUF type the LM head's float rows were read from on its QuantizedWeight (gguf_type), so
+        that a backend can round the head's input as llama.cpp does for that type (it multiplies the
+        stored blocks): `output.weight`, else the tied `token_embd.weight`; only for a float head of a
+        quantized type whose activation blocks divide the hidden size, and not with --quant_type."""
+        from flashllm.models.layers.embedding import LMHead
+        from flashllm.quant.gguf_activations import BLOCK, FORMAT_OF_TYPE
+
+        head = getattr(model, "lm_head", None)
+        if not self.keep_blocks or not isinstance(head, LMHead) or head.qweight is None or head.qweight.scheme != "none":
+            return
+        name = "output.weight" if "output.weight" in self.gf.tensors else "token_embd.weight"
+        tensor = self.gf.tensors.get(name)
+        kind = None if tensor is None else tensor.tensor_type.name
+        if kind in FORMAT_OF_TYPE and head.qweight.in_features % BLOCK[FORMAT_OF_TYPE[kind]] == 0:
+            head.qweight = dataclasses.replace(head.qweight, gguf_type=kind)
+
+
+def _rank_slice(module: nn.Module, shard_id: Any, rows: np.ndarray, ggml_type: Any,
+                shape: tuple[int, int]) -> tuple[np.ndarray, tuple[int, int]]:
+    """A GGUF tensor's raw bytes (N, row bytes) cut to what this rank holds of it: the rows that
+    module.output_shard(shard_id) names and, for a row-parallel layer, the bytes of the input features
+    module.input_shard() names (prepare() checked they are whole blocks); returns (bytes, (rows, features))."""
+    _, start, count, full = module.output_shard(shard_id)
+    k_start, k_size, k_full = module.input_shard()
+    if (full, k_full) != shape:
+        raise ValueError(f"the tensor is {shape} (out, in); the layer expects {(full, k_full)}")
+    raw = rows[start:start + count]
+    if k_size != k_full:
+        row_bytes = _gguf_blocks().row_bytes
+        raw = raw[:, row_bytes(ggml_type, k_start):row_bytes(ggml_type, k_start + k_size)]
+    return np.ascontiguousarray(raw), (count, k_size)
 
 
 def concat_rows(weights: list[Any]) -> Any:
@@ -240,7 +280,7 @@ def gguf_quant_capability(gf: GGUFFile, scheme: str, tp_size: int = 1) -> str:
     """The quant capability the op table needs for this file: gguf_blocks' (AFFINE_CAPABILITY) when some linear
     weight will load as GGUF blocks (see GGUFWeights.prepare), else `scheme` (the --quant_type one)."""
     blocks = _gguf_blocks()
-    if blocks is None or tp_size != 1 or scheme != "none":
+    if blocks is None or scheme != "none":
         return scheme
     linear = [t.tensor_type for name, t in gf.tensors.items()
               if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2]

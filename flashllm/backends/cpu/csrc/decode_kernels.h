@@ -13,10 +13,11 @@ void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K,
                          int threads);
 int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
                           const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
-                          void *scratch, int threads);
+                          void *scratch, int threads, int afmt);
 int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                           const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                          int threads);
+                          int threads, int afmt);
+int flashllm_round_activations(float *x, int64_t T, int64_t K, int afmt);
 void flashllm_rms_norm(const float *x, const float *residual, float *summed, const float *weight,
                        float *out, int64_t T, int64_t H, float eps);
 void flashllm_rotary(float *x, int64_t T, int64_t stride, int64_t H, int64_t D, int64_t rot,

@@ -48,6 +48,8 @@ typedef struct {
     int64_t vocab;
     const int64_t *lora_slots;  /* (T,) each token's adapter slot, -1 for none; NULL: no adapters this step */
     int64_t lora_count, lora_rank;  /* the layers' adapter slots and their rank (0, 0 without adapter tables) */
+    int64_t head_afmt;          /* 0, or the LM head's llama.cpp activation format (A8_*): the final states
+                                 * leave rounded as the head's integer product would see them */
 } stack_step;
 
 /* Whether every index the step follows is in range: each token id within the embedding table,
@@ -77,10 +79,11 @@ void flashllm_stack_linear(const stack_linear *l, int64_t T, int threads, const 
     } else if (l->kind == LINEAR_W8) {
         flashllm_w8_gemv_mt(x, T, l->K, l->weight, l->scales, l->G, y, l->N, l->N, threads);
     } else if (l->kind == LINEAR_W8A8) {  /* the scratch as for W4A8 */
-        flashllm_w8a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->offsets, l->G, y, l->N, l->N, even, threads);
+        flashllm_w8a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->offsets, l->G, y, l->N, l->N, even, threads,
+                              (int)l->afmt);
     } else if (l->kind == LINEAR_W4A8) {  /* even, then odd: T x widest floats, more than it needs */
         flashllm_w4a8_gemv_mt(x, T, l->K, l->weight, l->scales, l->zeros, l->offsets, l->G, y, l->N, l->N, even,
-                              threads);
+                              threads, (int)l->afmt);
     } else {
         const int64_t half = l->K / 2;
         for (int64_t t = 0; t < T; t++)
@@ -168,6 +171,7 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
     }
     flashllm_rms_norm(hidden, residual, residual, s->final_norm, x, T, H, s->eps);
     memcpy(hidden, x, (size_t)(T * H) * sizeof(float));
+    if (s->head_afmt) flashllm_round_activations(hidden, T, H, (int)s->head_afmt);  /* decode_stack.py checked H */
     return 1;
 }
 

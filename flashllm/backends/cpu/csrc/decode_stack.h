@@ -16,6 +16,7 @@ typedef struct {
     const float *offsets;             /* (N, G) per-group offsets (GGUF's minimums; xA8 kinds only), or NULL */
     const float *bias;                /* (N,) or NULL */
     const stack_lora *lora;           /* the layer's adapter slots (decode_lora.h), or NULL */
+    int64_t afmt;                     /* xA8 kinds: how the activations are rounded (int4_int8_kernels.c's A8_*) */
 } stack_linear;
 
 /* y (T, N) = x (T, K) W^T (+ bias) on `threads` threads (no adapters: decode_stack.c adds those); even / odd: (T, K/2) floats each, adjacent,

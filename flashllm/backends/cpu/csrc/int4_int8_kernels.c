@@ -30,7 +30,18 @@
 #include "parallel_for.h"
 #include "simd.h"
 
-#define A8_BLOCK 64  /* features per activation scale: 32 bytes of int4 codes */
+#define A8_BLOCK 64  /* features per activation step: 32 bytes of int4 codes */
+#define A8_HALF 32   /* features per stored activation scale (d): two per A8_BLOCK */
+#define A8_SUPER 256 /* features per llama.cpp q8_K block (its K-quants' activations) */
+/* How activations become int8 codes and scales (afmt). A8_FLASH: flashllm's own, one fp32 scale
+ * absmax / 127 per 64 features. The others are llama.cpp's CPU rounding for GGUF weights (its
+ * quantize_row_q8_0 / q8_1 / q8_K), so that a product equals what llama.cpp computes up to the fp32
+ * order of its sums: A8_Q8_0 (Q4_0, Q5_0, Q8_0 weights) one scale per 32 features, absmax / 127
+ * rounded to fp16; A8_Q8_1 (Q4_1, Q5_1) the same, and each 32 features' sum of codes times the fp32
+ * scale is rounded to fp16 too (llama.cpp's s, which meets the weights' minimums); A8_Q8_K (the
+ * K-quants) one fp32 scale 1 / (127 / absmax) per 256 features. Codes are round-half-even(x * (127 /
+ * absmax)) in every format (the sign of q8_K's scale cancels). */
+enum { A8_FLASH = 0, A8_Q8_0 = 1, A8_Q8_1 = 2, A8_Q8_K = 3 };
 /* Rows are read in order, one line per two blocks, and the hardware prefetcher alone leaves DRAM
  * half idle: 9728 x 896 codes take 0.45 ms for one token on `epyc3-2c` (docs/benchmarks.md), 0.33 ms
  * when each step prefetches the line this far ahead (512 to 4096 bytes alike, within noise). */
@@ -39,55 +50,116 @@
 #define QUANTIZE_SPLIT_FEATURES (1 << 16)
 
 
+/* v rounded to the nearest fp16, as an fp32 (llama.cpp stores its q8_0 / q8_1 scales as fp16) */
+__attribute__((target("f16c"))) static inline float fp16_rounded(float v) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT)));
+}
+
 /* One block of 64 features v -> out (64 int8; with split, the even features then the odd ones, for
- * the int4 codes' nibbles; else in order, for int8 codes) and *d, adding d * sum q over each group's
- * features to qsum (the token's G group sums: groups of 16 or 32 features (GGUF's) lie within a
- * block, groups of a multiple of 64 span whole blocks). The scale is absmax / 127 in fp32; a feature
- * becomes round-to-nearest-even(v * (127 / absmax)), an all-zero block scale 0 and codes 0. With
- * residual (64 floats), v - code * d rounded once (fused) goes there: what a second term quantizes. */
+ * the int4 codes' nibbles; else in order, for int8 codes) and d[0], d[1] (the scales of features
+ * 0..31 and 32..63), adding each group's share of the activations' sum to qsum (the token's G group
+ * sums: groups of 16 or 32 features (GGUF's) lie within a block, groups of a multiple of 64 span
+ * whole blocks): d * sum q, or for A8_Q8_1 fp16(fp32 scale * sum q). The scales follow afmt (see
+ * its enum; kmax is the absmax of the 256 features around the block for A8_Q8_K); a feature becomes
+ * round-to-nearest-even(v * (127 / absmax)), an all-zero block scale 0 and codes 0. With residual
+ * (64 floats; A8_FLASH only), v - code * d rounded once (fused) goes there: what a second term
+ * quantizes. */
 static void quantize_block(const float *v, int64_t b, int64_t group, int8_t *out, float *d, float *qsum, int split,
-                           float *residual) {
+                           float *residual, int afmt, float kmax) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 top = _mm256_setzero_ps();
-    for (int i = 0; i < A8_BLOCK; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
-    const float amax = hmax8(top), inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float amax[2], inverse[2], exact[2];
+    if (afmt == A8_Q8_K) {
+        amax[0] = amax[1] = kmax;
+    } else {
+        __m256 top0 = _mm256_setzero_ps(), top1 = _mm256_setzero_ps();
+        for (int i = 0; i < A8_HALF; i += 8) {
+            top0 = _mm256_max_ps(top0, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+            top1 = _mm256_max_ps(top1, _mm256_and_ps(_mm256_loadu_ps(v + A8_HALF + i), magnitude));
+        }
+        if (afmt == A8_FLASH) {
+            amax[0] = amax[1] = hmax8(_mm256_max_ps(top0, top1));
+        } else {
+            amax[0] = hmax8(top0);
+            amax[1] = hmax8(top1);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        inverse[h] = amax[h] > 0.0f ? 127.0f / amax[h] : 0.0f;
+        exact[h] = afmt == A8_Q8_K ? (amax[h] > 0.0f ? 1.0f / inverse[h] : 0.0f) : amax[h] / 127.0f;
+        d[h] = afmt == A8_Q8_0 || afmt == A8_Q8_1 ? fp16_rounded(exact[h]) : exact[h];
+    }
     int32_t codes[A8_BLOCK];
     for (int i = 0; i < A8_BLOCK; i += 8)
-        _mm256_storeu_si256((__m256i *)(codes + i),
-                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse))));
-    int32_t total = 0, part = 0;
-    *d = amax / 127.0f;
+        _mm256_storeu_si256((__m256i *)(codes + i), _mm256_cvtps_epi32(_mm256_mul_ps(
+            _mm256_loadu_ps(v + i), _mm256_set1_ps(inverse[i / A8_HALF]))));
+    int32_t total = 0, part = 0, halves[2] = {0, 0};
     if (residual)
         for (int i = 0; i < A8_BLOCK; i += 8)
             _mm256_storeu_ps(residual + i, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(codes + i))),
-                                                            _mm256_set1_ps(*d), _mm256_loadu_ps(v + i)));
+                                                            _mm256_set1_ps(d[0]), _mm256_loadu_ps(v + i)));
     for (int i = 0; i < A8_BLOCK / 2; i++) {
+        const int h = 2 * i / A8_HALF;
         out[split ? i : 2 * i] = (int8_t)codes[2 * i];
         out[split ? A8_BLOCK / 2 + i : 2 * i + 1] = (int8_t)codes[2 * i + 1];
         total += codes[2 * i] + codes[2 * i + 1];
+        halves[h] += codes[2 * i] + codes[2 * i + 1];
         part += codes[2 * i] + codes[2 * i + 1];
         if (group < A8_BLOCK && (2 * i + 2) % group == 0) {  /* a sub-block group ends here */
-            qsum[(b * A8_BLOCK + 2 * i + 1) / group] += *d * (float)part;
+            qsum[(b * A8_BLOCK + 2 * i + 1) / group] += afmt == A8_Q8_1 ? fp16_rounded(exact[h] * (float)part)
+                                                                         : d[h] * (float)part;
             part = 0;
         }
     }
-    if (group >= A8_BLOCK) qsum[b * A8_BLOCK / group] += *d * (float)total;
+    if (group >= A8_BLOCK)
+        qsum[b * A8_BLOCK / group] += afmt == A8_FLASH ? d[0] * (float)total
+                                      : afmt == A8_Q8_1 ? fp16_rounded(exact[0] * (float)halves[0]) +
+                                                              fp16_rounded(exact[1] * (float)halves[1])
+                                                        : d[0] * (float)halves[0] + d[1] * (float)halves[1];
 }
 
-/* Token t's K features -> q (K int8), d (K / 64 scales) and qsum (G group sums), block by block as
- * quantize_block says. With q2 and d2 (a second term), each block's remainder x - code * d is
+/* The absmax of the n features at v (a multiple of 8) */
+static float absmax(const float *v, int64_t n) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+    return hmax8(top);
+}
+
+/* Token t's K features -> q (K int8), d (K / 32 scales) and qsum (G group sums), block by block as
+ * quantize_block says in format afmt (A8_Q8_K: K a multiple of 256). With q2 and d2 (a second term), each block's remainder x - code * d is
  * quantized the same way into q2, d2, and its group sums join qsum: the two terms carry x to within
  * absmax / 64516 per block (half a step of the remainder, itself at most half a step of x), where
  * one leaves absmax / 254. */
 static void quantize_activations(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *qsum,
-                                 int split, int8_t *q2, float *d2) {
+                                 int split, int8_t *q2, float *d2, int afmt) {
     const int64_t blocks = K / A8_BLOCK, group = K / G;
     for (int64_t g = 0; g < G; g++) qsum[g] = 0.0f;
+    float kmax = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         float residual[A8_BLOCK];
-        quantize_block(x + b * A8_BLOCK, b, group, q + b * A8_BLOCK, d + b, qsum, split, q2 ? residual : NULL);
-        if (q2) quantize_block(residual, b, group, q2 + b * A8_BLOCK, d2 + b, qsum, split, NULL);
+        if (afmt == A8_Q8_K && b % (A8_SUPER / A8_BLOCK) == 0) kmax = absmax(x + b * A8_BLOCK, A8_SUPER);
+        quantize_block(x + b * A8_BLOCK, b, group, q + b * A8_BLOCK, d + 2 * b, qsum, split, q2 ? residual : NULL,
+                       afmt, kmax);
+        if (q2) quantize_block(residual, b, group, q2 + b * A8_BLOCK, d2 + 2 * b, qsum, split, NULL, afmt, kmax);
     }
+}
+
+/* x (T, K) in place: every token's features replaced by what the integer products see of them in
+ * format afmt (code * scale, per block as quantize_block rounds them; q8_1's fp16 sums do not apply
+ * to a float product). K a multiple of 64 (A8_Q8_K: of 256). Returns 0, or -2 when K does not fit. */
+int flashllm_round_activations(float *x, int64_t T, int64_t K, int afmt) {
+    if (K % A8_BLOCK || afmt < A8_FLASH || afmt > A8_Q8_K || (afmt == A8_Q8_K && K % A8_SUPER)) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = x + t * K, kmax = 0.0f;
+        for (int64_t b = 0; b < K / A8_BLOCK; b++) {
+            int8_t codes[A8_BLOCK];
+            float d[2], qsum = 0.0f;
+            if (afmt == A8_Q8_K && b % (A8_SUPER / A8_BLOCK) == 0) kmax = absmax(row + b * A8_BLOCK, A8_SUPER);
+            quantize_block(row + b * A8_BLOCK, 0, A8_BLOCK, codes, d, &qsum, 0, NULL, afmt, kmax);
+            for (int i = 0; i < A8_BLOCK; i++) row[b * A8_BLOCK + i] = (float)codes[i] * d[i / A8_HALF];
+        }
+    }
+    return 0;
 }
 
 /* sum over one block of code * q, as 8 int32 lanes: 32 bytes of codes against 64 activations */
@@ -103,10 +175,11 @@ typedef struct {
     const int32_t *zeros;
     const float *offsets;   /* (N, G) per-group float offsets (W = code * scale + offset), or NULL */
     const int8_t *q;        /* (T, K) */
-    const float *d, *qsum;  /* (T, K / 64), (T, G) */
+    const float *d, *qsum;  /* (T, K / 32), (T, G) */
     float *y;
     int64_t T, K, G, ldy;   /* T: activation rows, terms per token (T / terms tokens) */
     int terms;              /* 1, or 2: rows 2t and 2t + 1 are token t's two terms (x ~ q0 d0 + q1 d1) */
+    int afmt;               /* how the activations were rounded (A8_*): whether a block's two halves share d */
 } a8_args;
 
 /* sum_g scales[g] * zeros[g] * qsum[g] over G groups, 8 at a time (masked loads for the tail) */
@@ -173,7 +246,7 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
     const float *d[4];
     for (int j = 0; j < TT; j++) {
         q[j] = a->q + (t0 + j) * a->K;
-        d[j] = a->d + (t0 + j) * blocks;
+        d[j] = a->d + (t0 + j) * 2 * blocks;
     }
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)a->w + n * half;
@@ -193,7 +266,8 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
             for (int j = 0; j < TT; j++) {
                 const __m256 dot = _mm256_cvtepi32_ps(block_dot(low, high, q[j] + b * A8_BLOCK));
-                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_broadcast_ss(d[j] + b)), acc[j]);
+                const __m256 dd = _mm256_set_m128(_mm_set1_ps(d[j][2 * b + 1]), _mm_set1_ps(d[j][2 * b]));
+                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, dd), acc[j]);
             }
         }
         float sums[4];
@@ -261,8 +335,8 @@ A8_VNNI static inline void vnni_rows_for_tokens(const a8_args *a, int64_t n0, in
                 const __m512i odd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32))),
                                                        _mm256_loadu_si256((const __m256i *)(q + 96)), 1);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, even), high, odd);
-                const float *d = a->d + (t0 + j) * blocks + b;
-                const __m128 lane = _mm_mul_ps(sq, _mm_setr_ps(d[0], d[0], d[1], d[1]));
+                /* features 0..31 and 32..63 of blocks b and b + 1: four consecutive scales */
+                const __m128 lane = _mm_mul_ps(sq, _mm_loadu_ps(a->d + (t0 + j) * 2 * blocks + 2 * b));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                          _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(lane)), acc[j]);
             }
@@ -304,7 +378,7 @@ static void a8_share(void *ctx, int64_t n0, int64_t n1) {
 
 /* Bytes of scratch flashllm_w4a8_gemv_mt needs for T tokens: the int8 activations and their scales. */
 static int64_t scratch_bytes(int64_t T, int64_t K, int64_t G) {
-    return T * K + (int64_t)sizeof(float) * T * (K / A8_BLOCK + G);
+    return T * K + (int64_t)sizeof(float) * T * (K / A8_HALF + G);
 }
 
 typedef struct {
@@ -312,17 +386,18 @@ typedef struct {
     int64_t K, G;
     int8_t *q;
     float *d, *qsum;
-    int split, terms;
+    int split, terms, afmt;
 } quantize_args;
 
 /* Tokens t0..t1 into their activation rows: token t's at row t * terms, its second term's (if any) next. */
 static void quantize_share(void *ctx, int64_t t0, int64_t t1) {
     const quantize_args *a = ctx;
-    const int64_t K = a->K, blocks = K / A8_BLOCK;
+    const int64_t K = a->K, scales = K / A8_HALF;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t row = t * a->terms;
-        quantize_activations(a->x + t * K, K, a->G, a->q + row * K, a->d + row * blocks, a->qsum + t * a->G, a->split,
-                             a->terms == 2 ? a->q + (row + 1) * K : NULL, a->terms == 2 ? a->d + (row + 1) * blocks : NULL);
+        quantize_activations(a->x + t * K, K, a->G, a->q + row * K, a->d + row * scales, a->qsum + t * a->G, a->split,
+                             a->terms == 2 ? a->q + (row + 1) * K : NULL, a->terms == 2 ? a->d + (row + 1) * scales : NULL,
+                             a->afmt);
     }
 }
 
@@ -332,16 +407,18 @@ static void quantize_share(void *ctx, int64_t t0, int64_t t1) {
  * be allocated. */
 static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w, const float *scales,
                             const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
-                            void *scratch, int threads, int split, int terms, flashllm_share_fn share) {
-    const int64_t blocks = K / A8_BLOCK, rows = T * terms;
+                            void *scratch, int threads, int split, int terms, int afmt, flashllm_share_fn share) {
+    const int64_t rows = T * terms;
+    if (afmt < A8_FLASH || afmt > A8_Q8_K || (afmt == A8_Q8_K && K % A8_SUPER) || (terms == 2 && afmt != A8_FLASH))
+        return -2;
     void *owned = scratch ? NULL : malloc((size_t)scratch_bytes(rows, K, G));
     if (!scratch && !owned) return -1;
-    float *d = scratch ? scratch : owned, *qsum = d + rows * blocks;
+    float *d = scratch ? scratch : owned, *qsum = d + rows * (K / A8_HALF);
     int8_t *q = (int8_t *)(qsum + rows * G);
-    quantize_args qa = {x, K, G, q, d, qsum, split, terms};
+    quantize_args qa = {x, K, G, q, d, qsum, split, terms, afmt};
     if (T * K >= QUANTIZE_SPLIT_FEATURES) flashllm_parallel_items(quantize_share, &qa, T, threads, 1);
     else quantize_share(&qa, 0, T);
-    a8_args a = {w, scales, zeros, offsets, q, d, qsum, y, rows, K, G, ldy, terms};
+    a8_args a = {w, scales, zeros, offsets, q, d, qsum, y, rows, K, G, ldy, terms, afmt};
     flashllm_parallel_for(share, &a, N, threads, COARSE_SHARES);
     free(owned);
     return 0;
@@ -349,19 +426,22 @@ static int run_against_int8(const float *x, int64_t T, int64_t K, const void *w,
 
 /* y[t * ldy + n] for t < T, n < N as in the header comment, x (T, K) fp32, K a multiple of 64 and
  * K / G 32 or a multiple of 64; offsets (N, G) or NULL: with offsets, W = code * scale + offset
- * (zeros unused); rows split over `threads`; scratch and the result as for run_against_int8. */
+ * (zeros unused); rows split over `threads`; activations rounded as afmt says (A8_*; A8_Q8_K needs K a
+ * multiple of 256); scratch and the result as for run_against_int8 (-2: afmt does not fit). */
 int flashllm_w4a8_gemv_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
                           const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
-                          void *scratch, int threads) {
-    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, scratch, threads, 1, 1, a8_share);
+                          void *scratch, int threads, int afmt) {
+    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, scratch, threads, 1, 1, afmt,
+                            a8_share);
 }
 
 /* The same for a prompt: terms 1 or 2 activation rows per token (quantize_share); scratch allocated here. */
 int flashllm_w4a8_prompt_mt(const float *x, int64_t T, int64_t K, const uint8_t *w, const float *scales,
                             const int32_t *zeros, const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy,
-                            int terms, int threads) {
+                            int terms, int threads, int afmt) {
     if (terms != 1 && terms != 2) return -2;
-    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, NULL, threads, 1, terms, a8_share);
+    return run_against_int8(x, T, K, w, scales, zeros, offsets, G, y, N, ldy, NULL, threads, 1, terms, afmt,
+                            a8_share);
 }
 
 /* ---- int8 weights against int8 activations (opt-in for w8a16: FLASHLLM_CPU_W8_ACTIVATIONS=int8) ----
@@ -400,10 +480,11 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
                 const __m256 s0 = fine_scales(scales, b, 0, group), s1 = fine_scales(scales, b, 1, group);
                 for (int j = 0; j < TT; j++) {
                     const int8_t *q = a->q + (t0 + j) * a->K + b * A8_BLOCK;
-                    const __m256 dj = _mm256_set1_ps(a->d[(t0 + j) * blocks + b]);
-                    const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_dot32(w0, q)), s0);
-                    acc[j] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(signed_dot32(w1, q + 32)), s1, part),
-                                             dj, acc[j]);
+                    const float *dj = a->d + (t0 + j) * 2 * blocks + 2 * b;
+                    const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(signed_dot32(w0, q)),
+                                                      _mm256_mul_ps(s0, _mm256_set1_ps(dj[0])));
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_fmadd_ps(_mm256_cvtepi32_ps(signed_dot32(w1, q + 32)),
+                                                                   _mm256_mul_ps(s1, _mm256_set1_ps(dj[1])), part));
                 }
                 continue;
             }
@@ -413,9 +494,15 @@ static inline void w8_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, 
             }
             for (int j = 0; j < TT; j++) {
                 const int8_t *q = a->q + (t0 + j) * a->K + b * A8_BLOCK;
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(signed_dot32(w0, q), signed_dot32(w1, q + 32)));
-                const float dj = a->d[(t0 + j) * blocks + b];
-                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dj)), acc[j]);
+                const float *dj = a->d + (t0 + j) * 2 * blocks + 2 * b;
+                const __m256i lo = signed_dot32(w0, q), hi = signed_dot32(w1, q + 32);
+                if (dj[0] == dj[1]) {  /* one scale for the block (A8_FLASH, A8_Q8_K): one conversion */
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+                    acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dj[0])), acc[j]);
+                } else {
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(scale, _mm256_set1_ps(dj[0])), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(scale, _mm256_set1_ps(dj[1])), acc[j]);
+                }
             }
         }
         float sums[4];
@@ -453,7 +540,8 @@ A8_VNNI static inline void w8_vnni_rows_for_tokens(const a8_args *a, int64_t n0,
                 const __m512i q = _mm512_loadu_si512(a->q + (t0 + j) * a->K + b * A8_BLOCK);
                 const __m512i shift = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, q);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), shift), w, q);
-                const __m128 lane = _mm_mul_ps(sq, _mm_set1_ps(a->d[(t0 + j) * blocks + b]));
+                const float *dj = a->d + (t0 + j) * 2 * blocks + 2 * b;  /* quarters 0, 1: dj[0]; 2, 3: dj[1] */
+                const __m128 lane = _mm_mul_ps(sq, _mm_setr_ps(dj[0], dj[0], dj[1], dj[1]));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                          _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(lane)), acc[j]);
             }
@@ -482,13 +570,16 @@ static void w8a8_share(void *ctx, int64_t n0, int64_t n1) {
  * scratch and the result as for run_against_int8. */
 int flashllm_w8a8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
                           const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, void *scratch,
-                          int threads) {
-    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, scratch, threads, 0, 1, w8a8_share);
+                          int threads, int afmt) {
+    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, scratch, threads, 0, 1, afmt,
+                            w8a8_share);
 }
 
 /* The same for a prompt: terms 1 or 2 activation rows per token (quantize_share); scratch allocated here. */
 int flashllm_w8a8_prompt_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales,
-                            const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, int terms, int threads) {
+                            const float *offsets, int64_t G, float *y, int64_t N, int64_t ldy, int terms, int threads,
+                            int afmt) {
     if (terms != 1 && terms != 2) return -2;
-    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, NULL, threads, 0, terms, w8a8_share);
+    return run_against_int8(x, T, K, w, scales, NULL, offsets, G, y, N, ldy, NULL, threads, 0, terms, afmt,
+                            w8a8_share);
 }
