@@ -69,9 +69,11 @@ class QuantizedWeight:
       groups and smooth belongs to input feature input_perm[k]; every scheme multiplies
       x.index_select(-1, input_perm) instead of x.
     gguf_type: the GGML block type(s) a GGUF weight was read from ("Q8_0"; "Q5_0+Q8_0" for a fused
-      layer joined from two), else None. Metadata: the arithmetic is the scheme's; llama.cpp
-      multiplies such weights against activations rounded to int8 per block, so a backend may do
-      the same for them (the cpu backend does by default: backends/cpu/native.int8_activations).
+      layer joined from two), else None; on a float ("none") LM head, the quantized type its rows
+      were dequantized from. Metadata: the arithmetic is the scheme's; llama.cpp multiplies such
+      weights against activations rounded to int8 per block, so a backend may do the same for them
+      (the cpu backend does by default: backends/cpu/native.int8_activations; llama.cpp's own blocks
+      with FLASHLLM_CPU_GGUF_ACTIVATIONS=llama, native.llama_format).
     kernel_cache: re-layouts of `data` that one backend's kernel builds once and reuses (e.g.
       torch's CPU int4 tile layout, fbgemm's packed int8 weight); the reference never reads
       it, clones start it empty.

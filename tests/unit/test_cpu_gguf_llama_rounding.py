@@ -148,3 +148,64 @@ def test_mixed_formats_are_refused() -> None:
     assert ga.format_of("Q5_0+Q8_0") == "q8_0" and ga.format_of(None) is None
     with pytest.raises(ValueError, match="do not share"):
         ga.format_of("Q4_0+Q4_1")
+
+
+def _llama_cpp_cpu_library():
+    """llama.cpp's own libggml-cpu next to $FLASHLLM_LLAMA_SERVER (the baselines' binary), or None."""
+    import ctypes
+    import os
+    from pathlib import Path
+
+    server = os.environ.get("FLASHLLM_LLAMA_SERVER")
+    path = Path(server).parent / "libggml-cpu.so" if server else None
+    if path is None or not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_get_type_traits_cpu.restype = ctypes.c_void_p
+    lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    lib.ggml_cpu_init()
+    return lib
+
+
+def _llama_cpp_dot(lib, qtype: GGMLQuantizationType, row: np.ndarray, x: np.ndarray) -> float:
+    """llama.cpp's product of one stored row with x: its from_float rounding of x to the type's vec_dot_type
+    blocks, then its vec_dot (ggml-cpu.h's ggml_type_traits_cpu: from_float, vec_dot, vec_dot_type, nrows)."""
+    import ctypes
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]
+
+    from_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    vec_dot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    traits = Traits.from_address(lib.ggml_get_type_traits_cpu(int(qtype)))
+    activation = GGMLQuantizationType(traits.vec_dot_type)
+    block, size = GGML_QUANT_SIZES[activation]
+    k = x.shape[0]
+    rounded = np.zeros(k // block * size, np.uint8)
+    x = np.ascontiguousarray(x, np.float32)
+    from_float(Traits.from_address(lib.ggml_get_type_traits_cpu(int(activation))).from_float)(
+        x.ctypes.data, rounded.ctypes.data, k)
+    out, row = np.zeros(1, np.float32), np.ascontiguousarray(row)
+    vec_dot(traits.vec_dot)(k, out.ctypes.data, 0, row.ctypes.data, 0, rounded.ctypes.data, 0, 1)
+    return float(out[0])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_equal_llama_cpp_own_library(qtype: GGMLQuantizationType, body) -> None:
+    """The independent oracle: llama.cpp's libggml-cpu (where $FLASHLLM_LLAMA_SERVER points at a build)
+    rounds x and multiplies each stored row; flashllm's llama mode gives the same within fp32 rounding."""
+    lib = _llama_cpp_cpu_library()
+    if lib is None:
+        pytest.skip("llama.cpp's libggml-cpu.so next to $FLASHLLM_LLAMA_SERVER (the baselines sessions set it)")
+    rng = np.random.default_rng(23 + int(qtype))
+    n, k = 16, 512
+    raw = _blocks(rng, qtype, n, k)
+    weight = weight_from_gguf(raw, qtype, (n, k))
+    x = _activations(1, k, 9)
+    theirs = torch.tensor([_llama_cpp_dot(lib, qtype, raw[i], x[0].numpy()) for i in range(n)], dtype=torch.float64)
+    got = cpu_quant.quant_matmul(x, weight).double()[0]
+    fmt = native.llama_format(weight)
+    bound = _bound(ga.round_activations(x, fmt)[0], dequantize(weight), weight.offsets if fmt == "q8_1" else None, k)[0]
+    assert bool(((got - theirs).abs() <= 2 * bound).all()), float(((got - theirs).abs() / bound).max())
