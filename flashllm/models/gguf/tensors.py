@@ -140,8 +140,8 @@ class GGUFWeights:
             if not types <= blocks.SUPPORTED_TYPES or len({blocks.layout_of(t) for t in types}) != 1:
                 continue  # float projections, or block types of different layouts: the layer loads float
             module = model.get_submodule(prefix)
-            k_start, k_size, _ = module.input_shard()
-            if any((k_start % blocks.block_of(t)) or (k_size % blocks.block_of(t)) for t in types):
+            k_start, k_size, k_full = module.input_shard()
+            if k_size != k_full and any((k_start % blocks.block_of(t)) or (k_size % blocks.block_of(t)) for t in types):
                 continue  # a rank's input features would cut a block (or q8_K's 256 activations): float
             setattr(module, _ATTR, _Shards(len(shards)))
             module.weight = None
