@@ -19,10 +19,11 @@ def pack_slots(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = 
     return (words - ((words >> 31) << 32)).to(torch.int32)  # the top bit is int32's sign
 
 
-def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, order: torch.Tensor):
-    """Round-to-nearest codes (N, K), zero points (N, G) in 1..2**bits - 1, fp16 scales (N, G), g_idx (K,).
+def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, order: torch.Tensor, min_zero: int = 1):
+    """Round-to-nearest codes (N, K), zero points (N, G) in min_zero..2**bits - 1, fp16 scales (N, G), g_idx (K,).
 
-    order: the input features in quantization order; group g is order[g*gs:(g+1)*gs] (act order).
+    order: the input features in quantization order; group g is order[g*gs:(g+1)*gs] (act order). min_zero 1
+    keeps GPTQ v1's stored zero - 1 non-negative; formats that store the zero itself allow 0.
     """
     n, k = w.shape
     groups = 1 if group_size == -1 else k // group_size
@@ -41,7 +42,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, order: torc
         else:
             low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
             scale = ((high - low) / top).half()
-            zero = torch.round(-low / scale.float()).long().clamp(1, top)
+            zero = torch.round(-low / scale.float()).long().clamp(min_zero, top)
         codes[:, cols] = (torch.round(part / scale.float()[:, None]) + zero[:, None]).long().clamp(0, top)
         zeros[:, g], scales[:, g] = zero, scale
     return codes, zeros, scales, g_idx

@@ -20,6 +20,7 @@ from flashllm.models.loader import load_model
 from flashllm.models.registry import ModelRegistry
 from flashllm.ops.quant_matmul import dequantize
 from flashllm.quant import awq, gptq
+from flashllm.testing.packed_quant import quantize
 from flashllm.testing.tiny_models import build_tiny_model
 
 STEPS = 32
@@ -44,31 +45,6 @@ CASES = {
     "gptq-4bit-per-channel-act-order": (_gptq(4, -1, True, "gptq_v2", sym=False), "any"),
     "awq-4bit": (AWQ, None),
 }
-
-
-def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, order: torch.Tensor, v1: bool):
-    """Round-to-nearest: codes (N, K), zero points (N, G), fp16 scales (N, G), g_idx (K,); group g is
-    order[g*gs:(g+1)*gs]."""
-    n, k = w.shape
-    groups = 1 if group == -1 else k // group
-    g_idx = torch.empty(k, dtype=torch.int64)
-    g_idx[order] = torch.arange(k) // (k // groups)
-    top = 2**bits - 1
-    codes, zeros = torch.empty(n, k, dtype=torch.int64), torch.empty(n, groups, dtype=torch.int64)
-    scales = torch.empty(n, groups, dtype=torch.float16)
-    for g in range(groups):
-        cols = (g_idx == g).nonzero().flatten()
-        part = w[:, cols]
-        if sym:
-            scale = (part.abs().amax(1) / (top // 2)).half()
-            zero = torch.full((n,), 2 ** (bits - 1), dtype=torch.int64)
-        else:
-            low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
-            scale = ((high - low) / top).half()
-            zero = torch.round(-low / scale.float()).long().clamp(1 if v1 else 0, top)
-        codes[:, cols] = (torch.round(part / scale.float()[:, None]) + zero[:, None]).long().clamp(0, top)
-        zeros[:, g], scales[:, g] = zero, scale
-    return codes, zeros, scales, g_idx
 
 
 def _order(k: int, act_order: str | None, row_parallel: bool, gen: torch.Generator) -> torch.Tensor:
@@ -96,7 +72,7 @@ def write_quantized(float_dir: Path, out: Path, qconfig: dict, act_order: str | 
         if source not in orders:
             orders[source] = _order(tensor.shape[1], act_order, proj in ROW_PARALLEL, gen)
         codes, zeros, scales, g_idx = quantize(tensor.float(), bits, group, qconfig.get("sym", False), orders[source],
-                                               v1)
+                                               min_zero=1 if v1 else 0)
         if method == "awq":
             packed = awq.pack_awq(codes, zeros, scales)
         else:
