@@ -18,6 +18,17 @@ PLUGIN_DIR = Path(__file__).parent / "plugins"
 # SmolLM2 the default); tests/e2e/test_smollm2.py asks for SmolLM2 by name.
 os.environ.setdefault("FLASHLLM_DEFAULT_MODEL", "demo")
 
+try:
+    from hypothesis import settings
+except ImportError:  # the plugin and ui sessions install no hypothesis
+    settings = None
+if settings is not None:
+    # CI draws the same examples every run (a property that fails there fails on every rerun and
+    # locally with CI=true); elsewhere hypothesis explores and keeps its example database.
+    settings.register_profile("ci", derandomize=True, database=None)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
+
 
 @pytest.fixture
 def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:

@@ -85,6 +85,3 @@ def _is_user_error(exc: Exception) -> bool:
 
     return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError, DeviceSelectionError, PrecisionError))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

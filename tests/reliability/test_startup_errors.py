@@ -100,3 +100,11 @@ def test_a_bad_connection_flag_fails_in_one_line(tiny_model_dir: Path, flag: str
     done = _run(_flashllm("serve", str(tiny_model_dir), flag, value, "--port", "1", "--device", "cpu"))
     _assert_one_line(done, "serve", flag)
     assert WEIGHTS_LOADED not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["flashllm", "flashllm.cli"])
+def test_both_module_entry_points_run_the_command(module: str) -> None:
+    done = _run(["-m", module, "generate", "--max-tokens", "x"])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == USAGE_ERROR, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "--max-tokens" in done.stderr and "invalid int value" in done.stderr, done.stderr[-2000:]
