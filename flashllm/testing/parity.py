@@ -44,3 +44,21 @@ class LogitRecorder:
 
     def __init__(self, llm: Any) -> None:
         self.rows = record_logits(llm)
+
+
+def random_tokens(n: int, vocab_size: int, seed: int) -> list[int]:
+    """`n` token ids drawn uniformly from [0, vocab_size) by a generator seeded with `seed`."""
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens), V) float32 logits of a transformers model's own forward over the whole sequence."""
+    return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4) -> None:
+    """Same shape and max |actual - expected| <= atol; the message gives the difference found."""
+    assert actual.shape == expected.shape, f"logits of shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    err = (actual - expected).abs().max().item()
+    assert err <= atol, f"max abs logit difference {err:.2e} > {atol:.0e}"

@@ -12,7 +12,7 @@ from flashllm.models.deepseek_moe import DeepseekMoE
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model, raw_config
-from flashllm.testing.parity import LogitRecorder
+from flashllm.testing.parity import LogitRecorder, assert_logits_close, hf_logits, random_tokens
 
 ATOL = 1e-4
 STEPS = 32
@@ -40,21 +40,6 @@ def ours(ds_dirs, ops):
     registry = ModelRegistry()
     flashllm_register_models(registry.register)
     return {p: load_model(d, ops, torch.float32, "cpu", registry, progress=False)[0] for p, d in ds_dirs.items()}
-
-
-def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.shape == expected.shape
-    err = (actual - expected).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
 
 
 def test_the_models_build_the_layers_the_config_asks_for(ours) -> None:

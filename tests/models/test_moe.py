@@ -17,7 +17,7 @@ from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import LogitRecorder
+from flashllm.testing.parity import LogitRecorder, assert_logits_close, hf_logits, random_tokens
 from flashllm.testing.tiny_moe import MOE_BASE as BASE
 from flashllm.testing.tiny_moe import MOE_PRESETS as PRESETS
 from flashllm.testing.tiny_moe import build_moe_model
@@ -52,21 +52,6 @@ def ours(moe_dirs, ops):
     registry = ModelRegistry()
     flashllm_register_models(registry.register)
     return {p: load_model(d, ops, torch.float32, "cpu", registry, progress=False)[0] for p, d in moe_dirs.items()}
-
-
-def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.shape == expected.shape
-    err = (actual - expected).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
 
 
 def test_the_checkpoints_carry_the_names_real_checkpoints_use(moe_dirs) -> None:

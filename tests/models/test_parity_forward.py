@@ -6,27 +6,11 @@ import pytest
 import torch
 
 from flashllm.models.loader import load_model
+from flashllm.testing.parity import assert_logits_close, hf_logits, random_tokens
 from flashllm.testing.tiny_models import build_tiny_model
 
-ATOL = 1e-4
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2")
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
-
-
-def random_tokens(n: int, vocab_size: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """(len(tokens), V) float32 logits of transformers' own forward over the whole sequence."""
-    return hf_model(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    err = (ours - theirs).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
 
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
@@ -37,7 +21,7 @@ def test_prefill_one_sequence_matches_transformers(preset, length, loaded_pair, 
     driver = paged_driver(ours, block_size=64, num_blocks=8, seed=length)
     seq = driver.add_sequence()
     (logits,) = driver.step([(seq, tokens)])
-    assert_close(logits, hf_logits(theirs, tokens))
+    assert_logits_close(logits, hf_logits(theirs, tokens))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -47,7 +31,7 @@ def test_prefill_varlen_batch_matches_transformers(preset, loaded_pair, paged_dr
     prompts = [random_tokens(n, ours.config.vocab_size, seed=100 + n) for n in PROMPT_LENGTHS]
     outputs = driver.step([(driver.add_sequence(), p) for p in prompts])
     for prompt, logits in zip(prompts, outputs, strict=True):
-        assert_close(logits, hf_logits(theirs, prompt))
+        assert_logits_close(logits, hf_logits(theirs, prompt))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -63,7 +47,7 @@ def test_greedy_decode_steps_match_transformers(preset, loaded_pair, paged_drive
             prompt.append(int(logits[-1].argmax()))
         outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
         for prompt, logits in zip(prompts, outputs, strict=True):
-            assert_close(logits, hf_logits(theirs, prompt)[-1:])
+            assert_logits_close(logits, hf_logits(theirs, prompt)[-1:])
 
 
 @pytest.mark.parametrize("preset", ["llama3", "qwen2"])
@@ -78,8 +62,8 @@ def test_chunked_prefill_beside_decode_matches_transformers(preset, loaded_pair,
     for lo, hi in ((0, 37), (37, 100), (100, 150)):
         short.append(random_tokens(1, ours.config.vocab_size, seed=hi)[0])
         chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
-        assert_close(chunk_logits, hf_logits(theirs, long_prompt[:hi])[lo:hi])
-        assert_close(decode_logits, hf_logits(theirs, short)[-1:])
+        assert_logits_close(chunk_logits, hf_logits(theirs, long_prompt[:hi])[lo:hi])
+        assert_logits_close(decode_logits, hf_logits(theirs, short)[-1:])
 
 
 def test_qwen2_sliding_window_layers_match_transformers(tmp_path, ops, model_registry, paged_driver):
@@ -93,7 +77,7 @@ def test_qwen2_sliding_window_layers_match_transformers(tmp_path, ops, model_reg
     tokens = random_tokens(70, config.vocab_size, seed=8)
     driver = paged_driver(ours, block_size=16, num_blocks=16)
     (logits,) = driver.step([(driver.add_sequence(), tokens)])
-    assert_close(logits, hf_logits(theirs.eval(), tokens))
+    assert_logits_close(logits, hf_logits(theirs.eval(), tokens))
 
 
 def test_tied_presets_share_one_table(loaded_pair):
