@@ -84,6 +84,8 @@ def add_parser(sub: Any) -> None:
             p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters")
             p.add_argument("--lora-merged", action="store_true",
                            help="with --lora: also run the first adapter merged at load (--lora_path)")
+            p.add_argument("--lora-only-merged", action="store_true",
+                           help="with --lora-merged: leave out the multi-LoRA engine (base against merged only)")
         p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
         p.add_argument("--plot", type=Path, default=None, help="draw tokens/s per engine and batch size as a PNG")
     _add_serve_parser(modes)
