@@ -83,12 +83,13 @@ class Engine:
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is computed on one rank only; run with --tensor-parallel-size 1")
         spec = params.structured_output
-        salt = self._lora_salt(lora_request)
+        salt = self._lora_salt(lora_request) + self._rope_salt(len(token_ids))
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,
                           self.runner.device, self.grammars.compile(spec) if spec is not None else None)
         for seq in request.seqs:
             if lora_request is not None:
-                seq.lora_id, seq.cache_salt = lora_request.lora_int_id, salt
+                seq.lora_id = lora_request.lora_int_id
+            seq.cache_salt = salt
             self.scheduler.add(seq)
             self._by_seq[seq.seq_id] = request
         self.requests[request_id] = request
@@ -109,6 +110,12 @@ class Engine:
         if users:
             raise ValueError(f"the adapter is in use by {users} unfinished sequence(s); unload it when they finish")
         return manager is not None and manager.remove(lora_int_id)
+
+    def _rope_salt(self, num_prompt_tokens: int) -> bytes:
+        """What keys this prompt's prefix-cache blocks beside its tokens on the model's side (models/base.py
+        prefix_cache_salt: QWen's dynamic NTK rotates keys by a base its prompt length picks)."""
+        salt = getattr(self.parts.model, "prefix_cache_salt", None)
+        return salt(num_prompt_tokens) if salt is not None else b""
 
     def _lora_salt(self, lora_request: Any) -> bytes:
         if lora_request is None:

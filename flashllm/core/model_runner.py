@@ -59,6 +59,7 @@ class _FlatBatch:
     sampling_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)  # per q_lens entry, for models that read them
 
 
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
@@ -78,6 +79,7 @@ def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
     padded_seqs = buckets.seqs(num_seqs)
     flat.q_lens.extend([0] * (padded_seqs - num_seqs))
     flat.seq_lens.extend([0] * (padded_seqs - num_seqs))
+    flat.prompt_lens.extend([0] * (padded_seqs - num_seqs))
     flat.block_tables.extend([] for _ in range(padded_seqs - num_seqs))
     flat.sampling_rows.extend([0] * (padded_seqs - len(flat.sampling_rows)))
 
@@ -115,6 +117,7 @@ class ModelRunner:
         if cachekv_int8_type not in KV_SCALE_TYPES:
             raise ValueError(f"cachekv_int8_type {cachekv_int8_type!r} is not one of {KV_SCALE_TYPES}")
         self.model = model
+        self._reads_prompt_lens = bool(getattr(model, "reads_prompt_lens", False))  # AttentionMetadata.prompt_lens
         self.device = device
         # the adapter's hooks: shape buckets (static-shape devices) and the end of each step
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
@@ -227,6 +230,7 @@ class ModelRunner:
             block_tables=self._tensor(padded, torch.int32),
             max_seqlen_q=max(flat.q_lens),
             max_seqlen_k=max(flat.seq_lens),
+            prompt_lens=self._tensor(flat.prompt_lens, torch.int32) if self._reads_prompt_lens else None,
         )
         return ModelInput(
             input_ids=self._tensor(flat.input_ids, torch.int64),
@@ -246,6 +250,7 @@ class ModelRunner:
             table = seq.block_table
             if item.draft_token_ids:
                 self._flatten_drafted(flat, item.seq.token_ids[start], item.draft_token_ids, start, table)
+                flat.prompt_lens.extend([seq.num_prompt_tokens] * (1 + len(item.draft_token_ids)))
                 flat.seq_ids.extend([seq.seq_id] * (1 + len(item.draft_token_ids)))
                 continue
             end = start + item.num_new_tokens
@@ -256,6 +261,7 @@ class ModelRunner:
             flat.q_lens.append(item.num_new_tokens)
             flat.seq_ids.append(seq.seq_id)
             flat.seq_lens.append(end)
+            flat.prompt_lens.append(seq.num_prompt_tokens)
             flat.block_tables.append(table)
             if item.produces_token:
                 flat.sampling_rows.append(len(flat.input_ids) - 1)

@@ -33,8 +33,8 @@ DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 60.0
 
 # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k, LoRA slot rows
-# (0 or tokens), bytes of LoRA slot loads
-_HEADER = 10
+# (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens)
+_HEADER = 11
 MAX_LOAD_BYTES = 1 << 20  # a step's slot loads: at most 256 adapters' names and paths
 _STEP, _STOP = 1, 0
 
@@ -163,13 +163,15 @@ class StepChannel:
             raise ValueError(f"a step's LoRA slot loads take {len(loads)} bytes, more than the step channel's "
                              f"{MAX_LOAD_BYTES}; use shorter adapter names or paths")
         extra = () if lora_slots is None else (lora_slots,)
+        prompt_lens = () if md.prompt_lens is None else (md.prompt_lens,)
         header = torch.tensor([_STEP, inputs.input_ids.numel(), md.seq_lens.numel(), tables.shape[1],
                                inputs.logits_indices.numel(), -1 if inputs.num_logits is None else inputs.num_logits,
                                md.max_seqlen_q, md.max_seqlen_k, 0 if lora_slots is None else lora_slots.numel(),
-                               len(loads)], dtype=torch.int64)
+                               len(loads), 0 if md.prompt_lens is None else md.prompt_lens.numel()],
+                              dtype=torch.int64)
         payload = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
             inputs.input_ids, inputs.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, tables,
-            inputs.logits_indices, *extra)])
+            inputs.logits_indices, *extra, *prompt_lens)])
         group = control_group()
         dist.broadcast(header, src=0, group=group)
         dist.broadcast(payload, src=0, group=group)
@@ -199,14 +201,15 @@ class StepChannel:
         header = torch.empty(_HEADER, dtype=torch.int64)
         group = control_group()
         dist.broadcast(header, src=0, group=group)
-        command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes = header.tolist()
+        command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows = (
+            header.tolist())
         if command == _STOP:
             dist.barrier(group=group)  # the driver's send_stop waits here too
             return None
-        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows]
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows, prompt_rows]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots = payload.split(sizes)
+        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots, prompt_lens = payload.split(sizes)
         if load_bytes:
             loads = torch.empty(load_bytes, dtype=torch.uint8)
             dist.broadcast(loads, src=0, group=group)
@@ -222,7 +225,8 @@ class StepChannel:
         metadata = AttentionMetadata(
             slot_mapping=on_device(slots, torch.int64), cu_seqlens_q=on_device(cu, torch.int32),
             seq_lens=on_device(seq_lens, torch.int32), block_tables=on_device(tables.view(seqs, width), torch.int32),
-            max_seqlen_q=max_q, max_seqlen_k=max_k)
+            max_seqlen_q=max_q, max_seqlen_k=max_k,
+            prompt_lens=on_device(prompt_lens, torch.int32) if prompt_rows else None)
         return ModelInput(input_ids=on_device(ids, torch.int64), positions=on_device(positions, torch.int64),
                           attn_metadata=metadata, logits_indices=on_device(logits_rows, torch.int64),
                           num_logits=None if num_logits < 0 else num_logits)

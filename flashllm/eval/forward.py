@@ -103,6 +103,7 @@ def window_hidden(parts: EngineParts, token_ids: list[int], chunk_tokens: int | 
             block_tables=block_tables,
             max_seqlen_q=end - start,
             max_seqlen_k=end,
+            prompt_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),  # the window is one prompt
         )
         input_ids = torch.tensor(token_ids[start:end], dtype=torch.int64, device=device)
         positions = torch.arange(start, end, dtype=torch.int64, device=device)

@@ -79,6 +79,8 @@ class CausalLM(nn.Module, ABC):
     prequantized_methods: ClassVar[tuple[str, ...] | None] = None
     # the checkpoint files its tokenizer is built from; None: not declared
     tokenizer_files: ClassVar[tuple[str, ...] | None] = None
+    # the forward reads attn_metadata.prompt_lens (the runner fills it only then); set per instance
+    reads_prompt_lens: bool = False
 
     @classmethod
     @abstractmethod
@@ -110,6 +112,11 @@ class CausalLM(nn.Module, ABC):
         (slot_mapping) and what it attends to. Writes the tokens' K/V into the caches and returns
         (T, hidden) in the model dtype.
         """
+
+    def prefix_cache_salt(self, num_prompt_tokens: int) -> bytes:
+        """Bytes that key a prompt's prefix-cache blocks beside its tokens (b"": tokens alone). A model whose
+        KV for the same tokens depends on the prompt's length (QWen's dynamic NTK) returns what tells them apart."""
+        return b""
 
     @abstractmethod
     def compute_logits(self, hidden: Tensor) -> Tensor:

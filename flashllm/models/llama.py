@@ -152,7 +152,7 @@ class LlamaForCausalLM(CausalLM):
         self.max_position = config.max_position_embeddings
         self.ops = ops  # the op table the layers bound; fusions() tells backends which kernels those are
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        self.model = self.build_stack(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device,
                               tp_rank, tp_size)
         if config.tie_word_embeddings:
@@ -162,6 +162,12 @@ class LlamaForCausalLM(CausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
         """config.json -> LlamaModelConfig, validated (see flashllm.models.llama_config)."""
         return parse_llama_config(raw, source)
+
+    def build_stack(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                    qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> LlamaModel:
+        """The decoder stack (HF's `model.` prefix): a LlamaModel; a subclass may return a LlamaModel subclass
+        (which then takes no fused decoder-stack path, see fusions)."""
+        return LlamaModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
 
     @staticmethod
     def attention_biases(config: LlamaModelConfig) -> tuple[bool, bool]:

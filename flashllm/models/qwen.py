@@ -5,16 +5,25 @@ fused `c_attn` projection with a bias, neox RoPE over `rotary_pct` of each head,
 `c_proj(w1(x) * silu(w2(x)))`. So the model is built from the Llama layers (and keeps their fused
 cpu fast paths) and only its config fields and checkpoint names are Qwen's own.
 
-Two inference-time extensions of the published code: `use_logn_attn` scales the queries of
-positions past `seq_length` by log(position + 1) / log(seq_length), done here exactly per token;
-`use_dynamic_ntk` raises the RoPE base by a factor chosen from each prompt's length once it
-exceeds `seq_length`, which a shared paged (and prefix-cached) KV cache cannot reproduce, so the
-usable context is then capped at `seq_length`, where both extensions are the identity.
+Two inference-time extensions of the published code, both active only past `seq_length` (the
+context reaches config.json's max_position_embeddings): `use_logn_attn` scales the queries of
+positions past `seq_length` by log(position + 1) / log(seq_length), exactly per token;
+`use_dynamic_ntk` raises the RoPE base to base * alpha ** (d / (d - 2)) (d the rotary dimension),
+alpha = 2 ** ceil(log2(L / seq_length) + 1) - 1 for a prompt of L tokens (1 up to seq_length).
+
+A sequence keeps the alpha of its prompt length for all of its decode steps, as QWen's own code
+does when it decodes with its KV cache: the keys in the paged cache are then all rotated by one
+base, and a step's logits equal a full recompute of the sequence with that base. (Recomputing alpha
+from the growing length at each step would leave the cached keys rotated by an older base than the
+new queries; only re-encoding the whole cache could make that consistent.) A preempted sequence
+recomputes with its prompt's alpha too. Prefix-cache blocks are keyed by alpha beside their tokens
+(prefix_cache_salt), so blocks are shared between prompts of one alpha only; prompts of up to
+seq_length tokens (alpha 1) share them as any model's do. Each alpha has its own [cos | sin] table:
+the stack maps a token's position to its row in the table of its sequence's alpha.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -44,10 +53,11 @@ from flashllm.models.hf_config import (
 )
 from flashllm.models.layers.prequantized import split_output_features
 from flashllm.models.layers.rotary import RotaryEmbedding
+from flashllm.models.llama import LlamaModel, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.models.qwen2 import Qwen2ForCausalLM
-
-logger = logging.getLogger(__name__)
+from flashllm.ops.attention_metadata import AttentionMetadata
+from flashllm.ops.rope_cache import build_cos_sin_cache
 
 # QWenConfig's defaults (configuration_qwen.py), for fields a config.json may leave out
 _DEFAULTS: dict[str, Any] = {
@@ -70,8 +80,7 @@ class QWenModelConfig(LlamaModelConfig):
     """A QWen config.json in Llama terms (intermediate_size is the MLP's width: QWen's own // 2;
     head_dim is kv_channels; num_key_value_heads = num_attention_heads), plus QWen's own fields.
 
-    max_position_embeddings is the usable context: config.json's, or seq_length when
-    use_dynamic_ntk is on (see the module docstring).
+    max_position_embeddings is the usable context, config.json's (past seq_length see the module docstring).
     """
 
     seq_length: int = 8192
@@ -103,11 +112,6 @@ def parse_qwen_config(raw: dict[str, Any], source: str = "config.json") -> QWenM
     seq_length = positive_int(values, "seq_length", None, MAX_POSITION_EMBEDDINGS, source)
     max_position = positive_int(values, "max_position_embeddings", None, MAX_POSITION_EMBEDDINGS, source)
     dynamic_ntk = flag(values, "use_dynamic_ntk", source)
-    if dynamic_ntk and max_position > seq_length:
-        logger.warning("%s: use_dynamic_ntk is on, so flashllm caps the context at seq_length=%d: past it QWen "
-                       "changes the RoPE base per prompt length, which flashllm does not implement "
-                       "(max_position_embeddings=%d is not used)", source, seq_length, max_position)
-        max_position = seq_length
     check_rope(rotary_dim, theta, None, max_position, source)
     no_bias = flag(values, "no_bias", source)
     return QWenModelConfig(
@@ -155,25 +159,81 @@ def _dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
     return chosen[0] if chosen else None
 
 
-class LognRotaryEmbedding(RotaryEmbedding):
-    """RoPE, then QWen's logn attention: the query of position p (0-based) is multiplied by
-    log(p + 1) / log(seq_length) when p + 1 > seq_length, so attention stays sharp past the
-    training length. The keys are untouched.
+def ntk_table(prompt_len: int, seq_length: int) -> int:
+    """Which RoPE table a prompt of `prompt_len` tokens uses under dynamic NTK: the fewest doublings of
+    seq_length that reach prompt_len (0 up to seq_length). Its alpha is 2 ** (table + 1) - 1, which is
+    QWen's 2 ** ceil(log2(prompt_len / seq_length) + 1) - 1 (at least 1) in integers."""
+    table = 0
+    while seq_length << table < prompt_len:
+        table += 1
+    return table
 
-    logn: (max_position,) fp32 buffer of the factors (1 up to seq_length).
+
+class QWenRotaryEmbedding(RotaryEmbedding):
+    """RoPE with QWen's dynamic NTK tables and logn query scaling.
+
+    cos_sin_cache: (num_tables * max_position, rotary_dim) fp32, table t (alpha 2 ** (t + 1) - 1) in rows
+    [t * max_position, (t + 1) * max_position); one table without dynamic NTK. forward() takes those rows
+    (table_rows maps positions to them). logn: (max_position,) fp32 query factors, or None when off:
+    log(p + 1) / log(seq_length) at position p once p + 1 > seq_length, else 1. Keys are never scaled.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, ops: Any,
-                 device: torch.device, seq_length: int) -> None:
+                 device: torch.device, seq_length: int, dynamic_ntk: bool, logn: bool) -> None:
         super().__init__(head_dim, rotary_dim, max_position, base, None, ops, device)
+        self.num_tables = ntk_table(max_position, seq_length) + 1 if dynamic_ntk else 1
+        if self.num_tables > 1:
+            tables = [build_cos_sin_cache(rotary_dim, max_position, base * (2 ** (t + 1) - 1) ** (
+                rotary_dim / (rotary_dim - 2)), None, torch.float32).to(device) for t in range(1, self.num_tables)]
+            self.cos_sin_cache = torch.cat([self.cos_sin_cache, *tables])
+        # a prompt longer than thresholds[t] uses a table after t
+        thresholds = torch.tensor([seq_length << t for t in range(self.num_tables - 1)], dtype=torch.int32)
+        self.register_buffer("thresholds", thresholds.to(device), persistent=False)
         lengths = torch.arange(1, max_position + 1, dtype=torch.float64)
-        logn = torch.where(lengths > seq_length, lengths.log() / math.log(seq_length), torch.ones_like(lengths))
-        self.register_buffer("logn", logn.to(torch.float32).to(device), persistent=False)
+        factors = torch.where(lengths > seq_length, lengths.log() / math.log(seq_length), torch.ones_like(lengths))
+        self.register_buffer("logn", factors.to(torch.float32).to(device) if logn else None, persistent=False)
+
+    def table_rows(self, positions: Tensor, attn_metadata: AttentionMetadata) -> Tensor:
+        """positions (T,) int64 -> (T,) int64 rows of cos_sin_cache: each token's position in the table its
+        sequence's prompt length picks (attn_metadata.prompt_lens; seq_lens where not given)."""
+        if self.num_tables == 1:
+            return positions
+        md = attn_metadata
+        lengths = md.prompt_lens if md.prompt_lens is not None else md.seq_lens
+        table = (lengths[:, None] > self.thresholds).sum(-1)  # (B,)
+        # each token's sequence; padding tokens past the last sequence take its table (their rows are unused)
+        tokens = torch.arange(positions.shape[0], dtype=md.cu_seqlens_q.dtype, device=positions.device)
+        seq = torch.searchsorted(md.cu_seqlens_q[1:], tokens, right=True).clamp_(max=lengths.shape[0] - 1)
+        return positions + table[seq] * self.max_position
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """positions (T,) int64; q (T, Hq, D); k (T, Hk, D) -> (rotated q times its factor, rotated k)."""
+        """positions (T,) int64 table rows (table_rows); q (T, Hq, D); k (T, Hk, D) -> rotated (q times its
+        logn factor, k)."""
         q, k = super().forward(positions, q, k)
-        return q * self.logn[positions].to(q.dtype)[:, None, None], k
+        if self.logn is None:
+            return q, k
+        return q * self.logn[positions % self.max_position].to(q.dtype)[:, None, None], k
+
+
+class QWenStack(LlamaModel):
+    """The Llama decoder stack with one QWenRotaryEmbedding shared by every layer; its forward maps each
+    token's position to its row in that embedding's tables before the layers run."""
+
+    def __init__(self, config: QWenModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        beyond = config.max_position_embeddings > config.seq_length
+        self.rotary_emb = QWenRotaryEmbedding(
+            config.head_dim, config.rotary_dim, config.max_position_embeddings, config.rope_theta, ops, device,
+            config.seq_length, config.use_dynamic_ntk and beyond, config.use_logn_attn and beyond)
+        for layer in self.layers:
+            layer.self_attn.rotary_emb = self.rotary_emb
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
+        rows = self.rotary_emb.table_rows(positions, attn_metadata)
+        return run_decoder_stack(self, input_ids, rows, kv_caches, attn_metadata)
 
 
 class QWenLMHeadModel(Qwen2ForCausalLM):
@@ -192,14 +252,25 @@ class QWenLMHeadModel(Qwen2ForCausalLM):
     def __init__(self, config: QWenModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(config, ops, dtype, device, tp_rank, tp_size)
-        if config.use_logn_attn and config.max_position_embeddings > config.seq_length:
-            # one shared table, as the Llama stack has; a non-standard rotary also tells fusions()
-            # that the fused decoder stack (plain RoPE) does not describe this model
-            rotary = LognRotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
-                                         config.rope_theta, ops, device, config.seq_length)
-            self.model.rotary_emb = rotary
-            for layer in self.model.layers:
-                layer.self_attn.rotary_emb = rotary
+        rotary = self.model.rotary_emb
+        # the runner fills attn_metadata.prompt_lens only for a model that reads them
+        self.reads_prompt_lens = isinstance(rotary, QWenRotaryEmbedding) and rotary.num_tables > 1
+
+    def build_stack(self, config: QWenModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                    qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> LlamaModel:
+        """QWenStack where logn or dynamic NTK can act (max_position_embeddings > seq_length; the fused
+        decoder stack, plain RoPE, does not describe it), else the plain Llama stack."""
+        if (config.use_logn_attn or config.use_dynamic_ntk) and config.max_position_embeddings > config.seq_length:
+            return QWenStack(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        return super().build_stack(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+
+    def prefix_cache_salt(self, num_prompt_tokens: int) -> bytes:
+        """Under dynamic NTK, the alpha a prompt of this length picks (b"" for alpha 1): cached keys were
+        rotated by its base, so blocks are shared only between prompts of one alpha."""
+        if not self.reads_prompt_lens:
+            return b""
+        table = min(ntk_table(num_prompt_tokens, self.config.seq_length), self.model.rotary_emb.num_tables - 1)
+        return f"qwen-dynamic-ntk-alpha-{2 ** (table + 1) - 1}".encode() if table else b""
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> QWenModelConfig:

@@ -20,6 +20,10 @@ class AttentionMetadata:
     seq_lens:      (B,) int32, context length of each sequence including the new tokens.
     block_tables:  (B, max_blocks) int32, physical block ids of each sequence (padded with 0).
     max_seqlen_q / max_seqlen_k: host-side maxima of the query and context lengths.
+    prompt_lens:   (B,) int32, each sequence's prompt length, or None where the caller did not fill it
+                   (the runner fills it for models with `reads_prompt_lens`, e.g. QWen's dynamic NTK,
+                   whose RoPE base a sequence's prompt length picks); readers then take seq_lens, which
+                   is right for a whole prompt in one pass.
     """
 
     slot_mapping: torch.Tensor
@@ -28,6 +32,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

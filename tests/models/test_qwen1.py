@@ -91,16 +91,18 @@ def ntk_alpha(length: int, seq_length: int) -> float:
     return max(2 ** math.ceil(math.log(length / seq_length, 2) + 1) - 1, 1)
 
 
-def naive_qwen_logits(tensors: dict[str, torch.Tensor], config: dict, tokens: list[int]) -> torch.Tensor:
+def naive_qwen_logits(tensors: dict[str, torch.Tensor], config: dict, tokens: list[int],
+                      prompt_len: int | None = None) -> torch.Tensor:
     """(len(tokens), V) logits of QWen's forward over the whole sequence, in float64, from the
-    checkpoint tensors: RMSNorm, c_attn, neox RoPE over rotary_pct of the head (dynamic NTK from
-    the sequence length), logn query scaling past seq_length, causal softmax, c_proj, then
+    checkpoint tensors: RMSNorm, c_attn, neox RoPE over rotary_pct of the head (dynamic NTK: the
+    base from `prompt_len`, default the whole sequence, as QWen's prefill picks it and its cached
+    decode keeps it), logn query scaling past seq_length, causal softmax, c_proj, then
     c_proj(w1(x) * silu(w2(x)))."""
     t = {k: v.double() for k, v in tensors.items()}
     n, hidden, heads = len(tokens), config["hidden_size"], config["num_attention_heads"]
     dim, seq_length, eps = hidden // heads, config["seq_length"], config["layer_norm_epsilon"]
     rot = int(dim * config["rotary_pct"])
-    alpha = ntk_alpha(n, seq_length) if config["use_dynamic_ntk"] else 1.0
+    alpha = ntk_alpha(prompt_len or n, seq_length) if config["use_dynamic_ntk"] else 1.0
     base = config["rotary_emb_base"] * alpha ** (rot / (rot - 2))
     angles = torch.arange(n, dtype=torch.float64)[:, None] / base ** (torch.arange(0, rot, 2).double() / rot)
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[:, None] for f in (torch.cos, torch.sin))  # (n, 1, rot)
@@ -287,20 +289,96 @@ def test_logn_attention_past_seq_length_matches_the_naive_forward(tmp_path, ops,
         assert_close(logits, naive_qwen_logits(tensors, config, prompt)[-1:])
 
 
-def test_dynamic_ntk_caps_the_context_at_seq_length_where_it_is_exact(tmp_path, ops, model_registry, paged_driver):
-    model, parsed, tensors, config = _naive_case(tmp_path / "m", ops, model_registry, seed=8, use_dynamic_ntk=True,
-                                                 use_logn_attn=True, seq_length=32)
-    assert parsed.max_position_embeddings == 32
-    prompt = random_tokens(32, seed=9)
-    # past seq_length the naive forward's RoPE base changes with the prompt length: why the cap exists
-    longer = prompt + random_tokens(8, seed=10)
-    assert (naive_qwen_logits(tensors, config, longer)[:32]
-            - naive_qwen_logits(tensors, {**config, "use_dynamic_ntk": False}, longer)[:32]).abs().max() > 1e-3
-    driver = paged_driver(model, block_size=BLOCK, num_blocks=8, seed=11)
-    (logits,) = driver.step([(driver.add_sequence(), prompt)])
-    assert_close(logits, naive_qwen_logits(tensors, config, prompt))
-    with pytest.raises(EngineConfigError, match="exceeds the model's max_position_embeddings 32"):
-        _llm(tmp_path / "m", max_model_len=64)
+NTK = {"use_dynamic_ntk": True, "use_logn_attn": True, "seq_length": 32}
+
+
+@pytest.fixture(scope="module")
+def ntk_case(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    """A QWen directory with dynamic NTK and logn past seq_length=32 (context 512), rotary over half the head."""
+    config = qwen_config(**NTK, rotary_pct=0.5, no_bias=False)
+    tensors = random_qwen_tensors(config, seed=8)
+    return write_qwen_dir(tmp_path_factory.mktemp("qwen1-ntk"), tensors, config), tensors, config
+
+
+def _naive_greedy(tensors, config, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens by full recompute with the prompt's alpha, and the logits over prompt + tokens."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(naive_qwen_logits(tensors, config, ids, len(prompt))[-1].argmax()))
+    return ids[len(prompt):], naive_qwen_logits(tensors, config, ids, len(prompt)).float()
+
+
+def test_ntk_tables_follow_qwens_alpha_formula():
+    from flashllm.models.qwen import ntk_table
+
+    for seq_length in (1, 32, 2048, 8192):
+        for length in [*range(1, 9 * seq_length), 32 * seq_length, 32 * seq_length + 1]:
+            assert 2 ** (ntk_table(length, seq_length) + 1) - 1 == ntk_alpha(length, seq_length)
+
+
+def test_dynamic_ntk_runs_past_seq_length_with_each_prompts_alpha(ntk_case):
+    """Context past seq_length: prompts of alpha 1 (decoding across seq_length), 3, 7 and 15 batched
+    together with chunked prefill; greedy tokens and every logits row equal the naive forward that
+    rotates by the prompt length's base (and the oracle tells that apart from a per-step base)."""
+    model_dir, tensors, config = ntk_case
+    llm = _llm(model_dir, max_num_batched_tokens=48)
+    assert llm.engine.parts.model.reads_prompt_lens and DECODER_STACK not in llm.engine.parts.model.fusions()
+    rows = _record_logits(llm)
+    prompts = [random_tokens(n, seed=90 + n) for n in (20, 33, 64, 65, 150)]
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        tokens, final = _naive_greedy(tensors, config, prompt, STEPS)
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        assert_rows_match(rows, prompt, tokens, final.float(), STEPS, atol=ATOL)
+    # a base recomputed from the current length at each step would score the last step otherwise
+    prompt = prompts[2] + llm.generate(prompts[2:3], GREEDY)[0].outputs[0].token_ids
+    assert (naive_qwen_logits(tensors, config, prompt, 64)[-1]
+            - naive_qwen_logits(tensors, config, prompt)[-1]).abs().max() > 1e-3
+
+
+def test_dynamic_ntk_prefix_cache_shares_blocks_within_one_alpha_only(ntk_case):
+    model_dir, tensors, config = ntk_case
+    llm = _llm(model_dir)
+    shared = random_tokens(48, seed=80)
+    first, same_alpha, other_alpha = (shared + random_tokens(n, seed=81 + n) for n in (10, 5, 20))  # 58, 53, 68
+    short = [random_tokens(16, seed=85) + random_tokens(n, seed=86 + n) for n in (4, 12)]  # 20, 28: alpha 1
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([first, short[0]], params)
+    outputs = llm.generate([same_alpha, other_alpha, short[1]], params)
+    assert [o.metrics.num_cached_tokens for o in outputs] == [48, 0, 16]
+    for prompt, output in zip([same_alpha, other_alpha, short[1]], outputs, strict=True):
+        assert output.outputs[0].token_ids == _naive_greedy(tensors, config, prompt, 8)[0]
+
+
+def test_dynamic_ntk_preempted_sequences_recompute_with_their_prompts_alpha(ntk_case):
+    model_dir, tensors, config = ntk_case
+    llm = _llm(model_dir, num_kv_blocks=24, max_model_len=160, enable_prefix_caching=False)
+    prompts = [random_tokens(n, seed=100 + n) for n in (60, 70, 90, 100)]
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == _naive_greedy(tensors, config, prompt, STEPS)[0]
+
+
+def test_dynamic_ntk_under_two_tensor_parallel_ranks(ntk_case):
+    """The other rank receives each step's prompt lengths with its inputs (core/parallel.py)."""
+    model_dir, tensors, config = ntk_case
+    llm = _llm(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp", num_kv_blocks=32,
+               max_model_len=256)
+    try:
+        prompts = [random_tokens(n, seed=110 + n) for n in (28, 60)]  # decodes cross 32 and 64
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
+            assert output.outputs[0].token_ids == _naive_greedy(tensors, config, prompt, 8)[0]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_context_reaches_max_position_embeddings_under_dynamic_ntk(tmp_path):
+    parsed = parse_hf_config(qwen_config(**NTK))
+    assert (parsed.max_position_embeddings, parsed.seq_length) == (512, 32)
+    write_qwen_dir(tmp_path, random_qwen_tensors(qwen_config(**NTK), seed=3), qwen_config(**NTK))
+    with pytest.raises(EngineConfigError, match="exceeds the model's max_position_embeddings 512"):
+        _llm(tmp_path, max_model_len=1024)
 
 
 def test_partial_rotary_and_biases_match_the_naive_forward(tmp_path, ops, model_registry, paged_driver):
