@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from flashllm.models.base import CausalLM
 from flashllm.models.checkpoint_tensor import materialize
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
-from flashllm.models.deepseek_moe import DeepseekMoE
+from flashllm.models.deepseek_moe import DeepseekMoE, DeepseekRouter
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
@@ -24,7 +24,18 @@ from flashllm.models.layers.moe import FusedMoE, expert_param_target
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import run_decoder_stack
-from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
+from flashllm.registry.fusions import (
+    DECODER_STACK,
+    LM_HEAD,
+    DecoderLayerWeights,
+    DecoderStackFusion,
+    LinearWeights,
+    LMHeadFusion,
+    MLAWeights,
+    MoEWeights,
+    RMSNormWeights,
+    RotaryTable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -212,12 +223,27 @@ class DeepseekV2ForCausalLM(CausalLM):
         return len(self.model.layers), 1, self.config.latent_dim
 
     def fusions(self) -> dict[str, Any]:
-        """LM_HEAD while compute_logits is this class's plain head; never DECODER_STACK (MLA blocks)."""
-        head = self.lm_head
-        if type(self).compute_logits is not DeepseekV2ForCausalLM.compute_logits or type(head) is not LMHead:
-            return {}
-        return {LM_HEAD: LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
-                                      tied=head.weight is self.model.embed_tokens.weight)}
+        """LM_HEAD while compute_logits is this class's plain head; DECODER_STACK (latent attention layers,
+        registry/fusions.py MLAWeights) while the forward is this class's, every layer the plain block
+        (_fusable_block) in the absorbed form, and the experts whole on this rank."""
+        found: dict[str, Any] = {}
+        head, stack = self.lm_head, self.model
+        if type(self).compute_logits is DeepseekV2ForCausalLM.compute_logits and type(head) is LMHead:
+            found[LM_HEAD] = LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
+                                          tied=head.weight is stack.embed_tokens.weight)
+        if (type(self).forward is DeepseekV2ForCausalLM.forward and type(stack) is DeepseekModel and len(stack.layers)
+                and type(stack.embed_tokens) is VocabEmbedding and type(stack.norm) is RMSNorm
+                and all(_fusable_block(layer, stack.rotary_emb) for layer in stack.layers)):
+            first, rotary = stack.layers[0].self_attn, stack.rotary_emb
+            dense = [layer.mlp for layer in stack.layers if type(layer.mlp) is GatedMLP]
+            found[DECODER_STACK] = DecoderStackFusion(
+                layers=tuple(_layer_weights(layer, self.config) for layer in stack.layers),
+                num_heads=first.num_heads, num_kv_heads=1, head_dim=first.rank + first.rope, scale=first.scale,
+                intermediate_size=dense[0].gate_up_proj.output_sizes[0] if dense else self.config.intermediate_size,
+                activation="silu", rotary=RotaryTable(rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox),
+                embed_tokens=stack.embed_tokens.weight.data, embed_tp_size=stack.embed_tokens.tp_size,
+                norm=RMSNormWeights.of(stack.norm), ops=self.ops)
+        return found
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """CausalLM.load_weights after skipping MTP layers and dequantizing block-FP8 weights; each FusedMoE's
@@ -247,6 +273,53 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 / R1: V2's MLA with sigmoid routing, e_score_correction_bias and optional neox RoPE."""
+
+
+def _fusable_block(layer: nn.Module, rotary: RotaryEmbedding) -> bool:
+    """Whether `layer` computes what DecoderLayerWeights with MLAWeights describes (this file's and the
+    layers' classes, not subclasses): absorbed MLA on the shared `rotary` table, a GatedMLP or a DeepseekMoE
+    whose routed experts are whole on this rank."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is DeepseekMoE:
+        plain = (type(mlp.experts) is FusedMoE and not mlp.experts.expert_parallel
+                 and type(mlp.gate) is DeepseekRouter
+                 and (mlp.shared_experts is None or type(mlp.shared_experts) is GatedMLP))
+    else:
+        plain = type(mlp) is GatedMLP
+    return (plain and type(layer) is DeepseekDecoderLayer and type(attn) is DeepseekAttention and attn.absorbed
+            and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
+            and type(attn.kv_b_proj) is LatentUpProjection and type(attn.kv_a_layernorm) is RMSNorm
+            and type(getattr(attn, "q_a_layernorm", None)) in (RMSNorm, type(None))
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm)
+
+
+def _layer_weights(layer: DeepseekDecoderLayer, config: DeepseekModelConfig) -> DecoderLayerWeights:
+    """One fusable block's weights (see _fusable_block) as the fusion record holds them."""
+    attn, mlp, linear, norm = layer.self_attn, layer.mlp, LinearWeights.of, RMSNormWeights.of
+    bottleneck = not hasattr(attn, "q_proj")
+    o_proj = linear(attn.o_proj)
+    mla = MLAWeights(
+        q_a_proj=linear(attn.q_a_proj) if bottleneck else None,
+        q_a_layernorm=norm(attn.q_a_layernorm) if bottleneck else None,
+        q_b_proj=linear(attn.q_b_proj if bottleneck else attn.q_proj), kv_a_proj=linear(attn.kv_a_proj_with_mqa),
+        kv_a_layernorm=norm(attn.kv_a_layernorm), kv_b=attn.kv_b_proj.weight.data.view(attn.num_heads, -1, attn.rank),
+        o_proj=o_proj, nope_dim=attn.nope, rope_dim=attn.rope, latent_dim=attn.rank, v_dim=config.v_head_dim)
+    norms = (norm(layer.input_layernorm), norm(layer.post_attention_layernorm))
+    if type(mlp) is GatedMLP:
+        return DecoderLayerWeights(*norms, None, o_proj, linear(mlp.gate_up_proj), linear(mlp.down_proj), None,
+                                   mla=mla)
+    experts, shared, bias = mlp.experts, mlp.shared_experts, mlp.gate.e_score_correction_bias
+    grouped = config.group_limited
+    moe = MoEWeights(
+        router=linear(mlp.gate), top_k=mlp.top_k, renormalize=config.norm_topk_prob, w13=experts.w13_weight.data,
+        w2=experts.w2_weight.data, w13_scale=None if experts.w13_scale is None else experts.w13_scale.data,
+        w2_scale=None if experts.w2_scale is None else experts.w2_scale.data, experts_tp_size=experts.tp_size,
+        shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
+        shared_down=None if shared is None else linear(shared.down_proj), shared_gate=None,
+        scoring="sigmoid" if config.sigmoid_scoring else "softmax",
+        correction_bias=None if bias is None else bias.data, n_group=config.n_group if grouped else 1,
+        topk_group=config.topk_group if grouped else 1, routed_scaling_factor=config.routed_scaling_factor)
+    return DecoderLayerWeights(*norms, None, o_proj, None, None, None, moe, mla)
 
 
 def with_fused_experts(model: nn.Module, loaded: set[str]) -> set[str]:

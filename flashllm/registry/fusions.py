@@ -104,8 +104,16 @@ class MoEWeights:
     router: (E, hidden) in the model dtype. w13 (E, 2I, hidden) gate rows then up rows, w2 (E, hidden,
     I), with scales as the fused_moe op takes them (flashllm.ops.fused_moe: None for float experts,
     (E, N) for w8a16, (E, N, G) for w4a16). shared_gate_up / shared_down / shared_gate ((1, hidden)):
-    the shared expert and its gate, all three None without one. experts_tp_size: the ranks the experts'
+    the shared expert and its gate, all three None without one; shared_gate alone None: the shared
+    expert's output is added unscaled (DeepSeek). experts_tp_size: the ranks the experts'
     intermediate features are split over (1: whole on this rank).
+
+    DeepSeek's routing (flashllm/models/deepseek_moe.py select_experts_grouped) changes the first two
+    lines: scoring "sigmoid" takes sigmoid(router(h)) as the scores and chooses by scores +
+    correction_bias ((E,) fp32, or None) while weighing by the scores; with n_group > 1 the k are
+    chosen within the topk_group best of n_group equal groups of experts (a group's score: its best
+    expert's for softmax, its best two's sum for sigmoid); the k weights (renormalized or not) are
+    then multiplied by routed_scaling_factor.
     """
 
     router: LinearWeights
@@ -119,6 +127,38 @@ class MoEWeights:
     shared_gate_up: LinearWeights | None
     shared_down: LinearWeights | None
     shared_gate: LinearWeights | None
+    scoring: str = "softmax"
+    correction_bias: Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MLAWeights:
+    """DeepSeek's multi-head latent attention in place of a block's attention (flashllm/models/deepseek.py):
+
+        q = q_b_proj(q_a_layernorm(q_a_proj(h)))   # or q_proj(h) where q_a_proj is None; (T, heads, Dn + R)
+        c = kv_a_proj(h)                            # (T, L + R)
+        row = (kv_a_layernorm(c[:, :L]), rotate(c[:, L:]))   # the token's latent cache row, written at its slot
+        rotate q[..., Dn:] with the stack's rotary table (rotary_dim R)
+        h = o_proj(latent_attention(q, cache, kv_b, scale))  # absorbed: W_UK folded into q, W_UV after
+
+    kv_b: (heads, Dn + Dv, L) in the model dtype, each head's W_UK rows then its W_UV rows.
+    eps: the two norms'. q_a_layernorm: None where q_a_proj is.
+    """
+
+    q_a_proj: LinearWeights | None
+    q_a_layernorm: RMSNormWeights | None
+    q_b_proj: LinearWeights
+    kv_a_proj: LinearWeights
+    kv_a_layernorm: RMSNormWeights
+    kv_b: Tensor
+    o_proj: LinearWeights
+    nope_dim: int
+    rope_dim: int
+    latent_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +175,19 @@ class DecoderLayerWeights:
     sliding_window: this layer's attention window in tokens, or None for full attention.
     moe: where set, the block's MLP is this mixture of experts instead, and gate_up_proj and
     down_proj are None.
+    mla: where set, the block's attention is this latent attention instead (one cache a layer),
+    qkv_proj is None and o_proj is mla.o_proj.
     """
 
     input_layernorm: RMSNormWeights
     post_attention_layernorm: RMSNormWeights
-    qkv_proj: LinearWeights
+    qkv_proj: LinearWeights | None
     o_proj: LinearWeights
     gate_up_proj: LinearWeights | None
     down_proj: LinearWeights | None
     sliding_window: int | None
     moe: MoEWeights | None = None
+    mla: MLAWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +210,8 @@ class DecoderStackFusion:
         hidden, _ = norm(x, residual)
 
     Every layer shares the attention geometry on this rank: num_heads query heads, num_kv_heads
-    KV heads (num_heads a multiple of it), head_dim, softmax `scale`; its MLP's activation
+    KV heads (num_heads a multiple of it), head_dim, softmax `scale` (latent attention stacks: one
+    KV head of head_dim L + R, the cache row); its MLP's activation
     ("silu": SwiGLU, the experts' too) over intermediate_size features (the dense layers').
     embed_tokens: (V_p, hidden_size), the vocabulary rows of this rank (embed_tp_size ranks hold one
     part each). ops: the op table the layers were built with, which says which backend's kernel

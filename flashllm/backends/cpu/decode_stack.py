@@ -7,7 +7,8 @@ the same order, so its hidden states equal the per-op native path's (tests hold 
 
 It takes a step only when everything is plain: a model that declares the decoder_stack fusion
 (flashllm/registry/fusions.py: every layer the standard pre-norm block with a SwiGLU MLP, or with a
-mixture of SwiGLU experts, moe_stack.py; Llama, Qwen2, Mixtral and Qwen2-MoE do) on one rank, whose
+mixture of SwiGLU experts, moe_stack.py, and DeepSeek's latent attention in place of the attention,
+mla_stack.py; Llama, Qwen2, Mixtral, Qwen2-MoE and DeepSeek-V2/V3 do) on one rank, whose
 op table resolved its ops to the cpu backend's kernels (not the reference's, which shares the cpu
 adapter), no sliding window, fp32 norms and activations, fp32 or
 native w8a16/w4a16 weights, fp32 KV caches without scales, and a decode batch (every sequence one
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashllm.backends.cpu import moe_stack, native, native_ops, parallel
+from flashllm.backends.cpu import mla_stack, moe_stack, native, native_ops, parallel
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.fusions import (
@@ -62,7 +63,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("moe", _P)]
+                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("moe", _P), ("mla", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -187,6 +188,11 @@ class FusedDecode:
         rotary, inter = stack.rotary, stack.intermediate_size
         self._keep: list[Any] = []
         self._moe: list[ctypes.Structure] = []  # the MoE layers' descriptors (moe_stack.py), alive while used
+        self._mla: list[ctypes.Structure] = []  # the latent attention layers' (mla_stack.py)
+        latent = [layer.mla is not None for layer in stack.layers]
+        if any(latent) and not (all(latent) and kv_heads == 1):
+            raise _Unsupported("latent attention in some layers only, or over more than one cache row a token")
+        self._caches_per_layer = 1 if latent[0] else 2
         layers = []
         for layer in stack.layers:
             if layer.sliding_window is not None:
@@ -204,12 +210,23 @@ class FusedDecode:
             else:
                 mlp = {"gate_up": _linear(layer.gate_up_proj, (2 * inter, hidden), self._keep),
                        "down": _linear(layer.down_proj, (hidden, inter), self._keep)}
-            layers.append(_Layer(
-                qkv=_linear(layer.qkv_proj, ((heads + 2 * kv_heads) * dim, hidden), self._keep),
-                o=_linear(layer.o_proj, (hidden, heads * dim), self._keep),
-                input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), **mlp))
+            if layer.mla is not None:
+                if layer.qkv_proj is not None or layer.o_proj is not layer.mla.o_proj:
+                    raise _Unsupported("a latent attention layer that also declares a qkv_proj or another o_proj")
+                try:
+                    self._mla.append(mla_stack.describe(layer.mla, hidden, heads, rotary.rotary_dim, stack.ops,
+                                                        self._keep, _linear))
+                except mla_stack.Unsupported as exc:
+                    raise _Unsupported(str(exc)) from exc
+                attention = {"mla": ctypes.addressof(self._mla[-1])}
+            else:
+                attention = {"qkv": _linear(layer.qkv_proj, ((heads + 2 * kv_heads) * dim, hidden), self._keep),
+                             "o": _linear(layer.o_proj, (hidden, heads * dim), self._keep)}
+            layers.append(_Layer(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), **attention, **mlp))
         if self._moe:
             self._keep.append(moe_stack.attach_scratch(self._moe))
+        if self._mla:
+            self._keep.append(mla_stack.attach_scratch(self._mla))
         cos_sin = rotary.cos_sin_cache
         if not (_fp32(cos_sin) and cos_sin.is_contiguous() and rotary.rotary_dim % 2 == 0 and _fp32(stack.norm.weight)
                 and cos_sin.dim() == 2 and cos_sin.shape[1] == rotary.rotary_dim <= dim):
@@ -263,14 +280,14 @@ class FusedDecode:
         self._cache_key, self._bound = [], None
         shape = (self._num_kv_heads, self._head_dim)
         for cache in kv_caches:
-            if len(cache) != 2 or not all(c.dtype == torch.float32 and c.is_contiguous() and c.dim() == 4
+            if len(cache) != self._caches_per_layer or not all(c.dtype == torch.float32 and c.is_contiguous() and c.dim() == 4
                                           and tuple(c.shape[2:]) == shape and c.shape == cache[0].shape
                                           for c in cache):
                 return None
         if len(kv_caches) != len(self._layers):
             return None
-        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches, strict=True):
-            layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        for layer, cache in zip(self._layers, kv_caches, strict=True):  # latent attention: one cache, k_cache
+            layer.k_cache, layer.v_cache = cache[0].data_ptr(), cache[-1].data_ptr()
         self._cache_key, self._bound = key, (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1])
         return self._bound
 

@@ -1,6 +1,6 @@
 """The fused decode step's mixture-of-experts layers: the C descriptors of csrc/moe_decode.c's block.
 
-A MoE model (Mixtral, Qwen2-MoE) declares its layers' MLPs as MoEWeights (registry/fusions.py);
+A MoE model (Mixtral, Qwen2-MoE, DeepSeek's routing too) declares its layers' MLPs as MoEWeights (registry/fusions.py);
 decode_stack.py hands each such layer's descriptor to the same one native call as the attention,
 so a decode step of a MoE model makes no per-op Python calls (the per-op path makes ~25 a MoE
 layer: the router, softmax and top-k, each chosen expert's two products and activation, the
@@ -26,6 +26,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.uint8: 2}  # csrc/decode_stack.h's LINEAR_F32 / W8 / W4
 # decode_stack.py's descriptor of one linear layer (its _linear): (layer, (N, K), keep) -> a stack_linear
 DescribeLinear = Callable[[LinearWeights, tuple[int, int], list[Any]], ctypes.Structure]
+MAX_GROUPS = 64  # csrc/moe_decode.c's MOE_MAX_GROUPS
 
 
 class Unsupported(Exception):
@@ -38,7 +39,8 @@ class MoEBlock(ctypes.Structure):
     _fields_ = ([(name, _I64) for name in ("E", "k", "renormalize", "I", "kind", "G13", "G2")]
                 + [(name, _P) for name in ("w13", "w2", "s13", "s2", "router", "shared_gate_up", "shared_down",
                                            "shared_gate", "scratch")]
-                + [("max_tokens", _I64), ("H", _I64)])
+                + [("max_tokens", _I64), ("H", _I64), ("sigmoid", _I64), ("n_group", _I64), ("topk_group", _I64),
+                   ("bias", _P), ("scaling", ctypes.c_float)])
 
 
 def _groups(weights: Tensor, scales: Tensor | None, what: str) -> int:
@@ -75,6 +77,7 @@ def describe(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], line
     desc = MoEBlock(E=experts, k=block.top_k, renormalize=int(block.renormalize), I=inter, kind=_KINDS[w13.dtype],
                     G13=_groups(w13, block.w13_scale, "w13"), G2=_groups(w2, block.w2_scale, "w2"),
                     w13=w13.data_ptr(), w2=w2.data_ptr(), H=hidden)
+    _routing(desc, block, keep)
     desc.router = _pointer(linear(block.router, (experts, hidden), keep), keep)
     if w13.dtype == torch.int8 and (hidden % native.GROUP_MULTIPLE or inter % native.GROUP_MULTIPLE):
         raise Unsupported("int8 experts whose rows are not a multiple of 32 features")
@@ -83,15 +86,36 @@ def describe(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], line
         if scales is not None:
             setattr(desc, name, scales.data_ptr())
             keep.append(scales)
-    shared = (block.shared_gate_up, block.shared_down, block.shared_gate)
-    if any(part is not None for part in shared):
+    shared = (block.shared_gate_up, block.shared_down)
+    if any(part is not None for part in (*shared, block.shared_gate)):
         if any(part is None or part.weight is None for part in shared):
-            raise Unsupported("a shared expert without its gate_up, down or gate")
+            raise Unsupported("a shared expert without its gate_up or down")
         shared_inter = shared[1].weight.in_features
         desc.shared_gate_up = _pointer(linear(shared[0], (2 * shared_inter, hidden), keep), keep)
         desc.shared_down = _pointer(linear(shared[1], (hidden, shared_inter), keep), keep)
-        desc.shared_gate = _pointer(linear(shared[2], (1, hidden), keep), keep)
+        if block.shared_gate is not None:  # None: the shared expert is added unscaled (DeepSeek)
+            desc.shared_gate = _pointer(linear(block.shared_gate, (1, hidden), keep), keep)
     return desc
+
+
+def _routing(desc: MoEBlock, block: MoEWeights, keep: list[Any]) -> None:
+    """DeepSeek's routing fields of the descriptor (MoEWeights' scoring, bias, groups and scaling), checked."""
+    experts = block.w13.shape[0]
+    if block.scoring not in ("softmax", "sigmoid"):
+        raise Unsupported(f"{block.scoring!r} expert scores (the native block takes softmax and sigmoid)")
+    groups, kept = block.n_group, block.topk_group
+    if not (1 <= groups <= MAX_GROUPS and experts % groups == 0 and 1 <= kept <= groups
+            and block.top_k <= kept * (experts // groups)):
+        raise Unsupported(f"{groups} expert groups ({kept} kept) for {experts} experts, top-{block.top_k}")
+    bias = block.correction_bias
+    if bias is not None:
+        if block.scoring != "sigmoid" or not (bias.dtype == torch.float32 and bias.is_contiguous()
+                                              and tuple(bias.shape) == (experts,)):
+            raise Unsupported("a correction bias that is not fp32 (E,) beside sigmoid scores")
+        desc.bias = bias.data_ptr()
+        keep.append(bias)
+    desc.sigmoid, desc.n_group, desc.topk_group = int(block.scoring == "sigmoid"), groups, kept
+    desc.scaling = block.routed_scaling_factor
 
 
 def _pointer(desc: ctypes.Structure, keep: list[Any]) -> int:

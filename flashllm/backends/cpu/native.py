@@ -124,6 +124,7 @@ _SIGNATURES = {
     "flashllm_decode_stack_scratch": ([_P], _I64),
     "flashllm_moe_scratch": ([_P, _I64], _I64),
     "flashllm_moe_block": ([_P, _P, _P, _P], None),
+    "flashllm_mla_scratch": ([_P, _I64], _I64),
     "flashllm_bf16_screen_takes": ([_I64], ctypes.c_int),
     "flashllm_i8_screen_takes": ([_I64, _I64], ctypes.c_int),
     "flashllm_decode_burst": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P], _I64),

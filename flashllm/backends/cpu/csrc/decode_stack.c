@@ -11,6 +11,7 @@
  *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); rotate q, k; cache[slot] = k, v;
  *   a = attention(q, cache); h = a Wo^T (+b); r += h; x = rms(r) * w_post;
  *   h = down(silu(gate(x)) * up(x)) (+b)    (or a mixture of experts, moe_decode.c)
+ * (the attention, from qkv to h = a Wo^T, may instead be DeepSeek's latent attention, mla_decode.c)
  * and after the last layer out = rms(h + r) * w_final.
  */
 #include <stdint.h>
@@ -25,6 +26,8 @@ typedef struct {
     const float *input_norm, *post_norm;  /* (H,) */
     float *k_cache, *v_cache;             /* (blocks, block_size, Hk, D) fp32, contiguous */
     const stack_moe *moe;                 /* the layer's mixture-of-experts MLP, or NULL for the dense one */
+    const stack_mla *mla;                 /* the layer's latent attention (qkv, o and v_cache unused; k_cache
+                                           * its latent cache, Hk = 1 and D = L + R), or NULL */
 } stack_layer;
 
 typedef struct {
@@ -127,7 +130,9 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
                           float *residual, float *scratch) {
     if (!indices_in_range(s)) return 0;
     for (int64_t l = 0; l < L; l++)
-        if (layers[l].moe && !flashllm_moe_takes(layers[l].moe, s->T)) return 0;
+        if ((layers[l].moe && !flashllm_moe_takes(layers[l].moe, s->T))
+            || (layers[l].mla && !flashllm_mla_takes(layers[l].mla, s->T)))
+            return 0;
     const int64_t T = s->T, H = s->H, D = s->D, qkv_width = (s->Hq + 2 * s->Hk) * D;
     if (s->ids)
         for (int64_t t = 0; t < T; t++) memcpy(hidden + t * H, s->embed + s->ids[t] * H, (size_t)H * sizeof(float));
@@ -141,6 +146,9 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
     /* the per-op path's thresholds (native_ops.py); threads never change the result */
     const int attention_threads = T * s->Hq * longest >= s->attention_split ? s->threads : 1;
     const moe_sizes moe = {T, H, s->threads, s->split_elements, s->silu_split};
+    const mla_sizes mla = {T, s->block_size, s->width, s->rot, s->neox, s->threads, s->split_elements,
+                           s->attention_split, s->scale, s->cos_sin, s->positions, s->slots, s->rows, s->tables,
+                           s->seq_lens};
     for (int64_t l = 0; l < L; l++) {
         const stack_layer *layer = layers + l;
         if (l == 0) {
@@ -149,17 +157,21 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
         } else {
             flashllm_rms_norm(hidden, residual, residual, layer->input_norm, x, T, H, s->eps);
         }
-        linear(&layer->qkv, s, x, qkv, even, odd, lora);
-        flashllm_rotary(qkv, T, qkv_width, s->Hq, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
-        flashllm_rotary(qkv + s->Hq * D, T, qkv_width, s->Hk, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
-        for (int64_t t = 0; t < T; t++) {
-            const float *k = qkv + t * qkv_width + s->Hq * D, *v = k + slot_floats;
-            memcpy(layer->k_cache + s->slots[t] * slot_floats, k, (size_t)slot_floats * sizeof(float));
-            memcpy(layer->v_cache + s->slots[t] * slot_floats, v, (size_t)slot_floats * sizeof(float));
+        if (layer->mla) {  /* no adapters there either (decode_stack.py refuses them) */
+            flashllm_mla_block(layer->mla, &mla, layer->k_cache, x, hidden);
+        } else {
+            linear(&layer->qkv, s, x, qkv, even, odd, lora);
+            flashllm_rotary(qkv, T, qkv_width, s->Hq, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
+            flashllm_rotary(qkv + s->Hq * D, T, qkv_width, s->Hk, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
+            for (int64_t t = 0; t < T; t++) {
+                const float *k = qkv + t * qkv_width + s->Hq * D, *v = k + slot_floats;
+                memcpy(layer->k_cache + s->slots[t] * slot_floats, k, (size_t)slot_floats * sizeof(float));
+                memcpy(layer->v_cache + s->slots[t] * slot_floats, v, (size_t)slot_floats * sizeof(float));
+            }
+            flashllm_decode_attention(qkv, qkv_width, layer->k_cache, layer->v_cache, s->tables, s->width, s->seq_lens,
+                                      s->rows, T, s->Hq, s->Hk, D, s->block_size, s->scale, attn, attention_threads);
+            linear(&layer->o, s, attn, hidden, even, odd, lora);
         }
-        flashllm_decode_attention(qkv, qkv_width, layer->k_cache, layer->v_cache, s->tables, s->width, s->seq_lens,
-                                  s->rows, T, s->Hq, s->Hk, D, s->block_size, s->scale, attn, attention_threads);
-        linear(&layer->o, s, attn, hidden, even, odd, lora);
         flashllm_rms_norm(hidden, residual, residual, layer->post_norm, x, T, H, s->eps);
         if (layer->moe) {  /* its router and shared expert carry no adapters (moe_stack.py refuses them) */
             flashllm_moe_block(layer->moe, &moe, x, hidden);

@@ -1,5 +1,6 @@
-/* What decode_stack.c shares with moe_decode.c: the linear-layer descriptor and its product, and the
- * mixture-of-experts block a layer may carry in place of its dense MLP. */
+/* What decode_stack.c shares with moe_decode.c and mla_decode.c: the linear-layer descriptor and its
+ * product, the mixture-of-experts block a layer may carry in place of its dense MLP, and the latent
+ * attention block (DeepSeek's MLA) it may carry in place of its attention. */
 #ifndef FLASHLLM_DECODE_STACK_H
 #define FLASHLLM_DECODE_STACK_H
 #include <stdint.h>
@@ -40,5 +41,27 @@ int flashllm_moe_takes(const stack_moe *m, int64_t T);
 
 /* out (T, H) = the block's MLP of x (T, H), the normed hidden states (see moe_decode.c). */
 void flashllm_moe_block(const stack_moe *m, const moe_sizes *z, const float *x, float *out);
+
+typedef struct stack_mla stack_mla;  /* mla_decode.c */
+
+/* What a step passes the latent attention block: tokens, threads and the per-op path's split
+ * thresholds, the rotary table, and the step's positions, cache slots, query rows (0..T-1), block
+ * tables and context lengths, every index already checked by decode_stack.c. */
+typedef struct {
+    int64_t T, block_size, width, rot, neox;
+    int threads;
+    int64_t split_elements, attention_split;
+    float scale;
+    const float *cos_sin;
+    const int64_t *positions, *slots, *rows;
+    const int32_t *tables, *seq_lens;
+} mla_sizes;
+
+/* Whether the block's scratch holds T tokens (checked before a step writes anything). */
+int flashllm_mla_takes(const stack_mla *m, int64_t T);
+
+/* out (T, H) = the block's attention output (after o_proj) of x (T, H), the normed hidden states;
+ * writes the new tokens' latent rows into cache (blocks, block_size, L + R) (see mla_decode.c). */
+void flashllm_mla_block(const stack_mla *m, const mla_sizes *z, float *cache, const float *x, float *out);
 
 #endif

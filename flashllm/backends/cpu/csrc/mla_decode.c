@@ -13,11 +13,23 @@
  * flashllm_mla_mxv_mt: y[t, h, n] = sum_k x[t, h, k] * w[h, n, :K] (the head's N x K matrix times a
  *   column: W_UV). One item is a run of a head's rows.
  * Strides are in floats; every output is written, none accumulated into.
+ *
+ * flashllm_mla_block: a decode step's whole MLA layer inside decode_stack.c's one native call, what
+ * flashllm/models/deepseek.py's DeepseekAttention computes through the ops, in the same order:
+ *   q = q_b(rms(q_a(x)) * w_qa)  (or q_proj(x)); c = kv_a(x) (L + R);
+ *   cache[slot] = (rms(c[:L]) * w_kva, rotate(c[L:])); rotate each head's q[Dn:];
+ *   per head: query = (q_nope W_UK, q_pe); a = attention over the cache rows as one shared
+ *   key/value head of L + R (decode_attention.c; the value's R rope columns are not used);
+ *   o = (a[:L] W_UV^T per head) Wo^T.
+ * Every product is the kernel the per-op path runs (flashllm_stack_linear, the two above), split
+ * over the step's threads by the same rules, so the result is the per-op native path's.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "decode_kernels.h"
+#include "decode_stack.h"
 #include "parallel_for.h"
 #include "simd.h"
 
@@ -98,4 +110,78 @@ void flashllm_mla_mxv_mt(const float *x, int64_t xt, int64_t xh, const float *w,
                          int64_t yh, int64_t T, int64_t H, int64_t K, int64_t N, int threads) {
     mla_args a = {x, w, y, T, H, K, N, xt, xh, wh, yt, yh};
     flashllm_parallel_items(mxv_rows, &a, H * N, threads, FINE_SHARES);
+}
+
+struct stack_mla {
+    int64_t Hq, Dn, R, L, Dv, Q;       /* heads; nope, rope, latent and value dims; q_lora_rank (0: none) */
+    float eps;                         /* the q_a and kv_a norms' */
+    const stack_linear *q_a, *q_b;     /* q_a (Q, H) or NULL: then q_b is q_proj (Hq (Dn + R), H) */
+    const float *q_norm;               /* (Q,) */
+    const stack_linear *kv_a;          /* (L + R, H) */
+    const float *kv_norm;              /* (L,) */
+    const float *kv_b;                 /* (Hq, Dn + Dv, L) fp32: each head's W_UK rows, then its W_UV rows */
+    const stack_linear *o;             /* (H, Hq Dv) */
+    float *scratch;                    /* flashllm_mla_scratch(this, max_tokens) floats */
+    int64_t max_tokens, H;
+};
+
+/* The widest input any of the block's products reads (their int4 / int8 activation scratch). */
+static int64_t mla_widest(const stack_mla *m) {
+    int64_t wide = m->H > m->Q ? m->H : m->Q;
+    return m->Hq * m->Dv > wide ? m->Hq * m->Dv : wide;
+}
+
+/* Floats of scratch the block needs for T tokens (the caller allocates them). */
+int64_t flashllm_mla_scratch(const stack_mla *m, int64_t T) {
+    const int64_t W = m->L + m->R, wide = mla_widest(m) + 1;
+    /* q, q_a and its norm, the compressed row, the queries and the latent outputs, the heads' values,
+     * then even / odd */
+    return T * (m->Hq * (m->Dn + m->R) + 2 * m->Q + W + 2 * m->Hq * W + m->Hq * m->Dv + 2 * (wide / 2 + 1));
+}
+
+int flashllm_mla_takes(const stack_mla *m, int64_t T) {
+    return T >= 1 && T <= m->max_tokens;
+}
+
+static void mla_linear(const stack_linear *l, const mla_sizes *z, const float *x, float *y, float *even,
+                       float *odd) {
+    flashllm_stack_linear(l, z->T, l->N * l->K >= z->split_elements ? z->threads : 1, x, y, even, odd);
+}
+
+void flashllm_mla_block(const stack_mla *m, const mla_sizes *z, float *cache, const float *x, float *out) {
+    const int64_t T = z->T, Hq = m->Hq, qk = m->Dn + m->R, W = m->L + m->R, L = m->L, R = m->R;
+    const int64_t wide = mla_widest(m) + 1;
+    float *q = m->scratch, *qa = q + T * Hq * qk, *qn = qa + T * m->Q, *comp = qn + T * m->Q;
+    float *query = comp + T * W, *latent = query + T * Hq * W, *values = latent + T * Hq * W;
+    float *even = values + T * Hq * m->Dv, *odd = even + T * (wide / 2 + 1);
+    if (m->q_a) {
+        mla_linear(m->q_a, z, x, qa, even, odd);
+        flashllm_rms_norm(qa, NULL, NULL, m->q_norm, qn, T, m->Q, m->eps);
+        mla_linear(m->q_b, z, qn, q, even, odd);
+    } else {
+        mla_linear(m->q_b, z, x, q, even, odd);
+    }
+    mla_linear(m->kv_a, z, x, comp, even, odd);
+    /* the new tokens' cache rows: the normed latent, then the rotated shared key */
+    flashllm_rotary(comp + L, T, W, 1, R, R, z->cos_sin, z->positions, (int)z->neox);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = cache + z->slots[t] * W;
+        flashllm_rms_norm(comp + t * W, NULL, NULL, m->kv_norm, row, 1, L, m->eps);
+        memcpy(row + L, comp + t * W + L, (size_t)R * sizeof(float));
+    }
+    flashllm_rotary(q + m->Dn, T, Hq * qk, Hq, qk, R, z->cos_sin, z->positions, (int)z->neox);
+    /* absorbed queries: each head's q_nope W_UK in its first L features, its rotated q_pe after them */
+    flashllm_mla_vxm_mt(q, Hq * qk, qk, m->kv_b, (m->Dn + m->Dv) * L, query, Hq * W, W, T, Hq, m->Dn, L, z->threads);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hq; h++)
+            memcpy(query + (t * Hq + h) * W + L, q + (t * Hq + h) * qk + m->Dn, (size_t)R * sizeof(float));
+    int64_t longest = 0;
+    for (int64_t t = 0; t < T; t++) longest = z->seq_lens[t] > longest ? z->seq_lens[t] : longest;
+    /* native_ops.decode_attention's threshold; threads never change the result */
+    const int threads = T * Hq * longest >= z->attention_split ? z->threads : 1;
+    flashllm_decode_attention(query, Hq * W, cache, cache, z->tables, z->width, z->seq_lens, z->rows, T, Hq, 1, W,
+                              z->block_size, z->scale, latent, threads);
+    flashllm_mla_mxv_mt(latent, Hq * W, W, m->kv_b + m->Dn * L, (m->Dn + m->Dv) * L, values, Hq * m->Dv, m->Dv, T,
+                        Hq, L, m->Dv, z->threads);
+    mla_linear(m->o, z, values, out, even, odd);
 }
