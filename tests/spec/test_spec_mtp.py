@@ -108,8 +108,11 @@ def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: flo
     nothing accepted), the MTP layer's own embedding and head (random model: they differ from the target's),
     its reuse for drafts 2 and 3."""
     model_dir = mtp_dirs[which]
+    # prompts over 48 tokens prefill in chunks; single steps only: the rounds the guard pauses would
+    # otherwise run as multi-step bursts (cpu fused decode), which leave the head a gap by design
+    # (Speculator.burst_steps) and so no drafts on the round it resumes
     llm = _llm(model_dir, "cpu", SpeculativeConfig(method="mtp", num_speculative_tokens=3, min_acceptance=guard),
-               max_num_batched_tokens=48)  # prompts over 48 tokens prefill in chunks
+               max_num_batched_tokens=48, num_scheduler_steps=1)
     calls = _spy(llm)
     prompts = _requests(6, seed=11)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
