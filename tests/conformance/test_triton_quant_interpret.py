@@ -187,6 +187,8 @@ def assert_moe_close(actual: torch.Tensor, inputs: dict[str, Any], dtype: torch.
     sum over its experts of weight x sum_i |act_i| |w2[h, i]| x the dtype's unit roundoff (an fp16
     case from hypothesis: 0.00195 off the fp32 reference, exactly the reference with that rounding)."""
     x, w13, w2, weights, ids = (inputs[k].cpu().float() for k in ("x", "w13", "w2", "topk_weights", "topk_ids"))
+    if inputs.get("w13_scale") is not None:  # w8a16: the bound is over the weights the codes stand for
+        w13, w2 = (w * inputs[f"{k}_scale"].cpu().float()[..., None] for k, w in (("w13", w13), ("w2", w2)))
     expected = SPECS["fused_moe"].reference(**inputs).cpu().float()
     bound = torch.zeros_like(expected)
     for t, j in torch.cartesian_prod(torch.arange(ids.shape[0]), torch.arange(ids.shape[1])).tolist():
@@ -219,6 +221,43 @@ def test_fused_moe_many_tokens_use_wide_tiles_and_no_tokens_give_empty() -> None
     assert_moe_close(KERNELS["fused_moe"].fn(**int32_ids), inputs, torch.float16)
     empty = moe_inputs(0, 32, 48, 4, 2, torch.float32, seed=5)
     assert KERNELS["fused_moe"].fn(**empty).shape == (0, 32)
+
+
+def w8a16_moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype,
+                     seed: int) -> dict[str, Any]:
+    """moe_inputs with int8 experts over the whole code range and fp32 per-channel scales of unit-sized outputs."""
+    inputs = moe_inputs(tokens, hidden, inter, experts, top_k, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+        inputs[name] = dev(torch.randint(-127, 128, (experts, n, k), generator=gen, dtype=torch.int8))
+        inputs[f"{name}_scale"] = dev(torch.rand(experts, n, generator=gen) * 2 / (127 * k**0.5) + 1e-4)
+    return inputs
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fused_moe_w8a16_experts_in_wide_tiles_never_read_unchosen_ones(dtype: torch.dtype) -> None:
+    """int8 experts (codes times per-channel scales, factored out of the K loop) against the reference;
+    NaN scales on the experts no token chose leave the output finite."""
+    skip_unless_the_device_runs(dtype)
+    inputs = w8a16_moe_inputs(80, 32, 48, 6, 2, dtype, seed=7)
+    inputs["topk_ids"] = inputs["topk_ids"] % 4  # experts 4 and 5 unchosen; 40 pairs an expert: 32-row tiles
+    for name in ("w13_scale", "w2_scale"):
+        inputs[name][4:] = float("nan")
+    actual = KERNELS["fused_moe"].fn(**inputs)
+    assert torch.isfinite(actual).all()
+    assert_moe_close(actual, {**inputs, **{k: inputs[k][:4] for k in ("w13", "w2", "w13_scale", "w2_scale")}},
+                     dtype)
+
+
+@interpreted_or_gpu
+def test_fused_moe_refuses_int4_experts_it_does_not_claim() -> None:
+    inputs = w8a16_moe_inputs(2, 16, 16, 2, 1, torch.float32, seed=0)
+    inputs["w13"] = inputs["w13"][..., :8].view(torch.uint8).contiguous()  # packed int4: (E, N, K/2)
+    inputs["w2"] = inputs["w2"][..., :8].view(torch.uint8).contiguous()
+    inputs["w13_scale"], inputs["w2_scale"] = inputs["w13_scale"][..., None], inputs["w2_scale"][..., None]
+    with pytest.raises(ValueError, match="'none' and 'w8a16' only"):
+        KERNELS["fused_moe"].fn(**inputs)
 
 
 @interpreted_or_gpu

@@ -53,8 +53,9 @@ CAPS: dict[str, Caps] = {
     # weight-only int8/int4 (any group size, symmetric or with zero points) in Triton, "none" in
     # torch; a8w8 and fp8 weights resolve to the reference. No host sync: graph-capturable.
     "quant_matmul": Caps(dtypes=FLOATS, quant=QUANT_SCHEMES),
-    # float experts; the topk_ids range check reads back to the host, and is skipped under capture
-    "fused_moe": Caps(dtypes=FLOATS),
+    # float and int8 (w8a16, per-channel scales) experts; the topk_ids range check reads back to the
+    # host, and is skipped under capture
+    "fused_moe": Caps(dtypes=FLOATS, quant=frozenset({"none", "w8a16"})),
     # batched multi-LoRA (one adapter slot per row, -1 for none): no host sync, graph-capturable
     "lora_shrink": Caps(dtypes=FLOATS),
     "lora_expand": Caps(dtypes=FLOATS),
@@ -132,7 +133,7 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
-    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe); float experts (caps: "none")."""
+    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe); float and w8a16 experts."""
     return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 

@@ -6,6 +6,10 @@
    silu(gate) * up in fp32, stored per pair in x.dtype (T*k, I).
 3. `_down_kernel`: per tile, intermediate @ w2[e].T times the pair's routing weight, stored per
    pair in fp32 (T*k, H).
+   With w8a16 experts (QUANT) both GEMMs multiply by the int8 codes converted to x.dtype (exact:
+   |code| <= 127 fits fp16's and bf16's significands) and scale each fp32 output column by its
+   channel's scale once after the K loop: sum_k x[k] * code[n, k] * scale[n] factored, so the
+   codes stream at one byte per weight and nothing is dequantized in memory.
 4. A second reduction pass sums each token's k rows in slot order and rounds once to x.dtype.
    Chosen over atomic adds into (T, H): it is deterministic (the same bits on every run, which
    fp32 atomics are not), needs no zeroed output or bf16 atomics, and costs T*k*H*4 bytes of
@@ -20,6 +24,16 @@ import triton.language as tl
 
 from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
 from flashllm.backends.cuda.triton_attention_kernels import _mma
+from flashllm.ops.fused_moe import check_expert_scales
+
+
+@triton.jit
+def _operand(w, like, WIDEN: tl.constexpr):
+    """A weight tile as the dot's operand beside `like`: like's dtype, or fp32 where WIDEN (the interpreter
+    converts int8 codes to bf16 wrongly; both are exact for codes and bf16 weights)."""
+    if WIDEN:
+        return w.to(tl.float32)
+    return w.to(like.dtype)
 
 
 @triton.jit
@@ -33,10 +47,10 @@ def _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.conste
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_ptr, w13_ptr, scale_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_it,
-    WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xt, stride_we, stride_wn, stride_se, stride_it,
+    QUANT: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, pairs, valid = _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -54,8 +68,12 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         w_gate = tl.load(w_expert + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)  # (BLOCK_K, BLOCK_N)
         w_up = tl.load(w_expert + (n[None, :] + inter) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        gate += _mma(x, w_gate.to(x.dtype), WIDEN)
-        up += _mma(x, w_up.to(x.dtype), WIDEN)
+        gate += _mma(x, _operand(w_gate, x, WIDEN), WIDEN)
+        up += _mma(x, _operand(w_up, x, WIDEN), WIDEN)
+    if QUANT:  # per output channel: the gate's scales, then the up half's
+        s_expert = scale_ptr + expert.to(tl.int64) * stride_se
+        gate *= tl.load(s_expert + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        up *= tl.load(s_expert + inter + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     act = gate * tl.sigmoid(gate) * up
     out = inter_ptr + pairs.to(tl.int64)[:, None] * stride_it + n[None, :]
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
@@ -63,10 +81,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    inter_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+    inter_ptr, w2_ptr, scale_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, hidden, inter,
-    stride_it, stride_we, stride_wn, stride_ot,
-    WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_it, stride_we, stride_wn, stride_se, stride_ot,
+    QUANT: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, pairs, valid = _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -81,7 +99,9 @@ def _down_kernel(
         k_mask = k < inter
         a = tl.load(inter_ptr + rows[:, None] * stride_it + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_expert + n[None, :] * stride_wn + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += _mma(a, w.to(a.dtype), WIDEN)
+        acc += _mma(a, _operand(w, a, WIDEN), WIDEN)
+    if QUANT:
+        acc *= tl.load(scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     routing = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     out = out_ptr + rows[:, None] * stride_ot + n[None, :]
     tl.store(out, acc * routing[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -134,6 +154,18 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch
             )
 
 
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                  w2_scale: torch.Tensor | None) -> bool:
+    """Whether the experts are w8a16 (int8 with (E, N) scales); raise ValueError for int4 or malformed ones."""
+    check_expert_scales(w13, w2, w13_scale, w2_scale)
+    if w13_scale is None:
+        return False
+    if w13.dtype != torch.int8 or w2.dtype != torch.int8:
+        raise ValueError(f"the Triton fused_moe kernel takes float or int8 (w8a16) experts, not {w13.dtype} / "
+                         f"{w2.dtype} (packed int4, w4a16): its caps claim 'none' and 'w8a16' only")
+    return True
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per tile: about the mean rows per expert, so decode pads little and prefill reuses weights."""
     return min(max(pow2(num_pairs // max(num_experts, 1)), 16), 64)
@@ -147,12 +179,11 @@ def fused_moe(
 
     w13 (E, 2I, H) gate rows then up rows; w2 (E, H, I); topk_weights (T, k) float; topk_ids (T, k)
     int. Semantics as `flashllm.ops.fused_moe`; the dot operands are x.dtype (weights cast to it),
-    fp32 accumulation, and the intermediate silu(gate) * up is rounded to x.dtype. Float experts
-    only: the kernel's caps claim "none", so a MoE layer bound to it never stores int8 experts.
+    fp32 accumulation, and the intermediate silu(gate) * up is rounded to x.dtype. Experts are float
+    (no scales) or "w8a16": int8 w13 / w2 with float w13_scale (E, 2I) and w2_scale (E, H), one scale
+    per expert and output channel. The caps claim those two; int4 experts ("w4a16") run elsewhere.
     """
-    if w13_scale is not None or w2_scale is not None:
-        raise ValueError("the Triton fused_moe kernel takes float experts only (its caps claim 'none'); "
-                         "int8 experts need a kernel claiming 'w8a16'")
+    quant = _check_scales(w13, w2, w13_scale, w2_scale)
     _check(x, w13, w2, topk_ids)
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -165,19 +196,21 @@ def fused_moe(
     per_pair = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     widen = widen_bf16(_gate_up_kernel, x.dtype)
     block_n, num_blocks = 64, block_expert.numel()
+    # without scales the kernels never read the scale pointer: the weights stand in for it
+    s13, s2 = (w13_scale.contiguous(), w2_scale.contiguous()) if quant else (w13, w2)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, intermediate, sorted_pairs, block_expert,
+        x, w13, s13, intermediate, sorted_pairs, block_expert,
         num_pairs, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), intermediate.stride(0),
-        WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(hidden, 16), 64), num_warps=4,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), intermediate.stride(0),
+        QUANT=quant, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(hidden, 16), 64), num_warps=4,
         **LAUNCH_OPTIONS,
     )
     routing = topk_weights.reshape(-1).contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        intermediate, w2, routing, per_pair, sorted_pairs, block_expert,
+        intermediate, w2, s2, routing, per_pair, sorted_pairs, block_expert,
         num_pairs, hidden, inter,
-        intermediate.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(inter, 16), 64), num_warps=4,
+        intermediate.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), per_pair.stride(0),
+        QUANT=quant, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(inter, 16), 64), num_warps=4,
         **LAUNCH_OPTIONS,
     )
     # the second reduction pass: each token's k weighted expert rows, in slot order
