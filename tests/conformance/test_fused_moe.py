@@ -1,4 +1,5 @@
-"""fused_moe kernels beyond the generated cases: unchosen experts are never read, empty batches, bad expert ids."""
+"""fused_moe kernels beyond the generated cases: unchosen experts are never read, empty batches, bad expert ids,
+a shared expert as extra experts every token routes to."""
 
 from __future__ import annotations
 
@@ -6,11 +7,30 @@ import pytest
 import torch
 
 from flashllm.backends.cpu import moe as cpu_moe
+from flashllm.backends.xla import kernels as xla_kernels
 from flashllm.ops.fused_moe import fused_moe as reference
 from flashllm.ops.testing import make_inputs
+from flashllm.ops.testing_moe import add_shared_expert
 from flashllm.ops.tolerances import assert_close
 
 KERNELS = {"reference": reference, "cpu": cpu_moe.fused_moe}
+# top-1, top-2 and top-8, renormalized and not, float and int8 experts
+SHARED_CASES = ("top1_decode_batch", "spread", "top8_renormalized", "top2_one_token_unnormalized", "w8a16_top2",
+                "w8a16_one_token_unnormalized")
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+@pytest.mark.parametrize("name", [*KERNELS, "xla"])
+def test_a_shared_expert_runs_as_experts_every_token_routes_to(name, case) -> None:
+    """Qwen2-MoE's shared expert (four times a routed expert's width, like Qwen1.5-MoE's 5632 over 1408)
+    and its sigmoid gate, passed as four more experts in every token's slots, against the dense float64
+    sum written independently (flashllm/ops/testing_moe.py)."""
+    kernel = xla_kernels.fused_moe if name == "xla" else KERNELS[name]
+    routed = make_inputs("fused_moe", torch.float32, case=case)
+    inputs, expected = add_shared_expert(routed, parts=4, seed=3)
+    actual = kernel(**inputs)
+    assert_close(actual, expected.float(), torch.float32)
+    assert (kernel(**routed).double() - expected).abs().max() > 1e-2  # the shared expert moves the output
 
 
 @pytest.mark.parametrize("case", ["one_token", "top4_60_experts_unnormalized", "top8_one_token_unnormalized"])

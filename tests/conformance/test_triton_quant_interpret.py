@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from flashllm.backends import cuda
 from flashllm.ops import op_specs
 from flashllm.ops.quant_matmul import QuantizedWeight, pack_int4
-from flashllm.ops.testing import to_device
+from flashllm.ops.testing import make_inputs, to_device
+from flashllm.ops.testing_moe import add_shared_expert
 from flashllm.ops.tolerances import assert_close, tolerance
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -248,6 +249,15 @@ def test_fused_moe_w8a16_experts_in_wide_tiles_never_read_unchosen_ones(dtype: t
     assert torch.isfinite(actual).all()
     assert_moe_close(actual, {**inputs, **{k: inputs[k][:4] for k in ("w13", "w2", "w13_scale", "w2_scale")}},
                      dtype)
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("case", ["spread", "top8_renormalized", "w8a16_top2"])
+def test_fused_moe_takes_a_shared_expert_as_experts_every_token_routes_to(case: str) -> None:
+    """A shared expert four routed experts wide and its sigmoid gate (tests/conformance/test_fused_moe.py),
+    against the dense float64 sum."""
+    inputs, expected = add_shared_expert(make_inputs("fused_moe", torch.float32, case=case), parts=4, seed=3)
+    assert_close(KERNELS["fused_moe"].fn(**dev(inputs)).cpu(), expected.float(), torch.float32)
 
 
 @interpreted_or_gpu
