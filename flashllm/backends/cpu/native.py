@@ -112,6 +112,7 @@ _SIGNATURES = {
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_f32_set_gemv_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_z_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
@@ -489,6 +490,13 @@ def f32_rows(rows: int | None = None) -> int:
     small batches' tiles too, run the AVX-512 code), else 2 (AVX2). With `rows`, sets it first (an
     unsupported count changes nothing), for tests and A/B runs."""
     return library().flashllm_f32_set_rows(0 if rows is None else rows)
+
+
+def f32_gemv_rows(rows: int | None = None) -> int:
+    """Rows the one-token fp32 loop reads at once where the AVX-512 paths run (f32_rows() == 8): 8 on
+    Intel CPUs, 2 on AMD ones (csrc/decode_kernels.c says why). With `rows` (2 or 8), sets it first,
+    for tests and A/B runs; without AVX-512 the pair loop runs whatever this says."""
+    return library().flashllm_f32_set_gemv_rows(0 if rows is None else rows)
 
 
 def w8_z_min(tokens: int | None = None) -> int:

@@ -134,6 +134,25 @@ int flashllm_f32_set_rows(int rows) {
     return f32_rows;
 }
 
+/* Rows the one-token loop reads at once on the AVX-512 paths (f32_rows 8): eight (f32_gemv_octs) on
+ * Intel CPUs, two (the pair loop, rows of any length) on AMD ones. On `epyc4-2c` (Zen 4,
+ * docs/benchmarks.md) eight streams a thread read slower than two: interleaved in one process, over
+ * 1 GiB of 1024-feature rows by two threads, the pair loop read 1.00x the two-stream probe and the
+ * eight-row loop 0.84x; at 512, 2048 and 4864 features the eight-row loop read 0.86-0.92x a
+ * two-stream sum and the pair loop 1.03-1.14x. On `intel-2c` eight rows were the faster (above). */
+static int f32_gemv_rows = OCT_ROWS;
+__attribute__((constructor)) static void pick_f32_gemv_rows(void) {
+    __builtin_cpu_init();
+    f32_gemv_rows = __builtin_cpu_is("amd") ? 2 : OCT_ROWS;
+}
+
+/* Sets the rows the AVX-512 paths' one-token loop reads at once (2 or 8; anything else changes
+ * nothing) and returns the count in use afterwards, for tests and A/B runs. */
+int flashllm_f32_set_gemv_rows(int rows) {
+    if (rows == 2 || rows == OCT_ROWS) f32_gemv_rows = rows;
+    return f32_gemv_rows;
+}
+
 /* int8 weight w (N, K) with scales (N, G), K / G a multiple of 32:
  * y[t * ldy + n] = sum_g scales[n, g] * sum_{k in g} w[n, k] * x[t, k]. */
 #define WIDEN_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
@@ -539,14 +558,16 @@ typedef struct {
 
 static void f32_share(void *ctx, int64_t n0, int64_t n1) {
     const gemv_args *a = ctx;
-    /* One token: with AVX-512 the eight-row loop takes every product (on `intel-2c` a four-row loop
-     * already beats the tiles on the down projection: the engine's decode 1.075x). With AVX2 (on
-     * `epyc3-2c`, docs/benchmarks.md, two threads) the pair loop takes rows of up to 2048 features,
-     * 4-10% faster there than the row loop; longer rows go to the 4-row tiles, whose next-block
-     * prefetch streams the down projection (K 4864) at ~35 GB/s against ~29 for the row loop and
-     * beats the pair loop by 5%. */
-    if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS) f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
-    else if (a->T == 1 && a->K % 32 == 0 && a->K <= 2048) f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
+    /* One token: with AVX-512 the eight-row loop (Intel) or the pair loop (AMD; f32_gemv_rows) takes
+     * every product (on `intel-2c` a four-row loop already beats the tiles on the down projection: the
+     * engine's decode 1.075x). With AVX2 (on `epyc3-2c`, docs/benchmarks.md, two threads) the pair
+     * loop takes rows of up to 2048 features, 4-10% faster there than the row loop; longer rows go to
+     * the 4-row tiles, whose next-block prefetch streams the down projection (K 4864) at ~35 GB/s
+     * against ~29 for the row loop and beats the pair loop by 5%. */
+    if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS && f32_gemv_rows == OCT_ROWS)
+        f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
+    else if (a->T == 1 && a->K % 32 == 0 && (a->K <= 2048 || f32_rows == OCT_ROWS))
+        f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T > 1 && a->T <= OCT_TILE_MAX_TOKENS && a->K % 16 == 0 && f32_rows == OCT_ROWS)
         f32_gemm_z8(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS)
