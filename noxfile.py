@@ -164,7 +164,8 @@ def baselines(session: nox.Session) -> None:
     _install(session, "test,serve,bench,lm-eval,llamacpp")
     session.run("python", "-m", "flashllm.bench.llamacpp_build", "--if-missing")
     session.run("pytest", "-q", "tests/e2e/test_lm_eval_adapter.py", "tests/e2e/test_gguf_export.py",
-                "tests/e2e/test_bench_llamacpp.py", "tests/e2e/test_bench_llama_server.py", *session.posargs)
+                "tests/e2e/test_bench_llamacpp.py", "tests/e2e/test_bench_llama_server.py",
+                "tests/e2e/test_gguf_llama_cpp_tokens.py", *session.posargs)
 
 
 @nox.session(python="3.11")

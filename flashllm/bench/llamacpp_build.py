@@ -2,8 +2,9 @@
 
 Steps: `pip download --no-deps --no-binary :all: llama-cpp-python[==VERSION]` (the sdist, which carries
 llama.cpp under vendor/llama.cpp), unpack it, configure with cmake (Release, static libraries, no
-network-fetching options, native CPU flags) and build only the llama-server target; the binary is copied
-to llamacpp_server.built_binary() (<FLASHLLM_CACHE_DIR or ~/.cache/flashllm>/llama.cpp/bin/llama-server),
+network-fetching options, native CPU flags) and build only the llama-server and llama-quantize targets; the
+binaries are copied to llamacpp_server.built_binary()'s directory
+(<FLASHLLM_CACHE_DIR or ~/.cache/flashllm>/llama.cpp/bin/),
 where `flashllm bench ... --baseline llama.cpp` finds it. Needs cmake and a C++17 compiler; on 2 cores
 the build takes tens of minutes. --source DIR skips the download and builds an unpacked llama.cpp tree.
 """
@@ -43,7 +44,8 @@ def configure_command(source: Path, build: Path) -> list[str]:
 
 
 def build_command(build: Path, jobs: int) -> list[str]:
-    return ["cmake", "--build", str(build), "--target", "llama-server", "--parallel", str(jobs)]
+    # llama-quantize too: the baselines session quantizes tiny GGUF files with llama.cpp's own quantizer
+    return ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "--parallel", str(jobs)]
 
 
 def unpack_vendored_source(sdist: Path, into: Path) -> Path:
@@ -94,6 +96,9 @@ def build(source: Path | None, work: Path, jobs: int, version: str | None = None
     target = built_binary()
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(binary, target)
+    quantize = build_dir / "bin" / "llama-quantize"
+    if quantize.is_file():
+        shutil.copy2(quantize, target.parent / quantize.name)
     return target
 
 

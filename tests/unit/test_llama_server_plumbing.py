@@ -193,7 +193,7 @@ def test_baseline_refuses_url_and_missing_weights(tmp_path: Path, monkeypatch: p
 # ---------------------------------------------------------------- the build helper, without building
 
 
-def test_build_helper_downloads_the_sdist_and_builds_only_llama_server(tmp_path: Path) -> None:
+def test_build_helper_downloads_the_sdist_and_builds_only_llama_server_and_quantize(tmp_path: Path) -> None:
     from flashllm.bench.llamacpp_build import build_command, configure_command, download_command
 
     download = download_command(tmp_path, "0.3.36")
@@ -202,7 +202,7 @@ def test_build_helper_downloads_the_sdist_and_builds_only_llama_server(tmp_path:
     configure = configure_command(tmp_path / "src", tmp_path / "build")
     assert "-DBUILD_SHARED_LIBS=OFF" in configure and "-DLLAMA_CURL=OFF" in configure
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in configure  # nothing fetched while building
-    assert build_command(tmp_path / "build", 2)[-4:] == ["--target", "llama-server", "--parallel", "2"]
+    assert build_command(tmp_path / "build", 2)[-5:] == ["--target", "llama-server", "llama-quantize", "--parallel", "2"]
 
 
 def _sdist(path: Path, members: dict[str, bytes]) -> Path:
