@@ -84,8 +84,12 @@ def shape_model_dir(name: str, dtype: str = "float32") -> Path:
 
 
 def parameter_bytes(model_dir: Path) -> int:
-    """Bytes of weights in the directory's safetensors files (what one decode step must read)."""
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    """Bytes of weights in the directory's safetensors files (what one decode step must read); of a GGUF
+    file, its size (a GGUF run's bytes per decode token are the bench's streamed_weight_bytes)."""
+    path = Path(model_dir)
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
 def flops_per_token(model_dir: Path, mean_context: float) -> float:
