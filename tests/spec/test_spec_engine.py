@@ -211,6 +211,40 @@ def test_a_draft_model_decodes_its_steps_in_native_multi_step_calls(model_dirs, 
     assert drafts and max(drafts) == 3, f"the draft ran no 3-step call: {drafts}"
 
 
+def test_a_draft_models_catch_up_runs_as_one_token_rows_in_the_fused_step(model_dirs, monkeypatch) -> None:
+    """After its first pass over the prompt, the draft catches up on a round's accepted tokens as one-token rows
+    (the verify step's shape), which the cpu backend's fused decode step takes instead of the layer-by-layer
+    forward; its drafts stay the target's own (the target as its own draft is accepted nearly always)."""
+    from flashllm.backends.cpu.runner import CpuRunner
+    from flashllm.core.model_runner import ModelRunner
+
+    calls: list[tuple[ModelRunner, int, int, bool]] = []  # (runner, rows, longest query, fell back)
+    fused_forward, layer_forward = CpuRunner._forward, ModelRunner._forward
+
+    def recording(self, inputs):
+        calls.append((self, int(inputs.input_ids.numel()), int(inputs.attn_metadata.max_seqlen_q), False))
+        return fused_forward(self, inputs)
+
+    def fallback(self, inputs):
+        runner, rows, query, _ = calls[-1]
+        calls[-1] = (runner, rows, query, True)
+        return layer_forward(self, inputs)
+
+    monkeypatch.setattr(CpuRunner, "_forward", recording)
+    monkeypatch.setattr(ModelRunner, "_forward", fallback)
+    requests = _requests(6, seed=12)
+    target = model_dirs["llama"]
+    plain, _ = _generate(target, "cpu", requests)
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    spec, llm = _generate(target, "cpu", requests, config)
+    assert spec == plain
+    assert llm.engine.speculator.stats.acceptance_rate >= 0.95, llm.engine.speculator.stats
+    draft = llm.engine.speculator.proposer.runner
+    rows = [(n, fell_back) for runner, n, query, fell_back in calls if runner is draft and query == 1 and n > 1]
+    assert rows, "the draft ran no catch-up as one-token rows"
+    assert not any(fell_back for _, fell_back in rows), f"catch-up rows left the fused step: {rows}"
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_factory) -> None:
     other = build_tiny_model(tmp_path_factory.mktemp("other-vocab"), "llama", seed=8, tokenizer=False, vocab_size=300)
     with pytest.raises(ValueError, match="vocab") as info:
