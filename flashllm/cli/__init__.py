@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> module under flashllm.cli; modules are imported only when their command runs.
@@ -42,8 +43,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `flashllm serve`: torch's OpenMP threads sleep as soon as a parallel region ends (unless the user set
+# OMP_WAIT_POLICY). By default they spin for a while, and on a CPU they then compete for the cores with
+# the native kernels' own workers, which run every product between two torch ops: issue 48's c16
+# workload in process (qwen2.5-0.5b fp32, epyc4-2c) spent 9 % of its samples spinning in libgomp, and
+# its prefill steps took 21.4 s passive against 23.2 s. Only serve: the variable must be set before
+# torch loads, and commands that start llama.cpp's server (bench) must not hand it to that process.
+OMP_PASSIVE_COMMANDS = ("serve",)
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand word of argv (the first word that is neither an option nor --log-level's value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `flashllm` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if _command(argv) in OMP_PASSIVE_COMMANDS and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(f"{__name__}.{COMMANDS[args.command]}")

@@ -21,3 +21,27 @@ def test_every_command_loads_without_optional_extras() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     for command in ("serve", "chat", "webui", "eval", "bench", "generate", "predict", "devices"):
         assert f"'{command}'" in done.stdout
+
+
+def test_serve_starts_torch_with_passive_openmp_threads_unless_told_otherwise() -> None:
+    # the variable must be in the environment before torch (libgomp) loads; other commands keep the default
+    code = ("import os, sys\n"
+            "import flashllm.cli as cli\n"
+            "cli.build_parser = lambda: (_ for _ in ()).throw(SystemExit(0))  # stop before parsing\n"
+            "try:\n"
+            "    cli.main(sys.argv[1:])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def policy(*argv: str, **extra: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                              env={**env, **extra})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert policy("--log-level", "INFO", "serve", "model") == "PASSIVE"
+    assert policy("serve", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert policy("bench", "serve") == "None"
+    assert policy("generate", "--prompt", "serve") == "None"

@@ -74,13 +74,14 @@ def f32_rows(request: pytest.FixtureRequest) -> Iterator[int]:
     native.f32_rows(default)
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 13, 16, native.MAX_TOKENS, 35, 100])
+@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 13, 16, native.MAX_TOKENS, 35, 100, 530])
 @pytest.mark.parametrize("k", [264, 272])
 def test_f32_tiles_cover_every_row_and_token(f32_rows: int, tokens: int, k: int) -> None:
     # K a multiple of 8 takes the AVX2 register tiles (4 rows x 3 tokens), and with the AVX-512 paths
     # on (f32_rows 8) K a multiple of 16 takes the 16-lane ones (4 rows x 6 tokens); 67 rows leave 3
     # for the one-row tiles, and token counts that are not multiples of 3 or 6 exercise uneven sweeps;
-    # past 32 tokens the 16-lane tiles take them 32 at a time (35: a chunk of 3 after one of 32)
+    # past 32 tokens the 16-lane tiles take them 32 at a time (35: a chunk of 3 after one of 32; 530:
+    # a serving step's 512 prompt tokens and 18 decodes, 16 chunks and a tail)
     gen = torch.Generator().manual_seed(tokens + k)
     x, w = torch.randn(tokens, k, generator=gen), torch.randn(67, k, generator=gen)
     assert_within_fp32_bound(native.f32_linear(x, w), x, w)

@@ -82,10 +82,12 @@ MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GE
 # on AVX-512F CPUs the 16-lane tiles take prompt-sized products too, 32 tokens at a time through each
 # row share (csrc/decode_kernels.c): fp32 ones of up to F32_PROMPT_MAX_TOKENS rows, where they beat
 # torch's GEMM (the 0.5b shape's 24 layers, `epyc4-2c`: 141 / 159 / 154 GFLOP/s at 32 / 128 / 256
-# rows against 58 / 117 / 128; at 512, 165 against 173), and per-channel int8 (w8a16) ones of any
-# size, exact fp32 arithmetic like the dequantize-and-GEMM path they replace (176-191 GFLOP/s at 64
-# to 512 rows against 54-152 for that path)
-F32_PROMPT_MAX_TOKENS = 384
+# rows against 58 / 117 / 128), and per-channel int8 (w8a16) ones of any size, exact fp32 arithmetic
+# like the dequantize-and-GEMM path they replace (176-191 GFLOP/s at 64 to 512 rows against 54-152
+# for that path). The fp32 bound: at 512 and 1024 rows the tiles ran 197 and 172 GFLOP/s against
+# torch's 168 and 154 on a quiet box, at 2048 153 against 172 (the weights are read once per 32
+# tokens); serving's 512-token prefill steps (plus their decodes) stay below it.
+F32_PROMPT_MAX_TOKENS = 1024
 # The worker pool hands a share over in a few microseconds (spinning workers), not the ~20 us of
 # parallel.py's Python pool, so products from 64 Ki weights split: with parallel.py's 1 Mi the 0.5b
 # shape's 896 x 896 o_proj (3.2 MB, ~0.2 ms, 24 times a token) would stay on one core.
