@@ -45,6 +45,10 @@ METAVARS = {"tensor_parallel_size": "N", "distributed_executor_backend": "{" + "
 PARSERS = (("tensor_parallel_size", tensor_parallel_size), ("distributed_executor_backend", executor_backend))
 
 
+EXPERT_PARALLEL_HELP = ("MoE layers hold whole experts per rank (experts / tensor-parallel-size each) instead of "
+                        "every expert's slice (DeepSeek-V2/V3; docs/deepseek.md)")
+
+
 def add_parallel_flags(parser: Any, prefix: str = "", who: str = "", passed_on: bool = False) -> None:
     """Add both flags to an argparse parser or argument group.
 
@@ -63,8 +67,7 @@ def add_parallel_flags(parser: Any, prefix: str = "", who: str = "", passed_on: 
     if not passed_on:  # an engine built here (bench serve's server takes its own flags)
         parser.add_argument(f"--{prefix}enable-expert-parallel", f"--{snake}enable_expert_parallel",
                             dest=snake + "enable_expert_parallel", action="store_true",
-                            help=who + "MoE layers hold whole experts per rank (experts / tensor-parallel-size "
-                            "each) instead of every expert's slice (DeepSeek-V2/V3; docs/deepseek.md)")
+                            help=who + EXPERT_PARALLEL_HELP)
 
 
 def parallel_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:

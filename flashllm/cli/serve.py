@@ -9,7 +9,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flashllm.cli.parallel_flags import FLAG_NAMES, HELP, METAVARS, executor_backend, tensor_parallel_size
+from flashllm.cli.parallel_flags import (
+    EXPERT_PARALLEL_HELP,
+    FLAG_NAMES,
+    HELP,
+    METAVARS,
+    executor_backend,
+    tensor_parallel_size,
+)
 from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
 from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS
 
@@ -89,19 +96,23 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     **{dest: (kind, None, text) for dest, (_, kind, text) in SPEC_FLAGS.items()},
     "tensor_parallel_size": (tensor_parallel_size, 1, HELP["tensor_parallel_size"]),
     "distributed_executor_backend": (executor_backend, None, HELP["distributed_executor_backend"]),
+    "enable_expert_parallel": (_bool, False, EXPERT_PARALLEL_HELP),
 }
-FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content", "enable_lora"}
+FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content", "enable_lora",
+         "enable_expert_parallel"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "max_prefill_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
-                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "lora_path",
+                "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
+                "lora_path",
                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
                 "quant_type", "weightonly_group_size", *SPEC_FLAGS)
 # options given several times (or as several values) that collect into a list
 LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir", "served_model_name"}
 # options also spelled the PaddleNLP way, with underscores
-UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonly_group_size", "kv_cache_dtype"}
+UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonly_group_size", "kv_cache_dtype",
+                      "enable_expert_parallel"}
 # other spellings (vLLM's)
 EXTRA_ALIASES = {"quant_type": ["--quantization"]}
 

@@ -118,3 +118,33 @@ def test_two_expert_parallel_ranks_give_one_rank_s_tokens(tmp_path, quant_type: 
     for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one, two, strict=True):
         assert tokens2 == tokens1
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
+
+
+def test_serve_builds_expert_parallel_ranks(tmp_path) -> None:
+    """`flashllm serve -tp 2 --distributed-executor-backend mp --enable-expert-parallel`: the engine the server
+    builds holds 4 of the 8 experts whole on its driver rank and gives one rank's greedy tokens."""
+    from flashllm.cli import build_parser
+    from flashllm.cli import serve as serve_cli
+    from flashllm.serving import server
+
+    model_dir = build_deepseek_model(tmp_path, "v3", seed=5)
+    one = _greedy(model_dir, 1)
+    args = build_parser().parse_args(["serve", str(model_dir), "--device", "cpu", "--dtype", "float32", "-tp", "2",
+                                      "--distributed-executor-backend", "mp", "--enable-expert-parallel",
+                                      "--block-size", "16", "--num-kv-blocks", "32", "--max-num-batched-tokens", "16"])
+    engine = server._build_engine(serve_cli.resolve_options(args, {}))
+    try:
+        moe = engine.parts.model.model.layers[1].mlp.experts
+        assert (moe.num_local_experts, moe.first_expert, moe.w2_weight.shape[0]) == (4, 0, 4)
+        prompts = [[(7 * i + 3) % 250 + 1 for i in range(n)] for n in (5, 23, 40)]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                               request_id=str(i))
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+    assert [finished[str(i)] for i in range(len(prompts))] == [tokens for tokens, _ in one]

@@ -215,6 +215,24 @@ def test_serve_flags_reach_the_engine_config(size_flag: list[str], monkeypatch: 
     assert _parallel(_serve_options([])) == (1, None)
 
 
+@pytest.mark.parametrize(("argv", "environ", "expected"), [
+    (["--enable-expert-parallel"], {}, True), (["--enable_expert_parallel"], {}, True), ([], {}, False),
+    ([], {"FLASHLLM_ENABLE_EXPERT_PARALLEL": "true"}, True), ([], {"FLASHLLM_ENABLE_EXPERT_PARALLEL": "0"}, False),
+])
+def test_serve_hands_expert_parallelism_to_the_engine_config(argv: list[str], environ: dict[str, str], expected: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashllm.serving import server
+
+    options = _serve_options(["-tp", "2", *argv], environ)
+    monkeypatch.setattr(server, "Engine", lambda config: config)
+    assert server._build_engine(options).parallel.enable_expert_parallel is expected
+
+
+def test_serve_static_mode_refuses_expert_parallelism() -> None:
+    with pytest.raises(SystemExit, match="--enable-expert-parallel configure the paged engine"):
+        _serve_options(["--mode", "static", "--enable-expert-parallel"])
+
+
 def test_serve_reads_the_environment_and_the_config_file_below_the_command_line(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"tensor-parallel-size": 4, "distributed_executor_backend": "ray"}))
