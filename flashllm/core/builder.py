@@ -252,19 +252,23 @@ def _num_kv_blocks(
     per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype, config.cache.cachekv_int8_type)
     per_block += draft_per_block
     blocks_per_seq = math.ceil(config.model.max_model_len / block_size)
+    num_blocks: int | None = None
     if config.cache.num_kv_blocks is not None:
         num_blocks = config.cache.num_kv_blocks
     elif config.cache.kv_cache_memory is not None:
         num_blocks = config.cache.kv_cache_memory // per_block
     elif selection.profile.accelerator and (budget := _profiled_kv_budget(config, model, selection, kv_dtype)):
         num_blocks = min(budget // per_block, MAX_PROFILED_BLOCKS)
-    else:
+    sized = ""
+    if num_blocks is None:
         free, _ = selection.adapter.memory_info(selection.device)
         wanted = blocks_per_seq * config.scheduler.max_num_seqs
         num_blocks = min(wanted, int(free * CPU_KV_MEMORY_FRACTION) // per_block)
+        sized = (f", sized as {CPU_KV_MEMORY_FRACTION:.0%} of the {free / 2**30:.2f} GiB of memory available now "
+                 f"at {per_block} bytes a block")
     if num_blocks < blocks_per_seq:
         raise EngineConfigError(
-            f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens{sized}) but one sequence of "
             f"max_model_len {config.model.max_model_len} needs {blocks_per_seq} blocks"
             f"{' (each block also holds the speculative drafter cache)' if draft_per_block else ''}; raise "
             f"--num-kv-blocks / --kv-cache-memory or lower --max-model-len"

@@ -78,8 +78,32 @@ class CpuAdapter(DeviceAdapter):
         return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(available, total) host bytes: available is the kernel's MemAvailable (free pages plus the page
+        cache it can drop) where /proc/meminfo says it, else the free pages. Free pages alone sized the KV
+        cache from next to nothing right after a large load, whose file pages fill the page cache (a 7.6 GB
+        DeepSeek shape left too little for 4096 tokens of latent cache)."""
         page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        available = meminfo_available()
+        free = os.sysconf("SC_AVPHYS_PAGES") * page if available is None else available
+        return free, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def meminfo_available(text: str | None = None) -> int | None:
+    """MemAvailable in bytes from /proc/meminfo's text (read here when None), or None where absent or unreadable."""
+    if text is None:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                text = f.read(1 << 16)
+        except OSError:
+            return None
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            fields = rest.split()
+            if len(fields) == 2 and fields[1] == "kB" and fields[0].isdigit():
+                return int(fields[0]) * 1024
+            return None
+    return None
 
 
 class CpuBackend(Backend):
