@@ -113,6 +113,10 @@ def load_model(
         # and the file is unmapped before the error is reported, not at interpreter exit.
         tensors.close()
     _check_complete(model, loaded, seen)
+    if config.quantization is not None and moe_quant is None:
+        # GPTQ / AWQ experts arrive dequantized (layers/packed_experts.py): they keep the checkpoint's values
+        # instead of being rounded again to the dense layers' scheme; --moe_quant_type still quantizes them
+        moe_quant = WeightQuantSpec()
     _after_loading(model, quant, lambda m: finish_prequantized(m) or (gguf_weights is not None and gguf_weights.finish(m)),
                    moe_quant)
     if gguf_weights is not None:

@@ -18,6 +18,7 @@ from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, expert_param_target
 from flashllm.models.layers.norm import RMSNorm
+from flashllm.models.layers.packed_experts import dequantized_experts
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import LlamaAttention, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
@@ -84,13 +85,17 @@ def experts_and_top_k(raw: dict[str, Any], experts_field: str, default_experts: 
     return num_experts, top_k
 
 
-def refuse_prequantized(base: LlamaModelConfig, source: str) -> None:
-    """GPTQ / AWQ expert tensors are not read yet: one line saying so, before anything is allocated."""
-    if base.quantization is not None:
-        raise ModelLoadError(
-            f"{source}: {base.architecture} with a {base.quantization.method} quantization_config is not supported "
-            "yet (flashllm does not read packed expert weights); load a float checkpoint, optionally with --quant_type"
-        )
+def check_prequantized_experts(config: MoEModelConfig, source: str) -> None:
+    """A GPTQ / AWQ checkpoint's groups must tile the experts' input features too (hidden_size is checked
+    with the dense layers'): one line naming the field, before anything is allocated."""
+    quant = config.quantization
+    if quant is None or quant.group_size == -1:
+        return
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(config, field)
+        if size % quant.group_size:
+            raise ModelLoadError(f"{source}: quantization_config group_size={quant.group_size} does not divide "
+                                 f"{field}={size}; each group must lie within one expert projection's inputs")
 
 
 def parse_mixtral_config(raw: dict[str, Any], source: str = "config.json") -> MoEModelConfig:
@@ -98,11 +103,12 @@ def parse_mixtral_config(raw: dict[str, Any], source: str = "config.json") -> Mo
     8 and 2, as transformers'); every layer is MoE with intermediate_size features per expert, the
     top-k weights always renormalized, no shared expert. Raises ModelLoadError (one line)."""
     base = parse_llama_config(raw, source)
-    refuse_prequantized(base, source)
     num_experts, top_k = experts_and_top_k(raw, "num_local_experts", 8, 2, source)
-    return moe_config(base, num_experts=num_experts, num_experts_per_tok=top_k,
-                      moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
-                      sparse_layers=(True,) * base.num_hidden_layers, qkv_bias=False)
+    config = moe_config(base, num_experts=num_experts, num_experts_per_tok=top_k,
+                        moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
+                        sparse_layers=(True,) * base.num_hidden_layers, qkv_bias=False)
+    check_prequantized_experts(config, source)
+    return config
 
 
 class MoEDecoderLayer(nn.Module):
@@ -174,7 +180,8 @@ class MixtralForCausalLM(CausalLM):
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
     required_ops: ClassVar[tuple[str, ...]] = ("fused_moe",)
     weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")  # experts too (layers/moe.py)
-    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # refuse_prequantized: no packed expert reader
+    # GPTQ / AWQ: attention and dense layers stay packed; experts are dequantized at load (layers/packed_experts.py)
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
     # checkpoint module names -> flashllm's, applied before any other mapping
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
@@ -256,8 +263,9 @@ class MixtralForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
-        expert's projections (or the stacked tensor) arrived."""
-        loaded = super().load_weights(weights)
+        expert's projections (or the stacked tensor) arrived. GPTQ / AWQ experts arrive as the float weights
+        their integers stand for (packed_experts.dequantized_experts)."""
+        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization))
         for name, module in self.named_modules():
             if isinstance(module, FusedMoE):
                 loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}

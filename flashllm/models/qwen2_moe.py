@@ -14,9 +14,9 @@ from flashllm.models.llama_config import parse_llama_config
 from flashllm.models.mixtral import (
     MixtralForCausalLM,
     MoEModelConfig,
+    check_prequantized_experts,
     experts_and_top_k,
     moe_config,
-    refuse_prequantized,
 )
 
 
@@ -29,7 +29,6 @@ def parse_qwen2_moe_config(raw: dict[str, Any], source: str = "config.json") -> 
     dense gated MLP of intermediate_size. Raises ModelLoadError (one line naming the field).
     """
     base = parse_llama_config(raw, source)
-    refuse_prequantized(base, source)
     num_experts, top_k = experts_and_top_k(raw, "num_experts", 60, 4, source)
     step = positive_int(raw, "decoder_sparse_step", 1, MAX_NUM_LAYERS, source)
     dense = _mlp_only_layers(raw, base.num_hidden_layers, source)
@@ -37,7 +36,7 @@ def parse_qwen2_moe_config(raw: dict[str, Any], source: str = "config.json") -> 
         # transformers 4 and 5 disagree on which Qwen2-MoE layers a window applies to without layer_types
         raise ModelLoadError(f"{source}: use_sliding_window=true without a layer_types list is ambiguous; "
                              "add layer_types (one 'sliding_attention' / 'full_attention' per layer)")
-    return moe_config(
+    config = moe_config(
         base,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
@@ -47,6 +46,8 @@ def parse_qwen2_moe_config(raw: dict[str, Any], source: str = "config.json") -> 
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(base.num_hidden_layers)),
         qkv_bias=flag(raw, "qkv_bias", source) if "qkv_bias" in raw else True,
     )
+    check_prequantized_experts(config, source)
+    return config
 
 
 def _mlp_only_layers(raw: dict[str, Any], num_layers: int, source: str) -> frozenset[int]:

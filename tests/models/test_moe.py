@@ -180,8 +180,8 @@ def _raw(preset: str, **changes) -> dict:
     ("qwen2_moe", {"mlp_only_layers": [6]}, "mlp_only_layers=[6] must be a list of layer indices in 0..5"),
     ("qwen2_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window=true without a layer_types list"),
-    ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}},
-     "MixtralForCausalLM with a gptq quantization_config is not supported yet"),
+    ("qwen2_moe", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}},
+     "group_size=32 does not divide moe_intermediate_size=48"),
 ])
 def test_bad_moe_configs_are_refused_in_one_line_naming_the_field(preset, changes, fragment) -> None:
     with pytest.raises(ModelLoadError, match=fragment.replace("[", r"\[").replace("]", r"\]")) as info:

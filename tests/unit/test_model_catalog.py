@@ -22,8 +22,7 @@ MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "De
 # pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
 DEQUANTIZED_AT_LOAD = {"fp8"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = (MOE - {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}) | {"ChatGLMModel",
-                          "ChatGLMForConditionalGeneration", "GlmForCausalLM"}
+PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM"}
 
 
 class _BrokenModelPlugin:
@@ -68,7 +67,8 @@ def test_committed_page_has_a_models_row_per_architecture() -> None:
     assert set(table) == set(BUILTIN_MODELS)
     # columns: architecture | family | class | needs | weight-only | pre-quantized | tokenizer
     assert "fused_moe (" in table["MixtralForCausalLM"][3] and "reference" in table["MixtralForCausalLM"][3]
-    assert table["Qwen2MoeForCausalLM"][5] == "refused" and table["LlamaForCausalLM"][5] == "GPTQ, AWQ"
+    assert table["ChatGLMModel"][5] == "refused"
+    assert table["Qwen2MoeForCausalLM"][5] == table["LlamaForCausalLM"][5] == "GPTQ, AWQ"
     assert table["QWenLMHeadModel"][6] == "qwen.tiktoken"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -60,8 +60,11 @@ class RouterLinear(ReplicatedLinear):
     """A small replicated projection that decides routing (the expert gate, the shared-expert gate).
 
     It stays in the model dtype whatever --quant_type says: quantizing it would move tokens to other
-    experts, for a matrix of E rows that is a rounding error of the model's bytes.
+    experts, for a matrix of E rows that is a rounding error of the model's bytes. GPTQ / AWQ checkpoints
+    keep it float too, so it takes no packed tensors (prepare_prequantized skips it).
     """
+
+    float_in_checkpoints: ClassVar[bool] = True
 
     def process_weights_after_loading(self, quant: WeightQuantSpec | None = None) -> None:
         """Build the dense QuantizedWeight; `quant` is ignored on purpose (see the class docstring)."""

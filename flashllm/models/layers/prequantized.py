@@ -240,8 +240,8 @@ def prepare_prequantized(model: nn.Module, quant: CheckpointQuant | None) -> Non
     if quant is None:
         return
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
-            continue
+        if not isinstance(module, LinearBase) or getattr(module, "float_in_checkpoints", False):
+            continue  # a MoE router: float in GPTQ / AWQ checkpoints too
         setattr(module, _ATTR, PrequantizedLinear(name, module, quant))
         module.weight = None
 
