@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,3 +95,24 @@ def add_hparams(writer: Any, config: Any) -> None:
     if config.architecture == "Qwen2MoeForCausalLM":
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def streamed_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors one batch-1 decode step reads, as flashllm's WeightBytes.streamed counts
+    its own: all tensors, less the token embedding table where an `output.weight` head is stored apart
+    (a step reads one row of the table), and of each layer's stacked experts (`*_exps`) only the
+    `expert_used_count` of `expert_count` a token is routed to. Dense files: the embedding rule only."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    arch = bytes(reader.get_field("general.architecture").parts[-1]).decode()
+    counts = [reader.get_field(f"{arch}.{key}") for key in ("expert_count", "expert_used_count")]
+    experts, used = (int(field.parts[-1][0]) if field is not None else 0 for field in counts)
+    total = 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        share = used / experts if experts and t.name.endswith("_exps.weight") else 1.0
+        total += int(t.n_bytes) * share
+    return round(total)

@@ -339,7 +339,7 @@ def _latency_fractions(result: dict[str, Any], roof: Any, of: str) -> dict[str, 
     records = [("flashllm", result["flashllm"], result["streamed_weight_bytes"])]
     if "transformers_latency" in result:  # same float weights, so the float ceiling
         records.append(("transformers", result["transformers_latency"], result["weight_bytes"]))
-    records += [("llama.cpp", run, run["gguf_bytes"]) for run in result.get("llama.cpp", [])]
+    records += [("llama.cpp", run, run.get("gguf_streamed_bytes", run["gguf_bytes"])) for run in result.get("llama.cpp", [])]
     fractions = {name: _decode_fraction(record, streamed, roof, of) for name, record, streamed in records}
     return {name: fraction for name, fraction in fractions.items() if fraction is not None}
 
@@ -402,7 +402,10 @@ def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRe
                                   probe_every=getattr(args, "probe_every", 0))
     except GGUFExportError as exc:
         raise SystemExit(f"flashllm bench: --baseline llama.cpp: {exc}") from exc
+    from flashllm.bench.gguf_moe import streamed_bytes
+
     record["gguf_bytes"] = Path(record["gguf"]).stat().st_size
+    record["gguf_streamed_bytes"] = streamed_bytes(Path(record["gguf"]))  # a MoE file: the routed experts only
     return record
 
 

@@ -127,6 +127,7 @@ def test_bench_latency_with_llama_cpp_baseline_writes_json(tmp_path: Path) -> No
     for run in (*baseline["runs"], *record["flashllm"]["runs"]):
         assert [c["tokens"] for c in run["chunks"]] == [2, 2, 1] and len(run["probe_gb_s"]) == 4
         assert run["elapsed_s"] == pytest.approx(run["mean_ttft_s"] + run["decode_s"])
-    fractions = sorted(r["decode_tokens_per_s"] * baseline["gguf_bytes"] / (r["ceiling_bandwidth_gb_s"] * 1e9)
+    assert 0 < baseline["gguf_streamed_bytes"] <= baseline["gguf_bytes"]  # tensors only, no header
+    fractions = sorted(r["decode_tokens_per_s"] * baseline["gguf_streamed_bytes"] / (r["ceiling_bandwidth_gb_s"] * 1e9)
                        for r in baseline["runs"])
     assert record["fractions_of_bandwidth_ceiling"]["llama.cpp"] == pytest.approx(sum(fractions) / 2)
