@@ -145,6 +145,7 @@ def _server_args(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if getattr(args, "quant_type", None):
         flags += ["--quant-type", args.quant_type]
+    flags += ["--enable-expert-parallel"] if getattr(args, "enable_expert_parallel", False) else []
     return flags + (["--no-prefix-caching"] if args.no_prefix_caching else [])
 
 

@@ -64,10 +64,8 @@ def add_parallel_flags(parser: Any, prefix: str = "", who: str = "", passed_on: 
         default = 1 if dest == "tensor_parallel_size" and not passed_on else None
         parser.add_argument(*names, dest=snake + dest, type=parse, default=default, metavar=METAVARS[dest],
                             help=who + HELP[dest] + suffix)
-    if not passed_on:  # an engine built here (bench serve's server takes its own flags)
-        parser.add_argument(f"--{prefix}enable-expert-parallel", f"--{snake}enable_expert_parallel",
-                            dest=snake + "enable_expert_parallel", action="store_true",
-                            help=who + EXPERT_PARALLEL_HELP)
+    parser.add_argument(f"--{prefix}enable-expert-parallel", f"--{snake}enable_expert_parallel",
+                        dest=snake + "enable_expert_parallel", action="store_true", help=who + EXPERT_PARALLEL_HELP + suffix)
 
 
 def parallel_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:

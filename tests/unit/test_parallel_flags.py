@@ -276,6 +276,8 @@ def test_bench_serve_passes_the_flags_to_the_server_it_starts() -> None:
     passed = _server_args(args)
     assert _parallel(_serve_options(passed)) == (2, "mp")
     assert _server_args(build_parser().parse_args(["bench", "serve"])) == []  # nothing given: the server's defaults
+    expert = _server_args(build_parser().parse_args(["bench", "serve", "-tp", "2", "--enable-expert-parallel"]))
+    assert _serve_options(expert)["enable_expert_parallel"] is True
 
 
 def test_the_documented_commands_parse_and_ask_for_two_ranks() -> None:
