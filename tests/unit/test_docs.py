@@ -51,7 +51,11 @@ def _prose(text: str) -> str:
 
 def _slug(heading: str) -> str:
     """Python-Markdown's toc slug (what mkdocs builds anchors from), after removing inline markup."""
-    text = re.sub(r"[`*_]", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading))
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    # Code spans keep their text as written (seq_length stays seq_length); outside them `*` and the
+    # underscores that open or close emphasis are markup (intra-word ones are not, as in Markdown).
+    parts = text.split("`")
+    text = "".join(part if i % 2 else re.sub(r"\*+|(?<!\w)_+|_+(?!\w)", "", part) for i, part in enumerate(parts))
     text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     text = re.sub(r"[^\w\s-]", "", text).strip().lower()
     return re.sub(r"[-\s]+", "-", text)
