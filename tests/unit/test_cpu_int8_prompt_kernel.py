@@ -23,9 +23,8 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel
 K = 384  # six 64-feature blocks: three VNNI pairs
 
 
-def _gguf_like(scheme: str, group: int, gen: torch.Generator) -> QuantizedWeight:
+def _gguf_like(scheme: str, group: int, gen: torch.Generator, n: int = 72) -> QuantizedWeight:
     """GGUF's affine layouts (Q4_1 / Q8_0-with-minimum-like): codes, per-group scales and offsets."""
-    n = 72
     if scheme == "w4a16":
         data = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=gen)
     else:
@@ -46,12 +45,16 @@ def _weight(case: str, gen: torch.Generator) -> QuantizedWeight:
     return quantize_weight(torch.randn(72, K, generator=gen), parts[0], int(parts[1]), len(parts) < 3)
 
 
-@pytest.fixture(params=["vnni", "avx2"])
+@pytest.fixture(params=["vnni", "vnni-one-row", "avx2"])
 def body(request):
-    before = native.a8_vnni()
-    native.a8_vnni(request.param == "vnni")
+    """The integer bodies: VNNI with int8 codes' prompts in 4-row tiles (where the CPU has VNNI), VNNI one
+    row at a time, AVX2."""
+    before, tiles = native.a8_vnni(), native.w8_tiles()
+    native.a8_vnni(request.param != "avx2")
+    native.w8_tiles(request.param == "vnni")
     yield request.param
     native.a8_vnni(before)
+    native.w8_tiles(tiles)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -77,6 +80,35 @@ def test_prompt_products_are_within_the_rounding_and_fp32_bounds(case, tokens, m
     assert error.max() > 0  # an approximation: an exact result would mean another path ran
     rounded = native.int8_rounded(x, 2 if mode == "int8x2" else 1).double()
     assert bool(((got - rounded @ w.T).abs() <= slack + 2 * K * 2.0**-24 * (rounded.abs() @ w.abs().T)).all())
+
+
+@pytest.mark.skipif(not native.a8_vnni(), reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("afmt", [None, "llama"])
+@pytest.mark.parametrize("case", ["w8a16/-1", "gguf-w8a16/32", "gguf-w8a16/16"])
+def test_prompt_tiles_give_the_one_row_bits(case, afmt, monkeypatch):
+    """The 4-row tiles sum each row as the one-row body does (which the bounds above hold to float64):
+    70 rows (a remainder of 2 for the one-row body), 37 tokens (a tile of one), one and two terms, 1 and 3
+    threads, flashllm's rounding and llama.cpp's."""
+    gen = torch.Generator().manual_seed(9)
+    parts = case.split("/")
+    weight = (_gguf_like("w8a16", int(parts[1]), gen, n=70) if parts[0].startswith("gguf-")
+              else quantize_weight(torch.randn(70, K, generator=gen), "w8a16", -1, True))
+    x = torch.randn(37, K, generator=gen)
+    x[:, 3] *= 60
+    if afmt:
+        monkeypatch.setenv(native.GGUF_ACTIVATIONS_ENV, afmt)
+    tiles = native.w8_tiles()
+    try:
+        for mode in ("int8", "int8x2") if not afmt else ("int8",):
+            monkeypatch.setenv(native.PROMPT_ACTIVATIONS_ENV, mode)
+            for workers in (1, 3):
+                monkeypatch.setattr(native.parallel, "workers", lambda w=workers: w)
+                native.w8_tiles(False)
+                one_row = native.prompt_linear(x, weight)
+                native.w8_tiles(True)
+                assert torch.equal(native.prompt_linear(x, weight), one_row), (mode, workers)
+    finally:
+        native.w8_tiles(tiles)
 
 
 def test_two_terms_carry_each_block_to_its_bound():

@@ -110,6 +110,7 @@ _SIGNATURES = {
     "flashllm_w4a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
     "flashllm_w8a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
     "flashllm_a8_set_vnni": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_w8_set_tiles": ([ctypes.c_int], ctypes.c_int),
     "flashllm_round_activations": ([_P, _I64, _I64, _INT], _INT),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
@@ -485,6 +486,12 @@ def a8_vnni(on: bool | None = None) -> bool:
     bodies (picked at load where the CPU has it; int4 codes need K in whole 128-feature pairs of
     blocks). With `on`, sets it first (True only where the CPU has VNNI), for tests and A/B runs."""
     return bool(library().flashllm_a8_set_vnni(-1 if on is None else int(on)))
+
+
+def w8_tiles(on: bool | None = None) -> bool:
+    """Whether prompts (more than 32 activation rows) of int8 codes on the VNNI body run 4-row tiles
+    (the same bits as the one-row body, fewer instructions). With `on`, sets it first, for tests and A/B."""
+    return bool(library().flashllm_w8_set_tiles(-1 if on is None else int(on)))
 
 
 def f32_rows(rows: int | None = None) -> int:

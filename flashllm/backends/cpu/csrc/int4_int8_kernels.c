@@ -354,6 +354,13 @@ A8_VNNI static void vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
 /* 1 where the CPU has AVX-512 VNNI (picked at load; flashllm_a8_set_vnni turns it off for tests and A/B
  * runs); the int8-code body below reads it too */
 static int a8_vnni = 0, a8_vnni_best = 0;
+/* 1: prompts of int8 codes run the 4-row VNNI tiles (w8_vnni_tile); 0: the one-row body, for tests and
+ * A/B runs; a negative value only reads. Returns the setting in use. */
+static int w8_tiles = 1;
+int flashllm_w8_set_tiles(int on) {
+    if (on >= 0) w8_tiles = on != 0;
+    return w8_tiles;
+}
 __attribute__((constructor)) static void pick_a8_vnni(void) {
     __builtin_cpu_init();
     a8_vnni_best = a8_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -552,7 +559,57 @@ A8_VNNI static inline void w8_vnni_rows_for_tokens(const a8_args *a, int64_t n0,
     }
 }
 
+/* A prompt's tile: 4 rows x TT activation rows, one 64-feature block a step. The activations are offset
+ * to q + 128 (unsigned) and the rows stay signed, so 128 * the row's codes per lane, one vpdpbusd a row
+ * and block, is what comes off, shared by the tile's tokens (the decode body takes it off per token):
+ * one vpdpbusd, a conversion, a scale product and an fma per row, token and block. Each row's sums
+ * add in the order of w8_vnni_rows_for_tokens, so the bits are those of the one-row body. */
+A8_VNNI static inline __attribute__((always_inline)) void w8_vnni_tile(const a8_args *a, int64_t n, int64_t t0,
+                                                                        const int TT) {
+    const int64_t blocks = a->K / A8_BLOCK, G = a->G, group = a->K / G;
+    const int8_t *codes = (const int8_t *)a->w;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i w[4], shift[4];
+        __m512 sq[4];  /* each lane's weight scale; times the token's (below) as the one-row body's lane scale */
+        for (int r = 0; r < 4; r++) {
+            w[r] = _mm512_loadu_si512(codes + (n + r) * a->K + b * A8_BLOCK);
+            shift[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w[r]));
+            sq[r] = _mm512_permutexvar_ps(quarters,
+                                          _mm512_castps128_ps512(w8_quarter_scales(a->scales + (n + r) * G, b, group)));
+        }
+        for (int j = 0; j < TT; j++) {
+            const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(a->q + (t0 + j) * a->K + b * A8_BLOCK), flip);
+            const float *dj = a->d + (t0 + j) * 2 * blocks + 2 * b;
+            const __m512 dq = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_setr_ps(dj[0], dj[0], dj[1], dj[1])));
+            for (int r = 0; r < 4; r++) {
+                const __m512i dot = _mm512_dpbusd_epi32(shift[r], q, w[r]);
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sq[r], dq), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float sums[4];
+        for (int j = 0; j < TT; j++) sums[j] = _mm512_reduce_add_ps(acc[r][j]);
+        store_rows(a, n + r, t0, TT, sums, 1);
+    }
+}
+
+A8_VNNI static inline void w8_vnni_tiles(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, const int TT) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) w8_vnni_tile(a, n, t0, TT);
+    if (n < n1) w8_vnni_rows_for_tokens(a, n, n1, t0, TT);
+}
+
 A8_VNNI static void w8_vnni_share(const a8_args *a, int64_t n0, int64_t n1) {
+    if (a->T > TILE_MIN_ROWS && w8_tiles) {  /* a prompt: decode batches keep the one-row body */
+        TOKEN_SWEEPS(w8_vnni_tiles, a->K)
+        return;
+    }
     TOKEN_SWEEPS(w8_vnni_rows_for_tokens, a->K)
 }
 
