@@ -58,8 +58,7 @@ W8_ACTIVATIONS_ENV = "FLASHLLM_CPU_W8_ACTIVATIONS"
 A8_BLOCK = 64
 # Prompts (more than MAX_TOKENS rows) of int8/int4 weights other than per-channel w8a16 on AVX-512F
 # (see F32_PROMPT_MAX_TOKENS) dequantize for a BLAS GEMM by default
-# ("fp32": exact, and the fastest here: 512 tokens of the 0.5b shape's w8a16 ran 184 tokens/s against
-# 110 for "int8x2" and 171 for "int8" on `epyc4-2c`, docs/gguf.md). Opt-in, the same integer kernels as
+# ("fp32": exact; docs/gguf.md says why one int8 term is not the default). Opt-in, the same integer kernels as
 # decode (prompt_linear) against activations in two int8 terms per block ("int8x2": x to within
 # absmax / 64516 of the block, about 16 bits) or one ("int8": llama.cpp's rounding, which flips close
 # calls: SmolLM2's quick-start answer). Int8 codes on VNNI run 4-row x 4-token tiles (w8_tiles): "int8"
