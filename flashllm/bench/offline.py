@@ -271,7 +271,20 @@ def _transformers_record(args: argparse.Namespace, rounds: list[tuple[list[dict[
     if args.mode == "latency":
         latency = [run for _, run in rounds]
         result["transformers_latency"] = median_run(latency, "decode_tokens_per_s")
+        result["transformers_streamed_bytes"] = _transformers_streamed_bytes(Path(result["model"]), args.dtype)
         result["decode_speedup_vs_transformers"] = paired_ratio(flash, latency, "decode_tokens_per_s")
+
+
+def _transformers_streamed_bytes(model_dir: Path, dtype: str) -> int:
+    """What transformers' batch-1 decode step reads: the active matmul parameters as floats (a MoE
+    model's routed experts only); for a GGUF file, which has no config.json to count from, its size."""
+    import torch
+
+    from flashllm.bench.shapes import active_parameter_bytes, parameter_bytes
+
+    if model_dir.is_file():
+        return parameter_bytes(model_dir)
+    return active_parameter_bytes(model_dir, getattr(torch, dtype).itemsize)
 
 
 def _gemm_probe(dtype: Any, device: str) -> float:
@@ -337,8 +350,8 @@ def _roofline(args: argparse.Namespace, model_dir: Path, requests: list[BenchReq
 def _latency_fractions(result: dict[str, Any], roof: Any, of: str) -> dict[str, float]:
     """Each engine's batch-1 _decode_fraction (of="ceiling" or "sustained"), where it has one."""
     records = [("flashllm", result["flashllm"], result["streamed_weight_bytes"])]
-    if "transformers_latency" in result:  # same float weights, so the float ceiling
-        records.append(("transformers", result["transformers_latency"], result["weight_bytes"]))
+    if "transformers_latency" in result:  # float weights, the parameters its step multiplies by
+        records.append(("transformers", result["transformers_latency"], result["transformers_streamed_bytes"]))
     records += [("llama.cpp", run, run.get("gguf_streamed_bytes", run["gguf_bytes"])) for run in result.get("llama.cpp", [])]
     fractions = {name: _decode_fraction(record, streamed, roof, of) for name, record, streamed in records}
     return {name: fraction for name, fraction in fractions.items() if fraction is not None}

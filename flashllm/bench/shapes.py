@@ -92,6 +92,13 @@ def parameter_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+def active_parameter_bytes(model_dir: Path, dtype_bytes: int) -> int:
+    """Bytes of the matmul weights one batch-1 token reads when stored as floats of `dtype_bytes`:
+    what transformers' decode step streams (the routed experts of a MoE layer only, the LM head, no
+    input embedding table beside it). Norms and biases, a few kilobytes, are left out."""
+    return int(flops_per_token(model_dir, 0.0) / 2) * dtype_bytes
+
+
 def flops_per_token(model_dir: Path, mean_context: float) -> float:
     """FLOPs one token costs in a forward pass: 2 x matmul parameters + attention at `mean_context`.
 

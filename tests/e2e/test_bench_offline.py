@@ -97,7 +97,7 @@ def test_latency_compares_quant_types_and_transformers_in_one_run(model_dir: Pat
     # every engine's batch-1 run is bracketed by read probes on the CPU; the ceiling is the higher of the two
     assert len(hf["probe_gb_s"]) == 2 and hf["ceiling_bandwidth_gb_s"] == max(hf["probe_gb_s"])
     assert fractions["transformers"] == pytest.approx(
-        hf["decode_tokens_per_s"] * record["weight_bytes"] / (hf["ceiling_bandwidth_gb_s"] * 1e9))
+        hf["decode_tokens_per_s"] * record["transformers_streamed_bytes"] / (hf["ceiling_bandwidth_gb_s"] * 1e9))
     assert fractions.keys() == record["fractions_of_sustained_bandwidth"].keys() == {"flashllm", "transformers"}
     a8w8 = runs[2]
     # one chunk of 11 tokens between two probes: its time-weighted ceiling is the higher probe, up to
@@ -147,7 +147,7 @@ def test_repeated_latency_runs_report_the_median_against_their_own_probes(model_
     assert len(hf["runs"]) == 3 and hf["decode_tokens_per_s"] == sorted(r["decode_tokens_per_s"] for r in hf["runs"])[1]
     assert all(len(r["probe_gb_s"]) == 2 for r in hf["runs"])
     assert record["fractions_of_bandwidth_ceiling"]["transformers"] == pytest.approx(sorted(
-        r["decode_tokens_per_s"] * record["weight_bytes"] / (max(r["probe_gb_s"]) * 1e9) for r in hf["runs"])[1])
+        r["decode_tokens_per_s"] * record["transformers_streamed_bytes"] / (max(r["probe_gb_s"]) * 1e9) for r in hf["runs"])[1])
     assert len(record["transformers"][0]["runs"]) == 3
     # the compute ceiling takes the best GEMM probe: the two between rounds, then the roofline's own
     probes = record["roofline"]["matmul_probes_gflop_s"]

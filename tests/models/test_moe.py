@@ -248,6 +248,14 @@ def test_the_moe_bench_shape_fits_8_gb_in_fp32_and_counts_the_active_experts(tmp
     assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
     per_layer = 4 * h * h + h * (experts + 3 * top_k * inter + 3 * shared)  # attention, router, k experts, shared
     assert flops_per_token(model_dir, 0) == 2.0 * (2 * per_layer + 256 * h)
+    # transformers' batch-1 ceiling counts the same active weights; counted another way, from the loaded
+    # tensors: what a step streams (the reference backend keeps no greedy-head copy), less the norms,
+    # the qkv biases and the shared expert's one-column gate, which the matmul count leaves out
+    from flashllm.bench.shapes import active_parameter_bytes
+    from flashllm.models.weight_bytes import weight_bytes
+
+    small = sum(p.nbytes for name, p in model.named_parameters() if any(s in name for s in ("norm", "bias", "expert_gate")))
+    assert active_parameter_bytes(model_dir, 4) == 4 * (2 * per_layer + 256 * h) == weight_bytes(model).streamed - small
 
 
 def test_two_tensor_parallel_ranks_give_transformers_greedy_tokens(moe_dirs, hf_models) -> None:
