@@ -137,6 +137,7 @@ class SpeculativeConfig:
     min_ngram_size: int = 1                 # ngram: the shortest suffix that may match
     model: str | None = None                # draft_model: its HF directory (--speculative-model), same vocabulary
     quant_type: str = "none"                # draft_model: weight-only quantization of the draft (e.g. weight_only_int8)
+    group_size: int = -1                    # draft_model: its weight-only group size (-1: per output channel)
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
     # drafting for a while (see core/spec/speculator.py); 0 turns the guard off
     min_acceptance: float = 0.25
@@ -149,7 +150,7 @@ class SpeculativeConfig:
 # the speculative decoding flags' dests (flashllm/cli/spec_flags.py, serve's options) -> SpeculativeConfig keys
 SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_token_num": "num_speculative_tokens",
                          "speculate_max_ngram_size": "max_ngram_size", "speculative_model": "model",
-                         "speculative_quant_type": "quant_type"}
+                         "speculative_quant_type": "quant_type", "speculative_weightonly_group_size": "group_size"}
 
 
 def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None:

@@ -23,6 +23,9 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
                           "draft_model unless --speculate_method eagle"),
     "speculative_quant_type": (("--speculative_quant_type",), str,
                                "weight-only quantization of the draft model (e.g. weight_only_int8)"),
+    "speculative_weightonly_group_size": (("--speculative_weightonly_group_size",), int,
+                                          "the draft model's weight-only group size: -1 (per output channel, the "
+                                          "default) or a group of input features, e.g. 32 or 64"),
 }
 
 

@@ -38,6 +38,14 @@ def test_a_draft_model_implies_its_method_and_no_flag_means_off() -> None:
         speculative_config(argparse.Namespace(speculate_max_draft_token_num=3))
 
 
+def test_the_draft_models_quantization_flags_reach_its_config() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--speculative-model", "/models/draft",
+                                      "--speculative_quant_type", "weight_only_int4",
+                                      "--speculative-weightonly-group-size", "64"])
+    spec = engine_config(None, speculative_config=speculative_config(args)).speculative
+    assert (spec.method, spec.quant_type, spec.group_size) == ("draft_model", "weight_only_int4", 64)
+
+
 def test_serve_reads_the_flags_and_their_environment_variables() -> None:
     parser = build_parser()
     args = parser.parse_args(["serve", "--speculate_method", "ngram", "--speculate-max-draft-token-num", "3"])

@@ -245,6 +245,24 @@ def test_a_draft_models_catch_up_runs_as_one_token_rows_in_the_fused_step(model_
     assert not any(fell_back for _, fell_back in rows), f"catch-up rows left the fused step: {rows}"
 
 
+def test_a_group_wise_int4_draft_model_drafts_and_changes_no_token(model_dirs) -> None:
+    """--speculative_weightonly_group_size: the draft's linear layers hold one int4 scale per group of input
+    features (the target stays float), and the tokens are plain decoding's."""
+    from flashllm.models.layers.linear import LinearBase
+
+    requests = _requests(12, seed=13)
+    target = model_dirs["qwen2"]
+    plain, _ = _generate(target, "cpu", requests)
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3,
+              "quant_type": "weight_only_int4", "group_size": 32}
+    spec, llm = _generate(target, "cpu", requests, config)
+    assert spec == plain
+    assert llm.engine.speculator.stats.num_accepted > 0, llm.engine.speculator.stats
+    draft = [m for m in llm.engine.speculator.proposer.runner.model.modules() if isinstance(m, LinearBase)]
+    assert draft and all(m.qweight.scheme == "w4a16" and m.qweight.group_size == 32 for m in draft)
+    assert all(m.qweight.scheme == "none" for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase))
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_factory) -> None:
     other = build_tiny_model(tmp_path_factory.mktemp("other-vocab"), "llama", seed=8, tokenizer=False, vocab_size=300)
     with pytest.raises(ValueError, match="vocab") as info:

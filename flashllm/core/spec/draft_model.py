@@ -191,7 +191,7 @@ def load_draft_model(target: Target) -> _LoadedDraft:
     selection = target.selection
     dtype = resolve_dtype(config.model.dtype, hf_config.torch_dtype, selection.profile.native_bf16,
                           selection.profile.accelerator)
-    quant = weight_quant_spec(config.speculative.quant_type, -1, False)
+    quant = weight_quant_spec(config.speculative.quant_type, config.speculative.group_size, False)
     request = OpRequest(dtype, dtype, quant.scheme, hf_config.head_dim, config.cache.block_size,
                         alibi=uses_alibi(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
