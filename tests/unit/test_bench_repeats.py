@@ -178,6 +178,7 @@ def test_repeats_run_rounds_of_every_engine_and_pair_ratios_within_rounds(monkey
     monkeypatch.setattr(offline, "_llama_cpp", llama_cpp)
     monkeypatch.setattr(offline, "_llama_cpp_ready", lambda args: None)
     monkeypatch.setattr(shapes, "parameter_bytes", lambda model_dir: 1)
+    monkeypatch.setattr(offline, "_transformers_streamed_bytes", lambda model_dir, dtype: 1)  # no config.json here
     out = tmp_path / "record.json"
     args = build_parser().parse_args(["bench", "latency", "--model", str(tmp_path), "--quant_type", "none,w8a16",
                                       "--baseline", "transformers", "llama.cpp", "--baseline-batch-sizes", "1,16",
