@@ -20,6 +20,7 @@ from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.fusions import LinearWeights, MoEWeights
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model
+from flashllm.testing.fused_decode import record_fused_steps
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
 
@@ -119,15 +120,7 @@ def _engine(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **kwa
 
 def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **kwargs) -> tuple[list, list, int]:
     """(tokens, logprobs per step, decode steps the fused path took) of one engine run."""
-    taken = []
-    real = decode_stack.FusedDecode.__call__
-
-    def counting(self, *args):
-        hidden = real(self, *args)
-        taken.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(decode_stack.FusedDecode, "__call__", counting)
+    taken = record_fused_steps(monkeypatch)
     llm = _engine(model_dir, monkeypatch, fused, **kwargs)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)

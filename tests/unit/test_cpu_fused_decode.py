@@ -16,6 +16,7 @@ from flashllm.backends.cpu import decode_stack, native
 from flashllm.llm import LLM
 from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.fused_decode import record_fused_steps
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
@@ -32,15 +33,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **kwargs) -> tuple[list, list, int]:
     """(tokens, top-3 logprobs per step, decode steps the fused path took) of one engine run."""
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "1" if fused else "0")
-    taken = []
-    real = decode_stack.FusedDecode.__call__
-
-    def counting(self, *args):
-        hidden = real(self, *args)
-        taken.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(decode_stack.FusedDecode, "__call__", counting)
+    taken = record_fused_steps(monkeypatch)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, num_kv_blocks=32, max_model_len=128,
               **kwargs)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]

@@ -16,6 +16,7 @@ from flashllm.ops.fused_moe import fused_moe as reference_fused_moe
 from flashllm.ops.quant_matmul import QuantizedWeight, dequantize, pack_int4
 from flashllm.registry.fusions import LinearWeights, MoEWeights
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.fused_decode import record_fused_steps
 from flashllm.testing.tiny_moe import build_moe_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
@@ -143,15 +144,7 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **kwargs) -> tuple[list, list, int]:
     """(tokens, logprobs per step, decode steps the fused path took) of one engine run."""
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "1" if fused else "0")
-    taken = []
-    real = decode_stack.FusedDecode.__call__
-
-    def counting(self, *args):
-        hidden = real(self, *args)
-        taken.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(decode_stack.FusedDecode, "__call__", counting)
+    taken = record_fused_steps(monkeypatch)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, num_kv_blocks=32, max_model_len=128,
               num_scheduler_steps=1, **kwargs)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
