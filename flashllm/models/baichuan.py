@@ -16,6 +16,7 @@ from flashllm.models.base import CausalLM
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
@@ -53,7 +54,7 @@ class BaichuanAlibiAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
-class BaichuanAlibiDecoderLayer(nn.Module):
+class BaichuanAlibiDecoderLayer(PreNormBlock):
     """Llama's pre-norm block (residual add fused in the norms) around ALiBi attention."""
 
     def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
@@ -64,16 +65,6 @@ class BaichuanAlibiDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class BaichuanAlibiModel(nn.Module):

@@ -21,6 +21,7 @@ from flashllm.models.base import CausalLM
 from flashllm.models.chatglm_config import GLMConfig, parse_chatglm_config, parse_glm_config
 from flashllm.models.layers.attention import Attention, split_heads
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from flashllm.models.layers.norm import RMSNorm
@@ -118,7 +119,7 @@ class GLMMLP(nn.Module):
         return self.dense_4h_to_h(self._silu_and_mul(self.dense_h_to_4h(x)))
 
 
-class GLMBlock(nn.Module):
+class GLMBlock(PreNormBlock):
     """Pre-norm block: x + attention(norm(x)), then + mlp(norm(.)); the residual add is fused in the norms."""
 
     def __init__(self, config: GLMConfig, rotary_emb: RotaryEmbedding, ops: Any, dtype: torch.dtype,
@@ -130,18 +131,10 @@ class GLMBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
         self.mlp = GLMMLP(config, ops, dtype, device, tp_rank, tp_size)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H) and the residual stream (T, H) (None before the first layer) ->
-        (this block's output, the residual stream it was not yet added to)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attention(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def attend(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
+               attn_metadata: AttentionMetadata) -> Tensor:
+        """The block's attention under ChatGLM's checkpoint name."""
+        return self.self_attention(positions, hidden, kv_cache, attn_metadata)
 
 
 class GLMEncoder(nn.Module):

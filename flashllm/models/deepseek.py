@@ -17,6 +17,7 @@ from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_
 from flashllm.models.deepseek_moe import DeepseekMoE, DeepseekRouter
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
@@ -107,7 +108,7 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormBlock):
     """Pre-norm block: x + mla(norm(x)), then + mlp(norm(.)); dense before first_k_dense_replace, MoE after."""
 
     def __init__(self, config: DeepseekModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
@@ -122,17 +123,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekModel(nn.Module):

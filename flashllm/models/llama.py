@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from flashllm.models.base import CausalLM
 from flashllm.models.layers.attention import Attention, split_heads
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
@@ -58,7 +59,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormBlock):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused in the norms."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
@@ -73,21 +74,6 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], attn_metadata: AttentionMetadata
-                ) -> tuple[Tensor, Tensor]:
-        """hidden (T, H) and the residual stream (T, H) (None before the first layer).
-
-        Returns (this block's output, the residual stream it was not yet added to).
-        """
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 def run_decoder_stack(stack: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],

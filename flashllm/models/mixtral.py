@@ -14,6 +14,7 @@ from flashllm.models.base import CausalLM
 from flashllm.models.hf_config import ModelLoadError, positive_int
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, expert_param_target
@@ -111,7 +112,7 @@ def parse_mixtral_config(raw: dict[str, Any], source: str = "config.json") -> Mo
     return config
 
 
-class MoEDecoderLayer(nn.Module):
+class MoEDecoderLayer(PreNormBlock):
     """Llama's pre-norm block with the MLP given (a SparseMoeBlock, or a dense GatedMLP): x + attn(norm(x)),
     then + mlp(norm(.)), the residual add fused in the norms."""
 
@@ -125,17 +126,6 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, Tensor],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 # (config, layer index) -> that layer's MLP module

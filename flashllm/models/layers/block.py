@@ -1,0 +1,29 @@
+"""The pre-norm decoder block's forward shared by the Llama-style families (residual add fused in the norms)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from flashllm.models.layers.attention_metadata import AttentionMetadata
+
+
+class PreNormBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)); a subclass sets input_layernorm, post_attention_layernorm, mlp and
+    self_attn (or overrides attend, as ChatGLM's `self_attention` does). The residual add is fused into each
+    RMSNorm, so the block returns its output beside the residual stream it was not yet added to."""
+
+    def attend(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
+               attn_metadata: AttentionMetadata) -> Tensor:
+        """The block's attention: normed hidden (T, H) -> (T, H)."""
+        return self.self_attn(positions, hidden, kv_cache, attn_metadata)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.attend(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
