@@ -11,13 +11,10 @@ import torch
 pytest.importorskip("gguf")
 
 from flashllm import LLM, SamplingParams  # noqa: E402
-from flashllm.backends.reference import reference_op_table  # noqa: E402
-from flashllm.models.builtin import flashllm_register_models  # noqa: E402
 from flashllm.models.layers.linear import LinearBase  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
-from flashllm.models.registry import ModelRegistry  # noqa: E402
 from flashllm.ops.quant_matmul import dequantize  # noqa: E402
 from flashllm.testing.gguf_files import write_gguf  # noqa: E402
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
 STEPS = 24
@@ -39,11 +36,7 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
 
 
 def _load(path: Path, rank: int = 0, tp: int = 1) -> torch.nn.Module:
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    model, _ = load_model(path, reference_op_table(), torch.float32, "cpu", registry, tp_rank=rank, tp_size=tp,
-                          progress=False)
-    return model
+    return load_flashllm(path, tp_rank=rank, tp_size=tp)
 
 
 @pytest.mark.parametrize("qtype", sorted(SHAPES))

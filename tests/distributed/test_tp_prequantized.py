@@ -12,14 +12,12 @@ from safetensors.torch import load_file, save_file
 
 from flashllm import LLM, SamplingParams
 from flashllm.backends.reference import reference_op_table
-from flashllm.models.builtin import flashllm_register_models
 from flashllm.models.hf_config import CheckpointQuant, ModelLoadError
 from flashllm.models.layers.linear import ColumnParallelLinear, LinearBase
 from flashllm.models.layers.prequantized import PrequantizedLinear
-from flashllm.models.loader import load_model
-from flashllm.models.registry import ModelRegistry
 from flashllm.ops.quant_matmul import dequantize
 from flashllm.quant import awq, gptq
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.packed_quant import quantize
 from flashllm.testing.tiny_models import build_tiny_model
 
@@ -99,10 +97,7 @@ def quant_dirs(float_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def _load(model_dir: Path, tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    return load_model(model_dir, reference_op_table(), torch.float32, "cpu", registry, progress=False,
-                      tp_rank=tp_rank, tp_size=tp_size)[0]
+    return load_flashllm(model_dir, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def _dense(module: LinearBase) -> torch.Tensor:

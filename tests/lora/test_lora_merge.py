@@ -13,12 +13,10 @@ pytest.importorskip("peft")
 
 from flashllm.backends.reference import reference_op_table  # noqa: E402
 from flashllm.llm import LLM  # noqa: E402
-from flashllm.models.builtin import flashllm_register_models  # noqa: E402
 from flashllm.models.hf_config import ModelLoadError  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
-from flashllm.models.registry import ModelRegistry  # noqa: E402
 from flashllm.quant.spec import weight_quant_spec  # noqa: E402
 from flashllm.sampling_params import SamplingParams  # noqa: E402
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import build_peft_adapter, load_peft_model  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
@@ -111,20 +109,14 @@ def test_adapter_on_fused_module_names(bases, tmp_path) -> None:
     _check_engine_against_peft(bases["llama"], fused, load_peft_model(bases["llama"], adapter))
 
 
-def _registry() -> ModelRegistry:
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    return registry
-
-
 def test_merge_happens_before_weight_only_quantization(bases, tmp_path) -> None:
     """--lora_path with w8a16 quantizes the merged weights: the same codes as quantizing peft's merged model."""
     adapter = build_peft_adapter(bases["llama"], tmp_path / "adapter", seed=9)
     merged_dir = tmp_path / "merged"
     load_peft_model(bases["llama"], adapter).merge_and_unload().save_pretrained(merged_dir)
     ops, quant = reference_op_table(), weight_quant_spec("weight_only_int8", -1)
-    ours, _ = load_model(bases["llama"], ops, torch.float32, "cpu", _registry(), False, quant, lora_path=adapter)
-    theirs, _ = load_model(merged_dir, ops, torch.float32, "cpu", _registry(), False, quant)
+    ours = load_flashllm(bases["llama"], ops, quant=quant, lora_path=adapter)
+    theirs = load_flashllm(merged_dir, ops, quant=quant)
     for (name, a), (_, b) in zip(ours.named_modules(), theirs.named_modules(), strict=True):
         if getattr(a, "qweight", None) is not None and a.qweight.scheme == "w8a16":
             assert (a.qweight.data.int() - b.qweight.data.int()).abs().max() <= 1, name
@@ -153,7 +145,7 @@ def test_bad_adapters_are_refused_in_one_line(damage, message, bases, tmp_path) 
     adapter = build_peft_adapter(bases["llama"], tmp_path / "adapter", targets=("q_proj", "v_proj"), seed=1)
     damage(adapter)
     with pytest.raises(ModelLoadError, match=message) as info:
-        load_model(bases["llama"], reference_op_table(), torch.float32, "cpu", _registry(), False, lora_path=adapter)
+        load_flashllm(bases["llama"], lora_path=adapter)
     assert "\n" not in str(info.value)
 
 
@@ -161,7 +153,7 @@ def test_adapter_for_another_model_size_is_refused_before_allocation(bases, tmp_
     other = build_tiny_model(tmp_path / "wide", "llama", seed=1, tokenizer=False, hidden_size=96)
     adapter = build_peft_adapter(other, tmp_path / "adapter", targets=("q_proj",), seed=1)
     with pytest.raises(ModelLoadError, match=r"lora_A \(8, 96\).*expected \(8, 64\)"):
-        load_model(bases["llama"], reference_op_table(), torch.float32, "cpu", _registry(), False, lora_path=adapter)
+        load_flashllm(bases["llama"], lora_path=adapter)
 
 
 def _rename_keys(adapter: Path, old: str, new: str) -> None:

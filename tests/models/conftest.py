@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from flashllm.backends.reference import reference_op_table
-from flashllm.models.builtin import flashllm_register_models
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.loader import load_model
 from flashllm.models.registry import ModelRegistry
+from flashllm.testing.loading import builtin_registry
 from flashllm.testing.tiny_models import build_tiny_model
 
 
@@ -23,9 +23,7 @@ def ops():
 
 @pytest.fixture
 def model_registry() -> ModelRegistry:
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    return registry
+    return builtin_registry()
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +44,7 @@ def loaded_pair(tiny_model_dir, ops) -> Callable[[str], tuple[torch.nn.Module, t
     """preset -> (flashllm model, transformers model), both float32 on CPU, loaded once."""
     from transformers import AutoModelForCausalLM
 
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
+    registry = builtin_registry()
     pairs: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
 
     def get(preset: str):

@@ -12,6 +12,7 @@ from flashllm.models.deepseek_moe import DeepseekMoE
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model, raw_config
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.parity import LogitRecorder, assert_logits_close, hf_logits, random_tokens
 
 ATOL = 1e-4
@@ -33,13 +34,7 @@ def hf_models(ds_dirs):
 
 @pytest.fixture(scope="module")
 def ours(ds_dirs, ops):
-    from flashllm.models.builtin import flashllm_register_models
-    from flashllm.models.loader import load_model
-    from flashllm.models.registry import ModelRegistry
-
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    return {p: load_model(d, ops, torch.float32, "cpu", registry, progress=False)[0] for p, d in ds_dirs.items()}
+    return {p: load_flashllm(d, ops) for p, d in ds_dirs.items()}
 
 
 def test_the_models_build_the_layers_the_config_asks_for(ours) -> None:

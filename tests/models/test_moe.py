@@ -17,6 +17,7 @@ from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.parity import LogitRecorder, assert_logits_close, hf_logits, random_tokens
 from flashllm.testing.tiny_moe import MOE_BASE as BASE
 from flashllm.testing.tiny_moe import MOE_PRESETS as PRESETS
@@ -46,12 +47,7 @@ def hf_models(moe_dirs):
 
 @pytest.fixture(scope="module")
 def ours(moe_dirs, ops):
-    from flashllm.models.builtin import flashllm_register_models
-    from flashllm.models.registry import ModelRegistry
-
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    return {p: load_model(d, ops, torch.float32, "cpu", registry, progress=False)[0] for p, d in moe_dirs.items()}
+    return {p: load_flashllm(d, ops) for p, d in moe_dirs.items()}
 
 
 def test_the_checkpoints_carry_the_names_real_checkpoints_use(moe_dirs) -> None:

@@ -31,19 +31,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashllm.backends.reference import reference_op_table
 from flashllm.cli.predict import main as predict_main
 from flashllm.llm import LLM
-from flashllm.models.builtin import flashllm_register_models
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.linear import LinearBase
-from flashllm.models.loader import load_model
-from flashllm.models.registry import ModelRegistry
 from flashllm.models.weight_bytes import weight_bytes
 from flashllm.quant import quantize_weight
 from flashllm.quant.spec import QuantConfigError, WeightQuantSpec
 from flashllm.registry.resolve import PrecisionError
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.loading import load_flashllm
 from flashllm.testing.memorize import memorize
 from flashllm.testing.tiny_models import build_tiny_model
 
@@ -186,10 +183,7 @@ def test_predict_cli_passes_the_quant_flags(tmp_path: Path) -> None:
 
 
 def _reference_model(model_dir: Path, quant: WeightQuantSpec | None) -> torch.nn.Module:
-    registry = ModelRegistry()
-    flashllm_register_models(registry.register)
-    model, _ = load_model(model_dir, reference_op_table(), torch.float32, "cpu", registry, progress=False, quant=quant)
-    return model
+    return load_flashllm(model_dir, quant=quant)
 
 
 def _logit_metrics(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, float, float]:
