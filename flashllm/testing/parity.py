@@ -57,6 +57,16 @@ def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
+@torch.inference_mode()
+def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by repeated full forwards (no cache code involved): the `steps` new tokens, and the
+    (len(prompt) + steps, V) float32 logits of every position of the final sequence."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    return ids[len(prompt):], hf_logits(hf_model, ids)
+
+
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4) -> None:
     """Same shape and max |actual - expected| <= atol; the message gives the difference found."""
     assert actual.shape == expected.shape, f"logits of shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"

@@ -17,7 +17,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import LogitRecorder
+from flashllm.testing.parity import LogitRecorder, random_tokens
 from flashllm.testing.tiny_models import build_tiny_model
 
 BLOCK, STEPS, ATOL = 16, 32, 1e-4
@@ -27,10 +27,6 @@ VOCAB = 256
 # the ALiBi models: 6 heads (not a power of two, so the interleaved slopes are used), head_dim 16
 ALIBI = {"vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
          "num_attention_heads": 6, "rms_norm_eps": 1e-6, "hidden_act": "silu", "model_max_length": 512}
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def write_baichuan(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
@@ -199,7 +195,7 @@ def test_engine_greedy_tokens_and_logits_match_the_reference(name, models) -> No
     32 greedy tokens identical to the reference and every sampled logits row within 1e-4."""
     llm = _llm(models[name][0], max_num_batched_tokens=48)
     recorder = LogitRecorder(llm)
-    prompts = [random_tokens(n, seed=20 + n) for n in PROMPT_LENGTHS]
+    prompts = [random_tokens(n, VOCAB, seed=20 + n) for n in PROMPT_LENGTHS]
     _check(models, name, prompts, llm.generate(prompts, GREEDY), recorder)
     assert llm.engine.parts.ops.sources["paged_attention"] == "cpu"
 
@@ -208,15 +204,15 @@ def test_engine_greedy_tokens_and_logits_match_the_reference(name, models) -> No
 def test_alibi_on_the_reference_backend_matches(name, models) -> None:
     llm = _llm(models[name][0], backend="reference")
     recorder = LogitRecorder(llm)
-    prompts = [random_tokens(n, seed=40 + n) for n in (5, 64, 130)]
+    prompts = [random_tokens(n, VOCAB, seed=40 + n) for n in (5, 64, 130)]
     _check(models, name, prompts, llm.generate(prompts, GREEDY), recorder)
 
 
 @pytest.mark.parametrize("name", ["7b", "13b", "2-13b"])
 def test_prefix_cache_hits_give_the_reference_tokens(name, models) -> None:
     llm = _llm(models[name][0])
-    shared = random_tokens(100, seed=30)
-    prompts = [shared + random_tokens(n, seed=31 + n) for n in (3, 40)]
+    shared = random_tokens(100, VOCAB, seed=30)
+    prompts = [shared + random_tokens(n, VOCAB, seed=31 + n) for n in (3, 40)]
     llm.generate(prompts[:1], GREEDY)  # fills the cache with the shared blocks
     recorder = LogitRecorder(llm)
     outputs = llm.generate(prompts, GREEDY)
@@ -229,11 +225,11 @@ def test_alibi_chunks_after_a_cached_prefix_beside_a_decode(models, ops, model_r
     model_dir, naive = models["2-13b"]
     ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=64, seed=5)
-    long_prompt, short = random_tokens(150, seed=6), random_tokens(30, seed=7)
+    long_prompt, short = random_tokens(150, VOCAB, seed=6), random_tokens(30, VOCAB, seed=7)
     a, b = driver.add_sequence(), driver.add_sequence()
     driver.step([(b, short)])
     for lo, hi in ((0, 37), (37, 100), (100, 150)):
-        short.append(random_tokens(1, seed=hi)[0])
+        short.append(random_tokens(1, VOCAB, seed=hi)[0])
         chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
         torch.testing.assert_close(chunk_logits.double(), naive.logits(long_prompt[:hi])[lo:hi], atol=ATOL, rtol=0)
         torch.testing.assert_close(decode_logits.double(), naive.logits(short)[-1:], atol=ATOL, rtol=0)
@@ -242,7 +238,7 @@ def test_alibi_chunks_after_a_cached_prefix_beside_a_decode(models, ops, model_r
 def test_alibi_and_the_normalized_head_change_the_logits(models) -> None:
     """Guards the parity tests: without the bias, or without normalizing the head, the logits differ."""
     model_dir, naive = models["2-13b"]
-    tokens = random_tokens(64, seed=1)
+    tokens = random_tokens(64, VOCAB, seed=1)
     for other in (NaiveBaichuan(model_dir, alibi=False, norm_head=True), NaiveBaichuan(model_dir)):
         difference = (other.logits(tokens) - naive.logits(tokens)).abs().max()
         assert difference > 1e-2
@@ -293,7 +289,7 @@ def test_weight_only_int8_alibi_computes_with_its_dequantized_weights(models, op
                         p + "mlp.down_proj.weight": dequantize(mlp.down_proj.qweight).double()})
     assert not torch.equal(naive.w["model.layers.0.self_attn.W_pack.weight"], models["2-13b"][1].w[
         "model.layers.0.self_attn.W_pack.weight"])  # the weights really were rounded
-    prompt = random_tokens(65, seed=8)
+    prompt = random_tokens(65, VOCAB, seed=8)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=16)
     (logits,) = driver.step([(driver.add_sequence(), prompt)])
     torch.testing.assert_close(logits.double(), naive.logits(prompt), atol=ATOL, rtol=0)
@@ -334,7 +330,7 @@ def test_a_quantized_baichuan2_13b_computes_its_dequantized_weights(case, models
     naive = NaiveBaichuan(write_baichuan(tmp_path / "twin", twin, config), norm_head=True)
     ours, _ = load_model(quant_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     assert ours.model.layers[0].self_attn.qkv_proj.weight is None
-    prompt = random_tokens(40, seed=32)
+    prompt = random_tokens(40, VOCAB, seed=32)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=16)
     seq, new = driver.add_sequence(), list(prompt)
     for _ in range(4):  # the prompt, then three decode steps

@@ -22,7 +22,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import assert_rows_match
+from flashllm.testing.parity import assert_logits_close, assert_rows_match, hf_greedy, hf_logits, random_tokens
 from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
@@ -110,21 +110,6 @@ def glm(tmp_path_factory):
     return hf_model, glm_dir, write_chatglm_dir(tmp_path_factory.mktemp("chatglm"), hf_model)
 
 
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    err = (ours - theirs).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
-
-
 # ---------------------------------------------------------------- forward over a paged cache
 
 
@@ -136,31 +121,31 @@ def test_varlen_prefill_and_decode_match_transformers(layout, glm, ops, model_re
     assert type(ours) is (ChatGLMForConditionalGeneration if layout == "chatglm" else GlmForCausalLM)
     assert (config.rotary_dim, config.rope_theta) == (HEAD_DIM // 2, 10000.0 * ROPE_RATIO)
     driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
-    prompts = [random_tokens(n, seed=100 + n) for n in PROMPT_LENGTHS]
+    prompts = [random_tokens(n, VOCAB, seed=100 + n) for n in PROMPT_LENGTHS]
     seqs = [driver.add_sequence() for _ in prompts]
     outputs = driver.step(list(zip(seqs, prompts, strict=True)))
     for prompt, logits in zip(prompts, outputs, strict=True):
-        assert_close(logits, hf_logits(hf_model, prompt))
+        assert_logits_close(logits, hf_logits(hf_model, prompt), ATOL)
     for _ in range(3):
         for prompt, logits in zip(prompts, outputs, strict=True):
             prompt.append(int(logits[-1].argmax()))
         outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
         for prompt, logits in zip(prompts, outputs, strict=True):
-            assert_close(logits, hf_logits(hf_model, prompt)[-1:])
+            assert_logits_close(logits, hf_logits(hf_model, prompt)[-1:], ATOL)
 
 
 def test_chunked_prefill_beside_a_decode_matches_transformers(glm, ops, model_registry, paged_driver):
     hf_model, _, chatglm_dir = glm
     ours, _ = load_model(chatglm_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=16, num_blocks=32, seed=5)
-    long_prompt, short = random_tokens(150, seed=6), random_tokens(20, seed=8)
+    long_prompt, short = random_tokens(150, VOCAB, seed=6), random_tokens(20, VOCAB, seed=8)
     a, b = driver.add_sequence(), driver.add_sequence()
     driver.step([(b, short)])
     for lo, hi in ((0, 37), (37, 100), (100, 150)):
-        short.append(random_tokens(1, seed=hi)[0])
+        short.append(random_tokens(1, VOCAB, seed=hi)[0])
         chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
-        assert_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi])
-        assert_close(decode_logits, hf_logits(hf_model, short)[-1:])
+        assert_logits_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi], ATOL)
+        assert_logits_close(decode_logits, hf_logits(hf_model, short)[-1:], ATOL)
 
 
 def test_fusions_describe_half_of_each_head_turning_in_pairs(glm, ops, model_registry):
@@ -209,17 +194,9 @@ def test_tensor_parallel_ranks_load_their_heads_of_the_fused_tensors(glm, ops, t
 # ---------------------------------------------------------------- the whole engine
 
 
-def _hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation by repeated full forwards: the tokens, and the logits of every position."""
-    ids = list(prompt)
-    for _ in range(steps):
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    return ids[len(prompt):], hf_logits(hf_model, ids)
-
-
 def _check_tokens_and_logits(hf_model, prompts, outputs, rows) -> None:
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logits = _hf_greedy(hf_model, prompt, STEPS)
+        tokens, logits = hf_greedy(hf_model, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert_rows_match(rows, prompt, tokens, logits, STEPS, atol=ATOL)
 
@@ -233,7 +210,7 @@ def test_engine_greedy_tokens_and_logits_match_transformers(glm):
     hf_model, _, chatglm_dir = glm
     llm = _llm(chatglm_dir)
     rows = _record_logits(llm)
-    prompts = [random_tokens(n, seed=n) for n in PROMPT_LENGTHS]
+    prompts = [random_tokens(n, VOCAB, seed=n) for n in PROMPT_LENGTHS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
     _check_tokens_and_logits(hf_model, prompts, outputs, rows)
 
@@ -241,11 +218,11 @@ def test_engine_greedy_tokens_and_logits_match_transformers(glm):
 def test_engine_chunked_prefill_and_prefix_cache_hits_match_transformers(glm):
     hf_model, _, chatglm_dir = glm
     llm = _llm(chatglm_dir, max_num_batched_tokens=48)
-    shared = random_tokens(100, seed=11)
-    prompts = [shared + random_tokens(n, seed=12 + n) for n in (3, 40)] + [random_tokens(65, seed=13)]
+    shared = random_tokens(100, VOCAB, seed=11)
+    prompts = [shared + random_tokens(n, VOCAB, seed=12 + n) for n in (3, 40)] + [random_tokens(65, VOCAB, seed=13)]
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     first = llm.generate(prompts[:1], params)  # caches the shared blocks (greedy steps through the cpu screen)
-    assert first[0].outputs[0].token_ids == _hf_greedy(hf_model, prompts[0], STEPS)[0]
+    assert first[0].outputs[0].token_ids == hf_greedy(hf_model, prompts[0], STEPS)[0]
     rows = _record_logits(llm)
     outputs = llm.generate(prompts, params)
     assert all(o.metrics.num_cached_tokens >= 96 for o in outputs[:2])  # 6 full blocks of 16 hit
@@ -265,10 +242,10 @@ def test_the_cpu_fused_decode_step_takes_the_glm_block_and_gives_transformers_to
     monkeypatch.setattr(decode_stack.FusedDecode, "__call__", lambda self, *a: fused_steps.append(True) or real(self, *a))
     llm = _llm(chatglm_dir)
     assert decode_stack.build(llm.engine.parts.model) is not None
-    prompts = [random_tokens(n, seed=40 + n) for n in (1, 63, 65)]
+    prompts = [random_tokens(n, VOCAB, seed=40 + n) for n in (1, 63, 65)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt, STEPS)[0]
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, STEPS)[0]
     assert fused_steps and greedy_screen.kept(llm.engine.parts.model) is not None
 
 
@@ -291,7 +268,7 @@ def test_chat_through_the_checkpoints_sentencepiece_tokenizer(tmp_path):
     (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params)
     assert chat.prompt_token_ids[:3] == [*prefix, tok.convert_tokens_to_ids("<|user|>")]
     assert chat.prompt_token_ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
-    assert chat.outputs[0].token_ids == _hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
+    assert chat.outputs[0].token_ids == hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
     (plain,) = llm.generate("Hello", params)
     assert plain.prompt_token_ids == [*prefix, *tok.encode("Hello", add_special_tokens=False)]
     assert plain.outputs[0].text == tok.decode(plain.outputs[0].token_ids, skip_special_tokens=True)
@@ -319,7 +296,7 @@ def test_a_glm4_checkpoint_chats_through_its_tiktoken_tokenizer(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (chat,) = llm.chat([{"role": "user", "content": "Hello"}], params)
     assert chat.prompt_token_ids == [n + 2, n + 4, n + 7, *tok.encode("\nHello", add_special_tokens=False), n + 8]
-    assert chat.outputs[0].token_ids == _hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
+    assert chat.outputs[0].token_ids == hf_greedy(hf_model, list(chat.prompt_token_ids), 8)[0]
     (plain,) = llm.generate("Hello", params)
     assert plain.prompt_token_ids == [n + 2, n + 4, *tok.encode("Hello", add_special_tokens=False)]
 

@@ -14,7 +14,14 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.models.mistral import DEFAULT_SLIDING_WINDOW
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import LogitRecorder, assert_rows_match
+from flashllm.testing.parity import (
+    LogitRecorder,
+    assert_logits_close,
+    assert_rows_match,
+    hf_greedy,
+    hf_logits,
+    random_tokens,
+)
 
 WINDOW = 24     # shorter than most prompts below, and not a multiple of the block size
 BLOCK = 16
@@ -53,21 +60,6 @@ def hf_mistral(mistral_dir):
     return AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    err = (ours - theirs).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
-
-
 def test_the_window_is_read_from_config_json(mistral_dir, ops, model_registry):
     model, config = load_model(mistral_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     assert config.sliding_windows == (WINDOW, WINDOW)
@@ -81,17 +73,17 @@ def test_the_window_must_change_the_logits(mistral_dir, hf_mistral):
 
     full = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32, attn_implementation="eager",
                                                 sliding_window=None).eval()
-    tokens = random_tokens(64, seed=1)
+    tokens = random_tokens(64, TINY["vocab_size"], seed=1)
     assert (hf_logits(full, tokens)[-1] - hf_logits(hf_mistral, tokens)[-1]).abs().max() > 1e-2
 
 
 def test_prefill_over_blocks_matches_transformers(mistral_dir, hf_mistral, ops, model_registry, paged_driver):
     ours, _ = load_model(mistral_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=128, seed=2)
-    prompts = [random_tokens(n, seed=10 + n) for n in PROMPT_LENGTHS]
+    prompts = [random_tokens(n, TINY["vocab_size"], seed=10 + n) for n in PROMPT_LENGTHS]
     outputs = driver.step([(driver.add_sequence(), p) for p in prompts])
     for prompt, logits in zip(prompts, outputs, strict=True):
-        assert_close(logits, hf_logits(hf_mistral, prompt))
+        assert_logits_close(logits, hf_logits(hf_mistral, prompt), ATOL)
 
 
 def test_chunked_prefill_beside_decodes_matches_transformers(mistral_dir, hf_mistral, ops, model_registry,
@@ -99,23 +91,14 @@ def test_chunked_prefill_beside_decodes_matches_transformers(mistral_dir, hf_mis
     """A prompt in chunks (queries after a cached prefix longer than the window) shares steps with a decode."""
     ours, _ = load_model(mistral_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=64, seed=5)
-    long_prompt, short = random_tokens(150, seed=6), random_tokens(30, seed=7)
+    long_prompt, short = random_tokens(150, TINY["vocab_size"], seed=6), random_tokens(30, TINY["vocab_size"], seed=7)
     a, b = driver.add_sequence(), driver.add_sequence()
     driver.step([(b, short)])
     for lo, hi in ((0, 37), (37, 100), (100, 150)):
-        short.append(random_tokens(1, seed=hi)[0])
+        short.append(random_tokens(1, TINY["vocab_size"], seed=hi)[0])
         chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
-        assert_close(chunk_logits, hf_logits(hf_mistral, long_prompt[:hi])[lo:hi])
-        assert_close(decode_logits, hf_logits(hf_mistral, short)[-1:])
-
-
-def _hf_greedy(model, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation by full forwards (no cache code involved): the tokens, the final logits."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(prompt):], model(torch.tensor([ids])).logits[0]
+        assert_logits_close(chunk_logits, hf_logits(hf_mistral, long_prompt[:hi])[lo:hi], ATOL)
+        assert_logits_close(decode_logits, hf_logits(hf_mistral, short)[-1:], ATOL)
 
 
 def _llm(model_dir: Path, **kw) -> LLM:
@@ -132,23 +115,23 @@ def test_engine_greedy_tokens_and_logits_match_transformers(backend, mistral_dir
     tokens identical and every sampled logits row within 1e-4, with chunked prefill."""
     llm = _llm(mistral_dir, max_num_batched_tokens=48, **({} if backend is None else {"backend": backend}))
     recorder = LogitRecorder(llm)
-    prompts = [random_tokens(n, seed=20 + n) for n in (1, 7, 25, 63, 65, 200)]
+    prompts = [random_tokens(n, TINY["vocab_size"], seed=20 + n) for n in (1, 7, 25, 63, 65, 200)]
     outputs = llm.generate(prompts, GREEDY)
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, final = _hf_greedy(hf_mistral, prompt)
+        tokens, final = hf_greedy(hf_mistral, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert_rows_match(recorder.rows, prompt, tokens, final, STEPS, atol=ATOL)
 
 
 def test_prefix_cache_hits_give_transformers_tokens(mistral_dir, hf_mistral):
     llm = _llm(mistral_dir)
-    shared = random_tokens(100, seed=30)
-    prompts = [shared + random_tokens(n, seed=31 + n) for n in (3, 40)]
+    shared = random_tokens(100, TINY["vocab_size"], seed=30)
+    prompts = [shared + random_tokens(n, TINY["vocab_size"], seed=31 + n) for n in (3, 40)]
     llm.generate(prompts[:1], GREEDY)  # fills the cache with the shared blocks
     outputs = llm.generate(prompts, GREEDY)
     assert all(o.metrics.num_cached_tokens >= 96 for o in outputs)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == _hf_greedy(hf_mistral, prompt)[0]
+        assert output.outputs[0].token_ids == hf_greedy(hf_mistral, prompt, STEPS)[0]
 
 
 def _raw(**overrides) -> dict:

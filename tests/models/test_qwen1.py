@@ -21,7 +21,7 @@ from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.packed_quant import quantize_linear
-from flashllm.testing.parity import assert_rows_match
+from flashllm.testing.parity import assert_logits_close, assert_rows_match, hf_greedy, hf_logits, random_tokens
 from flashllm.testing.parity import record_logits as _record_logits
 
 VOCAB, HIDDEN, HEADS, LAYERS, MLP = 256, 64, 4, 2, 96  # MLP: each of w1 / w2 (QWen's intermediate_size // 2)
@@ -134,16 +134,6 @@ def naive_qwen_logits(tensors: dict[str, torch.Tensor], config: dict, tokens: li
     return linear(norm(x, "transformer.ln_f"), "lm_head")
 
 
-def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    err = (ours.double() - theirs.double()).abs().max().item()
-    assert err <= ATOL, f"max abs logit difference {err:.2e} > {ATOL:.0e}"
-
-
 # ---------------------------------------------------------------- parity with transformers' Qwen2
 
 
@@ -168,11 +158,6 @@ def qwen1_dir(tmp_path_factory, qwen2_model) -> Path:
     return write_qwen_dir(tmp_path_factory.mktemp("qwen1"), qwen_tensors_from_qwen2(qwen2_model), qwen_config())
 
 
-@torch.inference_mode()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
-
-
 def test_qwen_names_load_and_the_fused_decoder_stack_is_declared(qwen1_dir, ops, model_registry):
     model, config = load_model(qwen1_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     assert (config.architecture, config.intermediate_size, config.head_dim) == ("QWenLMHeadModel", MLP, HIDDEN // HEADS)
@@ -183,17 +168,9 @@ def test_qwen_names_load_and_the_fused_decoder_stack_is_declared(qwen1_dir, ops,
 def test_prefill_over_blocks_matches_qwen2(qwen1_dir, qwen2_model, ops, model_registry, paged_driver):
     ours, _ = load_model(qwen1_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=BLOCK, num_blocks=64, seed=1)
-    prompts = [random_tokens(n, seed=n) for n in (1, 7, 15, 16, 17, 63, 64, 65, 200)]
+    prompts = [random_tokens(n, VOCAB, seed=n) for n in (1, 7, 15, 16, 17, 63, 64, 65, 200)]
     for prompt, logits in zip(prompts, driver.step([(driver.add_sequence(), p) for p in prompts]), strict=True):
-        assert_close(logits, hf_logits(qwen2_model, prompt))
-
-
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(STEPS):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(prompt):], model(torch.tensor([ids])).logits[0]
+        assert_logits_close(logits, hf_logits(qwen2_model, prompt), ATOL)
 
 
 def _llm(model_dir: Path, **kw) -> LLM:
@@ -204,22 +181,22 @@ def _llm(model_dir: Path, **kw) -> LLM:
 def test_engine_greedy_tokens_and_logits_match_qwen2_with_chunked_prefill(qwen1_dir, qwen2_model):
     llm = _llm(qwen1_dir, max_num_batched_tokens=48)
     rows = _record_logits(llm)
-    prompts = [random_tokens(n, seed=40 + n) for n in (1, 7, 63, 64, 65, 200)]
+    prompts = [random_tokens(n, VOCAB, seed=40 + n) for n in (1, 7, 63, 64, 65, 200)]
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
-        tokens, final = _hf_greedy(qwen2_model, prompt)
+        tokens, final = hf_greedy(qwen2_model, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert_rows_match(rows, prompt, tokens, final, STEPS, atol=ATOL)
 
 
 def test_prefix_cache_hits_give_qwen2_tokens(qwen1_dir, qwen2_model):
     llm = _llm(qwen1_dir)
-    shared = random_tokens(100, seed=50)
-    prompts = [shared + random_tokens(n, seed=51 + n) for n in (3, 40)]
+    shared = random_tokens(100, VOCAB, seed=50)
+    prompts = [shared + random_tokens(n, VOCAB, seed=51 + n) for n in (3, 40)]
     llm.generate(prompts[:1], GREEDY)
     outputs = llm.generate(prompts, GREEDY)
     assert all(o.metrics.num_cached_tokens >= 96 for o in outputs)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == _hf_greedy(qwen2_model, prompt)[0]
+        assert output.outputs[0].token_ids == hf_greedy(qwen2_model, prompt, STEPS)[0]
 
 
 def test_two_tensor_parallel_ranks_split_c_attn_and_give_qwen2s_tokens(qwen1_dir, qwen2_model):
@@ -227,10 +204,10 @@ def test_two_tensor_parallel_ranks_split_c_attn_and_give_qwen2s_tokens(qwen1_dir
     llm = _llm(qwen1_dir, tensor_parallel_size=2, distributed_executor_backend="mp", num_kv_blocks=32)
     try:  # the engine leaves this process's group when shut down: a later tensor-parallel test can join one
         assert llm.engine.parts.model.model.layers[0].self_attn.num_heads == HEADS // 2  # this rank's half
-        prompts = [random_tokens(n, seed=70 + n) for n in (5, 40)]
+        prompts = [random_tokens(n, VOCAB, seed=70 + n) for n in (5, 40)]
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
-            assert output.outputs[0].token_ids == _hf_greedy(qwen2_model, prompt)[0][:8]
+            assert output.outputs[0].token_ids == hf_greedy(qwen2_model, prompt, STEPS)[0][:8]
     finally:
         llm.engine.shutdown()
 
@@ -239,7 +216,7 @@ def test_two_tensor_parallel_ranks_split_c_attn_and_give_qwen2s_tokens(qwen1_dir
 def test_weight_quantization_applies_to_the_qwen_layers(qwen1_dir, paged_driver, quant_type, group_size, max_rel):
     """--quant_type quantizes the layers c_attn, c_proj, w1, w2 and mlp.c_proj load into (the float
     logits are the reference; bounds as the Llama precision tests use)."""
-    prompt = random_tokens(64, seed=60)
+    prompt = random_tokens(64, VOCAB, seed=60)
 
     def logits(llm: LLM) -> torch.Tensor:
         driver = paged_driver(llm.engine.parts.model, BLOCK, 8)
@@ -265,28 +242,28 @@ def _naive_case(tmp_path: Path, ops, model_registry, seed: int, **overrides):
 
 def test_the_naive_forward_is_qwen2s_on_mapped_weights(qwen2_model):
     """Checks the test's own reference against transformers before it judges anything else."""
-    tokens = random_tokens(40, seed=2)
+    tokens = random_tokens(40, VOCAB, seed=2)
     naive = naive_qwen_logits(qwen_tensors_from_qwen2(qwen2_model), qwen_config(), tokens)
-    assert_close(naive, hf_logits(qwen2_model, tokens))
+    assert_logits_close(naive, hf_logits(qwen2_model, tokens), ATOL)
 
 
 def test_logn_attention_past_seq_length_matches_the_naive_forward(tmp_path, ops, model_registry, paged_driver):
     model, parsed, tensors, config = _naive_case(tmp_path, ops, model_registry, seed=5, use_logn_attn=True,
                                                  seq_length=16)
     assert parsed.max_position_embeddings == 512 and DECODER_STACK not in model.fusions()
-    prompt = random_tokens(40, seed=6)
+    prompt = random_tokens(40, VOCAB, seed=6)
     plain = naive_qwen_logits(tensors, {**config, "use_logn_attn": False}, prompt)
     assert (plain[-1] - naive_qwen_logits(tensors, config, prompt)[-1]).abs().max() > 1e-3  # logn matters here
     driver = paged_driver(model, block_size=BLOCK, num_blocks=16, seed=7)
     seq = driver.add_sequence()
     (logits,) = driver.step([(seq, prompt[:9])])  # positions below seq_length, then past it
-    assert_close(logits, naive_qwen_logits(tensors, config, prompt[:9]))
+    assert_logits_close(logits, naive_qwen_logits(tensors, config, prompt[:9]), ATOL)
     (logits,) = driver.step([(seq, prompt[9:])])
-    assert_close(logits, naive_qwen_logits(tensors, config, prompt)[9:])
+    assert_logits_close(logits, naive_qwen_logits(tensors, config, prompt)[9:], ATOL)
     for _ in range(4):  # decode steps
         prompt.append(int(logits[-1].argmax()))
         (logits,) = driver.step([(seq, prompt[-1:])])
-        assert_close(logits, naive_qwen_logits(tensors, config, prompt)[-1:])
+        assert_logits_close(logits, naive_qwen_logits(tensors, config, prompt)[-1:], ATOL)
 
 
 NTK = {"use_dynamic_ntk": True, "use_logn_attn": True, "seq_length": 32}
@@ -324,7 +301,7 @@ def test_dynamic_ntk_runs_past_seq_length_with_each_prompts_alpha(ntk_case):
     llm = _llm(model_dir, max_num_batched_tokens=48)
     assert llm.engine.parts.model.reads_prompt_lens and DECODER_STACK not in llm.engine.parts.model.fusions()
     rows = _record_logits(llm)
-    prompts = [random_tokens(n, seed=90 + n) for n in (20, 33, 64, 65, 150)]
+    prompts = [random_tokens(n, VOCAB, seed=90 + n) for n in (20, 33, 64, 65, 150)]
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
         tokens, final = _naive_greedy(tensors, config, prompt, STEPS)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
@@ -338,9 +315,9 @@ def test_dynamic_ntk_runs_past_seq_length_with_each_prompts_alpha(ntk_case):
 def test_dynamic_ntk_prefix_cache_shares_blocks_within_one_alpha_only(ntk_case):
     model_dir, tensors, config = ntk_case
     llm = _llm(model_dir)
-    shared = random_tokens(48, seed=80)
-    first, same_alpha, other_alpha = (shared + random_tokens(n, seed=81 + n) for n in (10, 5, 20))  # 58, 53, 68
-    short = [random_tokens(16, seed=85) + random_tokens(n, seed=86 + n) for n in (4, 12)]  # 20, 28: alpha 1
+    shared = random_tokens(48, VOCAB, seed=80)
+    first, same_alpha, other_alpha = (shared + random_tokens(n, VOCAB, seed=81 + n) for n in (10, 5, 20))  # 58, 53, 68
+    short = [random_tokens(16, VOCAB, seed=85) + random_tokens(n, VOCAB, seed=86 + n) for n in (4, 12)]  # 20, 28: alpha 1
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([first, short[0]], params)
     outputs = llm.generate([same_alpha, other_alpha, short[1]], params)
@@ -352,7 +329,7 @@ def test_dynamic_ntk_prefix_cache_shares_blocks_within_one_alpha_only(ntk_case):
 def test_dynamic_ntk_preempted_sequences_recompute_with_their_prompts_alpha(ntk_case):
     model_dir, tensors, config = ntk_case
     llm = _llm(model_dir, num_kv_blocks=24, max_model_len=160, enable_prefix_caching=False)
-    prompts = [random_tokens(n, seed=100 + n) for n in (60, 70, 90, 100)]
+    prompts = [random_tokens(n, VOCAB, seed=100 + n) for n in (60, 70, 90, 100)]
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -365,7 +342,7 @@ def test_dynamic_ntk_under_two_tensor_parallel_ranks(ntk_case):
     llm = _llm(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp", num_kv_blocks=32,
                max_model_len=256)
     try:
-        prompts = [random_tokens(n, seed=110 + n) for n in (28, 60)]  # decodes cross 32 and 64
+        prompts = [random_tokens(n, VOCAB, seed=110 + n) for n in (28, 60)]  # decodes cross 32 and 64
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
             assert output.outputs[0].token_ids == _naive_greedy(tensors, config, prompt, 8)[0]
@@ -384,10 +361,10 @@ def test_the_context_reaches_max_position_embeddings_under_dynamic_ntk(tmp_path)
 def test_partial_rotary_and_biases_match_the_naive_forward(tmp_path, ops, model_registry, paged_driver):
     model, _, tensors, config = _naive_case(tmp_path, ops, model_registry, seed=12, rotary_pct=0.5, no_bias=False,
                                             rotary_emb_base=500)
-    prompt = random_tokens(37, seed=13)
+    prompt = random_tokens(37, VOCAB, seed=13)
     driver = paged_driver(model, block_size=BLOCK, num_blocks=8, seed=14)
     (logits,) = driver.step([(driver.add_sequence(), prompt)])
-    assert_close(logits, naive_qwen_logits(tensors, config, prompt))
+    assert_logits_close(logits, naive_qwen_logits(tensors, config, prompt), ATOL)
 
 
 # ---------------------------------------------------------------- GPTQ / AWQ checkpoints (Qwen-7B-Chat-Int4 / -Int8)
@@ -435,12 +412,12 @@ def test_a_quantized_checkpoint_computes_its_dequantized_weights(case, tmp_path,
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None and qkv.qweight.scheme == ("w8a16" if QUANTIZED[case]["bits"] == 8 else "w4a16")
     driver = paged_driver(model, block_size=BLOCK, num_blocks=16, seed=23)
-    prompts = [random_tokens(n, seed=24 + n) for n in (37, 5)]
+    prompts = [random_tokens(n, VOCAB, seed=24 + n) for n in (37, 5)]
     seqs = [driver.add_sequence() for _ in prompts]
     new_tokens = [list(p) for p in prompts]
     for _ in range(4):  # the prompts, then three decode steps of both sequences
         for prompt, logits in zip(prompts, driver.step(list(zip(seqs, new_tokens, strict=True))), strict=True):
-            assert_close(logits, naive_qwen_logits(twin, config, prompt)[-len(logits):])
+            assert_logits_close(logits, naive_qwen_logits(twin, config, prompt)[-len(logits):], ATOL)
             prompt.append(int(logits[-1].argmax()))
         new_tokens = [prompt[-1:] for prompt in prompts]
 
