@@ -102,6 +102,22 @@ def build(source: Path | None, work: Path, jobs: int, version: str | None = None
     return target
 
 
+def _needs_build() -> bool:
+    """--if-missing: whether to build. Not when a llama-server is found, except this helper's own earlier build
+    that lacks llama-quantize beside it (builds from before the baselines session quantized files)."""
+    from flashllm.bench.llamacpp_server import LlamaServerUnavailable, built_binary, find_llama_server
+
+    try:
+        found = find_llama_server()
+    except LlamaServerUnavailable:
+        return True
+    if found == built_binary() and not (found.parent / "llama-quantize").is_file():
+        print(f"found {found} without llama-quantize beside it; building both")
+        return True
+    print(f"found {found}; not building")
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashllm.bench.llamacpp_build",
                                      description="build llama.cpp's llama-server for `bench --baseline llama.cpp`")
@@ -111,16 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the download and build here")
     parser.add_argument("--if-missing", action="store_true",
                         help="do nothing when a llama-server is already found ($FLASHLLM_LLAMA_SERVER, PATH, an "
-                             "earlier build)")
+                             "earlier build of this helper that has llama-quantize too)")
     args = parser.parse_args(argv)
-    if args.if_missing:
-        from flashllm.bench.llamacpp_server import LlamaServerUnavailable, find_llama_server
-
-        try:
-            print(f"found {find_llama_server()}; not building")
-            return 0
-        except LlamaServerUnavailable:
-            pass
+    if args.if_missing and not _needs_build():
+        return 0
     try:
         if args.work_dir:
             target = build(args.source, args.work_dir, args.jobs, args.version)

@@ -79,6 +79,27 @@ def test_helper_build_is_found_last(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert find_llama_server(None, {"PATH": str(tmp_path / "empty")}) == built
 
 
+def test_if_missing_rebuilds_only_an_earlier_build_without_llama_quantize(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashllm.bench import llamacpp_build
+
+    monkeypatch.setenv("FLASHLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    builds: list[Path] = []
+    monkeypatch.setattr(llamacpp_build, "build", lambda source, work, jobs, version=None: builds.append(work) or work)
+    assert llamacpp_build.main(["--if-missing"]) == 0 and len(builds) == 1  # nothing found: builds
+    (tmp_path / "llama.cpp" / "bin").mkdir(parents=True)
+    _executable(tmp_path / "llama.cpp" / "bin" / "llama-server")
+    assert llamacpp_build.main(["--if-missing"]) == 0 and len(builds) == 2  # an old build without the quantizer
+    _executable(tmp_path / "llama.cpp" / "bin" / "llama-quantize")
+    assert llamacpp_build.main(["--if-missing"]) == 0 and len(builds) == 2  # both there: nothing to do
+    elsewhere = _executable(tmp_path / "llama-server")
+    monkeypatch.setenv(ENV_VAR, str(elsewhere))                             # the user's own: never rebuilt
+    (tmp_path / "llama.cpp" / "bin" / "llama-quantize").unlink()
+    assert llamacpp_build.main(["--if-missing"]) == 0 and len(builds) == 2
+
+
 STATUS = "Name:\tpython3\nVmPeak:\t  900000 kB\nVmHWM:\t  123456 kB\nVmRSS:\t  100000 kB\nThreads:\t4\n"
 
 
