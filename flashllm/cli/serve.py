@@ -71,6 +71,11 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                    "cache, scales from the checkpoint)"),
     "weightonly_group_size": (int, -1, "input features per weight scale for weight-only types: -1 (per channel) "
                               "| 32 | 64 | 128"),
+    "moe_quant_type": (str, None, "MoE models: quantize the experts only, weight_only_int8 | weight_only_int4 (the "
+                       "rest as --quant-type says; docs/deepseek.md)"),
+    "quantize_lm_head": (_bool, False, "also store the LM head as per-channel int8 (with weight_only_int8/int4)"),
+    "mla_use_matrix_absorption": (_bool, True, "MLA models (DeepSeek-V2/V3): attend in the latent space (false: "
+                                  "up-project keys and values per head)"),
     "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
@@ -99,7 +104,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "enable_expert_parallel": (_bool, False, EXPERT_PARALLEL_HELP),
 }
 FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content", "enable_lora",
-         "enable_expert_parallel"}
+         "enable_expert_parallel", "quantize_lm_head"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
@@ -107,12 +112,13 @@ DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
                 "lora_path",
                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
-                "quant_type", "weightonly_group_size", *SPEC_FLAGS)
+                "quant_type", "weightonly_group_size", "moe_quant_type", "quantize_lm_head", "mla_use_matrix_absorption",
+                *SPEC_FLAGS)
 # options given several times (or as several values) that collect into a list
 LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir", "served_model_name"}
 # options also spelled the PaddleNLP way, with underscores
 UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonly_group_size", "kv_cache_dtype",
-                      "enable_expert_parallel"}
+                      "enable_expert_parallel", "moe_quant_type", "quantize_lm_head", "mla_use_matrix_absorption"}
 # other spellings (vLLM's)
 EXTRA_ALIASES = {"quant_type": ["--quantization"]}
 

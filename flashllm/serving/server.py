@@ -164,7 +164,9 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         enable_expert_parallel=bool(options.get("enable_expert_parallel")), lora_path=options["lora_path"],
         enable_lora=options["enable_lora"], max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
         max_cpu_loras=options["max_cpu_loras"], quant_type=options.get("quant_type", "none"),
-        group_size=options.get("weightonly_group_size", -1),
+        group_size=options.get("weightonly_group_size", -1), moe_quant_type=options.get("moe_quant_type"),
+        quantize_lm_head=bool(options.get("quantize_lm_head")),
+        mla_use_matrix_absorption=options.get("mla_use_matrix_absorption", True),
         speculative_config=speculative_flags_config(options.get),
     )
     engine = Engine(config)
