@@ -276,3 +276,17 @@ def test_the_quick_start_answer_survives_the_int8_prompt_path(monkeypatch):
     out = llm.chat([[{"role": "user", "content": QUESTIONS[0][0]}]], SamplingParams(temperature=0.0, max_tokens=16))
     assert calls[0] > 0, "the prompt did not take the integer prompt path"
     assert "paris" in out[0].outputs[0].text.lower(), out[0].outputs[0].text
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama-server (set FLASHLLM_LLAMA_SERVER to its path)")
+def test_ggml_arithmetic_emulated_in_numpy_follows_llama_cpp_token_for_token():
+    """flashllm.testing.ggml_cpu computes llama.cpp's float operations in its order (int8 blocks, fused
+    multiply-adds, its exp, rotary angles and reduction orders); on the same prompt ids it picks llama.cpp's
+    tokens, where flashllm's own paths part on near-ties. What a llama.cpp-compatible mode has to compute."""
+    from flashllm.testing.ggml_cpu import LlamaGGUF
+
+    prompts, _ = _flashllm_prompts_and_greedy([[{"role": "user", "content": p}] for p in PROMPTS[:3]], "reference")
+    theirs = _llama_cpp_greedy(prompts)
+    model = LlamaGGUF(SMOLLM2)
+    ours = [model.greedy(ids, 12, stop=frozenset({2})) for ids in prompts]  # 2: <|im_end|>
+    assert ours == [t[:12] for t in theirs]
