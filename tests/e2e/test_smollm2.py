@@ -219,10 +219,10 @@ def test_greedy_tokens_equal_llama_cpp_on_the_same_file(monkeypatch):
         where = [_first_difference(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
         print(f"\nSmolLM2 Q4_1 GGUF, flashllm {label} vs llama.cpp: {same}/{len(ours)} identical "
               f"{LLAMA_CPP_TOKENS}-token greedy runs; the others first differ at tokens {where}")
-    # the line, equal on most prompts: the exact-activation path does (measured 9/16); rounding
-    # activations to int8 is discontinuous, so any fp32 difference before it grows to the size of the rounding
-    # noise over 30 layers, and near-ties part whichever rounding the cpu backend uses (8/16 and 6/16 with
-    # llama.cpp's own; docs/gguf.md)
+    # more than half: the exact-activation path does (9/16 on 2026-11-29; the cpu default 9/16, llama.cpp's
+    # rounding 7/16, llama.cpp's own default f16 cache against this fp32 one 6/16). A run holds only while
+    # every int8 rounding agrees, which takes ggml's float operations in its order: flashllm.testing.ggml_cpu
+    # computes them and follows llama.cpp token for token (the test below; docs/gguf.md)
     assert sum(a == b for a, b in zip(reference, theirs, strict=True)) > len(PROMPTS) // 2
     # and on both paths the first tokens, which no earlier flip has changed, agree almost everywhere
     for ours in (cpu, cpu_llama, reference):
