@@ -169,6 +169,8 @@ class Engine:
             for item in batch.scheduled:
                 self.block_manager.append_slots(item.seq, max_steps)
         positions = self.executor.execute(batch, states, max_steps)
+        if self.speculator is not None:  # a draft model's prompt pass, timed with the prefill it mirrors
+            self.speculator.prefill(batch)
         touched: dict[str, Request] = {}
         if not positions:  # nothing sampled: prefill chunks only
             self._record(batch, sampling, None, [None] * len(batch.scheduled), touched)

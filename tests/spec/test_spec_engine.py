@@ -270,3 +270,29 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_f
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="--speculative-model"):
         LLM(str(model_dirs["llama"]), backend="cpu", speculative_config={"method": "draft_model"})
+
+
+def test_a_draft_models_prompt_pass_runs_in_the_prefill_steps(model_dirs, monkeypatch) -> None:
+    """The draft runs each prefill chunk the target runs, in the same engine step (so its prompt pass is timed as
+    prefill): its rounds then catch up on at most a round's accepted tokens plus the target's, never on a prompt,
+    chunked prompts included; the tokens stay plain decoding's."""
+    from flashllm.core.spec.draft_model import DraftModelProposer
+
+    catch_ups: list[int] = []
+    catch_up = DraftModelProposer._catch_up
+
+    def recording(self, views):
+        catch_ups.extend(len(v.token_ids) - v.num_computed_tokens for v in views)
+        return catch_up(self, views)
+
+    monkeypatch.setattr(DraftModelProposer, "_catch_up", recording)
+    requests = [(p, s) for p, s in _requests(12, seed=15) if len(p) > 40 and s.max_tokens > 1]
+    target = model_dirs["llama"]
+    options = {"num_kv_blocks": 200, "max_num_batched_tokens": 32}  # no preemption; prompts prefill in chunks
+    plain, _ = _generate(target, "cpu", requests, **options)
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    spec, llm = _generate(target, "cpu", requests, config, **options)
+    assert spec == plain
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert len(requests) >= 3 and catch_ups, "no prompt long enough to chunk, or nothing drafted"
+    assert max(catch_ups) <= 1 + 4, f"a round caught the draft up on a prompt: {sorted(catch_ups)[-5:]}"

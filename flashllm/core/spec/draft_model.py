@@ -89,6 +89,25 @@ class DraftModelProposer:
         return [_in_vocabulary(draft[:limit], self.target_vocab_size) for draft, limit in zip(drafts, limits,
                                                                                             strict=True)]
 
+    def prefill(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """Run the draft over each sequence's tokens before ends[i], the prefill chunk the target just ran
+        (before its first token is recorded, so the draft's prompt pass is timed as prefill, not as decode):
+        the sequence's first round then catches the draft up on the sampled token only."""
+        views, kept = [], []
+        for seq, end in zip(seqs, ends, strict=True):
+            view = self._catch_up_view(seq)
+            if end > view.num_computed_tokens:
+                view.token_ids = view.token_ids[:end]
+                views.append(view)
+                kept.append(seq)
+        if not views:
+            return
+        self.runner.execute_model(SchedulerOutput([ScheduledSequence(v, len(v.token_ids) - v.num_computed_tokens,  # type: ignore[arg-type]
+                                                                     False) for v in views]))
+        for seq, view in zip(kept, views, strict=True):
+            state = self._states[seq.seq_id]
+            state.tokens, state.blocks = view.token_ids, list(seq.block_table)
+
     def _decode(self, views: list[_DraftView], active: list[int], steps: int) -> list[list[int]]:
         """Up to `steps` greedy one-token steps of the active sequences: [step][active sequence]. A runner
         that decodes several steps in one call (the cpu backend's native multi-step decode) runs them

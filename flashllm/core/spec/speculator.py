@@ -148,6 +148,19 @@ class Speculator:
                 self.block_manager.trim(item.seq, item.seq.num_tokens + len(item.draft_token_ids))
         return total
 
+    def prefill(self, batch: SchedulerOutput) -> None:
+        """After the runner ran the batch, before its tokens are recorded: a proposer with a model of its own
+        (the draft model) runs the batch's prefill chunks too, so its prompt pass is part of the prefill step
+        (time to first token) rather than of the sequence's first drafted round. Sequences that can never
+        be drafted for (max_tokens <= 1, structured output) are left out."""
+        prefill = getattr(self.proposer, "prefill", None)
+        if prefill is None:
+            return
+        items = [item for item in batch.scheduled if (item.num_new_tokens > 1 or not item.produces_token)
+                 and not item.draft_token_ids and _may_draft(item.seq.sampling_params)]
+        if items:
+            prefill([item.seq for item in items], [item.seq.num_computed_tokens + item.num_new_tokens for item in items])
+
     def burst_steps(self, seqs: list[Sequence]) -> int | None:
         """The most decode steps a round without drafts should run for these sequences (None: no limit).
 
@@ -216,6 +229,12 @@ class Speculator:
         """A sequence finished: drop its guard and whatever the proposer keeps for it."""
         self._guards.pop(seq.seq_id, None)
         self.proposer.forget(seq)
+
+
+def _may_draft(params: Any) -> bool:
+    """Whether a sequence with these SamplingParams may ever get drafts (Speculator._limit's lasting reasons)."""
+    return params is None or ((params.max_tokens is None or params.max_tokens > 1)
+                              and getattr(params, "structured_output", None) is None)
 
 
 class NgramDrafts:
