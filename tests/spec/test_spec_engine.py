@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flashllm.config import MAX_DRAFT_TOKENS
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.eagle import build_eagle_head
@@ -274,8 +275,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path_f
 
 def test_a_draft_models_prompt_pass_runs_in_the_prefill_steps(model_dirs, monkeypatch) -> None:
     """The draft runs each prefill chunk the target runs, in the same engine step (so its prompt pass is timed as
-    prefill): its rounds then catch up on at most a round's accepted tokens plus the target's, never on a prompt,
-    chunked prompts included; the tokens stay plain decoding's."""
+    prefill): its rounds then catch up on a few tokens (a round's accepted drafts and the target's token, or a
+    short burst's), never on a prompt of over 40 tokens, chunked prompts included; the tokens stay plain
+    decoding's."""
     from flashllm.core.spec.draft_model import DraftModelProposer
 
     catch_ups: list[int] = []
@@ -288,11 +290,13 @@ def test_a_draft_models_prompt_pass_runs_in_the_prefill_steps(model_dirs, monkey
     monkeypatch.setattr(DraftModelProposer, "_catch_up", recording)
     requests = [(p, s) for p, s in _requests(12, seed=15) if len(p) > 40 and s.max_tokens > 1]
     target = model_dirs["llama"]
-    options = {"num_kv_blocks": 200, "max_num_batched_tokens": 32}  # no preemption; prompts prefill in chunks
+    # one sequence at a time (no decode waits for a budget other prompts take), no preemption, prompts in chunks
+    options = {"num_kv_blocks": 200, "max_num_batched_tokens": 32, "max_num_seqs": 1}
     plain, _ = _generate(target, "cpu", requests, **options)
     config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
     spec, llm = _generate(target, "cpu", requests, config, **options)
     assert spec == plain
     assert llm.engine.scheduler.num_preemptions == 0
     assert len(requests) >= 3 and catch_ups, "no prompt long enough to chunk, or nothing drafted"
-    assert max(catch_ups) <= 1 + 4, f"a round caught the draft up on a prompt: {sorted(catch_ups)[-5:]}"
+    # a round catches up on its accepted drafts and the model's token, or on a short burst after a miss
+    assert max(catch_ups) <= 1 + MAX_DRAFT_TOKENS, f"a round caught the draft up on a prompt: {sorted(catch_ups)[-5:]}"
