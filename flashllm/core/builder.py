@@ -107,7 +107,8 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         from flashllm.core.spec.build import load_drafter
         from flashllm.core.spec.speculator import Target
 
-        drafter = load_drafter(Target(config, selection, ops, model, hf_config, tokenizer, model_dir))
+        drafter = load_drafter(Target(config, selection, ops, model, hf_config, tokenizer, model_dir), rank.rank)
+    # the draft's cache is on the driver only; agree_min gives every rank the driver's smaller block count
     draft_per_block = drafter.kv_bytes_per_block if drafter is not None else 0
     num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype, draft_per_block))
     try:

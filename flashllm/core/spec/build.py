@@ -14,12 +14,15 @@ logger = logging.getLogger(__name__)
 
 # methods that load weights beside the target (a draft model, a head), with a KV cache of their own
 _LOADED_METHODS = ("draft_model", "eagle", "mtp")
+# of those, the heads that read the target's hidden states, whose layers are not split over tensor-parallel
+# ranks yet; a draft model runs whole on the driver (rank 0) beside its shard of the target
+_HIDDEN_STATE_METHODS = ("eagle", "mtp")
 
 
 def check_speculative_config(config: EngineConfig) -> None:
     """What SpeculativeConfig alone can tell, before any model loads or rank starts: ValueError (one line)
     for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard, a missing
-    --speculative-model, or a loaded drafter under tensor parallelism."""
+    --speculative-model, or an EAGLE/MTP head under tensor parallelism."""
     spec = config.speculative
     if not spec.enabled:
         return
@@ -35,18 +38,19 @@ def check_speculative_config(config: EngineConfig) -> None:
     if spec.method in ("draft_model", "eagle") and not spec.model:
         what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"
         raise ValueError(f"--speculate_method {spec.method} needs {what} directory: pass --speculative-model DIR")
-    if spec.method in _LOADED_METHODS and config.parallel.tensor_parallel_size > 1:
+    if spec.method in _HIDDEN_STATE_METHODS and config.parallel.tensor_parallel_size > 1:
         raise ValueError(f"--speculate_method {spec.method} runs on one rank for now: use --tensor-parallel-size 1 "
-                         "or --speculate_method ngram")
+                         "or --speculate_method ngram or draft_model")
 
 
-def load_drafter(target: Target) -> Drafter | None:
+def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     """The configured drafter's weights, loaded beside the target before its KV cache is sized (None for the
-    n-gram lookup, which keeps no weights or cache). ValueError (one line) for a drafter that does not fit
-    the target (another vocabulary, another hidden size, no MTP layer)."""
+    n-gram lookup, which keeps no weights or cache, and on tensor-parallel ranks other than the driver: only
+    the driver's engine drafts). ValueError (one line) for a drafter that does not fit the target (another
+    vocabulary, another hidden size, no MTP layer)."""
     spec = target.config.speculative
     check_speculative_config(target.config)
-    if not spec.enabled or spec.method not in _LOADED_METHODS:
+    if not spec.enabled or spec.method not in _LOADED_METHODS or rank != 0:
         return None
     if spec.method == "mtp":
         from flashllm.core.spec.mtp import load_mtp_drafter
