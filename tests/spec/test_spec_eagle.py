@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from flashllm.config import SpeculativeConfig
-from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.eagle import build_eagle_head
+from flashllm.testing.spec_engine import random_prompts, spec_llm
 from flashllm.testing.tiny_models import build_tiny_model
 
-BLOCK = 16
 PREDICTABLE = 0.03
 
 
@@ -74,17 +73,6 @@ class ReferenceEagle:
         return out
 
 
-def _requests(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randrange(1, 90))] for _ in range(count)]
-
-
-def _llm(model_dir: Path, backend: str, spec: SpeculativeConfig | None, **kwargs) -> LLM:
-    options = {"block_size": BLOCK, "num_kv_blocks": 96, "max_num_seqs": 16, "max_num_batched_tokens": 128,
-               "max_model_len": 256, **kwargs}
-    return LLM(str(model_dir), backend=backend, dtype="float32", speculative_config=spec, **options)
-
-
 def _eagle(head: Path, k: int = 3, guard: float = 0.25) -> SpeculativeConfig:
     return SpeculativeConfig(method="eagle", model=str(head), num_speculative_tokens=k, min_acceptance=guard)
 
@@ -95,7 +83,7 @@ def test_drafts_equal_the_reference_eagle_forward(eagle_dirs, target: str, head:
     prompts, over accepted drafts (predictable head) and over rejected ones (random head), the reuse of the
     head's output for drafts 2 and 3. (The guard is off: a paused sequence's bursts leave a gap in the head's
     cache, which test_a_paused_sequence_bursts_and_keeps_its_tokens covers.)"""
-    llm = _llm(eagle_dirs[target], "cpu", _eagle(eagle_dirs[head], guard=0.0), max_num_batched_tokens=48)
+    llm = spec_llm(eagle_dirs[target], "cpu", _eagle(eagle_dirs[head], guard=0.0), max_num_batched_tokens=48)
     proposer = llm.engine.speculator.proposer
     calls: list[tuple[list[int], int, list[int]]] = []
     propose = proposer.propose
@@ -106,7 +94,7 @@ def test_drafts_equal_the_reference_eagle_forward(eagle_dirs, target: str, head:
         return drafts
 
     proposer.propose = spy
-    prompts = _requests(6, seed=11)
+    prompts = random_prompts(6, seed=11)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
     reference = ReferenceEagle(eagle_dirs[target], eagle_dirs[head])
@@ -122,14 +110,14 @@ def test_greedy_tokens_equal_plain_decoding(eagle_dirs, backend: str, k: int, co
     """Under continuous batching, with preemption forced by a small cache and prefix-cache hits, an EAGLE head
     changes no token; acceptance rate and mean accepted length land in the speculator's stats."""
     target = eagle_dirs["ptarget"]
-    prompts = _requests(count, seed=3)
+    prompts = random_prompts(count, seed=3)
     prompts += [list(p) for p in prompts[: count // 4]]
     rng = random.Random(4)
     params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
     options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
-    plain = [o.outputs[0].token_ids for o in _llm(target, backend, None, **options).generate(
+    plain = [o.outputs[0].token_ids for o in spec_llm(target, backend, None, **options).generate(
         prompts, params, use_tqdm=False)]
-    llm = _llm(target, backend, _eagle(eagle_dirs["phead"], k=k), **options)
+    llm = spec_llm(target, backend, _eagle(eagle_dirs["phead"], k=k), **options)
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = llm.engine.speculator.stats
     assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
@@ -155,11 +143,11 @@ def test_a_paused_sequence_bursts_and_keeps_its_tokens(eagle_dirs, monkeypatch) 
 
     monkeypatch.setattr(CpuRunner, "execute_burst", counting)
     target = eagle_dirs["target"]
-    prompts = _requests(6, seed=5)
+    prompts = random_prompts(6, seed=5)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in _llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in spec_llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
     bursts.clear()
-    llm = _llm(target, "cpu", _eagle(eagle_dirs["head"], guard=0.25))
+    llm = spec_llm(target, "cpu", _eagle(eagle_dirs["head"], guard=0.25))
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert spec == plain
     assert bursts and max(bursts) > 1, f"no paused sequence ran a burst: {bursts}"
@@ -174,7 +162,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(eagle_dirs, tmp_path: Path
              "num_hidden_layers=2": build_eagle_head(tmp_path / "deep", target, num_hidden_layers=2)}
     for message, head in cases.items():
         with pytest.raises(ValueError, match=message) as info:
-            _llm(target, "cpu", _eagle(head))
+            spec_llm(target, "cpu", _eagle(head))
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="--speculative-model"):
-        _llm(target, "cpu", SpeculativeConfig(method="eagle"))
+        spec_llm(target, "cpu", SpeculativeConfig(method="eagle"))

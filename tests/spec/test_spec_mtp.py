@@ -15,8 +15,8 @@ from flashllm.config import SpeculativeConfig
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model, build_deepseek_mtp_model
+from flashllm.testing.spec_engine import random_prompts, spec_llm
 
-BLOCK = 16
 LAYERS = PRESETS["v3"][2]["num_hidden_layers"]
 # the predictable model's output projections scale: about half the drafts accepted (measured 0.57 with k = 3)
 PREDICTABLE = 0.03
@@ -74,17 +74,6 @@ class ReferenceMTP:
         return out
 
 
-def _requests(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randrange(1, 90))] for _ in range(count)]
-
-
-def _llm(model_dir: Path, backend: str, spec: SpeculativeConfig | None, **kwargs) -> LLM:
-    options = {"block_size": BLOCK, "num_kv_blocks": 96, "max_num_seqs": 16, "max_num_batched_tokens": 128,
-               "max_model_len": 256, **kwargs}
-    return LLM(str(model_dir), backend=backend, dtype="float32", speculative_config=spec, **options)
-
-
 def _spy(llm: LLM) -> list[tuple[list[int], int, list[int]]]:
     """Record every proposer call: (the sequence's tokens, its draft limit, the drafts)."""
     proposer = llm.engine.speculator.proposer
@@ -111,10 +100,10 @@ def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: flo
     # prompts over 48 tokens prefill in chunks; single steps only: the rounds the guard pauses would
     # otherwise run as multi-step bursts (cpu fused decode), which leave the head a gap by design
     # (Speculator.burst_steps) and so no drafts on the round it resumes
-    llm = _llm(model_dir, "cpu", SpeculativeConfig(method="mtp", num_speculative_tokens=3, min_acceptance=guard),
+    llm = spec_llm(model_dir, "cpu", SpeculativeConfig(method="mtp", num_speculative_tokens=3, min_acceptance=guard),
                max_num_batched_tokens=48, num_scheduler_steps=1)
     calls = _spy(llm)
-    prompts = _requests(6, seed=11)
+    prompts = random_prompts(6, seed=11)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
     reference = ReferenceMTP(model_dir)
@@ -131,14 +120,14 @@ def test_greedy_tokens_equal_plain_decoding(mtp_dirs, backend: str, k: int, coun
     """Under continuous batching, with preemption forced by a small cache (and prefix-cache hits from repeated
     prompts), speculation with the MTP layer changes no token; acceptance lands in the speculator's stats."""
     model_dir = mtp_dirs["predictable"]
-    prompts = _requests(count, seed=3)
+    prompts = random_prompts(count, seed=3)
     prompts += [list(p) for p in prompts[: count // 4]]  # the same prompts again: prefix-cache hits
     rng = random.Random(4)
     params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
     options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
-    plain = [o.outputs[0].token_ids for o in _llm(model_dir, backend, None, **options).generate(
+    plain = [o.outputs[0].token_ids for o in spec_llm(model_dir, backend, None, **options).generate(
         prompts, params, use_tqdm=False)]
-    llm = _llm(model_dir, backend, SpeculativeConfig(method="mtp", num_speculative_tokens=k), **options)
+    llm = spec_llm(model_dir, backend, SpeculativeConfig(method="mtp", num_speculative_tokens=k), **options)
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = llm.engine.speculator.stats
     assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
@@ -151,16 +140,16 @@ def test_greedy_tokens_equal_plain_decoding(mtp_dirs, backend: str, k: int, coun
 def test_models_without_mtp_layers_are_refused(tmp_path: Path, mtp_dirs) -> None:
     plain_v3 = build_deepseek_model(tmp_path / "v3", "v3", seed=1)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        _llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
+        spec_llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
     config = json.loads((plain_v3 / "config.json").read_text())
     (plain_v3 / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=f"no model.layers.{LAYERS}.eh_proj.weight"):
-        _llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
+        spec_llm(plain_v3, "cpu", SpeculativeConfig(method="mtp"))
     from flashllm.testing.tiny_models import build_tiny_model
 
     llama = build_tiny_model(tmp_path / "llama", "llama", seed=1, tokenizer=False)
     with pytest.raises(ValueError, match="needs a DeepSeek-V3 model with MTP layers"):
-        _llm(llama, "cpu", SpeculativeConfig(method="mtp"))
+        spec_llm(llama, "cpu", SpeculativeConfig(method="mtp"))
 
 
 def test_pending_hidden_states_follow_what_the_target_recomputed() -> None:
