@@ -83,9 +83,7 @@ class DraftModelProposer:
                 break
             steps = self._decode(views, active, min(limits[i] - len(drafts[i]) for i in active))
         for seq, view in zip(seqs, views, strict=True):
-            state = self._states[seq.seq_id]
-            state.tokens = view.token_ids[:view.num_computed_tokens]
-            state.blocks = list(seq.block_table)
+            self._remember(seq, view.token_ids[:view.num_computed_tokens])
         return [_in_vocabulary(draft[:limit], self.target_vocab_size) for draft, limit in zip(drafts, limits,
                                                                                             strict=True)]
 
@@ -105,8 +103,7 @@ class DraftModelProposer:
         self.runner.execute_model(SchedulerOutput([ScheduledSequence(v, len(v.token_ids) - v.num_computed_tokens,  # type: ignore[arg-type]
                                                                      False) for v in views]))
         for seq, view in zip(kept, views, strict=True):
-            state = self._states[seq.seq_id]
-            state.tokens, state.blocks = view.token_ids, list(seq.block_table)
+            self._remember(seq, view.token_ids)
 
     def _decode(self, views: list[_DraftView], active: list[int], steps: int) -> list[list[int]]:
         """Up to `steps` greedy one-token steps of the active sequences: [step][active sequence]. A runner
@@ -150,6 +147,11 @@ class DraftModelProposer:
             block += 1
         valid = min(valid, block * self.block_size)
         return _DraftView(list(seq.token_ids), valid, seq.block_table)
+
+    def _remember(self, seq: Sequence, tokens: list[int]) -> None:
+        """The draft's KV now holds `tokens` of this sequence, in its current blocks."""
+        state = self._states[seq.seq_id]
+        state.tokens, state.blocks = tokens, list(seq.block_table)
 
     def _greedy(self, batch: SchedulerOutput) -> list[int]:
         return self.runner.execute_model(batch, greedy=True).tolist()
