@@ -67,7 +67,7 @@ def _run(llm: LLM, prompts: list[list[int]], mode: str, monkeypatch) -> tuple[li
 
 @pytest.mark.parametrize("weights", ["gguf-Q8_0", "gguf-Q4_1", "gguf-Q4_0", "w8a16", "w8a16-g128"])
 @pytest.mark.parametrize("chunk", [None, 40])
-def test_prompt_path_keeps_the_fp32_paths_tokens(source, weights, chunk, tmp_path, monkeypatch):
+def test_prompt_path_keeps_the_fp32_paths_tokens(source, weights, chunk, tmp_path, monkeypatch, request):
     options = dict(dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64,
                    enable_prefix_caching=False)
     if chunk is not None:
@@ -76,6 +76,9 @@ def test_prompt_path_keeps_the_fp32_paths_tokens(source, weights, chunk, tmp_pat
     # default, a step function that turns the prompt path's 1e-5 into rounding-sized jumps downstream
     monkeypatch.setenv(native.W8_ACTIVATIONS_ENV, "fp32")
     monkeypatch.setenv(native.INT4_ACTIVATIONS_ENV, "fp32")
+    bf16_min = native.w8_bf16_min()
+    native.w8_bf16_min(0)  # per-channel w8a16's exact fp32 tiles, not its bf16 activations, as the yardstick
+    request.addfinalizer(lambda: native.w8_bf16_min(bf16_min))
     if weights.startswith("gguf-"):
         model = str(write_gguf(source, tmp_path / "model.gguf", weights.removeprefix("gguf-")))
     else:

@@ -25,6 +25,15 @@ from flashllm.quant import quantize_weight
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
 
 
+@pytest.fixture(autouse=True)
+def exact_w8_tiles() -> Iterator[None]:
+    """Per-channel w8a16 on the exact fp32 tiles at every size (test_cpu_w8_bf16.py tests the bf16 path)."""
+    default = native.w8_bf16_min()
+    native.w8_bf16_min(0)
+    yield
+    native.w8_bf16_min(default)
+
+
 def assert_within_fp32_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                              magnitude: torch.Tensor | None = None) -> None:
     """got (T, N) fp32 against x (T, K) @ w (N, K).T in float64, within 2 * K * 2**-24 * |x| @ |m|.T,

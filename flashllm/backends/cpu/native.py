@@ -59,11 +59,15 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "decode_kernels.c", _CSRC / "int4_int8_kernels.c", _CSRC / "layer_ops.c", _CSRC / "decode_attention.c",
            _CSRC / "decode_stack.c", _CSRC / "read_probe.c", _CSRC / "greedy_screen.c",
            _CSRC / "greedy_screen_int8.c", _CSRC / "screen_pick.c", _CSRC / "decode_lora.c", _CSRC / "moe_decode.c",
-           _CSRC / "mla_decode.c")
+           _CSRC / "mla_decode.c", _CSRC / "w8_bf16.c")
 HEADERS = (_CSRC / "decode_kernels.h", _CSRC / "parallel_for.h", _CSRC / "simd.h", _CSRC / "thread_pool.h",
            _CSRC / "amx.h", _CSRC / "decode_lora.h", _CSRC / "decode_stack.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B runs)
+# Per-channel w8a16 products of W8_BF16_MIN_TOKENS or more tokens round their activations to bf16 and run
+# VDPBF16PS (csrc/w8_bf16.c) where the CPU has AVX512-BF16; "0" keeps them on the exact fp32 tiles.
+W8_BF16_ENV = "FLASHLLM_CPU_W8_BF16"
+W8_BF16_MIN_TOKENS = 16  # batch-16 decode products ran 1.33x the exact tiles' speed, 8 tokens 1.02x
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS, except:
 # on AVX-512F CPUs the 16-lane tiles take prompt-sized products too, 32 tokens at a time through each
 # row share (csrc/decode_kernels.c): fp32 ones of up to F32_PROMPT_MAX_TOKENS rows, where they beat
@@ -103,6 +107,7 @@ _SIGNATURES = {
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_f32_set_gemv_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_z_min": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_w8_set_bf16_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
     "flashllm_i8_screen_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
@@ -181,6 +186,11 @@ def _load() -> ctypes.CDLL | str:
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+    switch = os.environ.get(W8_BF16_ENV, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{W8_BF16_ENV} must be 1 (w8a16 prompts on bf16 activations where the CPU has "
+                         f"AVX512-BF16, the default) or 0 (the exact fp32 tiles), got {switch!r}")
+    lib.flashllm_w8_set_bf16_min(W8_BF16_MIN_TOKENS if switch == "1" else 0)  # ignored without AVX512-BF16
     return lib
 
 
@@ -415,3 +425,10 @@ def w8_z_min(tokens: int | None = None) -> int:
     AVX-512 16-lane tiles of csrc/decode_kernels.c (0: never, as on CPUs without AVX-512F). With
     `tokens`, sets it first (0 turns them off), for tests and A/B runs."""
     return library().flashllm_w8_set_z_min(-1 if tokens is None else tokens)
+
+
+def w8_bf16_min(tokens: int | None = None) -> int:
+    """The fewest tokens whose per-channel w8a16 products round their activations to bf16 and run
+    csrc/w8_bf16.c's VDPBF16PS tiles (0: never, as on CPUs without AVX512-BF16 or with
+    FLASHLLM_CPU_W8_BF16=0). With `tokens`, sets it first (0 turns them off), for tests and A/B runs."""
+    return library().flashllm_w8_set_bf16_min(-1 if tokens is None else tokens)

@@ -600,6 +600,9 @@ void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, i
 
 void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
                          float *y, int64_t N, int64_t ldy, int threads) {
+    /* prompts and large batches on AVX512-BF16 CPUs: bf16-rounded activations (w8_bf16.c); where its
+     * buffers cannot be allocated the exact tiles below run instead */
+    if (flashllm_w8_bf16_takes(T, K, G) && flashllm_w8_bf16_mt(x, T, K, w, scales, y, N, ldy, threads) == 0) return;
     gemv_args a = {x, NULL, w, scales, NULL, y, T, K, G, ldy};
     flashllm_parallel_for(w8_share, &a, N, threads, T > 1 ? FINE_SHARES : COARSE_SHARES);
 }

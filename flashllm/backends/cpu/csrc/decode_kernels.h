@@ -8,6 +8,9 @@ void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, i
                           int64_t ldy, int threads);
 void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
                          float *y, int64_t N, int64_t ldy, int threads);
+int flashllm_w8_bf16_takes(int64_t T, int64_t K, int64_t G);
+int flashllm_w8_bf16_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, float *y,
+                        int64_t N, int64_t ldy, int threads);
 void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
                          const float *scales, const int32_t *zeros, int64_t G, float *y, int64_t N, int64_t ldy,
                          int threads);
