@@ -91,7 +91,7 @@ def _linear(x: Tensor, weights: Tensor, scales: Tensor | None, expert: int) -> T
         qweight = QuantizedWeight("w8a16", weights[expert], scales[expert].float()[:, None])
     # the native int4 products quantize activations to int8 unless told not to: not this op's numerics
     if native.supports_quantized(qweight, x.shape[0]) and not native.int8_activations(qweight):
-        return native.int_linear(x, qweight)
+        return native.int_linear(x, qweight, exact=True)  # fp32 activations: not bf16-rounded ones either
     return F.linear(x, dequantize(qweight))
 
 

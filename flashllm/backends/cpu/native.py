@@ -94,6 +94,7 @@ _SIGNATURES = {
     "flashllm_w4_gemv": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64], None),
     "flashllm_f32_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_w8_gemv_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
+    "flashllm_w8_gemv_exact_mt": ([_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4_gemv_mt": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_w4a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _P, _INT, _INT], _INT),
     "flashllm_w8a8_gemv_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _INT, _INT], _INT),
@@ -343,9 +344,10 @@ def offsets_layout(weight: QuantizedWeight) -> Tensor | None:
     return weight.kernel_cache[key]
 
 
-def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
+def int_linear(x: Tensor, weight: QuantizedWeight, exact: bool = False) -> Tensor:
     """x (T, K) float @ dequantized W.T for a w8a16/w4a16 weight -> (T, N) fp32, computed in fp32
-    (against int8-quantized activations where int8_activations(weight) says so)."""
+    (against int8-quantized activations where int8_activations(weight) says so; per-channel w8a16 against
+    bf16-rounded ones from w8_bf16_min() tokens on, unless `exact`)."""
     lib = library()
     x = x.float().contiguous()
     tokens, k = x.shape
@@ -373,7 +375,8 @@ def int_linear(x: Tensor, weight: QuantizedWeight) -> Tensor:
         lib.flashllm_w4_gemv_mt(_ptr(even), _ptr(odd), tokens, k, _ptr(codes), _ptr(scales),
                                 None if zeros is None else _ptr(zeros), groups, _ptr(out), n, n, threads)
     else:
-        lib.flashllm_w8_gemv_mt(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n, threads)
+        product = lib.flashllm_w8_gemv_exact_mt if exact else lib.flashllm_w8_gemv_mt
+        product(_ptr(x), tokens, k, _ptr(codes), _ptr(scales), groups, _ptr(out), n, n, threads)
     return out
 
 

@@ -598,13 +598,19 @@ void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, i
     flashllm_parallel_for(f32_share, &a, N, threads, FINE_SHARES);
 }
 
+/* fp32 activations at every size (the MoE experts' op promises these numerics) */
+void flashllm_w8_gemv_exact_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
+                               float *y, int64_t N, int64_t ldy, int threads) {
+    gemv_args a = {x, NULL, w, scales, NULL, y, T, K, G, ldy};
+    flashllm_parallel_for(w8_share, &a, N, threads, T > 1 ? FINE_SHARES : COARSE_SHARES);
+}
+
 void flashllm_w8_gemv_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, int64_t G,
                          float *y, int64_t N, int64_t ldy, int threads) {
     /* prompts and large batches on AVX512-BF16 CPUs: bf16-rounded activations (w8_bf16.c); where its
-     * buffers cannot be allocated the exact tiles below run instead */
+     * buffers cannot be allocated the exact tiles run instead */
     if (flashllm_w8_bf16_takes(T, K, G) && flashllm_w8_bf16_mt(x, T, K, w, scales, y, N, ldy, threads) == 0) return;
-    gemv_args a = {x, NULL, w, scales, NULL, y, T, K, G, ldy};
-    flashllm_parallel_for(w8_share, &a, N, threads, T > 1 ? FINE_SHARES : COARSE_SHARES);
+    flashllm_w8_gemv_exact_mt(x, T, K, w, scales, G, y, N, ldy, threads);
 }
 
 void flashllm_w4_gemv_mt(const float *xe, const float *xo, int64_t T, int64_t K, const uint8_t *w,
