@@ -1,4 +1,4 @@
-"""Shared fixtures: fake installed distributions for plugin tests."""
+"""Shared fixtures: fake installed distributions for plugin tests; exact w8a16 products on the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +62,18 @@ def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..
     for module in added:
         for key in [k for k in sys.modules if k == module or k.startswith(module + ".")]:
             del sys.modules[key]
+
+
+@pytest.fixture
+def exact_w8_products(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Per-channel w8a16 on fp32 activations (not bf16-rounded ones, csrc/w8_bf16.c) in this process and the
+    ranks it starts, which read FLASHLLM_CPU_W8_BF16: for comparisons that a rounding step would blur."""
+    from flashllm.backends.cpu import native
+
+    monkeypatch.setenv(native.W8_BF16_ENV, "0")
+    before = None if native.library() is None else native.w8_bf16_min()
+    if before is not None:
+        native.w8_bf16_min(0)
+    yield
+    if before is not None:
+        native.w8_bf16_min(before)

@@ -64,10 +64,11 @@ def test_the_path_follows_the_cpu_flags() -> None:
 
 
 @pytest.mark.parametrize("tokens", [16, 33, 70, 200])
-@pytest.mark.parametrize("k,n", [(896, 67), (4864, 9), (32, 130), (96, 1)])
+@pytest.mark.parametrize("k,n", [(896, 67), (4864, 9), (32, 130), (48, 1), (100, 37)])
 def test_bf16_tiles_match_the_bf16_oracle(bf16_path: int, tokens: int, k: int, n: int) -> None:
     # 67 and 9 rows leave rows for the one-row tiles, 130 split over the pool's threads; 70 and 200
-    # tokens cross the 64-token chunks and leave short sweeps
+    # tokens cross the 64-token chunks and leave short sweeps; K 48 and 100 end in a partial 32-feature
+    # block (a tensor-parallel rank's slice), which must read no feature past K
     x, weight = _case(tokens, k, n)
     w = dequantize(weight).float()
     got = native.int_linear(x, weight)

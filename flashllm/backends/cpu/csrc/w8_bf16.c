@@ -14,7 +14,9 @@
  * Layout of the work: the caller rounds the activations to bf16 once (every thread a share of the
  * tokens); each row share converts its rows' codes to bf16 once, into a buffer of its thread that
  * stays in the L2, and sweeps them over the tokens in chunks of BF_CHUNK_TOKENS (a chunk's bf16
- * activations stay in the L2 too) with 4-row x up-to-6-token tiles (24 of the 32 registers). */
+ * activations stay in the L2 too) with 4-row x up-to-6-token tiles (24 of the 32 registers). Both
+ * copies pad K with zeros to a multiple of 32, so any K runs here: a tensor-parallel rank's slice of
+ * the features takes the same path as the whole weight. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,7 +49,7 @@ static int bf16_min = 0;
 static int bf16_cpu(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 __attribute__((constructor)) static void pick_bf16(void) { bf16_min = bf16_cpu() ? W8_BF16_MIN_TOKENS : 0; }
 
@@ -59,22 +61,34 @@ int flashllm_w8_set_bf16_min(int tokens) {
 
 /* Whether flashllm_w8_gemv_mt sends a product of T tokens, K features and G groups here. */
 int flashllm_w8_bf16_takes(int64_t T, int64_t K, int64_t G) {
-    return bf16_min > 0 && T >= bf16_min && G == 1 && K % 32 == 0;
+    return bf16_min > 0 && T >= bf16_min && G == 1 && K > 0;
 }
 
-/* ---- the activations: fp32 rows -> bf16 rows (round to nearest even), tokens t0..t1 ---- */
+#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* The lanes of a 32-feature block that starts at feature i of K */
+static inline uint32_t block_mask(int64_t i, int64_t K) {
+    return K - i >= 32 ? 0xffffffffu : (1u << (K - i)) - 1;
+}
+
+/* ---- the activations: fp32 rows (K apart) -> bf16 rows (Kp apart, zero-padded; round to nearest even),
+ * tokens t0..t1 ---- */
 typedef struct {
     const float *x;
     uint16_t *xb;
-    int64_t K;
+    int64_t K, Kp;
 } round_args;
 
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static void round_share(void *ctx, int64_t t0, int64_t t1) {
+BF_TARGET static void round_share(void *ctx, int64_t t0, int64_t t1) {
     const round_args *a = ctx;
-    for (int64_t i = t0 * a->K; i < t1 * a->K; i += 32) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a->x + i + 16), _mm512_loadu_ps(a->x + i));
-        _mm512_storeu_si512(a->xb + i, (__m512i)v);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *x = a->x + t * a->K;
+        for (int64_t i = 0; i < a->Kp; i += 32) {
+            const uint32_t m = i < a->K ? block_mask(i, a->K) : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m, x + i);
+            const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), x + i + 16);
+            _mm512_storeu_si512(a->xb + t * a->Kp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
 }
 
@@ -83,7 +97,7 @@ typedef void (*bftile_fn)(const uint16_t *x, int64_t K, const uint16_t *w, int64
                           float *y, int64_t ldy);
 
 #define DEFINE_BF_TILE(NAME, R, TT)                                                               \
-__attribute__((target("avx512f,avx512bw,avx512bf16")))                                           \
+BF_TARGET                                                                                         \
 static void NAME(const uint16_t *x, int64_t K, const uint16_t *w, int64_t rs, const float *scales, \
                  float *y, int64_t ldy) {                                                        \
     __m512 acc[R][TT];                                                                           \
@@ -125,31 +139,33 @@ typedef struct {
     const int8_t *w;
     const float *scales;
     float *y;
-    int64_t T, K, ldy;
+    int64_t T, K, Kp, ldy;
     _Atomic int failed;
 } product_args;
 
-/* codes (n rows x K, int8) -> bf16, exactly */
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static void codes_to_bf16(const int8_t *w, uint16_t *out, int64_t count) {
-    for (int64_t i = 0; i < count; i += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i + 16))));
-        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+/* codes (rows x K, int8) -> bf16 rows Kp apart (zero-padded), exactly */
+BF_TARGET static void codes_to_bf16(const int8_t *w, int64_t rows, int64_t K, int64_t Kp, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < Kp; i += 32) {
+            const uint32_t m = i < K ? block_mask(i, K) : 0;
+            const __m256i codes = _mm256_maskz_loadu_epi8((__mmask32)m, w + r * K + i);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+            _mm512_storeu_si512(out + r * Kp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
 }
 
 /* Rows n0..n1: their codes to bf16 once, then every chunk of tokens over 4-row tiles (the last rows one at
  * a time). A share whose buffer cannot be allocated marks the call failed and leaves its rows. */
 static void product_share(void *ctx, int64_t n0, int64_t n1) {
     product_args *a = ctx;
-    const int64_t K = a->K, rows = n1 - n0;
+    const int64_t K = a->Kp, rows = n1 - n0;  /* the copies' row length */
     uint16_t *wb = grow(&row_buf, &row_cap, (size_t)(rows * K) * sizeof(uint16_t));
     if (!wb) {
         a->failed = 1;
         return;
     }
-    codes_to_bf16(a->w + n0 * K, wb, rows * K);
+    codes_to_bf16(a->w + n0 * a->K, rows, a->K, K, wb);
     const int64_t quads = rows / 4;
     for (int64_t t0 = 0; t0 < a->T; t0 += BF_CHUNK_TOKENS) {
         const int64_t T = a->T - t0 < BF_CHUNK_TOKENS ? a->T - t0 : BF_CHUNK_TOKENS;
@@ -162,17 +178,18 @@ static void product_share(void *ctx, int64_t n0, int64_t n1) {
     }
 }
 
-/* y[t * ldy + n] = scales[n] * sum_k bf16(x[t * K + k]) * w[n * K + k] for t < T, n < N; K a multiple of
- * 32, one scale per row. Returns 0, -1 where this CPU lacks AVX512-BF16 or K does not fit, -2 where a
- * buffer could not be allocated (y then incomplete: the caller runs the exact tiles instead). */
+/* y[t * ldy + n] = scales[n] * sum_k bf16(x[t * K + k]) * w[n * K + k] for t < T, n < N, one scale per
+ * row. Returns 0, -1 where this CPU lacks AVX512-BF16 or T or K is not positive, -2 where a buffer could not
+ * be allocated (y then incomplete: the caller runs the exact tiles instead). */
 int flashllm_w8_bf16_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, float *y,
                         int64_t N, int64_t ldy, int threads) {
-    if (!bf16_cpu() || K % 32 != 0 || T <= 0) return -1;
-    uint16_t *xb = grow(&act_buf, &act_cap, (size_t)(T * K) * sizeof(uint16_t));
+    if (!bf16_cpu() || K <= 0 || T <= 0) return -1;
+    const int64_t Kp = (K + 31) / 32 * 32;
+    uint16_t *xb = grow(&act_buf, &act_cap, (size_t)(T * Kp) * sizeof(uint16_t));
     if (!xb) return -2;
-    round_args r = {x, xb, K};
+    round_args r = {x, xb, K, Kp};
     flashllm_parallel_items(round_share, &r, T, T * K >= (1 << 16) ? threads : 1, 1);
-    product_args a = {xb, w, scales, y, T, K, ldy, 0};
+    product_args a = {xb, w, scales, y, T, K, Kp, ldy, 0};
     flashllm_parallel_for(product_share, &a, N, threads, FINE_SHARES);
     return a.failed ? -2 : 0;
 }
