@@ -67,7 +67,7 @@ ENV_SWITCH = "FLASHLLM_CPU_NATIVE"  # "0" turns the native kernels off (for A/B 
 # Per-channel w8a16 products of W8_BF16_MIN_TOKENS or more tokens round their activations to bf16 and run
 # VDPBF16PS (csrc/w8_bf16.c) where the CPU has AVX512-BF16; "0" keeps them on the exact fp32 tiles.
 W8_BF16_ENV = "FLASHLLM_CPU_W8_BF16"
-W8_BF16_MIN_TOKENS = 16  # batch-16 decode products ran 1.33x the exact tiles' speed, 8 tokens 1.02x
+W8_BF16_MIN_TOKENS = 16  # 16-token products 1.08-1.33x the exact tiles, 8 tokens 1.01-1.02x (break-even)
 MAX_TOKENS = parallel.SPLIT_MAX_TOKENS  # a decode batch; larger products are GEMMs for BLAS, except:
 # on AVX-512F CPUs the 16-lane tiles take prompt-sized products too, 32 tokens at a time through each
 # row share (csrc/decode_kernels.c): fp32 ones of up to F32_PROMPT_MAX_TOKENS rows, where they beat
