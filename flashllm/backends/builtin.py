@@ -14,17 +14,19 @@ BUILTIN_PROOF: dict[str, str] = {
     "reference": "conformance",
     "cpu": "conformance",
     "cuda": "interpreter",
+    "ggml": "conformance",
 }
 
 
 @hookimpl
 def flashllm_register_backends(register: Callable[[Backend], None]) -> None:
-    """Register reference, cpu, ipex, cuda, xla and the vendor adapters. Constructing them imports no vendor SDK."""
-    from flashllm.backends import cpu, cuda, dcu, gcu, ipex, npu, reference, xla, xpu
+    """Register reference, cpu, ipex, cuda, xla, the vendor adapters and ggml (llama.cpp's arithmetic, chosen
+    only by name). Constructing them imports no vendor SDK."""
+    from flashllm.backends import cpu, cuda, dcu, gcu, ggml, ipex, npu, reference, xla, xpu
 
     for make_backend in (
         reference.make_backend, cpu.make_backend, ipex.make_backend, cuda.make_backend, xla.make_backend,
-        npu.make_backend, xpu.make_backend, dcu.make_backend, gcu.make_backend,
+        npu.make_backend, xpu.make_backend, dcu.make_backend, gcu.make_backend, ggml.make_backend,
     ):
         register(_with_proof(make_backend()))
 

@@ -7,6 +7,14 @@ from torch import Tensor
 
 USES: frozenset[str] = frozenset({"head_size"})
 
+# A kernel whose numerics depend on how the model prepares its inputs may say so as attributes of its
+# function (the ggml backend's does; models read them where they build, kernels stay bound as usual):
+#   cos_sin_table(rotary_dim, max_position, base, rope_scaling, dtype) -> the [cos | sin] table, built
+#     its way (models/layers/rotary.py uses it in place of ops.rope_cache.build_cos_sin_cache);
+#   keeps_interleaved_pairs = True: a checkpoint that stores rotary pairs interleaved (a GGUF Llama's
+#     Q and K rows) keeps that layout with is_neox=False instead of being reordered to the half-split
+#     one, so Q.K sums run in the file's feature order (models/gguf/tensors.py).
+
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
     """Rotate the first rot_dim features of every head of x (T, H, D) by per-token angles.

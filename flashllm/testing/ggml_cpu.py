@@ -1,190 +1,31 @@
-"""ggml's CPU float arithmetic (x86 AVX2/AVX-512 builds) for a Llama GGUF model, emulated in numpy, for tests."""
+"""A Llama GGUF file run straight through ggml's CPU arithmetic (emulated in numpy): the oracle for llama.cpp numerics."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from pathlib import Path
 
 import numpy as np
 
-# Why this exists: llama.cpp rounds every matmul input to int8 blocks, a discontinuous step, so a
-# 1-ulp difference anywhere before one flips a code and grows over the layers to the size of the
-# rounding itself (docs/gguf.md). Agreeing with its greedy tokens on a quantized model takes its
-# float operations in its order, bit for bit. Every function here states that order; each was
-# checked to reproduce llama.cpp 0c1e570's tensors bit for bit on SmolLM2 Q4_1 (tests/e2e/test_smollm2.py).
-# numpy float32 + - * / sqrt round once (IEEE); fused multiply-adds are emulated in float64, exact
-# for the products met here (24 x 24 bits) and rounded twice, which differs from one rounding only
-# when the float64 sum sits within 2^-53 of a float32 midpoint.
-
-F32, F64 = np.float32, np.float64
-_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-for _name in ("powf", "cosf", "sinf"):
-    getattr(_LIBM, _name).restype = ctypes.c_float
-_LIBM.powf.argtypes = [ctypes.c_float, ctypes.c_float]
-_LIBM.cosf.argtypes = _LIBM.sinf.argtypes = [ctypes.c_float]
-
-
-def fma(a, b, c) -> np.ndarray:
-    """float32 a * b + c with one rounding (emulated through float64; see the module comment)."""
-    return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
-
-
-def quantize_q8(x: np.ndarray, with_sums: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Activation rows x (T, K) float32 -> llama.cpp's q8_0 / q8_1 blocks of 32 as its AVX path makes them:
-    (d (T, K/32) float32 holding the fp16 scale, codes (T, K/32, 32) int64, q8_1's fp16 sums s or None).
-
-    absmax per block; d = fp16(absmax / 127); codes = round-half-even(x * (127 / absmax)) in float32;
-    s = fp16(float32(absmax / 127) * sum(codes)).
-    """
-    tokens, k = x.shape
-    blocks = x.astype(F32).reshape(tokens, k // 32, 32)
-    amax = np.abs(blocks).max(-1)
-    d = (amax / F32(127)).astype(F32)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(amax != 0, F32(127) / amax, F32(0)).astype(F32)
-    codes = np.rint((blocks * inverse[..., None]).astype(F32)).astype(np.int64)
-    sums = None
-    if with_sums:
-        sums = (d * codes.sum(-1).astype(F32)).astype(F32).astype(np.float16).astype(F32)
-    return d.astype(np.float16).astype(F32), codes, sums
-
-
-def hsum8(acc: np.ndarray) -> np.ndarray:
-    """The horizontal sum of 8 float32 lanes (last axis) in ggml's order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
-    half = (acc[..., 4:8] + acc[..., 0:4]).astype(F32)
-    return ((half[..., 0] + half[..., 2]).astype(F32) + (half[..., 1] + half[..., 3]).astype(F32)).astype(F32)
-
-
-def hsum16(acc: np.ndarray) -> np.ndarray:
-    """The horizontal sum of 16 float32 lanes (an AVX-512 register's reduce-add): halves, quarters, then hsum of 4."""
-    eight = (acc[..., 8:16] + acc[..., 0:8]).astype(F32)
-    four = (eight[..., 4:8] + eight[..., 0:4]).astype(F32)
-    return ((four[..., 0] + four[..., 2]).astype(F32) + (four[..., 1] + four[..., 3]).astype(F32)).astype(F32)
-
-
-def block_dot(x: np.ndarray, d: np.ndarray, codes: np.ndarray, minimums: np.ndarray | None = None) -> np.ndarray:
-    """x (T, K) float32 against a Q4_1 (minimums given) or Q8_0 weight of N rows, as ggml's x86 vec_dot
-    (and llamafile's tinyBLAS for Q8_0): (T, N) float32.
-
-    d (N, K/32) float32 scales, codes (N, K/32, 32) int64 (Q4_1 0..15, Q8_0 -128..127), minimums
-    (N, K/32) float32. x is rounded to q8_1 (Q4_1) or q8_0 (Q8_0). Per block: 8 lanes of 4-product
-    integer sums (exact), scale = float32(d_w * d_x), lane = fma(scale, lane_sum, lane); Q4_1's
-    minimum term: m_sum = fma(m_w, s_x, m_sum) per block. Result: hsum8(lanes) + m_sum.
-    """
-    dx, qx, sx = quantize_q8(x, minimums is not None)
-    tokens, rows, blocks = x.shape[0], codes.shape[0], codes.shape[1]
-    lanes = np.zeros((tokens, rows, 8), F32)
-    offsets = np.zeros((tokens, rows), F32)
-    for b in range(blocks):
-        if minimums is not None:
-            offsets = fma(minimums[None, :, b], sx[:, None, b], offsets)
-        scale = (d[None, :, b] * dx[:, None, b]).astype(F32)
-        sums = np.einsum("nle,tle->tnl", codes[:, b].reshape(rows, 8, 4), qx[:, b].reshape(tokens, 8, 4))
-        lanes = fma(scale[..., None], sums.astype(F32), lanes)
-    return (hsum8(lanes) + offsets).astype(F32)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """ggml's RMS norm fused with the weight: x (T, H) float32 -> (T, H) float32.
-
-    sum of float32(x * x) in float64 left to right; mean = float32(sum / H); scale = 1 / sqrt(mean + eps)
-    in float32; y = float32(x * scale) * weight.
-    """
-    squares = (x * x).astype(F32).astype(F64)
-    total = np.zeros(x.shape[0], F64)
-    for i in range(x.shape[1]):
-        total = total + squares[:, i]
-    mean = (total / x.shape[1]).astype(F32)
-    scale = (F32(1) / np.sqrt((mean + F32(eps)).astype(F32))).astype(F32)
-    return ((x * scale[:, None]).astype(F32) * weight.astype(F32)).astype(F32)
-
-
-def rope_table(positions, dims: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's rotary angles: (cos, sin) each (len(positions), dims/2) float32.
-
-    theta_scale = powf(base, -2 / dims); per position theta starts at float32(p) and is multiplied by
-    theta_scale in float32 after each pair (not p * base^(-2i/dims)); cosf / sinf of libm.
-    """
-    step = F32(_LIBM.powf(F32(base), F32(-2.0) / F32(dims)))
-    cos = np.zeros((len(positions), dims // 2), F32)
-    sin = np.zeros_like(cos)
-    for row, p in enumerate(positions):
-        theta = F32(p)
-        for i in range(dims // 2):
-            cos[row, i], sin[row, i] = _LIBM.cosf(theta), _LIBM.sinf(theta)
-            theta = F32(theta * step)
-    return cos, sin
-
-
-def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (T, heads, dims) float32 rotated in adjacent pairs (x0, x1) as the build compiles it:
-    x0' = fma(x0, cos, -(x1 * sin)), x1' = fma(x0, sin, x1 * cos)."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:, None], sin[:, None]
-    out = np.empty_like(x)
-    out[..., 0::2] = fma(x0, c, -(x1 * s).astype(F32))
-    out[..., 1::2] = fma(x0, s, (x1 * c).astype(F32))
-    return out
-
-
-def expf(x: np.ndarray) -> np.ndarray:
-    """ggml's vectorized float32 exp (AVX-512 body): n = nearest integer of x * log2(e) (by adding and
-    subtracting 1.5 * 2^23), b = x - n * ln2 in two fused steps (ln2 split into a 16-bit head and a tail),
-    a degree-5 polynomial in b evaluated in fused steps as ((c5 b + c4) b^2 + (c3 b + c2)) b^2 + (c1 b + 1),
-    scaled by 2^n; |n| > 192 gives 0 (n <= 0) or inf."""
-    x = np.asarray(x, F32)
-    h = float.fromhex
-    with np.errstate(invalid="ignore", over="ignore"):
-        shifter = F32(h("0x1.8p23"))
-        n = (fma(x, F32(h("0x1.715476p+0")), shifter) - shifter).astype(F32)
-        b = fma(-n, F32(h("0x1.7f7d1cp-20")), fma(-n, F32(h("0x1.62e4p-1")), x))
-        b2 = (b * b).astype(F32)
-        high = fma(fma(F32(h("0x1.0e4020p-7")), b, F32(h("0x1.573e2ep-5"))), b2,
-                   fma(F32(h("0x1.555e66p-3")), b, F32(h("0x1.fffdb6p-2"))))
-        poly = fma(high, b2, fma(F32(h("0x1.ffffecp-1")), b, F32(1.0)))
-        far = np.abs(n) > 192
-        scaled = np.ldexp(poly, np.where(far, 0, n).astype(np.int32)).astype(F32)
-        return np.where(far, np.where(n <= 0, F32(0), F32(np.inf)), scaled).astype(F32)
-
-
-def dot_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """ggml_vec_dot_f32 (AVX-512) over the last axis (a multiple of 64; a and b broadcast): four 16-lane
-    accumulators take consecutive 16-feature chunks by fma, then (acc0 + acc2) + (acc1 + acc3), then hsum16."""
-    if a.shape[-1] % 64:
-        raise ValueError(f"dot_f32 emulates whole 64-feature steps; got {a.shape[-1]} features")
-    acc: list = [F32(0)] * 4
-    for i in range(0, a.shape[-1], 64):
-        for j in range(4):
-            lo = i + 16 * j
-            acc[j] = fma(a[..., lo:lo + 16], b[..., lo:lo + 16], acc[j])
-    return hsum16(((acc[0] + acc[2]).astype(F32) + (acc[1] + acc[3]).astype(F32)).astype(F32))
-
-
-def dot_chain16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """llamafile's tinyBLAS float32 dot (AVX-512) over the last axis (a multiple of 16): one 16-lane
-    accumulator, fma over consecutive chunks, then hsum16."""
-    acc = F32(0)
-    for lo in range(0, a.shape[-1], 16):
-        acc = fma(a[..., lo:lo + 16], b[..., lo:lo + 16], acc)
-    return hsum16(acc)
-
-
-def softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """ggml's soft_max_ext over the last axis (a multiple of 16): w = scores * scale + mask in float32;
-    e = expf(w - max); sum of each 16-chunk's hsum16 in float64; e * float32(1 / sum)."""
-    w = ((scores * F32(scale)).astype(F32) + mask).astype(F32)
-    e = expf((w - w.max(-1, keepdims=True)).astype(F32))
-    total = np.zeros(w.shape[:-1], F64)
-    for lo in range(0, w.shape[-1], 16):
-        total = total + hsum16(e[..., lo:lo + 16]).astype(F64)
-    return (e * (1.0 / total).astype(F32)[..., None]).astype(F32)
-
-
-def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """ggml's fused SwiGLU: (gate / (1 + expf(0 - gate))) * up, each step rounded to float32."""
-    gate = np.asarray(gate, F32)
-    return ((gate / (F32(1) + expf((F32(0) - gate).astype(F32))).astype(F32)).astype(F32) * up).astype(F32)
+# The arithmetic lives with the backend that runs it in an engine (flashllm/backends/ggml); LlamaGGUF
+# below is the independent straight-line graph the tests hold that backend to.
+from flashllm.backends.ggml.numerics import (  # noqa: F401  (re-exported: the tests' names for the ops)
+    F32,
+    F64,
+    block_dot,
+    dot_chain16,
+    dot_f32,
+    expf,
+    fma,
+    hsum8,
+    hsum16,
+    quantize_q8,
+    rms_norm,
+    rope_interleaved,
+    rope_pairs,
+    rope_table,
+    softmax,
+    swiglu,
+)
 
 
 class LlamaGGUF:

@@ -290,3 +290,18 @@ def test_ggml_arithmetic_emulated_in_numpy_follows_llama_cpp_token_for_token():
     model = LlamaGGUF(SMOLLM2)
     ours = [model.greedy(ids, 12, stop=frozenset({2})) for ids in prompts]  # 2: <|im_end|>
     assert ours == [t[:12] for t in theirs]
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama-server (set FLASHLLM_LLAMA_SERVER to its path)")
+def test_the_ggml_backend_gives_llama_cpp_greedy_tokens_through_the_engine():
+    """`LLM(file, backend="ggml")` (flashllm/backends/ggml: llama.cpp's arithmetic in its order, through the
+    engine's scheduler, paged cache and op table) against llama-server on the same file and prompt ids, the
+    16 prompts: the acceptance line's "most prompts"; every run identical was the count measured (docs/gguf.md)."""
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompts, ours = _flashllm_prompts_and_greedy(conversations, "ggml")
+    theirs = _llama_cpp_greedy(prompts)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    where = [_first_difference(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    print(f"\nSmolLM2 Q4_1 GGUF, flashllm ggml backend vs llama.cpp: {same}/{len(ours)} identical "
+          f"{LLAMA_CPP_TOKENS}-token greedy runs; the others first differ at tokens {where}")
+    assert same >= len(PROMPTS) - 1

@@ -90,10 +90,15 @@ class GGUFWeights:
     its rows of each projection and, for a row-parallel layer, its input features, cut at block
     boundaries of the stored bytes (a layer whose rank slice would split a block loads as float).
     Embedding and norm tensors are always float.
+    keep_rope_pairs: leave Q and K rows in the file's interleaved rotary order (and run the model's rotary
+    with is_neox=False) instead of reordering them for the half-split one; for a rotary kernel that
+    declares keeps_interleaved_pairs (ops/rotary_embedding.py), whose Q.K sums follow the file's order.
     """
 
-    def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1, keep_blocks: bool = True) -> None:
+    def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1, keep_blocks: bool = True,
+                 keep_rope_pairs: bool = False) -> None:
         self.gf, self.config, self.tp_size, self.keep_blocks = gf, config, tp_size, keep_blocks
+        self.interleaved = keep_rope_pairs and spec.permute_qk  # the file's pairs are interleaved and stay so
         self.plan = self._plan(spec)
         self._routed: dict[str, tuple[str, Any]] = {}  # gguf name -> (linear layer name, shard id)
         self._dequantized: Counter[str] = Counter()
@@ -109,7 +114,8 @@ class GGUFWeights:
                 unknown.append(name)
                 continue
             proj = hf_name.rsplit(".", 1)[0].split(".", 3)[-1]
-            plan.append(PlannedTensor(name, hf_name, heads.get(proj) if spec.permute_qk else None))
+            permute = spec.permute_qk and not self.interleaved
+            plan.append(PlannedTensor(name, hf_name, heads.get(proj) if permute else None))
         if unknown:
             more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
             raise ModelLoadError(f"{self.gf.name} holds tensors a {spec.architecture} does not have: "
@@ -117,7 +123,14 @@ class GGUFWeights:
         return plan
 
     def prepare(self, model: nn.Module) -> None:
-        """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice)."""
+        """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice).
+        With interleaved Q/K rows kept, switch the model's rotary layers to adjacent pairs."""
+        if self.interleaved:
+            from flashllm.models.layers.rotary import RotaryEmbedding
+
+            for module in model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.is_neox = False
         blocks = _gguf_blocks()
         if blocks is None or not self.keep_blocks:
             return

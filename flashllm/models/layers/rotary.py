@@ -14,7 +14,9 @@ class RotaryEmbedding(nn.Module):
     """RoPE for heads of `head_dim`, rotating the first `rotary_dim` features.
 
     cos_sin_cache: (max_position, rotary_dim) fp32 buffer, built once; not part of the state dict
-    (checkpoints carry no rope tables, only `inv_freq` that the loader skips).
+    (checkpoints carry no rope tables, only `inv_freq` that the loader skips). Built by the bound
+    rotary kernel's own `cos_sin_table` when it carries one (ops/rotary_embedding.py: a backend whose
+    numerics need the angles computed its way), else by ops.rope_cache.build_cos_sin_cache.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -26,7 +28,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
         self.max_position = max_position
         self._rotary_embedding = ops.rotary_embedding
-        cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling, torch.float32)
+        build = getattr(ops.rotary_embedding, "cos_sin_table", None) or build_cos_sin_cache
+        cache = build(rotary_dim, max_position, base, rope_scaling, torch.float32)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
