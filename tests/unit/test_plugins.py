@@ -20,7 +20,7 @@ def flashllm_register_backends(register):
 
 def test_builtin_backends_register_through_the_hook() -> None:
     plugins = make_plugin_manager(load_entry_points=False)
-    assert list(plugins.backends()) == ["dcu", "cuda", "npu", "gcu", "xpu", "xla", "ipex", "cpu", "reference"]  # by priority
+    assert list(plugins.backends()) == ["dcu", "cuda", "npu", "gcu", "xpu", "xla", "ipex", "cpu", "ggml", "reference"]  # by priority
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(plugins.model_targets())
 
 

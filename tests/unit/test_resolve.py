@@ -80,7 +80,7 @@ def test_device_index_beyond_count_is_rejected() -> None:
 
 
 def test_unknown_backend_names_the_registered_ones() -> None:
-    with pytest.raises(DeviceSelectionError, match="unknown backend 'tpu'; registered: dcu, cuda, npu, gcu, xpu, xla, ipex, cpu, reference"):
+    with pytest.raises(DeviceSelectionError, match="unknown backend 'tpu'; registered: dcu, cuda, npu, gcu, xpu, xla, ipex, cpu, ggml, reference"):
         select_device("auto", backend="tpu", plugins=make_plugin_manager(load_entry_points=False))
 
 

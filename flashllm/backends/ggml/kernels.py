@@ -138,9 +138,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     return out
 
 
-def _blocks_of(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """(d (N, K/32) fp32, codes (N, K/32, 32) int64, minimums or None) of a Q8_0 / Q4_0 / Q4_1 weight as
-    block_dot takes them, built once per weight; None for a weight whose blocks are not emulated."""
+def _blocks_of(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray] | None:
+    """(d (N, K/32) fp32, codes (N, K/32, 32) int64, minimums or None, lane_codes(codes)) of a Q8_0 / Q4_0 /
+    Q4_1 weight as block_dot takes them, built once per weight; None for a weight whose blocks are not emulated."""
     cached = weight.kernel_cache.get("ggml")
     if cached is not None:
         return cached if cached != "none" else None
@@ -159,7 +159,8 @@ def _blocks_of(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndar
         weight.kernel_cache["ggml"] = "none"
         return None
     d, codes, minimums = blocks
-    found = (_np(d), codes.reshape(n, k // 32, 32).numpy(), None if minimums is None else _np(minimums))
+    grouped = codes.reshape(n, k // 32, 32).numpy()
+    found = (_np(d), grouped, None if minimums is None else _np(minimums), g.lane_codes(grouped))
     weight.kernel_cache["ggml"] = found
     return found
 

@@ -62,37 +62,45 @@ def hsum16(acc: np.ndarray) -> np.ndarray:
     return ((four[..., 0] + four[..., 2]).astype(F32) + (four[..., 1] + four[..., 3]).astype(F32)).astype(F32)
 
 
-def block_dot(x: np.ndarray, d: np.ndarray, codes: np.ndarray, minimums: np.ndarray | None = None) -> np.ndarray:
+def lane_codes(codes: np.ndarray) -> np.ndarray:
+    """Weight codes (N, K/32, 32) as block_dot multiplies them: (K/32 * 8, 4, N) float32 (exact integers).
+    A caller that multiplies one weight many times builds this once and passes it as `lanes`."""
+    rows, blocks = codes.shape[0], codes.shape[1]
+    return np.ascontiguousarray(codes.reshape(rows, blocks * 8, 4).transpose(1, 2, 0).astype(F32))
+
+
+def block_dot(x: np.ndarray, d: np.ndarray, codes: np.ndarray, minimums: np.ndarray | None = None,
+              lanes: np.ndarray | None = None) -> np.ndarray:
     """x (T, K) float32 against a Q4_1 (minimums given), Q8_0 or Q4_0 weight of N rows, as ggml's x86 vec_dot
     (and llamafile's tinyBLAS for Q8_0 / Q4_0): (T, N) float32.
 
     d (N, K/32) float32 scales, codes (N, K/32, 32) integers (Q4_1 0..15, Q8_0 -128..127, Q4_0 code - 8),
-    minimums (N, K/32) float32. x is rounded to q8_1 (Q4_1) or q8_0 (the others). Per block: 8 lanes of
-    4-product integer sums (exact), scale = float32(d_w * d_x), lane = fma(scale, lane_sum, lane); Q4_1's
-    minimum term: m_sum = fma(m_w, s_x, m_sum) per block. Result: hsum8(lanes) + m_sum.
+    minimums (N, K/32) float32; lanes: lane_codes(codes) when the caller keeps it. x is rounded to q8_1 (Q4_1)
+    or q8_0 (the others). Per block: 8 lanes of 4-product integer sums (exact), scale = float32(d_w * d_x),
+    lane = fma(scale, lane_sum, lane); Q4_1's minimum term: m_sum = fma(m_w, s_x, m_sum) per block.
+    Result: hsum8(lanes) + m_sum.
     """
     dx, qx, sx = quantize_q8(x, minimums is not None)
     rows, blocks = codes.shape[0], codes.shape[1]
-    w = codes.reshape(rows, blocks * 8, 4).transpose(1, 2, 0).astype(F32)          # (B*8, 4, N)
+    w = lane_codes(codes) if lanes is None else lanes                               # (B*8, 4, N)
     out = np.empty((x.shape[0], rows), F32)
-    for lo in range(0, x.shape[0], 16):  # token rows are independent; 16 at a time bounds the temporaries
-        hi = min(lo + 16, x.shape[0])
+    step = max(1, min(16, (1 << 18) // (rows * 8)))  # token rows are independent: bound the temporaries
+    for lo in range(0, x.shape[0], step):
+        hi = min(lo + step, x.shape[0])
         tokens = hi - lo
         # every lane sum at once: a float32 product of integers whose sums stay below 2^24 is exact in any order
         a = qx[lo:hi].reshape(tokens, blocks * 8, 4).transpose(1, 0, 2).astype(F32)  # (B*8, T, 4)
         sums = np.matmul(a, w).reshape(blocks, 8, tokens, rows).transpose(0, 2, 3, 1)  # (B, T, N, 8)
         scale = (d.T[:, None, :] * dx[lo:hi].T[:, :, None]).astype(F32)               # (B, T, N)
-        # the fma's product is exact in float64 (24 x 17 bits); only the sums below round
-        products = scale[..., None].astype(F64) * sums.astype(F64)
-        lanes = np.zeros((tokens, rows, 8), F32)
-        for b in range(blocks):
-            lanes = (products[b] + lanes).astype(F32)
+        acc = np.zeros((tokens, rows, 8), F32)
+        for b in range(blocks):  # the fma's product is exact in float64 (24 x 17 bits); the sum rounds once
+            acc = (scale[b][..., None].astype(F64) * sums[b] + acc).astype(F32)
         offsets = np.zeros((tokens, rows), F32)
         if minimums is not None:
             terms = minimums.T[:, None, :].astype(F64) * sx[lo:hi].T[:, :, None].astype(F64)  # (B, T, N)
             for b in range(blocks):
                 offsets = (terms[b] + offsets).astype(F32)
-        out[lo:hi] = (hsum8(lanes) + offsets).astype(F32)
+        out[lo:hi] = (hsum8(acc) + offsets).astype(F32)
     return out
 
 
