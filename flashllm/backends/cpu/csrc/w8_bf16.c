@@ -12,9 +12,10 @@
  * token's bits depend neither on the other tokens of the call nor on the row split.
  *
  * Layout of the work: the caller rounds the activations to bf16 once (every thread a share of the
- * tokens); each row share converts its rows' codes to bf16 once, into a buffer of its thread that
- * stays in the L2, and sweeps them over the tokens in chunks of BF_CHUNK_TOKENS (a chunk's bf16
- * activations stay in the L2 too) with 4-row x up-to-6-token tiles (24 of the 32 registers). Both
+ * tokens); each row share converts its rows' codes to bf16 once, a block of rows at a time into a
+ * buffer of its thread that stays in the L2, and sweeps each block over the tokens in chunks of
+ * BF_CHUNK_TOKENS (a chunk's bf16 activations stay in the L2 too) with 4-row x up-to-6-token tiles
+ * (24 of the 32 registers). Both
  * copies pad K with zeros to a multiple of 32, so any K runs here: a tensor-parallel rank's slice of
  * the features takes the same path as the whole weight. */
 #include <immintrin.h>
@@ -155,26 +156,35 @@ BF_TARGET static void codes_to_bf16(const int8_t *w, int64_t rows, int64_t K, in
         }
 }
 
-/* Rows n0..n1: their codes to bf16 once, then every chunk of tokens over 4-row tiles (the last rows one at
- * a time). A share whose buffer cannot be allocated marks the call failed and leaves its rows. */
+/* The bytes of bf16 rows a share converts at once: they stay in the L2 beside a chunk's activations, and a
+ * share as large as the whole weight (one thread, or a second concurrent caller) needs no more memory. */
+#define BF_BLOCK_BYTES (192 * 1024)
+
+/* Rows n0..n1 in blocks of a few rows: a block's codes to bf16 once, then every chunk of tokens over
+ * 4-row tiles (the last rows one at a time). A share whose buffer cannot be allocated marks the call
+ * failed and leaves its rows. */
 static void product_share(void *ctx, int64_t n0, int64_t n1) {
     product_args *a = ctx;
-    const int64_t K = a->Kp, rows = n1 - n0;  /* the copies' row length */
-    uint16_t *wb = grow(&row_buf, &row_cap, (size_t)(rows * K) * sizeof(uint16_t));
+    const int64_t K = a->Kp;  /* the copies' row length */
+    int64_t block = BF_BLOCK_BYTES / (K * (int64_t)sizeof(uint16_t)) / 4 * 4;
+    block = block < 4 ? 4 : block;
+    uint16_t *wb = grow(&row_buf, &row_cap, (size_t)(block * K) * sizeof(uint16_t));
     if (!wb) {
         a->failed = 1;
         return;
     }
-    codes_to_bf16(a->w + n0 * a->K, rows, a->K, K, wb);
-    const int64_t quads = rows / 4;
-    for (int64_t t0 = 0; t0 < a->T; t0 += BF_CHUNK_TOKENS) {
-        const int64_t T = a->T - t0 < BF_CHUNK_TOKENS ? a->T - t0 : BF_CHUNK_TOKENS;
-        const uint16_t *x = a->xb + t0 * K;
-        float *y = a->y + t0 * a->ldy + n0;
-        for (int64_t i = 0; i < quads; i++)
-            bf_sweeps(BFTILES_4, x, T, K, wb + 4 * i * K, a->scales + n0 + 4 * i, y + 4 * i, a->ldy);
-        for (int64_t r = 4 * quads; r < rows; r++)
-            bf_sweeps(BFTILES_1, x, T, K, wb + r * K, a->scales + n0 + r, y + r, a->ldy);
+    for (int64_t b0 = n0; b0 < n1; b0 += block) {
+        const int64_t rows = n1 - b0 < block ? n1 - b0 : block, quads = rows / 4;
+        codes_to_bf16(a->w + b0 * a->K, rows, a->K, K, wb);
+        for (int64_t t0 = 0; t0 < a->T; t0 += BF_CHUNK_TOKENS) {
+            const int64_t T = a->T - t0 < BF_CHUNK_TOKENS ? a->T - t0 : BF_CHUNK_TOKENS;
+            const uint16_t *x = a->xb + t0 * K;
+            float *y = a->y + t0 * a->ldy + b0;
+            for (int64_t i = 0; i < quads; i++)
+                bf_sweeps(BFTILES_4, x, T, K, wb + 4 * i * K, a->scales + b0 + 4 * i, y + 4 * i, a->ldy);
+            for (int64_t r = 4 * quads; r < rows; r++)
+                bf_sweeps(BFTILES_1, x, T, K, wb + r * K, a->scales + b0 + r, y + r, a->ldy);
+        }
     }
 }
 
