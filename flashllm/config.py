@@ -138,6 +138,9 @@ class SpeculativeConfig:
     model: str | None = None                # draft_model: its HF directory (--speculative-model), same vocabulary
     quant_type: str = "none"                # draft_model: weight-only quantization of the draft (e.g. weight_only_int8)
     group_size: int = -1                    # draft_model: its weight-only group size (-1: per output channel)
+    # draft_model: the draft's greedy head scores the ids below this and every token of the drafted sequences
+    # (core/spec/draft_model.py; exact all the same: the target verifies); 0: the whole vocabulary
+    draft_vocab: int = 4096
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
     # drafting for a while (see core/spec/speculator.py); 0 turns the guard off
     min_acceptance: float = 0.25
@@ -150,7 +153,8 @@ class SpeculativeConfig:
 # the speculative decoding flags' dests (flashllm/cli/spec_flags.py, serve's options) -> SpeculativeConfig keys
 SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_token_num": "num_speculative_tokens",
                          "speculate_max_ngram_size": "max_ngram_size", "speculative_model": "model",
-                         "speculative_quant_type": "quant_type", "speculative_weightonly_group_size": "group_size"}
+                         "speculative_quant_type": "quant_type", "speculative_weightonly_group_size": "group_size",
+                         "speculative_draft_vocab": "draft_vocab"}
 
 
 def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None:

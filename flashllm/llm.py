@@ -193,6 +193,7 @@ _SPECULATIVE_KEYS = {
     "max_ngram_size": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "min_ngram_size": "min_ngram_size",
     "model": "model", "quant_type": "quant_type", "min_acceptance": "min_acceptance",
     "group_size": "group_size", "speculative_weightonly_group_size": "group_size",
+    "draft_vocab": "draft_vocab", "speculative_draft_vocab": "draft_vocab",
 }
 
 

@@ -26,6 +26,9 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculative_weightonly_group_size": (("--speculative_weightonly_group_size",), int,
                                           "the draft model's weight-only group size: -1 (per output channel, the "
                                           "default) or a group of input features, e.g. 32 or 64"),
+    "speculative_draft_vocab": (("--speculative_draft_vocab",), int,
+                                "the draft model's greedy head scores token ids below this plus every token of the "
+                                "drafted sequences (default 4096; 0: the whole vocabulary); tokens stay exact"),
 }
 
 

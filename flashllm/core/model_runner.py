@@ -347,6 +347,12 @@ class ModelRunner:
         """Tokens of plain greedy rows without their logits, or None (the generic runner has no such head)."""
         return None
 
+    def restrict_greedy_vocabulary(self, ids: list[int] | None) -> bool:
+        """A drafter's hint: greedy tokens (execute_model(greedy=True), multi-step decode) may be the argmax over
+        these token ids only (None: the whole vocabulary again). False where the runner keeps the whole
+        vocabulary (the generic runner always does; the cpu backend's greedy head takes the hint)."""
+        return False
+
     def _execute(self, inputs: ModelInput, greedy: bool = False) -> torch.Tensor:
         hidden = self._forward(inputs)
         if self.hidden_sink is not None:

@@ -38,7 +38,7 @@ _I64, _P, _D2 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double * 2
 class _Head(ctypes.Structure):  # csrc/decode_stack.c's burst_head
     _fields_ = [("int8", _I64), ("copy", _P), ("scales", _P), ("N", _I64), ("multiplier", _I64), ("weight", _P),
                 ("bound", _P), ("factor", _D2), ("floor0", _D2), ("floor1", _D2), ("scores", _P), ("scratch", _P),
-                ("counts", _P), ("screen_threads", ctypes.c_int), ("pick_threads", ctypes.c_int)]
+                ("counts", _P), ("screen_threads", ctypes.c_int), ("pick_threads", ctypes.c_int), ("ids", _P)]
 
 
 class GreedyBurst:
@@ -52,11 +52,18 @@ class GreedyBurst:
     def __init__(self, fused: decode_stack.FusedDecode, screen: greedy_screen.GreedyScreen) -> None:
         self.fused, self.screen = fused, screen
         plain, split = screen.margins(False), screen.margins(True)
-        self._head = _Head(int8=int(screen.kind == "int8"), copy=screen.screen.data_ptr(),
-                           scales=screen.scales.data_ptr(), N=screen.vocab_size, multiplier=screen.multiplier,
-                           weight=screen.weight.data_ptr(), bound=screen.row_bound.data_ptr(),
+        self._head = _Head(int8=int(screen.kind == "int8"), multiplier=screen.multiplier,
                            factor=_D2(plain[0], split[0]), floor0=_D2(plain[1], split[1]),
                            floor1=_D2(plain[2], split[2]))
+        self._point_at_rows()
+
+    def _point_at_rows(self) -> None:
+        """The head's row tables: a vocabulary subset's (draft_vocab.py) may grow, and move, between calls."""
+        screen, head = self.screen, self._head
+        head.copy, head.scales, head.N = screen.screen.data_ptr(), screen.scales.data_ptr(), screen.vocab_size
+        head.weight, head.bound = screen.weight.data_ptr(), screen.row_bound.data_ptr()
+        ids = getattr(screen, "ids", None)  # row n's token id, where the rows are a subset of the vocabulary
+        head.ids = None if ids is None else ids.data_ptr()
 
     def takes(self, num_seqs: int) -> bool:
         lib, screen = native.library(), self.screen
@@ -75,6 +82,7 @@ class GreedyBurst:
         if hidden is None:
             return None
         lib, screen, head = native.library(), self.screen, self._head
+        self._point_at_rows()
         tokens = hidden.shape[0]
         # the screen's kept tensors for this token count (a single step of another count replaces them)
         scores = screen.kept_tensor("scores", (tokens, screen.vocab_size), torch.float32)

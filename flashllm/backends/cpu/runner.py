@@ -63,6 +63,8 @@ class CpuRunner(ModelRunner):
         self._fused_decode: Any = _UNBUILT
         self._greedy_head: Any = _UNBUILT
         self._greedy_burst: Any = _UNBUILT
+        self._subset: Any = None  # a drafter's greedy vocabulary (draft_vocab.py), and its bursts
+        self._subset_burst: Any = None
 
     @classmethod
     def place_empty_weights(cls, model: torch.nn.Module) -> None:
@@ -111,7 +113,30 @@ class CpuRunner(ModelRunner):
             from flashllm.backends.cpu import decode_burst
 
             self._greedy_burst = decode_burst.build(self.model, self.argmax) if self._fast() else None
+        if self._subset is not None and self._greedy_burst is not None:
+            return self._subset_burst
         return self._greedy_burst
+
+    def restrict_greedy_vocabulary(self, ids: list[int] | None) -> bool:
+        """Greedy tokens from the greedy head's rows of these ids only (draft_vocab.py), in single steps and
+        bursts; False (nothing restricted) where this model has no greedy head."""
+        if ids is None:
+            self._subset = self._subset_burst = None
+            return True
+        if self._screen() is None:
+            return False
+        if self._subset is None:
+            from flashllm.backends.cpu import decode_burst, draft_vocab
+
+            subset = draft_vocab.GreedySubset(self._greedy_head)
+            subset.choose(ids)
+            self._burst()
+            full = self._greedy_burst
+            self._subset_burst = None if full is None else decode_burst.GreedyBurst(full.fused, subset)
+            self._subset = subset
+        elif ids != self._subset.chosen:
+            self._subset.choose(ids)
+        return True
 
     def max_tokens_per_step(self, states: list[SamplingState]) -> int:
         """Several steps for a batch of plain greedy sequences without presence or frequency penalties
@@ -174,9 +199,13 @@ class CpuRunner(ModelRunner):
         """The prepared step's per-token adapter slots (-1: base), or None when no row has an adapter."""
         return None if self.lora is None else self.lora.context.indices
 
-    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+    def _screen(self) -> Any:
         if self._greedy_head is _UNBUILT:
             from flashllm.backends.cpu import greedy_screen
 
             self._greedy_head = greedy_screen.build(self.model, self.argmax)
-        return self._greedy_head(rows) if self._greedy_head is not None else None
+        return self._greedy_head
+
+    def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+        head = self._screen() if self._subset is None else self._subset
+        return head(rows) if head is not None else None

@@ -33,6 +33,10 @@ def check_speculative_config(config: EngineConfig) -> None:
         raise ValueError(f"--speculate_max_draft_token_num must be an integer in 1..{MAX_DRAFT_TOKENS}, got {count!r}")
     if not 0.0 <= spec.min_acceptance < 1.0:
         raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {spec.min_acceptance}")
+    vocab = spec.draft_vocab
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
+        raise ValueError(f"--speculative_draft_vocab must be a whole number >= 0 (0: the draft's whole vocabulary), "
+                         f"got {vocab!r}")
     if spec.method in ("ngram", "inference_with_reference"):
         NgramProposer(spec.max_ngram_size, spec.min_ngram_size)  # raises on bad sizes
     if spec.method in ("draft_model", "eagle") and not spec.model:

@@ -20,6 +20,10 @@ from flashllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Token ids the draft's greedy vocabulary may gain past its base before it starts again from the base and the
+# live sequences' tokens (a long-running server sees ever more distinct tokens; each costs a head row a step).
+_VOCAB_SLACK = 8192
+
 
 @dataclass(slots=True)
 class _DraftView:
@@ -42,6 +46,7 @@ class _DraftState:
 
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    seen: int = 0  # how many of the sequence's tokens the greedy vocabulary was given
 
 
 class DraftModelProposer:
@@ -55,11 +60,19 @@ class DraftModelProposer:
     Drafts only ever change how many tokens a round yields, never which: the target verifies them all.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_vocab: int = 0) -> None:
         self.runner = runner
         self.block_size = runner.block_size
         self.target_vocab_size = target_vocab_size
         self._states: dict[int, _DraftState] = {}
+        # The draft's greedy vocabulary (draft_vocab > 0): ids below draft_vocab, which a BPE vocabulary gives
+        # its bytes and most frequent merges, plus every token of the sequences drafted for, which is what a copy
+        # repeats. A runner that cannot restrict its head (restrict_greedy_vocabulary False) keeps the whole
+        # vocabulary. The drafts differ, never the tokens: the target verifies them.
+        self._vocab_base = min(draft_vocab, target_vocab_size)
+        self._vocab: list[int] = list(range(self._vocab_base))
+        self._in_vocab = set(self._vocab)
+        self.restricted = bool(self._vocab_base) and runner.restrict_greedy_vocabulary(self._vocab)
         # what the runner's multi-step decode reads of each row: plain greedy, no stop token ends a draft
         self._greedy_state = SamplingState(SamplingParams(temperature=0.0, ignore_eos=True), None, ())
 
@@ -67,6 +80,8 @@ class DraftModelProposer:
         """Up to limits[i] greedy draft tokens for each sequence (their block tables must already cover
         num_tokens - 1 + limits[i] positions)."""
         views = [self._catch_up_view(seq) for seq in seqs]
+        if self.restricted:
+            self._grow_vocabulary(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         steps = [self._catch_up(views)]  # the catch-up pass drafts each sequence's first token
         active = list(range(len(seqs)))
@@ -148,6 +163,34 @@ class DraftModelProposer:
         valid = min(valid, block * self.block_size)
         return _DraftView(list(seq.token_ids), valid, seq.block_table)
 
+    def _grow_vocabulary(self, seqs: list[Sequence]) -> None:
+        """Add these sequences' tokens the greedy vocabulary does not have yet. Past _VOCAB_SLACK added ids it
+        starts again from the base ids, these sequences' tokens and what the draft ran of every other one."""
+        added = False
+        for seq in seqs:
+            state = self._states[seq.seq_id]
+            for token in seq.token_ids[state.seen:]:
+                if token not in self._in_vocab and 0 <= token < self.target_vocab_size:
+                    self._in_vocab.add(token)
+                    self._vocab.append(token)
+                    added = True
+            state.seen = seq.num_tokens
+        if not added:
+            return
+        if len(self._vocab) > self._vocab_base + _VOCAB_SLACK:
+            drafted = {seq.seq_id for seq in seqs}
+            others = [state for key, state in self._states.items() if key not in drafted]
+            for state in others:  # what they brought past the tokens the draft ran comes again next time
+                state.seen = min(state.seen, len(state.tokens))
+            self._vocab = list(range(self._vocab_base))
+            self._in_vocab = set(self._vocab)
+            for tokens in [seq.token_ids for seq in seqs] + [state.tokens for state in others]:
+                for token in tokens:
+                    if token not in self._in_vocab and 0 <= token < self.target_vocab_size:
+                        self._in_vocab.add(token)
+                        self._vocab.append(token)
+        self.runner.restrict_greedy_vocabulary(self._vocab)
+
     def _remember(self, seq: Sequence, tokens: list[int]) -> None:
         """The draft's KV now holds `tokens` of this sequence, in its current blocks."""
         state = self._states[seq.seq_id]
@@ -188,7 +231,8 @@ class _LoadedDraft:
                                        adapter=selection.adapter)
         logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's",
                     self.target.config.speculative.model, num_blocks, draft_runner.kv_cache_bytes() / 2**30)
-        return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size)
+        return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size,
+                                  self.target.config.speculative.draft_vocab)
 
 
 def load_draft_model(target: Target) -> _LoadedDraft:

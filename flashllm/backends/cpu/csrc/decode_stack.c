@@ -202,6 +202,7 @@ typedef struct {
     void *scratch;                           /* the screen's, for T tokens */
     int64_t *counts;                         /* (2,) the pick's */
     int screen_threads, pick_threads;
+    const int64_t *ids;                      /* (N,) row n's token id (a drafter's vocabulary subset), or NULL: n */
 } burst_head;
 
 static int is_stop(int64_t token, const int64_t *stop_ids, int64_t num_stop) {
@@ -241,6 +242,8 @@ int64_t flashllm_decode_burst(const stack_layer *layers, int64_t L, stack_step *
         flashllm_screen_pick(hidden, T, H, h->weight, h->scores, h->N, h->N, h->bound, h->factor[split],
                              h->floor0[split], h->floor1[split], out, h->counts, h->pick_threads);
         *picked += h->counts[0];
+        if (h->ids)  /* rows of a subset: their token ids (-1, a token the pick left, stays) */
+            for (int64_t t = 0; t < T; t++) out[t] = out[t] >= 0 ? h->ids[out[t]] : out[t];
         int stop = k + 1 == steps || h->counts[1] > 0;
         for (int64_t t = 0; t < T && !stop; t++) stop = is_stop(out[t], stop_ids, num_stop);
         for (int64_t t = 0; t < T && !stop; t++) {
