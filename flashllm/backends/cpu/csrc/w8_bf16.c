@@ -24,6 +24,9 @@
 
 #include "parallel_for.h"
 
+/* The AVX512-BF16 intrinsics came with GCC 10 and clang 9; older compilers build the exact tiles only. */
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9)
+
 #define UNROLL _Pragma("GCC unroll 16")
 #define BF_TILE_TOKENS 6
 #define BF_CHUNK_TOKENS 64
@@ -203,3 +206,13 @@ int flashllm_w8_bf16_mt(const float *x, int64_t T, int64_t K, const int8_t *w, c
     flashllm_parallel_for(product_share, &a, N, threads, FINE_SHARES);
     return a.failed ? -2 : 0;
 }
+
+#else
+int flashllm_w8_set_bf16_min(int tokens) { (void)tokens; return 0; }
+int flashllm_w8_bf16_takes(int64_t T, int64_t K, int64_t G) { (void)T; (void)K; (void)G; return 0; }
+int flashllm_w8_bf16_mt(const float *x, int64_t T, int64_t K, const int8_t *w, const float *scales, float *y,
+                        int64_t N, int64_t ldy, int threads) {
+    (void)x; (void)T; (void)K; (void)w; (void)scales; (void)y; (void)N; (void)ldy; (void)threads;
+    return -1;
+}
+#endif
