@@ -142,9 +142,12 @@ def _run(model_dir: Path, tp: int) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("case", ["gptq-4bit-v1-asym", "gptq-8bit-act-order", "awq-4bit"])
-def test_two_ranks_match_one(quant_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_ranks_match_one(quant_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch,
+                             exact_w8_products: None) -> None:
     # exact fp32 activations (inherited by the ranks): the cpu default rounds them to int8 per block of the
-    # rank's own input slice, an approximation that is not the same over one rank's K and two ranks' halves
+    # rank's own input slice, an approximation that is not the same over one rank's K and two ranks' halves;
+    # 8-bit per-channel products of 16+ tokens round them to bf16 on AVX512-BF16 CPUs, which turns the
+    # all-reduce's fp32 order into rounding-sized steps (exact_w8_products keeps them fp32)
     monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     one, two = _run(quant_dirs[case], 1), _run(quant_dirs[case], 2)
     for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one, two, strict=True):
