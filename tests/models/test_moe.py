@@ -307,10 +307,13 @@ def test_w8a16_experts_give_the_same_greedy_tokens_on_the_cpu_kernel_and_the_ref
 
 @pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
 def test_integer_experts_on_two_tensor_parallel_ranks_give_one_rank_s_tokens_and_logprobs(moe_dirs, quant_type,
-                                                                                          monkeypatch) -> None:
+                                                                                          monkeypatch,
+                                                                                          exact_w8_products) -> None:
     """w2's rows are split over the ranks' intermediate features: each rank's per-row scales come from
     the whole row's extreme (all-reduced), so two ranks quantize, and decode, as one does."""
-    # the cpu int4 linear layers' default int8 activations are blocks a row-parallel split cuts differently
+    # the cpu int4 linear layers' default int8 activations are blocks a row-parallel split cuts differently;
+    # the int8 attention and shared-expert layers' prompt products round activations to bf16 on AVX512-BF16
+    # CPUs, which turns the all-reduce's order into rounding-sized steps (exact_w8_products keeps them fp32)
     monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     prompts = [random_tokens(n, 256, seed=50 + n) for n in (6, 37)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
