@@ -62,7 +62,7 @@ class GreedyBurst:
         screen, head = self.screen, self._head
         head.copy, head.scales, head.N = screen.screen.data_ptr(), screen.scales.data_ptr(), screen.vocab_size
         head.weight, head.bound = screen.weight.data_ptr(), screen.row_bound.data_ptr()
-        ids = getattr(screen, "ids", None)  # row n's token id, where the rows are a subset of the vocabulary
+        ids = screen.ids  # row n's token id, where the rows are a subset of the vocabulary (else None)
         head.ids = None if ids is None else ids.data_ptr()
 
     def takes(self, num_seqs: int) -> bool:

@@ -22,22 +22,21 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flashllm.backends.cpu import native, parallel
 from flashllm.backends.cpu.greedy_screen import GreedyScreen
 
 _ROW_ALIGN = 16
 
 
-class GreedySubset:
+class GreedySubset(GreedyScreen):
     """hidden rows (T, K) fp32 -> each row's fp32 argmax token over the chosen ids' rows of `full`'s head.
 
-    Carries what GreedyBurst (decode_burst.py) reads of a GreedyScreen: kind, screen (codes), scales,
-    vocab_size (the padded row count), multiplier, weight, row_bound, in_features, margins, kept_tensor,
-    scratch, settle, picked, and `ids` (row -> token id, int64)."""
+    A GreedyScreen (its call, scoring, kept tensors and scratch) over the rows `choose` gathers from `full`,
+    with `ids` (row -> token id, int64) set; margins and the unsure rows' fallback are `full`'s."""
 
-    def __init__(self, full: GreedyScreen) -> None:
+    def __init__(self, full: GreedyScreen) -> None:  # the rows come from `full`, not from a weight
         self.full = full
         self.kind, self.multiplier, self.in_features = full.kind, full.multiplier, full.in_features
+        self.input_format = full.input_format
         self.picked = 0
         self._count = 0  # real rows (the rest up to vocab_size are padding)
         self._chosen: list[int] = []
@@ -93,48 +92,13 @@ class GreedySubset:
         subset's)."""
         return self.full.margins(split)
 
-    def kept_tensor(self, key: object, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        kept = self._kept.get(key)
-        if kept is None or kept.shape != shape:
-            kept = self._kept[key] = torch.empty(shape, dtype=dtype)
-        return kept
-
-    def scratch(self, lib, tokens: int) -> Tensor:
-        return self.full.scratch(lib, tokens)  # the kernels' scratch depends on the tokens and features only
-
     def settle(self, x: Tensor, out: Tensor) -> None:
         """Tokens the pick left at -1: the whole vocabulary's argmax from the model's logits."""
         self.full.settle(x, out)
 
     def __call__(self, hidden: Tensor) -> Tensor | None:
-        """(T,) int64 token ids, or None where the native screen does not take these rows."""
-        lib = native.library()
-        tokens, k = hidden.shape
-        if (lib is None or not self.vocab_size or hidden.dtype != torch.float32
-                or not 0 < tokens <= native.MAX_TOKENS or self.full.input_format is not None):
+        """(T,) int64 token ids, or None where the native screen does not take these rows (no rows chosen yet,
+        or a GGUF head whose rounded input the subset was not checked for)."""
+        if not self.vocab_size or self.input_format is not None:
             return None
-        x = hidden.contiguous()
-        n = self.vocab_size
-        scores = self.kept_tensor("scores", (tokens, n), torch.float32)
-        scratch = self.scratch(lib, tokens)
-        threads = native.threads_for(tokens, n, k)
-        if self.kind == "int8":
-            path = lib.flashllm_i8_screen_mt(x.data_ptr(), tokens, k, self.screen.data_ptr(), self.scales.data_ptr(),
-                                             scores.data_ptr(), n, n, self.multiplier, scratch.data_ptr(), threads)
-        else:
-            path = lib.flashllm_bf16_gemv_mt(x.data_ptr(), self.screen.data_ptr(), scores.data_ptr(), tokens, k, n, n,
-                                             scratch.data_ptr(), threads)
-        if not path:
-            return None
-        factor, floor0, floor1 = self.margins(path == 2 and self.kind == "bf16")
-        out, counts = torch.empty(tokens, dtype=torch.int64), self.kept_tensor("counts", (2,), torch.int64)
-        lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,
-                                 self.row_bound.data_ptr(), factor, floor0, floor1, out.data_ptr(), counts.data_ptr(),
-                                 parallel.workers())
-        picked, unsure = counts.tolist()
-        self.picked += picked
-        sure = out >= 0
-        out[sure] = self.ids[out[sure]]
-        if unsure:
-            self.settle(x, out)
-        return out
+        return super().__call__(hidden)

@@ -114,7 +114,11 @@ class GreedyScreen:
     this head does not take the call (the caller computes logits as before).
 
     kind: "int8" or "bf16", the copy to score from; None takes int8 where the native library has
-    an int8 path on this CPU (and FLASHLLM_CPU_GREEDY_SCREEN is not "bf16"), else bf16."""
+    an int8 path on this CPU (and FLASHLLM_CPU_GREEDY_SCREEN is not "bf16"), else bf16.
+    ids: None here (row n is token n); a screen over a subset of the vocabulary (draft_vocab.py) holds
+    each row's token id (int64)."""
+
+    ids: Tensor | None = None
 
     def __init__(self, weight: Tensor, vocab_size: int, fallback: Callable[[Tensor], Tensor],
                  kind: str | None = None) -> None:
@@ -241,6 +245,9 @@ class GreedyScreen:
                                  parallel.workers())
         picked, unsure = counts.tolist()
         self.picked += picked
+        if self.ids is not None:  # picked rows of a subset: their token ids (-1, a row left unsure, stays)
+            sure = out >= 0
+            out[sure] = self.ids[out[sure]]
         if unsure:
             self.settle(x, out)
         return out
