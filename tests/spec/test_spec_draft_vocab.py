@@ -40,7 +40,7 @@ def test_a_subset_head_picks_the_argmax_over_its_ids() -> None:
     for step in range(3):
         subset.choose(ids)
         assert subset.chosen == ids and subset.vocab_size >= len(ids)
-        hidden = torch.randn(3, features, generator=gen) * 4
+        hidden = torch.randn(2, features, generator=gen) * 4  # two rows: what every screen kind takes (bf16 on AVX2: <= 2)
         got = subset(hidden)
         assert got is not None and got.tolist() == _oracle(weight, hidden, ids), f"step {step}"
         # the whole vocabulary's argmax is mostly elsewhere: the subset really restricts
