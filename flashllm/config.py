@@ -141,6 +141,9 @@ class SpeculativeConfig:
     # draft_model: the draft's greedy head scores the ids below this and every token of the drafted sequences
     # (core/spec/draft_model.py; exact all the same: the target verifies); 0: the whole vocabulary
     draft_vocab: int = 4096
+    # draft_model: the draft checks the n-gram lookup's guesses at its next tokens in one pass of several rows,
+    # so a run of right guesses costs one draft pass, not one per token; the drafts stay the draft's own
+    draft_lookup: bool = True
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
     # drafting for a while (see core/spec/speculator.py); 0 turns the guard off
     min_acceptance: float = 0.25
@@ -154,7 +157,7 @@ class SpeculativeConfig:
 SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_token_num": "num_speculative_tokens",
                          "speculate_max_ngram_size": "max_ngram_size", "speculative_model": "model",
                          "speculative_quant_type": "quant_type", "speculative_weightonly_group_size": "group_size",
-                         "speculative_draft_vocab": "draft_vocab"}
+                         "speculative_draft_vocab": "draft_vocab", "speculative_draft_lookup": "draft_lookup"}
 
 
 def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None:

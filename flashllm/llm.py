@@ -194,6 +194,7 @@ _SPECULATIVE_KEYS = {
     "model": "model", "quant_type": "quant_type", "min_acceptance": "min_acceptance",
     "group_size": "group_size", "speculative_weightonly_group_size": "group_size",
     "draft_vocab": "draft_vocab", "speculative_draft_vocab": "draft_vocab",
+    "draft_lookup": "draft_lookup", "speculative_draft_lookup": "draft_lookup",
 }
 
 

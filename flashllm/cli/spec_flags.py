@@ -7,6 +7,17 @@ from typing import Any
 
 from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, speculative_flags_config
 
+
+def on_off(text: str) -> bool:
+    """A yes/no flag's value: 1/0, true/false, yes/no, on/off (any case)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+
+
 # dest -> (spellings, type, help); every spelling also has its other-case twin (- or _)
 SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculate_method": (("--speculate_method",), str,
@@ -29,6 +40,10 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculative_draft_vocab": (("--speculative_draft_vocab",), int,
                                 "the draft model's greedy head scores token ids below this plus every token of the "
                                 "drafted sequences (default 4096; 0: the whole vocabulary); tokens stay exact"),
+    "speculative_draft_lookup": (("--speculative_draft_lookup",), on_off,
+                                 "1 (default) or 0: the draft model checks the n-gram lookup's guesses at its next "
+                                 "tokens in one pass of several rows, so a run of right guesses costs one draft pass; "
+                                 "the drafts are the draft model's own either way"),
 }
 
 

@@ -37,7 +37,9 @@ def check_speculative_config(config: EngineConfig) -> None:
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
         raise ValueError(f"--speculative_draft_vocab must be a whole number >= 0 (0: the draft's whole vocabulary), "
                          f"got {vocab!r}")
-    if spec.method in ("ngram", "inference_with_reference"):
+    if not isinstance(spec.draft_lookup, bool):
+        raise ValueError(f"--speculative_draft_lookup must be 1 or 0 (true or false), got {spec.draft_lookup!r}")
+    if spec.method in ("ngram", "inference_with_reference") or (spec.method == "draft_model" and spec.draft_lookup):
         NgramProposer(spec.max_ngram_size, spec.min_ngram_size)  # raises on bad sizes
     if spec.method in ("draft_model", "eagle") and not spec.model:
         what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from flashllm.core.runner_select import model_runner_class
 from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
+from flashllm.core.spec.ngram import NgramProposer
 from flashllm.core.spec.speculator import Target
 from flashllm.models.tokenizers import TOKENIZER_FILES
 from flashllm.sampling_params import SamplingParams
@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # Token ids the draft's greedy vocabulary may gain past its base before it starts again from the base and the
 # live sequences' tokens (a long-running server sees ever more distinct tokens; each costs a head row a step).
 _VOCAB_SLACK = 8192
+# The most one-token rows a draft pass of the lookup's guesses runs (all sequences together): a decode-sized
+# batch, which backends' decode paths take (the cpu backend's fused step takes up to 32 rows).
+_PASS_ROWS = 32
 
 
 @dataclass(slots=True)
@@ -58,10 +61,19 @@ class DraftModelProposer:
     What the draft computed stays valid while its tokens are a prefix of the sequence's and the blocks
     they sit in are unchanged (a preempted sequence comes back in other blocks and is caught up again).
     Drafts only ever change how many tokens a round yields, never which: the target verifies them all.
+
+    With a lookup (the n-gram proposer over the sequence and its drafts so far), the draft's steps run as
+    the target's verify step does: a pass takes the lookup's guesses at the draft's next tokens as extra
+    one-token rows, and each guess equal to the draft's own token before it gives the draft's next token
+    from the same pass. The drafts are the draft's greedy chain either way (the lookup never adds a token
+    the draft did not choose); where the guesses hold, as in a copy, k drafts cost one pass instead of k.
     """
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_vocab: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_vocab: int = 0,
+                 lookup: NgramProposer | None = None) -> None:
         self.runner = runner
+        # guesses at the draft's own next tokens (SpeculativeConfig.draft_lookup): a pass checks them all at once
+        self.lookup = lookup
         self.block_size = runner.block_size
         self.target_vocab_size = target_vocab_size
         self._states: dict[int, _DraftState] = {}
@@ -83,24 +95,63 @@ class DraftModelProposer:
         if self.restricted:
             self._grow_vocabulary(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
-        steps = [self._catch_up(views)]  # the catch-up pass drafts each sequence's first token
         active = list(range(len(seqs)))
+        runs = self._catch_up(views, self._guesses(views, active, drafts, limits))  # each sequence's first drafts
         while True:
-            for tokens in steps:
-                for i, token in zip(active, tokens, strict=True):
-                    drafts[i].append(token)
-                    view = views[i]
-                    view.num_computed_tokens = len(view.token_ids)
-                    view.token_ids.append(token)
+            for i, run in zip(active, runs, strict=True):
+                drafts[i].extend(run)
+                view = views[i]  # the run's tokens but its last have draft KV now
+                view.num_computed_tokens = len(view.token_ids) + len(run) - 1
+                view.token_ids.extend(run)
             # a token past the target's vocabulary ends that draft (the target could never accept it)
             active = [i for i in active if len(drafts[i]) < limits[i] and drafts[i][-1] < self.target_vocab_size]
             if not active:
                 break
-            steps = self._decode(views, active, min(limits[i] - len(drafts[i]) for i in active))
+            guesses = self._guesses(views, active, drafts, limits)
+            if any(guesses):
+                runs = self._rows([views[i] for i in active], guesses)
+            else:
+                steps = self._decode(views, active, min(limits[i] - len(drafts[i]) for i in active))
+                runs = [list(tokens) for tokens in zip(*steps, strict=True)]
         for seq, view in zip(seqs, views, strict=True):
             self._remember(seq, view.token_ids[:view.num_computed_tokens])
         return [_in_vocabulary(draft[:limit], self.target_vocab_size) for draft, limit in zip(drafts, limits,
                                                                                             strict=True)]
+
+    def _guesses(self, views: list[_DraftView], active: list[int], drafts: list[list[int]],
+                 limits: list[int]) -> list[list[int]]:
+        """For each active sequence, the lookup's guess at the draft's next tokens after the one it drafts
+        from the view's last token (no more than its limit leaves room for); [] each without a lookup."""
+        if self.lookup is None:
+            return [[] for _ in active]
+        guesses, rows = [], 0
+        for i in active:
+            view = views[i]
+            rows += len(view.token_ids) - view.num_computed_tokens
+            room = min(limits[i] - len(drafts[i]) - 1, _PASS_ROWS - rows)
+            guess = self.lookup.propose(view.token_ids, room) if room > 0 else []
+            rows += len(guess)
+            guesses.append(guess)
+        return guesses
+
+    def _rows(self, views: list[_DraftView], guesses: list[list[int]]) -> list[list[int]]:
+        """One pass over each view's tokens without draft KV, then its guesses, as one-token rows (the verify
+        step's shape, ModelRunner._flatten_drafted, which a backend's decode paths take). Each view's run: the
+        greedy token after its last token, then, while each guess equals the token before it in the run, the
+        greedy token after that guess: the draft's own greedy chain, whichever tokens were guessed."""
+        batch = SchedulerOutput([ScheduledSequence(v, 1, True, v.token_ids[v.num_computed_tokens + 1:] + guess)  # type: ignore[arg-type]
+                                 for v, guess in zip(views, guesses, strict=True)])
+        rows = self._greedy(batch)
+        runs, end = [], 0
+        for view, guess in zip(views, guesses, strict=True):
+            end += len(view.token_ids) - view.num_computed_tokens + len(guess)
+            run = [rows[end - len(guess) - 1]]
+            for guessed, after in zip(guess, rows[end - len(guess):end], strict=True):
+                if guessed != run[-1]:
+                    break
+                run.append(after)
+            runs.append(run)
+        return runs
 
     def prefill(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Run the draft over each sequence's tokens before ends[i], the prefill chunk the target just ran
@@ -131,23 +182,20 @@ class DraftModelProposer:
             return [[int(t) for t in out.token_ids] for out in outputs]  # type: ignore[arg-type]
         return [self._greedy(batch)]
 
-    def _catch_up(self, views: list[_DraftView]) -> list[int]:
-        """Run each view's tokens that have no draft KV yet; the greedy token after each view's last one.
+    def _catch_up(self, views: list[_DraftView], guesses: list[list[int]]) -> list[list[int]]:
+        """Run each view's tokens that have no draft KV yet; each view's run of drafts (see _rows).
 
         After the first round a sequence brings only the round's accepted drafts and the target's token
-        (at most k + 1), which run as one-token rows over its block table (the verify step's shape,
-        ModelRunner._flatten_drafted), so a backend's decode paths take them (on the cpu backend the fused
-        native step, ~5x faster there than the layer-by-layer forward of a short chunk). A batch with a
-        longer catch-up (a prompt, a preempted sequence) runs as one chunk per sequence."""
+        (at most k + 1), which run as one-token rows over its block table, with the lookup's guesses after
+        them (_rows), so a backend's decode paths take them (on the cpu backend the fused native step, ~5x
+        faster there than the layer-by-layer forward of a short chunk). A batch with a longer catch-up
+        (a prompt, a preempted sequence) runs as one chunk per sequence, without guesses."""
         counts = [len(v.token_ids) - v.num_computed_tokens for v in views]
         if max(counts) > 1 + MAX_DRAFT_TOKENS:
             batch = SchedulerOutput([ScheduledSequence(v, n, True)  # type: ignore[arg-type]
                                      for v, n in zip(views, counts, strict=True)])
-            return self._greedy(batch)
-        batch = SchedulerOutput([ScheduledSequence(v, 1, True, v.token_ids[v.num_computed_tokens + 1:])  # type: ignore[arg-type]
-                                 for v in views])
-        rows = self._greedy(batch)  # one token per row; each sequence's last row drafts from its last token
-        return [rows[end - 1] for end in accumulate(counts)]
+            return [[token] for token in self._greedy(batch)]
+        return self._rows(views, guesses)
 
     def _catch_up_view(self, seq: Sequence) -> _DraftView:
         """The sequence as the draft sees it: tokens up to the first one whose draft KV is not valid."""
@@ -231,8 +279,9 @@ class _LoadedDraft:
                                        adapter=selection.adapter)
         logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's",
                     self.target.config.speculative.model, num_blocks, draft_runner.kv_cache_bytes() / 2**30)
-        return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size,
-                                  self.target.config.speculative.draft_vocab)
+        spec = self.target.config.speculative
+        lookup = NgramProposer(spec.max_ngram_size, spec.min_ngram_size) if spec.draft_lookup else None
+        return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size, spec.draft_vocab, lookup)
 
 
 def load_draft_model(target: Target) -> _LoadedDraft:
