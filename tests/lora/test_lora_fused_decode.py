@@ -20,6 +20,7 @@ from flashllm.llm import LLM  # noqa: E402
 from flashllm.lora import LoRARequest  # noqa: E402
 from flashllm.ops.attention_metadata import AttentionMetadata  # noqa: E402
 from flashllm.sampling_params import SamplingParams  # noqa: E402
+from flashllm.testing.greedy_rows import greedy_screen_rows  # noqa: E402
 from flashllm.testing.parity import assert_rows_match, record_logits  # noqa: E402
 from flashllm.testing.tiny_lora import build_peft_adapter, greedy_reference, load_peft_model  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
@@ -98,7 +99,7 @@ def test_fused_steps_with_adapter_rows_match_peft(setup, monkeypatch) -> None:
 def test_bursts_with_adapter_rows_give_peft_tokens(setup, monkeypatch) -> None:
     base, loras = setup
     taken = _count(monkeypatch, decode_burst.GreedyBurst, "__call__")
-    llm = _llm(base, num_scheduler_steps=8)
+    llm = _llm(base, num_scheduler_steps=8, max_num_seqs=greedy_screen_rows())  # batches a burst takes
     chosen = [None if i is None else loras[i] for i in CHOSEN]
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
                         lora_request=chosen)

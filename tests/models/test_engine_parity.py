@@ -11,6 +11,7 @@ import torch
 from flashllm.backends.cpu import greedy_screen, native
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.greedy_rows import greedy_screen_rows
 from flashllm.testing.tiny_models import build_tiny_model
 
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
@@ -101,7 +102,7 @@ def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_mode
 def test_the_greedy_screen_gives_the_same_tokens(preset, model_dirs, hf_models) -> None:
     """Greedy steps through the device's greedy head (on the cpu backend, the bf16 screen of the
     LM head): transformers' greedy tokens, with prefix-cache hits and prefill chunks on the way."""
-    llm = _llm(model_dirs[preset], max_num_batched_tokens=48)
+    llm = _llm(model_dirs[preset], max_num_batched_tokens=48, max_num_seqs=greedy_screen_rows())  # batches it takes
     vocab = hf_models[preset].config.vocab_size
     prompts = _prompts(vocab, (1, 7, 63, 65, 200), seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)

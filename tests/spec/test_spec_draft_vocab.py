@@ -13,6 +13,7 @@ import torch
 from flashllm.backends.cpu import native
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.greedy_rows import greedy_screen_rows
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the cpu backend's native library")
@@ -40,7 +41,7 @@ def test_a_subset_head_picks_the_argmax_over_its_ids() -> None:
     for step in range(3):
         subset.choose(ids)
         assert subset.chosen == ids and subset.vocab_size >= len(ids)
-        hidden = torch.randn(2, features, generator=gen) * 4  # two rows: what every screen kind takes (bf16 on AVX2: <= 2)
+        hidden = torch.randn(min(3, greedy_screen_rows()), features, generator=gen) * 4
         got = subset(hidden)
         assert got is not None and got.tolist() == _oracle(weight, hidden, ids), f"step {step}"
         # the whole vocabulary's argmax is mostly elsewhere: the subset really restricts

@@ -14,6 +14,7 @@ import torch
 from flashllm.config import SpeculativeConfig
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.eagle import build_eagle_head
+from flashllm.testing.greedy_rows import greedy_screen_rows
 from flashllm.testing.spec_engine import random_prompts, spec_llm
 from flashllm.testing.tiny_models import build_tiny_model
 
@@ -147,8 +148,8 @@ def test_a_paused_sequence_bursts_and_keeps_its_tokens(eagle_dirs, monkeypatch) 
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in spec_llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
     bursts.clear()
-    # two sequences at a time: an AVX2 CPU's greedy screen, and so its bursts, take at most two rows
-    llm = spec_llm(target, "cpu", _eagle(eagle_dirs["head"], guard=0.25), max_num_seqs=2)
+    # batches the greedy screen, and so a burst, takes (two sequences on an AVX2 CPU)
+    llm = spec_llm(target, "cpu", _eagle(eagle_dirs["head"], guard=0.25), max_num_seqs=greedy_screen_rows())
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert spec == plain
     assert bursts and max(bursts) > 1, f"no paused sequence ran a burst: {bursts}"

@@ -15,6 +15,7 @@ import torch
 from flashllm.backends.cpu import decode_burst, greedy_screen, native
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.greedy_rows import greedy_screen_rows
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
@@ -29,7 +30,9 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def _llm(model_dir: Path, steps: int, **kwargs) -> LLM:
-    options = dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=40, max_model_len=128)
+    # batches the screen takes (on an AVX2 CPU two sequences), so every burst runs
+    options = dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=40, max_model_len=128,
+                   max_num_seqs=greedy_screen_rows())
     return LLM(str(model_dir), num_scheduler_steps=steps, **{**options, **kwargs})
 
 

@@ -11,6 +11,7 @@ import torch
 from flashllm import LLM, SamplingParams
 from flashllm.backends.cpu import greedy_screen, native
 from flashllm.models.weight_bytes import weight_bytes
+from flashllm.testing.greedy_rows import greedy_screen_rows
 from flashllm.testing.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
@@ -245,7 +246,8 @@ def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
+    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256,
+              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes (two on an AVX2 CPU)
     llm = LLM(str(model_dir), **kwargs)
     model = llm.engine.parts.model
     screen = greedy_screen.kept(model)
@@ -279,7 +281,8 @@ def test_the_amx_tiles_give_the_engine_the_same_tokens(model_dir: Path, monkeypa
     full fp32 logits, as with the screen off."""
     if _best_path() != 2:
         pytest.skip("no AMX-BF16, or no permission from the kernel to use it")
-    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256}
+    kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256,
+              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes (two on an AVX2 CPU)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     lib = native.library()
     lib.flashllm_screen_set_path(_AMX_ANY)
