@@ -293,6 +293,27 @@ def test_int8_activations_are_within_half_a_step_of_the_exact_product(scheme, gr
     assert error.max() > 0  # it is an approximation: an exact result would mean the fp32 kernel ran
 
 
+@pytest.mark.parametrize("group_size,symmetric", [(64, True), (64, False), (128, True), (-1, True)])
+def test_int4_tokens_of_a_pass_each_get_their_own_bits(group_size: int, symmetric: bool) -> None:
+    # a draft pass brings 1 to ~10 tokens; the decode body shares each unpacked block among up to six of
+    # them and takes rows in pairs for up to three: every row of every token must get the bits it gets
+    # alone (another token's scales, sums or zero-point terms leaking in, or a pair's second row reading
+    # the first's codes, changes them) and stay within the rounded activations' product
+    gen = torch.Generator().manual_seed(group_size + symmetric)
+    weight = quantize_weight(torch.randn(37, 768, generator=gen), "w4a16", group_size, symmetric)
+    x = torch.randn(12, 768, generator=gen)
+    x[:, 5] *= 40
+    x[4, 64:128] = 0.0  # a zero block: scale 0, codes 0
+    assert native.int8_activations(weight)
+    alone = torch.cat([native.int_linear(x[t : t + 1], weight) for t in range(12)])
+    for tokens in range(2, 13):
+        assert torch.equal(native.int_linear(x[:tokens], weight), alone[:tokens]), tokens
+    odd_rows = QuantizedWeight("w4a16", weight.data[1:], weight.scales[1:],
+                               None if weight.zeros is None else weight.zeros[1:], weight.group_size)
+    assert torch.equal(native.int_linear(x[:3], odd_rows), alone[:3, 1:])  # rows paired the other way
+    check_integer_product(weight, x)
+
+
 def test_asymmetric_zero_points_are_read_per_row_and_group(monkeypatch) -> None:
     # every group of every row gets its own zero point: a kernel using one zero everywhere fails
     gen = torch.Generator().manual_seed(5)

@@ -21,7 +21,9 @@
  *   y = sum_g scales[n, g] * (sum_{b in g} d[t, b] * sum_{k in b} code[n, k] * q[t, k]
  *                             - zero[n, g] * sum_{b in g} d[t, b] * sum_{k in b} q[t, k])
  * The inner sums are exact integers (at most 64 * 15 * 127 < 2^24, so their fp32 conversion is
- * exact too); the zero-point term is one product per group, from per-token sums computed once.
+ * exact too); the zero-point term is one product per group, from per-token sums computed once. The
+ * decode body for flashllm's own activations (flash_rows) adds those terms into a token's lanes
+ * before their one horizontal sum; every body keeps each token's bits independent of the others'.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -276,6 +278,124 @@ static inline void rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1, int
     }
 }
 
+/* ---- the decode body for flashllm's own activations (A8_FLASH) and groups of a multiple of 64 ----
+ * A draft model's passes bring 1 to ~10 tokens of one sequence, and for a small model (K = 576: nine
+ * blocks a row) what rows_for_tokens spends around the blocks (a zero-point term per row and token,
+ * recomputing the row's scale x zero products, then two horizontal sums) costs about as much as
+ * the blocks. Here a block's two activation scales are one (A8_FLASH), so each token's block costs
+ * two vpmaddubsw, one vpaddw, one vpmaddwd, a conversion, the scale product and an fma; the row's
+ * zero-point term, scales[g] * zero[g] * qsum[t, g] over its groups, is folded into each token's
+ * accumulator lanes (8 groups a step, the row's scale x zero products made once for all tokens)
+ * before its one horizontal sum; and up to FLASH_TOKENS tokens share each unpacked block, two rows
+ * at a time where few tokens leave registers for it (a chain of fmas per row hides their latency).
+ * The fp32 order per token and row is fixed: blocks in order into 8 lanes, then the groups'
+ * zero-point terms, 8 at a time, then the lanes' sum: whatever the other tokens of the pass, and
+ * whichever R and TT run it, a token gets the same bits. */
+#define FLASH_TOKENS 6
+
+/* mask of the first `left` (clamped to 0..8) fp32 lanes, for a row's last groups */
+static inline __m256i lanes_below(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* acc[j] -= sum_g scales[g] * zero[g] * qsum[j][g], 8 groups per step into the lanes (zeros NULL: 8) */
+static inline __attribute__((always_inline)) void fold_zero_terms(__m256 *acc, const float *scales,
+                                                                    const int32_t *zeros, const float *const *qsum,
+                                                                    int64_t G, const int TT) {
+    for (int64_t g = 0; g < G; g += 8) {
+        const __m256i mask = lanes_below(G - g);
+        const __m256 zero = zeros ? _mm256_cvtepi32_ps(_mm256_maskload_epi32(zeros + g, mask)) : _mm256_set1_ps(8.0f);
+        const __m256 sz = _mm256_mul_ps(_mm256_maskload_ps(scales + g, mask), zero);
+        for (int j = 0; j < TT; j++) acc[j] = _mm256_fnmadd_ps(sz, _mm256_maskload_ps(qsum[j] + g, mask), acc[j]);
+    }
+}
+
+/* Rows n..n + R (R 1 or 2) for tokens t0..t0 + TT (TT <= FLASH_TOKENS), as the section's comment says */
+static inline __attribute__((always_inline)) void flash_rows(const a8_args *a, int64_t n, int64_t t0, const int R,
+                                                               const int TT) {
+    const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G, per_group = blocks / G;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int8_t *q[FLASH_TOKENS];
+    const float *d[FLASH_TOKENS], *qsum[FLASH_TOKENS];
+    for (int j = 0; j < TT; j++) {
+        q[j] = a->q + (t0 + j) * a->K;
+        d[j] = a->d + (t0 + j) * 2 * blocks;
+        qsum[j] = a->qsum + (t0 + j) * G;
+    }
+    const uint8_t *row[2];
+    __m256 acc[2][FLASH_TOKENS];
+    for (int r = 0; r < R; r++) {
+        row[r] = (const uint8_t *)a->w + (n + r) * half;
+        for (int j = 0; j < TT; j++) acc[r][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++, left--) {
+        if (left == 0) {  /* the next group: counted, as a division per block costs more than its products */
+            g++;
+            left = per_group;
+        }
+        __m256i low[2], high[2];
+        __m256 scale[2];
+        for (int r = 0; r < R; r++) {
+            if (b & 1) _mm_prefetch((const char *)(row[r] + b * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row[r] + b * 32));
+            low[r] = _mm256_and_si256(bytes, nibble);
+            high[r] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            scale[r] = _mm256_broadcast_ss(a->scales + (n + r) * G + g);
+        }
+        for (int j = 0; j < TT; j++) {
+            const __m256i qe = _mm256_loadu_si256((const __m256i *)(q[j] + b * A8_BLOCK));
+            const __m256i qo = _mm256_loadu_si256((const __m256i *)(q[j] + b * A8_BLOCK + 32));
+            const __m256 dd = _mm256_broadcast_ss(d[j] + 2 * b);
+            for (int r = 0; r < R; r++) {
+                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[r], qe), _mm256_maddubs_epi16(high[r], qo));
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                            _mm256_mul_ps(scale[r], dd), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        fold_zero_terms(acc[r], a->scales + (n + r) * G, a->zeros ? a->zeros + (n + r) * G : NULL, qsum, G, TT);
+        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n + r] = hsum8(acc[r][j]);
+    }
+}
+
+/* Rows n0..n1 for tokens t0..t0 + TT: two rows a step while their 2 x TT accumulators leave registers
+ * for the unpacked codes, else one */
+static inline __attribute__((always_inline)) void flash_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1,
+                                                                          int64_t t0, const int TT) {
+    int64_t n = n0;
+    if (TT <= 3)
+        for (; n + 2 <= n1; n += 2) flash_rows(a, n, t0, 2, TT);
+    for (; n < n1; n++) flash_rows(a, n, t0, 1, TT);
+}
+
+/* Whether flash_share takes the product: flashllm's activations, one term a token, no offsets, and
+ * groups of whole blocks */
+static inline int flash_takes(const a8_args *a) {
+    return a->afmt == A8_FLASH && a->terms == 1 && !a->offsets && (a->K / a->G) % A8_BLOCK == 0;
+}
+
+/* The share's rows for all T tokens in sweeps of at most FLASH_TOKENS, as even as they come (10 tokens:
+ * 5 and 5), so every sweep re-reads the share's codes (from L2 after the first) as few times as it can */
+static void flash_share(const a8_args *shared, int64_t n0, int64_t n1) {
+    /* a copy the compiler sees no store to, so the rows' loops keep K, G and the pointers in registers
+     * (through `shared` every result stored could have changed them: a division per row came back) */
+    const a8_args local = *shared, *a = &local;
+    const int64_t sweeps = (a->T + FLASH_TOKENS - 1) / FLASH_TOKENS;
+    for (int64_t s = 0, t0 = 0; s < sweeps; s++) {
+        const int64_t t1 = a->T * (s + 1) / sweeps;
+        switch (t1 - t0) {
+            case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;
+            case 2: flash_rows_for_tokens(a, n0, n1, t0, 2); break;
+            case 3: flash_rows_for_tokens(a, n0, n1, t0, 3); break;
+            case 4: flash_rows_for_tokens(a, n0, n1, t0, 4); break;
+            case 5: flash_rows_for_tokens(a, n0, n1, t0, 5); break;
+            default: flash_rows_for_tokens(a, n0, n1, t0, 6); break;
+        }
+        t0 = t1;
+    }
+}
+
 /* A share of rows: ROWS(a, r0, r1, t0, TT) over the activation rows 4 at a time, TT a constant in
  * each call so that the token loop unrolls, one tile of rows at a time: for a prompt (hundreds of
  * rows) every 4 rows re-read the tile's codes, which stay in L2 when the tile is TILE_BYTES, where
@@ -378,6 +498,10 @@ static void a8_share(void *ctx, int64_t n0, int64_t n1) {
     const a8_args *a = ctx;
     if (a8_vnni && a->K % (2 * A8_BLOCK) == 0) {
         vnni_share(a, n0, n1);
+        return;
+    }
+    if (a->T <= TILE_MIN_ROWS && flash_takes(a)) {
+        flash_share(a, n0, n1);
         return;
     }
     TOKEN_SWEEPS(rows_for_tokens, a->K / 2)
