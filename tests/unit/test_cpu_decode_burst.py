@@ -151,20 +151,22 @@ def test_a_token_the_screen_cannot_settle_ends_the_burst(model_dir, monkeypatch)
 
 
 def test_a_batch_the_screen_does_not_take_runs_single_steps(model_dir, monkeypatch) -> None:
-    """On an AVX2 CPU the bf16 screen takes at most 2 tokens: larger decode batches are declined
-    before their inputs are built, and bursts start once 2 sequences are left."""
+    """With its tiles off, an AVX2 CPU's bf16 screen takes at most 2 tokens: larger decode batches
+    are declined before their inputs are built, and bursts start once 2 sequences are left."""
     monkeypatch.setenv(greedy_screen.ENV_SWITCH, "bf16")
     lib = native.library()
-    best = lib.flashllm_screen_set_path(-1)
+    best, tiles = lib.flashllm_screen_set_path(-1), lib.flashllm_screen_set_avx2_tiles(-1)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     try:
         lib.flashllm_screen_set_path(0)  # the AVX2 loops
+        lib.flashllm_screen_set_avx2_tiles(0)  # rows only
         single = _outputs(_llm(model_dir, 1), PROMPTS, params)
         sizes: list[int] = []
         runs = _bursts(monkeypatch, sizes)
         assert _outputs(_llm(model_dir, 8), PROMPTS, params) == single
     finally:
         lib.flashllm_screen_set_path(best)
+        lib.flashllm_screen_set_avx2_tiles(tiles)
     assert sizes and max(sizes) == 2 and 0 not in runs
 
 

@@ -88,8 +88,6 @@ def test_scores_stay_within_their_bound(path, tokens) -> None:
     it. All-positive terms make the errors add up rather than cancel: tokens just under a bf16
     halfway point (truncated to bf16, each would lose 2^-7 of itself) against weights exact in
     bf16, and random ones against random weights."""
-    if path == 0 and tokens > 2:
-        pytest.skip("an AVX2 CPU's screen leaves more tokens to the fp32 tiles")
     gen = torch.Generator().manual_seed(tokens)
     k = 96
     weight = torch.rand(70, k, generator=gen).to(torch.bfloat16).float() + 0.5
@@ -134,14 +132,36 @@ def test_random_heads_give_the_float64_argmax(copy, tokens, vocab, features) -> 
     x = torch.randn(tokens, features, generator=gen) * 3
     screen, fallback = _screen(weight, copy[0])
     got = screen(x)
-    if copy == ("bf16", 0) and tokens > 2:  # an AVX2 CPU's screen leaves more tokens to the fp32 tiles
-        assert got is None
-        return
     exact = x.double() @ weight.double().T
     top2 = exact.topk(2, dim=-1).values
     assert bool((top2[:, 0] - top2[:, 1] > 1e-3).all()), "the drawn logits are too close for this check"
     assert got.tolist() == exact.argmax(dim=-1).tolist()
     assert fallback.rows == 0 and tokens <= screen.picked <= 8 * tokens  # a few rows each, on random weights
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 9, 32])
+def test_the_avx2_tiles_take_a_verify_steps_rows(tokens) -> None:
+    """On the AVX2 path the tiles take 2 to 32 tokens (a speculative verify step's 1 + k rows) and give
+    the float64 argmax; switched off, the rows take at most 2, with the same tokens. 1,001 rows leave
+    the tiles' last rows to the one-row sweeps."""
+    lib = native.library()
+    best, default = _best_path(), lib.flashllm_screen_set_avx2_tiles(-1)
+    gen = torch.Generator().manual_seed(tokens)
+    weight = torch.randn(1001, 96, generator=gen) * 0.05
+    x = torch.randn(tokens, 96, generator=gen) * 3
+    screen, fallback = _screen(weight)
+    try:
+        lib.flashllm_screen_set_path(0)
+        assert lib.flashllm_screen_set_avx2_tiles(32) == 32
+        got = screen(x)
+        exact = x.double() @ weight.double().T
+        assert got is not None and got.tolist() == exact.argmax(dim=-1).tolist() and fallback.rows == 0
+        assert lib.flashllm_screen_set_avx2_tiles(0) == 0
+        rows = screen(x)
+        assert rows is None if tokens > 2 else rows.tolist() == got.tolist()
+    finally:
+        lib.flashllm_screen_set_path(best)
+        lib.flashllm_screen_set_avx2_tiles(default)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -160,8 +180,6 @@ def test_the_pick_splits_a_few_tokens_rows_over_the_threads(copy, threads, monke
     screen, fallback = _screen(weight, copy[0])
     for tokens in (1, 2, 3):
         got = screen(x[:tokens])
-        if copy == ("bf16", 0) and tokens > 2:  # an AVX2 CPU's screen leaves these to the fp32 tiles
-            continue
         exact = x[:tokens].double() @ weight.double().T
         assert got.tolist() == exact.argmax(dim=-1).tolist()
         assert got.tolist()[0] == 7 and fallback.rows == 0

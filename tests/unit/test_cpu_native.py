@@ -159,6 +159,39 @@ def test_tiled_rows_give_each_row_its_own_bits(f32_rows: int, tokens: int, k: in
     assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("k", [8, 264, 576, 1544])
+@pytest.mark.parametrize("n", [5, 67, 130])
+def test_stream_tiles_give_the_blocks_bits(tokens: int, k: int, n: int) -> None:
+    # the AVX2 stream tiles (a verify step's 2 to 9 tokens) read rows a quarter of the share apart, the
+    # features in 128-wide chunks (264 and 1544 end on a part chunk), with one accumulator per row and
+    # token in the blocks' order: every output must equal the 4-row blocks' (stream tiles off) bit for bit
+    if native.f32_rows() != 2:
+        pytest.skip("the AVX2 stream tiles run only where the AVX2 fp32 paths do (no AVX-512F)")
+    gen = torch.Generator().manual_seed(k + n + tokens)
+    x, w = torch.randn(tokens, k, generator=gen), torch.randn(n, k, generator=gen)
+    default = native.f32_stream_max()
+    try:
+        assert native.f32_stream_max(9) == 9
+        streamed = native.f32_linear(x, w)
+        assert native.f32_stream_max(0) == 0
+        blocks = native.f32_linear(x, w)
+    finally:
+        native.f32_stream_max(default)
+    assert_within_fp32_bound(streamed, x, w)
+    assert torch.equal(streamed, blocks)
+
+
+def test_the_stream_tiles_take_two_to_nine_tokens() -> None:
+    default = native.f32_stream_max()
+    try:
+        assert native.f32_stream_max(10) == default and native.f32_stream_max(1) == default  # unsupported: unchanged
+        assert native.f32_stream_max(5) == 5
+    finally:
+        native.f32_stream_max(default)
+    assert default == 9
+
+
 @pytest.fixture(params=["z", "avx2"])
 def w8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
     """Per-channel int8 products of 2+ tokens on the AVX-512 16-lane tiles ("z"; skipped where the CPU

@@ -106,11 +106,13 @@ _SIGNATURES = {
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_f32_set_stream_max": ([ctypes.c_int], ctypes.c_int),
     "flashllm_f32_set_gemv_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_z_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_bf16_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_bf16_gemv_mt": ([_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_screen_set_path": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_screen_set_avx2_tiles": ([ctypes.c_int], ctypes.c_int),
     "flashllm_i8_screen_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int),
     "flashllm_i8_screen_set_path": ([ctypes.c_int], ctypes.c_int),
     "flashllm_i8_screen_scratch": ([_I64, _I64], _I64),
@@ -414,6 +416,13 @@ def f32_rows(rows: int | None = None) -> int:
     small batches' tiles too, run the AVX-512 code), else 2 (AVX2). With `rows`, sets it first (an
     unsupported count changes nothing), for tests and A/B runs."""
     return library().flashllm_f32_set_rows(0 if rows is None else rows)
+
+
+def f32_stream_max(tokens: int | None = None) -> int:
+    """The most tokens whose fp32 products run the AVX2 stream tiles of csrc/decode_kernels.c (a
+    speculative verify step's rows; 0: none, and where the AVX-512 paths run these never do). With
+    `tokens` (0, or 2 to 9), sets it first, for tests and A/B runs."""
+    return library().flashllm_f32_set_stream_max(-1 if tokens is None else tokens)
 
 
 def f32_gemv_rows(rows: int | None = None) -> int:

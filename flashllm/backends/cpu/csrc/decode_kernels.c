@@ -348,6 +348,100 @@ static void tiled_product(const tile_fn *tiles, int R, const float *x, const flo
 }
 
 
+/* ---- AVX2, 2 to STREAM_MAX_TOKENS tokens (a speculative verify step's 1 + k rows): the tiles' sums
+ * read as the one-token loop reads ----
+ * tiled_product's contiguous 4-row blocks stream a few tokens' products slowly on `epyc-avx2-2c`
+ * (docs/benchmarks.md): SmolLM2-135M's 150 body products (distinct weights, two threads) take
+ * 1.4-1.6x the one-token loop at 2 to 5 tokens. Here the 4 rows of a tile are a quarter of the share
+ * apart (four streams, each running on through the next rows of its quarter) and the features go by
+ * in chunks of STREAM_CHUNK: every sweep of the tokens (up to TILE_TOKENS at a time) runs over one
+ * chunk of the 4 rows before the next chunk is read, the accumulators parked in memory between
+ * sweeps, so each stream moves on steadily while the chunk's lines sit in L1; the first sweep
+ * prefetches STREAM_AHEAD bytes on in each stream. Same machine, interleaved, minimum of 13-15
+ * rounds: those products ran 12.7 ms against 19.5 for the blocks at 2 tokens, 13.6 / 18.9 at 4,
+ * 15.9 / 21.0 at 5, 19.5 / 22.8 at 8 and 20.6 / 22.9 at 9 (one token: 15.6); at 12 and 16 tokens
+ * the blocks were faster (28.2 / 30.0, 30.6 / 36.4), so larger batches keep them.
+ *
+ * Each output is still one 8-lane accumulator over k = 0, 8, 16, ... in order, then hsum8: the
+ * blocks' sums, bit for bit, whatever the chunk, sweep, share or the batch's other tokens. */
+#define STREAM_ROWS 4
+#define STREAM_MAX_TOKENS 9
+#define STREAM_CHUNK 128  /* features: 512 B of each of the 4 rows */
+#define STREAM_AHEAD 512  /* bytes: a chunk on in each stream */
+#define STREAM_SHARES 8   /* shares per thread (FINE_SHARES restart the streams too often) */
+static int stream_max = STREAM_MAX_TOKENS;
+
+/* Sets the most tokens the AVX2 stream tiles take (0: none, 1 < tokens <= STREAM_MAX_TOKENS; else
+ * nothing changes) and returns the setting in use afterwards, for tests and A/B runs. */
+int flashllm_f32_set_stream_max(int tokens) {
+    if (tokens == 0 || (tokens > 1 && tokens <= STREAM_MAX_TOKENS)) stream_max = tokens;
+    return stream_max;
+}
+
+/* Whether f32_gemm_streams takes T tokens of K features: the AVX2 paths (f32_rows 2) only */
+static int stream_takes(int64_t T, int64_t K) { return T > 1 && T <= stream_max && K % 8 == 0 && f32_rows != OCT_ROWS; }
+
+/* One sweep of TT tokens (x, xs apart) over features [k0, k1) of R rows: acc[r * STREAM_MAX_TOKENS + t]
+ * carries each sum from the previous chunk (fresh: zeros); prefetches `ahead` bytes on (0: none). */
+__attribute__((always_inline))
+static inline void stream_sweep(const float *x, int64_t xs, const float *const *rows, int R, int TT, int64_t k0,
+                                int64_t k1, __m256 *acc, int fresh, int64_t ahead) {
+    __m256 a[STREAM_ROWS][TILE_TOKENS];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        a[r][t] = fresh ? _mm256_setzero_ps() : acc[r * STREAM_MAX_TOKENS + t];
+    for (int64_t k = k0; k < k1; k += 8) {
+        if (ahead && (k & 15) == 0)
+            UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)(rows[r] + k) + ahead, _MM_HINT_T0);
+        __m256 xv[TILE_TOKENS];
+        UNROLL for (int t = 0; t < TT; t++) xv[t] = _mm256_loadu_ps(x + t * xs + k);
+        UNROLL for (int r = 0; r < R; r++) {
+            const __m256 wv = _mm256_loadu_ps(rows[r] + k);
+            UNROLL for (int t = 0; t < TT; t++) a[r][t] = _mm256_fmadd_ps(wv, xv[t], a[r][t]);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r * STREAM_MAX_TOKENS + t] = a[r][t];
+}
+
+/* R rows (outputs at ys[r], tokens ldy apart) against all T tokens, chunk by chunk */
+__attribute__((always_inline))
+static inline void stream_rows(const float *x, int64_t T, int64_t K, const float *const *rows, int R,
+                               float *const *ys, int64_t ldy) {
+    __m256 acc[STREAM_ROWS * STREAM_MAX_TOKENS];
+    const int64_t sweeps = (T + TILE_TOKENS - 1) / TILE_TOKENS;
+    for (int64_t k0 = 0; k0 < K; k0 += STREAM_CHUNK) {
+        const int64_t k1 = k0 + STREAM_CHUNK < K ? k0 + STREAM_CHUNK : K;
+        for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+            const int64_t tokens = sweep_tokens(T, t, sweeps, sweep), ahead = sweep == 0 ? STREAM_AHEAD : 0;
+            if (tokens == 3) stream_sweep(x + t * K, K, rows, R, 3, k0, k1, acc + t, k0 == 0, ahead);
+            else if (tokens == 2) stream_sweep(x + t * K, K, rows, R, 2, k0, k1, acc + t, k0 == 0, ahead);
+            else stream_sweep(x + t * K, K, rows, R, 1, k0, k1, acc + t, k0 == 0, ahead);
+            t += tokens;
+        }
+    }
+    for (int r = 0; r < R; r++) for (int64_t t = 0; t < T; t++) ys[r][t * ldy] = hsum8(acc[r * STREAM_MAX_TOKENS + t]);
+}
+
+/* Rows n0..n1 of y[t * ldy + n] for T <= STREAM_MAX_TOKENS tokens, K a multiple of 8: rows n0 + s * q + i
+ * (s < 4, q a quarter of the rows) together, i in order; then the last rows one at a time. */
+static void f32_gemm_streams(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t n0, int64_t n1,
+                             int64_t ldy) {
+    const int64_t q = (n1 - n0) / STREAM_ROWS;
+    for (int64_t i = 0; i < q; i++) {
+        const float *rows[STREAM_ROWS];
+        float *ys[STREAM_ROWS];
+        for (int s = 0; s < STREAM_ROWS; s++) {
+            rows[s] = w + (n0 + s * q + i) * K;
+            ys[s] = y + n0 + s * q + i;
+        }
+        stream_rows(x, T, K, rows, STREAM_ROWS, ys, ldy);
+    }
+    for (int64_t n = n0 + STREAM_ROWS * q; n < n1; n++) {
+        const float *rows[1] = {w + n * K};
+        float *ys[1] = {y + n};
+        stream_rows(x, T, K, rows, 1, ys, ldy);
+    }
+}
+
 /* ---- small batches on CPUs with AVX-512F: fp32 tiles of 4 rows x up to 6 tokens in 16-lane registers ----
  * The AVX2 tiles above hold 4 x 3 accumulators of 8 lanes; AVX-512's 32 registers of 16 lanes hold
  * 4 x 6 (24, plus 6 activations and a weight), so a 16-token sweep takes 3 passes over a block instead
@@ -563,7 +657,8 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
      * engine's decode 1.075x). With AVX2 (on `epyc3-2c`, docs/benchmarks.md, two threads) the pair
      * loop takes rows of up to 2048 features, 4-10% faster there than the row loop; longer rows go to
      * the 4-row tiles, whose next-block prefetch streams the down projection (K 4864) at ~35 GB/s
-     * against ~29 for the row loop and beats the pair loop by 5%. */
+     * against ~29 for the row loop and beats the pair loop by 5%. With AVX2, 2 to STREAM_MAX_TOKENS
+     * tokens (a verify step's rows) take the stream tiles, more the 4-row blocks (see f32_gemm_streams). */
     if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS && f32_gemv_rows == OCT_ROWS)
         f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T == 1 && a->K % 32 == 0 && (a->K <= 2048 || f32_rows == OCT_ROWS))
@@ -572,6 +667,7 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
         f32_gemm_z8(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS)
         f32_gemm_z_chunks(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    else if (stream_takes(a->T, a->K)) f32_gemm_streams(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
@@ -595,7 +691,7 @@ static void w4_share(void *ctx, int64_t n0, int64_t n1) {
 void flashllm_f32_gemv_mt(const float *x, const float *w, float *y, int64_t T, int64_t K, int64_t N,
                           int64_t ldy, int threads) {
     gemv_args a = {x, NULL, w, NULL, NULL, y, T, K, 0, ldy};
-    flashllm_parallel_for(f32_share, &a, N, threads, FINE_SHARES);
+    flashllm_parallel_for(f32_share, &a, N, threads, stream_takes(T, K) ? STREAM_SHARES : FINE_SHARES);
 }
 
 /* fp32 activations at every size (the MoE experts' op promises these numerics) */

@@ -56,6 +56,92 @@ static void bf16_rows(const float *xe, const float *xo, const uint16_t *w, float
     }
 }
 
+/* AVX2, 2 to AVX2_TILE_MAX_TOKENS tokens (a speculative verify step's 1 + k rows, a decode batch):
+ * the rows above load each weight line once per token, and past two tokens the whole fp32 head
+ * used to run instead. These tiles hold 4 rows (a quarter of the share apart, so four streams) x 2
+ * tokens: 8 accumulators, each token's even and odd features (4), one row's two halves and the mask
+ * fit the 16 registers, and each line of the copy meets every token of a sweep while in L1 (the
+ * first sweep prefetches AVX2_TILE_AHEAD bytes on in each stream). On `epyc-avx2-2c`
+ * (docs/benchmarks.md), SmolLM2-135M's 49152 x 576 head from random tokens, two threads, screen and
+ * pick against the fp32 products and their argmax (interleaved, medians of 13): 2.0 ms against 3.0
+ * for the rows at 2 tokens; 3.5 against 4.8 at 3, 4.2 against 5.9 at 5, 5.8 against 7.5 at 9,
+ * 10.1 against 11.6 at 16, 17.2 against 18.1 at 32. A score is one FMA chain per row and token
+ * (even, then odd features, 16 at a time), within the same bound as the rows' four chains. */
+#define AVX2_TILE_ROWS 4
+#define AVX2_TILE_TOKENS 2
+#define AVX2_TILE_MAX_TOKENS 32
+#define AVX2_TILE_AHEAD 1024
+static int avx2_tile_max = AVX2_TILE_MAX_TOKENS;
+
+/* Sets the most tokens the AVX2 tiles take (0: none, the rows then take at most AVX2_MAX_TOKENS;
+ * 2 to AVX2_TILE_MAX_TOKENS; anything else changes nothing) and returns the setting in use afterwards,
+ * for tests and A/B runs. */
+int flashllm_screen_set_avx2_tiles(int tokens) {
+    if (tokens == 0 || (tokens > 1 && tokens <= AVX2_TILE_MAX_TOKENS)) avx2_tile_max = tokens;
+    return avx2_tile_max;
+}
+
+/* One sweep of TT tokens (deinterleaved, half = K / 2 apart) over R rows, sums into ys[r][t * ldy] */
+__attribute__((always_inline))
+static inline void bf16_avx2_pass(const float *xe, const float *xo, int64_t half, const uint16_t *const *rows, int R,
+                                  int TT, float *const *ys, int64_t ldy, int64_t pf) {
+    __m256 acc[AVX2_TILE_ROWS][AVX2_TILE_TOKENS];
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < half; i += 8) {
+        if (pf && (i & 15) == 0) for (int r = 0; r < R; r++) _mm_prefetch((const char *)(rows[r] + 2 * i) + pf, _MM_HINT_T0);
+        __m256 e[AVX2_TILE_TOKENS], o[AVX2_TILE_TOKENS];
+        for (int t = 0; t < TT; t++) {
+            e[t] = _mm256_loadu_ps(xe + t * half + i);
+            o[t] = _mm256_loadu_ps(xo + t * half + i);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(rows[r] + 2 * i));
+            const __m256 ev = EVEN8(v), ov = ODD8(v);
+            for (int t = 0; t < TT; t++) {
+                acc[r][t] = _mm256_fmadd_ps(ev, e[t], acc[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(ov, o[t], acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) ys[r][t * ldy] = hsum8(acc[r][t]);
+}
+
+/* R rows against all T tokens, AVX2_TILE_TOKENS or fewer a sweep, spread evenly */
+__attribute__((always_inline))
+static inline void bf16_avx2_sweeps(const float *xe, const float *xo, int64_t T, int64_t K, const uint16_t *const *rows,
+                                    int R, float *const *ys, int64_t ldy, int64_t pf) {
+    const int64_t half = K / 2, sweeps = (T + AVX2_TILE_TOKENS - 1) / AVX2_TILE_TOKENS;
+    float *at[AVX2_TILE_ROWS];
+    for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+        const int64_t left = sweeps - sweep, tokens = (T - t) / left + ((T - t) % left != 0);
+        for (int r = 0; r < R; r++) at[r] = ys[r] + t * ldy;
+        if (tokens == 2) bf16_avx2_pass(xe + t * half, xo + t * half, half, rows, R, 2, at, ldy, sweep == 0 ? pf : 0);
+        else bf16_avx2_pass(xe + t * half, xo + t * half, half, rows, R, 1, at, ldy, sweep == 0 ? pf : 0);
+        t += tokens;
+    }
+}
+
+/* Rows n0..n1 for T tokens: rows n0 + s * q + i (s < 4, q a quarter of the rows) together, then the
+ * last rows one at a time */
+static void bf16_avx2_tiles(const float *xe, const float *xo, const uint16_t *w, float *y, int64_t T, int64_t K,
+                            int64_t n0, int64_t n1, int64_t ldy) {
+    const int64_t q = (n1 - n0) / AVX2_TILE_ROWS;
+    for (int64_t i = 0; i < q; i++) {
+        const uint16_t *rows[AVX2_TILE_ROWS];
+        float *ys[AVX2_TILE_ROWS];
+        for (int s = 0; s < AVX2_TILE_ROWS; s++) {
+            rows[s] = w + (n0 + s * q + i) * K;
+            ys[s] = y + n0 + s * q + i;
+        }
+        bf16_avx2_sweeps(xe, xo, T, K, rows, AVX2_TILE_ROWS, ys, ldy, AVX2_TILE_AHEAD);
+    }
+    for (int64_t n = n0 + AVX2_TILE_ROWS * q; n < n1; n++) {
+        const uint16_t *rows[1] = {w + n * K};
+        float *ys[1] = {y + n};
+        bf16_avx2_sweeps(xe, xo, T, K, rows, 1, ys, ldy, 0);
+    }
+}
+
 /* AVX-512, one token: eight rows an eighth of the share apart at once (eight read streams, as the
  * fp32 one-token loop in decode_kernels.c reads), 32 features of each a step in two 16-lane chains,
  * each stream prefetching SCREEN_AHEAD bytes on into L1. Why the prefetch here, where the fp32 loop
@@ -262,7 +348,7 @@ static void amx_share(void *ctx, int64_t n0, int64_t n1) {
 static int amx_usable(void) { return 0; }
 #endif
 
-/* The paths: 0 AVX2 rows, 1 AVX-512, 2 AMX from AMX_MIN_TOKENS tokens (AVX-512 below), 3 AMX at any
+/* The paths: 0 AVX2 (rows, or tiles for 2+ tokens), 1 AVX-512, 2 AMX from AMX_MIN_TOKENS tokens (AVX-512 below), 3 AMX at any
  * token count (tests and A/B runs). The best the CPU has below 3 is set at load; flashllm_screen_set_path. */
 static int screen_path = 0, best_path = 0;
 __attribute__((constructor)) static void pick_screen_path(void) {
@@ -287,16 +373,17 @@ static void screen_share(void *ctx, int64_t n0, int64_t n1) {
     const screen_args *a = ctx;
     if (screen_path >= 1 && a->T == 1) bf16_octs(a->xe, a->xo, a->w, a->y, a->K, n0, n1);
     else if (screen_path >= 1) bf16_quads(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
+    else if (a->T > 1 && a->T <= avx2_tile_max) bf16_avx2_tiles(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else bf16_rows(a->xe, a->xo, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
 
-/* The most tokens the AVX2 rows take: past two tokens they lose to the fp32 AVX2 tiles, which load a
- * weight once for 3 tokens (16 rows of 151936 x 896 on `intel-2c` with AVX-512 off, two threads:
- * 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
+/* The most tokens the AVX2 rows take without the AVX2 tiles: past two tokens they lose to the fp32
+ * AVX2 tiles, which load a weight once for 3 tokens (16 rows of 151936 x 896 on `intel-2c` with
+ * AVX-512 off, two threads: 20 ms against 27 at one token, 26 against 27 at two, 37 against 28 at four). */
 #define AVX2_MAX_TOKENS 2
 
 /* Whether flashllm_bf16_gemv_mt takes T tokens on this CPU's path. */
-int flashllm_bf16_screen_takes(int64_t T) { return !(screen_path == 0 && T > AVX2_MAX_TOKENS); }
+int flashllm_bf16_screen_takes(int64_t T) { return !(screen_path == 0 && T > AVX2_MAX_TOKENS && T > avx2_tile_max); }
 
 /* y[t * ldy + n] ~ sum_k x[t * K + k] * fp32(w[n * K + k]) for t < T, n < N: w holds bf16 bit
  * patterns. K a multiple of 32; scratch: 16 * ceil(T / 16) * K floats. Returns 0 without computing
