@@ -265,7 +265,7 @@ def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_engine_takes_greedy_steps_through_the_screen(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256,
-              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes (two on an AVX2 CPU)
+              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes
     llm = LLM(str(model_dir), **kwargs)
     model = llm.engine.parts.model
     screen = greedy_screen.kept(model)
@@ -300,7 +300,7 @@ def test_the_amx_tiles_give_the_engine_the_same_tokens(model_dir: Path, monkeypa
     if _best_path() != 2:
         pytest.skip("no AMX-BF16, or no permission from the kernel to use it")
     kwargs = {"device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64, "max_model_len": 256,
-              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes (two on an AVX2 CPU)
+              "max_num_seqs": greedy_screen_rows()}  # batches the screen takes
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     lib = native.library()
     lib.flashllm_screen_set_path(_AMX_ANY)
