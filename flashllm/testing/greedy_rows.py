@@ -8,8 +8,8 @@ import os
 
 def greedy_screen_rows(most: int = 32) -> int:
     """The most decode rows, up to `most`, that this CPU's greedy screen (backends/cpu/greedy_screen.py), and so a
-    greedy burst, takes in one call: any batch with the int8 screen or AVX-512's bf16 screen, and with AVX2's bf16
-    screen any batch too, or two where its tiles are switched off. `most` where there is no native library."""
+    greedy burst, takes in one call: any batch with the int8 screen or AVX-512's bf16 screen, nine with AVX2's bf16
+    screen (two where its tiles are switched off). `most` where there is no native library."""
     from flashllm.backends.cpu import native
     from flashllm.backends.cpu.greedy_screen import ENV_SWITCH
 

@@ -88,6 +88,8 @@ def test_scores_stay_within_their_bound(path, tokens) -> None:
     it. All-positive terms make the errors add up rather than cancel: tokens just under a bf16
     halfway point (truncated to bf16, each would lose 2^-7 of itself) against weights exact in
     bf16, and random ones against random weights."""
+    if path == 0 and tokens > 9:
+        pytest.skip("an AVX2 CPU's screen leaves more than 9 tokens to the fp32 tiles")
     gen = torch.Generator().manual_seed(tokens)
     k = 96
     weight = torch.rand(70, k, generator=gen).to(torch.bfloat16).float() + 0.5
@@ -132,6 +134,9 @@ def test_random_heads_give_the_float64_argmax(copy, tokens, vocab, features) -> 
     x = torch.randn(tokens, features, generator=gen) * 3
     screen, fallback = _screen(weight, copy[0])
     got = screen(x)
+    if copy == ("bf16", 0) and tokens > 9:  # an AVX2 CPU's screen leaves more tokens to the fp32 tiles
+        assert got is None
+        return
     exact = x.double() @ weight.double().T
     top2 = exact.topk(2, dim=-1).values
     assert bool((top2[:, 0] - top2[:, 1] > 1e-3).all()), "the drawn logits are too close for this check"
@@ -139,11 +144,11 @@ def test_random_heads_give_the_float64_argmax(copy, tokens, vocab, features) -> 
     assert fallback.rows == 0 and tokens <= screen.picked <= 8 * tokens  # a few rows each, on random weights
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 5, 9, 32])
+@pytest.mark.parametrize("tokens", [2, 3, 5, 9, 10])
 def test_the_avx2_tiles_take_a_verify_steps_rows(tokens) -> None:
-    """On the AVX2 path the tiles take 2 to 32 tokens (a speculative verify step's 1 + k rows) and give
-    the float64 argmax; switched off, the rows take at most 2, with the same tokens. 1,001 rows leave
-    the tiles' last rows to the one-row sweeps."""
+    """On the AVX2 path the tiles take 2 to 9 tokens (a speculative verify step's 1 + k rows, k <= 8)
+    and give the float64 argmax (10 tokens go to the fp32 head); switched off, the rows take at most 2,
+    with the same tokens. 1,001 rows leave the tiles' last rows to the one-row sweeps."""
     lib = native.library()
     best, default = _best_path(), lib.flashllm_screen_set_avx2_tiles(-1)
     gen = torch.Generator().manual_seed(tokens)
@@ -152,8 +157,11 @@ def test_the_avx2_tiles_take_a_verify_steps_rows(tokens) -> None:
     screen, fallback = _screen(weight)
     try:
         lib.flashllm_screen_set_path(0)
-        assert lib.flashllm_screen_set_avx2_tiles(32) == 32
+        assert lib.flashllm_screen_set_avx2_tiles(9) == 9 and lib.flashllm_screen_set_avx2_tiles(10) == 9
         got = screen(x)
+        if tokens > 9:
+            assert got is None
+            return
         exact = x.double() @ weight.double().T
         assert got is not None and got.tolist() == exact.argmax(dim=-1).tolist() and fallback.rows == 0
         assert lib.flashllm_screen_set_avx2_tiles(0) == 0

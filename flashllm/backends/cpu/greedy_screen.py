@@ -53,8 +53,9 @@ stays exact, only slower.
 
 It takes a step only for a model that declares the lm_head fusion (flashllm/registry/fusions.py:
 its logits are the head's product, nothing after it) with a single-rank fp32 float head (not
---quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (on a CPU without
-AVX-512, 2 or more through the AVX2 tiles of csrc/greedy_screen.c), with the native library; otherwise the engine computes logits as before. The copy is kept
+--quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (9 on a CPU without
+AVX-512: 2 to 9 through the AVX2 tiles of csrc/greedy_screen.c), with the native library; otherwise
+the engine computes logits as before. The copy is kept
 in the head's QuantizedWeight.kernel_cache under KEPT_AS, so it lives as long as the head, a second
 build finds it, and flashllm.models.weight_bytes counts it. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
 =bf16 keeps the bf16 copy where the int8 one would run (both for A/B runs).
@@ -237,7 +238,7 @@ class GreedyScreen:
         scores = self.kept_tensor("scores", (tokens, n), torch.float32)
         path = self._scores(lib, x, scores)
         if not path:
-            return None  # more tokens than an AVX2 CPU's screen takes (its tiles switched off)
+            return None  # more tokens than an AVX2 CPU's screen takes: the fp32 tiles are faster there
         factor, floor0, floor1 = self.margins(path == 2 and self.kind == "bf16")  # the bf16 AMX tiles split
         out, counts = torch.empty(tokens, dtype=torch.int64), self.kept_tensor("counts", (2,), torch.int64)
         lib.flashllm_screen_pick(x.data_ptr(), tokens, k, self.weight.data_ptr(), scores.data_ptr(), n, n,

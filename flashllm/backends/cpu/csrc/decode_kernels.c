@@ -358,9 +358,9 @@ static void tiled_product(const tile_fn *tiles, int R, const float *x, const flo
  * chunk of the 4 rows before the next chunk is read, the accumulators parked in memory between
  * sweeps, so each stream moves on steadily while the chunk's lines sit in L1; the first sweep
  * prefetches STREAM_AHEAD bytes on in each stream. Same machine, interleaved, minimum of 13-15
- * rounds: those products ran 12.7 ms against 19.5 for the blocks at 2 tokens, 13.6 / 18.9 at 4,
- * 15.9 / 21.0 at 5, 19.5 / 22.8 at 8 and 20.6 / 22.9 at 9 (one token: 15.6); at 12 and 16 tokens
- * the blocks were faster (28.2 / 30.0, 30.6 / 36.4), so larger batches keep them.
+ * rounds: those products ran 12.9 ms against 19.5 for the blocks at 2 tokens, 13.6 / 18.9 at 4,
+ * 15.9 / 21.0 at 5, 19.5 / 22.8 at 8 and 20.6-23.0 / 22.8-22.9 at 9 (one token: ~15.6); at 12 and
+ * 16 tokens the blocks were faster (28.2 against 30.0, 30.6 against 36.4), so larger batches keep them.
  *
  * Each output is still one 8-lane accumulator over k = 0, 8, 16, ... in order, then hsum8: the
  * blocks' sums, bit for bit, whatever the chunk, sweep, share or the batch's other tokens. */

@@ -56,20 +56,22 @@ static void bf16_rows(const float *xe, const float *xo, const uint16_t *w, float
     }
 }
 
-/* AVX2, 2 to AVX2_TILE_MAX_TOKENS tokens (a speculative verify step's 1 + k rows, a decode batch):
- * the rows above load each weight line once per token, and past two tokens the whole fp32 head
- * used to run instead. These tiles hold 4 rows (a quarter of the share apart, so four streams) x 2
+/* AVX2, 2 to AVX2_TILE_MAX_TOKENS tokens (a speculative verify step's 1 + k rows, a small decode
+ * batch): the rows above load each weight line once per token, and past two tokens the whole fp32
+ * head ran instead. These tiles hold 4 rows (a quarter of the share apart, so four streams) x 2
  * tokens: 8 accumulators, each token's even and odd features (4), one row's two halves and the mask
  * fit the 16 registers, and each line of the copy meets every token of a sweep while in L1 (the
  * first sweep prefetches AVX2_TILE_AHEAD bytes on in each stream). On `epyc-avx2-2c`
  * (docs/benchmarks.md), SmolLM2-135M's 49152 x 576 head from random tokens, two threads, screen and
- * pick against the fp32 products and their argmax (interleaved, medians of 13): 2.0 ms against 3.0
- * for the rows at 2 tokens; 3.5 against 4.8 at 3, 4.2 against 5.9 at 5, 5.8 against 7.5 at 9,
- * 10.1 against 11.6 at 16, 17.2 against 18.1 at 32. A score is one FMA chain per row and token
- * (even, then odd features, 16 at a time), within the same bound as the rows' four chains. */
+ * pick against the fp32 products (decode_kernels.c) and their argmax, interleaved, medians of 13, two
+ * runs: 1.9-2.0 ms against 3.0 for the rows at 2 tokens; 3.5-4.1 against 3.8-4.8 at 3, 4.2-5.9
+ * against 5.9-7.1 at 5, 5.8-8.7 against 7.5-9.7 at 9; at 16 and 32 tokens, where the fp32 4-row
+ * blocks sweep 3 tokens at a time, 10.1-12.5 against 11.6-11.8 and 17.2-23.7 against 18.1-19.6, so
+ * larger batches keep the fp32 head. A score is one FMA chain per row and token (even, then odd
+ * features, 16 at a time), within the same bound as the rows' four chains. */
 #define AVX2_TILE_ROWS 4
 #define AVX2_TILE_TOKENS 2
-#define AVX2_TILE_MAX_TOKENS 32
+#define AVX2_TILE_MAX_TOKENS 9
 #define AVX2_TILE_AHEAD 1024
 static int avx2_tile_max = AVX2_TILE_MAX_TOKENS;
 
