@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # Token ids the draft's greedy vocabulary may gain past its base before it starts again from the base and the
 # live sequences' tokens (a long-running server sees ever more distinct tokens; each costs a head row a step).
 _VOCAB_SLACK = 8192
+# After a pass whose guesses all missed, a sequence's next passes take no guesses for this many of its tokens: a
+# wrong guess costs the pass a row, and text with nothing to copy misses again and again.
+_GUESS_PAUSE = 16
 # The most one-token rows a draft pass of the lookup's guesses runs (all sequences together): a decode-sized
 # batch, which backends' decode paths take (the cpu backend's fused step takes up to 32 rows).
 _PASS_ROWS = 32
@@ -40,7 +43,8 @@ class _DraftView:
     sampling_params: Any = None
     num_prompt_tokens: int = 0
     lora_id: int = 0
-    seq_id: int = -1  # ModelInput.seq_ids: read by a hidden_sink only, which a draft runner has none of
+    seq_id: int = -1  # the proposer's key for its state (ModelInput.seq_ids, read by a hidden_sink only, which a
+    # draft runner has none of)
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ class _DraftState:
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     seen: int = 0  # how many of the sequence's tokens the greedy vocabulary was given
+    guess_from: int = 0  # no lookup guesses before the sequence has this many tokens (after guesses that all missed)
 
 
 class DraftModelProposer:
@@ -96,7 +101,8 @@ class DraftModelProposer:
             self._grow_vocabulary(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
-        runs = self._catch_up(views, self._guesses(views, active, drafts, limits))  # each sequence's first drafts
+        guesses = self._guesses(views, active, drafts, limits)
+        runs = self._catch_up(views, guesses)  # each sequence's first drafts
         while True:
             for i, run in zip(active, runs, strict=True):
                 drafts[i].extend(run)
@@ -129,6 +135,8 @@ class DraftModelProposer:
             view = views[i]
             rows += len(view.token_ids) - view.num_computed_tokens
             room = min(limits[i] - len(drafts[i]) - 1, _PASS_ROWS - rows)
+            if len(view.token_ids) < self._states[view.seq_id].guess_from:
+                room = 0
             guess = self.lookup.propose(view.token_ids, room) if room > 0 else []
             rows += len(guess)
             guesses.append(guess)
@@ -150,6 +158,8 @@ class DraftModelProposer:
                 if guessed != run[-1]:
                     break
                 run.append(after)
+            if guess and len(run) == 1:  # every guess missed: none for a while
+                self._states[view.seq_id].guess_from = len(view.token_ids) + _GUESS_PAUSE
             runs.append(run)
         return runs
 
@@ -209,7 +219,7 @@ class DraftModelProposer:
                 and state.blocks[block] == seq.block_table[block]:
             block += 1
         valid = min(valid, block * self.block_size)
-        return _DraftView(list(seq.token_ids), valid, seq.block_table)
+        return _DraftView(list(seq.token_ids), valid, seq.block_table, seq_id=seq.seq_id)
 
     def _grow_vocabulary(self, seqs: list[Sequence]) -> None:
         """Add these sequences' tokens the greedy vocabulary does not have yet. Past _VOCAB_SLACK added ids it
@@ -280,7 +290,7 @@ class _LoadedDraft:
         logger.info("draft model %s: KV cache of %d blocks, %.2f GiB beside the target's",
                     self.target.config.speculative.model, num_blocks, draft_runner.kv_cache_bytes() / 2**30)
         spec = self.target.config.speculative
-        lookup = NgramProposer(spec.max_ngram_size, spec.min_ngram_size) if spec.draft_lookup else None
+        lookup = NgramProposer(spec.max_ngram_size, spec.max_ngram_size) if spec.draft_lookup else None
         return DraftModelProposer(draft_runner, self.target.hf_config.vocab_size, spec.draft_vocab, lookup)
 
 
