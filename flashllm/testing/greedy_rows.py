@@ -3,17 +3,15 @@ ran size their batches to it."""
 
 from __future__ import annotations
 
-import os
-
 
 def greedy_screen_rows(most: int = 32) -> int:
     """The most decode rows, up to `most`, that this CPU's greedy screen (backends/cpu/greedy_screen.py), and so a
     greedy burst, takes in one call: any batch with the int8 screen or AVX-512's bf16 screen, nine with AVX2's bf16
     screen (two where its tiles are switched off). `most` where there is no native library."""
     from flashllm.backends.cpu import native
-    from flashllm.backends.cpu.greedy_screen import ENV_SWITCH
+    from flashllm.backends.cpu.greedy_screen import int8_screen_runs
 
     lib = native.library()
-    if lib is None or (os.environ.get(ENV_SWITCH) != "bf16" and lib.flashllm_i8_screen_set_path(-1) > 0):
+    if lib is None or int8_screen_runs():
         return most
     return next((rows for rows in range(most, 1, -1) if lib.flashllm_bf16_screen_takes(rows)), 1)

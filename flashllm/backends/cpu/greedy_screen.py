@@ -127,10 +127,7 @@ class GreedyScreen:
         self.vocab_size, self.in_features = vocab_size, weight.shape[1]
         self.multiplier = int8_multiplier(self.in_features)
         if kind is None:
-            lib = native.library()
-            int8 = (os.environ.get(ENV_SWITCH) != "bf16" and self.multiplier > 0 and lib is not None
-                    and lib.flashllm_i8_screen_set_path(-1) > 0)
-            kind = "int8" if int8 else "bf16"
+            kind = "int8" if self.multiplier > 0 and int8_screen_runs() else "bf16"
         self.kind = kind
         shape = tuple(self.weight.shape)
         dtype = torch.int8 if kind == "int8" else torch.bfloat16
@@ -252,6 +249,13 @@ class GreedyScreen:
         if unsure:
             self.settle(x, out)
         return out
+
+
+def int8_screen_runs() -> bool:
+    """Whether a head's screen takes its int8 copy on this CPU (a native int8 path, and FLASHLLM_CPU_GREEDY_SCREEN
+    not "bf16"), given features the int8 bound allows; else the bf16 copy."""
+    lib = native.library()
+    return os.environ.get(ENV_SWITCH) != "bf16" and lib is not None and lib.flashllm_i8_screen_set_path(-1) > 0
 
 
 def _up(values: Tensor) -> Tensor:
