@@ -145,8 +145,9 @@ class SpeculativeConfig:
     # so a run of right guesses costs one draft pass, not one per token; the drafts stay the draft's own
     draft_lookup: bool = True
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
-    # drafting for a while (see core/spec/speculator.py); 0 turns the guard off
-    min_acceptance: float = 0.25
+    # drafting for a while (see core/spec/speculator.py); 0 turns the guard off; None: a quarter, or for a
+    # draft model the break-even acceptance the engine measures at start-up (core/spec/costs.py), if higher
+    min_acceptance: float | None = None
 
     @property
     def enabled(self) -> bool:

@@ -123,7 +123,8 @@ def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str
         stats = speculator.stats
         record.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
                       drafted=stats.num_drafted, accepted=stats.num_accepted,
-                      verify_step_cost=verify_step_cost(llm, speculator.config.num_speculative_tokens))
+                      verify_step_cost=verify_step_cost(llm, speculator.config.num_speculative_tokens),
+                      guard_min_acceptance=speculator.min_acceptance)
     del llm
     gc.collect()
     return record, requests
@@ -131,33 +132,11 @@ def _engine_run(args: argparse.Namespace, model_dir: Path, speculative: dict[str
 
 def verify_step_cost(llm: Any, drafts: int) -> float:
     """Median time of a verify step (one sequence: its token + `drafts` drafted tokens) over the median time of
-    a one-token decode step of the same sequence, both through the runner's execute on the same blocks."""
-    from flashllm.core.sampler import SamplingState
-    from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
-    from flashllm.core.sequence import Sequence
-    from flashllm.sampling_params import SamplingParams
+    a one-token decode step of the same sequence, both through the engine's executor on the same blocks."""
+    from flashllm.core.spec.costs import measure_round
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    seq = Sequence("verify-cost", list(range(1, 129)), params)
-    bm = engine.block_manager
-    bm.allocate_prompt(seq)
-    bm.append_slots(seq, seq.num_tokens + drafts)
-    try:
-        seq.num_computed_tokens = seq.num_tokens - 1  # the prompt's KV content does not change the step's cost
-        state = SamplingState.create(params, engine.runner.device, seq.token_ids)
-        times = {}
-        for kind, draft in (("decode", []), ("verify", [7] * drafts)):
-            batch = SchedulerOutput([ScheduledSequence(seq, 1, True, list(draft))])
-            samples = []
-            for _ in range(_VERIFY_STEPS + 2):
-                start = time.perf_counter()
-                engine.executor.execute(batch, [state], 1)
-                samples.append(time.perf_counter() - start)
-            times[kind] = statistics.median(samples[2:])
-        return times["verify"] / times["decode"]
-    finally:
-        bm.free(seq)
+    costs = measure_round(llm.engine, drafts, repeats=_VERIFY_STEPS)
+    return costs.verify_step_cost if costs is not None else float("nan")
 
 
 def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]:

@@ -16,7 +16,7 @@ from flashllm.core.request import Request
 from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from flashllm.core.sequence import FinishReason, Sequence
-from flashllm.core.spec.build import check_speculative_config, make_speculator
+from flashllm.core.spec.build import calibrate_guard, check_speculative_config, make_speculator
 from flashllm.core.spec.speculator import Speculator
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
@@ -45,6 +45,7 @@ class Engine:
         self.runner = self.executor.runner  # the driver rank's
         self.speculator: Speculator | None = make_speculator(config, self.parts.drafter, self.parts.runner,
                                                                  self.block_manager)
+        calibrate_guard(self)  # a draft model's break-even acceptance on this machine
         if getattr(self.runner, "lora", None) is not None:  # multi-LoRA: a batch uses at most max_loras adapters
             self.scheduler.max_loras = config.lora.max_loras
         self.requests: dict[str, Request] = {}

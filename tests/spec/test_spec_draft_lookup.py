@@ -55,7 +55,8 @@ def _run(target: Path, prompts: list[list[int]], lookup: _Oracle | None, monkeyp
         return drafts
 
     monkeypatch.setattr(DraftModelProposer, "propose", recording)
-    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 6}
+    # a given guard threshold: the engine measures no round at start-up, so the counters see the requests only
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 6, "min_acceptance": 0.25}
     llm = LLM(str(target), backend="cpu", speculative_config=config, **OPTIONS)
     proposer = llm.engine.speculator.proposer
     proposer.lookup = lookup

@@ -1,7 +1,12 @@
 """The speculator's adaptive guard and its decode-burst allowance, driven round by round with a scripted
-proposer: pauses counted in tokens and doubling, bursts of 1, 2, 4, ... steps after misses."""
+proposer: pauses counted in tokens and doubling, bursts of 1, 2, 4, ... steps after misses, and the threshold
+a measured break-even point raises."""
 
 from __future__ import annotations
+
+import math
+
+import pytest
 
 from flashllm.config import SpeculativeConfig
 from flashllm.core.block_manager import BlockManager
@@ -9,6 +14,7 @@ from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
 from flashllm.core.spec import speculator as spec
+from flashllm.core.spec.costs import RoundCosts
 from flashllm.sampling_params import SamplingParams
 
 K = 4
@@ -66,7 +72,7 @@ def _rounds_to_pause() -> int:
     """Rounds of all-rejected drafts before the guard pauses: its average starts at 1 and keeps 1 - weight
     of itself each round; it must fall below min_acceptance after at least _MIN_ROUNDS rounds."""
     rounds, rate = 0, 1.0
-    while rounds < spec._MIN_ROUNDS or rate >= SpeculativeConfig().min_acceptance:
+    while rounds < spec._MIN_ROUNDS or rate >= spec._DEFAULT_MIN_ACCEPTANCE:
         rounds, rate = rounds + 1, rate * (1 - spec._EMA_WEIGHT)
     return rounds
 
@@ -127,3 +133,26 @@ def test_a_batch_bursts_as_far_as_its_most_recently_missed_sequence_allows() -> 
     _round(speculator, bm, seqs[1:2], states[1:2])  # the second once: 1 step; the third was never drafted for
     assert speculator.burst_steps([seqs[0], seqs[2]]) == 4
     assert speculator.burst_steps(seqs) == 1
+
+
+def test_the_guard_pauses_below_a_measured_break_even_the_quarter_would_let_draft() -> None:
+    """Half the drafts accepted: above the default quarter (drafting goes on), below a break-even of 0.6."""
+    speculator, _, bm, seqs, states = _setup()
+    for _ in range(3 * _rounds_to_pause()):
+        assert _round(speculator, bm, seqs, states, accepted=K // 2) == [K]
+    costly = RoundCosts(K, 10.0, 10.0, 14.0, draft=10.0 * (1 + 0.6 * K) - 14.0)  # break-even 0.6
+    assert math.isclose(costly.break_even(), 0.6)
+    speculator.set_break_even(costly)
+    assert math.isclose(speculator.min_acceptance, 0.6)
+    rounds = 0
+    while _round(speculator, bm, seqs, states, accepted=K // 2) == [K]:
+        rounds += 1
+        assert rounds <= _rounds_to_pause() + spec._MIN_ROUNDS, "the guard never paused below its break-even"
+
+
+@pytest.mark.parametrize("break_even, expected", [(0.05, spec._DEFAULT_MIN_ACCEPTANCE), (0.4, 0.4),
+                                                  (1.7, spec._MAX_MIN_ACCEPTANCE)])
+def test_the_measured_threshold_is_kept_between_the_quarter_and_the_cap(break_even: float, expected: float) -> None:
+    speculator = _setup()[0]
+    speculator.set_break_even(RoundCosts(K, 10.0, 10.0, 10.0, draft=10.0 * (1 + break_even * K) - 10.0))
+    assert math.isclose(speculator.min_acceptance, expected)

@@ -31,7 +31,7 @@ def check_speculative_config(config: EngineConfig) -> None:
     count = spec.num_speculative_tokens
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--speculate_max_draft_token_num must be an integer in 1..{MAX_DRAFT_TOKENS}, got {count!r}")
-    if not 0.0 <= spec.min_acceptance < 1.0:
+    if spec.min_acceptance is not None and not 0.0 <= spec.min_acceptance < 1.0:
         raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {spec.min_acceptance}")
     vocab = spec.draft_vocab
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
@@ -90,3 +90,18 @@ def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,
     speculator = Speculator(spec, proposer, block_manager, int(config.model.max_model_len or 0))
     logger.info("speculative decoding: %s, up to %d drafts per round", spec.method, spec.num_speculative_tokens)
     return speculator
+
+
+def calibrate_guard(engine: Any) -> None:
+    """For a proposer whose drafts cost time (measure_drafts: a draft model), measure a round against plain
+    decoding on this machine (core/spec/costs.py) and let the guard judge acceptance against its break-even
+    point, unless SpeculativeConfig.min_acceptance was given."""
+    speculator = engine.speculator
+    if speculator is None or speculator.config.min_acceptance is not None \
+            or not hasattr(speculator.proposer, "measure_drafts"):
+        return
+    from flashllm.core.spec.costs import measure_round
+
+    costs = measure_round(engine, speculator.config.num_speculative_tokens, proposer=speculator.proposer)
+    if costs is not None:
+        speculator.set_break_even(costs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,19 @@ class DraftModelProposer:
 
     def _greedy(self, batch: SchedulerOutput) -> list[int]:
         return self.runner.execute_model(batch, greedy=True).tolist()
+
+    def measure_drafts(self, seq: Sequence, drafts: int, timer: Callable[[Callable[[], object]], float]) -> float:
+        """timer's seconds for proposing `drafts` drafts after the sequence's last token where the lookup guesses
+        nothing (a text with nothing to copy, where the guard's judgement matters): the last token's catch-up
+        row, then the draft's steps. The sequence's block table must cover its drafts; the draft's KV of its
+        earlier tokens is computed first, untimed, and the proposer keeps nothing of it after."""
+        lookup, self.lookup = self.lookup, None
+        try:
+            self.prefill([seq], [seq.num_tokens - 1])  # the prompt's draft KV, as a prefill step runs it
+            return timer(lambda: self.propose([seq], [drafts]))
+        finally:
+            self.lookup = lookup
+            self.forget(seq)
 
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,10 +12,17 @@ from flashllm.core.block_manager import BlockManager
 from flashllm.core.sampler import SamplingState
 from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from flashllm.core.sequence import Sequence
+from flashllm.core.spec.costs import RoundCosts
 from flashllm.core.spec.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
 
 # The guard's memory: each round's acceptance enters an exponential average with this weight.
 _EMA_WEIGHT = 0.3
+# The guard's threshold when SpeculativeConfig.min_acceptance is None: this share of the drafts, or a draft
+# model's measured break-even acceptance where higher (set_break_even), never more than the cap, so a paused
+# sequence still tries again now and then.
+_DEFAULT_MIN_ACCEPTANCE, _MAX_MIN_ACCEPTANCE = 0.25, 0.9
 # A sequence is judged only after this many verified rounds with drafts.
 _MIN_ROUNDS = 3
 # Paused sequences try again after this many tokens, doubling each time up to the cap (tokens, not rounds:
@@ -108,9 +116,11 @@ class Speculator:
         if not 1 <= config.num_speculative_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculate_max_draft_token_num must be in 1..{MAX_DRAFT_TOKENS}, "
                              f"got {config.num_speculative_tokens}")
-        if not 0.0 <= config.min_acceptance < 1.0:
+        if config.min_acceptance is not None and not 0.0 <= config.min_acceptance < 1.0:
             raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {config.min_acceptance}")
         self.config = config
+        # the guard's threshold: the configured one, else the default until set_break_even raises it
+        self.min_acceptance = _DEFAULT_MIN_ACCEPTANCE if config.min_acceptance is None else config.min_acceptance
         self.proposer = proposer
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -201,7 +211,7 @@ class Speculator:
     def observe(self, items: list[ScheduledSequence], emitted: list[int]) -> None:
         """After a round: items are the sampling sequences (batch order), emitted[i] how many tokens the
         i-th got (accepted drafts + 1). Updates the totals and each drafted sequence's guard."""
-        min_acceptance = self.config.min_acceptance
+        min_acceptance = self.min_acceptance
         for item, count in zip(items, emitted, strict=True):
             drafted = len(item.draft_token_ids)
             if not drafted:
@@ -224,6 +234,16 @@ class Speculator:
                 guard.resume_at = item.seq.num_tokens + guard.pause
                 guard.pause = min(2 * guard.pause, _MAX_PAUSE)
                 guard.rate, guard.rounds = 1.0, 0
+
+    def set_break_even(self, costs: RoundCosts) -> None:
+        """Judge acceptance against the break-even point of these measured costs (a proposer whose drafts cost
+        time: a draft model), unless SpeculativeConfig.min_acceptance was given."""
+        if self.config.min_acceptance is not None:
+            return
+        self.min_acceptance = min(max(_DEFAULT_MIN_ACCEPTANCE, costs.break_even()), _MAX_MIN_ACCEPTANCE)
+        logger.info("speculation guard: %d drafts cost %.1f ms, the verify step %.1f ms, a plain token %.1f ms: "
+                    "drafting pauses below %.2f acceptance", costs.drafts, costs.draft * 1e3, costs.verify * 1e3,
+                    costs.decode_token * 1e3, self.min_acceptance)
 
     def forget(self, seq: Sequence) -> None:
         """A sequence finished: drop its guard and whatever the proposer keeps for it."""

@@ -1,0 +1,89 @@
+"""What a speculative round costs on this machine against plain decoding, measured on one sequence.
+
+The adaptive guard (core/spec/speculator.py) stops a sequence's drafts when its acceptance falls below the
+break-even point. With drafts that cost nothing to make (the n-gram lookup) that point is low and a fixed
+floor serves. A draft model's drafts cost a forward pass each, and a verify step of 1 + k rows costs more
+than a decode step, so its break-even point depends on the machine and the two models: the engine measures
+it once at start-up (break_even_acceptance), on a sequence of its own, through the same executor and
+proposer a round uses. The bench reads the same measurement (verify_step_cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flashllm.core.sampler import SamplingState
+from flashllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from flashllm.core.sequence import Sequence
+from flashllm.sampling_params import SamplingParams
+
+_PROMPT_TOKENS = 128
+_WARMUP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RoundCosts:
+    """Seconds, medians over the timed repeats: a one-token decode step; a plain decode token as the engine
+    runs it (bursts of several steps where the runner has them); a verify step of the token and `drafts`
+    drafted tokens; and the proposer's `drafts` drafts (0.0 when not measured)."""
+
+    drafts: int
+    decode_step: float
+    decode_token: float
+    verify: float
+    draft: float = 0.0
+
+    @property
+    def verify_step_cost(self) -> float:
+        """The verify step over a one-token decode step (the bench's verify_step_cost)."""
+        return self.verify / self.decode_step
+
+    def break_even(self) -> float:
+        """The acceptance (accepted / drafted) at which a round of `drafts` drafts, which yields 1 + acceptance *
+        drafts tokens for draft + verify seconds, matches plain decoding's seconds per token."""
+        return ((self.draft + self.verify) / self.decode_token - 1.0) / self.drafts
+
+
+def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = None) -> RoundCosts | None:
+    """Time the steps of RoundCosts on a greedy sequence of its own (up to _PROMPT_TOKENS distinct prompt tokens,
+    as max_model_len allows) whose blocks come from the engine's block manager and go back; with `proposer`,
+    its measure_drafts(seq, drafts, timer) too. None where the free blocks or max_model_len leave no room."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    state = SamplingState.create(params, engine.runner.device, [])
+    burst = max(1, min(engine.config.scheduler.num_scheduler_steps, engine.executor.max_tokens_per_step([state])))
+    ahead = 1 + max(drafts, burst)  # positions a step writes past the prompt's last token
+    length = min(_PROMPT_TOKENS, engine.parts.hf_config.vocab_size - 1, (engine.max_model_len or 2**31) - ahead)
+    bm = engine.block_manager
+    if length < 2 or -(-(length + ahead) // bm.block_size) > bm.num_free_blocks:
+        return None
+    seq = Sequence("round-costs", list(range(1, length + 1)), params)  # no token repeats: nothing to look up
+    bm.allocate_prompt(seq)
+    try:
+        seq.num_computed_tokens = seq.num_tokens - 1  # the prompt's KV content does not change a step's cost
+        bm.append_slots(seq, ahead)
+
+        def step(draft: list[int], steps: int) -> Callable[[], object]:
+            batch = SchedulerOutput([ScheduledSequence(seq, 1, True, list(draft))])
+            return lambda: engine.executor.execute(batch, [state], steps)
+
+        costs = {"decode_step": _median_seconds(step([], 1), repeats),
+                 "decode_token": _median_seconds(step([], burst), repeats) / burst,
+                 "verify": _median_seconds(step([7] * drafts, 1), repeats)}
+        if proposer is not None:
+            costs["draft"] = proposer.measure_drafts(seq, drafts, lambda run: _median_seconds(run, repeats))
+        return RoundCosts(drafts, **costs)
+    finally:
+        bm.free(seq)
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(_WARMUP + repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[_WARMUP:])
