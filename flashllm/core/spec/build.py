@@ -102,6 +102,6 @@ def calibrate_guard(engine: Any) -> None:
         return
     from flashllm.core.spec.costs import measure_round
 
-    costs = measure_round(engine, speculator.config.num_speculative_tokens, proposer=speculator.proposer)
+    costs = measure_round(engine, speculator.config.num_speculative_tokens, repeats=3, proposer=speculator.proposer)
     if costs is not None:
         speculator.set_break_even(costs)

@@ -22,7 +22,7 @@ from flashllm.core.sequence import Sequence
 from flashllm.sampling_params import SamplingParams
 
 _PROMPT_TOKENS = 128
-_WARMUP = 2
+_WARMUP = 1
 
 
 @dataclass(frozen=True, slots=True)
