@@ -347,6 +347,32 @@ def test_int4_tokens_of_a_pass_each_get_their_own_bits(group_size: int, symmetri
     check_integer_product(weight, x)
 
 
+@pytest.mark.parametrize("in_features,symmetric", [(576, False), (576, True), (1536, False), (2112, False)])
+def test_int4_scale_table_body_keeps_the_rows_bodys_bits(in_features: int, symmetric: bool) -> None:
+    # passes of 2+ tokens with groups of 64 run table_rows, which makes each row's scale x d products
+    # 8 blocks at a time: 9, 24 and 33 blocks leave a part of 8 (its scales masked), and the products,
+    # fmas and their order are flash_rows', so every token must get the same bits from both bodies,
+    # in any pass, one token (flash_rows alone) included
+    gen = torch.Generator().manual_seed(in_features + symmetric)
+    weight = quantize_weight(torch.randn(45, in_features, generator=gen), "w4a16", 64, symmetric)
+    x = torch.randn(10, in_features, generator=gen)
+    x[:, 7] *= 30
+    x[3, 128:192] = 0.0  # a zero block: scale 0, codes 0
+    before = native.a8_table()
+    try:
+        native.a8_table(False)
+        rows = native.int_linear(x, weight)
+        alone = torch.cat([native.int_linear(x[t : t + 1], weight) for t in range(10)])
+        native.a8_table(True)
+        assert native.a8_table()
+        for tokens in range(2, 11):
+            assert torch.equal(native.int_linear(x[:tokens], weight), rows[:tokens]), tokens
+        assert torch.equal(rows, alone)
+    finally:
+        native.a8_table(before)
+    check_integer_product(weight, x)
+
+
 def test_asymmetric_zero_points_are_read_per_row_and_group(monkeypatch) -> None:
     # every group of every row gets its own zero point: a kernel using one zero everywhere fails
     gen = torch.Generator().manual_seed(5)

@@ -101,6 +101,7 @@ _SIGNATURES = {
     "flashllm_w4a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
     "flashllm_w8a8_prompt_mt": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT], _INT),
     "flashllm_a8_set_vnni": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_a8_set_table": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_tiles": ([ctypes.c_int], ctypes.c_int),
     "flashllm_round_activations": ([_P, _I64, _I64, _INT], _INT),
     "flashllm_silu_and_mul_mt": ([_P, _P, _I64, _I64, ctypes.c_int], None),
@@ -403,6 +404,14 @@ def a8_vnni(on: bool | None = None) -> bool:
     bodies (picked at load where the CPU has it; int4 codes need K in whole 128-feature pairs of
     blocks). With `on`, sets it first (True only where the CPU has VNNI), for tests and A/B runs."""
     return bool(library().flashllm_a8_set_vnni(-1 if on is None else int(on)))
+
+
+def a8_table(on: bool | None = None) -> bool:
+    """Whether int4 decode products of 2+ tokens against flashllm's int8 activations with groups of 64
+    run csrc/int4_int8_kernels.c's table_rows (each row's scale products made 8 blocks at a time; the
+    default) rather than flash_rows: the same bits either way. With `on`, sets it first, for tests and
+    A/B runs."""
+    return bool(library().flashllm_a8_set_table(-1 if on is None else int(on)))
 
 
 def w8_tiles(on: bool | None = None) -> bool:

@@ -369,6 +369,90 @@ static inline __attribute__((always_inline)) void flash_rows_for_tokens(const a8
     for (; n < n1; n++) flash_rows(a, n, t0, 1, TT);
 }
 
+/* ---- the same body with each row's scale products made 8 at a time ----
+ * Per token and block flash_rows multiplies the row's group scale by the token's block scale (one
+ * vmulps of a broadcast pair) before its fma. With groups of 64 both are one per block, so a row's
+ * products scales[n, b] * d[t, b] are made here for 8 blocks per vmulps into a table on the stack
+ * (the tokens' d compacted once per share), and each token's block broadcasts its product from there:
+ * the same fp32 products, fmas and order as flash_rows, so the same bits, one instruction fewer per
+ * token and block, and no per-token pointer into d in the block loop. A lone token keeps flash_rows:
+ * its table saves a row fewer products than it costs to build and read back (K = 576: 2-3% slower). */
+#define TABLE_BLOCKS 256  /* blocks a row (K <= 16384) whose products fit the stack */
+
+/* d[t0 + j, block b] at dc[j * TABLE_BLOCKS + b] for j < TT, zero up to the next multiple of 8 blocks */
+static inline void compact_scales(const a8_args *a, int64_t t0, int TT, float *dc) {
+    const int64_t blocks = a->K / A8_BLOCK, padded = (blocks + 7) / 8 * 8;
+    for (int j = 0; j < TT; j++) {
+        const float *d = a->d + (t0 + j) * 2 * blocks;
+        for (int64_t b = 0; b < padded; b++) dc[j * TABLE_BLOCKS + b] = b < blocks ? d[2 * b] : 0.0f;
+    }
+}
+
+/* Rows n..n + R (R 1 or 2) for tokens t0..t0 + TT (TT <= FLASH_TOKENS), as flash_rows computes them;
+ * dc from compact_scales */
+static inline __attribute__((always_inline)) void table_rows(const a8_args *a, int64_t n, int64_t t0, const int R,
+                                                               const int TT, const float *dc) {
+    const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    float sd[2][FLASH_TOKENS * TABLE_BLOCKS];  /* [r][j * TABLE_BLOCKS + b]: scales[n + r, b] * d[t0 + j, b] */
+    for (int r = 0; r < R; r++)
+        for (int64_t b = 0; b < blocks; b += 8) {
+            const __m256 s = _mm256_maskload_ps(a->scales + (n + r) * G + b, lanes_below(blocks - b));
+            for (int j = 0; j < TT; j++)
+                _mm256_storeu_ps(sd[r] + j * TABLE_BLOCKS + b, _mm256_mul_ps(s, _mm256_loadu_ps(dc + j * TABLE_BLOCKS + b)));
+        }
+    const int8_t *q = a->q + t0 * a->K;
+    const uint8_t *row[2];
+    __m256 acc[2][FLASH_TOKENS];
+    for (int r = 0; r < R; r++) {
+        row[r] = (const uint8_t *)a->w + (n + r) * half;
+        for (int j = 0; j < TT; j++) acc[r][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i low[2], high[2];
+        for (int r = 0; r < R; r++) {
+            if (b & 1) _mm_prefetch((const char *)(row[r] + b * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row[r] + b * 32));
+            low[r] = _mm256_and_si256(bytes, nibble);
+            high[r] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        }
+        for (int j = 0; j < TT; j++) {
+            const int8_t *qb = q + j * a->K + b * A8_BLOCK;
+            const __m256i qe = _mm256_loadu_si256((const __m256i *)qb), qo = _mm256_loadu_si256((const __m256i *)(qb + 32));
+            for (int r = 0; r < R; r++) {
+                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[r], qe), _mm256_maddubs_epi16(high[r], qo));
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                            _mm256_broadcast_ss(sd[r] + j * TABLE_BLOCKS + b), acc[r][j]);
+            }
+        }
+    }
+    const float *qsum[FLASH_TOKENS];
+    for (int j = 0; j < TT; j++) qsum[j] = a->qsum + (t0 + j) * G;
+    for (int r = 0; r < R; r++) {
+        fold_zero_terms(acc[r], a->scales + (n + r) * G, a->zeros ? a->zeros + (n + r) * G : NULL, qsum, G, TT);
+        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n + r] = hsum8(acc[r][j]);
+    }
+}
+
+/* Rows n0..n1 for tokens t0..t0 + TT on table_rows, two rows a step where flash_rows_for_tokens takes two */
+static inline __attribute__((always_inline)) void table_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1,
+                                                                          int64_t t0, const int TT) {
+    float dc[FLASH_TOKENS * TABLE_BLOCKS];
+    compact_scales(a, t0, TT, dc);
+    int64_t n = n0;
+    if (TT <= 3)
+        for (; n + 2 <= n1; n += 2) table_rows(a, n, t0, 2, TT, dc);
+    for (; n < n1; n++) table_rows(a, n, t0, 1, TT, dc);
+}
+
+/* 1: passes of 2+ tokens with groups of 64 run table_rows; 0: flash_rows, for tests and A/B runs (a
+ * negative value only reads). Returns the setting in use. */
+static int a8_table = 1;
+int flashllm_a8_set_table(int on) {
+    if (on >= 0) a8_table = on != 0;
+    return a8_table;
+}
+
 /* Whether flash_share takes the product: flashllm's activations, one term a token, no offsets, and
  * groups of whole blocks */
 static inline int flash_takes(const a8_args *a) {
@@ -382,8 +466,21 @@ static void flash_share(const a8_args *shared, int64_t n0, int64_t n1) {
      * (through `shared` every result stored could have changed them: a division per row came back) */
     const a8_args local = *shared, *a = &local;
     const int64_t sweeps = (a->T + FLASH_TOKENS - 1) / FLASH_TOKENS;
+    const int table = a8_table && a->G * A8_BLOCK == a->K && a->K <= TABLE_BLOCKS * A8_BLOCK;
     for (int64_t s = 0, t0 = 0; s < sweeps; s++) {
         const int64_t t1 = a->T * (s + 1) / sweeps;
+        if (table) {
+            switch (t1 - t0) {
+                case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;  /* one token: no table (below) */
+                case 2: table_rows_for_tokens(a, n0, n1, t0, 2); break;
+                case 3: table_rows_for_tokens(a, n0, n1, t0, 3); break;
+                case 4: table_rows_for_tokens(a, n0, n1, t0, 4); break;
+                case 5: table_rows_for_tokens(a, n0, n1, t0, 5); break;
+                default: table_rows_for_tokens(a, n0, n1, t0, 6); break;
+            }
+            t0 = t1;
+            continue;
+        }
         switch (t1 - t0) {
             case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;
             case 2: flash_rows_for_tokens(a, n0, n1, t0, 2); break;
