@@ -378,6 +378,10 @@ static inline __attribute__((always_inline)) void flash_rows_for_tokens(const a8
  * token and block, and no per-token pointer into d in the block loop. A lone token keeps flash_rows:
  * its table saves a row fewer products than it costs to build and read back (K = 576: 2-3% slower). */
 #define TABLE_BLOCKS 256  /* blocks a row (K <= 16384) whose products fit the stack */
+/* tokens a sweep of table_rows takes: up to 10, a draft pass's, whose one accumulator each still leaves
+ * registers for the block's codes and activations with one row a step (1536 x 576: 1.04-1.15x over sweeps
+ * of at most 6, which unpack each block twice for 7-10 tokens) */
+#define TABLE_TOKENS 10
 
 /* d[t0 + j, block b] at dc[j * TABLE_BLOCKS + b] for j < TT, zero up to the next multiple of 8 blocks */
 static inline void compact_scales(const a8_args *a, int64_t t0, int TT, float *dc) {
@@ -388,13 +392,13 @@ static inline void compact_scales(const a8_args *a, int64_t t0, int TT, float *d
     }
 }
 
-/* Rows n..n + R (R 1 or 2) for tokens t0..t0 + TT (TT <= FLASH_TOKENS), as flash_rows computes them;
+/* Rows n..n + R (R 1 or 2) for tokens t0..t0 + TT (TT <= TABLE_TOKENS), as flash_rows computes them;
  * dc from compact_scales */
 static inline __attribute__((always_inline)) void table_rows(const a8_args *a, int64_t n, int64_t t0, const int R,
                                                                const int TT, const float *dc) {
     const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    float sd[2][FLASH_TOKENS * TABLE_BLOCKS];  /* [r][j * TABLE_BLOCKS + b]: scales[n + r, b] * d[t0 + j, b] */
+    float sd[2][TABLE_TOKENS * TABLE_BLOCKS];  /* [r][j * TABLE_BLOCKS + b]: scales[n + r, b] * d[t0 + j, b] */
     for (int r = 0; r < R; r++)
         for (int64_t b = 0; b < blocks; b += 8) {
             const __m256 s = _mm256_maskload_ps(a->scales + (n + r) * G + b, lanes_below(blocks - b));
@@ -403,7 +407,7 @@ static inline __attribute__((always_inline)) void table_rows(const a8_args *a, i
         }
     const int8_t *q = a->q + t0 * a->K;
     const uint8_t *row[2];
-    __m256 acc[2][FLASH_TOKENS];
+    __m256 acc[2][TABLE_TOKENS];
     for (int r = 0; r < R; r++) {
         row[r] = (const uint8_t *)a->w + (n + r) * half;
         for (int j = 0; j < TT; j++) acc[r][j] = _mm256_setzero_ps();
@@ -426,7 +430,7 @@ static inline __attribute__((always_inline)) void table_rows(const a8_args *a, i
             }
         }
     }
-    const float *qsum[FLASH_TOKENS];
+    const float *qsum[TABLE_TOKENS];
     for (int j = 0; j < TT; j++) qsum[j] = a->qsum + (t0 + j) * G;
     for (int r = 0; r < R; r++) {
         fold_zero_terms(acc[r], a->scales + (n + r) * G, a->zeros ? a->zeros + (n + r) * G : NULL, qsum, G, TT);
@@ -437,7 +441,7 @@ static inline __attribute__((always_inline)) void table_rows(const a8_args *a, i
 /* Rows n0..n1 for tokens t0..t0 + TT on table_rows, two rows a step where flash_rows_for_tokens takes two */
 static inline __attribute__((always_inline)) void table_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1,
                                                                           int64_t t0, const int TT) {
-    float dc[FLASH_TOKENS * TABLE_BLOCKS];
+    float dc[TABLE_TOKENS * TABLE_BLOCKS];
     compact_scales(a, t0, TT, dc);
     int64_t n = n0;
     if (TT <= 3)
@@ -459,36 +463,46 @@ static inline int flash_takes(const a8_args *a) {
     return a->afmt == A8_FLASH && a->terms == 1 && !a->offsets && (a->K / a->G) % A8_BLOCK == 0;
 }
 
-/* The share's rows for all T tokens in sweeps of at most FLASH_TOKENS, as even as they come (10 tokens:
- * 5 and 5), so every sweep re-reads the share's codes (from L2 after the first) as few times as it can */
+/* Rows n0..n1 for the TT (2..TABLE_TOKENS) tokens from t0 on table_rows, TT a constant in each call */
+static void table_sweep(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, int64_t TT) {
+    switch (TT) {
+        case 2: table_rows_for_tokens(a, n0, n1, t0, 2); break;
+        case 3: table_rows_for_tokens(a, n0, n1, t0, 3); break;
+        case 4: table_rows_for_tokens(a, n0, n1, t0, 4); break;
+        case 5: table_rows_for_tokens(a, n0, n1, t0, 5); break;
+        case 6: table_rows_for_tokens(a, n0, n1, t0, 6); break;
+        case 7: table_rows_for_tokens(a, n0, n1, t0, 7); break;
+        case 8: table_rows_for_tokens(a, n0, n1, t0, 8); break;
+        case 9: table_rows_for_tokens(a, n0, n1, t0, 9); break;
+        default: table_rows_for_tokens(a, n0, n1, t0, 10); break;
+    }
+}
+
+/* Rows n0..n1 for the TT (1..FLASH_TOKENS) tokens from t0 on flash_rows, TT a constant in each call */
+static void rows_sweep(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, int64_t TT) {
+    switch (TT) {
+        case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;
+        case 2: flash_rows_for_tokens(a, n0, n1, t0, 2); break;
+        case 3: flash_rows_for_tokens(a, n0, n1, t0, 3); break;
+        case 4: flash_rows_for_tokens(a, n0, n1, t0, 4); break;
+        case 5: flash_rows_for_tokens(a, n0, n1, t0, 5); break;
+        default: flash_rows_for_tokens(a, n0, n1, t0, 6); break;
+    }
+}
+
+/* The share's rows for all T tokens in sweeps of at most TABLE_TOKENS (table_rows: groups of 64) or
+ * FLASH_TOKENS, as even as they come (12 tokens: 6 and 6), so every sweep re-reads the share's codes
+ * (from L2 after the first) as few times as it can; a lone token runs flash_rows */
 static void flash_share(const a8_args *shared, int64_t n0, int64_t n1) {
     /* a copy the compiler sees no store to, so the rows' loops keep K, G and the pointers in registers
      * (through `shared` every result stored could have changed them: a division per row came back) */
     const a8_args local = *shared, *a = &local;
-    const int64_t sweeps = (a->T + FLASH_TOKENS - 1) / FLASH_TOKENS;
     const int table = a8_table && a->G * A8_BLOCK == a->K && a->K <= TABLE_BLOCKS * A8_BLOCK;
+    const int64_t most = table ? TABLE_TOKENS : FLASH_TOKENS, sweeps = (a->T + most - 1) / most;
     for (int64_t s = 0, t0 = 0; s < sweeps; s++) {
         const int64_t t1 = a->T * (s + 1) / sweeps;
-        if (table) {
-            switch (t1 - t0) {
-                case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;  /* one token: no table (below) */
-                case 2: table_rows_for_tokens(a, n0, n1, t0, 2); break;
-                case 3: table_rows_for_tokens(a, n0, n1, t0, 3); break;
-                case 4: table_rows_for_tokens(a, n0, n1, t0, 4); break;
-                case 5: table_rows_for_tokens(a, n0, n1, t0, 5); break;
-                default: table_rows_for_tokens(a, n0, n1, t0, 6); break;
-            }
-            t0 = t1;
-            continue;
-        }
-        switch (t1 - t0) {
-            case 1: flash_rows_for_tokens(a, n0, n1, t0, 1); break;
-            case 2: flash_rows_for_tokens(a, n0, n1, t0, 2); break;
-            case 3: flash_rows_for_tokens(a, n0, n1, t0, 3); break;
-            case 4: flash_rows_for_tokens(a, n0, n1, t0, 4); break;
-            case 5: flash_rows_for_tokens(a, n0, n1, t0, 5); break;
-            default: flash_rows_for_tokens(a, n0, n1, t0, 6); break;
-        }
+        if (table && t1 - t0 > 1) table_sweep(a, n0, n1, t0, t1 - t0);
+        else rows_sweep(a, n0, n1, t0, t1 - t0);
         t0 = t1;
     }
 }
