@@ -1,4 +1,4 @@
-"""A/B of the int4 x int8 decode bodies (flash_rows vs table_rows) at an int4 draft's shapes.
+"""A/B of the int4 x int8 decode bodies (flash_rows vs table_row) at an int4 draft's shapes.
 
     PYTHONPATH=$PWD python benchmarks/cpu/int4_draft_ab.py --rounds 7
     PYTHONPATH=$PWD python benchmarks/cpu/int4_draft_ab.py --tokens 1 6 9 --threads 2
@@ -7,8 +7,8 @@ The products of SmolLM2-135M quantized to int4 with groups of 64 (weight_only_in
 quantize_weight makes it; random weights): (N, K) = (576, 576) q/o, (192, 576) k/v, (1536, 576)
 gate/up, (576, 1536) down, for T tokens of a draft pass against flashllm's own int8 activations,
 through csrc/int4_int8_kernels.c's flashllm_w4a8_gemv_mt on 1 or 2 threads. The switch
-native.a8_table picks the body of passes of 2+ tokens ("rows": flash_rows; "table": table_rows; one
-token runs flash_rows in both). Each round times both arms (`--calls` calls each, best of three),
+native.a8_table picks the body of passes of 4+ tokens ("rows": flash_rows; "table": table_row; 1-3
+tokens run flash_rows in both). Each round times both arms (`--calls` calls each, best of three),
 the order alternating; prints the median per call over rounds and rows / table (above 1: the table
 body is faster). It first checks that both bodies give every token the bits it gets alone.
 """

@@ -349,10 +349,10 @@ def test_int4_tokens_of_a_pass_each_get_their_own_bits(group_size: int, symmetri
 
 @pytest.mark.parametrize("in_features,symmetric", [(576, False), (576, True), (1536, False), (2112, False)])
 def test_int4_scale_table_body_keeps_the_rows_bodys_bits(in_features: int, symmetric: bool) -> None:
-    # passes of 2+ tokens with groups of 64 run table_rows, which makes each row's scale x d products
+    # passes of 4+ tokens with groups of 64 run table_row, which makes each row's scale x d products
     # 8 blocks at a time: 9, 24 and 33 blocks leave a part of 8 (its scales masked), and the products,
     # fmas and their order are flash_rows', so every token must get the same bits from both bodies,
-    # in any pass (up to 10 tokens a sweep, 12 in two), one token (flash_rows alone) included
+    # in any pass (up to 10 tokens a sweep, 12 in two), 1-3 tokens (flash_rows alone) included
     gen = torch.Generator().manual_seed(in_features + symmetric)
     weight = quantize_weight(torch.randn(45, in_features, generator=gen), "w4a16", 64, symmetric)
     x = torch.randn(12, in_features, generator=gen)

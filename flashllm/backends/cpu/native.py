@@ -407,8 +407,8 @@ def a8_vnni(on: bool | None = None) -> bool:
 
 
 def a8_table(on: bool | None = None) -> bool:
-    """Whether int4 decode products of 2+ tokens against flashllm's int8 activations with groups of 64
-    run csrc/int4_int8_kernels.c's table_rows (each row's scale products made 8 blocks at a time; the
+    """Whether int4 decode products of 4+ tokens against flashllm's int8 activations with groups of 64
+    run csrc/int4_int8_kernels.c's table_row (each row's scale products made 8 blocks at a time; the
     default) rather than flash_rows: the same bits either way. With `on`, sets it first, for tests and
     A/B runs."""
     return bool(library().flashllm_a8_set_table(-1 if on is None else int(on)))

@@ -375,13 +375,15 @@ static inline __attribute__((always_inline)) void flash_rows_for_tokens(const a8
  * products scales[n, b] * d[t, b] are made here for 8 blocks per vmulps into a table on the stack
  * (the tokens' d compacted once per share), and each token's block broadcasts its product from there:
  * the same fp32 products, fmas and order as flash_rows, so the same bits, one instruction fewer per
- * token and block, and no per-token pointer into d in the block loop. A lone token keeps flash_rows:
- * its table saves a row fewer products than it costs to build and read back (K = 576: 2-3% slower). */
+ * token and block, and no per-token pointer into d in the block loop. Passes of 1-3 tokens keep
+ * flash_rows (two rows a step): a table per row and token saves them fewer products than it costs to
+ * build and read back (2-3 tokens, K = 576: 0.84-1.0x). */
 #define TABLE_BLOCKS 256  /* blocks a row (K <= 16384) whose products fit the stack */
-/* tokens a sweep of table_rows takes: up to 10, a draft pass's, whose one accumulator each still leaves
- * registers for the block's codes and activations with one row a step (1536 x 576: 1.04-1.15x over sweeps
+/* tokens a sweep of table_row takes: up to 10, a draft pass's, whose one accumulator each still leaves
+ * registers for the block's codes and activations (1536 x 576: 1.04-1.15x over sweeps
  * of at most 6, which unpack each block twice for 7-10 tokens) */
 #define TABLE_TOKENS 10
+#define TABLE_MIN_TOKENS 4  /* fewer run flash_rows (the section comment says why) */
 
 /* d[t0 + j, block b] at dc[j * TABLE_BLOCKS + b] for j < TT, zero up to the next multiple of 8 blocks */
 static inline void compact_scales(const a8_args *a, int64_t t0, int TT, float *dc) {
@@ -392,64 +394,51 @@ static inline void compact_scales(const a8_args *a, int64_t t0, int TT, float *d
     }
 }
 
-/* Rows n..n + R (R 1 or 2) for tokens t0..t0 + TT (TT <= TABLE_TOKENS), as flash_rows computes them;
+/* Row n for tokens t0..t0 + TT (TABLE_MIN_TOKENS <= TT <= TABLE_TOKENS), as flash_rows computes it;
  * dc from compact_scales */
-static inline __attribute__((always_inline)) void table_rows(const a8_args *a, int64_t n, int64_t t0, const int R,
-                                                               const int TT, const float *dc) {
-    const int64_t half = a->K / 2, blocks = a->K / A8_BLOCK, G = a->G;
+static inline __attribute__((always_inline)) void table_row(const a8_args *a, int64_t n, int64_t t0, const int TT,
+                                                              const float *dc) {
+    const int64_t blocks = a->K / A8_BLOCK, G = a->G;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    float sd[2][TABLE_TOKENS * TABLE_BLOCKS];  /* [r][j * TABLE_BLOCKS + b]: scales[n + r, b] * d[t0 + j, b] */
-    for (int r = 0; r < R; r++)
-        for (int64_t b = 0; b < blocks; b += 8) {
-            const __m256 s = _mm256_maskload_ps(a->scales + (n + r) * G + b, lanes_below(blocks - b));
-            for (int j = 0; j < TT; j++)
-                _mm256_storeu_ps(sd[r] + j * TABLE_BLOCKS + b, _mm256_mul_ps(s, _mm256_loadu_ps(dc + j * TABLE_BLOCKS + b)));
-        }
-    const int8_t *q = a->q + t0 * a->K;
-    const uint8_t *row[2];
-    __m256 acc[2][TABLE_TOKENS];
-    for (int r = 0; r < R; r++) {
-        row[r] = (const uint8_t *)a->w + (n + r) * half;
-        for (int j = 0; j < TT; j++) acc[r][j] = _mm256_setzero_ps();
+    const float *scales = a->scales + n * G;
+    float sd[TABLE_TOKENS * TABLE_BLOCKS];  /* [j * TABLE_BLOCKS + b]: scales[n, b] * d[t0 + j, b] */
+    for (int64_t b = 0; b < blocks; b += 8) {
+        const __m256 s = _mm256_maskload_ps(scales + b, lanes_below(blocks - b));
+        for (int j = 0; j < TT; j++)
+            _mm256_storeu_ps(sd + j * TABLE_BLOCKS + b, _mm256_mul_ps(s, _mm256_loadu_ps(dc + j * TABLE_BLOCKS + b)));
     }
+    const int8_t *q = a->q + t0 * a->K;
+    const uint8_t *row = (const uint8_t *)a->w + n * (a->K / 2);
+    __m256 acc[TABLE_TOKENS];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i low[2], high[2];
-        for (int r = 0; r < R; r++) {
-            if (b & 1) _mm_prefetch((const char *)(row[r] + b * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row[r] + b * 32));
-            low[r] = _mm256_and_si256(bytes, nibble);
-            high[r] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-        }
+        if (b & 1) _mm_prefetch((const char *)(row + b * 32 + PREFETCH_AHEAD), _MM_HINT_T0);
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + b * 32));
+        const __m256i low = _mm256_and_si256(bytes, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
         for (int j = 0; j < TT; j++) {
             const int8_t *qb = q + j * a->K + b * A8_BLOCK;
-            const __m256i qe = _mm256_loadu_si256((const __m256i *)qb), qo = _mm256_loadu_si256((const __m256i *)(qb + 32));
-            for (int r = 0; r < R; r++) {
-                const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[r], qe), _mm256_maddubs_epi16(high[r], qo));
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
-                                            _mm256_broadcast_ss(sd[r] + j * TABLE_BLOCKS + b), acc[r][j]);
-            }
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)qb)),
+                                                   _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(qb + 32))));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                     _mm256_broadcast_ss(sd + j * TABLE_BLOCKS + b), acc[j]);
         }
     }
     const float *qsum[TABLE_TOKENS];
     for (int j = 0; j < TT; j++) qsum[j] = a->qsum + (t0 + j) * G;
-    for (int r = 0; r < R; r++) {
-        fold_zero_terms(acc[r], a->scales + (n + r) * G, a->zeros ? a->zeros + (n + r) * G : NULL, qsum, G, TT);
-        for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n + r] = hsum8(acc[r][j]);
-    }
+    fold_zero_terms(acc, scales, a->zeros ? a->zeros + n * G : NULL, qsum, G, TT);
+    for (int j = 0; j < TT; j++) a->y[(t0 + j) * a->ldy + n] = hsum8(acc[j]);
 }
 
-/* Rows n0..n1 for tokens t0..t0 + TT on table_rows, two rows a step where flash_rows_for_tokens takes two */
+/* Rows n0..n1 for tokens t0..t0 + TT on table_row */
 static inline __attribute__((always_inline)) void table_rows_for_tokens(const a8_args *a, int64_t n0, int64_t n1,
                                                                           int64_t t0, const int TT) {
     float dc[TABLE_TOKENS * TABLE_BLOCKS];
     compact_scales(a, t0, TT, dc);
-    int64_t n = n0;
-    if (TT <= 3)
-        for (; n + 2 <= n1; n += 2) table_rows(a, n, t0, 2, TT, dc);
-    for (; n < n1; n++) table_rows(a, n, t0, 1, TT, dc);
+    for (int64_t n = n0; n < n1; n++) table_row(a, n, t0, TT, dc);
 }
 
-/* 1: passes of 2+ tokens with groups of 64 run table_rows; 0: flash_rows, for tests and A/B runs (a
+/* 1: passes of 4+ tokens with groups of 64 run table_row; 0: flash_rows, for tests and A/B runs (a
  * negative value only reads). Returns the setting in use. */
 static int a8_table = 1;
 int flashllm_a8_set_table(int on) {
@@ -463,11 +452,9 @@ static inline int flash_takes(const a8_args *a) {
     return a->afmt == A8_FLASH && a->terms == 1 && !a->offsets && (a->K / a->G) % A8_BLOCK == 0;
 }
 
-/* Rows n0..n1 for the TT (2..TABLE_TOKENS) tokens from t0 on table_rows, TT a constant in each call */
+/* Rows n0..n1 for the TT (TABLE_MIN_TOKENS..TABLE_TOKENS) tokens from t0 on table_row, TT a constant in each call */
 static void table_sweep(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, int64_t TT) {
     switch (TT) {
-        case 2: table_rows_for_tokens(a, n0, n1, t0, 2); break;
-        case 3: table_rows_for_tokens(a, n0, n1, t0, 3); break;
         case 4: table_rows_for_tokens(a, n0, n1, t0, 4); break;
         case 5: table_rows_for_tokens(a, n0, n1, t0, 5); break;
         case 6: table_rows_for_tokens(a, n0, n1, t0, 6); break;
@@ -490,9 +477,9 @@ static void rows_sweep(const a8_args *a, int64_t n0, int64_t n1, int64_t t0, int
     }
 }
 
-/* The share's rows for all T tokens in sweeps of at most TABLE_TOKENS (table_rows: groups of 64) or
- * FLASH_TOKENS, as even as they come (12 tokens: 6 and 6), so every sweep re-reads the share's codes
- * (from L2 after the first) as few times as it can; a lone token runs flash_rows */
+/* The share's rows for all T tokens in sweeps of at most TABLE_TOKENS (groups of 64) or FLASH_TOKENS,
+ * as even as they come (12 tokens: 6 and 6), so every sweep re-reads the share's codes (from L2 after
+ * the first) as few times as it can; sweeps of fewer than TABLE_MIN_TOKENS run flash_rows */
 static void flash_share(const a8_args *shared, int64_t n0, int64_t n1) {
     /* a copy the compiler sees no store to, so the rows' loops keep K, G and the pointers in registers
      * (through `shared` every result stored could have changed them: a division per row came back) */
@@ -501,7 +488,7 @@ static void flash_share(const a8_args *shared, int64_t n0, int64_t n1) {
     const int64_t most = table ? TABLE_TOKENS : FLASH_TOKENS, sweeps = (a->T + most - 1) / most;
     for (int64_t s = 0, t0 = 0; s < sweeps; s++) {
         const int64_t t1 = a->T * (s + 1) / sweeps;
-        if (table && t1 - t0 > 1) table_sweep(a, n0, n1, t0, t1 - t0);
+        if (table && t1 - t0 >= TABLE_MIN_TOKENS) table_sweep(a, n0, n1, t0, t1 - t0);
         else rows_sweep(a, n0, n1, t0, t1 - t0);
         t0 = t1;
     }
