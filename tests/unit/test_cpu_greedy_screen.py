@@ -46,12 +46,16 @@ def path(request):
 
 
 def _copies() -> list[tuple[str, int]]:
-    """(copy, kernel path) pairs this CPU runs: the bf16 copy on each of _paths(), and where the
-    library has an int8 path, the int8 copy through the VNNI loops (1) and the AMX-INT8 tiles at
-    every token count (3)."""
+    """(copy, kernel path) pairs this CPU runs: the bf16 copy on each of _paths(), and the int8 copy on
+    each int8 path it has: the VNNI loops (1), the AMX-INT8 tiles at every token count (3), the AVX2
+    loops (4; a path the CPU lacks leaves the setting as it was)."""
     lib = native.library()
-    int8 = lib.flashllm_i8_screen_set_path(-1) if lib is not None else 0
-    return [("bf16", p) for p in _paths()] + [("int8", p) for p in (1, _AMX_ANY)[: int8]]
+    if lib is None:
+        return [("bf16", p) for p in _paths()]
+    best = lib.flashllm_i8_screen_set_path(-1)
+    int8 = [p for p in (1, 3, 4) if best and lib.flashllm_i8_screen_set_path(p) == p]
+    lib.flashllm_i8_screen_set_path(best)
+    return [("bf16", p) for p in _paths()] + [("int8", p) for p in int8]
 
 
 @pytest.fixture(params=_copies(), ids=lambda c: f"{c[0]}-{c[1]}")

@@ -139,6 +139,131 @@ static void vnni_rows(const i8_args *a, int64_t n0, int64_t n1) {
 
 static void vnni_share(void *ctx, int64_t n0, int64_t n1) { vnni_rows(ctx, n0, n1); }
 
+/* ---- AVX2, for CPUs without AVX-512 VNNI: VPMOVSXBW widens 16 codes to int16 and VPMADDWD multiplies
+ * them by 16 token integers P, adding pairs into 8 int32 lanes (16 exact products an instruction), which
+ * VPADDD adds to the sums. Every term q_k P_k is at most 127 * 127.5 m and any partial sum, a pair's
+ * included, is a sum of some of the K terms, so below 127 * 127.5 m K < 2^31 in any order: the same
+ * exact I as the VNNI loops (|P| <= 127.5 * 128 also keeps VPMADDWD's one overflow, -2^15 * -2^15
+ * twice, out of reach). */
+#define AVX2_I8_ROWS 8
+#define AVX2_I8_AHEAD 512
+
+/* the sum of a vector's 8 int32 lanes (exact: see above) */
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* acc + the products of 16 codes at w (widened) with 16 token integers x, pairwise in int32 */
+static inline __m256i madd16(__m256i acc, const int8_t *w, __m256i x) {
+    const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x));
+}
+
+/* One token: eight rows an eighth of the share apart (eight read streams, as i8_octs), 32 codes of
+ * each a step, each stream prefetching AVX2_I8_AHEAD bytes on into L1. */
+static void avx2_i8_octs(const int16_t *P, const int8_t *w, const float *scales, float tm, float *y, int64_t K,
+                         int64_t n0, int64_t n1) {
+    const int64_t q = (n1 - n0) / AVX2_I8_ROWS;
+    for (int64_t i = 0; i < q; i++) {
+        const int8_t *r[AVX2_I8_ROWS];
+        __m256i a[AVX2_I8_ROWS];
+        for (int s = 0; s < AVX2_I8_ROWS; s++) {
+            r[s] = w + (n0 + s * q + i) * K;
+            a[s] = _mm256_setzero_si256();
+        }
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(P + k));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(P + k + 16));
+            for (int s = 0; s < AVX2_I8_ROWS; s++) {
+                if ((k & 63) == 0) _mm_prefetch((const char *)(r[s] + k) + AVX2_I8_AHEAD, _MM_HINT_T0);
+                a[s] = madd16(madd16(a[s], r[s] + k, x0), r[s] + k + 16, x1);
+            }
+        }
+        for (int s = 0; s < AVX2_I8_ROWS; s++) {
+            const int64_t n = n0 + s * q + i;
+            y[n] = (float)hsum8_epi32(a[s]) * scales[n] * tm;
+        }
+    }
+    for (int64_t n = n0 + AVX2_I8_ROWS * q; n < n1; n++) {
+        __m256i a = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K; k += 16) a = madd16(a, w + n * K + k, _mm256_loadu_si256((const __m256i *)(P + k)));
+        y[n] = (float)hsum8_epi32(a) * scales[n] * tm;
+    }
+}
+
+/* A few tokens: tiles of 2 rows (half the share apart) x up to 4 tokens; each 16 codes of a row are
+ * widened once and meet every token of the sweep, the tokens' integers read from L1 as VPMADDWD's
+ * memory operand. The first sweep prefetches each row's successor. Wider tiles spill: GCC keeps
+ * 2 x 5, 3 x 3 and 4 x 3 tiles' sums partly on the stack; of the tiles that fit the 16 registers,
+ * 2 x 4 ran fastest on `epyc-avx2-2c` (two threads, the head read cold: 151936 x 896 at 5 / 9 / 16
+ * tokens 8.7 / 14.4 / 24.4 ms against 11.2 / 18.4 / 26.2 for 4 x 2 and 14.2 / 21.2 / 34.0 for 3 x 2). */
+#define AVX2_I8_TILE_ROWS 2
+#define AVX2_I8_TOKENS 4
+__attribute__((always_inline)) static inline void avx2_i8_tile(const int16_t *P, int64_t K, const int8_t *w,
+                                                               int64_t rs, int R, int TT, const float *scales,
+                                                               const float *tm, float *y, int64_t ldy, int64_t ys,
+                                                               int64_t ahead) {
+    __m256i acc[AVX2_I8_TILE_ROWS][AVX2_I8_TOKENS];
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256i v[AVX2_I8_TILE_ROWS];
+        for (int r = 0; r < R; r++) {
+            if (ahead && (k & 63) == 0) _mm_prefetch((const char *)(w + r * rs + k) + ahead, _MM_HINT_T1);
+            v[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + r * rs + k)));
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(P + t * K + k));
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(v[r], x));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            y[t * ldy + r * ys] = (float)hsum8_epi32(acc[r][t]) * scales[r * ys] * tm[t];
+}
+
+#define AVX2_I8_TILE(R, TT)                                                                                        \
+    static void avx2_i8_tile_##R##x##TT(const int16_t *P, int64_t K, const int8_t *w, int64_t rs,                 \
+                                        const float *scales, const float *tm, float *y, int64_t ldy, int64_t ys,  \
+                                        int64_t ahead) {                                                          \
+        avx2_i8_tile(P, K, w, rs, R, TT, scales, tm, y, ldy, ys, ahead);                                           \
+    }
+#define AVX2_I8_TILES_OF(R) AVX2_I8_TILE(R, 1) AVX2_I8_TILE(R, 2) AVX2_I8_TILE(R, 3) AVX2_I8_TILE(R, 4)
+AVX2_I8_TILES_OF(2)
+AVX2_I8_TILES_OF(1)
+static const i8_tile_fn AVX2_I8_TILES_2[AVX2_I8_TOKENS] = {avx2_i8_tile_2x1, avx2_i8_tile_2x2, avx2_i8_tile_2x3,
+                                                           avx2_i8_tile_2x4};
+static const i8_tile_fn AVX2_I8_TILES_1[AVX2_I8_TOKENS] = {avx2_i8_tile_1x1, avx2_i8_tile_1x2, avx2_i8_tile_1x3,
+                                                           avx2_i8_tile_1x4};
+
+/* One tile's rows over all T tokens, AVX2_I8_TOKENS or fewer a sweep, spread evenly */
+static void avx2_i8_sweeps(const i8_tile_fn *tiles, const int16_t *P, int64_t T, int64_t K, const int8_t *w,
+                           int64_t rs, const float *scales, const float *tm, float *y, int64_t ldy, int64_t ys,
+                           int64_t ahead) {
+    const int64_t sweeps = (T + AVX2_I8_TOKENS - 1) / AVX2_I8_TOKENS;
+    for (int64_t sweep = 0, t = 0; sweep < sweeps; sweep++) {
+        const int64_t left = sweeps - sweep, tokens = (T - t) / left + ((T - t) % left != 0);
+        tiles[tokens - 1](P + t * K, K, w, rs, scales, tm + t, y + t * ldy, ldy, ys, sweep == 0 ? ahead : 0);
+        t += tokens;
+    }
+}
+
+static void avx2_share(void *ctx, int64_t n0, int64_t n1) {
+    const i8_args *a = ctx;
+    if (a->T == 1) {
+        avx2_i8_octs(a->P, a->w, a->scales, a->tm[0], a->y, a->K, n0, n1);
+        return;
+    }
+    const int64_t q = (n1 - n0) / AVX2_I8_TILE_ROWS, K = a->K;
+    for (int64_t i = 0; i < q; i++)
+        avx2_i8_sweeps(AVX2_I8_TILES_2, a->P, a->T, K, a->w + (n0 + i) * K, q * K, a->scales + n0 + i, a->tm,
+                       a->y + n0 + i, a->ldy, q, i + 1 < q ? K : 0);
+    for (int64_t n = n0 + AVX2_I8_TILE_ROWS * q; n < n1; n++)
+        avx2_i8_sweeps(AVX2_I8_TILES_1, a->P, a->T, K, a->w + n * K, K, a->scales + n, a->tm, a->y + n, a->ldy, 1, 0);
+}
+
 /* ---- AMX-INT8: TDPBSSD multiplies 16 x 64 int8 by 64 x 16 int8 into 16 x 16 int32 sums. A tile of
  * 16 rows x 64 codes loads straight from the copy; each token goes in as two int8 parts with
  * P = m p1 + p2, two passes into separate sums combined as m I1 + I2 in int64: the I of the VNNI
@@ -219,19 +344,23 @@ static void amx_share(void *ctx, int64_t n0, int64_t n1) {
 static int amx_int8_usable(void) { return 0; }
 #endif
 
-/* The paths: 0 none (no AVX-512 VNNI), 1 VNNI, 2 VNNI and AMX-INT8 from I8_AMX_MIN_TOKENS tokens,
- * 3 AMX-INT8 at any token count (tests and A/B runs). The best the CPU has below 3 is set at load. */
-static int i8_path = 0, i8_best = 0;
+/* The paths: 0 none (no AVX2), 1 VNNI, 2 VNNI and AMX-INT8 from I8_AMX_MIN_TOKENS tokens, 3 AMX-INT8
+ * at any token count (tests and A/B runs), 4 AVX2 (the best on a CPU without AVX-512 VNNI; any AVX2
+ * CPU takes it for tests and A/B runs). The best the CPU has (never 3) is set at load. */
+#define I8_PATH_AVX2 4
+static int i8_path = 0, i8_best = 0, i8_avx2 = 0;
 __attribute__((constructor)) static void pick_i8_path(void) {
     __builtin_cpu_init();
     const int vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                      __builtin_cpu_supports("avx512vnni");
-    i8_best = i8_path = !vnni ? 0 : amx_int8_usable() ? 2 : 1;
+    i8_avx2 = __builtin_cpu_supports("avx2");
+    i8_best = i8_path = vnni ? (amx_int8_usable() ? 2 : 1) : i8_avx2 ? I8_PATH_AVX2 : 0;
 }
 
 /* Sets the path (one the CPU lacks changes nothing; a negative one only reads); returns the path in use. */
 int flashllm_i8_screen_set_path(int path) {
-    if (path >= 1 && path <= (i8_best == 2 ? 3 : i8_best)) i8_path = path;
+    const int vnni_best = i8_best == 2 ? 3 : i8_best == 1 ? 1 : 0;
+    if ((path >= 1 && path <= vnni_best) || (path == I8_PATH_AVX2 && i8_avx2)) i8_path = path;
     return i8_path;
 }
 
@@ -267,8 +396,8 @@ int flashllm_i8_screen_takes(int64_t K, int64_t m) {
 /* y[t * ldy + n] = the int8 copy's score of row n for token t < T (codes (N, K) int8, scales (N,)),
  * with m the tokens' second-part multiplier: a power of two <= 128 with 127 (127.5 m) K < 2^31.
  * K a multiple of 32; scratch: flashllm_i8_screen_scratch(T, K) bytes. Returns 0 without computing
- * anything where this CPU has no AVX-512 VNNI or m does not fit K; 1 where the VNNI loops took the
- * tokens, 2 where the AMX-INT8 tiles did (the same scores). */
+ * anything where this CPU has no int8 path or m does not fit K; 1 where the VNNI loops took the
+ * tokens, 2 where the AMX-INT8 tiles did, 4 where the AVX2 loops did (the same scores on all). */
 int flashllm_i8_screen_mt(const float *x, int64_t T, int64_t K, const int8_t *codes, const float *scales, float *y,
                           int64_t N, int64_t ldy, int64_t m, void *scratch, int threads) {
     if (!flashllm_i8_screen_takes(K, m)) return 0;
@@ -284,6 +413,10 @@ int flashllm_i8_screen_mt(const float *x, int64_t T, int64_t K, const int8_t *co
         return 2;
     }
 #endif
+    if (i8_path == I8_PATH_AVX2) {
+        flashllm_parallel_for(avx2_share, &a, N, threads, FINE_SHARES);
+        return I8_PATH_AVX2;
+    }
     flashllm_parallel_for(vnni_share, &a, N, threads, FINE_SHARES);
     return 1;
 }
