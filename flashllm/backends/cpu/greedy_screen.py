@@ -3,7 +3,8 @@
 
 A greedy step needs each token's argmax over the vocabulary, not its logits. On the 0.5b shape the
 LM head is 136 M of 494 M weights, 0.54 GB of fp32 read every decode step. This head keeps a copy
-of those rows, bf16 (half the bytes) or on CPUs with AVX-512 VNNI int8 (a quarter; below), and
+of those rows, bf16 (half the bytes) or, where the native library has an int8 path (AVX-512 VNNI,
+AMX-INT8, or AVX2), int8 (a quarter; below), and
 finds the fp32 argmax exactly (steps 1-3 for the bf16 copy):
 
 1. scores: s_n = fl(sum_i x_i * bf16(w_ni)), the bf16 copy made fp32 in registers (exactly), in
@@ -30,7 +31,7 @@ against hi + lo, e, the logit's own sums and the tiles' (whose terms are at most
 covers it there. The tiles take subnormal inputs as zero and flush subnormal sums, an error below
 2^-126 per term or per sum, which d covers at twice its size on that path.
 
-On a CPU with AVX-512 VNNI the head is kept as int8 instead (csrc/greedy_screen_int8.c), half the
+Where the native library has an int8 path the head is kept as int8 instead (csrc/greedy_screen_int8.c), half the
 bytes again: row n as codes q_n in -127..127 and an fp32 scale s_n = max |w_n| / 127 (the w8a16
 rounding of quant/weight_only.py; any codes would do), so w_n = s_n q_n + e_n with e_n known
 exactly at load (float64); each token as x = (t / m) P + rho, t a
@@ -42,7 +43,7 @@ whose distance from the exact logit is |sum e_nk x_k + sum s_n q_nk rho_k| <= ||
 ||s_n q_n|| r ||x||; the fp32 logit's own sums add gamma_K ||w_n|| ||x||. So the margin takes
 c = 1.01 ||x|| and b_n >= ||e_n|| + ||s_n q_n|| (r + 3 u (1 + r)) + 2.01 gamma_K ||w_n|| (the 1%
 as above: here the margin is at least ~2^-12 of |s_n|), and d twice its bf16 size for the scores'
-underflows. The VNNI loops and the AMX-INT8 tiles compute the same I, so the same scores.
+underflows. The VNNI loops, the AMX-INT8 tiles and the AVX2 loops compute the same I, so the same scores.
 
 So the token is the argmax of fp32 logits that each come from one fixed order of sums per row:
 the same token whatever else is in the batch (the full fp32 product's bits depend on the batch
@@ -53,8 +54,8 @@ stays exact, only slower.
 
 It takes a step only for a model that declares the lm_head fusion (flashllm/registry/fusions.py:
 its logits are the head's product, nothing after it) with a single-rank fp32 float head (not
---quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (9 on a CPU without
-AVX-512: 2 to 9 through the AVX2 tiles of csrc/greedy_screen.c), with the native library; otherwise
+--quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (the bf16 copy on a CPU
+without AVX-512 takes 9: 2 to 9 through the AVX2 tiles of csrc/greedy_screen.c), with the native library; otherwise
 the engine computes logits as before. The copy is kept
 in the head's QuantizedWeight.kernel_cache under KEPT_AS, so it lives as long as the head, a second
 build finds it, and flashllm.models.weight_bytes counts it. FLASHLLM_CPU_GREEDY_SCREEN=0 turns it off,
