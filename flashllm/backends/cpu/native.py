@@ -133,6 +133,8 @@ _SIGNATURES = {
     "flashllm_mla_mxv_mt": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int], None),
     "flashllm_decode_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                    ctypes.c_float, _P, ctypes.c_int], None),
+    "flashllm_attention_set_run_rows": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_attention_runs_taken": ([], _I64),
 }
 
 

@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "decode_kernels.h"
 #include "parallel_for.h"
@@ -42,6 +43,8 @@
  * 16 x 256, 64 x 512; one and two threads); 16 and 64 rows are no better.
  * Each output still sums its rows in order, so the bits are the same either way. */
 #define VALUE_SLICE 32
+#define WINDOW VALUE_SLICE
+#define RUN_MAX 16
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
@@ -51,7 +54,13 @@ typedef struct {
     float scale;
     float *out;
     float *partial; /* (B, Hk, parts_max, Hq / Hk, D + 2): output, maximum, sum; NULL when parts_max is 1 */
+    const int64_t *run_first; /* run r is rows run_first[r] .. run_first[r + 1] - 1; NULL: one row each */
 } attention_args;
+
+/* The most rows of one sequence attended together (flashllm_attention_set_run_rows; 1: each row
+ * alone), and how many calls took a run of two rows or more (for tests). */
+static int run_rows_max = RUN_MAX;
+static int64_t runs_taken;
 
 /* The parts sequence b's context is cut into, and the slots of each but the last (a multiple of 8). */
 static void parts_of(const attention_args *a, int64_t length, int64_t *parts, int64_t *span) {
@@ -142,94 +151,276 @@ static void add_values(const float *const *v, int64_t n, int64_t D, const float 
         for (int64_t i = 0; i < n; i++) o[d] += p[i] * v[i][d];
 }
 
-/* Query heads h0 .. h0 + heads - 1 (all reading KV head kvh) of sequence b over slots s0 <= s < s1:
- * each head's unnormalised output into o + j * o_stride, its maximum and sum into top[j], total[j]. */
-static void attend_slots(const attention_args *a, int64_t b, int64_t kvh, int64_t h0, int heads, int64_t s0,
-                         int64_t s1, float *o, int64_t o_stride, float *top, float *total) {
+/* Scores of query heads q (heads rows of D) against a chunk's slots i0 <= i < i1 (krows from the
+ * chunk's start), times the scale, into scores[j][i]. i0 is a multiple of 8 and i1 one too or the
+ * chunk's end, so whether a slot's score comes from dot8 or dot1 (their sums differ in the last
+ * bit) depends only on the chunk, not on how its slots are split into calls. */
+static void chunk_scores(const attention_args *a, const float *q, int heads, const float *const *krows, int64_t i0,
+                         int64_t i1, float (*scores)[CHUNK]) {
     const int64_t D = a->D, tail = D % 8, body = D - tail;
-    const int32_t *table = a->block_tables + b * a->width;
-    const float *q = a->q + a->rows[b] * a->q_stride + h0 * D, *krows[CHUNK], *vrows[CHUNK];
-    float scores[GROUP_AT_ONCE][CHUNK];
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+        const float *const *k = krows + i;
+        for (int j = 0; j < heads; j++) {
+            __m256 s = dot8(q + j * D, k, body);
+            if (tail) {
+                float extra[8];
+                for (int r = 0; r < 8; r++) extra[r] = dot1(q + j * D + body, k[r] + body, tail);
+                s = _mm256_add_ps(s, _mm256_loadu_ps(extra));
+            }
+            _mm256_storeu_ps(scores[j] + i, _mm256_mul_ps(s, _mm256_set1_ps(a->scale)));
+        }
+    }
+    for (; i < i1; i++)
+        for (int j = 0; j < heads; j++) scores[j][i] = dot1(q + j * D, krows[i], D) * a->scale;
+}
+
+/* The online softmax's step for a chunk of n scores per head: each head's running maximum top[j]
+ * (its output and sum rescaled when it grows), the scores replaced by their exponentials, added to total[j]. */
+static void chunk_softmax(int heads, int64_t n, int64_t D, float (*scores)[CHUNK], float *o, int64_t o_stride,
+                          float *top, float *total) {
+    for (int j = 0; j < heads; j++) {
+        float *sj = scores[j], *oj = o + j * o_stride, chunk_top = largest(sj, n);
+        if (chunk_top > top[j]) {  /* rescale what was summed under the old maximum */
+            const float factor = expf(top[j] - chunk_top);  /* 0 on the first chunk */
+            total[j] *= factor;
+            scale_row(oj, D, factor);
+            top[j] = chunk_top;
+        }
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + i), _mm256_set1_ps(top[j])));
+            _mm256_storeu_ps(sj + i, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        total[j] += hsum8(sum8);
+        for (; i < n; i++) {
+            sj[i] = expf(sj[i] - top[j]);
+            total[j] += sj[i];
+        }
+    }
+}
+
+/* Each head's o + j * o_stride += the weights scores[j][i] times value rows vrows[i], i0 <= i < i1.
+ * Every output sums its rows in slot order, so splitting a chunk's slots into calls keeps its bits. */
+static void chunk_values(int heads, int64_t D, const float *const *vrows, int64_t i0, int64_t i1,
+                         float (*scores)[CHUNK], float *o, int64_t o_stride) {
+    for (int j = 0; j < heads; j++) add_values(vrows + i0, i1 - i0, D, scores[j] + i0, o + j * o_stride);
+}
+
+static void start_heads(int heads, int64_t D, float *o, int64_t o_stride, float *top, float *total) {
     for (int j = 0; j < heads; j++) {
         top[j] = -INFINITY;
         total[j] = 0.0f;
         for (int64_t d = 0; d < D; d++) o[j * o_stride + d] = 0.0f;
     }
+}
+
+/* Query heads h0 .. h0 + heads - 1 (all reading KV head kvh) of sequence b over slots s0 <= s < s1:
+ * each head's unnormalised output into o + j * o_stride, its maximum and sum into top[j], total[j]. */
+static void attend_slots(const attention_args *a, int64_t b, int64_t kvh, int64_t h0, int heads, int64_t s0,
+                         int64_t s1, float *o, int64_t o_stride, float *top, float *total) {
+    const int64_t D = a->D;
+    const int32_t *table = a->block_tables + b * a->width;
+    const float *q = a->q + a->rows[b] * a->q_stride + h0 * D, *krows[CHUNK], *vrows[CHUNK];
+    float scores[GROUP_AT_ONCE][CHUNK];
+    start_heads(heads, D, o, o_stride, top, total);
     for (int64_t c0 = s0; c0 < s1; c0 += CHUNK) {
         const int64_t n = s1 - c0 < CHUNK ? s1 - c0 : CHUNK;
         slot_rows(a, table, c0, n, kvh, krows, vrows);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const float *const *k = krows + i;
-            for (int j = 0; j < heads; j++) {
-                __m256 s = dot8(q + j * D, k, body);
-                if (tail) {
-                    float extra[8];
-                    for (int r = 0; r < 8; r++) extra[r] = dot1(q + j * D + body, k[r] + body, tail);
-                    s = _mm256_add_ps(s, _mm256_loadu_ps(extra));
-                }
-                _mm256_storeu_ps(scores[j] + i, _mm256_mul_ps(s, _mm256_set1_ps(a->scale)));
-            }
-        }
-        for (; i < n; i++)
-            for (int j = 0; j < heads; j++) scores[j][i] = dot1(q + j * D, krows[i], D) * a->scale;
-        for (int j = 0; j < heads; j++) {
-            float *sj = scores[j], *oj = o + j * o_stride, chunk_top = largest(sj, n);
-            if (chunk_top > top[j]) {  /* rescale what was summed under the old maximum */
-                const float factor = expf(top[j] - chunk_top);  /* 0 on the first chunk */
-                total[j] *= factor;
-                scale_row(oj, D, factor);
-                top[j] = chunk_top;
-            }
-            __m256 sum8 = _mm256_setzero_ps();
-            for (i = 0; i + 8 <= n; i += 8) {
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + i), _mm256_set1_ps(top[j])));
-                _mm256_storeu_ps(sj + i, e);
-                sum8 = _mm256_add_ps(sum8, e);
-            }
-            total[j] += hsum8(sum8);
-            for (; i < n; i++) {
-                sj[i] = expf(sj[i] - top[j]);
-                total[j] += sj[i];
-            }
-        }
+        chunk_scores(a, q, heads, krows, 0, n, scores);
+        chunk_softmax(heads, n, D, scores, o, o_stride, top, total);
         /* the group's value sums a slice of rows at a time, so the slice stays in L1 for all its heads */
-        for (i = 0; i < n; i += VALUE_SLICE)
-            for (int j = 0; j < heads; j++)
-                add_values(vrows + i, n - i < VALUE_SLICE ? n - i : VALUE_SLICE, D, scores[j] + i, o + j * o_stride);
+        for (int64_t i = 0; i < n; i += VALUE_SLICE)
+            chunk_values(heads, D, vrows, i, i + VALUE_SLICE < n ? i + VALUE_SLICE : n, scores, o, o_stride);
     }
 }
 
-/* Items i0 <= i < i1, i = (b * Hk + kvh) * parts_max + part: a single-part context is written to
- * out normalised; a part of a longer one leaves (output, maximum, sum) per head in partial. */
-static void attend_items(void *ctx, int64_t r0, int64_t r1) {
-    const attention_args *a = ctx;
+/* Where query heads h0 .. h0 + heads - 1 of sequence b's part `part` go: out (normalised later) for
+ * a context in one part, else the part's place in partial (item = (b * Hk + kvh) * parts_max + part). */
+static float *part_output(const attention_args *a, int64_t b, int64_t kvh, int64_t part, int64_t parts, int64_t g,
+                          int64_t *o_stride) {
     const int64_t group = a->Hq / a->Hk, D = a->D;
-    for (int64_t item = r0; item < r1; item++) {
-        const int64_t part = item % a->parts_max, kvh = item / a->parts_max % a->Hk;
-        const int64_t b = item / (a->parts_max * a->Hk);
-        int64_t parts, span;
-        parts_of(a, a->seq_lens[b], &parts, &span);
-        if (part >= parts) continue;
-        const int64_t s0 = part * span, s1 = s0 + span < a->seq_lens[b] ? s0 + span : a->seq_lens[b];
-        for (int64_t g = 0; g < group; g += GROUP_AT_ONCE) {
-            const int heads = (int)(group - g < GROUP_AT_ONCE ? group - g : GROUP_AT_ONCE);
-            const int64_t h0 = kvh * group + g;
-            float top[GROUP_AT_ONCE], total[GROUP_AT_ONCE];
-            if (parts == 1) {
-                float *o = a->out + a->rows[b] * a->Hq * D + h0 * D;
-                attend_slots(a, b, kvh, h0, heads, s0, s1, o, D, top, total);
-                for (int j = 0; j < heads; j++) scale_row(o + j * D, D, 1.0f / total[j]);
-            } else {
-                float *o = a->partial + (item * group + g) * (D + 2);
-                attend_slots(a, b, kvh, h0, heads, s0, s1, o, D + 2, top, total);
-                for (int j = 0; j < heads; j++) {
-                    o[j * (D + 2) + D] = top[j];
-                    o[j * (D + 2) + D + 1] = total[j];
-                }
-            }
+    *o_stride = parts == 1 ? D : D + 2;
+    if (parts == 1) return a->out + a->rows[b] * a->Hq * D + (kvh * group + g) * D;
+    return a->partial + (((b * a->Hk + kvh) * a->parts_max + part) * group + g) * (D + 2);
+}
+
+/* A finished part: a whole context's heads normalised, a part's maximum and sum kept beside its output. */
+static void end_part(int64_t parts, int heads, int64_t D, float *o, const float *top, const float *total) {
+    for (int j = 0; j < heads; j++) {
+        if (parts == 1) {
+            scale_row(o + j * D, D, 1.0f / total[j]);
+        } else {
+            o[j * (D + 2) + D] = top[j];
+            o[j * (D + 2) + D + 1] = total[j];
         }
     }
+}
+
+/* Part `part` of sequence b's context for KV head kvh, all its query heads. */
+static void attend_part(const attention_args *a, int64_t b, int64_t kvh, int64_t part) {
+    const int64_t group = a->Hq / a->Hk, D = a->D;
+    int64_t parts, span;
+    parts_of(a, a->seq_lens[b], &parts, &span);
+    if (part >= parts) return;
+    const int64_t s0 = part * span, s1 = s0 + span < a->seq_lens[b] ? s0 + span : a->seq_lens[b];
+    for (int64_t g = 0; g < group; g += GROUP_AT_ONCE) {
+        const int heads = (int)(group - g < GROUP_AT_ONCE ? group - g : GROUP_AT_ONCE);
+        float top[GROUP_AT_ONCE], total[GROUP_AT_ONCE], *o;
+        int64_t o_stride;
+        o = part_output(a, b, kvh, part, parts, g, &o_stride);
+        attend_slots(a, b, kvh, kvh * group + g, heads, s0, s1, o, o_stride, top, total);
+        end_part(parts, heads, D, o, top, total);
+    }
+}
+
+/* One row of a run: its part's slots, where its heads' outputs go, their running maxima and sums,
+ * and its chunk's key and value rows and scores (in the run's scratch). */
+typedef struct {
+    int64_t b, parts, s0, s1, o_stride;
+    float *o, top[GROUP_AT_ONCE], total[GROUP_AT_ONCE];
+    const float **krows, **vrows;
+    float (*scores)[CHUNK];
+} run_row;
+
+/* Row `row`'s chunk c: its first slot in *c0 and its slot count (0 where the row's part is shorter). */
+static int64_t row_chunk(const run_row *row, int64_t c, int64_t *c0) {
+    *c0 = row->s0 + c * CHUNK;
+    if (*c0 >= row->s1) return 0;
+    return row->s1 - *c0 < CHUNK ? row->s1 - *c0 : CHUNK;
+}
+
+/* Chunk c of every row of a run, WINDOW slots at a time over all the rows: the scores of query heads
+ * h0 .. h0 + heads - 1 (values 0) or their value sums (values 1). The rows' chunks overlap (one
+ * sequence, lengths a row apart), so a window's keys or values come from memory once for the run and
+ * from L1 for every further row. Windows start at multiples of 8 (so do chunks), as chunk_scores wants. */
+static void run_windows(const attention_args *a, run_row *rr, int R, int64_t c, int heads, int64_t h0, int values) {
+    int64_t lo = INT64_MAX, hi = 0, c0, n;
+    for (int r = 0; r < R; r++) {
+        if (!(n = row_chunk(rr + r, c, &c0))) continue;
+        lo = c0 < lo ? c0 : lo;
+        hi = c0 + n > hi ? c0 + n : hi;
+    }
+    for (int64_t w = lo; w < hi; w += WINDOW)
+        for (int r = 0; r < R; r++) {
+            n = row_chunk(rr + r, c, &c0);
+            const int64_t i0 = w > c0 ? w - c0 : 0, i1 = w + WINDOW - c0 < n ? w + WINDOW - c0 : n;
+            if (i0 >= i1) continue;
+            if (values) {
+                chunk_values(heads, a->D, rr[r].vrows, i0, i1, rr[r].scores, rr[r].o, rr[r].o_stride);
+            } else {
+                const float *q = a->q + a->rows[rr[r].b] * a->q_stride + h0 * a->D;
+                chunk_scores(a, q, heads, rr[r].krows, i0, i1, rr[r].scores);
+            }
+        }
+}
+
+/* Rows b0 .. b0 + R - 1 (one sequence: run_rows) over part `part` of each one's context, KV head kvh:
+ * per row the same chunks, scores, softmax steps and value sums in the same order as attend_part
+ * gives it alone (so the same bits), with the rows taken together a chunk and a window at a time. */
+static void attend_run(const attention_args *a, int64_t b0, int R, int64_t kvh, int64_t part) {
+    const int64_t group = a->Hq / a->Hk, D = a->D;
+    const int heads_max = (int)(group < GROUP_AT_ONCE ? group : GROUP_AT_ONCE);
+    const size_t row_bytes = 2 * CHUNK * sizeof(float *) + (size_t)heads_max * CHUNK * sizeof(float);
+    char *scratch = malloc(R * row_bytes);
+    if (!scratch) {  /* no room for the run's chunks: each row alone (the same bits) */
+        for (int r = 0; r < R; r++) attend_part(a, b0 + r, kvh, part);
+        return;
+    }
+    run_row rr[RUN_MAX];
+    int n = 0;
+    int64_t chunks = 0, span, c0;
+    for (int r = 0; r < R; r++) {
+        run_row *row = rr + n;
+        row->b = b0 + r;
+        parts_of(a, a->seq_lens[row->b], &row->parts, &span);
+        if (part >= row->parts) continue;
+        row->s0 = part * span;
+        row->s1 = row->s0 + span < a->seq_lens[row->b] ? row->s0 + span : a->seq_lens[row->b];
+        row->krows = (const float **)(scratch + n * row_bytes);
+        row->vrows = row->krows + CHUNK;
+        row->scores = (float (*)[CHUNK])(row->vrows + CHUNK);
+        const int64_t row_chunks = (row->s1 - row->s0 + CHUNK - 1) / CHUNK;
+        chunks = row_chunks > chunks ? row_chunks : chunks;
+        n++;
+    }
+    for (int64_t g = 0; g < group; g += GROUP_AT_ONCE) {
+        const int heads = (int)(group - g < GROUP_AT_ONCE ? group - g : GROUP_AT_ONCE);
+        const int64_t h0 = kvh * group + g;
+        for (int r = 0; r < n; r++) {
+            rr[r].o = part_output(a, rr[r].b, kvh, part, rr[r].parts, g, &rr[r].o_stride);
+            start_heads(heads, D, rr[r].o, rr[r].o_stride, rr[r].top, rr[r].total);
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int r = 0; r < n; r++) {
+                const int64_t m = row_chunk(rr + r, c, &c0);
+                if (m) slot_rows(a, a->block_tables + rr[r].b * a->width, c0, m, kvh, rr[r].krows, rr[r].vrows);
+            }
+            run_windows(a, rr, n, c, heads, h0, 0);
+            for (int r = 0; r < n; r++) {
+                const int64_t m = row_chunk(rr + r, c, &c0);
+                if (m) chunk_softmax(heads, m, D, rr[r].scores, rr[r].o, rr[r].o_stride, rr[r].top, rr[r].total);
+            }
+            run_windows(a, rr, n, c, heads, h0, 1);
+        }
+        for (int r = 0; r < n; r++) end_part(rr[r].parts, heads, D, rr[r].o, rr[r].top, rr[r].total);
+    }
+    free(scratch);
+}
+
+/* Items i0 <= i < i1, i = (run * Hk + kvh) * parts_max + part: a run of one row is attend_part's,
+ * a longer one attend_run's. Without run_first every row is a run. */
+static void attend_items(void *ctx, int64_t i0, int64_t i1) {
+    const attention_args *a = ctx;
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t part = item % a->parts_max, kvh = item / a->parts_max % a->Hk;
+        const int64_t run = item / (a->parts_max * a->Hk);
+        const int64_t b0 = a->run_first ? a->run_first[run] : run;
+        const int R = a->run_first ? (int)(a->run_first[run + 1] - b0) : 1;
+        if (R == 1) {
+            attend_part(a, b0, kvh, part);
+        } else {
+            attend_run(a, b0, R, kvh, part);
+        }
+    }
+}
+
+/* Whether row b continues row b - 1's sequence: one longer, the same blocks under its context. */
+static int same_sequence(const attention_args *a, int64_t b) {
+    const int32_t *table = a->block_tables + b * a->width;
+    if (a->seq_lens[b] != a->seq_lens[b - 1] + 1) return 0;
+    const int64_t blocks = (a->seq_lens[b] + a->block_size - 1) / a->block_size;
+    return memcmp(table, table - a->width, (size_t)blocks * sizeof(int32_t)) == 0;
+}
+
+/* The runs of rows of one sequence (at most run_rows_max each) in run_first (B + 1 entries);
+ * their count, or B (and run_first NULL) where every row is its own. */
+static int64_t find_runs(attention_args *a, int64_t B) {
+    a->run_first = NULL;
+    if (run_rows_max < 2 || B < 2) return B;
+    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)), runs = 0;
+    if (!first) return B;
+    for (int64_t b = 0; b < B; b++)
+        if (b == 0 || b - first[runs - 1] >= run_rows_max || !same_sequence(a, b)) first[runs++] = b;
+    first[runs] = B;
+    if (runs == B) {  /* no two rows share a sequence */
+        free(first);
+        return B;
+    }
+    __atomic_fetch_add(&runs_taken, 1, __ATOMIC_RELAXED);
+    a->run_first = first;
+    return runs;
+}
+
+int flashllm_attention_set_run_rows(int rows) {
+    if (rows >= 1 && rows <= RUN_MAX) run_rows_max = rows;
+    return run_rows_max;
+}
+
+int64_t flashllm_attention_runs_taken(void) {
+    return __atomic_load_n(&runs_taken, __ATOMIC_RELAXED);
 }
 
 /* out for the heads of sequences whose context was cut into parts: the parts' outputs, each
@@ -264,7 +455,7 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
                                const int64_t *rows, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                                int64_t block_size, float scale, float *out, int threads) {
     attention_args a = {q, k_cache, v_cache, block_tables, seq_lens, rows, q_stride, width, Hq, Hk, D,
-                        block_size, 1, scale, out, NULL};
+                        block_size, 1, scale, out, NULL, NULL};
     const int64_t pairs = B * Hk;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
@@ -273,7 +464,9 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
         a.partial = malloc((size_t)(pairs * a.parts_max * Hq / Hk * (D + 2)) * sizeof(float));
         if (!a.partial) a.parts_max = 1;  /* no memory for parts: every context whole */
     }
-    flashllm_parallel_items(attend_items, &a, pairs * a.parts_max, threads, FINE_SHARES);
+    const int64_t runs = find_runs(&a, B);
+    flashllm_parallel_items(attend_items, &a, runs * Hk * a.parts_max, threads, FINE_SHARES);
+    free((void *)a.run_first);
     if (a.partial) {
         merge_parts(&a, B);
         free(a.partial);
