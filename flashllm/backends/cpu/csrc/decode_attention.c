@@ -16,11 +16,17 @@
  *   not change with the thread count.
  * - Within an item the softmax is the online one over chunks of CHUNK slots (a running maximum,
  *   earlier sums rescaled when it grows), so no scratch grows with the context.
+ * - Consecutive rows of one sequence (a speculative verify step's 1 + k rows: lengths a row apart,
+ *   the same blocks) form a run, and an item is the run's KV head and part: its rows' chunks are
+ *   taken together, WINDOW slots at a time over all the rows, so keys and values come from memory
+ *   once for the run, not once a row. Each row keeps its own parts, chunks and sums in their order,
+ *   so its bits are those it gets alone (tests/unit/test_cpu_attention_rows.py).
  *
  * Scores take 8 slots at a time: 8 dot products of D accumulate in 8 vectors, and a tree of
  * horizontal adds turns them into one vector of 8 scores. One head, one slot and one horizontal
  * sum at a time costs ~82 us a layer at batch 1 for 14 heads over ~190 slots, 2% of a 0.5b-shape
- * token on `epyc3-2c` (docs/benchmarks.md).
+ * token on `epyc3-2c` (docs/benchmarks.md). Two heads of a group go together (dot4x2, add_values2),
+ * each key or value vector loaded once for both, with the same sums in the same order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -43,8 +49,9 @@
  * 16 x 256, 64 x 512; one and two threads); 16 and 64 rows are no better.
  * Each output still sums its rows in order, so the bits are the same either way. */
 #define VALUE_SLICE 32
+/* Slots of a run's chunk taken for all its rows before the next: 8 KiB of keys or values at D 64. */
 #define WINDOW VALUE_SLICE
-#define RUN_MAX 16
+#define RUN_MAX 16 /* a verify step's 1 + k rows for k up to 15 */
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
@@ -278,6 +285,7 @@ static void chunk_values(int heads, int64_t D, const float *const *vrows, int64_
     for (; j < heads; j++) add_values(vrows + i0, i1 - i0, 0, D, scores[j] + i0, o + j * o_stride);
 }
 
+/* Each head's output zeroed, its running maximum -inf and its sum 0: no slot seen yet. */
 static void start_heads(int heads, int64_t D, float *o, int64_t o_stride, float *top, float *total) {
     for (int j = 0; j < heads; j++) {
         top[j] = -INFINITY;
