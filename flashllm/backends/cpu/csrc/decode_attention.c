@@ -108,30 +108,6 @@ static inline __m256 dot8(const float *q, const float *const *k, int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* The sums dot8 makes of rows k[0..3] (lanes 0-3 of its acc[0..3]): each lane's low half plus its high half. */
-static inline __m128 sum4(const __m256 *acc) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* dot8's 4 dot products of q0, then of q1, with rows k[0..3], with its bits (the same products, sums
- * and order): two queries use each key vector loaded, 6 loads for 8 FMAs where dot8 takes 9. */
-static inline void dot4x2(const float *q0, const float *q1, const float *const *k, int64_t D, __m128 *s0, __m128 *s1) {
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
-        for (int j = 0; j < 4; j++) {
-            __m256 kj = _mm256_loadu_ps(k[j] + d);
-            __asm__("" : "+x"(kj));  /* one load for both FMAs (not folded into each) */
-            a[j] = _mm256_fmadd_ps(x, kj, a[j]);
-            b[j] = _mm256_fmadd_ps(y, kj, b[j]);
-        }
-    }
-    *s0 = sum4(a);
-    *s1 = sum4(b);
-}
-
 /* The largest of s[0..n-1]; NaNs are passed over, as `s[i] > m ? s[i] : m` passes them. In vectors,
  * as that scalar loop's every compare waits on the one before: the vector form runs the whole kernel
  * 1.04-1.21x faster in attention_ab.py's cases (`epyc3-2c`). */
@@ -159,11 +135,11 @@ static inline void scale_row(float *v, int64_t n, float factor) {
     for (; d < n; d++) v[d] *= factor;
 }
 
-/* o (D) += sum over i < n of p[i] * v[i] (rows of D), features d0 .. D - 1. 64 features at a time
- * stay in 8 registers across all n rows (an accumulator chain per vector, no store-to-load round
- * trip per row); then 8 at a time, then one at a time. */
-static void add_values(const float *const *v, int64_t n, int64_t d0, int64_t D, const float *p, float *o) {
-    int64_t d = d0;
+/* o (D) += sum over i < n of p[i] * v[i] (rows of D). 64 features at a time stay in 8 registers
+ * across all n rows (an accumulator chain per vector, no store-to-load round trip per row); then
+ * 8 at a time, then one at a time. */
+static void add_values(const float *const *v, int64_t n, int64_t D, const float *p, float *o) {
+    int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + d + 8 * j);
@@ -182,37 +158,6 @@ static void add_values(const float *const *v, int64_t n, int64_t d0, int64_t D, 
         for (int64_t i = 0; i < n; i++) o[d] += p[i] * v[i][d];
 }
 
-/* add_values for two heads (weights p0, p1, outputs o0, o1) over the same rows: 32 features of both
- * in 8 registers, so each value vector loaded serves two heads (6 loads for 8 FMAs, not 9); the
- * features past a multiple of 32 as add_values takes them. Each output sums its rows in order, one
- * FMA a row, as add_values does, so the bits are the same. */
-static void add_values2(const float *const *v, int64_t n, int64_t D, const float *p0, const float *p1, float *o0,
-                        float *o1) {
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m256 a[4], b[4];
-        for (int j = 0; j < 4; j++) {
-            a[j] = _mm256_loadu_ps(o0 + d + 8 * j);
-            b[j] = _mm256_loadu_ps(o1 + d + 8 * j);
-        }
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 x = _mm256_set1_ps(p0[i]), y = _mm256_set1_ps(p1[i]);
-            for (int j = 0; j < 4; j++) {
-                __m256 vj = _mm256_loadu_ps(v[i] + d + 8 * j);
-                __asm__("" : "+x"(vj));  /* one load for both FMAs (not folded into each) */
-                a[j] = _mm256_fmadd_ps(x, vj, a[j]);
-                b[j] = _mm256_fmadd_ps(y, vj, b[j]);
-            }
-        }
-        for (int j = 0; j < 4; j++) {
-            _mm256_storeu_ps(o0 + d + 8 * j, a[j]);
-            _mm256_storeu_ps(o1 + d + 8 * j, b[j]);
-        }
-    }
-    add_values(v, n, d, D, p0, o0);
-    add_values(v, n, d, D, p1, o1);
-}
-
 /* Scores of query heads q (heads rows of D) against a chunk's slots i0 <= i < i1 (krows from the
  * chunk's start), times the scale, into scores[j][i]. i0 is a multiple of 8 and i1 one too or the
  * chunk's end, so whether a slot's score comes from dot8 or dot1 (their sums differ in the last
@@ -223,18 +168,7 @@ static void chunk_scores(const attention_args *a, const float *q, int heads, con
     int64_t i = i0;
     for (; i + 8 <= i1; i += 8) {
         const float *const *k = krows + i;
-        int j = 0;
-        for (; !tail && j + 2 <= heads; j += 2) {  /* two heads at a time */
-            __m128 s0, s1, s2, s3;
-            dot4x2(q + j * D, q + (j + 1) * D, k, D, &s0, &s1);
-            dot4x2(q + j * D, q + (j + 1) * D, k + 4, D, &s2, &s3);
-            const __m128 scale = _mm_set1_ps(a->scale);
-            _mm_storeu_ps(scores[j] + i, _mm_mul_ps(s0, scale));
-            _mm_storeu_ps(scores[j + 1] + i, _mm_mul_ps(s1, scale));
-            _mm_storeu_ps(scores[j] + i + 4, _mm_mul_ps(s2, scale));
-            _mm_storeu_ps(scores[j + 1] + i + 4, _mm_mul_ps(s3, scale));
-        }
-        for (; j < heads; j++) {
+        for (int j = 0; j < heads; j++) {
             __m256 s = dot8(q + j * D, k, body);
             if (tail) {
                 float extra[8];
@@ -279,10 +213,7 @@ static void chunk_softmax(int heads, int64_t n, int64_t D, float (*scores)[CHUNK
  * Every output sums its rows in slot order, so splitting a chunk's slots into calls keeps its bits. */
 static void chunk_values(int heads, int64_t D, const float *const *vrows, int64_t i0, int64_t i1,
                          float (*scores)[CHUNK], float *o, int64_t o_stride) {
-    int j = 0;
-    for (; j + 2 <= heads; j += 2)
-        add_values2(vrows + i0, i1 - i0, D, scores[j] + i0, scores[j + 1] + i0, o + j * o_stride, o + (j + 1) * o_stride);
-    for (; j < heads; j++) add_values(vrows + i0, i1 - i0, 0, D, scores[j] + i0, o + j * o_stride);
+    for (int j = 0; j < heads; j++) add_values(vrows + i0, i1 - i0, D, scores[j] + i0, o + j * o_stride);
 }
 
 /* Each head's output zeroed, its running maximum -inf and its sum 0: no slot seen yet. */
