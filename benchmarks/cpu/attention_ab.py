@@ -13,6 +13,7 @@ A copy of the first library runs as a control arm (common.load_builds; --no-cont
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -73,10 +74,12 @@ def batch_cases(libs: dict, gen: torch.Generator) -> None:
 
 
 def verify_cases(libs: dict, gen: torch.Generator, layers: int = 30) -> None:
-    """VERIFY_CASES on two threads, each build's median of ROUNDS timings, the builds in turn. A timed call is a step's `layers` layers, each over blocks of its
-    own (shuffled), so a layer's keys are not left in L2 by the call before, as in a decode step."""
+    """VERIFY_CASES on one thread and two: per build the median of ROUNDS timings and the median of
+    its per-round ratios to the first build (the builds in a rotating order within a round). A timed
+    call is a step's `layers` layers, each over blocks of its own (shuffled), so a layer's keys are
+    not left in L2 by the call before, as in a decode step."""
     for shape, (hq, hk, d) in VERIFY_HEADS.items():
-        for count, context in VERIFY_CASES:
+        for (count, context), threads in itertools.product(VERIFY_CASES, (1, 2)):
             width = -(-(context + count) // BLOCK)
             blocks = layers * width
             k_cache, v_cache = torch.randn(blocks, BLOCK, hk, d, generator=gen), torch.randn(blocks, BLOCK, hk, d, generator=gen)
@@ -86,8 +89,8 @@ def verify_cases(libs: dict, gen: torch.Generator, layers: int = 30) -> None:
             q = torch.randn(count, hq, d, generator=gen)
             out = torch.zeros(layers, count, hq, d)
             calls = [(q.data_ptr(), hq * d, k_cache.data_ptr(), v_cache.data_ptr(), tables[layer].data_ptr(), width,
-                      lens.data_ptr(), rows.data_ptr(), count, hq, hk, d, BLOCK, d ** -0.5, out[layer].data_ptr(), 2)
-                     for layer in range(layers)]
+                      lens.data_ptr(), rows.data_ptr(), count, hq, hk, d, BLOCK, d ** -0.5, out[layer].data_ptr(),
+                      threads) for layer in range(layers)]
             steps = max(2, 10000 // (count * context))
             outs = {}
             for name, lib in libs.items():
@@ -104,8 +107,11 @@ def verify_cases(libs: dict, gen: torch.Generator, layers: int = 30) -> None:
                         for call in calls:
                             libs[name].flashllm_decode_attention(*call)
                     timings[name].append((time.perf_counter() - start) / steps)
-            times = {name: statistics.median(t) for name, t in timings.items()}
-            report(f"{shape} {count} row(s) at {context}, {layers} layers, 2 threads", times, outs)
+            first = timings[names[0]]
+            cells = [f"{name} {statistics.median(t) * 1e6:.0f} us "
+                     f"({statistics.median(a / b for a, b in zip(first, t, strict=True)):.2f}x, max diff "
+                     f"{(outs[name] - outs[names[0]]).abs().max().item():.1e})" for name, t in timings.items()]
+            print(f"{shape} {count} row(s) at {context}, {threads} thread(s): " + "; ".join(cells), flush=True)
 
 
 def main() -> None:

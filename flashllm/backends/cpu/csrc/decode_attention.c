@@ -25,8 +25,7 @@
  * Scores take 8 slots at a time: 8 dot products of D accumulate in 8 vectors, and a tree of
  * horizontal adds turns them into one vector of 8 scores. One head, one slot and one horizontal
  * sum at a time costs ~82 us a layer at batch 1 for 14 heads over ~190 slots, 2% of a 0.5b-shape
- * token on `epyc3-2c` (docs/benchmarks.md). Two heads of a group go together (dot4x2, add_values2),
- * each key or value vector loaded once for both, with the same sums in the same order.
+ * token on `epyc3-2c` (docs/benchmarks.md).
  */
 #include <immintrin.h>
 #include <math.h>
