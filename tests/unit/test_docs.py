@@ -6,7 +6,8 @@ Cheap checks (no model, no network, well under a second each) that keep the user
 - every `flashllm ...` command written in a shell code block parses with the real argument parser
   (`python -m flashllm.llm ...` with the predictor's);
 - every `--flag` written anywhere in the pages exists on some flashllm command, or is another
-  tool's flag listed in OTHER_TOOLS_FLAGS;
+  tool's flag listed in OTHER_TOOLS_FLAGS; a `python benchmarks/....py --flag` span's flags are defined in
+  that script or a module beside it that it imports;
 - the predictor page's "not accepted" PaddleNLP flags are indeed refused by `flashllm predict`;
 - the pages read as a product, not a lab notebook: no "team's", no ordinal session or pass entries;
   and so do the sources (flashllm/, its C kernels, benchmarks/, tests/, noxfile.py): no "team's", no
@@ -41,6 +42,7 @@ _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _INLINE_CODE = re.compile(r"`([^`\n]+)`")
 _FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
+_SCRIPT = re.compile(r"python (benchmarks/[\w/.-]+\.py)\b")  # a repository script run with its own flags
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*$", re.M)
 
 
@@ -166,6 +168,14 @@ def known_flags() -> set[str]:
     return _all_flags(build_parser()) | _all_flags(_predictor_parser()) | OTHER_TOOLS_FLAGS
 
 
+def _script_sources(path: Path) -> str:
+    """A script's text and that of the modules beside it that it imports (its harness's shared flags)."""
+    text = path.read_text(encoding="utf-8")
+    imported = re.findall(r"^(?:from|import) (\w+)", text, re.M)
+    return "\n".join([text] + [(path.parent / f"{name}.py").read_text(encoding="utf-8") for name in imported
+                               if (path.parent / f"{name}.py").is_file()])
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_flag_named_exists(page: Path, known_flags: set[str]) -> None:
     text = page.read_text(encoding="utf-8")
@@ -173,7 +183,14 @@ def test_every_flag_named_exists(page: Path, known_flags: set[str]) -> None:
     for line in _prose(text).splitlines():
         if REFUSED not in line:
             for span in _INLINE_CODE.findall(line):
-                named.update(_FLAG.findall(span))
+                script = _SCRIPT.match(span)
+                if script is None:
+                    named.update(_FLAG.findall(span))
+                    continue
+                # a benchmark script's own flags: its source or a module of its folder it imports defines each
+                source = _script_sources(ROOT / script.group(1))
+                missing = [flag for flag in _FLAG.findall(span) if f'"{flag}"' not in source]
+                assert not missing, f"{page.relative_to(ROOT)}: {script.group(1)} has no flags {missing}"
     for line in _shell_lines(text):
         if line.startswith(("flashllm ", "python -m flashllm", "torchrun ")):
             named.update(_FLAG.findall(line.split("#", 1)[0]))
