@@ -37,8 +37,8 @@ def test_the_engine_measures_a_draft_models_round_on_blocks_it_gives_back(target
     measured: list[RoundCosts | None] = []
     measure = spec_costs.measure_round
 
-    def recording(engine, drafts, repeats=5, proposer=None):
-        costs = measure(engine, drafts, repeats, proposer)
+    def recording(engine, drafts, **options):
+        costs = measure(engine, drafts, **options)
         measured.append(costs)
         return costs
 

@@ -27,7 +27,7 @@ _WARMUP = 1
 
 @dataclass(frozen=True, slots=True)
 class RoundCosts:
-    """Seconds, medians over the timed repeats: a one-token decode step; a plain decode token as the engine
+    """Seconds (a summary of timed repeats, see measure_round): a one-token decode step; a plain decode token as the engine
     runs it (bursts of several steps where the runner has them); a verify step of the token and `drafts`
     drafted tokens; and the proposer's `drafts` drafts (0.0 when not measured)."""
 
@@ -48,10 +48,12 @@ class RoundCosts:
         return ((self.draft + self.verify) / self.decode_token - 1.0) / self.drafts
 
 
-def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = None) -> RoundCosts | None:
+def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = None,
+                  summary: Callable[[list[float]], float] = statistics.median) -> RoundCosts | None:
     """Time the steps of RoundCosts on a greedy sequence of its own (up to _PROMPT_TOKENS distinct prompt tokens,
     as max_model_len allows) whose blocks come from the engine's block manager and go back; with `proposer`,
-    its measure_drafts(seq, drafts, timer) too. None where the free blocks or max_model_len leave no room."""
+    its measure_drafts(seq, drafts, timer) too; each the `summary` (median, or min) of its timed repeats. None
+    where the free blocks or max_model_len leave no room."""
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     state = SamplingState.create(params, engine.runner.device, [])
     burst = max(1, min(engine.config.scheduler.num_scheduler_steps, engine.executor.max_tokens_per_step([state])))
@@ -70,20 +72,23 @@ def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = No
             batch = SchedulerOutput([ScheduledSequence(seq, 1, True, list(draft))])
             return lambda: engine.executor.execute(batch, [state], steps)
 
-        costs = {"decode_step": _median_seconds(step([], 1), repeats),
-                 "decode_token": _median_seconds(step([], burst), repeats) / burst,
-                 "verify": _median_seconds(step([7] * drafts, 1), repeats)}
+        def timed(run: Callable[[], object]) -> float:
+            return summary(_seconds(run, repeats))
+
+        costs = {"decode_step": timed(step([], 1)), "decode_token": timed(step([], burst)) / burst,
+                 "verify": timed(step([7] * drafts, 1))}
         if proposer is not None:
-            costs["draft"] = proposer.measure_drafts(seq, drafts, lambda run: _median_seconds(run, repeats))
+            costs["draft"] = proposer.measure_drafts(seq, drafts, timed)
         return RoundCosts(drafts, **costs)
     finally:
         bm.free(seq)
 
 
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+def _seconds(run: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of run after _WARMUP untimed ones."""
     samples = []
     for _ in range(_WARMUP + repeats):
         start = time.perf_counter()
         run()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples[_WARMUP:])
+    return samples[_WARMUP:]
