@@ -1,8 +1,8 @@
 """The README and the docs/ pages against the code: links resolve, commands parse, flags exist.
 
 Cheap checks (no model, no network, well under a second each) that keep the user's pages true:
-- every relative link of the README and of docs/*.md names a file of the repository, and a
-  `page.md#anchor` link a heading of that page;
+- every relative link of the README and of docs/*.md names a file of the repository (a docs/ page's
+  one inside docs/, all the site has), and a `page.md#anchor` link a heading of that page;
 - every `flashllm ...` command written in a shell code block parses with the real argument parser
   (`python -m flashllm.llm ...` with the predictor's);
 - every `--flag` written anywhere in the pages exists on some flashllm command, or is another
@@ -27,7 +27,8 @@ import pytest
 from flashllm.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")
 # Flags of other programs that the pages show (pip, curl, nox, torchrun, lm-eval, uv, ...).
 OTHER_TOOLS_FLAGS = {
@@ -81,6 +82,9 @@ def test_relative_links_resolve(page: Path) -> None:
         dest = (page.parent / path_part).resolve() if path_part else page
         if not dest.exists() or ROOT not in dest.parents and dest != ROOT:
             broken.append(f"{target}: no such file in the repository")
+        elif page.parent == DOCS and DOCS not in dest.parents:
+            # the site (mkdocs build --strict, the lint session) knows docs/ only; name a source in code instead
+            broken.append(f"{target}: a docs/ page may link only within docs/")
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target}: {dest.name} has no heading with anchor #{anchor}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
