@@ -140,7 +140,7 @@ def test_the_guard_pauses_below_a_measured_break_even_the_quarter_would_let_draf
     speculator, _, bm, seqs, states = _setup()
     for _ in range(3 * _rounds_to_pause()):
         assert _round(speculator, bm, seqs, states, accepted=K // 2) == [K]
-    costly = RoundCosts(K, 10.0, 10.0, 14.0, draft=10.0 * (1 + 0.6 * K) - 14.0)  # break-even 0.6
+    costly = RoundCosts(K, decode_step=10.0, decode_token=10.0, verify=14.0, draft=10.0 * (1 + 0.6 * K) - 14.0)  # break-even 0.6
     assert math.isclose(costly.break_even(), 0.6)
     speculator.set_break_even(costly)
     assert math.isclose(speculator.min_acceptance, 0.6)
@@ -154,5 +154,5 @@ def test_the_guard_pauses_below_a_measured_break_even_the_quarter_would_let_draf
                                                   (1.7, spec._MAX_MIN_ACCEPTANCE)])
 def test_the_measured_threshold_is_kept_between_the_quarter_and_the_cap(break_even: float, expected: float) -> None:
     speculator = _setup()[0]
-    speculator.set_break_even(RoundCosts(K, 10.0, 10.0, 10.0, draft=10.0 * (1 + break_even * K) - 10.0))
+    speculator.set_break_even(RoundCosts(K, decode_step=10.0, decode_token=10.0, verify=10.0, draft=10.0 * (1 + break_even * K) - 10.0))
     assert math.isclose(speculator.min_acceptance, expected)

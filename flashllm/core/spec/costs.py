@@ -4,8 +4,8 @@ The adaptive guard (core/spec/speculator.py) stops a sequence's drafts when its 
 break-even point. With drafts that cost nothing to make (the n-gram lookup) that point is low and a fixed
 floor serves. A draft model's drafts cost a forward pass each, and a verify step of 1 + k rows costs more
 than a decode step, so its break-even point depends on the machine and the two models: the engine measures
-it once at start-up (break_even_acceptance), on a sequence of its own, through the same executor and
-proposer a round uses. The bench reads the same measurement (verify_step_cost).
+it once at start-up (build.calibrate_guard, RoundCosts.break_even), on a sequence of its own, through the same
+executor and proposer a round uses. The bench reads the verify step's cost from the same measurement.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flashllm.core.sampler import SamplingState
@@ -27,15 +27,15 @@ _WARMUP = 1
 
 @dataclass(frozen=True, slots=True)
 class RoundCosts:
-    """Seconds (a summary of timed repeats, see measure_round): a one-token decode step; a plain decode token as the engine
-    runs it (bursts of several steps where the runner has them); a verify step of the token and `drafts`
-    drafted tokens; and the proposer's `drafts` drafts (0.0 when not measured)."""
+    """Seconds (a summary of timed repeats, see measure_round): a one-token decode step and a verify step of the
+    token and `drafts` drafted tokens; with a proposer measured, also a plain decode token as the engine runs it
+    (bursts of several steps where the runner has them) and the proposer's `drafts` drafts."""
 
     drafts: int
     decode_step: float
-    decode_token: float
     verify: float
-    draft: float = 0.0
+    decode_token: float | None = None
+    draft: float | None = None
 
     @property
     def verify_step_cost(self) -> float:
@@ -44,7 +44,10 @@ class RoundCosts:
 
     def break_even(self) -> float:
         """The acceptance (accepted / drafted) at which a round of `drafts` drafts, which yields 1 + acceptance *
-        drafts tokens for draft + verify seconds, matches plain decoding's seconds per token."""
+        drafts tokens for draft + verify seconds, matches plain decoding's seconds per token (a proposer's
+        measurement only)."""
+        if self.draft is None or self.decode_token is None:
+            raise ValueError("break_even needs the costs measured with a proposer")
         return ((self.draft + self.verify) / self.decode_token - 1.0) / self.drafts
 
 
@@ -52,8 +55,8 @@ def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = No
                   summary: Callable[[list[float]], float] = statistics.median) -> RoundCosts | None:
     """Time the steps of RoundCosts on a greedy sequence of its own (up to _PROMPT_TOKENS distinct prompt tokens,
     as max_model_len allows) whose blocks come from the engine's block manager and go back; with `proposer`,
-    its measure_drafts(seq, drafts, timer) too; each the `summary` (median, or min) of its timed repeats. None
-    where the free blocks or max_model_len leave no room."""
+    plain bursts and its measure_drafts(seq, drafts, timer) too; each the `summary` (median, or min) of its
+    timed repeats. None where the free blocks or max_model_len leave no room."""
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     state = SamplingState.create(params, engine.runner.device, [])
     burst = max(1, min(engine.config.scheduler.num_scheduler_steps, engine.executor.max_tokens_per_step([state])))
@@ -75,11 +78,11 @@ def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = No
         def timed(run: Callable[[], object]) -> float:
             return summary(_seconds(run, repeats))
 
-        costs = {"decode_step": timed(step([], 1)), "decode_token": timed(step([], burst)) / burst,
-                 "verify": timed(step([7] * drafts, 1))}
-        if proposer is not None:
-            costs["draft"] = proposer.measure_drafts(seq, drafts, timed)
-        return RoundCosts(drafts, **costs)
+        costs = RoundCosts(drafts, decode_step=timed(step([], 1)), verify=timed(step([7] * drafts, 1)))
+        if proposer is None:  # the verify step's cost alone (the bench): no bursts, no drafts
+            return costs
+        return replace(costs, decode_token=timed(step([], burst)) / burst,
+                       draft=proposer.measure_drafts(seq, drafts, timed))
     finally:
         bm.free(seq)
 
