@@ -125,7 +125,11 @@ EXTRA_ALIASES = {"quant_type": ["--quantization"]}
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming")
-    parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: the demo model)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF model directory or GGUF file (default: the demo model)")
+    # vLLM's and PaddleNLP's spellings of the same argument, for commands copied from their docs
+    parser.add_argument("--model", "--model_name_or_path", "--model-name-or-path", dest="model_flag", default=None,
+                        metavar="MODEL", help="the model, as the positional MODEL")
     parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
     for dest, (kind, _, text) in OPTIONS.items():
         flags = list(FLAG_NAMES.get(dest, ())) or (spellings(dest) if dest in SPEC_FLAGS else
@@ -150,7 +154,10 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
     if unknown:
         raise SystemExit(f"flashllm serve: unknown keys in {args.config}: {sorted(unknown)}; "
                          f"known: {sorted(OPTIONS)}")
-    values: dict[str, Any] = {"model": args.model or environ.get("FLASHLLM_MODEL") or config.get("model")}
+    flag = getattr(args, "model_flag", None)
+    if args.model and flag and args.model != flag:
+        raise SystemExit(f"flashllm serve: two models given, {args.model!r} and --model {flag!r}; give one")
+    values: dict[str, Any] = {"model": args.model or flag or environ.get("FLASHLLM_MODEL") or config.get("model")}
     for dest, (kind, default, _) in OPTIONS.items():
         given = getattr(args, dest)
         env = environ.get(f"FLASHLLM_{dest.upper()}")

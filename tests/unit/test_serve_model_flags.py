@@ -56,3 +56,15 @@ def test_static_mode_refuses_them(argv: list[str]) -> None:
 def test_a_wrong_boolean_is_refused_in_one_line() -> None:
     with pytest.raises(SystemExit, match="FLASHLLM_MLA_USE_MATRIX_ABSORPTION='maybe' is not a valid"):
         serve_cli.resolve_options(build_parser().parse_args(["serve"]), {"FLASHLLM_MLA_USE_MATRIX_ABSORPTION": "maybe"})
+
+
+@pytest.mark.parametrize("argv", [["some/dir"], ["--model", "some/dir"], ["--model_name_or_path", "some/dir"],
+                                  ["--model-name-or-path", "some/dir"], ["some/dir", "--model", "some/dir"]])
+def test_the_model_is_positional_or_given_by_vllm_and_paddlenlp_flags(argv: list[str]) -> None:
+    options = serve_cli.resolve_options(build_parser().parse_args(["serve", *argv]), {"FLASHLLM_MODEL": "other"})
+    assert options["model"] == "some/dir"
+
+
+def test_two_different_models_are_refused_in_one_line() -> None:
+    with pytest.raises(SystemExit, match="two models given, 'a' and --model 'b'"):
+        serve_cli.resolve_options(build_parser().parse_args(["serve", "a", "--model", "b"]), {})
