@@ -161,14 +161,57 @@ SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_toke
                          "speculative_draft_vocab": "draft_vocab", "speculative_draft_lookup": "draft_lookup"}
 
 
+# LLM(speculative_config={...}) and --speculative-config keys: vLLM's and PaddleNLP's spellings -> SpeculativeConfig
+# fields
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "method", "speculate_method": "method",
+    "num_speculative_tokens": "num_speculative_tokens", "speculate_max_draft_token_num": "num_speculative_tokens",
+    "prompt_lookup_max": "max_ngram_size", "speculate_max_ngram_size": "max_ngram_size",
+    "max_ngram_size": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "min_ngram_size": "min_ngram_size",
+    "model": "model", "quant_type": "quant_type", "quantization": "quant_type", "speculative_quant_type": "quant_type",
+    "min_acceptance": "min_acceptance",
+    "group_size": "group_size", "speculative_weightonly_group_size": "group_size",
+    "draft_vocab": "draft_vocab", "speculative_draft_vocab": "draft_vocab",
+    "draft_lookup": "draft_lookup", "speculative_draft_lookup": "draft_lookup",
+}
+
+
+def speculative_fields(value: dict[str, Any], where: str = "speculative_config", imply: bool = True) -> dict[str, Any]:
+    """A speculative_config dict in vLLM's or PaddleNLP's spelling as SpeculativeConfig fields (None values dropped;
+    with `imply`, a model without a method means method "draft_model"); TypeError names unknown keys, ValueError
+    two keys that give one field different values."""
+    unknown = set(value) - set(SPECULATIVE_CONFIG_KEYS)
+    if unknown:
+        raise TypeError(f"unknown {where} keys {sorted(unknown)}; known: {sorted(SPECULATIVE_CONFIG_KEYS)}")
+    fields: dict[str, Any] = {}
+    for key, v in value.items():
+        name = SPECULATIVE_CONFIG_KEYS[key]
+        if v is not None and fields.setdefault(name, v) != v:
+            raise ValueError(f"{where} gives {name} twice: {fields[name]!r} and {v!r} ({key})")
+    if imply and fields.get("model") and not fields.get("method"):
+        fields["method"] = "draft_model"
+    return fields
+
+
 def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None:
-    """The speculative flags' values (get(dest) -> value or None) as LLM(speculative_config=...), or None
-    when none was given; ValueError when only tuning flags were given, without a method or draft model."""
-    config = {key: get(dest) for dest, key in SPECULATIVE_FLAG_KEYS.items() if get(dest) is not None}
+    """The speculative flags' values (get(dest) -> value or None: "speculative_config" a dict in vLLM's form, the
+    others one field each) as LLM(speculative_config=...), or None when none was given; ValueError when only
+    tuning flags were given, without a method or draft model, or when a flag and the dict disagree."""
+    whole = get("speculative_config")
+    config = speculative_fields(whole, "--speculative-config", imply=False) if whole else {}
+    for dest, key in SPECULATIVE_FLAG_KEYS.items():
+        value = get(dest)
+        if value is None:
+            continue
+        if config.get(key, value) != value:
+            raise ValueError(f"--speculative-config gives {key} {config[key]!r} and --{dest} gives {value!r}; "
+                             f"give one")
+        config[key] = value
     if not config.get("method") and not config.get("model"):
         if config:
             given = ", ".join("--" + dest for dest in SPECULATIVE_FLAG_KEYS if get(dest) is not None)
-            raise ValueError(f"{given} need --speculate_method (or --speculative-model for a draft model)")
+            raise ValueError(f"{given or '--speculative-config'} need --speculate_method (or --speculative-model for "
+                             f"a draft model)")
         return None
     return config
 

@@ -20,6 +20,7 @@ from flashllm.config import (
     QuantConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    speculative_fields,
 )
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
@@ -185,19 +186,6 @@ def _expand_a8w8c8(kwargs: dict[str, Any]) -> None:
     kwargs["quant_type"] = "a8w8"
 
 
-# speculative_config keys: vLLM's and PaddleNLP's spellings -> SpeculativeConfig fields
-_SPECULATIVE_KEYS = {
-    "method": "method", "speculate_method": "method",
-    "num_speculative_tokens": "num_speculative_tokens", "speculate_max_draft_token_num": "num_speculative_tokens",
-    "prompt_lookup_max": "max_ngram_size", "speculate_max_ngram_size": "max_ngram_size",
-    "max_ngram_size": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "min_ngram_size": "min_ngram_size",
-    "model": "model", "quant_type": "quant_type", "min_acceptance": "min_acceptance",
-    "group_size": "group_size", "speculative_weightonly_group_size": "group_size",
-    "draft_vocab": "draft_vocab", "speculative_draft_vocab": "draft_vocab",
-    "draft_lookup": "draft_lookup", "speculative_draft_lookup": "draft_lookup",
-}
-
-
 def speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig:
     """LLM(speculative_config=...): a SpeculativeConfig, or a dict in vLLM's form ({"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 3} or {"model": DIR, ...}, where a model means
@@ -208,13 +196,7 @@ def speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> Spec
         return value
     if not isinstance(value, dict):
         raise TypeError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-    unknown = set(value) - set(_SPECULATIVE_KEYS)
-    if unknown:
-        raise TypeError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(_SPECULATIVE_KEYS)}")
-    fields = {_SPECULATIVE_KEYS[key]: v for key, v in value.items() if v is not None}
-    if fields.get("model") and not fields.get("method"):
-        fields["method"] = "draft_model"
-    return SpeculativeConfig(**fields)
+    return SpeculativeConfig(**speculative_fields(value))
 
 
 def _check_parallel(parallel: ParallelConfig) -> None:

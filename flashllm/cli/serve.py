@@ -188,7 +188,7 @@ def _check_mode(values: dict[str, Any]) -> None:
                              "static; drop them, or serve the original model directory with --mode dynamic")
 
 
-def _convert(dest: str, kind: Any, text: str, where: str) -> Any:
+def _convert(dest: str, kind: Any, text: Any, where: str) -> Any:
     try:
         return kind(text)
     except (ValueError, argparse.ArgumentTypeError) as exc:
@@ -198,6 +198,8 @@ def _convert(dest: str, kind: Any, text: str, where: str) -> Any:
 def _config_value(dest: str, kind: Any, raw: Any) -> Any:
     if dest in LIST_OPTIONS:
         return [raw] if isinstance(raw, str) else [str(k) for k in raw]
+    if isinstance(raw, dict):  # a mapping (--speculative-config) goes to its parser as it is
+        return _convert(dest, kind, raw, f"--config {dest}")
     if isinstance(raw, bool):
         return raw if kind is _bool else _convert(dest, kind, "invalid", f"--config {dest}")
     if kind is float and isinstance(raw, int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, speculative_flags_config
@@ -16,6 +17,20 @@ def on_off(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+
+
+def json_object(text: str | dict[str, Any]) -> dict[str, Any]:
+    """A JSON object's text (or, from a YAML --config, the mapping itself) as a dict."""
+    if isinstance(text, dict):
+        value: Any = text
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+    return value
 
 
 # dest -> (spellings, type, help); every spelling also has its other-case twin (- or _)
@@ -40,6 +55,11 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculative_draft_vocab": (("--speculative_draft_vocab",), int,
                                 "the draft model's greedy head scores token ids below this plus every token of the "
                                 "drafted sequences (default 4096; 0: the whole vocabulary); tokens stay exact"),
+    "speculative_config": (("--speculative_config",), json_object,
+                           "all of it as one JSON object in vLLM's form, e.g. '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' or '{\"model\": DIR, "
+                           "\"quantization\": \"weight_only_int4\"}' (PaddleNLP's key names work too); a flag "
+                           "above may add a key it lacks"),
     "speculative_draft_lookup": (("--speculative_draft_lookup",), on_off,
                                  "1 (default) or 0: the draft model checks the n-gram lookup's guesses at its next "
                                  "tokens in one pass of several rows, so a run of right guesses costs one draft pass; "
