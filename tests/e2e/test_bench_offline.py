@@ -20,6 +20,18 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def small_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU plan's probes over 64 MiB and a 512-wide GEMM, not 1 GiB and 2048: these tests check how the
+    records are put together, and a 1 GiB probe read ten times around every run made them ~1 min longer."""
+    from dataclasses import replace
+
+    from flashllm.bench import roofline
+
+    monkeypatch.setitem(roofline.PLANS, "cpu", replace(roofline.CPU_PLAN, copy_bytes=64 << 20, read_bytes=64 << 20,
+                                                       matmul_n=512))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the bench asks for a 4096-token context unless told otherwise
