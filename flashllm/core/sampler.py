@@ -13,8 +13,11 @@ Processing order per row (HF `generate` / vLLM semantics):
 4. temperature (greedy rows stop here and take the argmax);
 5. top-k, then top-p over what top-k kept, then min-p over what is left;
 6. draw: argmax of `probs / E` with `E ~ Exp(1)` drawn from the row's own generator, an
-   exact sample of `probs` that never looks at other rows, so a seeded request yields the
-   same tokens alone or in any batch.
+   exact sample of `probs` that never looks at other rows. Before each draw the generator is
+   seeded from the request's seed and the output position being drawn (position_seed), so a
+   token depends only on the seed, the position and the distribution: a seeded request yields
+   the same tokens alone or in any batch, and a speculative round's verify rows draw the tokens
+   plain steps would (core/spec/verify.py).
 
 Logprobs are `log_softmax` of the logits after steps 1-4 (temperature applied; greedy rows
 use temperature 1), i.e. the processed distribution before top-k/top-p/min-p filtering.
@@ -34,6 +37,7 @@ from flashllm.structured.mask import GrammarState, apply_grammar_masks
 # Mixes a request seed with a child index (n > 1) so siblings draw different streams while
 # child 0 keeps the user's seed unchanged.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 # Above this top-k a full vocabulary sort is cheaper than a partial one (torch.topk).
 _PARTIAL_SORT_MAX_K = 1024
 
@@ -43,7 +47,8 @@ class SamplingState:
     """Per-sequence sampling state: params, private generator and the tokens seen so far.
 
     `output_token_ids` is appended to by the engine after each step; the sampler only reads it.
-    `generator` is None for greedy requests (they draw nothing).
+    `generator` is None for greedy requests (they draw nothing); `seed` is the one it is re-seeded from
+    before each draw (position_seed), None for a generator that runs on unseeded (tests' hand-made states).
     """
 
     params: SamplingParams
@@ -52,6 +57,7 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: Sequence[int] = ()
     grammar: GrammarState | None = None  # structured output: the engine advances it as tokens are recorded
+    seed: int | None = None
 
     @classmethod
     def create(
@@ -69,7 +75,7 @@ class SamplingState:
         from a mix of seed and i); without one it is seeded from torch's global RNG, so runs
         are reproducible under `torch.manual_seed` yet rows stay independent.
         """
-        generator = None
+        generator, seed = None, None
         if not params.is_greedy:
             if params.seed is None:
                 seed = int(torch.randint(0, MAX_SEED, (1,)).item())
@@ -77,7 +83,16 @@ class SamplingState:
                 seed = (params.seed + index * _GOLDEN_GAMMA) % (MAX_SEED + 1)
             generator = torch.Generator(device=device)
             generator.manual_seed(seed)
-        return cls(params, generator, prompt_token_ids, eos_token_ids=eos_token_ids)
+        return cls(params, generator, prompt_token_ids, eos_token_ids=eos_token_ids, seed=seed)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a sequence's draw of output token `position` (0: the first generated token):
+    splitmix64 of the pair, so each position's noise is its own stream and depends on nothing else."""
+    z = (seed + (position + 1) * _GOLDEN_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass
@@ -282,10 +297,13 @@ class Sampler:
 
     def draw(self, probs: Tensor, states: list[SamplingState]) -> Tensor:
         """Step 6: one token per row of (S, V) non-negative weights (probabilities, or any weights
-        proportional to the distribution to sample), each row from its state's generator -> (S,) int64."""
+        proportional to the distribution to sample), each row from its state's generator, seeded for the
+        state's next output position -> (S,) int64."""
         vocab_size = probs.shape[1]
         noise = torch.empty_like(probs)
         for row, state in enumerate(states):
+            if state.seed is not None:
+                state.generator.manual_seed(position_seed(state.seed, len(state.output_token_ids)))
             torch.rand(vocab_size, generator=state.generator, out=noise[row])
         # -log(U) ~ Exp(1); rand + log is several times faster than exponential_ on CPU. The
         # clamp keeps E > 0: a masked token's 0 / 0 would be NaN, which argmax prefers.

@@ -150,6 +150,22 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model_dirs) -> None:
     assert llm.engine.speculator.stats.num_drafted > 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_seeded_sampled_tokens_equal_plain_decoding(model_dirs, backend: str) -> None:
+    """Seeded sampled requests emit the tokens they emit without speculation, whatever the guard decides (here
+    told to pause at once or never), since a draw's noise depends only on the seed and the position."""
+    model_dir = model_dirs["qwen2"]
+    requests = [(prompt, SamplingParams(max_tokens=24, temperature=t, top_p=0.95, seed=100 + i, ignore_eos=True,
+                                        frequency_penalty=0.2))
+                for i, ((prompt, _), t) in enumerate(zip(_requests(10, seed=21), [0.3, 0.6] * 5, strict=True))]
+    plain, _ = _generate(model_dir, backend, requests)
+    for guard in (0.0, 0.9):
+        spec, llm = _generate(model_dir, backend, requests, {**NGRAM, "min_acceptance": guard})
+        stats = llm.engine.speculator.stats
+        assert stats.num_accepted > 0 and stats.num_drafted > stats.num_accepted, stats
+        assert spec == plain
+
+
 @pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 0},
                                     {"method": "ngram", "num_speculative_tokens": 100},
                                     {"method": "medusa"},

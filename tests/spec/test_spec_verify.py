@@ -1,11 +1,13 @@
-"""The verifier: greedy acceptance, and the rejection-sampling rule keeping the target's distribution
-(chi-square over 20k draws on a tiny vocabulary, and a broken residual that the same check catches)."""
+"""The verifier: greedy acceptance; sampled acceptance keeping the target's distribution (chi-square over 20k
+draws on a tiny vocabulary, and a broken draw that the same check catches) and drawing the tokens plain
+sampling draws."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flashllm.core import sampler as sampler_module
 from flashllm.core.sampler import Sampler, SamplingState
 from flashllm.core.spec import verify
 from flashllm.sampling_params import SamplingParams
@@ -75,7 +77,7 @@ def _check_distribution(params: SamplingParams) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(99)
     logits = torch.randn(3, VOCAB, generator=gen) * 1.5
     p0, p1 = _target_probs(logits[0], params), _target_probs(logits[1], params)
-    # draft the second most likely token first (often rejected, so the residual matters), then any kept one
+    # draft the second most likely token first (often not drawn, so what replaces it matters), then any kept one
     d1 = int(p0.argsort(descending=True)[1])
     d2 = int(p1.argsort(descending=True)[0])
     states = [SamplingState.create(_with_seed(params, SEED_BASE + i), "cpu", [1, 2, 3]) for i in range(DRAWS)]
@@ -99,12 +101,33 @@ def test_speculative_sampling_keeps_the_target_distribution(name: str) -> None:
     assert p_second > P_MIN, f"{name}: second token's distribution differs from the target's (p={p_second:.2g})"
 
 
-def test_the_check_catches_a_residual_that_keeps_the_rejected_draft(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutation: resampling from p itself after a rejection (not from p without the draft) over-weights
-    the draft, and the same check must see it."""
-    monkeypatch.setattr(verify, "residual", lambda probs, token: probs.clone())
-    p_first, _ = _check_distribution(PARAMS["temperature"])
-    assert p_first < P_MIN
+def test_the_check_catches_rows_that_share_one_draws_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation: every row of a round drawn with the same noise (the position left out of the seed). The second
+    token then leans toward the first draft, which won that noise once, and the same check must see it."""
+    monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: seed)
+    _, p_second = _check_distribution(PARAMS["temperature"])
+    assert p_second < P_MIN
+
+
+@pytest.mark.parametrize("miss", [None, 0, 2, 4])
+def test_sampled_rounds_emit_the_tokens_plain_sampling_draws(miss: int | None) -> None:
+    """A seeded sequence's tokens from a verify round equal those of plain steps over the same distributions,
+    up to and including the first position whose draft differs from them (`miss`; None: every draft right)."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 40, generator=gen) * 2.0  # the target's logits at positions 0..5, whatever came before
+    params = SamplingParams(temperature=0.9, top_k=20, frequency_penalty=0.5, max_tokens=16, seed=77)
+    state = SamplingState.create(params, "cpu", [1, 2])
+    plain: list[int] = []
+    for position in range(6):
+        token = Sampler()(logits[position:position + 1].clone(), [state]).token_ids[0]
+        plain.append(token)
+        state.output_token_ids.append(token)
+    drafts = plain[:5]
+    if miss is not None:
+        drafts = drafts[:miss] + [(plain[miss] + 1) % 40] + drafts[miss + 1:]
+    (got,) = verify.verify(Sampler(), logits.clone(), [SamplingState.create(params, "cpu", [1, 2])], [drafts])
+    assert got.token_ids == plain[:6 if miss is None else miss + 1]
+    assert got.num_accepted == (5 if miss is None else miss)
 
 
 def test_sampled_rows_with_no_drafts_draw_like_the_plain_sampler() -> None:

@@ -1,22 +1,27 @@
-"""Verifying drafted tokens against the target model: greedy acceptance and the rejection-sampling rule.
+"""Verifying drafted tokens against the target model: greedy acceptance, and sampled acceptance by drawing.
 
 A sequence with k drafted tokens d_1..d_k gets k + 1 rows of target logits in one forward pass: row j
 is the target's distribution p_j for the token after d_1..d_j (row 0 follows the sequence's last
 token). Every proposer in flashllm drafts deterministically (the n-gram lookup copies, the draft model
-takes its argmax), so the draft distribution q_j is one-hot on d_j and the standard rule becomes:
+takes its argmax), so the draft distribution q_j is one-hot on d_j.
 
-- greedy rows: accept d_{j+1} while it equals the target's choice at row j; the first row whose choice
-  differs, or row k when every draft was accepted, gives one more token from the target;
-- sampled rows: accept d_{j+1} with probability min(1, p_j(d_{j+1}) / q_j(d_{j+1})) = p_j(d_{j+1}); on
-  the first rejection draw the replacement from the residual max(0, p_j - q_j), normalized, which is
-  p_j with d_{j+1} removed; when every draft was accepted draw a bonus token from p_k.
+- Greedy rows: accept d_{j+1} while it equals the target's choice at row j; the first row whose choice
+  differs, or row k when every draft was accepted, gives one more token from the target.
+- Sampled rows: draw t_j from p_j exactly as a plain step at that position draws (the sampler seeds each
+  draw from the request's seed and the output position, core/sampler.py); keep d_{j+1} while it equals
+  t_j, and end the round with the first t_j that differs (or t_k when every draft was kept).
 
-Each emitted token is then distributed exactly as the target's (Leviathan et al., 2023): speculation
-changes how fast tokens come, never which distribution they come from. p_j is the sampler's own
-distribution for the row (penalties, min_tokens, temperature, top-k, top-p, min-p), computed as if
-d_1..d_j had already been generated, so penalties see them. Random draws come from the sequence's own
-generator, one uniform per checked draft and one vocabulary-wide draw per emitted replacement or bonus,
-so a seeded request's tokens depend only on itself, never on the batch around it.
+The sampled rule is the standard rejection rule (Leviathan et al., 2023) for a one-hot q, realized by
+drawing: d_{j+1} is kept with probability p_j(d_{j+1}) = min(1, p_j / q_j), and a t_j that differs is
+distributed as p_j without d_{j+1}, normalized: the residual max(0, p_j - q_j). Each emitted token is a
+draw from the target's distribution given the tokens before it, and a row after the first mismatch
+(conditioned on a draft that was not kept) is never used, so speculation changes how fast tokens come,
+never which distribution they come from. Because the noise of a draw depends only on the seed and the
+position, a seeded request emits the very tokens it would emit without speculation wherever the verify
+rows' logits equal the one-token steps' bit for bit (the cpu backend's kernels keep that), and in any
+case tokens that depend on nothing but itself: not on the batch, the proposer or the adaptive guard.
+p_j is the sampler's own distribution for the row (penalties, min_tokens, temperature, top-k, top-p,
+min-p), computed as if d_1..d_j had already been generated, so penalties see them.
 """
 
 from __future__ import annotations
@@ -107,48 +112,29 @@ def verify(sampler: Sampler, logits: Tensor, states: list[SamplingState], drafts
 
 def _accept_sampled(sampler: Sampler, processed: Tensor, rows: list[SamplingState], starts: list[int],
                     states: list[SamplingState], drafts: list[list[int]], which: list[int]) -> list[list[int]]:
-    """The rejection-sampling rule for the sampled sequences `which`, all at once.
-
-    Each sequence draws, from its own generator, k uniforms (one per draft, whether or not an earlier
-    draft was rejected) and then one vocabulary-wide draw for the replacement or bonus token: a fixed
-    consumption, so its tokens never depend on the batch, and without drafts exactly a plain step's."""
-    device = processed.device
-    index = torch.tensor([r for i in which for r in range(starts[i], starts[i + 1])], device=device)
-    probs = sampler.filtered_probs(processed[index], [rows[r] for r in index.tolist()])
-    local = [0]
-    for i in which:
-        local.append(local[-1] + len(drafts[i]) + 1)
-    width = max(len(drafts[i]) for i in which)
-    accepted = [0] * len(which)
-    if width:
-        draft_ids = torch.zeros(len(which), width, dtype=torch.long, device=device)
-        draft_rows = torch.zeros(len(which), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(which), width, dtype=torch.bool, device=device)
-        uniforms = torch.ones(len(which), width, device=device)
-        for n, i in enumerate(which):
-            k = len(drafts[i])
-            if k:
-                draft_ids[n, :k] = torch.tensor(drafts[i], device=device)
-                draft_rows[n, :k] = torch.arange(local[n], local[n] + k, device=device)
-                valid[n, :k] = True
-                uniforms[n, :k] = torch.rand(k, generator=states[i].generator, device=device)
-        keep = (uniforms < probs[draft_rows, draft_ids]) & valid
-        accepted = keep.int().cumprod(dim=1).sum(dim=1).tolist()
-    final_rows = torch.tensor([local[n] + a for n, a in enumerate(accepted)], device=device)
-    weights = probs[final_rows]
-    for n, i in enumerate(which):
-        if accepted[n] < len(drafts[i]):  # rejected: the replacement comes from the residual
-            weights[n:n + 1] = residual(weights[n:n + 1], drafts[i][accepted[n]])
-    drawn = sampler.draw(weights, [states[i] for i in which]).tolist()
-    return [drafts[i][:a] + [t] for i, a, t in zip(which, accepted, drawn, strict=True)]
+    """The sampled sequences `which`: row by row, a draw from each still-open sequence's p_j (in one batch per
+    row), kept as the draft's token while they agree (see the module's docstring)."""
+    emitted: dict[int, list[int]] = {i: [] for i in which}
+    open_ = list(which)
+    j = 0
+    while open_:
+        index = [starts[i] + j for i in open_]
+        drawn_states = [rows[r] for r in index]
+        probs = sampler.filtered_probs(processed[torch.tensor(index, device=processed.device)], drawn_states)
+        drawn = sampler.draw(probs, drawn_states).tolist()
+        still = []
+        for i, token in zip(open_, drawn, strict=True):
+            emitted[i].append(token)
+            if keeps_draft(drafts[i], j, token):
+                still.append(i)
+        open_, j = still, j + 1
+    return [emitted[i] for i in which]
 
 
-def residual(probs: Tensor, token: int) -> Tensor:
-    """max(0, p - q) for a one-hot q on `token`: (1, V) probabilities without the rejected draft (a draw
-    samples proportionally, so it needs no normalizing)."""
-    out = probs.clone()
-    out[0, token] = 0.0
-    return out
+def keeps_draft(draft: list[int], j: int, drawn: int) -> bool:
+    """Whether row j's drawn token keeps the round going: it is draft token j (0-based), so the next row,
+    which was conditioned on it, holds the distribution of the next position."""
+    return j < len(draft) and draft[j] == drawn
 
 
 def to_positions(verified: list[Verified]) -> list[SamplerOutput]:
