@@ -120,7 +120,7 @@ LIST_OPTIONS = {"api_key", "lora_modules", "allowed_lora_dir", "served_model_nam
 UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonly_group_size", "kv_cache_dtype",
                       "enable_expert_parallel", "moe_quant_type", "quantize_lm_head", "mla_use_matrix_absorption"}
 # other spellings (vLLM's)
-EXTRA_ALIASES = {"quant_type": ["--quantization"]}
+EXTRA_ALIASES = {"quant_type": ["--quantization"], "no_prefix_caching": ["--no-enable-prefix-caching"]}
 
 
 def add_parser(sub: Any) -> None:
@@ -144,6 +144,11 @@ def add_parser(sub: Any) -> None:
             parser.add_argument(*flags, dest=dest, action="extend", nargs="+", default=None, help=text)
         else:
             parser.add_argument(*flags, dest=dest, type=kind, default=None, metavar=METAVARS.get(dest), help=text)
+    # vLLM command lines carry these; neither changes what flashllm does
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="prefix caching is on by default")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
+                        help="accepted and ignored: flashllm never runs code from a model directory (the "
+                             "architectures it serves are its own code)")
 
 
 def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -171,6 +176,8 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
         else:
             values[dest] = default
     _check_mode(values)
+    if getattr(args, "enable_prefix_caching", False) and values["no_prefix_caching"]:
+        raise SystemExit("flashllm serve: --enable-prefix-caching and --no-prefix-caching contradict; give one")
     if (values["lora_modules"] or values["allowed_lora_dir"]) and not values["enable_lora"]:
         raise SystemExit("flashllm serve: --lora-modules and --allowed-lora-dir serve adapters per request; add "
                          "--enable-lora (or merge one adapter with --lora-path)")
@@ -222,6 +229,8 @@ def _read_config(path: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     options = resolve_options(args)
+    if getattr(args, "trust_remote_code", False):
+        logger.warning("--trust-remote-code is ignored: flashllm never runs code from a model directory")
     if options["ui"]:  # before the model loads, which can take minutes
         from flashllm.serving.webui import import_gradio
 

@@ -68,3 +68,12 @@ def test_the_model_is_positional_or_given_by_vllm_and_paddlenlp_flags(argv: list
 def test_two_different_models_are_refused_in_one_line() -> None:
     with pytest.raises(SystemExit, match="two models given, 'a' and --model 'b'"):
         serve_cli.resolve_options(build_parser().parse_args(["serve", "a", "--model", "b"]), {})
+
+
+def test_vllms_prefix_caching_and_remote_code_flags_are_understood() -> None:
+    parse = build_parser().parse_args
+    assert serve_cli.resolve_options(parse(["serve", "--no-enable-prefix-caching"]), {})["no_prefix_caching"] is True
+    assert serve_cli.resolve_options(parse(["serve", "--enable-prefix-caching", "--trust-remote-code"]),
+                                     {})["no_prefix_caching"] is False
+    with pytest.raises(SystemExit, match="contradict"):
+        serve_cli.resolve_options(parse(["serve", "--enable-prefix-caching", "--no-prefix-caching"]), {})
