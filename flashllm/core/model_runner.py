@@ -180,9 +180,10 @@ class ModelRunner:
         each with a token for every sequence that samples, in batch order (states[i] is the i-th
         one's). Later positions exist only where the runner ran several steps; each is what a
         single step after the previous one would give. Empty when nothing samples."""
-        # structured output: each grammar row's mask is computed on a CPU thread while the forward runs
-        prefetch_masks([s.grammar for s in states])
         drafts = [item.draft_token_ids for item in batch.scheduled if item.produces_token]
+        # structured output: each grammar row's masks (a drafted one's for every verify row) are computed on a
+        # CPU thread while the forward runs
+        prefetch_masks([s.grammar for s in states], drafts)
         if any(drafts):
             return self._execute_drafted(batch, states, drafts)
         greedy = bool(states) and all(plain_greedy(s) for s in states)

@@ -43,6 +43,8 @@ class GrammarState:
         self.failed = False  # a token the grammar refused was recorded, or a mask step ran out of budget
         # a mask being computed for the current position (prefetch_masks): the job and the row it fills
         self._pending: tuple[Future[None], Tensor] | None = None
+        # a speculative round's masks after each prefix of its drafts (prefetch_masks): job, drafts, rows
+        self._pending_drafts: tuple[Future[None], list[int], Tensor] | None = None
 
     def compute_bitmask(self, row: Tensor) -> None:
         """Write the allowed next tokens into row: (ceil(V / 32),) int32, contiguous, on the CPU; bit i of
@@ -71,6 +73,49 @@ class GrammarState:
         if self._pending is not None:
             self._pending[0].exception()
             self._pending = None
+        if self._pending_drafts is not None:
+            self._pending_drafts[0].exception()
+            self._pending_drafts = None
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` (a speculative round's drafts) the grammar allows from here."""
+        self.settle()
+        if self.failed or not tokens:
+            return 0
+        return int(self._matcher.validate_tokens(tokens))
+
+    def compute_draft_bitmasks(self, drafts: list[int], rows: Tensor) -> None:
+        """rows[j] = compute_bitmask's row after drafts[:j] were generated, for j = 0..len(drafts) (rows:
+        (len(drafts) + 1, W)); the matcher is left where it was. The drafts must be a valid prefix."""
+        consumed = 0
+        try:
+            for j, token in enumerate(drafts):
+                self.compute_bitmask(rows[j])
+                if not self._matcher.consume_token(token):
+                    raise ValueError(f"structured output: draft token {token} is not allowed after {j} drafts")
+                consumed += 1
+            self.compute_bitmask(rows[len(drafts)])
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+
+    def after(self, drafts: list[int]) -> DraftRow:
+        """The grammar as a verify row sees it: after `drafts` (a valid prefix) were generated."""
+        return DraftRow(self, drafts)
+
+    def fill_draft_bitmask(self, drafts: list[int], row: Tensor) -> None:
+        """compute_bitmask's row after `drafts`, from the prefetched round's masks where they hold it."""
+        pending = self._pending_drafts
+        if pending is not None:
+            job, prefetched, rows = pending
+            job.result()
+            if prefetched[:len(drafts)] == drafts and len(drafts) < rows.shape[0] and rows.shape[1] == row.shape[0]:
+                row.copy_(rows[len(drafts)])
+                return
+        self.settle()
+        scratch = torch.empty((len(drafts) + 1, row.shape[0]), dtype=torch.int32)
+        self.compute_draft_bitmasks(drafts, scratch)
+        row.copy_(scratch[len(drafts)])
 
     def accept(self, token_id: int) -> bool:
         """Advance past the token just sampled; False (and `failed`) when the grammar does not allow it."""
@@ -93,25 +138,48 @@ class GrammarState:
         return self._matcher.get_error() if self._matcher.is_error() else ""
 
 
-def prefetch_masks(grammars: list[GrammarState | None]) -> None:
+class DraftRow:
+    """A grammar as row j of a speculative round sees it, after the round's first j drafts; it stands in for
+    the GrammarState in that row's SamplingState, and the engine only ever advances the state itself."""
+
+    __slots__ = ("drafts", "grammar")
+
+    def __init__(self, grammar: GrammarState, drafts: list[int]) -> None:
+        self.grammar = grammar
+        self.drafts = drafts
+
+    @property
+    def vocab_size(self) -> int:
+        return self.grammar.vocab_size
+
+    def fill_bitmask(self, row: Tensor) -> None:
+        self.grammar.fill_draft_bitmask(self.drafts, row)
+
+
+def prefetch_masks(grammars: list[GrammarState | None], drafts: list[list[int]] | None = None) -> None:
     """Start computing the next-token mask of every grammar row on the worker thread; the sampler's
-    apply_grammar_masks picks the rows up. Call it before the step's forward, after the previous
-    step's tokens were accepted. A no-op without grammar rows or with PREFETCH off."""
-    rows = [g for g in grammars if g is not None]
+    apply_grammar_masks picks the rows up. With `drafts` (grammars[i]'s speculative drafts, possibly none)
+    a drafted row's masks after each prefix of its drafts are computed too, for the verify rows. Call it
+    before the step's forward, after the previous step's tokens were accepted. A no-op without grammar rows
+    or with PREFETCH off."""
+    drafts = drafts or [[] for _ in grammars]
+    rows = [(g, d) for g, d in zip(grammars, drafts, strict=True) if g is not None]
     if not rows or not PREFETCH:
         return
-    for grammar in rows:
+    for grammar, _ in rows:
         grammar.settle()
-    words = (max(g.vocab_size for g in rows) + _BITS - 1) // _BITS
-    bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+    words = (max(g.vocab_size for g, _ in rows) + _BITS - 1) // _BITS
+    bitmasks = [torch.empty((len(d) + 1, words), dtype=torch.int32) for _, d in rows]
 
     def fill() -> None:
-        for j, grammar in enumerate(rows):
-            grammar.compute_bitmask(bitmask[j])
+        for (grammar, draft), bitmask in zip(rows, bitmasks, strict=True):
+            grammar.compute_draft_bitmasks(draft, bitmask)
 
     job = _worker().submit(fill)
-    for j, grammar in enumerate(rows):
-        grammar._pending = (job, bitmask[j])
+    for (grammar, draft), bitmask in zip(rows, bitmasks, strict=True):
+        grammar._pending = (job, bitmask[0])
+        if draft:
+            grammar._pending_drafts = (job, list(draft), bitmask)
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:

@@ -104,8 +104,7 @@ class SpecStats:
 class Speculator:
     """Attaches drafts to the decodes of a scheduled batch and learns from what the runner accepted.
 
-    A decode (one new token, sampling, no structured-output grammar) is drafted for when its sequence is
-    not paused by the guard,
+    A decode (one new token, sampling) is drafted for when its sequence is not paused by the guard,
     up to num_speculative_tokens, never more than its max_tokens and max_model_len leave room for
     after the bonus token, the step's unused token budget, and the KV blocks that are free (drafts
     never preempt anyone).
@@ -134,6 +133,7 @@ class Speculator:
         Each candidate's block table grows for its whole allowance before the proposer runs (a draft model
         writes its KV there); what the drafts did not use goes back at once."""
         candidates: list[ScheduledSequence] = []
+        grammars: list[Any] = []
         limits: list[int] = []
         sampling = (item for item in batch.scheduled if item.produces_token)
         for item, state in zip(sampling, states, strict=True):
@@ -143,16 +143,20 @@ class Speculator:
             if limit > 0:
                 self.block_manager.append_slots(item.seq, 1 + limit)
                 candidates.append(item)
+                grammars.append(state.grammar)
                 limits.append(limit)
                 token_budget -= limit
         if not candidates:
             return 0
         drafts = self.proposer.propose([item.seq for item in candidates], limits)
         total = 0
-        for item, draft, limit in zip(candidates, drafts, limits, strict=True):
+        for item, draft, limit, grammar in zip(candidates, drafts, limits, grammars, strict=True):
+            draft = list(draft[:limit])
+            if grammar is not None:  # structured output: drafts the grammar refuses could never be kept
+                draft = draft[:grammar.valid_prefix(draft)]
             if not draft:
                 self._guards[item.seq.seq_id].misses += 1
-            item.draft_token_ids = list(draft[:limit])
+            item.draft_token_ids = draft
             total += len(item.draft_token_ids)
             if len(item.draft_token_ids) < limit:
                 self.block_manager.trim(item.seq, item.seq.num_tokens + len(item.draft_token_ids))
@@ -162,7 +166,7 @@ class Speculator:
         """After the runner ran the batch, before its tokens are recorded: a proposer with a model of its own
         (the draft model) runs the batch's prefill chunks too, so its prompt pass is part of the prefill step
         (time to first token) rather than of the sequence's first drafted round. Sequences that can never
-        be drafted for (max_tokens <= 1, structured output) are left out."""
+        be drafted for (max_tokens <= 1) are left out."""
         prefill = getattr(self.proposer, "prefill", None)
         if prefill is None:
             return
@@ -196,9 +200,7 @@ class Speculator:
 
     def _limit(self, item: ScheduledSequence, state: SamplingState) -> int:
         seq = item.seq
-        # a grammar-constrained row's mask depends on every token before it, drafts included; verifying
-        # drafts would need the grammar advanced per row, which flashllm.structured does not offer yet
-        if item.num_new_tokens != 1 or seq.is_finished or state.grammar is not None:
+        if item.num_new_tokens != 1 or seq.is_finished:
             return 0
         guard = self._guards.setdefault(seq.seq_id, _Guard())
         if seq.num_tokens < guard.resume_at:
@@ -253,8 +255,7 @@ class Speculator:
 
 def _may_draft(params: Any) -> bool:
     """Whether a sequence with these SamplingParams may ever get drafts (Speculator._limit's lasting reasons)."""
-    return params is None or ((params.max_tokens is None or params.max_tokens > 1)
-                              and getattr(params, "structured_output", None) is None)
+    return params is None or params.max_tokens is None or params.max_tokens > 1
 
 
 class NgramDrafts:

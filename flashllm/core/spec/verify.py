@@ -47,11 +47,13 @@ class Verified:
 
 def row_states(states: list[SamplingState], drafts: list[list[int]]) -> list[SamplingState]:
     """One state per verified row: row j of a sequence sees its drafts d_1..d_j as already generated
-    (penalties and min_tokens read them); generators are shared, not copied."""
+    (penalties and min_tokens read them, a structured-output grammar masks what may follow them);
+    generators are shared, not copied."""
     rows: list[SamplingState] = []
     for state, draft in zip(states, drafts, strict=True):
         rows.append(state)
-        rows.extend(replace(state, output_token_ids=state.output_token_ids + draft[:j])
+        rows.extend(replace(state, output_token_ids=state.output_token_ids + draft[:j],
+                            grammar=None if state.grammar is None else state.grammar.after(draft[:j]))
                     for j in range(1, len(draft) + 1))
     return rows
 
