@@ -161,18 +161,12 @@ SPECULATIVE_FLAG_KEYS = {"speculate_method": "method", "speculate_max_draft_toke
                          "speculative_draft_vocab": "draft_vocab", "speculative_draft_lookup": "draft_lookup"}
 
 
-# LLM(speculative_config={...}) and --speculative-config keys: vLLM's and PaddleNLP's spellings -> SpeculativeConfig
-# fields
+# LLM(speculative_config={...}) and --speculative-config keys -> SpeculativeConfig fields: the fields' own names,
+# PaddleNLP's (the flags' dests) and vLLM's
 SPECULATIVE_CONFIG_KEYS = {
-    "method": "method", "speculate_method": "method",
-    "num_speculative_tokens": "num_speculative_tokens", "speculate_max_draft_token_num": "num_speculative_tokens",
-    "prompt_lookup_max": "max_ngram_size", "speculate_max_ngram_size": "max_ngram_size",
-    "max_ngram_size": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "min_ngram_size": "min_ngram_size",
-    "model": "model", "quant_type": "quant_type", "quantization": "quant_type", "speculative_quant_type": "quant_type",
-    "min_acceptance": "min_acceptance",
-    "group_size": "group_size", "speculative_weightonly_group_size": "group_size",
-    "draft_vocab": "draft_vocab", "speculative_draft_vocab": "draft_vocab",
-    "draft_lookup": "draft_lookup", "speculative_draft_lookup": "draft_lookup",
+    **{name: name for name in (*SPECULATIVE_FLAG_KEYS.values(), "min_ngram_size", "min_acceptance")},
+    **SPECULATIVE_FLAG_KEYS,
+    "prompt_lookup_max": "max_ngram_size", "prompt_lookup_min": "min_ngram_size", "quantization": "quant_type",
 }
 
 

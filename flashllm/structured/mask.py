@@ -148,10 +148,6 @@ class DraftRow:
         self.grammar = grammar
         self.drafts = drafts
 
-    @property
-    def vocab_size(self) -> int:
-        return self.grammar.vocab_size
-
     def fill_bitmask(self, row: Tensor) -> None:
         self.grammar.fill_draft_bitmask(self.drafts, row)
 

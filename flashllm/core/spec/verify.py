@@ -99,7 +99,7 @@ def verify(sampler: Sampler, logits: Tensor, states: list[SamplingState], drafts
         for i, verified in zip(greedy, accept_greedy_tokens(choice, [drafts[i] for i in greedy]), strict=True):
             tokens[i] = verified.token_ids
     if sampled:
-        for i, emitted in zip(sampled, _accept_sampled(sampler, processed, rows, starts, states, drafts, sampled),
+        for i, emitted in zip(sampled, _accept_sampled(sampler, processed, rows, starts, drafts, sampled),
                               strict=True):
             tokens[i] = emitted
     out = [Verified(emitted, len(draft), len(emitted) - 1) for emitted, draft in zip(tokens, drafts, strict=True)]
@@ -113,9 +113,10 @@ def verify(sampler: Sampler, logits: Tensor, states: list[SamplingState], drafts
 
 
 def _accept_sampled(sampler: Sampler, processed: Tensor, rows: list[SamplingState], starts: list[int],
-                    states: list[SamplingState], drafts: list[list[int]], which: list[int]) -> list[list[int]]:
+                    drafts: list[list[int]], which: list[int]) -> list[list[int]]:
     """The sampled sequences `which`: row by row, a draw from each still-open sequence's p_j (in one batch per
-    row), kept as the draft's token while they agree (see the module's docstring)."""
+    row); a sequence stays open while its drawn token is its next draft, so the next row, conditioned on that
+    draft, holds the next position's distribution (see the module's docstring)."""
     emitted: dict[int, list[int]] = {i: [] for i in which}
     open_ = list(which)
     j = 0
@@ -127,16 +128,10 @@ def _accept_sampled(sampler: Sampler, processed: Tensor, rows: list[SamplingStat
         still = []
         for i, token in zip(open_, drawn, strict=True):
             emitted[i].append(token)
-            if keeps_draft(drafts[i], j, token):
+            if j < len(drafts[i]) and drafts[i][j] == token:
                 still.append(i)
         open_, j = still, j + 1
     return [emitted[i] for i in which]
-
-
-def keeps_draft(draft: list[int], j: int, drawn: int) -> bool:
-    """Whether row j's drawn token keeps the round going: it is draft token j (0-based), so the next row,
-    which was conditioned on it, holds the distribution of the next position."""
-    return j < len(draft) and draft[j] == drawn
 
 
 def to_positions(verified: list[Verified]) -> list[SamplerOutput]:
