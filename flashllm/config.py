@@ -123,7 +123,7 @@ class ParallelConfig:
 
 
 # SpeculativeConfig.method values; PaddleNLP's "inference_with_reference" is the n-gram lookup
-SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model", "eagle", "mtp")
+SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model", "eagle", "eagle3", "mtp")
 MAX_DRAFT_TOKENS = 8
 
 
@@ -131,7 +131,7 @@ MAX_DRAFT_TOKENS = 8
 class SpeculativeConfig:
     """Speculative decoding (flashllm/core/spec/): who drafts tokens and how many a round verifies."""
 
-    method: str | None = None               # None (off) | ngram | inference_with_reference | draft_model | mtp
+    method: str | None = None               # None (off) | one of SPECULATE_METHODS
     num_speculative_tokens: int = 4         # drafts per sequence and round (--speculate_max_draft_token_num), 1..8
     max_ngram_size: int = 3                 # ngram: the longest suffix looked up (--speculate_max_ngram_size)
     min_ngram_size: int = 1                 # ngram: the shortest suffix that may match

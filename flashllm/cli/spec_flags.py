@@ -37,8 +37,8 @@ def json_object(text: str | dict[str, Any]) -> dict[str, Any]:
 SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculate_method": (("--speculate_method",), str,
                          f"speculative decoding: {' | '.join(SPECULATE_METHODS)} (inference_with_reference is the "
-                         "n-gram lookup in the prompt and output; draft_model and eagle need --speculative-model (a draft "
-                         "model, an EAGLE-1 head); mtp drafts with a DeepSeek-V3 checkpoint's own "
+                         "n-gram lookup in the prompt and output; draft_model, eagle and eagle3 need --speculative-model "
+                         "(a draft model, an EAGLE-1 or EAGLE-3 head: eagle loads either); mtp drafts with a DeepSeek-V3 checkpoint's own "
                          "next-token-prediction layer)"),
     "speculate_max_draft_token_num": (("--speculate_max_draft_token_num", "--num_speculative_tokens"), int,
                                       f"tokens drafted per sequence and round, 1..{MAX_DRAFT_TOKENS} (default 4)"),
@@ -46,7 +46,7 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
                                  "n-gram lookup: the longest suffix matched (default 3)"),
     "speculative_model": (("--speculative_model",), str,
                           "draft model or EAGLE head directory (same vocabulary as the model); implies "
-                          "draft_model unless --speculate_method eagle"),
+                          "draft_model unless --speculate_method eagle or eagle3"),
     "speculative_quant_type": (("--speculative_quant_type",), str,
                                "weight-only quantization of the draft model (e.g. weight_only_int8)"),
     "speculative_weightonly_group_size": (("--speculative_weightonly_group_size",), int,

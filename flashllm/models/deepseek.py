@@ -24,7 +24,7 @@ from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, expert_param_target
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
-from flashllm.models.llama import run_decoder_stack
+from flashllm.models.llama import HiddenTaps, run_decoder_stack
 from flashllm.registry.fusions import (
     DECODER_STACK,
     LM_HEAD,
@@ -127,6 +127,8 @@ class DeepseekDecoderLayer(PreNormBlock):
 
 class DeepseekModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
 
     def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:

@@ -76,13 +76,33 @@ class LlamaDecoderLayer(PreNormBlock):
 
 
 
+class HiddenTaps:
+    """Which layers' inputs a decoder stack keeps during its forward, for a drafter that reads them (EAGLE-3).
+
+    After each forward, `states` holds one (T, hidden) tensor per tapped layer, in layer order: the residual
+    stream entering that layer (layer 0's is the embedding). A stack that runs run_decoder_stack declares
+    `hidden_taps = None` and takes a HiddenTaps there; a model whose stack has taps offers no fused
+    decoder-stack path (registry/fusions.py), since that would not keep them."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = frozenset(layers)
+        self.states: list[Tensor] = []
+
+
 def run_decoder_stack(stack: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                       attn_metadata: AttentionMetadata) -> Tensor:
     """A pre-norm stack's forward: `stack.embed_tokens`, then each of `stack.layers` (which take and
-    return the residual stream beside the hidden states), then `stack.norm`; (T,) ids -> (T, hidden)."""
+    return the residual stream beside the hidden states), then `stack.norm`; (T,) ids -> (T, hidden).
+    With `stack.hidden_taps` set, the tapped layers' input streams are kept there (see HiddenTaps)."""
     hidden = stack.embed_tokens(input_ids)
     residual = None
-    for layer, kv_cache in zip(stack.layers, kv_caches, strict=True):
+    taps: HiddenTaps | None = getattr(stack, "hidden_taps", None)
+    if taps is not None:
+        taps.states = []
+    for index, (layer, kv_cache) in enumerate(zip(stack.layers, kv_caches, strict=True)):
+        if taps is not None and index in taps.layers:
+            # the layers fuse the residual add into their input norm: the stream is hidden + residual
+            taps.states.append(hidden if residual is None else hidden + residual)
         hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
     hidden, _ = stack.norm(hidden, residual)
     return hidden
@@ -90,6 +110,8 @@ def run_decoder_stack(stack: nn.Module, input_ids: Tensor, positions: Tensor, kv
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:

@@ -21,7 +21,7 @@ from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, e
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.packed_experts import dequantized_experts
 from flashllm.models.layers.rotary import RotaryEmbedding
-from flashllm.models.llama import LlamaAttention, run_decoder_stack
+from flashllm.models.llama import HiddenTaps, LlamaAttention, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.registry.fusions import (
     DECODER_STACK,
@@ -134,6 +134,8 @@ MakeMLP = Callable[[MoEModelConfig, int], nn.Module]
 
 class MoEModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix); layer i's MLP from make_mlp."""
+
+    hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
 
     def __init__(self, config: MoEModelConfig, make_mlp: MakeMLP, ops: Any, dtype: torch.dtype, device: torch.device,
                  qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:

@@ -258,6 +258,8 @@ def declared(model: object, name: str, record: type[_Record]) -> _Record | None:
     Raises TypeError where the model declares something other than a `record` under that name: the
     model's fusions() is wrong, and a fast path must not guess what it meant.
     """
+    if name == DECODER_STACK and getattr(getattr(model, "model", None), "hidden_taps", None) is not None:
+        return None  # a drafter reads hidden states inside the stack (EAGLE-3), which a fused stack would not keep
     fusions = getattr(model, "fusions", None)
     found = fusions().get(name) if callable(fusions) else None
     if found is not None and not isinstance(found, record):

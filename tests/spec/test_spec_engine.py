@@ -12,7 +12,7 @@ import pytest
 from flashllm.config import MAX_DRAFT_TOKENS
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.eagle import build_eagle_head
+from flashllm.testing.eagle import build_eagle3_head, build_eagle_head
 from flashllm.testing.tiny_models import build_tiny_model
 from flashllm.testing.tiny_moe import build_moe_model
 
@@ -81,17 +81,21 @@ def test_ngram_greedy_parity_over_200_requests(model_dirs, preset: str, backend:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("preset", ["llama", "qwen2"])
-@pytest.mark.parametrize("proposer", ["draft_model", "eagle"])
+@pytest.mark.parametrize("proposer", ["draft_model", "eagle", "eagle3"])
 def test_loaded_drafters_greedy_parity_over_200_requests(tmp_path: Path, preset: str, backend: str,
                                                          proposer: str) -> None:
     """The same 200 requests with a draft model (the target quantized to int8 weights: it agrees often, not
-    always) and with an EAGLE head (a predictable one over a predictable target; untied, since a nearly bigram
-    model with tied embeddings repeats its token forever and every draft would be accepted)."""
-    untied = {"tie_word_embeddings": False} if proposer == "eagle" else {}
+    always) and with an EAGLE-1 or EAGLE-3 head (a predictable one over a predictable target; untied, since a
+    nearly bigram model with tied embeddings repeats its token forever and every draft would be accepted; 8
+    layers for EAGLE-3, whose default taps are three different layers from 6 on)."""
+    untied = {"tie_word_embeddings": False} if proposer != "draft_model" else {}
+    if proposer == "eagle3":
+        untied["num_hidden_layers"] = 8
     target = build_tiny_model(tmp_path / "target", preset, seed=3, tokenizer=False, **untied)
-    if proposer == "eagle":
-        head = build_eagle_head(tmp_path / "head", target, seed=6, predictable=0.03)
-        config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    if proposer != "draft_model":
+        build = build_eagle_head if proposer == "eagle" else build_eagle3_head
+        head = build(tmp_path / "head", target, seed=6, predictable=0.03)
+        config = {"method": proposer, "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
     else:
         config = {"method": "draft_model", "model": str(target), "quant_type": "weight_only_int8",
                   "num_speculative_tokens": 3}

@@ -11,7 +11,7 @@ import pytest
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import build_deepseek_mtp_model
-from flashllm.testing.eagle import build_eagle_head
+from flashllm.testing.eagle import build_eagle3_head, build_eagle_head
 from flashllm.testing.tiny_models import build_tiny_model
 
 BLOCK = 16
@@ -84,12 +84,14 @@ def test_an_mtp_layers_cache_is_inside_kv_cache_memory(tmp_path: Path) -> None:
            target_per_block, mtp_per_block)
 
 
-def test_an_eagle_heads_cache_is_inside_kv_cache_memory(tmp_path: Path) -> None:
-    target = build_tiny_model(tmp_path / "target", "llama", seed=3, tokenizer=False, num_hidden_layers=3)
-    head = build_eagle_head(tmp_path / "head", target, seed=6)
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_heads_cache_is_inside_kv_cache_memory(tmp_path: Path, method: str) -> None:
+    target = build_tiny_model(tmp_path / "target", "llama", seed=3, tokenizer=False, num_hidden_layers=7)
+    build = build_eagle_head if method == "eagle" else build_eagle3_head
+    head = build(tmp_path / "head", target, seed=6)
     target_per_block, head_per_block = _kv_bytes_per_block(target), _kv_bytes_per_block(head)
     budget = 33 * (target_per_block + head_per_block) + head_per_block
-    _check(_llm(target, {"method": "eagle", "model": str(head), "num_speculative_tokens": 3},
+    _check(_llm(target, {"method": method, "model": str(head), "num_speculative_tokens": 3},
                 kv_cache_memory=budget), budget, target_per_block, head_per_block)
 
 

@@ -13,10 +13,10 @@ from flashllm.core.spec.speculator import Drafter, NgramDrafts, Proposer, Specul
 logger = logging.getLogger(__name__)
 
 # methods that load weights beside the target (a draft model, a head), with a KV cache of their own
-_LOADED_METHODS = ("draft_model", "eagle", "mtp")
+_LOADED_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # of those, the heads that read the target's hidden states, whose layers are not split over tensor-parallel
 # ranks yet; a draft model runs whole on the driver (rank 0) beside its shard of the target
-_HIDDEN_STATE_METHODS = ("eagle", "mtp")
+_HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 def check_speculative_config(config: EngineConfig) -> None:
@@ -41,7 +41,7 @@ def check_speculative_config(config: EngineConfig) -> None:
         raise ValueError(f"--speculative_draft_lookup must be 1 or 0 (true or false), got {spec.draft_lookup!r}")
     if spec.method in ("ngram", "inference_with_reference") or (spec.method == "draft_model" and spec.draft_lookup):
         NgramProposer(spec.max_ngram_size, spec.min_ngram_size)  # raises on bad sizes
-    if spec.method in ("draft_model", "eagle") and not spec.model:
+    if spec.method in ("draft_model", "eagle", "eagle3") and not spec.model:
         what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"
         raise ValueError(f"--speculate_method {spec.method} needs {what} directory: pass --speculative-model DIR")
     if spec.method in _HIDDEN_STATE_METHODS and config.parallel.tensor_parallel_size > 1:
@@ -62,7 +62,7 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
         from flashllm.core.spec.mtp import load_mtp_drafter
 
         return load_mtp_drafter(target)
-    if spec.method == "eagle":
+    if spec.method in ("eagle", "eagle3"):
         from flashllm.core.spec.eagle import load_eagle_drafter
 
         return load_eagle_drafter(target)

@@ -48,7 +48,7 @@ class _Pending:
 
 
 class MTPProposer:
-    """Drafts greedily with the checkpoint's MTP layer, reused for every draft after the first.
+    """Drafts greedily with the checkpoint's MTP layer (or an EAGLE head), reused for every draft after the first.
 
     The target runner hands over each step's final hidden states (ModelRunner.hidden_sink). A round for a
     sequence of tokens t_0..t_n (t_n not yet run by the target) first runs the MTP layer over every position
@@ -71,6 +71,10 @@ class MTPProposer:
         # the layer's own cache (a latent one for MTP, K and V for an EAGLE head), indexed by the target's blocks
         self.kv_caches = allocate_kv_caches(mtp, self.device, num_blocks, self.block_size, dtype)
         self.adapter = runner.adapter
+        # what the layer reads per target position: the final hidden states as handed over, or (EAGLE-3) its
+        # target_features of them; and its draft ids' target ids, where its vocabulary is its own
+        self.features = getattr(mtp, "target_features", None)
+        self.token_map: Tensor | None = getattr(mtp, "draft_to_target", None)
         self._pending: dict[int, _Pending] = {}
         runner.hidden_sink = self.record
 
@@ -83,6 +87,8 @@ class MTPProposer:
         seq_ids = inputs.seq_ids
         if not seq_ids:
             return
+        if self.features is not None:
+            hidden = self.features(hidden)
         bounds = inputs.attn_metadata.cu_seqlens_q[: len(seq_ids) + 1].tolist()
         starts = inputs.positions[bounds[:-1]].tolist()
         entry = 0
@@ -166,7 +172,8 @@ class MTPProposer:
                         previous_hidden=hidden)
 
     def _greedy(self, states: Tensor) -> list[int]:
-        return self.mtp.compute_logits(states).float().argmax(dim=-1).tolist()
+        ids = self.mtp.compute_logits(states).float().argmax(dim=-1)
+        return (ids if self.token_map is None else self.token_map[ids]).tolist()
 
     def forget(self, seq: Sequence) -> None:
         self._pending.pop(seq.seq_id, None)
