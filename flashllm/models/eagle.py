@@ -152,8 +152,8 @@ class Eagle3Head(CausalLM):
         states = self._target[1].states
         if len(states) != 3 or states[0].shape[0] != hidden.shape[0]:
             raise RuntimeError(f"the target's forward kept {len(states)} tapped hidden states for "
-                               f"{hidden.shape[0]} rows; the EAGLE-3 head needs its 3 layers' (a fused decode "
-                               "path that skips the taps must not run)")
+                               f"{hidden.shape[0]} rows; the EAGLE-3 head needs its 3 layers' (a fused decoder "
+                               "stack must keep the taps as run_decoder_stack does)")
         return self.fc(torch.cat(states, dim=-1))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],

@@ -81,8 +81,8 @@ class HiddenTaps:
 
     After each forward, `states` holds one (T, hidden) tensor per tapped layer, in layer order: the residual
     stream entering that layer (layer 0's is the embedding). A stack that runs run_decoder_stack declares
-    `hidden_taps = None` and takes a HiddenTaps there; a model whose stack has taps offers no fused
-    decoder-stack path (registry/fusions.py), since that would not keep them."""
+    `hidden_taps = None` and takes a HiddenTaps there. A fused decoder-stack path gets the stack only if it
+    keeps them too (registry/fusions.py declared; the cpu backend's does, backends/cpu/decode_stack.py)."""
 
     def __init__(self, layers: tuple[int, ...]) -> None:
         self.layers = frozenset(layers)

@@ -251,15 +251,16 @@ class LMHeadFusion:
     tied: bool
 
 
-def declared(model: object, name: str, record: type[_Record]) -> _Record | None:
+def declared(model: object, name: str, record: type[_Record], keeps_taps: bool = False) -> _Record | None:
     """The fusion `name` that `model.fusions()` declares, or None where it declares none (a model
-    without a fusions() method declares none).
+    without a fusions() method declares none). DECODER_STACK is also None while a drafter taps the
+    model's stack (models/llama.py HiddenTaps), unless the asking path says it `keeps_taps`.
 
     Raises TypeError where the model declares something other than a `record` under that name: the
     model's fusions() is wrong, and a fast path must not guess what it meant.
     """
-    if name == DECODER_STACK and getattr(getattr(model, "model", None), "hidden_taps", None) is not None:
-        return None  # a drafter reads hidden states inside the stack (EAGLE-3), which a fused stack would not keep
+    if name == DECODER_STACK and not keeps_taps and getattr(getattr(model, "model", None), "hidden_taps", None):
+        return None
     fusions = getattr(model, "fusions", None)
     found = fusions().get(name) if callable(fusions) else None
     if found is not None and not isinstance(found, record):

@@ -1,7 +1,7 @@
 """EAGLE-3 heads: drafts against an independent reference of the head's forward (transformers' Llama attention,
 MLP and norms, the target's layer inputs from transformers' output_hidden_states, recomputed over the whole
-sequence every time), greedy tokens equal to plain decoding under preemption, the fused decode path off while
-the target is tapped, bad heads refused at load."""
+sequence every time), greedy tokens equal to plain decoding under preemption, the cpu backend's fused decode
+step keeping the taps, bad heads refused at load."""
 
 from __future__ import annotations
 
@@ -137,24 +137,50 @@ def test_drafts_equal_the_reference_eagle3_forward(dirs, target: str, head: str,
         assert 0 < stats.num_accepted < stats.num_drafted, stats
 
 
-def test_the_tapped_target_runs_unfused_and_untapped_targets_stay_fused(dirs) -> None:
-    """The cpu backend's fused decoder-stack step would skip the taps: with an EAGLE-3 head it is not built;
-    with an EAGLE-1 head (which reads the final hidden state) it still is."""
-    from flashllm.backends.cpu.runner import CpuRunner
+def _drafted(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Every round's drafts while `llm` generates."""
+    proposer = llm.engine.speculator.proposer
+    rounds: list[list[int]] = []
+    propose = proposer.propose
 
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = spec_llm(dirs["target"], "cpu", _eagle3(dirs["head"]))
-    llm.generate(random_prompts(2, seed=1), params, use_tqdm=False)
-    runner = llm.engine.runner
-    assert isinstance(runner, CpuRunner)
-    assert runner._fused_decode is None
-    assert llm.engine.speculator.stats.num_drafted > 0
-    eagle1 = build_eagle_head(dirs["target"].parent / "eagle1", dirs["target"], seed=2)
-    llm1 = spec_llm(dirs["target"], "cpu", SpeculativeConfig(method="eagle", model=str(eagle1),
-                                                               num_speculative_tokens=3, min_acceptance=0.0))
-    llm1.generate(random_prompts(2, seed=1), params, use_tqdm=False)
-    runner1 = llm1.engine.runner
-    assert runner1._fused_decode is not None
+    def spy(seqs, limits):
+        drafts = propose(seqs, limits)
+        rounds.extend(list(d) for d in drafts)
+        return drafts
+
+    proposer.propose = spy
+    llm.generate(prompts, params, use_tqdm=False)
+    return rounds
+
+
+@pytest.mark.parametrize("head", ["head", "phead"])
+def test_the_fused_decode_step_keeps_the_taps(dirs, monkeypatch, head: str) -> None:
+    """The cpu backend's fused decoder-stack step keeps the tapped layers' streams in its native call: it runs
+    the decode and verify steps with the head loaded, and every round's drafts equal those of the
+    layer-by-layer forward (FLASHLLM_CPU_FUSED_DECODE=0)."""
+    from flashllm.backends.cpu.decode_stack import FusedDecode
+
+    target = dirs["ptarget" if head == "phead" else "target"]
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    tapped: list[int] = []
+    bind = FusedDecode._bind_taps
+
+    def counting(self, tokens):
+        out = bind(self, tokens)
+        if out is not None and out is not False:
+            tapped.append(tokens)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "_bind_taps", counting)
+    fused_llm = spec_llm(target, "cpu", _eagle3(dirs[head], guard=0.0))
+    fused = _drafted(fused_llm, prompts, params)
+    assert fused_llm.engine.runner._fused_decode is not None and max(tapped) > len(prompts), tapped
+    monkeypatch.setenv("FLASHLLM_CPU_FUSED_DECODE", "0")
+    plain_llm = spec_llm(target, "cpu", _eagle3(dirs[head], guard=0.0))
+    plain = _drafted(plain_llm, prompts, params)
+    assert plain_llm.engine.runner._fused_decode is None
+    assert fused == plain and sum(map(len, fused)) > 20
 
 
 @pytest.mark.parametrize(("backend", "k", "count", "blocks"), [("cpu", 3, 16, 24), ("reference", 4, 8, 96)])

@@ -72,7 +72,8 @@ class _Step(ctypes.Structure):
         ("cos_sin", _P), ("positions", _P), ("slots", _P), ("rows", _P), ("tables", _P), ("seq_lens", _P),
         ("final_norm", _P), ("threads", ctypes.c_int), ("split_elements", _I64), ("attention_split", _I64),
         ("silu_split", _I64), ("num_blocks", _I64), ("max_position", _I64), ("ids", _P), ("embed", _P),
-        ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64), ("head_afmt", _I64)]
+        ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64), ("head_afmt", _I64),
+        ("tap_layers", _P), ("num_taps", _I64), ("taps", _P)]
 
 def _fp32(t: Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
@@ -177,7 +178,9 @@ class FusedDecode:
     """Callable(input_ids, positions, kv_caches, attn_metadata) -> final hidden (T, H), or None when
     the step is not a plain decode step; built by `build` from a model's declared decoder stack."""
 
-    def __init__(self, stack: DecoderStackFusion, head_format: str | None = None) -> None:
+    def __init__(self, stack: DecoderStackFusion, head_format: str | None = None, tapped: Any = None) -> None:
+        """tapped: the model's decoder-stack module; while its `hidden_taps` (models/llama.py HiddenTaps) is set,
+        each step also keeps the streams entering the tapped layers there, as the layer-by-layer forward does."""
         _check_cpu_kernels(stack.ops)
         if stack.activation != "silu" or stack.embed_tp_size != 1 or not stack.layers:
             raise _Unsupported(f"activation {stack.activation!r}, an embedding over {stack.embed_tp_size} ranks "
@@ -267,6 +270,9 @@ class FusedDecode:
         self._scratch = torch.empty(0)
         self._scratch_floats: dict[int, int] = {}
         self._held: tuple[Tensor, ...] = ()
+        self._tapped = tapped
+        self._tap_layers: tuple[Any, Tensor] | None = None  # (the HiddenTaps, its layers as an int64 tensor)
+        self._taps_out: Tensor | None = None
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> tuple[int, int] | None:
         """Point the layers at the KV caches; (num_blocks, block_size), or None for caches it does not take.
@@ -301,7 +307,28 @@ class FusedDecode:
         done = native.library().flashllm_decode_stack(ctypes.addressof(self._layers), len(self._layers),
                                                       ctypes.addressof(self._step), hidden.data_ptr(),
                                                       self._residual.data_ptr(), self._scratch.data_ptr())
-        return hidden if done else None
+        if not done:
+            return None
+        if self._taps_out is not None:
+            self._tap_layers[0].states = list(self._taps_out.split(self._hidden, dim=1))
+        return hidden
+
+    def _bind_taps(self, tokens: int) -> Tensor | None | bool:
+        """Point the descriptor at a (tokens, taps x H) buffer for the tapped layers' streams: the buffer, None
+        without taps, False for taps this stack does not have (the layer-by-layer forward runs instead)."""
+        step, taps = self._step, getattr(self._tapped, "hidden_taps", None)
+        if taps is None:
+            step.taps, step.tap_layers, step.num_taps = None, None, 0
+            return None
+        if self._tap_layers is None or self._tap_layers[0] is not taps:
+            layers = sorted(taps.layers)
+            if not all(0 <= i < len(self._layers) for i in layers):
+                return False
+            self._tap_layers = (taps, torch.tensor(layers, dtype=torch.int64))
+        layers = self._tap_layers[1]
+        out = torch.empty(tokens, layers.numel() * self._hidden)
+        step.taps, step.tap_layers, step.num_taps = out.data_ptr(), layers.data_ptr(), layers.numel()
+        return out
 
     @property
     def copies_embedding(self) -> bool:
@@ -359,8 +386,12 @@ class FusedDecode:
         step.positions, step.slots, step.tables = positions.data_ptr(), slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.threads = seq_lens.data_ptr(), parallel.workers()
         step.lora_slots = None if lora_slots is None else lora_slots.data_ptr()
+        taps = self._bind_taps(tokens)
+        if taps is False:
+            return None
+        self._taps_out = taps
         # alive while the descriptor points at them
-        self._held = (input_ids, positions, slots, tables, seq_lens, lora_slots)
+        self._held = (input_ids, positions, slots, tables, seq_lens, lora_slots, taps)
         size = self._scratch_floats.get(tokens)
         if size is None:
             size = self._scratch_floats[tokens] = native.library().flashllm_decode_stack_scratch(ctypes.addressof(step))
@@ -374,11 +405,11 @@ def build(model: Any) -> FusedDecode | None:
     model declares no decoder_stack fusion, or one this step does not take."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or native.library() is None:
         return None
-    stack = declared(model, DECODER_STACK, DecoderStackFusion)
+    stack = declared(model, DECODER_STACK, DecoderStackFusion, keeps_taps=True)
     if stack is None:
         return None
     try:
-        return FusedDecode(stack, _head_format(model))
+        return FusedDecode(stack, _head_format(model), tapped=getattr(model, "model", None))
     except _Unsupported:
         return None
 

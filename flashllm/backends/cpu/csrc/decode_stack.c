@@ -12,7 +12,7 @@
  *   a = attention(q, cache); h = a Wo^T (+b); r += h; x = rms(r) * w_post;
  *   h = down(silu(gate(x)) * up(x)) (+b)    (or a mixture of experts, moe_decode.c)
  * (the attention, from qkv to h = a Wo^T, may instead be DeepSeek's latent attention, mla_decode.c)
- * and after the last layer out = rms(h + r) * w_final.
+ * and after the last layer out = rms(h + r) * w_final. With taps, r entering the tapped layers is kept too.
  */
 #include <stdint.h>
 #include <string.h>
@@ -53,7 +53,20 @@ typedef struct {
     int64_t lora_count, lora_rank;  /* the layers' adapter slots and their rank (0, 0 without adapter tables) */
     int64_t head_afmt;          /* 0, or the LM head's llama.cpp activation format (A8_*): the final states
                                  * leave rounded as the head's integer product would see them */
+    const int64_t *tap_layers;  /* (num_taps,) layers whose input stream r is kept (an EAGLE-3 head reads
+                                 * them), or NULL */
+    int64_t num_taps;
+    float *taps;                /* (T, num_taps * H): tap k's stream in columns k H .. (k + 1) H - 1 */
 } stack_step;
+
+/* Keep the stream entering layer l (r, after the input norm's residual add) where l is a tapped layer. */
+static void keep_taps(const stack_step *s, int64_t l, const float *residual) {
+    for (int64_t k = 0; k < s->num_taps; k++) {
+        if (s->tap_layers[k] != l) continue;
+        for (int64_t t = 0; t < s->T; t++)
+            memcpy(s->taps + (t * s->num_taps + k) * s->H, residual + t * s->H, (size_t)s->H * sizeof(float));
+    }
+}
 
 /* Whether every index the step follows is in range: each token id within the embedding table,
  * each context length within its table, each position within the rope table, each new token's slot
@@ -157,6 +170,7 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
         } else {
             flashllm_rms_norm(hidden, residual, residual, layer->input_norm, x, T, H, s->eps);
         }
+        if (s->taps) keep_taps(s, l, residual);
         if (layer->mla) {  /* no adapters there either (decode_stack.py refuses them) */
             flashllm_mla_block(layer->mla, &mla, layer->k_cache, x, hidden);
         } else {
