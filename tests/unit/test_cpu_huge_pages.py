@@ -43,10 +43,10 @@ def test_large_weights_move_to_2mib_aligned_copies_and_ties_stay_tied(monkeypatc
     model.head.quantized.kernel_cache["stale"] = object()
     old_small = model.embed.small.data_ptr()
 
-    moved = huge_pages.place_weights(model)
+    placed, moved = huge_pages.place_weights(model)
 
     # the shared weight once, two buffers, the int8 codes (4 MiB); the small tensors stay where they were
-    assert moved == 3 * 4 * 2**20 + 4 * 2**20
+    assert placed == moved == 3 * 4 * 2**20 + 4 * 2**20
     assert model.embed.weight is model.head.weight
     assert model.embed.weight.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert model.embed.table.data_ptr() % huge_pages.HUGE_PAGE == 0 and model.head.table.data_ptr() % huge_pages.HUGE_PAGE == 0
@@ -74,7 +74,7 @@ def test_switched_off_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
     model = _model()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    assert huge_pages.place_weights(model) == 0
+    assert huge_pages.place_weights(model) == (0, 0)
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
@@ -106,3 +106,15 @@ def test_the_engine_places_a_loaded_model_and_still_matches_transformers(tmp_pat
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(prompt):]
     assert got == want.tolist()
+
+
+def test_weights_loaded_into_place_count_as_placed_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After place_empty (loading writes into huge pages), place_weights reports those bytes as placed and only
+    what it copies itself (the buffers, the int8 codes) as moved: the start-up log says both."""
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, "1")
+    model = _model()
+    empty = huge_pages.place_empty(model)
+    assert empty == 4 * 2**20  # the shared weight, once (the small ones stay)
+    placed, moved = huge_pages.place_weights(model)
+    assert moved == 2 * 4 * 2**20 + 4 * 2**20
+    assert placed == empty + moved

@@ -80,14 +80,16 @@ def place_empty(model: nn.Module) -> int:
                     param.data = placed[key]
     fresh = {t.data_ptr(): t for t in placed.values()}
     model._huge_page_ptrs = set(fresh)  # place_weights leaves these where they are
-    return sum(t.nbytes for t in fresh.values())
+    model._huge_page_bytes = sum(t.nbytes for t in fresh.values())  # what place_weights reports beside its own
+    return model._huge_page_bytes
 
 
-def place_weights(model: nn.Module) -> int:
+def place_weights(model: nn.Module) -> tuple[int, int]:
     """Move model's large parameters, buffers and QuantizedWeight tensors into huge pages (those
-    place_empty put there already stay); returns the bytes moved (0 when not enabled())."""
+    place_empty put there already stay); returns (bytes in huge pages in all, bytes moved now), (0, 0) when
+    not enabled()."""
     if not enabled():
-        return 0
+        return 0, 0
     moved: dict[int, Tensor] = {}  # storage data_ptr -> its copy, so tied tensors stay one
     already: set[int] = getattr(model, "_huge_page_ptrs", set())
 
@@ -114,4 +116,5 @@ def place_weights(model: nn.Module) -> int:
                         value.kernel_cache.clear()  # re-layouts of the old storage are rebuilt on first use
     if hasattr(model, "_huge_page_ptrs"):
         del model._huge_page_ptrs
-    return sum(t.nbytes for key, t in moved.items() if key != t.data_ptr())
+    now = sum(t.nbytes for key, t in moved.items() if key != t.data_ptr())
+    return getattr(model, "_huge_page_bytes", 0) + now, now

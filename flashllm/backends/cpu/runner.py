@@ -79,11 +79,13 @@ class CpuRunner(ModelRunner):
         now, so the KV cache is sized with it in memory."""
         from flashllm.backends.cpu import greedy_screen, heap, huge_pages
 
-        moved = huge_pages.place_weights(model)
-        if moved:
+        placed, moved = huge_pages.place_weights(model)
+        if placed:
             import logging
 
-            logging.getLogger(__name__).info("weights: %.2f GiB placed in 2 MiB pages", moved / 2**30)
+            # most are loaded straight into them (place_empty_weights); the rest are copied there now
+            logging.getLogger(__name__).info("weights: %.2f GiB in 2 MiB pages (%.2f GiB of it copied after loading)",
+                                             placed / 2**30, moved / 2**30)
         greedy_screen.build(model, numpy_argmax)
         # loading's and the builds' freed buffers go back before the heap starts keeping what is freed
         heap.trim_heap()
