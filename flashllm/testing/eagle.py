@@ -12,6 +12,21 @@ from safetensors.torch import load_file, save_file
 INIT_STD = 0.1
 
 
+# the target's output projections: attention's, the dense MLP's, each expert's (Mixtral's w2) and shared ones
+_OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", ".w2.weight")
+
+
+def _load_target(target_dir: Path, predictable: float | None) -> dict[str, torch.Tensor]:
+    """The target's tensors; with `predictable`, its output projections scaled by it, written back in place
+    (so its next token depends mostly on the current one)."""
+    target_file = target_dir / "model.safetensors"
+    target = load_file(target_file)
+    if predictable is not None:
+        target = {name: t * predictable if name.endswith(_OUTPUT_PROJECTIONS) else t for name, t in target.items()}
+        save_file(target, target_file, metadata={"format": "pt"})
+    return target
+
+
 def build_eagle_head(out_dir: Path, target_dir: Path, seed: int = 0, predictable: float | None = None,
                      **config_overrides: Any) -> Path:
     """An EAGLE-1 head for the tiny Llama in target_dir, laid out as EAGLE-1 publishes them: config.json (a Llama
@@ -26,12 +41,7 @@ def build_eagle_head(out_dir: Path, target_dir: Path, seed: int = 0, predictable
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    target_file = Path(target_dir) / "model.safetensors"
-    target = load_file(target_file)
-    if predictable is not None:
-        target = {name: t * predictable if name.endswith(("o_proj.weight", "down_proj.weight")) else t
-                  for name, t in target.items()}
-        save_file(target, target_file, metadata={"format": "pt"})
+    target = _load_target(Path(target_dir), predictable)
     config = {key: target_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                   "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
                                                   "vocab_size") if key in target_config}
@@ -88,15 +98,11 @@ def build_eagle3_head(out_dir: Path, target_dir: Path, seed: int = 0, predictabl
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    target_file = Path(target_dir) / "model.safetensors"
-    target = load_file(target_file)
-    if predictable is not None:
-        target = {name: t * predictable if name.endswith(("o_proj.weight", "down_proj.weight")) else t
-                  for name, t in target.items()}
-        save_file(target, target_file, metadata={"format": "pt"})
+    target = _load_target(Path(target_dir), predictable)
     config = {key: target_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                   "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
                                                   "vocab_size") if key in target_config}
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
     vocab, h = config["vocab_size"], config["hidden_size"]
     draft_vocab = draft_vocab or vocab * 5 // 8
     gen = torch.Generator().manual_seed(seed)

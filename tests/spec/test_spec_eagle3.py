@@ -137,6 +137,63 @@ def test_drafts_equal_the_reference_eagle3_forward(dirs, target: str, head: str,
         assert 0 < stats.num_accepted < stats.num_drafted, stats
 
 
+@pytest.mark.parametrize(("builder", "preset", "taps"), [("moe", "mixtral", [0, 1, 2]), ("moe", "qwen2_moe", [1, 3, 5]),
+                                                    ("deepseek", "v3", [0, 1, 2])])
+def test_moe_and_latent_attention_targets(tmp_path: Path, tapped_steps, builder: str, preset: str,
+                                          taps: list[int]) -> None:
+    """Mixture-of-experts (Mixtral, Qwen2-MoE) and latent-attention (DeepSeek-V3) targets hand over their
+    layers too, through the fused step's MoE and MLA layers: drafts equal the reference's, greedy tokens
+    equal plain decoding, drafts were accepted and rejected."""
+    from flashllm.testing.deepseek import build_deepseek_model
+    from flashllm.testing.tiny_moe import build_moe_model
+
+    if builder == "moe":  # Mixtral's preset has 2 layers: one more, for three taps
+        target = build_moe_model(tmp_path / "target", preset, seed=3, num_hidden_layers=max(taps) + 1)
+    else:
+        target = build_deepseek_model(tmp_path / "target", preset, seed=3)
+    head = build_eagle3_head(tmp_path / "head", target, seed=6, predictable=PREDICTABLE,
+                             eagle_aux_hidden_state_layer_ids=taps)
+    prompts = random_prompts(6, seed=12)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in spec_llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
+    llm = spec_llm(target, "cpu", _eagle3(head, guard=0.0))
+    calls: list[tuple[list[int], int, list[int]]] = []
+    propose = llm.engine.speculator.proposer.propose
+
+    def spy(seqs, limits):
+        drafts = propose(seqs, limits)
+        calls.extend((list(s.token_ids), n, list(d)) for s, n, d in zip(seqs, limits, drafts, strict=True))
+        return drafts
+
+    llm.engine.speculator.proposer.propose = spy
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert spec == plain
+    assert max(tapped_steps) > len(prompts), "no verify step ran the fused call with taps"
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted < stats.num_drafted, stats
+    reference = ReferenceEagle3(target, head)
+    for tokens, limit, drafts in calls[::4]:
+        assert drafts == reference.drafts(tokens, limit), f"after {len(tokens)} tokens"
+
+
+@pytest.fixture
+def tapped_steps(monkeypatch) -> list[int]:
+    """The token counts of the steps the cpu backend's fused decode call ran with taps bound."""
+    from flashllm.backends.cpu.decode_stack import FusedDecode
+
+    steps: list[int] = []
+    bind = FusedDecode._bind_taps
+
+    def counting(self, tokens):
+        out = bind(self, tokens)
+        if out is not None and out is not False:
+            steps.append(tokens)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "_bind_taps", counting)
+    return steps
+
+
 def _drafted(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Every round's drafts while `llm` generates."""
     proposer = llm.engine.speculator.proposer
@@ -154,28 +211,16 @@ def _drafted(llm, prompts: list[list[int]], params: SamplingParams) -> list[list
 
 
 @pytest.mark.parametrize("head", ["head", "phead"])
-def test_the_fused_decode_step_keeps_the_taps(dirs, monkeypatch, head: str) -> None:
+def test_the_fused_decode_step_keeps_the_taps(dirs, monkeypatch, tapped_steps, head: str) -> None:
     """The cpu backend's fused decoder-stack step keeps the tapped layers' streams in its native call: it runs
     the decode and verify steps with the head loaded, and every round's drafts equal those of the
     layer-by-layer forward (FLASHLLM_CPU_FUSED_DECODE=0)."""
-    from flashllm.backends.cpu.decode_stack import FusedDecode
-
     target = dirs["ptarget" if head == "phead" else "target"]
     prompts = random_prompts(4, seed=8)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    tapped: list[int] = []
-    bind = FusedDecode._bind_taps
-
-    def counting(self, tokens):
-        out = bind(self, tokens)
-        if out is not None and out is not False:
-            tapped.append(tokens)
-        return out
-
-    monkeypatch.setattr(FusedDecode, "_bind_taps", counting)
     fused_llm = spec_llm(target, "cpu", _eagle3(dirs[head], guard=0.0))
     fused = _drafted(fused_llm, prompts, params)
-    assert fused_llm.engine.runner._fused_decode is not None and max(tapped) > len(prompts), tapped
+    assert fused_llm.engine.runner._fused_decode is not None and max(tapped_steps) > len(prompts), tapped_steps
     monkeypatch.setenv("FLASHLLM_CPU_FUSED_DECODE", "0")
     plain_llm = spec_llm(target, "cpu", _eagle3(dirs[head], guard=0.0))
     plain = _drafted(plain_llm, prompts, params)
