@@ -302,7 +302,8 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], shapes: dict[str, tuple[in
                              f"({config.vocab_size}), got {draft_vocab!r}")
     taps = _tap_layers(raw, len(stack.layers), source)
     layout = Eagle3Layout(target_hidden_size, draft_vocab,
-                          max(config.max_position_embeddings, int(getattr(target, "max_position", 0) or 0)),
+                          max(config.max_position_embeddings,
+                              int(getattr(getattr(target, "config", None), "max_position_embeddings", 0) or 0)),
                           own_embedding, "fc.bias" in shapes, bool(raw.get("norm_before_residual", False)),
                           embed, HiddenTaps(taps))
     head = Eagle3Head(config, ops, dtype, device, layout=layout)

@@ -143,7 +143,8 @@ def test_moe_and_latent_attention_targets(tmp_path: Path, tapped_steps, builder:
                                           taps: list[int]) -> None:
     """Mixture-of-experts (Mixtral, Qwen2-MoE) and latent-attention (DeepSeek-V3) targets hand over their
     layers too, through the fused step's MoE and MLA layers: drafts equal the reference's, greedy tokens
-    equal plain decoding, drafts were accepted and rejected."""
+    equal plain decoding, drafts were accepted and rejected. The heads' configs say 64 positions, fewer than
+    the prompts reach: the head's rotary table covers the target's."""
     from flashllm.testing.deepseek import build_deepseek_model
     from flashllm.testing.tiny_moe import build_moe_model
 
@@ -151,8 +152,9 @@ def test_moe_and_latent_attention_targets(tmp_path: Path, tapped_steps, builder:
         target = build_moe_model(tmp_path / "target", preset, seed=3, num_hidden_layers=max(taps) + 1)
     else:
         target = build_deepseek_model(tmp_path / "target", preset, seed=3)
+    # a head config shorter than the prompts: it drafts at the target's positions all the same
     head = build_eagle3_head(tmp_path / "head", target, seed=6, predictable=PREDICTABLE,
-                             eagle_aux_hidden_state_layer_ids=taps)
+                             eagle_aux_hidden_state_layer_ids=taps, max_position_embeddings=64)
     prompts = random_prompts(6, seed=12)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in spec_llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
