@@ -54,7 +54,7 @@ class Inventory:
     def save(self) -> None:
         self.path.write_text(json.dumps(self.items, indent=2, sort_keys=True))
 '''
-_CHAT_DATASETS = ("copy", "chat")  # chat prompts whose answers end at the model's end of text
+_CHAT_DATASETS = ("copy", "chat", "sharegpt")  # prompts whose answers end at the model's end of text
 _VERIFY_STEPS = 20  # timed steps per kind in the verify-cost measurement
 
 
@@ -141,9 +141,15 @@ def verify_step_cost(llm: Any, drafts: int) -> float:
 
 def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]:
     """(prompt tokens, output length) pairs: chat prompts of COPY_TASKS (--dataset copy, needs a tokenizer and a
-    chat template), else random tokens (nothing to copy)."""
-    from flashllm.bench.workload import parse_range, random_requests
+    chat template) or OPEN_TASKS (chat), a ShareGPT file's first turns with their replies' lengths (sharegpt),
+    else random tokens (nothing to copy)."""
+    from flashllm.bench.workload import parse_range, random_requests, sharegpt_requests
 
+    if args.dataset == "sharegpt":
+        if not getattr(args, "dataset_path", None):
+            raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
+        return [(r.prompt_token_ids, r.output_len) for r in sharegpt_requests(
+            Path(args.dataset_path), llm.tokenizer, args.num_prompts, seed=args.seed)]
     output_len = parse_range(args.output_len)[1]
     if args.dataset == "copy":
         from flashllm.testing.corpus import CORPUS

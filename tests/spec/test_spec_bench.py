@@ -63,3 +63,25 @@ def test_copy_prompts_hold_the_text_they_ask_to_copy(model_dir: Path) -> None:
         assert task.split("{")[0].strip() in text
     prose = [line for line in CORPUS if line.endswith(".") and len(line) > 40]
     assert sum(line in texts[0] for line in prose) >= 8  # eight sentences to copy, not a fragment
+
+
+def test_sharegpt_prompts_are_the_files_first_turns(model_dir: Path, tmp_path: Path) -> None:
+    """--dataset sharegpt with --speculate_method decodes the file's prompts for their replies' lengths (it
+    fell back to random tokens before)."""
+    import argparse
+
+    from flashllm.bench import speculative
+    from flashllm.llm import LLM
+
+    llm = LLM(str(model_dir), device="cpu", max_model_len=4096)
+    texts = ["the quick brown fox jumps over the lazy dog", "tell me a story about a small boat at sea"]
+    replies = ["once upon a time there was a fox", "a boat sailed on and on, far from home"]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": r}]}
+                                for t, r in zip(texts, replies, strict=True)]))
+    args = argparse.Namespace(dataset="sharegpt", dataset_path=str(path), num_prompts=2, output_len="64",
+                              input_len="8", seed=0)
+    requests = speculative._requests(args, llm)
+    assert sorted(llm.tokenizer.decode(p).strip() for p, _ in requests) == sorted(texts)
+    lengths = {llm.tokenizer.decode(p).strip(): n for p, n in requests}
+    assert [lengths[t] for t in texts] == [len(llm.tokenizer.encode(r)) for r in replies]
