@@ -16,15 +16,23 @@ INIT_STD = 0.1
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
-def _load_target(target_dir: Path, predictable: float | None) -> dict[str, torch.Tensor]:
-    """The target's tensors; with `predictable`, its output projections scaled by it, written back in place
-    (so its next token depends mostly on the current one)."""
+def _load_target(target_dir: Path, predictable: float | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The target's config.json and tensors; with `predictable`, its output projections scaled by it, written
+    back in place (so its next token depends mostly on the current one)."""
+    target_config = json.loads((target_dir / "config.json").read_text())
     target_file = target_dir / "model.safetensors"
     target = load_file(target_file)
     if predictable is not None:
         target = {name: t * predictable if name.endswith(_OUTPUT_PROJECTIONS) else t for name, t in target.items()}
         save_file(target, target_file, metadata={"format": "pt"})
-    return target
+    return target_config, target
+
+
+def _head_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    """The target's sizes a head's config.json repeats."""
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rms_norm_eps", "vocab_size")
+    return {key: target_config[key] for key in keys if key in target_config}
 
 
 def build_eagle_head(out_dir: Path, target_dir: Path, seed: int = 0, predictable: float | None = None,
@@ -38,13 +46,9 @@ def build_eagle_head(out_dir: Path, target_dir: Path, seed: int = 0, predictable
     The target's output projections (o_proj, down_proj) are scaled by the factor in place, so its next token
     depends mostly on the current one; the head's fc is [diag(target's final norm) 0] without bias and its own
     output projections are scaled alike, so lm_head(o_i) is about the target's guess after t_{i+1}."""
-    out_dir = Path(out_dir)
+    out_dir, (target_config, target) = Path(out_dir), _load_target(Path(target_dir), predictable)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    target = _load_target(Path(target_dir), predictable)
-    config = {key: target_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
-                                                  "vocab_size") if key in target_config}
+    config = _head_config(target_config)
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
                   rope_theta=target_config.get("rope_theta", 10000.0), torch_dtype="float32")
     config.update(config_overrides)
@@ -95,13 +99,9 @@ def build_eagle3_head(out_dir: Path, target_dir: Path, seed: int = 0, predictabl
     vocabulary then holds every g(t)."""
     import math
 
-    out_dir = Path(out_dir)
+    out_dir, (target_config, target) = Path(out_dir), _load_target(Path(target_dir), predictable)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    target = _load_target(Path(target_dir), predictable)
-    config = {key: target_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
-                                                  "vocab_size") if key in target_config}
+    config = _head_config(target_config)
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     vocab, h = config["vocab_size"], config["hidden_size"]
     draft_vocab = draft_vocab or vocab * 5 // 8

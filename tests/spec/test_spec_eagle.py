@@ -5,7 +5,6 @@ tokens equal to plain decoding under preemption, acceptance in the stats, bad he
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from flashllm.config import SpeculativeConfig
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.eagle import build_eagle_head
 from flashllm.testing.greedy_rows import greedy_screen_rows
-from flashllm.testing.spec_engine import random_prompts, spec_llm
+from flashllm.testing.spec_engine import check_parity_under_preemption, random_prompts, record_drafts, spec_llm
 from flashllm.testing.tiny_models import build_tiny_model
 
 PREDICTABLE = 0.03
@@ -85,16 +84,7 @@ def test_drafts_equal_the_reference_eagle_forward(eagle_dirs, target: str, head:
     head's output for drafts 2 and 3. (The guard is off: a paused sequence's bursts leave a gap in the head's
     cache, which test_a_paused_sequence_bursts_and_keeps_its_tokens covers.)"""
     llm = spec_llm(eagle_dirs[target], "cpu", _eagle(eagle_dirs[head], guard=0.0), max_num_batched_tokens=48)
-    proposer = llm.engine.speculator.proposer
-    calls: list[tuple[list[int], int, list[int]]] = []
-    propose = proposer.propose
-
-    def spy(seqs, limits):
-        drafts = propose(seqs, limits)
-        calls.extend((list(s.token_ids), n, list(d)) for s, n, d in zip(seqs, limits, drafts, strict=True))
-        return drafts
-
-    proposer.propose = spy
+    calls = record_drafts(llm)
     prompts = random_prompts(6, seed=11)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
@@ -110,22 +100,7 @@ def test_drafts_equal_the_reference_eagle_forward(eagle_dirs, target: str, head:
 def test_greedy_tokens_equal_plain_decoding(eagle_dirs, backend: str, k: int, count: int, blocks: int) -> None:
     """Under continuous batching, with preemption forced by a small cache and prefix-cache hits, an EAGLE head
     changes no token; acceptance rate and mean accepted length land in the speculator's stats."""
-    target = eagle_dirs["ptarget"]
-    prompts = random_prompts(count, seed=3)
-    prompts += [list(p) for p in prompts[: count // 4]]
-    rng = random.Random(4)
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
-    options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
-    plain = [o.outputs[0].token_ids for o in spec_llm(target, backend, None, **options).generate(
-        prompts, params, use_tqdm=False)]
-    llm = spec_llm(target, backend, _eagle(eagle_dirs["phead"], k=k), **options)
-    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    stats = llm.engine.speculator.stats
-    assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
-    assert 0.0 < stats.acceptance_rate < 1.0 and stats.mean_accepted_length > 1.0
-    if blocks < 96:
-        assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
-    assert spec == plain
+    check_parity_under_preemption(eagle_dirs["ptarget"], backend, _eagle(eagle_dirs["phead"], k=k), count, blocks)
 
 
 def test_a_paused_sequence_bursts_and_keeps_its_tokens(eagle_dirs, monkeypatch) -> None:

@@ -6,7 +6,6 @@ step keeping the taps, bad heads refused at load."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from flashllm.config import SpeculativeConfig
 from flashllm.models.eagle import default_tap_layers
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.eagle import build_eagle3_head, build_eagle_head
-from flashllm.testing.spec_engine import random_prompts, spec_llm
+from flashllm.testing.spec_engine import check_parity_under_preemption, random_prompts, record_drafts, spec_llm
 from flashllm.testing.tiny_models import build_tiny_model
 
 PREDICTABLE = 0.03
@@ -113,16 +112,7 @@ def test_drafts_equal_the_reference_eagle3_forward(dirs, target: str, head: str,
     (predictable head) and rejected drafts, the reuse of the head's output, the draft-to-target id map. Method
     eagle loads an EAGLE-3 head too."""
     llm = spec_llm(dirs[target], "cpu", _eagle3(dirs[head], guard=0.0, method=method), max_num_batched_tokens=48)
-    proposer = llm.engine.speculator.proposer
-    calls: list[tuple[list[int], int, list[int]]] = []
-    propose = proposer.propose
-
-    def spy(seqs, limits):
-        drafts = propose(seqs, limits)
-        calls.extend((list(s.token_ids), n, list(d)) for s, n, d in zip(seqs, limits, drafts, strict=True))
-        return drafts
-
-    proposer.propose = spy
+    calls = record_drafts(llm)
     prompts = random_prompts(6, seed=11)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(calls) >= 18 and max(len(p) for p in prompts) > 48
@@ -159,15 +149,7 @@ def test_moe_and_latent_attention_targets(tmp_path: Path, tapped_steps, builder:
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in spec_llm(target, "cpu", None).generate(prompts, params, use_tqdm=False)]
     llm = spec_llm(target, "cpu", _eagle3(head, guard=0.0))
-    calls: list[tuple[list[int], int, list[int]]] = []
-    propose = llm.engine.speculator.proposer.propose
-
-    def spy(seqs, limits):
-        drafts = propose(seqs, limits)
-        calls.extend((list(s.token_ids), n, list(d)) for s, n, d in zip(seqs, limits, drafts, strict=True))
-        return drafts
-
-    llm.engine.speculator.proposer.propose = spy
+    calls = record_drafts(llm)
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert spec == plain
     assert max(tapped_steps) > len(prompts), "no verify step ran the fused call with taps"
@@ -198,18 +180,9 @@ def tapped_steps(monkeypatch) -> list[int]:
 
 def _drafted(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Every round's drafts while `llm` generates."""
-    proposer = llm.engine.speculator.proposer
-    rounds: list[list[int]] = []
-    propose = proposer.propose
-
-    def spy(seqs, limits):
-        drafts = propose(seqs, limits)
-        rounds.extend(list(d) for d in drafts)
-        return drafts
-
-    proposer.propose = spy
+    calls = record_drafts(llm)
     llm.generate(prompts, params, use_tqdm=False)
-    return rounds
+    return [drafts for _, _, drafts in calls]
 
 
 @pytest.mark.parametrize("head", ["head", "phead"])
@@ -234,22 +207,7 @@ def test_the_fused_decode_step_keeps_the_taps(dirs, monkeypatch, tapped_steps, h
 def test_greedy_tokens_equal_plain_decoding(dirs, backend: str, k: int, count: int, blocks: int) -> None:
     """Under continuous batching, with preemption forced by a small cache and prefix-cache hits, an EAGLE-3
     head changes no token; acceptance rate and mean accepted length land in the speculator's stats."""
-    target = dirs["ptarget"]
-    prompts = random_prompts(count, seed=3)
-    prompts += [list(p) for p in prompts[: count // 4]]
-    rng = random.Random(4)
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
-    options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
-    plain = [o.outputs[0].token_ids for o in spec_llm(target, backend, None, **options).generate(
-        prompts, params, use_tqdm=False)]
-    llm = spec_llm(target, backend, _eagle3(dirs["phead"], k=k), **options)
-    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    stats = llm.engine.speculator.stats
-    assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
-    assert 0.0 < stats.acceptance_rate < 1.0 and stats.mean_accepted_length > 1.0
-    if blocks < 96:
-        assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
-    assert spec == plain
+    check_parity_under_preemption(dirs["ptarget"], backend, _eagle3(dirs["phead"], k=k), count, blocks)
 
 
 def _edit(head: Path, tmp: Path, config: dict | None = None, tensors: dict | None = None,

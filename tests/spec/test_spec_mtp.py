@@ -5,7 +5,6 @@ to plain decoding under preemption and prefix caching, acceptance in the stats, 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from flashllm.config import SpeculativeConfig
 from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model, build_deepseek_mtp_model
-from flashllm.testing.spec_engine import random_prompts, spec_llm
+from flashllm.testing.spec_engine import check_parity_under_preemption, random_prompts, spec_llm
 
 LAYERS = PRESETS["v3"][2]["num_hidden_layers"]
 # the predictable model's output projections scale: about half the drafts accepted (measured 0.57 with k = 3)
@@ -119,22 +118,8 @@ def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: flo
 def test_greedy_tokens_equal_plain_decoding(mtp_dirs, backend: str, k: int, count: int, blocks: int) -> None:
     """Under continuous batching, with preemption forced by a small cache (and prefix-cache hits from repeated
     prompts), speculation with the MTP layer changes no token; acceptance lands in the speculator's stats."""
-    model_dir = mtp_dirs["predictable"]
-    prompts = random_prompts(count, seed=3)
-    prompts += [list(p) for p in prompts[: count // 4]]  # the same prompts again: prefix-cache hits
-    rng = random.Random(4)
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
-    options = {"num_kv_blocks": blocks, "enable_prefix_caching": True}
-    plain = [o.outputs[0].token_ids for o in spec_llm(model_dir, backend, None, **options).generate(
-        prompts, params, use_tqdm=False)]
-    llm = spec_llm(model_dir, backend, SpeculativeConfig(method="mtp", num_speculative_tokens=k), **options)
-    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    stats = llm.engine.speculator.stats
-    assert stats.num_accepted > count // 2 and stats.num_drafted > stats.num_accepted, stats
-    assert 0.0 < stats.acceptance_rate < 1.0 and stats.mean_accepted_length > 1.0
-    if blocks < 96:
-        assert llm.engine.scheduler.num_preemptions > 0, "the cache is meant to be too small: nothing was preempted"
-    assert spec == plain
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=k)
+    check_parity_under_preemption(mtp_dirs["predictable"], backend, spec, count, blocks)
 
 
 def test_models_without_mtp_layers_are_refused(tmp_path: Path, mtp_dirs) -> None:
