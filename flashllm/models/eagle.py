@@ -243,8 +243,8 @@ def load_eagle_head(head_dir: str | Path, target: Any, target_hidden_size: int, 
     if is_eagle3(raw, names):
         if version == 1:
             raise ModelLoadError(f"{head_dir} is an EAGLE-3 head: use --speculate_method eagle3 (or eagle)")
-        return _load_eagle3(head_dir, raw, shapes, target, target_hidden_size, target_vocab_size, ops, dtype,
-                            torch.device(device), quant)
+        return _load_eagle3(head_dir, raw, files, shapes, target, target_hidden_size, target_vocab_size, ops,
+                            dtype, torch.device(device), quant)
     if version == 3:
         raise ModelLoadError(f"{head_dir} is an EAGLE-1 head (no d2t, midlayer.* or EAGLE-3 config fields): "
                              "use --speculate_method eagle")
@@ -268,13 +268,15 @@ def _check_fits(head_dir: Path, value: int, wanted: int, field: str) -> None:
                              "trained for this model")
 
 
-def _load_eagle3(head_dir: Path, raw: dict[str, Any], shapes: dict[str, tuple[int, ...]], target: Any,
-                 target_hidden_size: int, target_vocab_size: int, ops: Any, dtype: torch.dtype,
+def _load_eagle3(head_dir: Path, raw: dict[str, Any], files: Any, shapes: dict[str, tuple[int, ...]],
+                 target: Any, target_hidden_size: int, target_vocab_size: int, ops: Any, dtype: torch.dtype,
                  device: torch.device, quant: Any) -> Eagle3Head:
-    """load_eagle_head for an EAGLE-3 directory; on success the target's stack taps the head's layers."""
+    """load_eagle_head for an EAGLE-3 directory (its safetensors `files` and their tensors' `shapes`); on success
+    the target's stack taps the head's layers."""
     from flashllm.models.loader import load_selected_weights
 
     source = str(head_dir / "config.json")
+    local = {name.removeprefix("model."): name for name in shapes}  # the head's own name -> the checkpoint's
     stack = getattr(target, "model", None)
     embed = getattr(stack, "embed_tokens", None)
     if embed is None or not hasattr(stack, "hidden_taps"):
@@ -292,7 +294,7 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], shapes: dict[str, tuple[in
     _check_fits(head_dir, int(raw.get("target_hidden_size") or config.hidden_size), target_hidden_size,
                 "target_hidden_size" if raw.get("target_hidden_size") else "hidden_size")
     _check_fits(head_dir, config.vocab_size, target_vocab_size, "vocab_size")
-    own_embedding = "embed_tokens.weight" in shapes
+    own_embedding = "embed_tokens.weight" in local
     if not own_embedding and config.hidden_size != target_hidden_size:
         raise ModelLoadError(f"the EAGLE-3 head {head_dir} has hidden_size {config.hidden_size} and no "
                              f"embed_tokens of its own; the target's embedding is {target_hidden_size} wide")
@@ -304,11 +306,12 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], shapes: dict[str, tuple[in
     layout = Eagle3Layout(target_hidden_size, draft_vocab,
                           max(config.max_position_embeddings,
                               int(getattr(getattr(target, "config", None), "max_position_embeddings", 0) or 0)),
-                          own_embedding, "fc.bias" in shapes, bool(raw.get("norm_before_residual", False)),
+                          own_embedding, "fc.bias" in local, bool(raw.get("norm_before_residual", False)),
                           embed, HiddenTaps(taps))
     head = Eagle3Head(config, ops, dtype, device, layout=layout)
     load_selected_weights(head, head_dir, _eagle3_name, quant)
-    head.draft_to_target.copy_(_draft_to_target(head_dir, shapes, draft_vocab, target_vocab_size))
+    head.draft_to_target.copy_(_draft_to_target(head_dir, files, shapes, local.get("d2t"), draft_vocab,
+                                                target_vocab_size))
     stack.hidden_taps = layout.taps
     return head
 
@@ -333,16 +336,13 @@ def _eagle3_name(name: str) -> str | None:
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
-def _draft_to_target(head_dir: Path, shapes: dict[str, tuple[int, ...]], draft_vocab: int,
-                     target_vocab: int) -> Tensor:
-    """The checkpoint's d2t as absolute target ids (draft id d -> d + d2t[d]); the identity without one, which
-    only a head of the target's whole vocabulary may lack."""
+def _draft_to_target(head_dir: Path, files: Any, shapes: dict[str, tuple[int, ...]], name: str | None,
+                     draft_vocab: int, target_vocab: int) -> Tensor:
+    """The checkpoint's d2t (tensor `name` in `files`) as absolute target ids (draft id d -> d + d2t[d]); the
+    identity without one, which only a head of the target's whole vocabulary may lack."""
     from safetensors import safe_open
 
-    from flashllm.models.loader import safetensors_files
-
     ids = torch.arange(draft_vocab)
-    name = "d2t" if "d2t" in shapes else "model.d2t" if "model.d2t" in shapes else None
     if name is None:
         if draft_vocab != target_vocab:
             raise ModelLoadError(f"{head_dir}: no d2t tensor, so the head's {draft_vocab} draft tokens cannot be "
@@ -351,7 +351,7 @@ def _draft_to_target(head_dir: Path, shapes: dict[str, tuple[int, ...]], draft_v
     if shapes[name] != (draft_vocab,):
         raise ModelLoadError(f"{head_dir}: d2t has shape {list(shapes[name])}, expected [{draft_vocab}] "
                              "(draft_vocab_size)")
-    for path in safetensors_files(head_dir):
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             if name in f.keys():
                 offsets = f.get_tensor(name)

@@ -266,3 +266,23 @@ def test_a_model_whose_stack_cannot_hand_over_its_layers_is_refused(dirs) -> Non
     with pytest.raises(ModelLoadError, match="does not hand them over"):
         load_eagle_head(dirs["head"], SimpleNamespace(model=stack), 64, 256, None, torch.float32, torch.device("cpu"))
     assert not hasattr(stack, "hidden_taps")
+
+
+def test_a_model_prefix_on_every_tensor_name_changes_nothing(dirs, tmp_path: Path) -> None:
+    """Some converters write `model.`-prefixed names (model.embed_tokens.weight, model.fc.*, model.d2t): the head
+    with its own embedding and fc loads from them and drafts exactly what the unprefixed copy drafts."""
+    from safetensors.torch import load_file, save_file
+
+    prefixed = tmp_path / "prefixed"
+    prefixed.mkdir()
+    (prefixed / "config.json").write_text((dirs["head_b"] / "config.json").read_text())
+    weights = load_file(dirs["head_b"] / "model.safetensors")
+    assert "embed_tokens.weight" in weights
+    save_file({f"model.{k}": v for k, v in weights.items()}, prefixed / "model.safetensors")
+    prompts = random_prompts(3, seed=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    drafts = {}
+    for name, head in (("plain", dirs["head_b"]), ("prefixed", prefixed)):
+        llm = spec_llm(dirs["target"], "cpu", _eagle3(head, guard=0.0))
+        drafts[name] = _drafted(llm, prompts, params)
+    assert drafts["plain"] == drafts["prefixed"] and sum(map(len, drafts["plain"])) > 10
