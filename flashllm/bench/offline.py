@@ -423,12 +423,10 @@ def _llama_cpp(args: argparse.Namespace, model_dir: Path, requests: list[BenchRe
 
 
 def _requests(args: argparse.Namespace, llm: Any) -> list[BenchRequest]:
-    from flashllm.bench.workload import parse_range, random_requests, sharegpt_requests
+    from flashllm.bench.workload import parse_range, random_requests, sharegpt_file_requests
 
     if args.dataset == "sharegpt":
-        if not args.dataset_path:
-            raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
-        return sharegpt_requests(Path(args.dataset_path), llm.tokenizer, args.num_prompts, seed=args.seed)
+        return sharegpt_file_requests(args, llm.tokenizer)
     vocab = llm.engine.parts.hf_config.vocab_size
     return random_requests(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
 

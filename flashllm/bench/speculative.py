@@ -143,13 +143,10 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
     """(prompt tokens, output length) pairs: chat prompts of COPY_TASKS (--dataset copy, needs a tokenizer and a
     chat template) or OPEN_TASKS (chat), a ShareGPT file's first turns with their replies' lengths (sharegpt),
     else random tokens (nothing to copy)."""
-    from flashllm.bench.workload import parse_range, random_requests, sharegpt_requests
+    from flashllm.bench.workload import parse_range, random_requests, sharegpt_file_requests
 
     if args.dataset == "sharegpt":
-        if not getattr(args, "dataset_path", None):
-            raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
-        return [(r.prompt_token_ids, r.output_len) for r in sharegpt_requests(
-            Path(args.dataset_path), llm.tokenizer, args.num_prompts, seed=args.seed)]
+        return [(r.prompt_token_ids, r.output_len) for r in sharegpt_file_requests(args, llm.tokenizer)]
     output_len = parse_range(args.output_len)[1]
     if args.dataset == "copy":
         from flashllm.testing.corpus import CORPUS

@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,13 @@ def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int,
         n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
         requests.append(BenchRequest([rng.randrange(vocab) for _ in range(n_in)], n_out))
     return requests
+
+
+def sharegpt_file_requests(args: Any, tokenizer: Any) -> list[BenchRequest]:
+    """sharegpt_requests from the bench's --dataset-path, --num-prompts and --seed; SystemExit without a file."""
+    if not args.dataset_path:
+        raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
+    return sharegpt_requests(Path(args.dataset_path), tokenizer, args.num_prompts, seed=args.seed)
 
 
 def sharegpt_requests(path: Path, tokenizer, num: int, max_len: int = 2048, seed: int = 0) -> list[BenchRequest]:
