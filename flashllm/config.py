@@ -146,7 +146,8 @@ class SpeculativeConfig:
     draft_lookup: bool = True
     # the adaptive guard: a sequence whose recent acceptance falls below this share of its drafts stops
     # drafting for a while (see core/spec/speculator.py); 0 turns the guard off; None: a quarter, or for a
-    # draft model the break-even acceptance the engine measures at start-up (core/spec/costs.py), if higher
+    # draft model, MTP layer or EAGLE head the break-even acceptance the engine measures at start-up
+    # (core/spec/costs.py), if higher
     min_acceptance: float | None = None
 
     @property

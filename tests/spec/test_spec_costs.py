@@ -1,5 +1,6 @@
-"""A draft model's break-even acceptance: the round costs the engine measures at start-up (core/spec/costs.py),
-the formula, and the guard judging a sequence against that point instead of the fixed quarter."""
+"""The break-even acceptance of drafts that cost passes (a draft model, EAGLE heads): the round costs the engine
+measures at start-up (core/spec/costs.py), the formula, and the guard judging a sequence against that point
+instead of the fixed quarter."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flashllm.core.spec import costs as spec_costs
 from flashllm.core.spec import speculator as spec
 from flashllm.core.spec.costs import RoundCosts
 from flashllm.llm import LLM
+from flashllm.testing.eagle import build_eagle3_head, build_eagle_head
 from flashllm.testing.tiny_models import build_tiny_model
 
 OPTIONS = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 2, "max_model_len": 256, "dtype": "float32"}
@@ -33,7 +35,18 @@ def test_at_the_break_even_acceptance_a_round_costs_what_its_tokens_cost_plainly
     assert costs.verify_step_cost == verify / 12.0
 
 
-def test_the_engine_measures_a_draft_models_round_on_blocks_it_gives_back(target: Path, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def headed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An 8-layer target (the default EAGLE-3 taps are three layers from 6 on) with an EAGLE and an EAGLE-3 head."""
+    mk = tmp_path_factory.mktemp
+    target = build_tiny_model(mk("target8"), "llama", seed=5, tokenizer=False, num_hidden_layers=8)
+    return {"target": target, "eagle": build_eagle_head(mk("eagle"), target, seed=1),
+            "eagle3": build_eagle3_head(mk("eagle3"), target, seed=2)}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_the_engine_measures_a_drafting_models_round_on_blocks_it_gives_back(
+        method: str, target: Path, headed: dict[str, Path], monkeypatch) -> None:
     measured: list[RoundCosts | None] = []
     measure = spec_costs.measure_round
 
@@ -43,7 +56,9 @@ def test_the_engine_measures_a_draft_models_round_on_blocks_it_gives_back(target
         return costs
 
     monkeypatch.setattr(spec_costs, "measure_round", recording)
-    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}
+    if method != "draft_model":
+        target = headed["target"]
+    config = {"method": method, "model": str(headed.get(method, target)), "num_speculative_tokens": 3}
     llm = LLM(str(target), backend="cpu", speculative_config=config, **OPTIONS)
     engine = llm.engine
     assert len(measured) == 1 and measured[0] is not None
@@ -52,7 +67,11 @@ def test_the_engine_measures_a_draft_models_round_on_blocks_it_gives_back(target
     expected = min(max(spec._DEFAULT_MIN_ACCEPTANCE, costs.break_even()), spec._MAX_MIN_ACCEPTANCE)
     assert math.isclose(engine.speculator.min_acceptance, expected)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
-    assert not engine.speculator.proposer._states, "the measurement left draft state behind"
+    proposer = engine.speculator.proposer
+    kept = getattr(proposer, "_states", None) if method == "draft_model" else proposer._pending
+    assert not kept, "the measurement left the proposer's state behind"
+    assert spec_costs.measure_round(engine, 3) is not None  # the bench's: the verify step alone
+    assert not kept, "the verify-only measurement left the proposer's state behind"
     # and the engine still decodes after it
     assert len(llm.generate([[5, 6, 7, 8]], use_tqdm=False)[0].outputs[0].token_ids) > 0
 

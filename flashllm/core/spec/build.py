@@ -93,7 +93,7 @@ def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,
 
 
 def calibrate_guard(engine: Any) -> None:
-    """For a proposer whose drafts cost time (measure_drafts: a draft model), measure a round against plain
+    """For a proposer whose drafts cost time (measure_drafts: a draft model, an MTP layer, an EAGLE head), measure a round against plain
     decoding on this machine (core/spec/costs.py) and let the guard judge acceptance against its break-even
     point, unless SpeculativeConfig.min_acceptance was given."""
     speculator = engine.speculator

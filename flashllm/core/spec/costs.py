@@ -2,10 +2,10 @@
 
 The adaptive guard (core/spec/speculator.py) stops a sequence's drafts when its acceptance falls below the
 break-even point. With drafts that cost nothing to make (the n-gram lookup) that point is low and a fixed
-floor serves. A draft model's drafts cost a forward pass each, and a verify step of 1 + k rows costs more
-than a decode step, so its break-even point depends on the machine and the two models: the engine measures
-it once at start-up (build.calibrate_guard, RoundCosts.break_even), on a sequence of its own, through the same
-executor and proposer a round uses. The bench reads the verify step's cost from the same measurement.
+floor serves. A draft model's drafts cost a forward pass each (an MTP layer's or EAGLE head's a pass of
+that layer), and a verify step of 1 + k rows costs more than a decode step, so the break-even point depends
+on the machine and the models: the engine measures it once at start-up (build.calibrate_guard,
+RoundCosts.break_even), on a sequence of its own, through the same executor and proposer a round uses. The bench reads the verify step's cost from the same measurement.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def measure_round(engine: Any, drafts: int, repeats: int = 5, proposer: Any = No
                        draft=proposer.measure_drafts(seq, drafts, timed))
     finally:
         bm.free(seq)
+        if engine.speculator is not None:  # a proposer reading hidden states kept the steps' rows
+            engine.speculator.forget(seq)
 
 
 def _seconds(run: Callable[[], object], repeats: int) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -174,6 +175,24 @@ class MTPProposer:
     def _greedy(self, states: Tensor) -> list[int]:
         ids = self.mtp.compute_logits(states).float().argmax(dim=-1)
         return (ids if self.token_map is None else self.token_map[ids]).tolist()
+
+    def measure_drafts(self, seq: Sequence, drafts: int, timer: Callable[[Callable[[], object]], float]) -> float:
+        """timer's seconds for proposing `drafts` drafts after the sequence's last token as a round after a
+        rejection runs them: the layer's catch-up row for the last verified position, then drafts - 1 passes.
+        Zero rows stand in for the target's hidden states (a pass costs the same whatever they hold); the layer
+        writes only the sequence's own slots (its block table must cover the drafts) and keeps nothing after."""
+        last = seq.num_tokens - 1
+        row = torch.zeros(1, self.mtp.config.hidden_size, dtype=next(self.mtp.parameters()).dtype,
+                          device=self.device)
+
+        def round_drafts() -> object:
+            self._pending[seq.seq_id] = _Pending(last - 1, [row], 1)
+            return self.propose([seq], [drafts])
+
+        try:
+            return timer(round_drafts)
+        finally:
+            self.forget(seq)
 
     def forget(self, seq: Sequence) -> None:
         self._pending.pop(seq.seq_id, None)

@@ -19,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 # The guard's memory: each round's acceptance enters an exponential average with this weight.
 _EMA_WEIGHT = 0.3
-# The guard's threshold when SpeculativeConfig.min_acceptance is None: this share of the drafts, or a draft
-# model's measured break-even acceptance where higher (set_break_even), never more than the cap, so a paused
-# sequence still tries again now and then.
+# The guard's threshold when SpeculativeConfig.min_acceptance is None: this share of the drafts, or where higher
+# the measured break-even acceptance of drafts that cost passes (draft model, MTP layer, EAGLE head;
+# set_break_even), never more than the cap, so a paused sequence still tries again now and then.
 _DEFAULT_MIN_ACCEPTANCE, _MAX_MIN_ACCEPTANCE = 0.25, 0.9
 # A sequence is judged only after this many verified rounds with drafts.
 _MIN_ROUNDS = 3
@@ -239,7 +239,7 @@ class Speculator:
 
     def set_break_even(self, costs: RoundCosts) -> None:
         """Judge acceptance against the break-even point of these measured costs (a proposer whose drafts cost
-        time: a draft model), unless SpeculativeConfig.min_acceptance was given."""
+        time: a draft model, an MTP layer, an EAGLE head), unless SpeculativeConfig.min_acceptance was given."""
         if self.config.min_acceptance is not None:
             return
         self.min_acceptance = min(max(_DEFAULT_MIN_ACCEPTANCE, costs.break_even()), _MAX_MIN_ACCEPTANCE)
