@@ -14,7 +14,7 @@ from flashllm.models.deepseek import DeepseekDecoderLayer, dequantize_block_fp8,
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
-from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding, Vocabulary, target_vocabulary
 from flashllm.models.layers.linear import ReplicatedLinear
 from flashllm.models.layers.moe import expert_param_target
 from flashllm.models.layers.norm import RMSNorm
@@ -73,8 +73,9 @@ class DeepseekMTP(CausalLM):
         o_i = block(x_i)                                          # causal over the MTP layer's own cache
         logits_i = head(shared_head.norm(o_i))
     o_i (before the norm) stands in for the target's h_{i+1} when the layer is reused to draft further.
-    Without its own embed_tokens / shared_head.head in the checkpoint, the target's are used (`target`).
-    Only one tensor-parallel rank (the layer is small next to the model).
+    Without its own embed_tokens / shared_head.head in the checkpoint, the target's are used (`target`, or
+    `vocabulary`: whole copies of a tensor-parallel target's). It runs whole on one rank (the layer is small
+    next to the model).
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -82,12 +83,13 @@ class DeepseekMTP(CausalLM):
 
     def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1, *, target: Any = None, own_embedding: bool = True,
-                 own_head: bool = True) -> None:
+                 own_head: bool = True, vocabulary: Vocabulary | None = None) -> None:
         super().__init__(config, ops, dtype, device, tp_rank, tp_size)
         if tp_size != 1:
-            raise ValueError("the MTP layer runs on one rank; use --tensor-parallel-size 1 with --speculate_method mtp")
-        if (not own_embedding or not own_head) and target is None:
+            raise ValueError("the MTP layer runs whole on one rank (the driver, beside its shard of the target)")
+        if (not own_embedding or not own_head) and target is None and vocabulary is None:
             raise ValueError("an MTP layer without its own embedding or head needs the target model's")
+        embed, head = vocabulary or target_vocabulary(target)
         rope = config.qk_rope_head_dim
         self.rotary_emb = RotaryEmbedding(rope, rope, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling, ops, device, is_neox=not config.rope_interleaved)
@@ -96,8 +98,7 @@ class DeepseekMTP(CausalLM):
         # held in a tuple, so the target's modules stay out of this module's parameters (loaded and quantized
         # once, by the target)
         self._io: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] = (
-            self.layer.embed_tokens if own_embedding else target.model.embed_tokens,
-            self.layer.shared_head.head if own_head else target.lm_head)
+            self.layer.embed_tokens if own_embedding else embed, self.layer.shared_head.head if own_head else head)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> DeepseekModelConfig:
@@ -142,9 +143,10 @@ class DeepseekMTP(CausalLM):
 
 
 def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, device: torch.device,
-             quant: Any = None) -> DeepseekMTP:
+             quant: Any = None, vocabulary: Vocabulary | None = None) -> DeepseekMTP:
     """The first MTP layer of the checkpoint in model_dir, beside the loaded `target` (its config, and its
-    embedding / LM head where the checkpoint has no copies), quantized like it with `quant`.
+    embedding / LM head where the checkpoint has no copies: `vocabulary` where not the target's own, whole
+    copies of a tensor-parallel target's), quantized like it with `quant`.
 
     ModelLoadError (one line) when config.json declares no MTP layer or the weights lack it."""
     from flashllm.lora.merge import checkpoint_headers
@@ -163,7 +165,7 @@ def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, d
                              "--speculate_method mtp needs them")
     mtp = DeepseekMTP(config, ops, dtype, torch.device(device), target=target,
                       own_embedding=prefix + "embed_tokens.weight" in names,
-                      own_head=prefix + "shared_head.head.weight" in names)
+                      own_head=prefix + "shared_head.head.weight" in names, vocabulary=vocabulary)
     load_selected_weights(mtp, model_dir, lambda name: "layer." + name[len(prefix):] if name.startswith(prefix)
                           else None, quant)
     return mtp

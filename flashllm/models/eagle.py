@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from flashllm.models.base import CausalLM
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
-from flashllm.models.layers.embedding import LMHead, VocabEmbedding
+from flashllm.models.layers.embedding import LMHead, VocabEmbedding, Vocabulary, target_vocabulary
 from flashllm.models.layers.linear import QKVParallelLinear, ReplicatedLinear
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
@@ -37,7 +37,8 @@ class EagleHead(CausalLM):
         o_i = a_i + mlp(post_attention_layernorm(a_i))
         logits_i = lm_head(o_i)                       # the target's LM head, no norm in between
     o_i stands in for the target's h_{i+1} when the head drafts further. The checkpoint holds fc.* and
-    layers.0.* (no input_layernorm); embedding and LM head are the target's. One rank only.
+    layers.0.* (no input_layernorm); embedding and LM head are the target's (`vocabulary`: whole copies of
+    them, where the target is split over tensor-parallel ranks). It runs whole on one rank.
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
@@ -47,13 +48,12 @@ class EagleHead(CausalLM):
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1, *, target: Any = None, fc_bias: bool = True) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, *, target: Any = None, fc_bias: bool = True,
+                 vocabulary: Vocabulary | None = None) -> None:
         super().__init__(config, ops, dtype, device, tp_rank, tp_size)
         if tp_size != 1:
-            raise ValueError("an EAGLE head runs on one rank; use --tensor-parallel-size 1 with "
-                             "--speculate_method eagle")
-        embed = getattr(getattr(target, "model", None), "embed_tokens", None)
-        head = getattr(target, "lm_head", None)
+            raise ValueError("an EAGLE head runs whole on one rank (the driver, beside its shard of the target)")
+        embed, head = vocabulary or target_vocabulary(target)
         if embed is None or head is None:
             raise ValueError(f"an EAGLE head needs the target's model.embed_tokens and lm_head; "
                              f"{type(target).__name__} has {'neither' if embed is head else 'only one'}")
@@ -110,7 +110,7 @@ class Eagle3Head(CausalLM):
     o_i (before the final norm) stands in for g_{i+1} when the head drafts further. A draft id d is the target's
     token d + d2t[d] (the checkpoint's map; the identity when the head keeps the target's vocabulary). The
     checkpoint holds fc.*, midlayer.* (or layers.0.*), norm.*, lm_head.* and d2t; embed_tokens where the head
-    has its own, else the target's is used. One rank only."""
+    has its own, else the target's is used. It runs whole on one rank."""
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = EagleHead.packed_modules_mapping
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
@@ -224,10 +224,11 @@ def _read_config(head_dir: Path) -> dict[str, Any]:
 
 def load_eagle_head(head_dir: str | Path, target: Any, target_hidden_size: int, target_vocab_size: int, ops: Any,
                     dtype: torch.dtype, device: torch.device, quant: Any = None,
-                    version: int | None = None) -> EagleHead | Eagle3Head:
+                    version: int | None = None, vocabulary: Vocabulary | None = None) -> EagleHead | Eagle3Head:
     """The EAGLE head in head_dir (config.json + safetensors) beside the loaded `target`: an EAGLE-3 head when
     the directory is laid out as one (is_eagle3), else an EAGLE-1 head. version (1 or 3): the layout asked for;
-    None takes either.
+    None takes either. vocabulary: the (embedding, LM head) the head shares, where not the target's own (whole
+    copies of a tensor-parallel target's).
 
     ModelLoadError (one line) when the head does not fit the target (hidden size, vocabulary, tapped layers),
     is not of the version asked for, or its weights are not such a head's."""
@@ -244,7 +245,7 @@ def load_eagle_head(head_dir: str | Path, target: Any, target_hidden_size: int, 
         if version == 1:
             raise ModelLoadError(f"{head_dir} is an EAGLE-3 head: use --speculate_method eagle3 (or eagle)")
         return _load_eagle3(head_dir, raw, files, shapes, target, target_hidden_size, target_vocab_size, ops,
-                            dtype, torch.device(device), quant)
+                            dtype, torch.device(device), quant, vocabulary)
     if version == 3:
         raise ModelLoadError(f"{head_dir} is an EAGLE-1 head (no d2t, midlayer.* or EAGLE-3 config fields): "
                              "use --speculate_method eagle")
@@ -257,7 +258,8 @@ def load_eagle_head(head_dir: str | Path, target: Any, target_hidden_size: int, 
                              "decoder layer")
     if "fc.weight" not in names:
         raise ModelLoadError(f"{head_dir}: no fc.weight tensor; an EAGLE-1 head holds fc.* and layers.0.*")
-    head = EagleHead(config, ops, dtype, torch.device(device), target=target, fc_bias="fc.bias" in names)
+    head = EagleHead(config, ops, dtype, torch.device(device), target=target, fc_bias="fc.bias" in names,
+                     vocabulary=vocabulary)
     load_selected_weights(head, head_dir, lambda name: None if name in _SHARED_WITH_TARGET else name, quant)
     return head
 
@@ -270,7 +272,7 @@ def _check_fits(head_dir: Path, value: int, wanted: int, field: str) -> None:
 
 def _load_eagle3(head_dir: Path, raw: dict[str, Any], files: Any, shapes: dict[str, tuple[int, ...]],
                  target: Any, target_hidden_size: int, target_vocab_size: int, ops: Any, dtype: torch.dtype,
-                 device: torch.device, quant: Any) -> Eagle3Head:
+                 device: torch.device, quant: Any, vocabulary: Vocabulary | None = None) -> Eagle3Head:
     """load_eagle_head for an EAGLE-3 directory (its safetensors `files` and their tensors' `shapes`); on success
     the target's stack taps the head's layers."""
     from flashllm.models.loader import load_selected_weights
@@ -278,7 +280,7 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], files: Any, shapes: dict[s
     source = str(head_dir / "config.json")
     local = {name.removeprefix("model."): name for name in shapes}  # the head's own name -> the checkpoint's
     stack = getattr(target, "model", None)
-    embed = getattr(stack, "embed_tokens", None)
+    embed = (vocabulary or target_vocabulary(target))[0]
     if embed is None or not hasattr(stack, "hidden_taps"):
         raise ModelLoadError(f"an EAGLE-3 head reads hidden states from inside the target's decoder stack; "
                              f"{type(target).__name__}'s stack does not hand them over")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, EngineConfig
@@ -14,15 +15,16 @@ logger = logging.getLogger(__name__)
 
 # methods that load weights beside the target (a draft model, a head), with a KV cache of their own
 _LOADED_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
-# of those, the heads that read the target's hidden states, whose layers are not split over tensor-parallel
-# ranks yet; a draft model runs whole on the driver (rank 0) beside its shard of the target
+# of those, the heads that read the target's hidden states (and share its embedding or LM head). Every drafter
+# runs whole on the driver (rank 0) beside its shard of the target: a draft model as a one-rank model of its own,
+# a head on the driver's hidden states (whole on every rank) and whole copies of the target's vocabulary tables
 _HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 def check_speculative_config(config: EngineConfig) -> None:
     """What SpeculativeConfig alone can tell, before any model loads or rank starts: ValueError (one line)
-    for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard, a missing
-    --speculative-model, or an EAGLE/MTP head under tensor parallelism."""
+    for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard, or a missing
+    --speculative-model."""
     spec = config.speculative
     if not spec.enabled:
         return
@@ -44,19 +46,21 @@ def check_speculative_config(config: EngineConfig) -> None:
     if spec.method in ("draft_model", "eagle", "eagle3") and not spec.model:
         what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"
         raise ValueError(f"--speculate_method {spec.method} needs {what} directory: pass --speculative-model DIR")
-    if spec.method in _HIDDEN_STATE_METHODS and config.parallel.tensor_parallel_size > 1:
-        raise ValueError(f"--speculate_method {spec.method} runs on one rank for now: use --tensor-parallel-size 1 "
-                         "or --speculate_method ngram or draft_model")
 
 
 def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     """The configured drafter's weights, loaded beside the target before its KV cache is sized (None for the
     n-gram lookup, which keeps no weights or cache, and on tensor-parallel ranks other than the driver: only
-    the driver's engine drafts). ValueError (one line) for a drafter that does not fit the target (another
-    vocabulary, another hidden size, no MTP layer)."""
+    the driver's engine drafts). Every rank calls it: for a head under tensor parallelism each sends the driver
+    its rows of the target's embedding and LM head. ValueError (one line) for a drafter that does not fit the
+    target (another vocabulary, another hidden size, no MTP layer)."""
     spec = target.config.speculative
     check_speculative_config(target.config)
-    if not spec.enabled or spec.method not in _LOADED_METHODS or rank != 0:
+    if not spec.enabled or spec.method not in _LOADED_METHODS:
+        return None
+    if spec.method in _HIDDEN_STATE_METHODS:
+        target = replace(target, vocabulary=_whole_vocabulary(target))
+    if rank != 0:
         return None
     if spec.method == "mtp":
         from flashllm.core.spec.mtp import load_mtp_drafter
@@ -69,6 +73,17 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     from flashllm.core.spec.draft_model import load_draft_model
 
     return load_draft_model(target)
+
+
+def _whole_vocabulary(target: Target) -> Any:
+    """Whole copies on the driver of a tensor-parallel target's embedding and LM head (None where the target is
+    not split, or has no such modules: the head's loader then uses or refuses the target's own)."""
+    from flashllm.models.layers.embedding import LMHead, VocabEmbedding, gather_whole_vocabulary, target_vocabulary
+
+    embed, head = target_vocabulary(target.model)
+    if not isinstance(embed, VocabEmbedding) or not isinstance(head, LMHead) or embed.tp_size == head.tp_size == 1:
+        return None
+    return gather_whole_vocabulary(embed, head, target.ops)
 
 
 def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,

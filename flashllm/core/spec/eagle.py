@@ -20,7 +20,8 @@ def load_eagle_drafter(target: Target) -> LoadedHead:
     dtype = next(model.parameters()).dtype
     try:
         head = load_eagle_head(str(config.speculative.model), model, hidden_size, target.hf_config.vocab_size,
-                               target.ops, dtype, target.selection.device, version=3 if method == "eagle3" else None)
+                               target.ops, dtype, target.selection.device, version=3 if method == "eagle3" else None,
+                               vocabulary=target.vocabulary)
     except ModelLoadError as exc:
         raise ValueError(f"--speculate_method {method}: {exc}") from None
     kind = "EAGLE-3" if isinstance(head, Eagle3Head) else "EAGLE-1"

@@ -235,7 +235,7 @@ def load_mtp_drafter(target: Target) -> LoadedHead:
     quant = checkpoint_quant_spec(target.hf_config, weight_quant_spec(
         config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
     dtype = next(model.parameters()).dtype
-    mtp = load_mtp(target.model_dir, model, target.ops, dtype, target.selection.device, quant)
+    mtp = load_mtp(target.model_dir, model, target.ops, dtype, target.selection.device, quant, target.vocabulary)
     mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     return LoadedHead(mtp, target.hf_config.vocab_size, head_kv_bytes_per_block(mtp, config.cache.block_size),
                       f"MTP layer of {target.model_dir}")

@@ -56,6 +56,9 @@ class Target:
     hf_config: Any         # its HFModelConfig
     tokenizer: Any         # None off rank 0 or for a model without one
     model_dir: Path
+    # (embedding, LM head) for a head that shares the target's, where not model's own: whole copies on the
+    # driver of a target split over tensor-parallel ranks (models/layers/embedding.py gather_whole_vocabulary)
+    vocabulary: Any = None
 
 
 class Drafter(Protocol):

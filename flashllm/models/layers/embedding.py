@@ -87,3 +87,44 @@ class LMHead(VocabEmbedding):
             torch.distributed.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.num_embeddings]
+
+
+# A head's view of a model's vocabulary: (token embedding, LM head), each a module called on ids / hidden states.
+Vocabulary = tuple[Any, Any]
+
+
+def target_vocabulary(model: Any) -> Vocabulary:
+    """A CausalLM's (model.embed_tokens, lm_head), None for whichever it does not have."""
+    return getattr(getattr(model, "model", None), "embed_tokens", None), getattr(model, "lm_head", None)
+
+
+def gather_whole_vocabulary(embed: VocabEmbedding, head: LMHead, ops: Any) -> Vocabulary | None:
+    """Whole copies, on tensor-parallel rank 0, of a model's embedding and LM head split over its ranks: every rank
+    sends its rows (all must call this, in the same order), rank 0 builds one-rank modules from them (the head
+    tied where the model's is, quantized as the model's is); None on the other ranks. For what runs whole on the
+    driver beside its shard of the model (a speculative head reading the model's vocabulary)."""
+    tied = head.weight is embed.weight
+    tables = []
+    for part in (embed,) if tied else (embed, head):
+        rows = part.weight.detach().contiguous()
+        if part.tp_size == 1:  # whole on every rank already
+            tables.append(rows)
+            continue
+        parts = [torch.empty_like(rows) for _ in range(part.tp_size)] if part.tp_rank == 0 else None
+        torch.distributed.gather(rows, parts, dst=0)
+        if parts is not None:
+            tables.append(torch.cat(parts)[: part.num_embeddings])
+    if embed.tp_rank != 0 or head.tp_rank != 0:
+        return None
+    dtype, device = embed.weight.dtype, embed.weight.device
+    whole_embed = VocabEmbedding(embed.num_embeddings, embed.embedding_dim, dtype, device)
+    whole_embed.weight.data = tables[0]
+    whole_head = LMHead(head.num_embeddings, head.embedding_dim, ops, dtype, device)
+    if tied:
+        whole_head.tie_to(whole_embed)
+    else:
+        whole_head.weight.data = tables[1]
+    scheme = head.qweight.scheme if head.qweight is not None else "none"
+    whole_head.qweight = (QuantizedWeight.dense(whole_head.weight) if scheme == "none"
+                          else quantize_weight(whole_head.weight, scheme))
+    return whole_embed, whole_head
