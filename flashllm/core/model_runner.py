@@ -348,6 +348,13 @@ class ModelRunner:
         """Tokens of plain greedy rows without their logits, or None (the generic runner has no such head)."""
         return None
 
+    def greedy_head(self, head: Any) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """A drafter's LM head (models/layers/embedding.py LMHead) as a function of its input rows (N, hidden)
+        to their greedy tokens (N,) int64, first on ties, that skips the logits where it can and returns None
+        for a call it does not take; None where the runner has no such path (the generic runner has none;
+        the cpu backend's screens the head as its own greedy head does)."""
+        return None
+
     def restrict_greedy_vocabulary(self, ids: list[int] | None) -> bool:
         """A drafter's hint: greedy tokens (execute_model(greedy=True), multi-step decode) may be the argmax over
         these token ids only (None: the whole vocabulary again). False where the runner keeps the whole

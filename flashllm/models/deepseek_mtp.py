@@ -126,6 +126,11 @@ class DeepseekMTP(CausalLM):
         """o (N, hidden) -> logits (N, vocab_size) in the model dtype."""
         return self._io[1](self.layer.shared_head.norm(hidden))
 
+    def drafting_head(self) -> tuple[Callable[[Tensor], Tensor] | None, Any]:
+        """(norm, head) with compute_logits(o) = head(norm(o)): shared_head's norm, then its own head or the
+        target's."""
+        return self.layer.shared_head.norm, self._io[1]
+
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(1 layer, 1, kv_lora_rank + qk_rope_head_dim): the MTP block's own latent cache."""
         return 1, 1, self.config.latent_dim

@@ -91,6 +91,10 @@ class EagleHead(CausalLM):
         """o (N, hidden) -> logits (N, vocab_size) through the target's LM head, in the model dtype."""
         return self._io[1](hidden)
 
+    def drafting_head(self) -> tuple[Callable[[Tensor], Tensor] | None, LMHead]:
+        """(norm, head) with compute_logits(o) = head(o) (no norm): the target's LM head."""
+        return None, self._io[1]
+
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(1 layer, num_kv_heads, head_dim): the head's own K/V cache."""
         attn = self.layers[0].self_attn
@@ -175,6 +179,10 @@ class Eagle3Head(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """o (N, hidden) -> logits (N, draft_vocab_size) over the head's vocabulary (see draft_to_target)."""
         return self.lm_head(self.norm(hidden))
+
+    def drafting_head(self) -> tuple[Callable[[Tensor], Tensor] | None, LMHead]:
+        """(norm, head) with compute_logits(o) = head(norm(o))."""
+        return self.norm, self.lm_head
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(1 layer, num_kv_heads, head_dim): the head's own K/V cache."""

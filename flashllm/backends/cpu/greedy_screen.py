@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -273,7 +274,26 @@ def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     head = declared(model, LM_HEAD, LMHeadFusion)
-    if head is None or head.qweight is None:
+    if head is None:
+        return None
+    logits = model.compute_logits
+    return _screen_of(head, lambda rows: argmax(logits(rows).float()))
+
+
+def for_head(head: Any, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
+    """The screen of an LM head module (models/layers/embedding.py LMHead: a speculative head's, which reads its
+    input after the head's own norm), under build's conditions, kept with the head the same way (a head shared
+    with the model, as an EAGLE-1 head shares it, shares the screen). Tokens it cannot settle come from argmax
+    over head(rows)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or getattr(head, "qweight", None) is None:
+        return None
+    fusion = LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size, tied=False)
+    return _screen_of(fusion, lambda rows: argmax(head(rows).float()))
+
+
+def _screen_of(head: LMHeadFusion, fallback: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
+    """The head's kept screen, else a new one kept with it, or None where the head does not qualify."""
+    if head.qweight is None:
         return None
     existing = head.qweight.kernel_cache.get(KEPT_AS)
     if existing is not None:
@@ -284,8 +304,7 @@ def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyS
             or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
             or weight.shape[1] % 32 != 0 or not weight.is_contiguous()):
         return None
-    logits = model.compute_logits
-    screen = GreedyScreen(weight, head.vocab_size, lambda rows: argmax(logits(rows).float()))
+    screen = GreedyScreen(weight, head.vocab_size, fallback)
     screen.input_format = native.llama_format(head.qweight)  # the logits' own rounding (quant.dense_matmul)
     head.qweight.kernel_cache[KEPT_AS] = screen
     return screen

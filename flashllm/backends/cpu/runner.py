@@ -211,3 +211,9 @@ class CpuRunner(ModelRunner):
     def _greedy_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
         head = self._screen() if self._subset is None else self._subset
         return head(rows) if head is not None else None
+
+    def greedy_head(self, head: Any) -> Any:
+        """A drafter's LM head screened like the model's own (greedy_screen.py), where it qualifies."""
+        from flashllm.backends.cpu import greedy_screen
+
+        return greedy_screen.for_head(head, self.argmax)

@@ -76,6 +76,9 @@ class MTPProposer:
         # target_features of them; and its draft ids' target ids, where its vocabulary is its own
         self.features = getattr(mtp, "target_features", None)
         self.token_map: Tensor | None = getattr(mtp, "draft_to_target", None)
+        # its greedy drafts without its logits where the runner can (the cpu backend screens the head)
+        self._head_norm, head = mtp.drafting_head()
+        self._screened = runner.greedy_head(head)
         self._pending: dict[int, _Pending] = {}
         runner.hidden_sink = self.record
 
@@ -173,7 +176,11 @@ class MTPProposer:
                         previous_hidden=hidden)
 
     def _greedy(self, states: Tensor) -> list[int]:
-        ids = self.mtp.compute_logits(states).float().argmax(dim=-1)
+        ids = None
+        if self._screened is not None:
+            ids = self._screened(states if self._head_norm is None else self._head_norm(states))
+        if ids is None:
+            ids = self.mtp.compute_logits(states).float().argmax(dim=-1)
         return (ids if self.token_map is None else self.token_map[ids]).tolist()
 
     def measure_drafts(self, seq: Sequence, drafts: int, timer: Callable[[Callable[[], object]], float]) -> float:
