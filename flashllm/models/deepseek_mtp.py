@@ -89,7 +89,7 @@ class DeepseekMTP(CausalLM):
             raise ValueError("the MTP layer runs whole on one rank (the driver, beside its shard of the target)")
         if (not own_embedding or not own_head) and target is None and vocabulary is None:
             raise ValueError("an MTP layer without its own embedding or head needs the target model's")
-        embed, head = vocabulary or target_vocabulary(target)
+        embed, head = target_vocabulary(target, vocabulary)
         rope = config.qk_rope_head_dim
         self.rotary_emb = RotaryEmbedding(rope, rope, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling, ops, device, is_neox=not config.rope_interleaved)
@@ -145,6 +145,17 @@ class DeepseekMTP(CausalLM):
     def _param_target(self, name: str) -> tuple[str, Any]:
         target = expert_param_target(name)
         return target if target is not None else super()._param_target(name)
+
+
+def reads_from_target(model_dir: str | Path, config: Any) -> tuple[bool, bool]:
+    """Which of the target's (embedding, LM head) the checkpoint's first MTP layer reads: each where the layer
+    has no copy of its own (config: the target's parsed config). Reads the safetensors headers only."""
+    from flashllm.lora.merge import checkpoint_headers
+    from flashllm.models.loader import safetensors_files
+
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    names = set(checkpoint_headers(safetensors_files(model_dir))[0])
+    return prefix + "embed_tokens.weight" not in names, prefix + "shared_head.head.weight" not in names
 
 
 def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, device: torch.device,

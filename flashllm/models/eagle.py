@@ -53,7 +53,7 @@ class EagleHead(CausalLM):
         super().__init__(config, ops, dtype, device, tp_rank, tp_size)
         if tp_size != 1:
             raise ValueError("an EAGLE head runs whole on one rank (the driver, beside its shard of the target)")
-        embed, head = vocabulary or target_vocabulary(target)
+        embed, head = target_vocabulary(target, vocabulary)
         if embed is None or head is None:
             raise ValueError(f"an EAGLE head needs the target's model.embed_tokens and lm_head; "
                              f"{type(target).__name__} has {'neither' if embed is head else 'only one'}")
@@ -212,6 +212,21 @@ def is_eagle3(raw: dict[str, Any], names: set[str]) -> bool:
             or "d2t" in names or any(n.startswith("midlayer.") for n in names))
 
 
+def reads_from_target(head_dir: str | Path) -> tuple[bool, bool]:
+    """Which of the target's (embedding, LM head) the head in head_dir reads: an EAGLE-1 head both, an EAGLE-3
+    head its embedding unless it has one of its own. Reads config.json and the safetensors headers only;
+    ModelLoadError (one line) where they cannot be read."""
+    from flashllm.lora.merge import checkpoint_headers
+    from flashllm.models.loader import safetensors_files
+
+    head_dir = Path(head_dir)
+    raw = _read_config(head_dir)
+    names = {name.removeprefix("model.") for name in checkpoint_headers(safetensors_files(head_dir))[0]}
+    if is_eagle3(raw, names):
+        return "embed_tokens.weight" not in names, False
+    return True, True
+
+
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
     """The target layers an EAGLE-3 head reads when its config names none: an early, a middle and a late one."""
     return 2, num_layers // 2, num_layers - 3
@@ -288,7 +303,7 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], files: Any, shapes: dict[s
     source = str(head_dir / "config.json")
     local = {name.removeprefix("model."): name for name in shapes}  # the head's own name -> the checkpoint's
     stack = getattr(target, "model", None)
-    embed = (vocabulary or target_vocabulary(target))[0]
+    embed = target_vocabulary(target, vocabulary)[0]
     if embed is None or not hasattr(stack, "hidden_taps"):
         raise ModelLoadError(f"an EAGLE-3 head reads hidden states from inside the target's decoder stack; "
                              f"{type(target).__name__}'s stack does not hand them over")

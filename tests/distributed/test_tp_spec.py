@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flashllm import LLM, SamplingParams
+from flashllm.models.layers import embedding
 from flashllm.testing.deepseek import build_deepseek_mtp_model
 from flashllm.testing.eagle import build_eagle3_head, build_eagle_head
 from flashllm.testing.spec_engine import record_drafts
@@ -74,8 +75,20 @@ def head_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
             "mtp": (deepseek, deepseek)}
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_a_head_on_the_driver_drafts_what_it_drafts_on_one_rank(head_dirs, method: str) -> None:
+@pytest.mark.parametrize(("method", "gathered"), [("eagle", [(True, True)]), ("eagle3", [(True, False)]),
+                                                  ("mtp", [])])
+def test_a_head_on_the_driver_drafts_what_it_drafts_on_one_rank(head_dirs, monkeypatch, method: str,
+                                                               gathered: list) -> None:
+    """gathered: the (embedding, LM head) copies the driver asked for: an EAGLE-1 head reads both of the target's,
+    this EAGLE-3 head the embedding (its LM head is its own), this MTP layer neither (it has copies of both)."""
+    asked: list[tuple[bool, bool]] = []
+    gather = embedding.gather_whole_vocabulary
+
+    def spy(embed, head, ops, wanted=(True, True)):
+        asked.append(wanted)
+        return gather(embed, head, ops, wanted)
+
+    monkeypatch.setattr(embedding, "gather_whole_vocabulary", spy)
     target, head = head_dirs[method]
     requests = _requests(12)
     config = {"method": method, "num_speculative_tokens": 3, "min_acceptance": 0.0}
@@ -91,3 +104,4 @@ def test_a_head_on_the_driver_drafts_what_it_drafts_on_one_rank(head_dirs, metho
     assert stats.num_drafted > 0 and stats.acceptance_rate > 0.2, stats
     # the same sequences, the same drafts: the head read the same hidden states and vocabulary on the driver
     assert info["drafts"] == one_info["drafts"]
+    assert asked == gathered

@@ -76,14 +76,39 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
 
 
 def _whole_vocabulary(target: Target) -> Any:
-    """Whole copies on the driver of a tensor-parallel target's embedding and LM head (None where the target is
-    not split, or has no such modules: the head's loader then uses or refuses the target's own)."""
+    """Whole copies on the driver of those of a tensor-parallel target's embedding and LM head the head reads
+    (None where the target is not split, or has no such modules, or the head reads neither: its loader then
+    uses or refuses the target's own). The driver reads which from the head's files and tells the other ranks,
+    which need no copy of them."""
+    import torch
+
+    from flashllm.core.parallel import control_group
     from flashllm.models.layers.embedding import LMHead, VocabEmbedding, gather_whole_vocabulary, target_vocabulary
 
     embed, head = target_vocabulary(target.model)
     if not isinstance(embed, VocabEmbedding) or not isinstance(head, LMHead) or embed.tp_size == head.tp_size == 1:
         return None
-    return gather_whole_vocabulary(embed, head, target.ops)
+    wanted = torch.tensor(_reads_from_target(target) if embed.tp_rank == 0 else (False, False), dtype=torch.int64)
+    torch.distributed.broadcast(wanted, src=0, group=control_group())
+    want_embed, want_head = (bool(x) for x in wanted.tolist())
+    if not (want_embed or want_head):
+        return None
+    return gather_whole_vocabulary(embed, head, target.ops, (want_embed, want_head))
+
+
+def _reads_from_target(target: Target) -> tuple[bool, bool]:
+    """Which of the target's (embedding, LM head) the configured head reads; neither where its files cannot be
+    read (its loader then says why, in one line)."""
+    from flashllm.models import deepseek_mtp, eagle
+    from flashllm.models.hf_config import ModelLoadError
+
+    spec = target.config.speculative
+    try:
+        if spec.method == "mtp":
+            return deepseek_mtp.reads_from_target(target.model_dir, target.model.config)
+        return eagle.reads_from_target(str(spec.model))
+    except (ModelLoadError, OSError, ValueError, AttributeError):  # AttributeError: a config without layers
+        return False, False
 
 
 def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,

@@ -89,42 +89,55 @@ class LMHead(VocabEmbedding):
         return logits[..., : self.num_embeddings]
 
 
-# A head's view of a model's vocabulary: (token embedding, LM head), each a module called on ids / hidden states.
+# A head's view of a model's vocabulary: (token embedding, LM head), each a module called on ids / hidden states
+# (None: one the head does not read).
 Vocabulary = tuple[Any, Any]
 
 
-def target_vocabulary(model: Any) -> Vocabulary:
-    """A CausalLM's (model.embed_tokens, lm_head), None for whichever it does not have."""
-    return getattr(getattr(model, "model", None), "embed_tokens", None), getattr(model, "lm_head", None)
+def target_vocabulary(model: Any, given: Vocabulary | None = None) -> Vocabulary:
+    """A CausalLM's (model.embed_tokens, lm_head), None for whichever it does not have; where `given` holds a
+    module in that place (whole copies of a tensor-parallel model's), that one."""
+    own = getattr(getattr(model, "model", None), "embed_tokens", None), getattr(model, "lm_head", None)
+    given = given or (None, None)
+    return given[0] if given[0] is not None else own[0], given[1] if given[1] is not None else own[1]
 
 
-def gather_whole_vocabulary(embed: VocabEmbedding, head: LMHead, ops: Any) -> Vocabulary | None:
-    """Whole copies, on tensor-parallel rank 0, of a model's embedding and LM head split over its ranks: every rank
-    sends its rows (all must call this, in the same order), rank 0 builds one-rank modules from them (the head
-    tied where the model's is, quantized as the model's is); None on the other ranks. For what runs whole on the
-    driver beside its shard of the model (a speculative head reading the model's vocabulary)."""
+def gather_whole_vocabulary(embed: VocabEmbedding, head: LMHead, ops: Any,
+                            wanted: tuple[bool, bool] = (True, True)) -> Vocabulary | None:
+    """Whole copies, on tensor-parallel rank 0, of a model's embedding and LM head split over its ranks (`wanted`:
+    which of the two; None in the other place): every rank sends its rows (all must call this, in the same
+    order, wanting the same), rank 0 builds one-rank modules from them (the head tied where the model's is,
+    quantized as the model's is); None on the other ranks. For what runs whole on the driver beside its shard
+    of the model (a speculative head reading the model's vocabulary)."""
     tied = head.weight is embed.weight
-    tables = []
-    for part in (embed,) if tied else (embed, head):
+    want_embed, want_head = wanted
+    tables: dict[str, Tensor] = {}
+    needed = {"embed": want_embed or (tied and want_head), "head": want_head and not tied}  # the tables to send
+    for name, part in (("embed", embed), ("head", head)):
+        if not needed[name]:
+            continue
         rows = part.weight.detach().contiguous()
         if part.tp_size == 1:  # whole on every rank already
-            tables.append(rows)
+            tables[name] = rows
             continue
         parts = [torch.empty_like(rows) for _ in range(part.tp_size)] if part.tp_rank == 0 else None
         torch.distributed.gather(rows, parts, dst=0)
         if parts is not None:
-            tables.append(torch.cat(parts)[: part.num_embeddings])
+            tables[name] = torch.cat(parts)[: part.num_embeddings]
     if embed.tp_rank != 0 or head.tp_rank != 0:
         return None
     dtype, device = embed.weight.dtype, embed.weight.device
-    whole_embed = VocabEmbedding(embed.num_embeddings, embed.embedding_dim, dtype, device)
-    whole_embed.weight.data = tables[0]
-    whole_head = LMHead(head.num_embeddings, head.embedding_dim, ops, dtype, device)
-    if tied:
-        whole_head.tie_to(whole_embed)
-    else:
-        whole_head.weight.data = tables[1]
-    scheme = head.qweight.scheme if head.qweight is not None else "none"
-    whole_head.qweight = (QuantizedWeight.dense(whole_head.weight) if scheme == "none"
-                          else quantize_weight(whole_head.weight, scheme))
-    return whole_embed, whole_head
+    whole_embed = whole_head = None
+    if "embed" in tables:
+        whole_embed = VocabEmbedding(embed.num_embeddings, embed.embedding_dim, dtype, device)
+        whole_embed.weight.data = tables["embed"]
+    if want_head:
+        whole_head = LMHead(head.num_embeddings, head.embedding_dim, ops, dtype, device)
+        if tied:
+            whole_head.tie_to(whole_embed)
+        else:
+            whole_head.weight.data = tables["head"]
+        scheme = head.qweight.scheme if head.qweight is not None else "none"
+        whole_head.qweight = (QuantizedWeight.dense(whole_head.weight) if scheme == "none"
+                              else quantize_weight(whole_head.weight, scheme))
+    return whole_embed if want_embed else None, whole_head
