@@ -52,8 +52,8 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     """The configured drafter's weights, loaded beside the target before its KV cache is sized (None for the
     n-gram lookup, which keeps no weights or cache, and on tensor-parallel ranks other than the driver: only
     the driver's engine drafts). Every rank calls it: for a head under tensor parallelism each sends the driver
-    its rows of the target's embedding and LM head. ValueError (one line) for a drafter that does not fit the
-    target (another vocabulary, another hidden size, no MTP layer)."""
+    its rows of the target's embedding or LM head where the head reads them. ValueError (one line) for a
+    drafter that does not fit the target (another vocabulary, another hidden size, no MTP layer)."""
     spec = target.config.speculative
     check_speculative_config(target.config)
     if not spec.enabled or spec.method not in _LOADED_METHODS:
@@ -133,9 +133,9 @@ def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,
 
 
 def calibrate_guard(engine: Any) -> None:
-    """For a proposer whose drafts cost time (measure_drafts: a draft model, an MTP layer, an EAGLE head), measure a round against plain
-    decoding on this machine (core/spec/costs.py) and let the guard judge acceptance against its break-even
-    point, unless SpeculativeConfig.min_acceptance was given."""
+    """For a proposer whose drafts cost time (measure_drafts: a draft model, an MTP layer, an EAGLE head),
+    measure a round against plain decoding on this machine (core/spec/costs.py) and let the guard judge
+    acceptance against its break-even point, unless SpeculativeConfig.min_acceptance was given."""
     speculator = engine.speculator
     if speculator is None or speculator.config.min_acceptance is not None \
             or not hasattr(speculator.proposer, "measure_drafts"):

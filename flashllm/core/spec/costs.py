@@ -5,7 +5,8 @@ break-even point. With drafts that cost nothing to make (the n-gram lookup) that
 floor serves. A draft model's drafts cost a forward pass each (an MTP layer's or EAGLE head's a pass of
 that layer), and a verify step of 1 + k rows costs more than a decode step, so the break-even point depends
 on the machine and the models: the engine measures it once at start-up (build.calibrate_guard,
-RoundCosts.break_even), on a sequence of its own, through the same executor and proposer a round uses. The bench reads the verify step's cost from the same measurement.
+RoundCosts.break_even), on a sequence of its own, through the same executor and proposer a round uses. The
+bench reads the verify step's cost from the same measurement.
 """
 
 from __future__ import annotations
