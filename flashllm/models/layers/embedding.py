@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -137,7 +138,12 @@ def gather_whole_vocabulary(embed: VocabEmbedding, head: LMHead, ops: Any,
             whole_head.tie_to(whole_embed)
         else:
             whole_head.weight.data = tables["head"]
-        scheme = head.qweight.scheme if head.qweight is not None else "none"
-        whole_head.qweight = (QuantizedWeight.dense(whole_head.weight) if scheme == "none"
-                              else quantize_weight(whole_head.weight, scheme))
+        # as process_weights_after_loading made the model's: per-channel int8 (--quantize_lm_head) or dense,
+        # keeping the GGUF type a GGUF head's input is rounded for
+        model = head.qweight
+        if model is not None and model.scheme == "w8a16":
+            whole_head.qweight = quantize_weight(whole_head.weight, "w8a16")
+        else:
+            whole_head.qweight = dataclasses.replace(QuantizedWeight.dense(whole_head.weight),
+                                                     gguf_type=getattr(model, "gguf_type", None))
     return whole_embed if want_embed else None, whole_head
