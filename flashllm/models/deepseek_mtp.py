@@ -150,12 +150,21 @@ class DeepseekMTP(CausalLM):
 def reads_from_target(model_dir: str | Path, config: Any) -> tuple[bool, bool]:
     """Which of the target's (embedding, LM head) the checkpoint's first MTP layer reads: each where the layer
     has no copy of its own (config: the target's parsed config). Reads the safetensors headers only."""
+    own_embedding, own_head = _own_tables(*_layer_names(model_dir, config))
+    return not own_embedding, not own_head
+
+
+def _layer_names(model_dir: str | Path, config: Any) -> tuple[str, set[str]]:
+    """The first MTP layer's name prefix and the checkpoint's tensor names (from the safetensors headers)."""
     from flashllm.lora.merge import checkpoint_headers
     from flashllm.models.loader import safetensors_files
 
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    names = set(checkpoint_headers(safetensors_files(model_dir))[0])
-    return prefix + "embed_tokens.weight" not in names, prefix + "shared_head.head.weight" not in names
+    return f"model.layers.{config.num_hidden_layers}.", set(checkpoint_headers(safetensors_files(model_dir))[0])
+
+
+def _own_tables(prefix: str, names: set[str]) -> tuple[bool, bool]:
+    """Whether the MTP layer under `prefix` has an embedding and an output head of its own."""
+    return prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names
 
 
 def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, device: torch.device,
@@ -165,23 +174,21 @@ def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, d
     copies of a tensor-parallel target's), quantized like it with `quant`.
 
     ModelLoadError (one line) when config.json declares no MTP layer or the weights lack it."""
-    from flashllm.lora.merge import checkpoint_headers
-    from flashllm.models.loader import load_selected_weights, safetensors_files
+    from flashllm.models.loader import load_selected_weights
 
     config = target.config
     if not isinstance(config, DeepseekModelConfig) or num_mtp_layers(config) < 1:
         raise ModelLoadError(f"{model_dir}: config.json declares no next-token-prediction layer "
                              "(num_nextn_predict_layers); --speculate_method mtp needs a DeepSeek-V3 checkpoint "
                              "with its MTP weights, or use another method (ngram, draft_model)")
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    names = set(checkpoint_headers(safetensors_files(model_dir))[0])
+    prefix, names = _layer_names(model_dir, config)
     if prefix + "eh_proj.weight" not in names:
         raise ModelLoadError(f"{model_dir}: config.json declares num_nextn_predict_layers but the weights have no "
                              f"{prefix}eh_proj.weight (a checkpoint converted without its MTP layer?); "
                              "--speculate_method mtp needs them")
-    mtp = DeepseekMTP(config, ops, dtype, torch.device(device), target=target,
-                      own_embedding=prefix + "embed_tokens.weight" in names,
-                      own_head=prefix + "shared_head.head.weight" in names, vocabulary=vocabulary)
+    own_embedding, own_head = _own_tables(prefix, names)
+    mtp = DeepseekMTP(config, ops, dtype, torch.device(device), target=target, own_embedding=own_embedding,
+                      own_head=own_head, vocabulary=vocabulary)
     load_selected_weights(mtp, model_dir, lambda name: "layer." + name[len(prefix):] if name.startswith(prefix)
                           else None, quant)
     return mtp

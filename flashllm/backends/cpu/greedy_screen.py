@@ -271,8 +271,6 @@ def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyS
     where it does not apply: switched off, no lm_head fusion declared, no native library, not an
     fp32 float single-rank head, or features not a multiple of 32. Tokens it cannot settle come
     from argmax over the model's compute_logits, which the declaration says is the head's product."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
     head = declared(model, LM_HEAD, LMHeadFusion)
     if head is None:
         return None
@@ -285,15 +283,16 @@ def for_head(head: Any, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | No
     input after the head's own norm), under build's conditions, kept with the head the same way (a head shared
     with the model, as an EAGLE-1 head shares it, shares the screen). Tokens it cannot settle come from argmax
     over head(rows)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or getattr(head, "qweight", None) is None:
+    if not hasattr(head, "qweight"):
         return None
     fusion = LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size, tied=False)
     return _screen_of(fusion, lambda rows: argmax(head(rows).float()))
 
 
 def _screen_of(head: LMHeadFusion, fallback: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
-    """The head's kept screen, else a new one kept with it, or None where the head does not qualify."""
-    if head.qweight is None:
+    """The head's kept screen, else a new one kept with it, or None where the head does not qualify or the screen is
+    switched off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or head.qweight is None:
         return None
     existing = head.qweight.kernel_cache.get(KEPT_AS)
     if existing is not None:
