@@ -223,8 +223,14 @@ def reads_from_target(head_dir: str | Path) -> tuple[bool, bool]:
     raw = _read_config(head_dir)
     names = {name.removeprefix("model.") for name in checkpoint_headers(safetensors_files(head_dir))[0]}
     if is_eagle3(raw, names):
-        return "embed_tokens.weight" not in names, False
+        return not has_own_embedding(names), False
     return True, True
+
+
+def has_own_embedding(names: set[str] | dict[str, Any]) -> bool:
+    """Whether an EAGLE-3 head's tensors (names without a "model." prefix) hold an embedding of its own; one
+    without reads the target's."""
+    return "embed_tokens.weight" in names
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -319,7 +325,7 @@ def _load_eagle3(head_dir: Path, raw: dict[str, Any], files: Any, shapes: dict[s
     _check_fits(head_dir, int(raw.get("target_hidden_size") or config.hidden_size), target_hidden_size,
                 "target_hidden_size" if raw.get("target_hidden_size") else "hidden_size")
     _check_fits(head_dir, config.vocab_size, target_vocab_size, "vocab_size")
-    own_embedding = "embed_tokens.weight" in local
+    own_embedding = has_own_embedding(local)
     if not own_embedding and config.hidden_size != target_hidden_size:
         raise ModelLoadError(f"the EAGLE-3 head {head_dir} has hidden_size {config.hidden_size} and no "
                              f"embed_tokens of its own; the target's embedding is {target_hidden_size} wide")
