@@ -110,6 +110,10 @@ class ModelRunner:
     class in `Backend.model_runner` to run its own fast paths (the cpu backend's runner does).
     """
 
+    # whether multi-step calls (execute with max_steps > 1) hand every step's rows to hidden_sink; where they do
+    # not, a drafter that reads hidden states keeps the steps of sequences it drafts for single
+    bursts_feed_hidden_sink = False
+
     def __init__(
         self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
         cachekv_int8_type: str = "dynamic", adapter: DeviceAdapter | None = None,

@@ -55,8 +55,8 @@ def _count(monkeypatch, cls, method: str) -> list[bool]:
     taken: list[bool] = []
     real = getattr(cls, method)
 
-    def counting(self, *args):
-        out = real(self, *args)
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
         if args[-1] is not None and args[3].max_seqlen_q == 1:  # lora_slots, and a decode step
             taken.append(out is not None)
         return out

@@ -103,16 +103,26 @@ def test_greedy_tokens_equal_plain_decoding(eagle_dirs, backend: str, k: int, co
     check_parity_under_preemption(eagle_dirs["ptarget"], backend, _eagle(eagle_dirs["phead"], k=k), count, blocks)
 
 
-def test_a_paused_sequence_bursts_and_keeps_its_tokens(eagle_dirs, monkeypatch) -> None:
-    """A random head is soon paused by the guard: the paused sequences then run multi-step bursts (which hand
-    the head no hidden states), and drafting again after the gap changes no token."""
+@pytest.mark.parametrize("handed_over", [True, False], ids=["bursts-feed-head", "bursts-leave-gaps"])
+def test_a_paused_sequence_bursts_and_keeps_its_tokens(eagle_dirs, monkeypatch, handed_over: bool) -> None:
+    """A random head is soon paused by the guard: the paused sequences then run multi-step bursts, and drafting
+    again changes no token, whether the bursts hand the head their hidden states (the cpu runner's) or not (as
+    on a backend whose multi-step calls do not: the head then resumes with a gap in its cache)."""
     from flashllm.backends.cpu.runner import CpuRunner
 
     bursts: list[int] = []
     execute_burst = CpuRunner.execute_burst
+    if not handed_over:
+        monkeypatch.setattr(CpuRunner, "bursts_feed_hidden_sink", False)
 
     def counting(self, batch, states, steps):
-        rows = execute_burst(self, batch, states, steps)
+        sink = self.hidden_sink
+        if not handed_over:
+            self.hidden_sink = None
+        try:
+            rows = execute_burst(self, batch, states, steps)
+        finally:
+            self.hidden_sink = sink
         if rows is not None:
             bursts.append(len(rows))
         return rows

@@ -42,8 +42,8 @@ def _bursts(monkeypatch: pytest.MonkeyPatch, sizes: list[int] | None = None) -> 
     runs: list[int] = []
     real = decode_burst.GreedyBurst.__call__
 
-    def counting(self, input_ids, *args):
-        rows = real(self, input_ids, *args)
+    def counting(self, input_ids, *args, **kwargs):
+        rows = real(self, input_ids, *args, **kwargs)
         runs.append(0 if rows is None else len(rows))
         if sizes is not None:
             sizes.append(input_ids.numel())

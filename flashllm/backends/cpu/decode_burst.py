@@ -75,10 +75,12 @@ class GreedyBurst:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  md: AttentionMetadata, steps: int, stop_ids: Iterable[int],
-                 lora_slots: Tensor | None = None) -> list[list[int]] | None:
+                 lora_slots: Tensor | None = None, states: Tensor | None = None) -> list[list[int]] | None:
+        """states: None, or a (steps, T, H) fp32 buffer for each step's final hidden states (a drafter reads
+        them); the steps' tapped streams are then fused.keep_burst_taps(steps done)'s."""
         if steps < 1 or input_ids.dtype != torch.int64:
             return None
-        hidden = self.fused.set_step(input_ids, positions, kv_caches, md, lora_slots)
+        hidden = self.fused.set_step(input_ids, positions, kv_caches, md, lora_slots, steps)
         if hidden is None:
             return None
         lib, screen, head = native.library(), self.screen, self._head
@@ -92,7 +94,7 @@ class GreedyBurst:
         head.pick_threads = parallel.workers()
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
         out, picked = torch.empty((steps, tokens), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        done = self.fused.burst(head, hidden, steps, stops, out, picked)
+        done = self.fused.burst(head, hidden, steps, stops, out, picked, states)
         if done == 0:
             return None
         screen.picked += int(picked)

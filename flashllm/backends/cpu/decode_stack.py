@@ -336,25 +336,42 @@ class FusedDecode:
         return bool(self._step.embed)
 
     def burst(self, head: ctypes.Structure, hidden: Tensor, steps: int, stops: Tensor, tokens: Tensor,
-              picked: Tensor) -> int:
-        """flashllm_decode_burst from the step set_step set (with int64 ids, the C code embedding them):
-        up to `steps` steps, each followed by the greedy head `head` (csrc/decode_stack.c's
-        burst_head), stopping after a token in `stops`; their tokens into tokens (steps, T) int64.
-        Returns the steps done (0: refused before anything ran)."""
+              picked: Tensor, states: Tensor | None = None) -> int:
+        """flashllm_decode_burst from the step set_step set (with int64 ids, the C code embedding them, and
+        set_step's `steps` at least this many): up to `steps` steps, each followed by the greedy head `head`
+        (csrc/decode_stack.c's burst_head), stopping after a token in `stops`; their tokens into tokens
+        (steps, T) int64, and with `states` ((steps, T, H) fp32) each step's final hidden states. Returns the
+        steps done (0: refused before anything ran); keep_burst_taps(done) hands over their tapped streams."""
         return native.library().flashllm_decode_burst(
             ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(self._step), ctypes.addressof(head),
             hidden.data_ptr(), self._residual.data_ptr(), self._scratch.data_ptr(), steps, stops.data_ptr(),
-            stops.numel(), tokens.data_ptr(), picked.data_ptr())
+            stops.numel(), tokens.data_ptr(), picked.data_ptr(), None if states is None else states.data_ptr())
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the hidden states a step writes."""
+        return self._hidden
+
+    def keep_burst_taps(self, done: int) -> None:
+        """After a burst of `done` steps, its tapped layers' streams into the stack's HiddenTaps (where it keeps
+        them) sequence after sequence, each sequence's steps in order: the order of the rows a burst hands a
+        drafter (CpuRunner.execute_burst)."""
+        if self._taps_out is None:
+            return
+        tokens = int(self._step.T)
+        rows = self._taps_out[: done * tokens].view(done, tokens, -1).transpose(0, 1).reshape(done * tokens, -1)
+        self._tap_layers[0].states = list(rows.split(self._hidden, dim=1))
 
     def set_step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
-                 md: AttentionMetadata, lora_slots: Tensor | None = None) -> Tensor | None:
+                 md: AttentionMetadata, lora_slots: Tensor | None = None, steps: int = 1) -> Tensor | None:
         """Point the kept step descriptor at this decode step and size the scratch; the (T, H) hidden
         buffer the C code writes (it holds the embedded tokens where the C code does not copy them),
         or None for a step the fused call does not take. With the embedding table in use, the
         descriptor points at input_ids, positions, slot_mapping and seq_lens themselves (the tensors,
         when contiguous and of the dtypes the C code reads), as decode_burst.py relies on.
         lora_slots: (T,) int64 each token's adapter slot (-1: the base model), or None for a step
-        without adapter rows; a step with them needs a model whose layers have slot tables."""
+        without adapter rows; a step with them needs a model whose layers have slot tables.
+        steps: how many steps a burst from here may run (the taps' buffer holds each one's)."""
         tokens = input_ids.numel()
         if not (0 < tokens <= native.MAX_TOKENS and md.max_seqlen_q == 1 and md.seq_lens.numel() == tokens
                 and md.slot_mapping.numel() == tokens and int(md.cu_seqlens_q[-1]) == tokens):
@@ -386,7 +403,7 @@ class FusedDecode:
         step.positions, step.slots, step.tables = positions.data_ptr(), slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.threads = seq_lens.data_ptr(), parallel.workers()
         step.lora_slots = None if lora_slots is None else lora_slots.data_ptr()
-        taps = self._bind_taps(tokens)
+        taps = self._bind_taps(tokens * steps)
         if taps is False:
             return None
         self._taps_out = taps

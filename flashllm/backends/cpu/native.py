@@ -126,7 +126,7 @@ _SIGNATURES = {
     "flashllm_mla_scratch": ([_P, _I64], _I64),
     "flashllm_bf16_screen_takes": ([_I64], ctypes.c_int),
     "flashllm_i8_screen_takes": ([_I64, _I64], ctypes.c_int),
-    "flashllm_decode_burst": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P], _I64),
+    "flashllm_decode_burst": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _P], _I64),
     "flashllm_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float], None),
     "flashllm_rotary": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int], None),
     "flashllm_mla_vxm_mt": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int], None),

@@ -30,6 +30,7 @@ from flashllm.backends.cpu import parallel
 from flashllm.core.model_runner import ModelInput, ModelRunner
 from flashllm.core.sampler import SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
+from flashllm.ops.attention_metadata import AttentionMetadata
 from flashllm.registry.backend import DeviceAdapter
 
 # The most steps one call may run: the engine's num_scheduler_steps bounds it further.
@@ -53,6 +54,8 @@ def step_context(num_tokens: int) -> AbstractContextManager[Any]:
 
 class CpuRunner(ModelRunner):
     """The generic runner plus the cpu backend's fused decode, greedy head and multi-step decode."""
+
+    bursts_feed_hidden_sink = True  # execute_burst hands each step's hidden states (and taps) over
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from flashllm.backends.cpu.kv_pages import KVPages
@@ -179,11 +182,43 @@ class CpuRunner(ModelRunner):
             if not state.params.ignore_eos:
                 stop_ids.update(state.eos_token_ids)
         inputs = self.prepare(batch)
+        sink, first, hidden = self.hidden_sink, None, None
+        if sink is not None:  # a drafter reads each step's hidden states; the burst moves ids and positions on
+            first = (inputs.input_ids.clone(), inputs.positions.clone())
+            hidden = torch.empty(steps, len(states), burst.fused.hidden_size)
         with self.adapter.inference_mode():  # each sequence keeps its adapter slot for every step
             tokens = burst(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, steps, stop_ids,
-                           self._lora_slots())
+                           self._lora_slots(), states=hidden)
             self.adapter.end_step(self.device)
+        if tokens is not None and sink is not None:
+            burst.fused.keep_burst_taps(len(tokens))
+            self._sink_burst(sink, inputs, first, tokens, hidden)
         return tokens
+
+    def _sink_burst(self, sink: Any, inputs: ModelInput, first: tuple[torch.Tensor, torch.Tensor],
+                    tokens: list[list[int]], states: torch.Tensor) -> None:
+        """Hand a burst's rows to hidden_sink as the rows of one chunk per sequence: sequence b's `done` steps
+        (its tokens at positions p_b, p_b + 1, ...) in order, with their final hidden states and, where the stack
+        keeps taps, its tapped streams, as single steps would have handed them over one by one."""
+        done, count = len(tokens), len(tokens[0])
+        ids, starts = first
+        fed = torch.tensor([ids.tolist(), *tokens[:-1]], dtype=torch.int64)  # (done, T): each step's input ids
+        steps = torch.arange(done, dtype=torch.int64)
+        positions = (starts[:, None] + steps[None, :]).reshape(-1)
+        md = inputs.attn_metadata
+        tables = md.block_tables
+        size = self.block_size
+        rows = torch.arange(count).repeat_interleave(done)
+        slots = tables[rows, positions // size].to(torch.int64) * size + positions % size
+        seq_lens = (starts + done).to(torch.int32)
+        chunk = ModelInput(
+            input_ids=fed.t().reshape(-1), positions=positions,
+            attn_metadata=AttentionMetadata(slot_mapping=slots,
+                                            cu_seqlens_q=torch.arange(count + 1, dtype=torch.int32) * done,
+                                            seq_lens=seq_lens, block_tables=tables, max_seqlen_q=done,
+                                            max_seqlen_k=int(seq_lens.max())),
+            logits_indices=torch.arange(1, count + 1, dtype=torch.int64) * done - 1, seq_ids=inputs.seq_ids)
+        sink(chunk, states[:done].transpose(0, 1).reshape(done * count, -1))
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         if self._fused_decode is _UNBUILT:  # built after loading, once the weights are final

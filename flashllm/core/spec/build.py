@@ -127,7 +127,8 @@ def make_speculator(config: EngineConfig, drafter: Drafter | None, runner: Any,
         raise ValueError(f"--speculate_method {spec.method}: the engine parts were built without its drafter")
     else:
         proposer = drafter.proposer(runner, block_manager.num_total_blocks)
-    speculator = Speculator(spec, proposer, block_manager, int(config.model.max_model_len or 0))
+    speculator = Speculator(spec, proposer, block_manager, int(config.model.max_model_len or 0),
+                            bursts_feed_drafter=getattr(runner, "bursts_feed_hidden_sink", False))
     logger.info("speculative decoding: %s, up to %d drafts per round", spec.method, spec.num_speculative_tokens)
     return speculator
 

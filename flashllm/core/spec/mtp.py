@@ -33,8 +33,8 @@ class _Pending:
         end = self.base + self.count
         if first < self.base or first > end:
             # recomputed from an earlier position (preemption), or positions ran where nothing was recorded
-            # (a multi-step burst): the MTP layer resumes at `first`; its entries in between keep older values,
-            # which can lower acceptance but never change a verified token
+            # (a multi-step call that hands no hidden states over): the MTP layer resumes at `first`; its
+            # entries in between keep older values, which can lower acceptance but never change a verified token
             self.base, self.chunks, self.count = first, [], 0
         elif first < end:  # rows of rejected drafts: the target scored these positions again
             self.chunks, self.count = [torch.cat(self.chunks)[: first - self.base]], first - self.base
@@ -61,7 +61,7 @@ class MTPProposer:
     tokens a round yields, never which: the target verifies them all.
     """
 
-    reads_hidden_states = True  # the Speculator then keeps target steps single (see Speculator.burst_steps)
+    reads_hidden_states = True  # steps must feed record (see Speculator.burst_steps)
 
     def __init__(self, mtp: Any, runner: ModelRunner, num_blocks: int, target_vocab_size: int) -> None:
         self.mtp = mtp

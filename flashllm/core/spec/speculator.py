@@ -114,7 +114,9 @@ class Speculator:
     """
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, block_manager: BlockManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, bursts_feed_drafter: bool = False) -> None:
+        """bursts_feed_drafter: the runner's multi-step calls hand each step's hidden states to a proposer that
+        reads them (ModelRunner.bursts_feed_hidden_sink), so its sequences may run them too."""
         if not 1 <= config.num_speculative_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculate_max_draft_token_num must be in 1..{MAX_DRAFT_TOKENS}, "
                              f"got {config.num_speculative_tokens}")
@@ -124,6 +126,7 @@ class Speculator:
         # the guard's threshold: the configured one, else the default until set_break_even raises it
         self.min_acceptance = _DEFAULT_MIN_ACCEPTANCE if config.min_acceptance is None else config.min_acceptance
         self.proposer = proposer
+        self.single_steps = getattr(proposer, "reads_hidden_states", False) and not bursts_feed_drafter
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stats = SpecStats()
@@ -183,17 +186,16 @@ class Speculator:
 
         A sequence whose last `misses` rounds brought no accepted draft token gets 2 ** (misses - 1) steps,
         no limit past 2 ** _MAX_MISS_SHIFT; one the guard pauses, or one never drafted for, sets no limit.
-        With a proposer that reads the target's hidden states (MTP, EAGLE), a sequence still drafting allows
-        one step: a burst hands no hidden states over, so the head's cache would miss those positions. One the
-        guard pauses bursts freely; when it drafts again, its head resumes with that gap (worse drafts for a
-        while, never other tokens)."""
-        reads_hidden = getattr(self.proposer, "reads_hidden_states", False)
+        With a proposer that reads the target's hidden states (MTP, EAGLE) on a runner whose bursts do not hand
+        them over, a sequence still drafting allows one step, or the head's cache would miss those positions;
+        one the guard pauses bursts freely there, and when it drafts again its head resumes with that gap
+        (worse drafts for a while, never other tokens). The cpu runner's bursts hand them over."""
         steps: int | None = None
         for seq in seqs:
             guard = self._guards.get(seq.seq_id)
             if guard is None or seq.num_tokens < guard.resume_at:
                 continue
-            if reads_hidden:
+            if self.single_steps:
                 return 1
             if not 0 < guard.misses <= _MAX_MISS_SHIFT:
                 continue

@@ -236,16 +236,22 @@ static int is_stop(int64_t token, const int64_t *stop_ids, int64_t num_stop) {
  * logit: the caller takes that token's full logits from hidden, which holds the last step's states).
  * Returns the steps done: 0 where the first was refused (no screen path for T tokens, or an index
  * out of range), having written nothing; a later refusal just ends the burst. *picked grows by the
- * rows whose fp32 logits the picks computed. */
-int64_t flashllm_decode_burst(const stack_layer *layers, int64_t L, stack_step *s, const burst_head *h,
-                              float *hidden, float *residual, float *scratch, int64_t steps,
-                              const int64_t *stop_ids, int64_t num_stop, int64_t *tokens, int64_t *picked) {
+ * rows whose fp32 logits the picks computed.
+ *
+ * What a drafter reading the target's hidden states needs of each step is kept too: with `states`
+ * (steps x T x H) set, step k's final states go to states + k T H; with taps (s->taps set, sized for
+ * steps x T tokens), step k's tapped streams go to rows k T .. (k + 1) T - 1 of it. */
+static int64_t burst_steps(const stack_layer *layers, int64_t L, stack_step *s, const burst_head *h, float *hidden,
+                           float *residual, float *scratch, int64_t steps, const int64_t *stop_ids,
+                           int64_t num_stop, int64_t *tokens, int64_t *picked, float *states, float *taps) {
     const int64_t T = s->T, H = s->H, bs = s->block_size;
     int64_t *ids = (int64_t *)s->ids, *positions = (int64_t *)s->positions, *slots = (int64_t *)s->slots;
     int32_t *seq_lens = (int32_t *)s->seq_lens;
     if (!ids || !(h->int8 ? flashllm_i8_screen_takes(H, h->multiplier) : flashllm_bf16_screen_takes(T))) return 0;
     for (int64_t k = 0; k < steps; k++) {
+        if (taps) s->taps = taps + k * T * s->num_taps * H;
         if (!flashllm_decode_stack(layers, L, s, hidden, residual, scratch)) return k;
+        if (states) memcpy(states + k * T * H, hidden, (size_t)(T * H) * sizeof(float));
         const int path = h->int8 ? flashllm_i8_screen_mt(hidden, T, H, h->copy, h->scales, h->scores, h->N, h->N,
                                                          h->multiplier, h->scratch, h->screen_threads)
                                  : flashllm_bf16_gemv_mt(hidden, h->copy, h->scores, T, H, h->N, h->N, h->scratch,
@@ -271,4 +277,15 @@ int64_t flashllm_decode_burst(const stack_layer *layers, int64_t L, stack_step *
         if (stop) return k + 1;
     }
     return steps;
+}
+
+int64_t flashllm_decode_burst(const stack_layer *layers, int64_t L, stack_step *s, const burst_head *h,
+                              float *hidden, float *residual, float *scratch, int64_t steps,
+                              const int64_t *stop_ids, int64_t num_stop, int64_t *tokens, int64_t *picked,
+                              float *states) {
+    float *const taps = s->taps;
+    const int64_t done = burst_steps(layers, L, s, h, hidden, residual, scratch, steps, stop_ids, num_stop, tokens,
+                                     picked, states, taps);
+    s->taps = taps;
+    return done;
 }
