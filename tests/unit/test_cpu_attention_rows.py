@@ -1,5 +1,6 @@
 """decode_attention.c's runs: one-token rows of one sequence (a verify step's 1 + k rows, lengths a row
-apart over one block table) attended together must give every row the bits it gets alone."""
+apart over one block table) attended together must give every row the bits it gets alone; and any row,
+in a batch of any size, the bits it gets in a batch of its own."""
 
 from __future__ import annotations
 
@@ -104,3 +105,21 @@ def test_rows_that_are_not_one_sequence_are_not_a_run(change: str) -> None:
     assert lib.flashllm_attention_runs_taken() == taken
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, tables, cu, lens, 0.3), **FP32)
+
+
+@pytest.mark.parametrize("sequences,hq,hk,head_dim", [
+    ([(171, 5), (166, 1), (155, 1), (226, 1)], 9, 3, 64),  # a verify step beside three decodes (SmolLM2's heads)
+    ([(200, 1)] * 4 + [(900, 1)] * 4, 14, 2, 64),           # 8 decodes, long and short (qwen2.5-0.5b's heads)
+    ([(33, 3)] * 30 + [(700, 2)], 4, 2, 16),                # 92 rows: a large batch with a long context in it
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_the_batch(sequences, hq, hk, head_dim, threads) -> None:
+    """How a row's context is cut into parts (and so its bits) depends on its length only. It once depended on
+    the batch's size too, and the int8-rounded products of a GGUF model turned that last bit into other tokens
+    for a request in a batch than alone."""
+    k_cache, v_cache, tables, lens = _verify_rows(sequences, hk, head_dim, seed=hq + len(sequences))
+    q = torch.randn(len(lens), hq, head_dim, generator=torch.Generator().manual_seed(5))
+    together = _attend(q, k_cache, v_cache, tables, lens, threads)
+    for b in range(len(lens)):
+        alone = _attend(q[b:b + 1].clone(), k_cache, v_cache, tables[b:b + 1].clone(), lens[b:b + 1].clone(), threads)
+        assert torch.equal(together[b:b + 1], alone), b

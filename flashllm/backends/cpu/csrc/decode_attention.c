@@ -9,11 +9,15 @@
  * - An item is one sequence's KV head and one part of its context. It takes all the query heads
  *   that share the KV head (up to GROUP_AT_ONCE at a time), so each key and value row comes from
  *   memory once for the group, not once per query head.
- * - A context longer than PART_MIN slots is cut into parts while the batch has fewer than
- *   SPLIT_ITEMS (sequence, KV head) pairs: at batch 1 a long context is shared by every thread.
- *   Each part leaves its running maximum, sum and unnormalised output; a serial pass merges them.
- *   The parts depend only on the batch and the lengths, never on the threads, so the result does
- *   not change with the thread count.
+ * - A context longer than PART_MIN slots is cut into parts of PART_MIN or more slots, at most
+ *   PARTS_MAX, so that at batch 1 a long context is shared by every thread. Each part leaves its
+ *   running maximum, sum and unnormalised output; a pass over the rows merges them. A row's parts
+ *   depend only on its own length, never on the threads or the other rows of the batch, so a row
+ *   gets the same bits alone, beside a verify step's rows or in a batch of any size
+ *   (tests/unit/test_cpu_attention_rows.py). Where they depended on the batch, a sequence's tokens
+ *   did too: SmolLM2's GGUF file rounds every product's input to int8, which turns a last-bit
+ *   difference in attention into logprobs 0.1-0.2 apart and flipped greedy tokens between a batch
+ *   of four and each request alone.
  * - Within an item the softmax is the online one over chunks of CHUNK slots (a running maximum,
  *   earlier sums rescaled when it grows), so no scratch grows with the context.
  * - Consecutive rows of one sequence (a speculative verify step's 1 + k rows: lengths a row apart,
@@ -40,7 +44,10 @@
 #define CHUNK 256
 #define GROUP_AT_ONCE 8
 #define PART_MIN 64
-#define SPLIT_ITEMS 64
+/* Parts of a long context at most. More parts share a long context among more threads at batch 1;
+ * each costs a partial output to merge, for every row of a large batch too (the merge runs over
+ * the rows on all threads). */
+#define PARTS_MAX 8
 /* Value rows summed for every head of a group before the next rows. Summing all of a chunk's rows
  * for one head, then again for the next, walks up to 64 KiB of values per head, more than L1 holds.
  * With the vector maximum below, slices of 32 rows run the kernel 1.07-1.40x the head-by-head sums
@@ -68,12 +75,15 @@ typedef struct {
 static int run_rows_max = RUN_MAX;
 static int64_t runs_taken;
 
-/* The parts sequence b's context is cut into, and the slots of each but the last (a multiple of 8). */
+/* The parts a context of `length` slots is cut into, and the slots of each but the last (a multiple
+ * of 8): a function of the length alone (see the top of this file); 1 part where a->parts_max is 1
+ * (no memory for the parts' outputs). */
 static void parts_of(const attention_args *a, int64_t length, int64_t *parts, int64_t *span) {
     int64_t p = (length + PART_MIN - 1) / PART_MIN;
+    p = p < PARTS_MAX ? (p > 0 ? p : 1) : PARTS_MAX;
     p = p < a->parts_max ? p : a->parts_max;
     const int64_t s = ((length + p - 1) / p + 7) & ~(int64_t)7;
-    *parts = (length + s - 1) / s;
+    *parts = length > 0 ? (length + s - 1) / s : 1;
     *span = s;
 }
 
@@ -430,11 +440,12 @@ int64_t flashllm_attention_runs_taken(void) {
     return __atomic_load_n(&runs_taken, __ATOMIC_RELAXED);
 }
 
-/* out for the heads of sequences whose context was cut into parts: the parts' outputs, each
+/* out for the heads of rows b0 <= b < b1 whose context was cut into parts: the parts' outputs, each
  * weighted by e^(its maximum - the overall maximum), over the likewise weighted sums. */
-static void merge_parts(const attention_args *a, int64_t B) {
+static void merge_parts(void *ctx, int64_t b0, int64_t b1) {
+    const attention_args *a = ctx;
     const int64_t group = a->Hq / a->Hk, D = a->D;
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         int64_t parts, span;
         parts_of(a, a->seq_lens[b], &parts, &span);
         if (parts == 1) continue;
@@ -463,19 +474,29 @@ void flashllm_decode_attention(const float *q, int64_t q_stride, const float *k_
                                int64_t block_size, float scale, float *out, int threads) {
     attention_args a = {q, k_cache, v_cache, block_tables, seq_lens, rows, q_stride, width, Hq, Hk, D,
                         block_size, 1, scale, out, NULL, NULL};
-    const int64_t pairs = B * Hk;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    if (pairs < SPLIT_ITEMS && longest > PART_MIN) {  /* some context will be cut into parts */
-        a.parts_max = SPLIT_ITEMS / pairs;
-        a.partial = malloc((size_t)(pairs * a.parts_max * Hq / Hk * (D + 2)) * sizeof(float));
-        if (!a.partial) a.parts_max = 1;  /* no memory for parts: every context whole */
+    a.parts_max = PARTS_MAX;  /* parts_of's cap while the rows are counted */
+    int64_t most = 1;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t parts, span;
+        parts_of(&a, seq_lens[b], &parts, &span);
+        most = parts > most ? parts : most;
+    }
+    a.parts_max = most;
+    if (most > 1) {
+        a.partial = malloc((size_t)(B * Hk * most * (Hq / Hk) * (D + 2)) * sizeof(float));
+        if (!a.partial && B > 1) {  /* no memory for the batch's parts: one row at a time (the same bits) */
+            for (int64_t b = 0; b < B; b++)
+                flashllm_decode_attention(q, q_stride, k_cache, v_cache, block_tables + b * width, width, seq_lens + b,
+                                          rows + b, 1, Hq, Hk, D, block_size, scale, out, threads);
+            return;
+        }
+        if (!a.partial) a.parts_max = 1;  /* not even a row's: its context whole (other bits) */
     }
     const int64_t runs = find_runs(&a, B);
     flashllm_parallel_items(attend_items, &a, runs * Hk * a.parts_max, threads, FINE_SHARES);
     free((void *)a.run_first);
     if (a.partial) {
-        merge_parts(&a, B);
+        flashllm_parallel_items(merge_parts, &a, B, threads, FINE_SHARES);
         free(a.partial);
     }
 }
