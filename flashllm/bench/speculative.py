@@ -149,22 +149,32 @@ def _requests(args: argparse.Namespace, llm: Any) -> list[tuple[list[int], int]]
         return [(r.prompt_token_ids, r.output_len) for r in sharegpt_file_requests(args, llm.tokenizer)]
     output_len = parse_range(args.output_len)[1]
     if args.dataset == "copy":
-        from flashllm.testing.corpus import CORPUS
-
-        prose = [line for line in CORPUS if line.endswith(".") and len(line) > 40]
-        prompts = []
-        for i in range(args.num_prompts):
-            text = " ".join(prose[(i * _COPY_SENTENCES + j) % len(prose)] for j in range(_COPY_SENTENCES))
-            task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=_COPY_CODE)
-            prompts.append(llm.render_chat([{"role": "user", "content": task}]))
-        return [(prompt, output_len) for prompt in prompts]  # render_chat gives token ids
+        return [(prompt, output_len) for prompt in copy_prompts(llm, args.num_prompts)]
     if args.dataset == "chat":
-        return [(llm.render_chat([{"role": "user", "content": OPEN_TASKS[i % len(OPEN_TASKS)]}]), output_len)
-                for i in range(args.num_prompts)]
+        return [(prompt, output_len) for prompt in open_prompts(llm, args.num_prompts)]
     vocab = llm.engine.parts.hf_config.vocab_size
     return [(r.prompt_token_ids, r.output_len)
             for r in random_requests(args.num_prompts, parse_range(args.input_len), (output_len, output_len), vocab,
                                      args.seed)]
+
+
+def copy_prompts(llm: Any, count: int) -> list[list[int]]:
+    """Token ids of `count` chat prompts (the model's template) asking to repeat, fix or reformat a text of the
+    local corpus or a short Python module: COPY_TASKS in turn, each over other sentences."""
+    from flashllm.testing.corpus import CORPUS
+
+    prose = [line for line in CORPUS if line.endswith(".") and len(line) > 40]
+    prompts = []
+    for i in range(count):
+        text = " ".join(prose[(i * _COPY_SENTENCES + j) % len(prose)] for j in range(_COPY_SENTENCES))
+        task = COPY_TASKS[i % len(COPY_TASKS)].format(text=text, code=_COPY_CODE)
+        prompts.append(llm.render_chat([{"role": "user", "content": task}]))
+    return prompts
+
+
+def open_prompts(llm: Any, count: int) -> list[list[int]]:
+    """Token ids of `count` chat prompts asking open questions (OPEN_TASKS in turn): nothing to copy."""
+    return [llm.render_chat([{"role": "user", "content": OPEN_TASKS[i % len(OPEN_TASKS)]}]) for i in range(count)]
 
 
 def _hf_generate(args: argparse.Namespace, model_dir: Path, requests: list[tuple[list[int], int]],
