@@ -68,10 +68,11 @@ def _round(speculator: spec.Speculator, bm: BlockManager, seqs: list[Sequence], 
     return drafts
 
 
-def _rounds_to_pause() -> int:
-    """Rounds of all-rejected drafts before the guard pauses: its average starts at 1 and keeps 1 - weight
-    of itself each round; it must fall below min_acceptance after at least _MIN_ROUNDS rounds."""
-    rounds, rate = 0, 1.0
+def _rounds_to_pause(rate: float = 1.0) -> int:
+    """Rounds of all-rejected drafts before the guard pauses: its average starts at `rate` (1 for a new
+    sequence, the threshold after a pause) and keeps 1 - weight of itself each round; it must fall below
+    min_acceptance after at least _MIN_ROUNDS rounds."""
+    rounds = 0
     while rounds < spec._MIN_ROUNDS or rate >= spec._DEFAULT_MIN_ACCEPTANCE:
         rounds, rate = rounds + 1, rate * (1 - spec._EMA_WEIGHT)
     return rounds
@@ -87,8 +88,9 @@ def test_the_guard_pauses_for_tokens_not_rounds_and_doubles_each_pause() -> None
     assert speculator.burst_steps(seqs) is None
     while seq.num_tokens < paused_at + spec._FIRST_PAUSE:
         assert _round(speculator, bm, seqs, states, steps=3) == [0]
-    assert _round(speculator, bm, seqs, states) == [K]  # judged afresh
-    for _ in range(_rounds_to_pause() - 1):
+    assert _round(speculator, bm, seqs, states) == [K]  # judged afresh, from the threshold
+    assert _rounds_to_pause(spec._DEFAULT_MIN_ACCEPTANCE) == spec._MIN_ROUNDS < _rounds_to_pause()
+    for _ in range(_rounds_to_pause(spec._DEFAULT_MIN_ACCEPTANCE) - 1):
         assert _round(speculator, bm, seqs, states) == [K]
     paused_at = seq.num_tokens
     skipped = 0

@@ -237,10 +237,12 @@ class Speculator:
             guard.rate += _EMA_WEIGHT * (accepted / drafted - guard.rate)
             guard.rounds += 1
             if guard.rounds >= _MIN_ROUNDS and guard.rate < min_acceptance:
-                # below break-even: stop drafting for a while, then judge afresh
+                # below break-even: stop drafting for a while, then judge afresh from the threshold (not from
+                # the full trust a new sequence starts with), so a sequence that still misses pauses again
+                # after _MIN_ROUNDS rounds instead of twice as many
                 guard.resume_at = item.seq.num_tokens + guard.pause
                 guard.pause = min(2 * guard.pause, _MAX_PAUSE)
-                guard.rate, guard.rounds = 1.0, 0
+                guard.rate, guard.rounds = min_acceptance, 0
 
     def set_break_even(self, costs: RoundCosts) -> None:
         """Judge acceptance against the break-even point of these measured costs (a proposer whose drafts cost
