@@ -75,6 +75,12 @@ class _Step(ctypes.Structure):
         ("vocab", _I64), ("lora_slots", _P), ("lora_count", _I64), ("lora_rank", _I64), ("head_afmt", _I64),
         ("tap_layers", _P), ("num_taps", _I64), ("taps", _P)]
 
+def by_sequence(rows: Tensor, steps: int) -> Tensor:
+    """A burst's rows, `steps` steps of T tokens one step after another (steps * T, W), as the rows of one
+    sequence after another, each sequence's steps in order: how a burst hands its rows to a drafter."""
+    return rows.view(steps, -1, rows.shape[-1]).transpose(0, 1).reshape(-1, rows.shape[-1])
+
+
 def _fp32(t: Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
 
@@ -358,8 +364,7 @@ class FusedDecode:
         drafter (CpuRunner.execute_burst)."""
         if self._taps_out is None:
             return
-        tokens = int(self._step.T)
-        rows = self._taps_out[: done * tokens].view(done, tokens, -1).transpose(0, 1).reshape(done * tokens, -1)
+        rows = by_sequence(self._taps_out[: done * int(self._step.T)], done)
         self._tap_layers[0].states = list(rows.split(self._hidden, dim=1))
 
     def set_step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],

@@ -200,6 +200,8 @@ class CpuRunner(ModelRunner):
         """Hand a burst's rows to hidden_sink as the rows of one chunk per sequence: sequence b's `done` steps
         (its tokens at positions p_b, p_b + 1, ...) in order, with their final hidden states and, where the stack
         keeps taps, its tapped streams, as single steps would have handed them over one by one."""
+        from flashllm.backends.cpu import decode_stack
+
         done, count = len(tokens), len(tokens[0])
         ids, starts = first
         fed = torch.tensor([ids.tolist(), *tokens[:-1]], dtype=torch.int64)  # (done, T): each step's input ids
@@ -218,7 +220,7 @@ class CpuRunner(ModelRunner):
                                             seq_lens=seq_lens, block_tables=tables, max_seqlen_q=done,
                                             max_seqlen_k=int(seq_lens.max())),
             logits_indices=torch.arange(1, count + 1, dtype=torch.int64) * done - 1, seq_ids=inputs.seq_ids)
-        sink(chunk, states[:done].transpose(0, 1).reshape(done * count, -1))
+        sink(chunk, decode_stack.by_sequence(states[:done].view(done * count, -1), done))
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         if self._fused_decode is _UNBUILT:  # built after loading, once the weights are final
