@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,17 +24,48 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("torchrun"), "llama", seed=11, tokenizer=True)
 
 
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+# A rank's C++ runtime aborting (libstdc++'s message for std::terminate with no exception in flight)
+TERMINATE = "terminate called without an active exception"
+
+
+def torchrun(*args: str, cwd: Path, output: Path | None = None) -> subprocess.CompletedProcess:
+    """Run torchrun with 2 ranks. Ranks print their Python stacks on a fatal signal (faulthandler).
+
+    output: the file the job writes last. Once (2026-11-30, CI) rank 0 of the generate job aborted with
+    TERMINATE and nothing in its stderr said where; it did not happen again in 150 runs on a 2-core
+    host, some beside a busy core. When the abort comes after `output` was written whole, the job's
+    work is done and the abort is in the process's teardown: the run is repeated once, with a warning
+    that carries the first run's stderr. An abort before the output is complete fails the test as any
+    other failure does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+    def launch() -> subprocess.CompletedProcess:
+        if output is not None:
+            output.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *args]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+    run = launch()
+    if run.returncode != 0 and TERMINATE in run.stderr and output is not None and _complete_json(output):
+        warnings.warn(f"a torchrun rank aborted after the job's output was complete; ran it again. Its stderr:\n"
+                      f"{run.stderr[-3000:]}", stacklevel=2)
+        run = launch()
+    return run
+
+
+def _complete_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def test_two_torchrun_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     script = Path(__file__).with_name("torchrun_generate.py")
-    run = torchrun(str(script), str(model_dir), str(out), json.dumps(PROMPTS), cwd=tmp_path)
+    run = torchrun(str(script), str(model_dir), str(out), json.dumps(PROMPTS), cwd=tmp_path, output=out)
     assert run.returncode == 0, run.stderr[-3000:]
     two = json.loads(out.read_text())
     llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
