@@ -124,10 +124,10 @@ def gemv_rows(request: pytest.FixtureRequest) -> Iterator[int]:
 @pytest.mark.parametrize("n", [1, 2, 7, 67, 130])
 def test_one_token_rows_read_together_give_each_row_its_own_bits(f32_rows: int, gemv_rows: int, k: int,
                                                                  n: int) -> None:
-    # one token, K a multiple of 32: rows are read two (the AVX2 paths up to K 2048, longer rows take
-    # the tiles; the AVX-512 paths on AMD at any K) or eight at a time (AVX-512 on Intel), the others
-    # from the share's later halves or eighths, leftover rows alone (130 rows split over the pool's
-    # threads); each row's sum must be the one it gets by itself
+    # one token, K a multiple of 32: the AVX2 paths run the stream tiles (4 rows a quarter of the share
+    # apart), the AVX-512 paths read rows two (on AMD) or eight at a time (on Intel), the others from the
+    # share's later halves or eighths, leftover rows alone (130 rows split over the pool's threads); each
+    # row's sum must be the one it gets by itself
     gen = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
     got = native.f32_linear(x, w)
@@ -180,6 +180,38 @@ def test_stream_tiles_give_the_blocks_bits(tokens: int, k: int, n: int) -> None:
         native.f32_stream_max(default)
     assert_within_fp32_bound(streamed, x, w)
     assert torch.equal(streamed, blocks)
+
+
+@pytest.mark.parametrize("k", [8, 264, 576, 896, 1544, 4864])
+@pytest.mark.parametrize("n", [5, 67, 130])
+def test_a_token_gets_the_same_bits_alone_and_in_any_batch_on_the_avx2_paths(k: int, n: int) -> None:
+    # the AVX2 fp32 products (f32_rows 2, on any x86-64 CPU): one token and up to 9 run the stream tiles,
+    # more the 4-row blocks, every output one 8-lane accumulator in one order; so each token's row of a
+    # batch's product must be the product of that token alone (a decode step alone, in a batch, beside
+    # a verify step's rows). With one token off the stream tiles (f32_stream_min(2): the pair loop, or
+    # the row loop where K is no multiple of 32) every K but 4864 (the blocks' at any count) fails.
+    gen = torch.Generator().manual_seed(k * 7 + n)
+    x, w = torch.randn(native.MAX_TOKENS, k, generator=gen), torch.randn(n, k, generator=gen)
+    default = native.f32_rows()
+    native.f32_rows(2)
+    try:
+        alone = torch.cat([native.f32_linear(x[t : t + 1], w) for t in range(native.MAX_TOKENS)])
+        batches = {tokens: native.f32_linear(x[:tokens], w) for tokens in (2, 5, 9, 10, 16, native.MAX_TOKENS)}
+    finally:
+        native.f32_rows(default)
+    assert_within_fp32_bound(alone, x, w)
+    for tokens, batch in batches.items():
+        assert torch.equal(batch, alone[:tokens]), f"{tokens} tokens"
+
+
+def test_one_token_runs_the_stream_tiles_by_default() -> None:
+    default = native.f32_stream_min()
+    try:
+        assert native.f32_stream_min(3) == default and native.f32_stream_min(0) == default  # unsupported
+        assert native.f32_stream_min(2) == 2
+    finally:
+        native.f32_stream_min(default)
+    assert default == 1
 
 
 def test_the_stream_tiles_take_two_to_nine_tokens() -> None:

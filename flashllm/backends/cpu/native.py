@@ -108,6 +108,7 @@ _SIGNATURES = {
     "flashllm_read_stream": ([_P, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_double),
     "flashllm_f32_set_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_f32_set_stream_max": ([ctypes.c_int], ctypes.c_int),
+    "flashllm_f32_set_stream_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_f32_set_gemv_rows": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_z_min": ([ctypes.c_int], ctypes.c_int),
     "flashllm_w8_set_bf16_min": ([ctypes.c_int], ctypes.c_int),
@@ -434,6 +435,13 @@ def f32_stream_max(tokens: int | None = None) -> int:
     speculative verify step's rows; 0: none, and where the AVX-512 paths run these never do). With
     `tokens` (0, or 2 to 9), sets it first, for tests and A/B runs."""
     return library().flashllm_f32_set_stream_max(-1 if tokens is None else tokens)
+
+
+def f32_stream_min(tokens: int | None = None) -> int:
+    """The fewest tokens whose fp32 products run the AVX2 stream tiles: 1 (the default: one token sums
+    as a batch does, so rows are batch-invariant) or 2 (one token on the pair loop). With `tokens`, sets
+    it first, for tests and A/B runs."""
+    return library().flashllm_f32_set_stream_min(-1 if tokens is None else tokens)
 
 
 def f32_gemv_rows(rows: int | None = None) -> int:

@@ -348,8 +348,8 @@ static void tiled_product(const tile_fn *tiles, int R, const float *x, const flo
 }
 
 
-/* ---- AVX2, 2 to STREAM_MAX_TOKENS tokens (a speculative verify step's 1 + k rows): the tiles' sums
- * read as the one-token loop reads ----
+/* ---- AVX2, 1 to STREAM_MAX_TOKENS tokens (a decode step, a speculative verify step's 1 + k rows): the
+ * tiles' sums read as the one-token loop reads ----
  * tiled_product's contiguous 4-row blocks stream a few tokens' products slowly on `epyc-avx2-2c`
  * (docs/benchmarks.md): SmolLM2-135M's 150 body products (distinct weights, two threads) take
  * 1.4-1.6x the one-token loop at 2 to 5 tokens. Here the 4 rows of a tile are a quarter of the share
@@ -378,8 +378,25 @@ int flashllm_f32_set_stream_max(int tokens) {
     return stream_max;
 }
 
+/* The fewest tokens the stream tiles take: 1, so that one token (a decode step alone, each step of a
+ * multi-step call) sums each output in the order every larger batch does, and a sequence's bits do
+ * not depend on the batch it decodes in or on a verify step's rows; the pair loop's four chains summed
+ * in another order. At one token the tiles are a memory-bound read, and on `epyc-avx2-2c` (one
+ * sequence at 128 tokens, executor.execute, 30-40 interleaved rounds) they ran the one-token step
+ * 0.93-0.96x the pair loop's time on the qwen2.5-0.5b shape and 0.97x on fp32 SmolLM2-135M. */
+static int stream_min = 1;
+
+/* Sets the fewest tokens the stream tiles take (1, or 2: one token on the pair loop, as before
+ * 2026-11-30) and returns the setting in use afterwards, for tests and A/B runs. */
+int flashllm_f32_set_stream_min(int tokens) {
+    if (tokens == 1 || tokens == 2) stream_min = tokens;
+    return stream_min;
+}
+
 /* Whether f32_gemm_streams takes T tokens of K features: the AVX2 paths (f32_rows 2) only */
-static int stream_takes(int64_t T, int64_t K) { return T > 1 && T <= stream_max && K % 8 == 0 && f32_rows != OCT_ROWS; }
+static int stream_takes(int64_t T, int64_t K) {
+    return T >= stream_min && T <= stream_max && K % 8 == 0 && f32_rows != OCT_ROWS;
+}
 
 /* One sweep of TT tokens (x, xs apart) over features [k0, k1) of R rows: acc[r * STREAM_MAX_TOKENS + t]
  * carries each sum from the previous chunk (fresh: zeros); prefetches `ahead` bytes on (0: none). */
@@ -657,17 +674,18 @@ static void f32_share(void *ctx, int64_t n0, int64_t n1) {
      * engine's decode 1.075x). With AVX2 (on `epyc3-2c`, docs/benchmarks.md, two threads) the pair
      * loop takes rows of up to 2048 features, 4-10% faster there than the row loop; longer rows go to
      * the 4-row tiles, whose next-block prefetch streams the down projection (K 4864) at ~35 GB/s
-     * against ~29 for the row loop and beats the pair loop by 5%. With AVX2, 2 to STREAM_MAX_TOKENS
-     * tokens (a verify step's rows) take the stream tiles, more the 4-row blocks (see f32_gemm_streams). */
+     * against ~29 for the row loop and beats the pair loop by 5%. With AVX2, 1 to STREAM_MAX_TOKENS
+     * tokens take the stream tiles (stream_min says why one token does), more the 4-row blocks (see
+     * f32_gemm_streams): every output is then the same one-accumulator sum at any batch size. */
     if (a->T == 1 && a->K % 32 == 0 && f32_rows == OCT_ROWS && f32_gemv_rows == OCT_ROWS)
         f32_gemv_octs(a->x, a->w, a->y, a->K, n0, n1);
+    else if (stream_takes(a->T, a->K)) f32_gemm_streams(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->T == 1 && a->K % 32 == 0 && (a->K <= 2048 || f32_rows == OCT_ROWS))
         f32_gemv_pairs(a->x, a->w, a->y, a->K, n0, n1);
     else if (a->T > 1 && a->T <= OCT_TILE_MAX_TOKENS && a->K % 16 == 0 && f32_rows == OCT_ROWS)
         f32_gemm_z8(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->T > 1 && a->K % 16 == 0 && f32_rows == OCT_ROWS)
         f32_gemm_z_chunks(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
-    else if (stream_takes(a->T, a->K)) f32_gemm_streams(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else if (a->K % 8 == 0 && (a->T > 1 || a->K > 2048)) flashllm_f32_gemm(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
     else flashllm_f32_gemv(a->x, a->w, a->y, a->T, a->K, n0, n1, a->ldy);
 }
