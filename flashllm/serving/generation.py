@@ -192,6 +192,16 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
 
 
+# JSON has no -Infinity: a token a grammar or a bias ruled out (logprob -inf) is sent at this floor, as
+# vLLM sends it, so a top_logprobs list keeps its length and the body stays valid JSON
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (and NaN, which no distribution gives) at LOGPROB_FLOOR."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
     """OpenAI chat `logprobs.content` entries for tokens [start, end) of a completion."""
     if completion.logprobs is None:
@@ -201,8 +211,9 @@ def chat_logprobs(tokenizer: Any, completion: CompletionOutput, start: int, end:
         text = token_text(tokenizer, completion.token_ids[i])
         tops = completion.top_logprobs[i] if completion.top_logprobs else []
         entries.append({
-            "token": text, "logprob": completion.logprobs[i], "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := token_text(tokenizer, tid)), "logprob": lp, "bytes": list(t.encode())}
+            "token": text, "logprob": json_logprob(completion.logprobs[i]), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := token_text(tokenizer, tid)), "logprob": json_logprob(lp),
+                              "bytes": list(t.encode())}
                              for tid, lp in tops],
         })
     return {"content": entries}
@@ -217,8 +228,8 @@ def echo_logprobs(tokenizer: Any, output: RequestOutput) -> dict[str, Any]:
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-        chosen.append(None if entry is None else entry[0])
-        tops.append(None if entry is None else {token_text(tokenizer, tid): lp for tid, lp in entry[1]})
+        chosen.append(None if entry is None else json_logprob(entry[0]))
+        tops.append(None if entry is None else {token_text(tokenizer, tid): json_logprob(lp) for tid, lp in entry[1]})
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -241,6 +252,7 @@ def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int
         offsets.append(text_offset)
         text_offset += len(text)
         pairs = completion.top_logprobs[i] if completion.top_logprobs else []
-        tops.append({token_text(tokenizer, tid): lp for tid, lp in pairs})
-    return {"tokens": tokens, "token_logprobs": list(completion.logprobs[start:end]), "top_logprobs": tops,
+        tops.append({token_text(tokenizer, tid): json_logprob(lp) for tid, lp in pairs})
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp) for lp in completion.logprobs[start:end]],
+            "top_logprobs": tops,
             "text_offset": offsets}

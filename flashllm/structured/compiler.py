@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -50,11 +51,15 @@ def _import_llguidance() -> Any:
     return llguidance
 
 
+# the lines of the grammar listing llguidance appends to an error: "   1 | start: (((" and the caret under it
+_LISTING_LINE = re.compile(r"\s*(\d+\s*\|.*|\|.*|\^+)\s*")
+
+
 def _short(message: str) -> str:
-    """llguidance's error without the grammar listing it appends, and capped."""
-    lines = [ln for ln in message.splitlines() if ln.strip() and not ln.lstrip()[:1].isdigit()
-             and not ln.strip().startswith(("^", "|"))]
-    text = " ".join(ln.strip() for ln in lines) or message.strip()
+    """llguidance's error on one line, without the grammar listing it appends (which echoes the request
+    back), and capped."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and not _LISTING_LINE.fullmatch(ln)]
+    text = " ".join(lines) or "the grammar could not be parsed"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 

@@ -89,6 +89,7 @@ def test_guided_fields_on_completions(client: openai.OpenAI) -> None:
     ({"guided_json": {"type": "strng"}}, "cannot be"),
     ({"guided_regex": "a(?=b)"}, "look-around"),
     ({"guided_grammar": "start: missing"}, "cannot be"),
+    ({"guided_grammar": "start: ((("}, "Expected token"),  # llguidance's first line begins with its position
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "send only one"),
     ({"guided_choice": ["x" * 2000]}, "characters"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
@@ -97,6 +98,8 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(client: openai.Ope
     with pytest.raises(openai.BadRequestError, match=words) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
     assert info.value.body["code"] in ("invalid_structured_output", "invalid_value")
+    message = info.value.body["message"]
+    assert "\n" not in message, message  # one line: no grammar listing echoed back
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
 
 
@@ -156,6 +159,43 @@ def test_auto_tool_choice_stays_free(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto",
                                            max_tokens=16, temperature=0)
     assert reply.choices[0].message.tool_calls is None  # the random model writes no <tool_call> by itself
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON: {text[:300]}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_the_grammar_rules_out_are_valid_json(server: ServerProcess, stream: bool) -> None:
+    # one choice allows few tokens a step, so the top 5 hold tokens the mask set to -inf: they come at
+    # the floor vLLM uses (-9999.0), never as -Infinity (not JSON: a 500, or a stream clients cannot parse)
+    import httpx
+
+    from flashllm.serving.generation import LOGPROB_FLOOR
+
+    bodies = [("completions", {"prompt": "Say:", "logprobs": 5}),
+              ("chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 5})]
+    for path, body in bodies:
+        body = {**body, "model": MODEL, "max_tokens": 8, "guided_choice": ["alpha"], "stream": stream}
+        reply = httpx.post(f"{server.url}/{path}", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        events = ([_strict_json(line[6:]) for line in reply.text.splitlines()
+                   if line.startswith("data: ") and line != "data: [DONE]"] if stream else [_strict_json(reply.text)])
+        text = "".join(c.get("text") or (c.get("message") or c.get("delta") or {}).get("content") or ""
+                       for e in events for c in e["choices"])
+        assert text == "alpha", (path, text)
+        logprobs = [c["logprobs"] for e in events for c in e["choices"] if c.get("logprobs")]
+        if path == "completions":
+            chosen = [lp for entry in logprobs for lp in entry["token_logprobs"]]
+            tops = [lp for entry in logprobs for top in entry["top_logprobs"] for lp in top.values()]
+        else:
+            content = [item for entry in logprobs for item in entry["content"]]
+            chosen = [item["logprob"] for item in content]
+            tops = [t["logprob"] for item in content for t in item["top_logprobs"]]
+        assert chosen and all(LOGPROB_FLOOR < lp <= 0 for lp in chosen), (path, chosen)
+        assert LOGPROB_FLOOR in tops and all(LOGPROB_FLOOR <= lp <= 0 for lp in tops), (path, tops)
 
 
 def test_echo_with_logprobs_gives_the_prompts_logprobs(client: openai.OpenAI) -> None:
