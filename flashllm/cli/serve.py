@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -176,12 +178,36 @@ def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = N
         else:
             values[dest] = default
     _check_mode(values)
+    _check_limits(values)
     if getattr(args, "enable_prefix_caching", False) and values["no_prefix_caching"]:
         raise SystemExit("flashllm serve: --enable-prefix-caching and --no-prefix-caching contradict; give one")
     if (values["lora_modules"] or values["allowed_lora_dir"]) and not values["enable_lora"]:
         raise SystemExit("flashllm serve: --lora-modules and --allowed-lora-dir serve adapters per request; add "
                          "--enable-lora (or merge one adapter with --lora-path)")
     return values
+
+
+def _check_limits(values: dict[str, Any]) -> None:
+    """The server's own numbers and its address, before the model loads (the engine's are checked
+    when it is built, and the connection layer's in server.connection_limits)."""
+    def refuse(flag: str, need: str) -> None:
+        raise SystemExit(f"flashllm serve: --{flag.replace('_', '-')} must be {need}, got {values[flag]!r}")
+
+    if not 0 <= values["port"] <= 65535:
+        refuse("port", "a TCP port, 0 to 65535")
+    if values["max_queue"] < 0:
+        refuse("max_queue", "0 or more")
+    if values["max_body_bytes"] < 1:
+        refuse("max_body_bytes", "1 or more")
+    if not 0 < values["request_timeout"] < math.inf:
+        refuse("request_timeout", "a positive number of seconds")
+    if not 0 <= values["shutdown_drain_timeout"] < math.inf:
+        refuse("shutdown_drain_timeout", "0 or a positive number of seconds")
+    try:
+        socket.getaddrinfo(values["host"], values["port"], type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise SystemExit(f"flashllm serve: --host {values['host']!r} is not an address this machine can bind "
+                         f"({exc})") from None
 
 
 def _check_mode(values: dict[str, Any]) -> None:

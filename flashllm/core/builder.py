@@ -14,6 +14,7 @@ from flashllm.config import EngineConfig
 from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
 from flashllm.core.parallel import RankContext
 from flashllm.core.runner_select import EngineConfigError, model_runner_class
+from flashllm.core.scheduler import check_scheduler_config
 from flashllm.models.default_model import resolve_model
 from flashllm.models.gguf import is_gguf_path, open_gguf
 from flashllm.models.gguf.tensors import gguf_quant_capability
@@ -67,6 +68,10 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     (rank 0 only), and size the KV cache (the smallest size every rank can hold)."""
     plugins = plugins or make_plugin_manager()
     rank = rank or RankContext()
+    try:
+        check_scheduler_config(config.scheduler)  # before minutes of loading
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
     selection = rank.select(select_device(config.device.device, config.device.backend, plugins=plugins))
     plugins.adjust_config(config, selection.backend)
     model_dir = resolve_model(config.model.model)  # None: SmolLM2 when installed, else the demo model

@@ -28,6 +28,20 @@ class ScheduledSequence:
     draft_token_ids: list[int] = field(default_factory=list)
 
 
+def check_scheduler_config(config: SchedulerConfig) -> None:
+    """Raise ValueError, naming the setting, for limits a scheduler cannot work with."""
+    if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+        raise ValueError(
+            f"max_num_seqs and max_num_batched_tokens must be >= 1, got {config.max_num_seqs} "
+            f"and {config.max_num_batched_tokens}; fix SchedulerConfig"
+        )
+    if config.max_prefill_tokens is not None and config.max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {config.max_prefill_tokens}; "
+                         "fix SchedulerConfig")
+    if config.num_scheduler_steps < 1:
+        raise ValueError(f"num_scheduler_steps must be >= 1, got {config.num_scheduler_steps}; fix SchedulerConfig")
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one engine step runs: the sequences in batch order, and who was preempted for it."""
@@ -52,16 +66,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {config.max_num_seqs} "
-                f"and {config.max_num_batched_tokens}; fix SchedulerConfig"
-            )
-        if config.max_prefill_tokens is not None and config.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {config.max_prefill_tokens}; "
-                             "fix SchedulerConfig")
-        if config.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {config.num_scheduler_steps}; fix SchedulerConfig")
+        check_scheduler_config(config)
         self.config = config
         self.block_manager = block_manager
         self._prefill_left = 0  # prompt tokens the step being scheduled may still take

@@ -108,3 +108,22 @@ def test_both_module_entry_points_run_the_command(module: str) -> None:
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.returncode == USAGE_ERROR, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "--max-tokens" in done.stderr and "invalid int value" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--port", "70000"), ("--port", "-1"), ("--max-queue", "-5"), ("--max-body-bytes", "0"),
+    ("--request-timeout", "nan"), ("--request-timeout", "-1"), ("--shutdown-drain-timeout", "inf"),
+    ("--host", "256.1.1.1"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-3"),
+    ("--num-scheduler-steps", "0"),
+])
+def test_a_bad_server_or_scheduler_number_fails_in_one_line(tiny_model_dir: Path, flag: str, value: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # in this process: each is refused before anything binds or the weights load
+    from flashllm.cli import main
+
+    code = main(["serve", str(tiny_model_dir), flag, value, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == USAGE_ERROR and "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("flashllm serve: ") and flag.lstrip("-").replace("-", "_") in line.replace("-", "_"), line
+    assert WEIGHTS_LOADED not in err
