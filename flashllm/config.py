@@ -127,6 +127,15 @@ SPECULATE_METHODS = ("ngram", "inference_with_reference", "draft_model", "eagle"
 MAX_DRAFT_TOKENS = 8
 
 
+class SpeculativeConfigError(ValueError):
+    """Speculative decoding cannot run with these settings (a flag, a speculative_config key, or a drafter
+    that does not fit the target); the message, one line, says which and what to change."""
+
+
+class SpeculativeKeyError(SpeculativeConfigError, TypeError):
+    """A speculative_config key that names no setting (a TypeError too, as an unknown keyword is)."""
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (flashllm/core/spec/): who drafts tokens and how many a round verifies."""
@@ -177,12 +186,12 @@ def speculative_fields(value: dict[str, Any], where: str = "speculative_config",
     two keys that give one field different values."""
     unknown = set(value) - set(SPECULATIVE_CONFIG_KEYS)
     if unknown:
-        raise TypeError(f"unknown {where} keys {sorted(unknown)}; known: {sorted(SPECULATIVE_CONFIG_KEYS)}")
+        raise SpeculativeKeyError(f"unknown {where} keys {sorted(unknown)}; known: {sorted(SPECULATIVE_CONFIG_KEYS)}")
     fields: dict[str, Any] = {}
     for key, v in value.items():
         name = SPECULATIVE_CONFIG_KEYS[key]
         if v is not None and fields.setdefault(name, v) != v:
-            raise ValueError(f"{where} gives {name} twice: {fields[name]!r} and {v!r} ({key})")
+            raise SpeculativeConfigError(f"{where} gives {name} twice: {fields[name]!r} and {v!r} ({key})")
     if imply and fields.get("model") and not fields.get("method"):
         fields["method"] = "draft_model"
     return fields
@@ -199,14 +208,14 @@ def speculative_flags_config(get: Callable[[str], Any]) -> dict[str, Any] | None
         if value is None:
             continue
         if config.get(key, value) != value:
-            raise ValueError(f"--speculative-config gives {key} {config[key]!r} and --{dest} gives {value!r}; "
-                             f"give one")
+            raise SpeculativeConfigError(f"--speculative-config gives {key} {config[key]!r} and --{dest} gives "
+                                         f"{value!r}; give one")
         config[key] = value
     if not config.get("method") and not config.get("model"):
         if config:
             given = ", ".join("--" + dest for dest in SPECULATIVE_FLAG_KEYS if get(dest) is not None)
-            raise ValueError(f"{given or '--speculative-config'} need --speculate_method (or --speculative-model for "
-                             f"a draft model)")
+            raise SpeculativeConfigError(f"{given or '--speculative-config'} need --speculate_method (or "
+                                         f"--speculative-model for a draft model)")
         return None
     return config
 

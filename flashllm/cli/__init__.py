@@ -102,10 +102,12 @@ def _one_line(exc: Exception) -> str:
 
 
 def _is_user_error(exc: Exception) -> bool:
+    from flashllm.config import SpeculativeConfigError
     from flashllm.core.builder import EngineConfigError
     from flashllm.models.chat_template import ChatTemplateError
     from flashllm.models.hf_config import ModelLoadError
     from flashllm.registry.resolve import DeviceSelectionError, PrecisionError
 
-    return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError, DeviceSelectionError, PrecisionError))
+    return isinstance(exc, (ModelLoadError, EngineConfigError, ChatTemplateError, DeviceSelectionError, PrecisionError,
+                            SpeculativeConfigError))
 

@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS, speculative_flags_config
+from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS, SpeculativeConfigError, speculative_flags_config
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
@@ -73,7 +73,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
                          f"got {options['engine_stall_warning']}")
     try:
         served = _load_static(options) if options.get("mode") == "static" else _load_dynamic(options)
-    except (EngineConfigError, ModelLoadError) as exc:
+    except (EngineConfigError, ModelLoadError, SpeculativeConfigError) as exc:
         raise SystemExit(f"flashllm serve: {exc}") from None
     names = options["served_model_name"] or [Path(options["model"] or served.model_dir).resolve().name
                                              if options["model"] or not is_demo_model(served.model_dir)

@@ -127,3 +127,38 @@ def test_a_bad_server_or_scheduler_number_fails_in_one_line(tiny_model_dir: Path
     line = err.strip().splitlines()[-1]
     assert line.startswith("flashllm serve: ") and flag.lstrip("-").replace("-", "_") in line.replace("-", "_"), line
     assert WEIGHTS_LOADED not in err
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashllm.testing.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("other-vocab"), "llama", seed=4, tokenizer=False)
+
+
+@pytest.mark.parametrize(("command", "args", "names"), [
+    ("generate", ["--speculate_method", "bogus"], ("--speculate_method", "bogus")),
+    ("generate", ["--speculate_max_ngram_size", "3"], ("--speculate_max_ngram_size", "need --speculate_method")),
+    ("generate", ["--speculative-config", '{"method": "ngram", "foo": 1}'], ("unknown", "foo")),
+    ("generate", ["--speculate_method", "ngram", "--speculate_max_draft_token_num", "100"],
+     ("--speculate_max_draft_token_num", "100")),
+    ("generate", ["--speculate_method", "draft_model", "--speculative-model", "OTHER"], ("vocab",)),
+    ("serve", ["--speculate_method", "bogus"], ("--speculate_method", "bogus")),
+])
+def test_bad_speculation_settings_fail_in_one_line(tiny_model_dir: Path, other_vocabulary_dir: Path, command: str,
+                                                   args: list[str], names: tuple[str, ...],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 44's bad input: an unknown method, a draft count of 100, tuning flags without a method, a draft
+    # model of another vocabulary; the last one loads the target first, the others fail before it
+    from flashllm.cli import main
+
+    args = [str(other_vocabulary_dir) if a == "OTHER" else a for a in args]
+    head = ["generate", "hi", "--model", str(tiny_model_dir), "--max-tokens", "2"] if command == "generate" else \
+        ["serve", str(tiny_model_dir), "--port", "1"]
+    code = main([*head, *args, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == USAGE_ERROR and "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"flashllm {command}: "), err[-2000:]
+    for name in names:
+        assert name in line, line

@@ -6,7 +6,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, EngineConfig
+from flashllm.config import MAX_DRAFT_TOKENS, SPECULATE_METHODS, EngineConfig, SpeculativeConfigError
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.spec.ngram import NgramProposer
 from flashllm.core.spec.speculator import Drafter, NgramDrafts, Proposer, Speculator, Target
@@ -22,30 +22,38 @@ _HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 def check_speculative_config(config: EngineConfig) -> None:
-    """What SpeculativeConfig alone can tell, before any model loads or rank starts: ValueError (one line)
-    for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard, or a missing
-    --speculative-model."""
+    """What SpeculativeConfig alone can tell, before any model loads or rank starts: SpeculativeConfigError
+    (one line) for an unknown method, a draft count outside 1..MAX_DRAFT_TOKENS, bad n-gram sizes or guard,
+    or a missing --speculative-model."""
     spec = config.speculative
     if not spec.enabled:
         return
     if spec.method not in SPECULATE_METHODS:
-        raise ValueError(f"--speculate_method {spec.method!r} is not one of {', '.join(SPECULATE_METHODS)}")
+        raise SpeculativeConfigError(f"--speculate_method {spec.method!r} is not one of "
+                                     f"{', '.join(SPECULATE_METHODS)}")
     count = spec.num_speculative_tokens
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"--speculate_max_draft_token_num must be an integer in 1..{MAX_DRAFT_TOKENS}, got {count!r}")
+        raise SpeculativeConfigError(f"--speculate_max_draft_token_num must be an integer in 1..{MAX_DRAFT_TOKENS}, "
+                                     f"got {count!r}")
     if spec.min_acceptance is not None and not 0.0 <= spec.min_acceptance < 1.0:
-        raise ValueError(f"the speculation guard's min_acceptance must be in [0, 1), got {spec.min_acceptance}")
+        raise SpeculativeConfigError(f"the speculation guard's min_acceptance must be in [0, 1), "
+                                     f"got {spec.min_acceptance}")
     vocab = spec.draft_vocab
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
-        raise ValueError(f"--speculative_draft_vocab must be a whole number >= 0 (0: the draft's whole vocabulary), "
-                         f"got {vocab!r}")
+        raise SpeculativeConfigError(f"--speculative_draft_vocab must be a whole number >= 0 (0: the draft's whole "
+                                     f"vocabulary), got {vocab!r}")
     if not isinstance(spec.draft_lookup, bool):
-        raise ValueError(f"--speculative_draft_lookup must be 1 or 0 (true or false), got {spec.draft_lookup!r}")
+        raise SpeculativeConfigError(f"--speculative_draft_lookup must be 1 or 0 (true or false), "
+                                     f"got {spec.draft_lookup!r}")
     if spec.method in ("ngram", "inference_with_reference") or (spec.method == "draft_model" and spec.draft_lookup):
-        NgramProposer(spec.max_ngram_size, spec.min_ngram_size)  # raises on bad sizes
+        try:
+            NgramProposer(spec.max_ngram_size, spec.min_ngram_size)
+        except ValueError as exc:  # bad sizes
+            raise SpeculativeConfigError(str(exc)) from None
     if spec.method in ("draft_model", "eagle", "eagle3") and not spec.model:
         what = "the draft's" if spec.method == "draft_model" else "the EAGLE head's"
-        raise ValueError(f"--speculate_method {spec.method} needs {what} directory: pass --speculative-model DIR")
+        raise SpeculativeConfigError(f"--speculate_method {spec.method} needs {what} directory: pass "
+                                     "--speculative-model DIR")
 
 
 def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
@@ -53,7 +61,8 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     n-gram lookup, which keeps no weights or cache, and on tensor-parallel ranks other than the driver: only
     the driver's engine drafts). Every rank calls it: for a head under tensor parallelism each sends the driver
     its rows of the target's embedding or LM head where the head reads them. ValueError (one line) for a
-    drafter that does not fit the target (another vocabulary, another hidden size, no MTP layer)."""
+    drafter that does not fit the target (another vocabulary, another hidden size, no MTP layer): a
+    SpeculativeConfigError."""
     spec = target.config.speculative
     check_speculative_config(target.config)
     if not spec.enabled or spec.method not in _LOADED_METHODS:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashllm.config import MAX_DRAFT_TOKENS
+from flashllm.config import MAX_DRAFT_TOKENS, SpeculativeConfigError
 from flashllm.core.model_runner import ModelRunner
 from flashllm.core.runner_select import model_runner_class
 from flashllm.core.sampler import SamplingState
@@ -347,9 +347,11 @@ def _check_vocabulary(target: Target, model_dir: Path, draft_vocab_size: int) ->
         from flashllm.models.tokenizer import load_tokenizer
 
         if load_tokenizer(str(model_dir)).get_vocab() != target.tokenizer.get_vocab():
-            raise ValueError(f"the draft model {model_dir} has another vocabulary than the target {target.model_dir}: "
-                             "speculative decoding needs a draft with the same tokenizer")
+            raise SpeculativeConfigError(f"the draft model {model_dir} has another vocabulary than the target "
+                                         f"{target.model_dir}: speculative decoding needs a draft with the same "
+                                         "tokenizer")
         return
     if draft_vocab_size != target.hf_config.vocab_size:
-        raise ValueError(f"the draft model {model_dir} has vocab_size {draft_vocab_size}, the target "
-                         f"{target.hf_config.vocab_size}: speculative decoding needs a draft with the same vocabulary")
+        raise SpeculativeConfigError(f"the draft model {model_dir} has vocab_size {draft_vocab_size}, the target "
+                                     f"{target.hf_config.vocab_size}: speculative decoding needs a draft with the "
+                                     "same vocabulary")

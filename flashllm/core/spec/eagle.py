@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flashllm.config import SpeculativeConfigError
 from flashllm.core.spec.mtp import LoadedHead, head_kv_bytes_per_block
 from flashllm.core.spec.speculator import Target
 
@@ -23,7 +24,7 @@ def load_eagle_drafter(target: Target) -> LoadedHead:
                                target.ops, dtype, target.selection.device, version=3 if method == "eagle3" else None,
                                vocabulary=target.vocabulary)
     except ModelLoadError as exc:
-        raise ValueError(f"--speculate_method {method}: {exc}") from None
+        raise SpeculativeConfigError(f"--speculate_method {method}: {exc}") from None
     kind = "EAGLE-3" if isinstance(head, Eagle3Head) else "EAGLE-1"
     return LoadedHead(head, target.hf_config.vocab_size, head_kv_bytes_per_block(head, config.cache.block_size),
                       f"{kind} head {config.speculative.model}")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flashllm.config import SpeculativeConfigError
 from flashllm.core.model_runner import ModelInput, ModelRunner, allocate_kv_caches
 from flashllm.core.sequence import Sequence
 from flashllm.core.spec.speculator import Target
@@ -237,8 +238,8 @@ def load_mtp_drafter(target: Target) -> LoadedHead:
 
     config, model = target.config, target.model
     if not hasattr(model, "config") or getattr(model.config, "latent_dim", None) is None:
-        raise ValueError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
-                         f"{target.hf_config.architecture} has none (use ngram or draft_model)")
+        raise SpeculativeConfigError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
+                                     f"{target.hf_config.architecture} has none (use ngram or draft_model)")
     quant = checkpoint_quant_spec(target.hf_config, weight_quant_spec(
         config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
     dtype = next(model.parameters()).dtype
