@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flashllm.outputs import RequestOutput
-from flashllm.serving.chat_prompt import chat_prompt_ids
+from flashllm.serving.chat_prompt import chat_prompt_ids, tokens_past_context
 from flashllm.serving.generation import (
     Generation,
     ServerContext,
@@ -50,6 +50,14 @@ def _check_model(ctx: ServerContext, model: str | None) -> Any:
     return lora
 
 
+_CONTEXT_ROOM = "this model's context is {} tokens and must leave room for at least one generated token"
+
+
+def _prompt_has(param: str) -> str:
+    """The start of a context-length error, naming the request field the prompt came from."""
+    return "the messages make a prompt of" if param == "messages" else "the prompt has"
+
+
 def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None,
                 prompt_param: str, budget_param: str) -> int:
     """The generation budget, refusing prompts that leave no room (400 naming both numbers)."""
@@ -58,9 +66,8 @@ def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | N
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
     if room < 1:
-        raise APIError(400, f"the prompt has {longest} tokens; this model's context is {ctx.max_model_len} "
-                       "tokens and must leave room for at least one generated token", param=prompt_param,
-                       code="context_length_exceeded")
+        raise APIError(400, f"{_prompt_has(prompt_param)} {longest} tokens; {_CONTEXT_ROOM.format(ctx.max_model_len)}",
+                       param=prompt_param, code="context_length_exceeded")
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
@@ -68,6 +75,17 @@ def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | N
                        f"{ctx.max_model_len} tokens; lower {budget_param} to at most {room}", param=budget_param,
                        code="context_length_exceeded")
     return requested
+
+
+async def _refuse_text_past_context(ctx: ServerContext, texts: list[str], param: str) -> None:
+    """400 for a text whose prefix already holds more tokens than the context, before tokenizing it whole
+    (a chat message's content counts as a prompt: its tokens are all in the rendered prompt)."""
+    if not texts:
+        return
+    longest = await asyncio.to_thread(tokens_past_context, ctx.tokenizer, texts, ctx.max_model_len)
+    if longest is not None:
+        raise APIError(400, f"{_prompt_has(param)} more than {longest} tokens; "
+                       f"{_CONTEXT_ROOM.format(ctx.max_model_len)}", param=param, code="context_length_exceeded")
 
 
 def _check_vocab(ctx: ServerContext, prompts: list[list[int]]) -> None:
@@ -86,6 +104,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     texts = req.prompts()
     if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
+    await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], "prompt")
     prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
                                                for p in texts])
     _check_vocab(ctx, prompts)
@@ -179,6 +198,8 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         return chat_prompt_ids(ctx.chat_template, ctx.tokenizer, messages, tools, req.add_generation_prompt,
                                ctx.allow_special_tokens_in_content)
 
+    await _refuse_text_past_context(ctx, [m["content"] for m in messages if isinstance(m.get("content"), str)],
+                                    "messages")
     try:
         prompt = await asyncio.to_thread(render)
     except ValueError as exc:  # template errors, sandbox refusals and message checks
