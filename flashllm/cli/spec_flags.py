@@ -61,9 +61,9 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
                            "\"quantization\": \"weight_only_int4\"}' (PaddleNLP's key names work too); a flag "
                            "above may add a key it lacks"),
     "speculative_draft_lookup": (("--speculative_draft_lookup",), on_off,
-                                 "1 (default) or 0: the draft model checks the n-gram lookup's guesses at its next "
-                                 "tokens in one pass of several rows, so a run of right guesses costs one draft pass; "
-                                 "the drafts are the draft model's own either way"),
+                                 "1 (default) or 0 (also true/false, yes/no, on/off): the draft model checks the "
+                                 "n-gram lookup's guesses at its next tokens in one pass of several rows, so a run of "
+                                 "right guesses costs one draft pass; the drafts are the draft model's own either way"),
 }
 
 
