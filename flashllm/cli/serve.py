@@ -7,7 +7,7 @@ import ipaddress
 import logging
 import math
 import os
-import socket
+import re
 from pathlib import Path
 from typing import Any
 
@@ -204,11 +204,12 @@ def _check_limits(values: dict[str, Any]) -> None:
         refuse("request_timeout", "a positive number of seconds")
     if not 0 <= values["shutdown_drain_timeout"] < math.inf:
         refuse("shutdown_drain_timeout", "0 or a positive number of seconds")
+    host = values["host"]
     try:
-        socket.getaddrinfo(values["host"], values["port"], type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise SystemExit(f"flashllm serve: --host {values['host']!r} is not an address this machine can bind "
-                         f"({exc})") from None
+        ipaddress.ip_address(host)
+    except ValueError:  # a host name is resolved when the server binds; a malformed address is refused now
+        if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+            raise SystemExit(f"flashllm serve: --host {host!r} is not an IPv4 or IPv6 address") from None
 
 
 def _check_mode(values: dict[str, Any]) -> None:
