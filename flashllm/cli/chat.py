@@ -127,7 +127,7 @@ def _load(model_dir: str | None, args: argparse.Namespace) -> Any:
                    max_model_len=args.max_model_len, num_scheduler_steps=1, **parallel_options(args))
     except Exception as exc:  # a CLI boundary: any load failure becomes one line, details at DEBUG
         logger.debug("loading %s failed", model_dir, exc_info=True)
-        raise ChatError(f"could not load {model_dir or 'the demo model'}: {type(exc).__name__}: {exc}") from None
+        raise ChatError(f"could not load {model_dir or 'the default model'}: {type(exc).__name__}: {exc}") from None
 
 
 class Responder(Protocol):
