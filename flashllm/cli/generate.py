@@ -47,13 +47,10 @@ def _positive_int(text: str) -> int:
 
 def _positive_bytes(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a positive whole number of bytes (e.g. 536870912 for 512 MiB)")
-    return value
+            f"{text!r} is not a positive whole number of bytes (e.g. 536870912 for 512 MiB)") from None
 
 
 def run(args: argparse.Namespace) -> int:

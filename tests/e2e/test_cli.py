@@ -94,8 +94,9 @@ def test_generate_takes_vllm_s_underscore_spellings(qwen_dir: Path, capsys) -> N
     assert "(3 tokens, length" in capsys.readouterr().out
 
 
-def test_generate_takes_the_context_and_the_cache_in_blocks(qwen_dir: Path, capsys, monkeypatch) -> None:
-    """--max-model-len and --num-kv-blocks, which the KV cache's refusal names as the fix."""
+@pytest.fixture
+def built_llms(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every LLM the commands build during the test, in order."""
     import flashllm.llm as llm_module
 
     built: list[llm_module.LLM] = []
@@ -106,6 +107,12 @@ def test_generate_takes_the_context_and_the_cache_in_blocks(qwen_dir: Path, caps
             built.append(self)
 
     monkeypatch.setattr(llm_module, "LLM", Recording)
+    return built
+
+
+def test_generate_takes_the_context_and_the_cache_in_blocks(qwen_dir: Path, capsys, built_llms: list) -> None:
+    """--max-model-len and --num-kv-blocks, which the KV cache's refusal names as the fix."""
+    built = built_llms
     argv = ["generate", "Hello", "--model", str(qwen_dir), "--max-tokens", "3", "--device", "cpu"]
     assert main([*argv, "--max-model-len", "64", "--num-kv-blocks", "5"]) == 0
     engine = built[-1].engine
@@ -139,20 +146,12 @@ def test_predict_beam_search(qwen_dir: Path, tmp_path: Path) -> None:
     assert len(rows) == 2 and all(isinstance(r["output"], str) for r in rows)
 
 
-def test_generate_kv_cache_memory_sizes_the_cache(qwen_dir: Path, capsys, monkeypatch) -> None:
+def test_generate_kv_cache_memory_sizes_the_cache(qwen_dir: Path, capsys, built_llms: list) -> None:
     import torch
 
-    import flashllm.llm as llm_module
     from flashllm.config import CacheConfig
 
-    built: list[llm_module.LLM] = []
-
-    class Recording(llm_module.LLM):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr(llm_module, "LLM", Recording)
+    built = built_llms
     hf = json.loads((qwen_dir / "config.json").read_text())
     # fp32 K and V of one token over all layers, from the model's shape (not the engine's arithmetic)
     head_dim = hf["hidden_size"] // hf["num_attention_heads"]
