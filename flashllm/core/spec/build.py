@@ -60,9 +60,8 @@ def load_drafter(target: Target, rank: int = 0) -> Drafter | None:
     """The configured drafter's weights, loaded beside the target before its KV cache is sized (None for the
     n-gram lookup, which keeps no weights or cache, and on tensor-parallel ranks other than the driver: only
     the driver's engine drafts). Every rank calls it: for a head under tensor parallelism each sends the driver
-    its rows of the target's embedding or LM head where the head reads them. ValueError (one line) for a
-    drafter that does not fit the target (another vocabulary, another hidden size, no MTP layer): a
-    SpeculativeConfigError."""
+    its rows of the target's embedding or LM head where the head reads them. SpeculativeConfigError (one
+    line) for a drafter that does not fit the target (another vocabulary, another hidden size, no MTP layer)."""
     spec = target.config.speculative
     check_speculative_config(target.config)
     if not spec.enabled or spec.method not in _LOADED_METHODS:
