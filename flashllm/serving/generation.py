@@ -254,5 +254,4 @@ def completion_logprobs(tokenizer: Any, completion: CompletionOutput, start: int
         pairs = completion.top_logprobs[i] if completion.top_logprobs else []
         tops.append({token_text(tokenizer, tid): json_logprob(lp) for tid, lp in pairs})
     return {"tokens": tokens, "token_logprobs": [json_logprob(lp) for lp in completion.logprobs[start:end]],
-            "top_logprobs": tops,
-            "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}

@@ -66,8 +66,8 @@ def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | N
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty: give at least one token", param=prompt_param)
     if room < 1:
-        raise APIError(400, f"{_prompt_has(prompt_param)} {longest} tokens; {_CONTEXT_ROOM.format(ctx.max_model_len)}",
-                       param=prompt_param, code="context_length_exceeded")
+        raise APIError(400, f"{_prompt_has(prompt_param)} {longest} tokens; "
+                       f"{_CONTEXT_ROOM.format(ctx.max_model_len)}", param=prompt_param, code="context_length_exceeded")
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
