@@ -15,9 +15,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from flashllm import __version__
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.openai_api import create_chat_completion, create_completion
 from flashllm.serving.protocol import APIError
+from flashllm.serving.tokenize_api import create_detokenize, create_tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
 
     post("/v1/completions", create_completion)
     post("/v1/chat/completions", create_chat_completion)
+    post("/tokenize", create_tokenize)
+    post("/detokenize", create_detokenize)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -109,6 +113,10 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": started,
                                             "owned_by": "flashllm", "max_model_len": ctx.max_model_len,
                                             **ctx.model_info}, *adapters]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:

@@ -22,7 +22,7 @@ from flashllm.serving.generation import (
     join_logprobs,
     usage,
 )
-from flashllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from flashllm.serving.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
 from flashllm.serving.structured import from_request, precompile, tool_call_constraint
 from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, check_tool_choice, parse_tool_calls
 
@@ -38,7 +38,7 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _check_model(ctx: ServerContext, model: str | None) -> Any:
+def check_model(ctx: ServerContext, model: str | None) -> Any:
     """The LoRARequest `model` names (None: the base model); 404 in OpenAI's shape for any other name."""
     if model is None or model == ctx.model_name or model in ctx.model_aliases:
         return None
@@ -88,26 +88,26 @@ async def _refuse_text_past_context(ctx: ServerContext, texts: list[str], param:
                        f"{_CONTEXT_ROOM.format(ctx.max_model_len)}", param=param, code="context_length_exceeded")
 
 
-def _check_vocab(ctx: ServerContext, prompts: list[list[int]]) -> None:
+def check_vocab(ctx: ServerContext, prompts: list[list[int]], param: str = "prompt") -> None:
     vocab = ctx.vocab_size
     if vocab is None:
         return
     for ids in prompts:
         if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
 async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check()
-    lora = _check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     texts = req.prompts()
     if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
     await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], "prompt")
     prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
                                                for p in texts])
-    _check_vocab(ctx, prompts)
+    check_vocab(ctx, prompts)
     max_tokens = _max_tokens(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
     spec, param = from_request(req)
     await precompile(ctx, spec, param)
@@ -183,27 +183,35 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
     yield sse("[DONE]")
 
 
-async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
-    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-    req.check()
-    lora = _check_model(ctx, req.model)
-    tool_names = _tool_names(req)
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                      add_generation_prompt: bool, refuse_past_context: bool = True) -> list[int]:
+    """The chat template's prompt ids for these messages (400 for a model without a template, a render error
+    or, with `refuse_past_context`, a message already longer than the context)."""
     if ctx.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions or start the server with "
                        "--chat-template", param="messages")
-    messages = [m.for_template() for m in req.messages]
-    tools = req.tools or None  # the template sees the tools even under tool_choice "none"
+    turns = [m.for_template() for m in messages]
 
     def render() -> list[int]:
-        return chat_prompt_ids(ctx.chat_template, ctx.tokenizer, messages, tools, req.add_generation_prompt,
+        return chat_prompt_ids(ctx.chat_template, ctx.tokenizer, turns, tools, add_generation_prompt,
                                ctx.allow_special_tokens_in_content)
 
-    await _refuse_text_past_context(ctx, [m["content"] for m in messages if isinstance(m.get("content"), str)],
-                                    "messages")
+    if refuse_past_context:
+        await _refuse_text_past_context(ctx, [m["content"] for m in turns if isinstance(m.get("content"), str)],
+                                        "messages")
     try:
-        prompt = await asyncio.to_thread(render)
+        return await asyncio.to_thread(render)
     except ValueError as exc:  # template errors, sandbox refusals and message checks
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+
+
+async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    req.check()
+    lora = check_model(ctx, req.model)
+    tool_names = _tool_names(req)
+    # the template sees the tools even under tool_choice "none"
+    prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt)
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
     spec, param = _chat_constraint(req)

@@ -8,7 +8,7 @@ from pydantic.json_schema import models_json_schema
 
 from flashllm.lora.manager import MAX_NAME_CHARS
 from flashllm.serving.lora_api import MAX_PATH_CHARS
-from flashllm.serving.protocol import ChatCompletionRequest, CompletionRequest
+from flashllm.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -44,6 +44,13 @@ _MODELS = {"type": "object", "required": ["object", "data"],
                "type": "object", "required": ["id", "object", "created", "owned_by"],
                "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                               "owned_by": {"type": "string"}}}}}}
+_TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens"],
+              "properties": {"count": {"type": "integer", "minimum": 0},
+                             "max_model_len": {"type": "integer", "minimum": 1},
+                             "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                             "token_strs": {"type": "array", "items": {"type": "string"}}}}
+_DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 # What every POST route may answer besides 200: validation (400), unknown model (404), timeout (408),
 # body size (413), media type (415), full queue / draining / failed engine (503)
@@ -66,11 +73,11 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _post(request_ref: dict[str, Any], reply: dict[str, Any], summary: str) -> dict[str, Any]:
-    ok = _json(reply, "the whole reply (stream false)")
-    # one schema per server-sent event (stream true): a JSON chunk, an error object or [DONE]
-    ok["content"]["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
-                                                     "properties": {"data": {"type": "string", "minLength": 1}}}}
+def _post(request_ref: dict[str, Any], reply: dict[str, Any], summary: str, stream: bool = True) -> dict[str, Any]:
+    ok = _json(reply, "the whole reply (stream false)" if stream else summary)
+    if stream:  # one schema per server-sent event (stream true): a JSON chunk, an error object or [DONE]
+        ok["content"]["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                         "properties": {"data": {"type": "string", "minLength": 1}}}}
     responses = {"200": ok, **{code: _json({"$ref": "#/components/schemas/Error"}, text)
                                for code, text in _POST_ERRORS.items()}}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
@@ -98,15 +105,21 @@ def openapi_schema(lora_admin: bool = False) -> dict[str, Any]:
     bodies with 400 (prompt plus max_tokens past the context, min_tokens above max_tokens, ...).
     `lora_admin` adds the adapter load / unload routes of `serve --enable-lora`.
     """
-    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-                                    ref_template=_REF)
+    models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+              (TokenizeRequest, "validation"), (DetokenizeRequest, "validation")]
+    refs, defs = models_json_schema(models, ref_template=_REF)
     schemas = {**defs.get("$defs", {}), "Error": _ERROR}
     paths = {
         "/v1/completions": _post(refs[(CompletionRequest, "validation")],
                                  _completion("text_completion", _TEXT_CHOICE), "text completion"),
         "/v1/chat/completions": _post(refs[(ChatCompletionRequest, "validation")],
                                       _completion("chat.completion", _CHAT_CHOICE), "chat completion"),
+        "/tokenize": _post(refs[(TokenizeRequest, "validation")], _TOKENIZED,
+                           "a prompt or chat as the model's token ids", stream=False),
+        "/detokenize": _post(refs[(DetokenizeRequest, "validation")], _DETOKENIZED, "token ids as text",
+                             stream=False),
         "/v1/models": _get(_MODELS, "the served model"),
+        "/version": _get(_VERSION, "flashllm's version"),
         "/health": _get(_STATUS, "liveness", unavailable=True),
         "/ready": _get(_STATUS, "readiness", unavailable=True),
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {

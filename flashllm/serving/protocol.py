@@ -304,6 +304,30 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_budget(self.requested_max_tokens, name)
 
 
+class TokenizeRequest(_Model):
+    """POST /tokenize, as vLLM takes it: a completion prompt (`prompt`) or chat messages (`messages`)."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    add_special_tokens: bool = True  # the completion form: the tokenizer's BOS and the like
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt (a completion prompt) or messages (a chat), not both or neither",
+                           param="prompt")
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tokens: list[int] = Field(max_length=MAX_PROMPT_TOKEN_IDS)
+
+
 def parse_body(model: type[_Model], body: bytes) -> Any:
     """Validate a JSON body against `model`; APIError 400 on any problem."""
     try:

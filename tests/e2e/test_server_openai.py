@@ -10,6 +10,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+import httpx  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import flashllm  # noqa: E402
 from flashllm import LLM, SamplingParams  # noqa: E402
 from flashllm.testing.server import ServerProcess, running_server  # noqa: E402
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
@@ -160,3 +164,54 @@ def test_validation_errors_are_openai_shaped(client: openai.OpenAI) -> None:
     assert "temperature" in err.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="not-this-one", messages=MESSAGES)
+
+
+def _post(server: ServerProcess, path: str, body: dict) -> tuple[int, dict]:
+    reply = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+    return reply.status_code, reply.json()
+
+
+def test_tokenize_counts_a_prompt_as_the_completion_route_does(server: ServerProcess, client: openai.OpenAI,
+                                                               model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    status, reply = _post(server, "/tokenize", {"prompt": prompt})
+    assert status == 200, reply
+    assert reply["tokens"] == tokenizer.encode(prompt) and reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] == 256
+    done = client.completions.create(model=_model(client), prompt=prompt, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == reply["count"]
+    status, plain = _post(server, "/tokenize", {"prompt": prompt, "add_special_tokens": False,
+                                                "return_token_strs": True})
+    assert plain["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert plain["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
+    # past the context it is still counted, not refused: that is what a client asks this route for
+    status, long = _post(server, "/tokenize", {"prompt": "hello world " * 200})
+    assert status == 200 and long["count"] > 256
+
+
+def test_tokenize_renders_messages_as_the_chat_route_does(server: ServerProcess, client: openai.OpenAI,
+                                                          llm: LLM) -> None:
+    status, reply = _post(server, "/tokenize", {"messages": MESSAGES})
+    assert status == 200, reply
+    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert reply["tokens"] == list(expected.prompt_token_ids)
+    chat = client.chat.completions.create(model=_model(client), messages=MESSAGES, max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == reply["count"]
+    _, bare = _post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert bare["count"] < reply["count"] and reply["tokens"][:bare["count"]] == bare["tokens"]
+
+
+def test_detokenize_inverts_tokenize(server: ServerProcess, model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = "Once upon a time, a small model counted its tokens."
+    _, tokenized = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    status, reply = _post(server, "/detokenize", {"tokens": tokenized["tokens"]})
+    assert status == 200, reply
+    assert reply["prompt"] == tokenizer.decode(tokenized["tokens"]) == text
+    status, error = _post(server, "/detokenize", {"tokens": [1, len(tokenizer) + 10_000_000]})
+    assert status == 400 and error["error"]["param"] == "tokens"
+
+
+def test_version_names_the_package(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.base_url}/version", timeout=30).json() == {"version": flashllm.__version__}

@@ -42,10 +42,13 @@ ROUTES = route_table()
 PROTECTED = [(method, path) for method, path in ROUTES if path not in PUBLIC_PATHS]
 
 
+BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
+                                                                    "max_tokens": 2},
+          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
+
+
 def _send(client: httpx.Client, method: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    body = COMPLETION if path == "/v1/completions" else \
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} if path == "/v1/chat/completions" else None
-    return client.request(method, path, json=body, headers=headers)
+    return client.request(method, path, json=BODIES.get(path), headers=headers)
 
 
 def _assert_401(reply: httpx.Response, helpers: SimpleNamespace) -> None:
@@ -69,7 +72,8 @@ def env_key_server(tiny_model_dir: Path, helpers: SimpleNamespace) -> Iterator[S
 
 def test_route_table_has_the_known_routes_and_only_health_and_ready_are_public() -> None:
     paths = {path for _, path in ROUTES}
-    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health", "/ready"} <= paths
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/version",
+            "/metrics", "/health", "/ready"} <= paths
     assert PUBLIC_PATHS == {"/health", "/ready"}
 
 
