@@ -76,10 +76,10 @@ def test_paddle_decode_strategies(auto_model) -> None:
 def test_every_served_model_name_is_accepted() -> None:
     from types import SimpleNamespace
 
-    from flashllm.serving.openai_api import _check_model
+    from flashllm.serving.openai_api import check_model
     from flashllm.serving.protocol import APIError
 
     ctx = SimpleNamespace(model_name="main", model_aliases=("alias",), loras={})
-    assert _check_model(ctx, "main") is None and _check_model(ctx, "alias") is None
+    assert check_model(ctx, "main") is None and check_model(ctx, "alias") is None
     with pytest.raises(APIError, match="not served"):
-        _check_model(ctx, "other")
+        check_model(ctx, "other")
