@@ -19,7 +19,7 @@ import pytest
 
 from flashllm.testing.server import ServerProcess, running_server
 
-SOAK_S = float(os.environ.get("FLASHLLM_SOAK_SECONDS", "60"))
+SOAK_S = float(os.environ.get("FLASHLLM_SOAK_SECONDS", "120"))
 WARMUP_S = 5.0
 CLIENTS = 32
 DISCONNECT_SHARE = 1 / 3
