@@ -13,6 +13,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM": "flashllm.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",

@@ -50,11 +50,17 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, ops,
                               sliding_window=config.sliding_windows[layer_idx])
+        # Qwen3: every query and key head RMS-normed over head_dim before the rotary embedding
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype, device) if config.qk_norm else None
 
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,), hidden (T, hidden) -> (T, hidden)."""
         q, k, v = split_heads(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
@@ -237,8 +243,16 @@ def _standard_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbed
     return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(layer.mlp) is GatedMLP
             and type(attn.attn) is Attention and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and plain_head_norms(attn)
             and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
             == (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale))
+
+
+def plain_head_norms(attn: LlamaAttention) -> bool:
+    """Whether the attention's q / k norms are both absent or both this package's RMSNorm."""
+    if attn.q_norm is None:
+        return attn.k_norm is None
+    return type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm
 
 
 def _layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
@@ -247,4 +261,11 @@ def _layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights:
     norm = RMSNormWeights.of
     return DecoderLayerWeights(norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
                                linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
-                               linear(mlp.down_proj), attn.attn.sliding_window)
+                               linear(mlp.down_proj), attn.attn.sliding_window, **head_norms(attn))
+
+
+def head_norms(attn: LlamaAttention) -> dict[str, RMSNormWeights]:
+    """The attention's per-head q / k norms as DecoderLayerWeights fields (none where it has none)."""
+    if attn.q_norm is None:
+        return {}
+    return {"q_norm": RMSNormWeights.of(attn.q_norm), "k_norm": RMSNormWeights.of(attn.k_norm)}

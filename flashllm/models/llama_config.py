@@ -29,6 +29,8 @@ class LlamaModelConfig:
     `torch_dtype` is the checkpoint's declared dtype (None when config.json does not say).
     `sliding_windows[i]` is the attention window of layer i (None = full attention).
     `quantization` describes a GPTQ / AWQ checkpoint's packed linear weights (None: float).
+    `qk_norm`: each query and key head is RMS-normed over head_dim (its own (head_dim,) scales,
+    `self_attn.q_norm` / `self_attn.k_norm`) before the rotary embedding, as in Qwen3.
     """
 
     architecture: str
@@ -55,6 +57,7 @@ class LlamaModelConfig:
     sliding_windows: tuple[int | None, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
     quantization: CheckpointQuant | None = None
+    qk_norm: bool = False
 
     @property
     def num_parameters(self) -> int:

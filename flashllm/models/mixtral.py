@@ -21,7 +21,7 @@ from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, e
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.packed_experts import dequantized_experts
 from flashllm.models.layers.rotary import RotaryEmbedding
-from flashllm.models.llama import HiddenTaps, LlamaAttention, run_decoder_stack
+from flashllm.models.llama import HiddenTaps, LlamaAttention, head_norms, plain_head_norms, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.registry.fusions import (
     DECODER_STACK,
@@ -285,7 +285,7 @@ def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedd
     return (plain and type(layer) is MoEDecoderLayer and type(attn) is LlamaAttention and type(attn.attn) is Attention
             and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-            and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
+            and plain_head_norms(attn) and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
             == (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale))
 
 
@@ -295,7 +295,7 @@ def _layer_weights(layer: MoEDecoderLayer) -> DecoderLayerWeights:
     norms = (norm(layer.input_layernorm), norm(layer.post_attention_layernorm))
     if type(mlp) is GatedMLP:
         return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
-                                   linear(mlp.down_proj), attn.attn.sliding_window)
+                                   linear(mlp.down_proj), attn.attn.sliding_window, **head_norms(attn))
     experts, shared = mlp.experts, mlp.shared_expert
     scales = (experts.w13_scale, experts.w2_scale)
     moe = MoEWeights(
@@ -306,4 +306,4 @@ def _layer_weights(layer: MoEDecoderLayer) -> DecoderLayerWeights:
         shared_down=None if shared is None else linear(shared.down_proj),
         shared_gate=None if shared is None else linear(mlp.shared_expert_gate))
     return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), None, None,
-                               attn.attn.sliding_window, moe)
+                               attn.attn.sliding_window, moe, **head_norms(attn))

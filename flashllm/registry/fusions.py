@@ -167,6 +167,7 @@ class DecoderLayerWeights:
 
         h, residual = input_layernorm(x, residual)
         q, k, v = split(qkv_proj(h))              # num_heads, num_kv_heads, num_kv_heads heads of head_dim
+        q, k = q_norm(q), k_norm(k)               # each head over head_dim, where set (Qwen3)
         q, k = rotary_embedding(positions, q, k)   # the stack's shared table
         h = o_proj(paged_attention(q, k, v))       # after write_kv_cache; causal, sliding_window if set
         h, residual = post_attention_layernorm(h, residual)
@@ -177,6 +178,8 @@ class DecoderLayerWeights:
     down_proj are None.
     mla: where set, the block's attention is this latent attention instead (one cache a layer),
     qkv_proj is None and o_proj is mla.o_proj.
+    q_norm, k_norm: where set, RMSNorms of (head_dim,) applied to every query / key head before the
+    rotary embedding; a backend that fuses the stack must apply them or decline the stack.
     """
 
     input_layernorm: RMSNormWeights
@@ -188,6 +191,8 @@ class DecoderLayerWeights:
     sliding_window: int | None
     moe: MoEWeights | None = None
     mla: MLAWeights | None = None
+    q_norm: RMSNormWeights | None = None
+    k_norm: RMSNormWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)

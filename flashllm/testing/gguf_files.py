@@ -15,6 +15,7 @@ LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -47,7 +48,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "F32", 
 
     qtype: "F32", "F16" or a block type of gguf.quants ("Q8_0", "Q4_0", ...) for the 2-D weights
     (norms and biases stay F32, as llama.cpp keeps them). Llama's q/k rows are interleaved for
-    llama.cpp's rotary; Qwen2's are not. A tied lm_head is left out, as llama.cpp does.
+    llama.cpp's rotary; Qwen2's and Qwen3's are not. A tied lm_head is left out, as llama.cpp does.
     metadata: extra key -> value pairs (strings, ints, floats) written as they are.
     types: per-projection exceptions to qtype, llama.cpp's name part -> type ({"attn_v": "Q8_0"}), as
     llama.cpp's mixes (Q4_K_M) store some projections in another type.
@@ -56,7 +57,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "F32", 
 
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    arch = "qwen2" if config["model_type"] == "qwen2" else "llama"
+    arch = config["model_type"] if config["model_type"] in ("qwen2", "qwen3") else "llama"
     writer = gguf.GGUFWriter(str(out_path), arch)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -67,7 +68,11 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "F32", 
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // heads:  # as llama.cpp's converter records Qwen3's explicit head_dim
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if tokenizer:
         add_bpe_vocab(writer, model_dir, config["vocab_size"])
     for key, value in (metadata or {}).items():

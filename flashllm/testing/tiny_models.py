@@ -32,7 +32,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     "llama-tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # per-head q / k norms; head_dim 32 set explicitly (64 / 4 heads would give 16), as Qwen3's 128 is
+    "qwen3": ("Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
 }
+# transformers' model_type of each preset's architecture
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
@@ -56,7 +60,7 @@ def build_tiny_model(
     """Write a tiny random-weight transformers model (config, safetensors, tokenizer) to out_dir.
 
     arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
-    embeddings, "qwen2" qkv bias + tied). Weights are drawn from `seed` (same seed, same files);
+    embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied). Weights are drawn from `seed` (same seed, same files);
     every parameter, biases and norm scales included, is random so none of them can be ignored.
     tokenizer: also train and save a small tokenizer with a chatml template; the model's vocab
     is then the tokenizer's. max_shard_size (e.g. "20KB") writes a sharded checkpoint.
@@ -73,7 +77,7 @@ def build_tiny_model(
     if tokenizer:
         fields.update(_train_tokenizer(out_dir))
     fields.update(config_overrides)
-    model_type = "qwen2" if architecture.startswith("Qwen2") else "llama"
+    model_type = _MODEL_TYPES[architecture]
     config = AutoConfig.for_model(model_type, architectures=[architecture], **fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

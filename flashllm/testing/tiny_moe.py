@@ -1,4 +1,4 @@
-"""Tiny random-weight Mixtral and Qwen2-MoE checkpoints written by transformers, for tests of the MoE models."""
+"""Tiny random-weight Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written by transformers, for tests of the MoE models."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
                        {"intermediate_size": 128, "num_hidden_layers": 3, "num_experts": 12, "num_experts_per_tok": 8,
                         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96, "mlp_only_layers": [1],
                         "norm_topk_prob": False}),
+    # Qwen3-MoE: per-head q / k norms with an explicit head_dim, no shared expert; top-2 of 8 renormalized,
+    # layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM",
+                  {"intermediate_size": 128, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": True, "head_dim": 24}),
 }
 
 

@@ -17,6 +17,7 @@ PROMPTS = [PREFIX + [11, 12, 13], PREFIX + [21, 22], [(5 * i + 1) % 250 + 1 for 
 CASES = {
     "llama": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
+    "qwen3-head-norms": ("qwen3", {}),  # each rank norms the heads it holds with the replicated q / k norms
     # one kv head for two ranks: each rank keeps a replica of it
     "gqa-replicated": ("llama", {"num_key_value_heads": 1}),
     # row-parallel slices of whole 64-feature blocks: the cpu int4 kernel quantizes activations per

@@ -60,7 +60,7 @@ def _greedy(model: torch.nn.Module, driver_cls, tokens: list[int], steps: int) -
     return out
 
 
-@pytest.mark.parametrize("preset", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "llama-tied", "qwen3"])
 def test_f32_gguf_equals_its_source_directory_and_transformers(preset, tiny_with_tokenizer, tmp_path, ops,
                                                                 model_registry, paged_driver):
     from transformers import AutoModelForCausalLM
@@ -94,7 +94,7 @@ def _dequantized_copy(source: Path, out: Path, qtype: str, types: dict[str, str]
 
 
 @pytest.mark.parametrize("preset,qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_0"),
-                                          ("llama", "Q4_1")])
+                                          ("llama", "Q4_1"), ("qwen3", "Q4_1")])
 def test_quantized_gguf_equals_the_gguf_dequantized_float_model(preset, qtype, tiny_with_tokenizer, tmp_path, ops,
                                                                 model_registry, paged_driver):
     source = tiny_with_tokenizer(preset)

@@ -193,6 +193,31 @@ def test_parsed_configs_follow_transformers_defaults_and_layer_rules() -> None:
                                if k not in ("num_local_experts", "num_experts_per_tok")})
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (8, 2, True)
     assert mixtral.moe_intermediate_size == 96 and mixtral.qkv_bias is False
+    # Qwen3-MoE: transformers' defaults where absent, never a shared expert, attention_bias on q, k, v and o
+    bare = {k: v for k, v in _raw("qwen3_moe").items()
+            if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")}
+    qwen3 = parse_hf_config(bare)
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.moe_intermediate_size, qwen3.norm_topk_prob) == (
+        128, 8, 768, False)
+    assert qwen3.shared_expert_intermediate_size == 0 and qwen3.qk_norm and qwen3.qkv_bias is False
+    assert qwen3.sparse_layers == (True, False, True) and qwen3.head_dim == 24
+    biased = parse_hf_config({k: v for k, v in _raw("qwen3_moe", attention_bias=True, num_local_experts=6).items()
+                              if k != "num_experts"})
+    assert biased.qkv_bias is True and biased.num_experts == 6  # transformers 5 writes num_local_experts
+
+
+def test_qwen3_moe_biases_both_projections_with_attention_bias(tmp_path, ops, paged_driver) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_moe_model(tmp_path, "qwen3_moe", seed=5, attention_bias=True)
+    ours = load_flashllm(model_dir, ops)
+    attn = ours.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is not None
+    theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = random_tokens(40, 256, seed=2)
+    driver = paged_driver(ours, block_size=BLOCK, num_blocks=16, seed=2)
+    (logits,) = driver.step([(driver.add_sequence(), tokens)])
+    assert_logits_close(logits, hf_logits(theirs, tokens))
 
 
 def test_a_missing_or_extra_expert_is_refused_at_load(tmp_path, moe_dirs, model_registry, ops) -> None:

@@ -22,7 +22,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    dirs = {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False) for p in ("llama", "qwen2")}
+    dirs = {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False) for p in ("llama", "qwen2", "qwen3")}
     for preset in ("mixtral", "qwen2_moe"):  # experts chosen per token: drafts must not change which
         dirs[preset] = build_moe_model(tmp_path_factory.mktemp(preset), preset, seed=3)
     return dirs
@@ -80,7 +80,7 @@ def test_ngram_greedy_parity_over_200_requests(model_dirs, preset: str, backend:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("proposer", ["draft_model", "eagle", "eagle3"])
 def test_loaded_drafters_greedy_parity_over_200_requests(tmp_path: Path, preset: str, backend: str,
                                                          proposer: str) -> None:

@@ -25,7 +25,7 @@ PROMPTS = [[5, 17, 3, 99, 42, 7, 1], [8] * 20, [1, 2], list(range(30, 63)), [9]]
 MAX_TOKENS = [24, 9, 30, 17, 5]  # sequences leave the decode batch at different steps
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # GQA; qkv bias with tied embeddings
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # GQA; qkv bias, tied; q / k norms
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=7, tokenizer=False)
 

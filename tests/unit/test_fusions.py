@@ -17,6 +17,7 @@ from flashllm.core.engine import Engine
 from flashllm.llm import engine_config
 from flashllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from flashllm.models.qwen2 import Qwen2ForCausalLM
+from flashllm.models.qwen3 import Qwen3ForCausalLM
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD, DecoderStackFusion, LMHeadFusion, declared
 from flashllm.registry.plugins import make_plugin_manager
 from flashllm.sampling_params import SamplingParams
@@ -41,7 +42,16 @@ class NoFusionsQwen2(Qwen2ForCausalLM):
         return {}
 
 
-NO_FUSIONS = {"LlamaForCausalLM": NoFusionsLlama, "Qwen2ForCausalLM": NoFusionsQwen2}  # by the architecture they copy
+class NoFusionsQwen3(Qwen3ForCausalLM):
+    """Qwen3's layers and weights, declaring no fused fast path."""
+
+    def fusions(self) -> dict[str, object]:
+        return {}
+
+
+# by the architecture they copy
+NO_FUSIONS = {"LlamaForCausalLM": NoFusionsLlama, "Qwen2ForCausalLM": NoFusionsQwen2,
+              "Qwen3ForCausalLM": NoFusionsQwen3}
 
 
 class _Models:
@@ -51,7 +61,7 @@ class _Models:
             register(f"NoFusions{architecture}", model_class)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # GQA untied; qkv bias with tied embeddings
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # GQA untied; qkv bias, tied; q / k norms
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3, tokenizer=False)
 

@@ -63,7 +63,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("moe", _P), ("mla", _P)]
+                ("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("moe", _P), ("mla", _P),
+                ("q_norm", _P), ("k_norm", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -230,7 +231,8 @@ class FusedDecode:
                 attention = {"mla": ctypes.addressof(self._mla[-1])}
             else:
                 attention = {"qkv": _linear(layer.qkv_proj, ((heads + 2 * kv_heads) * dim, hidden), self._keep),
-                             "o": _linear(layer.o_proj, (hidden, heads * dim), self._keep)}
+                             "o": _linear(layer.o_proj, (hidden, heads * dim), self._keep),
+                             **self._head_norms(layer, dim, stack.norm.eps)}
             layers.append(_Layer(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), **attention, **mlp))
         if self._moe:
             self._keep.append(moe_stack.attach_scratch(self._moe))
@@ -302,6 +304,18 @@ class FusedDecode:
             layer.k_cache, layer.v_cache = cache[0].data_ptr(), cache[-1].data_ptr()
         self._cache_key, self._bound = key, (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1])
         return self._bound
+
+    def _head_norms(self, layer: Any, dim: int, eps: float) -> dict[str, int]:
+        """The layer's per-head q / k norm weights as _Layer fields (none where it has none): fp32 (head_dim,),
+        with the stack's eps (the C code norms every row with one eps)."""
+        if layer.q_norm is None and layer.k_norm is None:
+            return {}
+        norms = (layer.q_norm, layer.k_norm)
+        if any(n is None or not (_fp32(n.weight) and n.weight.is_contiguous() and tuple(n.weight.shape) == (dim,))
+               or n.eps != eps for n in norms):
+            raise _Unsupported("q / k norms that are not both fp32 (head_dim,) with the stack's eps")
+        self._keep.extend(n.weight for n in norms)
+        return {"q_norm": norms[0].weight.data_ptr(), "k_norm": norms[1].weight.data_ptr()}
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  md: AttentionMetadata, lora_slots: Tensor | None = None) -> Tensor | None:

@@ -16,6 +16,11 @@ from torch import Tensor
 from flashllm.backends.cpu import native, parallel
 
 MAX_NORM_ROWS = 64  # past a decode batch torch's threaded kernel is the better choice
+# Per-head norms (Qwen3's q_norm / k_norm: rows of head_dim, tokens x heads of them) stay native up to
+# this many rows, so a decode token's heads get the same bits alone and in any decode batch, and the
+# fused decode step (which norms them natively) computes what this op does
+HEAD_NORM_MAX_WIDTH = 512
+HEAD_NORM_MAX_ROWS = 1 << 12
 # below this many outputs one thread finishes silu_and_mul before a hand-off would pay
 SILU_SPLIT_ELEMENTS = 1 << 16
 # decode attention: below this many (sequence, head, context slot) triples one thread is done first
@@ -31,9 +36,12 @@ def _ready(*tensors: Tensor) -> bool:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float,
              residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor] | None:
-    """The rms_norm op for fp32 x (T <= MAX_NORM_ROWS, H) and weight (H,); None where not taken."""
+    """The rms_norm op for fp32 x (T <= MAX_NORM_ROWS, H; or up to HEAD_NORM_MAX_ROWS rows of at most
+    HEAD_NORM_MAX_WIDTH) and weight (H,); None where not taken."""
     extra = () if residual is None else (residual,)
-    if (x.dim() != 2 or x.shape[0] > MAX_NORM_ROWS or weight.shape != (x.shape[1],)
+    if x.dim() != 2 or x.shape[0] > (HEAD_NORM_MAX_ROWS if x.shape[1] <= HEAD_NORM_MAX_WIDTH else MAX_NORM_ROWS):
+        return None
+    if (weight.shape != (x.shape[1],)
             or not _ready(x, weight, *extra) or (residual is not None and residual.shape != x.shape)):
         return None
     x, weight = x.contiguous(), weight.contiguous()

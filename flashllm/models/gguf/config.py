@@ -1,4 +1,4 @@
-"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2)."""
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ArchMap:
 
     permute_qk: llama.cpp's converter reorders this arch's Q and K rows for its interleaved rotary
     (pairs 2i, 2i+1), while flashllm rotates half-split pairs (i, i + head_dim/2) as transformers
-    does; the loader undoes the reorder. Qwen2 runs half-split rotary in llama.cpp too.
+    does; the loader undoes the reorder. Qwen2 and Qwen3 run half-split rotary in llama.cpp too.
     """
 
     architecture: str
@@ -30,6 +30,7 @@ class ArchMap:
 ARCHITECTURES: dict[str, ArchMap] = {
     "llama": ArchMap("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False),
+    "qwen3": ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False),
 }
 _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16"}
 LLAMA3_ROPE_FREQS = "rope_freqs.weight"

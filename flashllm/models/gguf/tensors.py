@@ -29,7 +29,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
 _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)

@@ -8,7 +8,7 @@
  * applies, and indices_in_range checks every index before the first write.
  *
  * Per layer, with h the layer input and r the residual stream (r = h before the first layer):
- *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); rotate q, k; cache[slot] = k, v;
+ *   r += h; x = rms(r) * w_in; qkv = x Wqkv^T (+b); (norm each q, k head;) rotate q, k; cache[slot] = k, v;
  *   a = attention(q, cache); h = a Wo^T (+b); r += h; x = rms(r) * w_post;
  *   h = down(silu(gate(x)) * up(x)) (+b)    (or a mixture of experts, moe_decode.c)
  * (the attention, from qkv to h = a Wo^T, may instead be DeepSeek's latent attention, mla_decode.c)
@@ -28,6 +28,8 @@ typedef struct {
     const stack_moe *moe;                 /* the layer's mixture-of-experts MLP, or NULL for the dense one */
     const stack_mla *mla;                 /* the layer's latent attention (qkv, o and v_cache unused; k_cache
                                            * its latent cache, Hk = 1 and D = L + R), or NULL */
+    const float *q_norm, *k_norm;         /* (D,) each: every query / key head RMS-normed before the rotary
+                                           * embedding (Qwen3), or NULL */
 } stack_layer;
 
 typedef struct {
@@ -175,6 +177,12 @@ int flashllm_decode_stack(const stack_layer *layers, int64_t L, const stack_step
             flashllm_mla_block(layer->mla, &mla, layer->k_cache, x, hidden);
         } else {
             linear(&layer->qkv, s, x, qkv, even, odd, lora);
+            if (layer->q_norm)  /* in place, one head of D a row, as the per-op path's rms_norm of (T Hq, D) */
+                for (int64_t t = 0; t < T; t++) {
+                    float *q = qkv + t * qkv_width, *k = q + s->Hq * D;
+                    flashllm_rms_norm(q, NULL, NULL, layer->q_norm, q, s->Hq, D, s->eps);
+                    flashllm_rms_norm(k, NULL, NULL, layer->k_norm, k, s->Hk, D, s->eps);
+                }
             flashllm_rotary(qkv, T, qkv_width, s->Hq, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
             flashllm_rotary(qkv + s->Hq * D, T, qkv_width, s->Hk, D, s->rot, s->cos_sin, s->positions, (int)s->neox);
             for (int64_t t = 0; t < T; t++) {
