@@ -53,20 +53,25 @@ class ChatMethods:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template (or `chat_template`) and generate."""
+        """Render each conversation with the model's chat template (or `chat_template`) and generate;
+        `chat_template_kwargs` are extra template variables (Qwen3's `enable_thinking`, ...)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, chat_template, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.render_chat(c, chat_template, add_generation_prompt, chat_template_kwargs)  # type: ignore[arg-type]
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)  # type: ignore[attr-defined]
 
     def render_chat(self, messages: list[Message], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
+                    ) -> list[int]:
         """Token ids of a conversation rendered with the sandboxed chat template.
 
         `chat_template`: None = the model's own, a built-in name (chatml, llama-2, llama-3) or a
-        template source string.
+        template source string; `chat_template_kwargs`: extra variables the template reads.
         """
-        text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt)
+        text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
+                                                        **(chat_template_kwargs or {}))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat_template(self, chat_template: str | None = None) -> Any:

@@ -76,6 +76,10 @@ class LLM(ChatMethods):
         self.engine = Engine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (None for a model without one), as vLLM's LLM.get_tokenizer returns it."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

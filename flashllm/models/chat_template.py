@@ -299,6 +299,7 @@ class ChatTemplate:
         Encode the result without adding special tokens: templates already write bos_token.
         """
         validate_messages(messages, tools)
+        check_template_kwargs(kwargs)
         variables = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                      "bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         token = _BUDGET.set(_Budget(MAX_RENDER_STEPS, time.monotonic() + MAX_RENDER_SECONDS))
@@ -318,6 +319,28 @@ class ChatTemplate:
         finally:
             _BUDGET.reset(token)
         return "".join(chunks)
+
+
+# What a caller's extra template variables (vLLM's chat_template_kwargs: Qwen3's enable_thinking, ...) may not be
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "raise_exception", "strftime_now", "namespace", "range", "dict", "cycler",
+                                     "joiner"})
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARG_NAME = 64
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """ChatTemplateError unless every extra variable is a plain identifier a template could read and none
+    replaces what render itself passes or the sandbox's globals (at most MAX_TEMPLATE_KWARGS of them)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateError(f"at most {MAX_TEMPLATE_KWARGS} chat template variables, got {len(kwargs)}")
+    for name in kwargs:
+        if not (isinstance(name, str) and name.isidentifier() and not name.startswith("_")
+                and len(name) <= MAX_TEMPLATE_KWARG_NAME):
+            raise ChatTemplateError(f"chat template variable {str(name)[:MAX_TEMPLATE_KWARG_NAME]!r} is not a plain "
+                                    f"identifier of at most {MAX_TEMPLATE_KWARG_NAME} characters")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise ChatTemplateError(f"chat template variable {name!r} is set by flashllm itself; choose another name")
 
 
 def render_chat(template: ChatTemplate | str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,

@@ -58,11 +58,12 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
 
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                    allow_special_tokens_in_content: bool = False) -> list[int]:
+                    allow_special_tokens_in_content: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt token ids of a conversation: the template's own text with special tokens, callers' text as text.
 
-    Callers' text is every string in `messages` and `tools` (contents, names, tool calls, tool
-    descriptions). Without a special-token spelling in any of them this is the rendered prompt
+    Callers' text is every string in `messages`, `tools` and `template_kwargs` (contents, names, tool calls,
+    tool descriptions, extra template variables such as Qwen3's enable_thinking). Without a special-token spelling in any of them this is the rendered prompt
     encoded whole (the usual tokens). Otherwise the template is rendered a second time with a
     random marker in place of each such string; the markers split the prompt into the template's
     text (encoded with special tokens) and the callers' strings (encoded as plain text), aligned
@@ -71,7 +72,8 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
     a template that rewrites it otherwise cannot be aligned: that is a ChatTemplateError (400),
     never a silent fallback. `allow_special_tokens_in_content` restores parsing them.
     """
-    text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    extra = template_kwargs or {}
+    text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
     specials = special_token_texts(tokenizer)
     if allow_special_tokens_in_content or not specials:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -79,9 +81,11 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
     found: list[str] = []
     masked = _mask(messages, specials, nonce, found)
     masked_tools = _mask(tools, specials, nonce, found)
+    masked_extra = _mask(extra, specials, nonce, found)
     if not found:
         return list(tokenizer.encode(text, add_special_tokens=False))
-    skeleton = template.render(masked, tools=masked_tools, add_generation_prompt=add_generation_prompt)
+    skeleton = template.render(masked, tools=masked_tools, add_generation_prompt=add_generation_prompt,
+                               **masked_extra)
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # literal, index, literal, ..., literal
     ids: list[int] = []
     pos = 0

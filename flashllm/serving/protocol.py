@@ -79,6 +79,18 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs checked as the sandboxed renderer checks them (names, count)."""
+    from flashllm.models.chat_template import ChatTemplateError, check_template_kwargs
+
+    if kwargs is not None:
+        try:
+            check_template_kwargs(kwargs)
+        except ChatTemplateError as exc:
+            raise ValueError(str(exc)) from None
+    return kwargs
+
+
 class _Model(BaseModel):
     # strict: "5" is not an int and true is not a number; NaN/Infinity are refused everywhere.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -288,6 +300,12 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking, ...)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_kwargs(kwargs)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -313,7 +331,13 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_kwargs(kwargs)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -29,7 +29,22 @@ def test_rms_norm(tokens: int, residual: bool) -> None:
     assert got is not None
     torch.testing.assert_close(got, reference_rms_norm(x, weight, 1e-6, res), **FP32)
     assert native_ops.rms_norm(x.double(), weight.double(), 1e-6) is None  # fp32 only
-    assert native_ops.rms_norm(torch.randn(native_ops.MAX_NORM_ROWS + 1, 96), weight, 1e-6) is None
+    wide = torch.rand(1024, generator=gen) + 0.5  # rows wider than a head: a decode batch's worth only
+    assert native_ops.rms_norm(torch.randn(native_ops.MAX_NORM_ROWS, 1024), wide, 1e-6) is not None
+    assert native_ops.rms_norm(torch.randn(native_ops.MAX_NORM_ROWS + 1, 1024), wide, 1e-6) is None
+
+
+def test_per_head_norms_stay_native_for_a_decode_batch_of_heads() -> None:
+    """Qwen3's q / k norms run (tokens x heads, head_dim): native up to HEAD_NORM_MAX_ROWS rows, so a
+    token's heads are normed by the same code alone and beside others."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.rand(128, generator=gen) + 0.5
+    rows = torch.randn(native_ops.HEAD_NORM_MAX_ROWS, 128, generator=gen)
+    got = native_ops.rms_norm(rows, weight, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, reference_rms_norm(rows, weight, 1e-6), **FP32)
+    assert torch.equal(native_ops.rms_norm(rows[:16], weight, 1e-6), got[:16])  # row for row the same bits
+    assert native_ops.rms_norm(torch.randn(native_ops.HEAD_NORM_MAX_ROWS + 1, 128), weight, 1e-6) is None
 
 
 @settings(max_examples=30, deadline=None)
