@@ -21,6 +21,7 @@ from flashllm.cli.parallel_flags import (
 )
 from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
 from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS
+from flashllm.serving.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("flashllm.serve")
 
@@ -58,6 +59,9 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                                         "message content (<|im_start|>, ...) become control tokens instead of "
                                         "text, so a message can open or close turns"),
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
+    "reasoning_parser": (str, None, "answer a thinking model's <think>...</think> as the chat message's "
+                         "reasoning_content: deepseek_r1 (the think block opened by the template: DeepSeek-R1, "
+                         "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>)"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
              "`flashllm export --format onnx` directory run by onnxruntime, one batch at a time"),
     "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
@@ -204,6 +208,9 @@ def _check_limits(values: dict[str, Any]) -> None:
         refuse("request_timeout", "a positive number of seconds")
     if not 0 <= values["shutdown_drain_timeout"] < math.inf:
         refuse("shutdown_drain_timeout", "0 or a positive number of seconds")
+    parser = values.get("reasoning_parser")
+    if parser is not None and parser not in REASONING_PARSERS:
+        refuse("reasoning_parser", f"one of {', '.join(REASONING_PARSERS)}")
     host = values["host"]
     try:
         ipaddress.ip_address(host)

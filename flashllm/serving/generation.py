@@ -40,6 +40,7 @@ class ServerContext:
     # multi-LoRA (serving/lora_api.py): adapter name -> LoRARequest, selected by the request's `model`
     loras: dict[str, Any] = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as model_name
+    reasoning_parser: str | None = None  # serving/reasoning.py: <think> text answered as reasoning_content
 
 
 @dataclass

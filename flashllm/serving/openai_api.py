@@ -23,6 +23,7 @@ from flashllm.serving.generation import (
     usage,
 )
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
+from flashllm.serving.reasoning import ReasoningSplitter, split_reasoning
 from flashllm.serving.structured import from_request, precompile, tool_call_constraint
 from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, check_tool_choice, parse_tool_calls
 
@@ -261,9 +262,11 @@ def _max_calls(req: ChatCompletionRequest) -> int:
 
 def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_calls: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if ctx.reasoning_parser is not None:
+        message["reasoning_content"], message["content"] = split_reasoning(ctx.reasoning_parser, c.text)
     finish = c.finish_reason
     if tool_names is not None:
-        parsed = parse_tool_calls(c.text, tool_names, max_tool_calls=max_calls)
+        parsed = parse_tool_calls(message["content"], tool_names, max_tool_calls=max_calls)
         if parsed.tool_calls:
             message["content"] = parsed.content
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
@@ -278,7 +281,10 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.model_name}
     sent: dict[int, int] = {}
-    parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} if tool_names is not None else {}
+    parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} \
+        if tool_names is not None else {}
+    splitters = {i: ReasoningSplitter(ctx.reasoning_parser) for i in range(req.n)} \
+        if ctx.reasoning_parser is not None else {}
     num_calls: dict[int, int] = {}
     done: set[int] = set()
     final: RequestOutput | None = None
@@ -298,9 +304,10 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
                 start, end = sent.get(c.index, 0), len(c.token_ids)
                 sent[c.index] = end
                 logprobs = chat_logprobs(ctx.tokenizer, c, start, end)
+                reasoning, text = _split_delta(splitters.get(c.index), c.delta, c.finished)
                 parser = parsers.get(c.index)
-                deltas = _tool_deltas(parser, c.delta, c.finished, num_calls, c.index) if parser \
-                    else ([{"content": c.delta}] if c.delta else [])
+                deltas = reasoning + (_tool_deltas(parser, text, c.finished, num_calls, c.index) if parser
+                                      else ([{"content": text}] if text else []))
                 for delta in deltas or ([{}] if logprobs and logprobs["content"] else []):
                     yield chunk(c.index, delta, logprobs=logprobs)
                     logprobs = None
@@ -314,6 +321,16 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     if req.include_usage and final is not None:
         yield sse({**head, "choices": [], "usage": usage(gen.prompts, [final])})
     yield sse("[DONE]")
+
+
+def _split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
+    """(reasoning_content deltas, the content text) of one streamed piece (all content without a splitter);
+    a reply's reasoning always comes before its content, so the order within a piece is kept."""
+    if splitter is None:
+        return [], text
+    pieces = (splitter.feed(text) if text else []) + (splitter.flush() if finished else [])
+    return ([{"reasoning_content": t} for kind, t in pieces if kind == "reasoning"],
+            "".join(t for kind, t in pieces if kind == "content"))
 
 
 def _tool_deltas(parser: ToolCallStreamParser, text: str, finished: bool, num_calls: dict[int, int],

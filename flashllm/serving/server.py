@@ -92,6 +92,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         vocab_size=served.vocab_size, model_info=served.info,
         allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
         model_aliases=tuple(names[1:]),
+        reasoning_parser=options.get("reasoning_parser"),
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options.get("enable_lora"):
