@@ -17,6 +17,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0,
     },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    },
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
         "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,

@@ -11,6 +11,8 @@ from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.models.mixtral import MoEModelConfig
 from flashllm.models.qwen2_moe import Qwen2MoeForCausalLM, parse_qwen2_moe_config
 
+QWEN3_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config default (Qwen3-MoE's falls back to hidden / heads)
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 is Llama's decoder with `self_attn.q_norm` / `self_attn.k_norm` ((head_dim,) RMSNorms of each
@@ -20,8 +22,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
-        """config.json -> LlamaModelConfig with qk_norm set (see parse_llama_config for the rest)."""
-        return dataclasses.replace(parse_llama_config(raw, source), qk_norm=True)
+        """config.json -> LlamaModelConfig with qk_norm set (see parse_llama_config for the rest); a config
+        without `head_dim` gets transformers' Qwen3 default, 128 (not hidden_size / num_attention_heads)."""
+        fields = raw if "head_dim" in raw else {**raw, "head_dim": QWEN3_DEFAULT_HEAD_DIM}
+        return dataclasses.replace(parse_llama_config(fields, source), qk_norm=True)
 
 
 def parse_qwen3_moe_config(raw: dict[str, Any], source: str = "config.json") -> MoEModelConfig:

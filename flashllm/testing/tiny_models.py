@@ -199,6 +199,9 @@ def _hf_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]
             yield f"{p}.self_attn.{proj}.weight", (out_features, h), False
             if qkv_bias:
                 yield f"{p}.self_attn.{proj}.bias", (out_features,), False
+        if getattr(config, "qk_norm", False):  # Qwen3's per-head norms
+            yield f"{p}.self_attn.q_norm.weight", (d,), True
+            yield f"{p}.self_attn.k_norm.weight", (d,), True
         yield f"{p}.self_attn.o_proj.weight", (h, q), False
         if o_bias:
             yield f"{p}.self_attn.o_proj.bias", (h,), False

@@ -433,12 +433,14 @@ def test_column_row_and_merged_slices_reassemble_the_full_weight(ops):
 # ---------------------------------------------------------------- builders and the demo model
 
 
-@pytest.mark.parametrize("arch, tied", [("LlamaForCausalLM", False), ("Qwen2ForCausalLM", True)])
+@pytest.mark.parametrize("arch, tied", [("LlamaForCausalLM", False), ("Qwen2ForCausalLM", True),
+                                        ("Qwen3ForCausalLM", True)])
 def test_random_full_shape_builder_writes_a_checkpoint_transformers_accepts(tmp_path, ops, model_registry,
                                                                              arch, tied):
     from transformers import AutoModelForCausalLM
 
-    config = {**BASE_CONFIG, "architectures": [arch], "model_type": "qwen2" if tied else "llama",
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+    config = {**BASE_CONFIG, "architectures": [arch], "model_type": model_type,
               "num_key_value_heads": 2, "tie_word_embeddings": tied, "dtype": "bfloat16", "vocab_size": 1000}
     model_dir = build_random_model_from_config(tmp_path, config, seed=3, max_shard_bytes=40_000)
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
@@ -447,7 +449,8 @@ def test_random_full_shape_builder_writes_a_checkpoint_transformers_accepts(tmp_
     assert not info["missing_keys"] and not info["unexpected_keys"]
     checkpoint = read_checkpoint(model_dir)
     assert ("lm_head.weight" in checkpoint) is not tied
-    assert ("model.layers.0.self_attn.q_proj.bias" in checkpoint) is tied  # Qwen2 has qkv bias
+    assert ("model.layers.0.self_attn.q_proj.bias" in checkpoint) is (arch == "Qwen2ForCausalLM")  # qkv bias
+    assert ("model.layers.0.self_attn.q_norm.weight" in checkpoint) is (arch == "Qwen3ForCausalLM")
     embed = checkpoint["model.embed_tokens.weight"].float()
     assert embed.dtype == torch.float32 and abs(embed.std().item() - 0.02) < 0.002
     ours, _ = load(model_dir, ops, model_registry)
