@@ -44,6 +44,7 @@ class ArchSpec:
 ARCHS: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
+    "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
 }
@@ -53,6 +54,7 @@ _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     **gguf_moe.LAYER_NAMES,
 }
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

@@ -25,7 +25,7 @@ from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf_models")
-    return {arch: build_tiny_model(root / arch, arch, seed=3) for arch in ("llama", "llama3", "qwen2")}
+    return {arch: build_tiny_model(root / arch, arch, seed=3) for arch in ("llama", "llama3", "qwen2", "qwen3")}
 
 
 def hf_weights(model_dir: Path) -> dict[str, np.ndarray]:
@@ -61,6 +61,7 @@ HF_TO_GGUF_LAYER = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -115,7 +116,7 @@ def test_tokenizer_round_trips(models: dict[str, Path], tmp_path: Path, arch: st
     assert meta["tokenizer.ggml.merges"] == [" ".join(m) if isinstance(m, list) else m for m in merges]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
 def test_f32_tensors_equal_hf_weights(models: dict[str, Path], tmp_path: Path, arch: str) -> None:
     config = json.loads((models[arch] / "config.json").read_text())
     written = tensors(gguf.GGUFReader(export_gguf(models[arch], tmp_path / "m.gguf", "f32")))
@@ -212,3 +213,18 @@ def test_refusals_say_what_to_do(models: dict[str, Path], tmp_path: Path) -> Non
     with pytest.raises(GGUFExportError, match="embedding has 100 rows"):
         export_gguf(small, tmp_path / "c.gguf")
     assert not (tmp_path / "c.gguf").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_an_exported_f32_file_runs_as_its_source_directory(models: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    """flashllm's own GGUF reader takes the exporter's file back: same greedy tokens, logprobs to float noise."""
+    from flashllm import LLM, SamplingParams
+
+    path = export_gguf(models[arch], tmp_path / "m.gguf", "f32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompt = [[5, 17, 99, 3, 250, 41, 8, 300, 77, 12]]
+    runs = [LLM(str(source), dtype="float32", device="cpu", block_size=16, num_kv_blocks=16, max_model_len=128)
+            .generate(prompt, params)[0]
+            for source in (models[arch], path)]
+    assert runs[1].outputs[0].token_ids == runs[0].outputs[0].token_ids
+    assert max(abs(a - b) for a, b in zip(runs[0].outputs[0].logprobs, runs[1].outputs[0].logprobs, strict=True)) < 1e-4
