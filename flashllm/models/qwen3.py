@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flashllm.models.hf_config import flag
 from flashllm.models.llama import LlamaForCausalLM
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.models.mixtral import MoEModelConfig
@@ -35,7 +36,7 @@ def parse_qwen3_moe_config(raw: dict[str, Any], source: str = "config.json") -> 
     defaults = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False}
     # Qwen3-MoE has no shared expert and no qkv_bias field: its attention_bias says what Llama's does
     fields = {**defaults, **raw, "shared_expert_intermediate_size": 0,
-              "qkv_bias": bool(raw.get("attention_bias", False))}
+              "qkv_bias": flag(raw, "attention_bias", source)}
     if "num_experts" not in raw and "num_local_experts" in raw:  # transformers 5 writes the count under this name
         fields["num_experts"] = raw["num_local_experts"]
     return dataclasses.replace(parse_qwen2_moe_config(fields, source), qk_norm=True, raw=raw)

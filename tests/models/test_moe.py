@@ -175,6 +175,7 @@ def _raw(preset: str, **changes) -> dict:
     ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a positive int"),
     ("qwen2_moe", {"mlp_only_layers": [6]}, "mlp_only_layers=[6] must be a list of layer indices in 0..5"),
     ("qwen2_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+    ("qwen3_moe", {"attention_bias": "yes"}, "attention_bias='yes' must be true or false"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window=true without a layer_types list"),
     ("qwen2_moe", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}},
      "group_size=32 does not divide moe_intermediate_size=48"),
