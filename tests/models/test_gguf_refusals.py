@@ -113,6 +113,9 @@ def _corpus(valid: bytes, tmp: Path) -> dict[str, tuple[bytes, str]]:
         "too many tensor dims": (_patch(valid, q["n_dims"], "I", 9), "dimensions|truncated"),
         "zero tensor dim": (_patch(valid, q["dims"], "Q", 0), "expected 1 to 4 positive sizes"),
         "huge tensor dims": (_patch(valid, q["dims"] + 8, "Q", 1 << 45), "claims .* elements|lies at bytes"),
+        # 2^32 x 2^32 is 0 in uint64 arithmetic (the gguf package's np.prod): a size check multiplying so passes
+        "tensor dims whose product wraps 64 bits": (_patch(_patch(valid, q["dims"], "Q", 1 << 32), q["dims"] + 8, "Q",
+                                                           1 << 32), "claims 18446744073709551616 elements"),
         "rows not whole blocks": (_patch(valid, q["dims"], "Q", 48), "not a multiple of its 32-value blocks"),
         "unsupported architecture": (_rewrite(tmp, "falcon"), "architecture 'falcon' is not supported; supported: "
                                                               "llama, qwen2"),
