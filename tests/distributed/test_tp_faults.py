@@ -1,22 +1,29 @@
-"""A tensor-parallel rank that dies: generate raises, the server exits non-zero, no process is left."""
+"""A tensor-parallel rank that dies or hangs: generate raises, the server fails and exits non-zero, no process stays."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from flashllm import LLM, SamplingParams
-from flashllm.core.parallel import DistributedError
-from flashllm.testing.processes import children, wait_gone
+from flashllm.core.parallel import DIST_TIMEOUT_ENV, DistributedError
+from flashllm.testing.processes import children, descendants, wait_gone
+from flashllm.testing.server import ServerProcess
 from flashllm.testing.tiny_models import build_tiny_model
 
 FAIL_WITHIN_S = 30.0
+HANG_TIMEOUT_S = 5  # FLASHLLM_DIST_TIMEOUT_S for the hung-rank tests: a collective fails after it
+MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +47,92 @@ def test_a_rank_killed_mid_generation_fails_generate_fast(model_dir: Path) -> No
         llm.generate([[5, 6]], params, use_tqdm=False)
 
 
-def test_the_server_exits_non_zero_when_a_rank_dies(model_dir: Path) -> None:
+def _served(model_dir: Path, env: dict[str, str] | None = None) -> AbstractContextManager[ServerProcess]:
     pytest.importorskip("fastapi")
     from flashllm.testing.server import running_server
 
     flags = [str(model_dir), "--tensor-parallel-size", "2", "--block-size", "16", "--num-kv-blocks", "64",
-             "--max-model-len", "128"]
-    with running_server(flags) as server:
-        server_pid = server.proc.pid
-        # the rank is the spawned child (multiprocessing's resource tracker is a child too)
-        workers = [pid for pid in children(server_pid)
-                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(workers) == 1, "the server should have started one rank process"
-        os.kill(workers[0], signal.SIGKILL)
-        try:
-            code = server.proc.wait(timeout=FAIL_WITHIN_S)
-        except Exception:  # noqa: BLE001 - report the log, then fail
-            pytest.fail(f"the server did not exit within {FAIL_WITHIN_S} s after rank 1 died:\n{server.log()[-3000:]}")
+             "--max-model-len", str(MAX_MODEL_LEN)]
+    return running_server(flags, env)
+
+
+def _rank_process(server: ServerProcess) -> int:
+    # the rank is the spawned child (multiprocessing's resource tracker is a child too)
+    workers = [pid for pid in children(server.proc.pid)
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 1, "the server should have started one rank process"
+    return workers[0]
+
+
+def _wait_exit(server: ServerProcess, after: str) -> int:
+    try:
+        return server.proc.wait(timeout=FAIL_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit within {FAIL_WITHIN_S} s after {after}:\n{server.log()[-3000:]}")
+
+
+def _probe(url: str) -> int | None:
+    """GET url's status, or None when nothing answers any more (the server is exiting or gone)."""
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_the_server_fails_the_request_in_flight_and_exits_non_zero_when_a_rank_dies(model_dir: Path) -> None:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with _served(model_dir) as server:
+        worker = _rank_process(server)
+        processes = descendants(server.proc.pid)
+        with httpx.Client(timeout=FAIL_WITHIN_S) as client, \
+                client.stream("POST", f"{server.url}/completions", json=body) as response:
+            assert response.status_code == 200
+            events = (line.removeprefix("data: ") for line in response.iter_lines() if line)
+            first = json.loads(next(events))
+            assert first["choices"], "the first event should carry a token: the request is in the engine"
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = list(events)  # a hang here ends in httpx's read timeout, failing the test
+        assert time.monotonic() - killed < FAIL_WITHIN_S
+        assert rest and "[DONE]" not in rest, f"the stream should end with an error event: {rest[-3:]}"
+        error = json.loads(rest[-1]).get("error")
+        assert error is not None and error["code"] == "engine_dead" and "rank 1" in error["message"], rest[-1]
+        # The server stops listening about half a second after the engine fails (serve's on_fatal), so
+        # these probes, sent right after the error event, normally reach it; None: it was already gone.
+        assert _probe(f"{server.base_url}/ready") in (503, None)
+        assert _probe(f"{server.base_url}/health") in (503, None)
+        code = _wait_exit(server, "rank 1 died")
         assert code != 0, server.log()[-3000:]
-        assert wait_gone(workers, 5) == [], "a rank process outlived the server"
+        assert wait_gone(processes, 5) == [], "a process the server started outlived it"
         assert "rank 1" in server.log()
 
 
+def test_the_server_fails_requests_and_exits_non_zero_when_a_rank_hangs(model_dir: Path) -> None:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
+    with _served(model_dir, {DIST_TIMEOUT_ENV: str(HANG_TIMEOUT_S)}) as server:
+        worker = _rank_process(server)
+        processes = descendants(server.proc.pid)
+        os.kill(worker, signal.SIGSTOP)  # alive but never answers again
+        try:
+            started = time.monotonic()
+            response = httpx.post(f"{server.url}/completions", json=body, timeout=FAIL_WITHIN_S)
+            assert time.monotonic() - started < FAIL_WITHIN_S
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "engine_dead"
+            # not ready nor healthy from the failed answer on, until the server is gone
+            assert _probe(f"{server.base_url}/ready") in (503, None)
+            assert _probe(f"{server.base_url}/health") in (503, None)
+            code = _wait_exit(server, "rank 1 hung")
+            assert code != 0, server.log()[-3000:]
+            assert wait_gone(processes, 5) == [], "a process the server started outlived it"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
 def test_a_rank_that_hangs_fails_generate_after_the_timeout(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLASHLLM_DIST_TIMEOUT_S", "5")
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, str(HANG_TIMEOUT_S))
     llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, block_size=16, num_kv_blocks=128)
     (worker,) = [proc.pid for proc in llm.engine.executor._launcher.procs]
     os.kill(worker, signal.SIGSTOP)  # alive but never answers again

@@ -14,6 +14,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from flashllm.models.errors import ModelLoadError  # noqa: E402
+from flashllm.models.gguf import open_gguf  # noqa: E402
+from flashllm.models.gguf.reader import MAX_ARRAY_STRINGS  # noqa: E402
 from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.models.tokenizer import load_tokenizer  # noqa: E402
 from flashllm.testing.gguf_files import write_gguf  # noqa: E402
@@ -83,6 +85,7 @@ def _corpus(valid: bytes, tmp: Path) -> dict[str, tuple[bytes, str]]:
     reader, size = _layout(valid, tmp)
     q = _tensor_info(reader, "blk.0.attn_q.weight")
     tokens_array = _value_offset(reader, "tokenizer.ggml.tokens")  # uint32 item type, then uint64 length
+    types_array = _value_offset(reader, "tokenizer.ggml.token_type")
     arch_value = _value_offset(reader, "general.architecture")     # uint64 length, then the bytes
     first_key = reader.fields["general.architecture"].offset
     return {
@@ -96,8 +99,10 @@ def _corpus(valid: bytes, tmp: Path) -> dict[str, tuple[bytes, str]]:
         "absurd tensor count": (_patch(valid, 8, "Q", 1 << 40), "claims 1099511627776 tensors"),
         "metadata count past the file": (_patch(valid, 16, "Q", 60000), "cannot fit|truncated"),
         "absurd string length": (_patch(valid, arch_value, "Q", 1 << 50), "truncated"),
-        "absurd array length": (_patch(valid, tokens_array + 4, "Q", 1 << 50), "claims 1125899906842624 array"),
-        "array length past the file": (_patch(valid, tokens_array + 4, "Q", 1 << 23), "cannot fit"),
+        "absurd array length": (_patch(valid, tokens_array + 4, "Q", 1 << 50), "claims 1125899906842624 "),
+        "absurd number-array length": (_patch(valid, types_array + 4, "Q", 1 << 50),
+                                       "claims 1125899906842624 array elements"),
+        "array length past the file": (_patch(valid, tokens_array + 4, "Q", 1 << 19), "cannot fit"),
         "unknown value type": (_patch(valid, first_key + 8 + len("general.architecture"), "I", 77),
                                "not a valid GGUF file"),
         "array of arrays": (_patch(valid, tokens_array, "I", 9), "arrays of arrays"),
@@ -108,6 +113,9 @@ def _corpus(valid: bytes, tmp: Path) -> dict[str, tuple[bytes, str]]:
         "too many tensor dims": (_patch(valid, q["n_dims"], "I", 9), "dimensions|truncated"),
         "zero tensor dim": (_patch(valid, q["dims"], "Q", 0), "expected 1 to 4 positive sizes"),
         "huge tensor dims": (_patch(valid, q["dims"] + 8, "Q", 1 << 45), "claims .* elements|lies at bytes"),
+        # 2^32 x 2^32 is 0 in uint64 arithmetic (the gguf package's np.prod): a size check multiplying so passes
+        "tensor dims whose product wraps 64 bits": (_patch(_patch(valid, q["dims"], "Q", 1 << 32), q["dims"] + 8, "Q",
+                                                           1 << 32), "claims 18446744073709551616 elements"),
         "rows not whole blocks": (_patch(valid, q["dims"], "Q", 48), "not a multiple of its 32-value blocks"),
         "unsupported architecture": (_rewrite(tmp, "falcon"), "architecture 'falcon' is not supported; supported: "
                                                               "llama, qwen2"),
@@ -151,3 +159,40 @@ def test_the_tokenizer_path_refuses_the_same_way(valid, tmp_path):
     path.write_bytes(valid[:200])
     with pytest.raises(ModelLoadError, match="truncated"):
         load_tokenizer(path)
+
+
+def _with_array(tmp: Path, key: str, values: list) -> Path:
+    """A valid small file with one extra metadata array."""
+    path = tmp / "array.gguf"
+    path.write_bytes(_rewrite(tmp, extra=lambda w: w.add_array(key, values)))
+    return path
+
+
+def test_a_long_array_of_small_values_is_read_in_memory_near_its_size(tmp_path):
+    # The gguf package's reader makes a numpy view per array element (~700 bytes each, for one byte
+    # of file with uint8 or bool elements): 50,000 of them would take ~35 MB for a 50 KB array.
+    values = [True, False] * 25_000
+    path = _with_array(tmp_path, "x.flags", values)
+    tracemalloc.start()
+    try:
+        gf = open_gguf(path)
+        read = gf.get("x.flags")
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert read == values
+    assert peak < 4 << 20, f"reading a {path.stat().st_size}-byte file took {peak} bytes"
+
+
+def test_strings_in_metadata_arrays_are_budgeted_per_file(valid, tmp_path):
+    reader, _ = _layout(valid, tmp_path)
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    merges_length = _value_offset(reader, "tokenizer.ggml.merges") + 4
+    # each array alone is under MAX_ARRAY_LEN; with the tokens before it, the merges pass the file's budget
+    data = _patch(valid, merges_length, "Q", MAX_ARRAY_STRINGS - tokens + 1)
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=rf"claims {MAX_ARRAY_STRINGS - tokens + 1} more strings .* "
+                                             rf"at most {MAX_ARRAY_STRINGS} are read") as info:
+        open_gguf(path)
+    assert "\n" not in str(info.value)

@@ -150,7 +150,7 @@ def test_refusals_are_counted_and_capacity_comes_back(server: ServerProcess, bur
     rejected = [serving_checks.sample(text, "requests_rejected_total", reason="queue_full")
                 for text in (burst.metrics_before, after)]
     assert rejected[1] - rejected[0] == BURST - ADMITTED
-    free, total = helpers.wait_blocks_free(server.base_url, timeout=2.0)
+    free, total = helpers.wait_blocks_free(server.base_url, timeout=1.0)
     assert free == total
     # Every seat was given back: a second burst of exactly the capacity is admitted whole.
     replies, _ = asyncio.run(_burst(server, ADMITTED, max_tokens=8))

@@ -98,7 +98,7 @@ def test_whole_context_requests_use_every_position(runs: SimpleNamespace) -> Non
 
 def test_all_blocks_are_free_afterwards(server: ServerProcess, runs: SimpleNamespace,
                                         helpers: SimpleNamespace) -> None:
-    free, total = helpers.wait_blocks_free(server.base_url, timeout=2.0)
+    free, total = helpers.wait_blocks_free(server.base_url, timeout=1.0)
     assert (free, total) == (BLOCKS_PER_SEQ, BLOCKS_PER_SEQ)
 
 

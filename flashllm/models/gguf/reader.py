@@ -22,12 +22,17 @@ INSTALL_HINT = "pip install gguf"
 MAX_METADATA_ENTRIES = 1 << 16
 MAX_TENSORS = 1 << 16
 MAX_ARRAY_LEN = 1 << 24          # tokens, scores, merges of a vocabulary of a few million entries
+# The gguf package's reader makes two numpy views per string in an array (~1.5 KB for a string of 8
+# bytes or more), so strings are budgeted per file: twice the tokens and merges of the largest
+# vocabularies (Llama 3: 128,256 tokens and 280,147 merges; Gemma 3: 262,144 tokens).
+MAX_ARRAY_STRINGS = 1 << 20
 MAX_TENSOR_DIMS = 4              # ggml's GGML_MAX_DIMS
 MAX_TENSOR_ELEMENTS = 1 << 40
 # The smallest encoding of one array element by value type id (GGUFValueType): a string is its
 # 8-byte length at least.
 _ELEMENT_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: 8, 10: 8, 11: 8, 12: 8}
 _ARRAY_TYPE = 9
+_STRING_TYPE = 8
 
 # Tensor types flashllm loads: floats as they are; the block formats below dequantize exactly with
 # the gguf package (or load as QuantizedWeight where flashllm.quant.gguf_blocks represents them).
@@ -140,6 +145,10 @@ def _bounded_reader_class() -> type:
     known = {int(t): t.name for t in gguf.GGMLQuantizationType}
 
     class BoundedReader(gguf.GGUFReader):
+        def __init__(self, path: str, mode: str = "r") -> None:
+            self._strings = 0  # strings in metadata arrays so far (the package's __init__ reads everything)
+            super().__init__(path, mode)
+
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
             count, offset = int(count), int(offset)
             end = offset + np.dtype(dtype).itemsize * count
@@ -157,15 +166,28 @@ def _bounded_reader_class() -> type:
             return super()._build_tensor_info(offs, count)
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
-            if int(raw_type) == _ARRAY_TYPE:
-                item_type = int(self._get(orig_offs, np.uint32)[0])
-                length = int(self._get(orig_offs + 4, np.uint64)[0])
-                if item_type not in _ELEMENT_BYTES:
-                    raise ModelLoadError(f"a metadata array at byte {orig_offs} holds value type {item_type}; "
-                                         "arrays of arrays and unknown types are not read")
-                _check_count("array elements", length, MAX_ARRAY_LEN, len(self.data) - orig_offs - 12,
-                             _ELEMENT_BYTES[item_type])
-            return super()._get_field_parts(orig_offs, raw_type)
+            if int(raw_type) != _ARRAY_TYPE:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_item_type, raw_length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            item_type, length = int(raw_item_type[0]), int(raw_length[0])
+            if item_type not in _ELEMENT_BYTES:
+                raise ModelLoadError(f"a metadata array at byte {orig_offs} holds value type {item_type}; "
+                                     "arrays of arrays and unknown types are not read")
+            if item_type == _STRING_TYPE:
+                self._strings += length
+                if self._strings > MAX_ARRAY_STRINGS:
+                    raise ModelLoadError(f"the header claims {length} more strings in a metadata array at byte "
+                                         f"{orig_offs}; at most {MAX_ARRAY_STRINGS} are read in all (a corrupt or "
+                                         "hostile file)")
+            _check_count("array elements", length, MAX_ARRAY_LEN, len(self.data) - orig_offs - 12,
+                         _ELEMENT_BYTES[item_type])
+            if item_type == _STRING_TYPE:
+                return super()._get_field_parts(orig_offs, raw_type)
+            # Numbers as one view of the whole array, where the package makes a view (~700 bytes) per
+            # element; ReaderField.contents() lists both the same.
+            values = self._get(orig_offs + 12, self.gguf_scalar_to_np[gguf.GGUFValueType(item_type)], length)
+            types = [gguf.GGUFValueType.ARRAY, *([gguf.GGUFValueType(item_type)] if length else [])]
+            return 12 + int(values.nbytes), [raw_item_type, raw_length, values], [2] if length else [], types
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             for field in fields:
