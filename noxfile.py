@@ -23,12 +23,17 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 def tests(session: nox.Session) -> None:
     """The whole CPU test suite: what .ci/run and the README run (static-graph mode through onnxruntime too)."""
     # cuda = triton, whose interpreter proves the kernels on CPU
-    _install(session, "test,serve,bench,cuda,structured,onnx")
+    _install(session, "test,serve,bench,cuda,structured,onnx,fuzz")
     # -rs: every skip reason with its count, so what this machine cannot run (other vendors' devices,
     # the ipex/xla pins) is on record beside the total. -n 2: two pytest-xdist workers; a third of the
     # suite's time is waiting (servers starting, rank timeouts, soaks), which the other worker fills
     # (15 -> 12 minutes on a 2-core host). `nox -s tests -- -n 0` runs it in one process.
     session.run("pytest", "-q", "-rs", "-m", "not slow", "-n", "2", *session.posargs)
+    if not session.posargs:
+        # a short pass of the fuzz suite (`nox -s fuzz` runs it at full size): schemathesis still sends over
+        # 1,000 requests, each parser target 670 inputs; one process, as its request count is per process
+        session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fuzz",
+                    env={"FLASHLLM_FUZZ": "1", "FLASHLLM_FUZZ_EXAMPLES": "10"})
 
 
 @nox.session(python="3.11")
