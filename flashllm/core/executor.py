@@ -180,7 +180,7 @@ class DistributedExecutor(Executor):
             with contextlib.suppress(Exception):
                 self._channel.send_stop()
         if self._launcher is not None:
-            self._launcher.stop()
+            self._launcher.stop(graceful)
         with contextlib.suppress(Exception):
             parallel.destroy_process_group()
 
@@ -214,8 +214,11 @@ class _Launcher:
               on_exit: Callable[[int, str], None]) -> None:
         raise NotImplementedError
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        """End the ranks: after they were told to stop (graceful), give them JOIN_TIMEOUT_S to leave; after a
+        failure, none was told, and a hung one would never leave, so they are ended at once."""
         raise NotImplementedError
+
 
 class _ProcessLauncher(_Launcher):
     """mp: a spawned process per rank; a watcher thread reports any that exits."""
@@ -253,9 +256,9 @@ class _ProcessLauncher(_Launcher):
                 proc.join(0)
                 on_exit(rank, f"(pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
         for proc in self.procs:
-            proc.join(JOIN_TIMEOUT_S if proc.exitcode is None else 0)
+            proc.join(JOIN_TIMEOUT_S if graceful and proc.exitcode is None else 0)
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -309,10 +312,10 @@ class _RayLauncher(_Launcher):
             except Exception as exc:  # the actor died or its task raised
                 on_exit(rank, f"(ray actor) failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
         ray = _import_ray()
         with contextlib.suppress(Exception):
-            ray.wait(self.tasks, num_returns=len(self.tasks), timeout=JOIN_TIMEOUT_S)
+            ray.wait(self.tasks, num_returns=len(self.tasks), timeout=JOIN_TIMEOUT_S if graceful else 0)
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)

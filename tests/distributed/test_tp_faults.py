@@ -16,9 +16,11 @@ import httpx
 import pytest
 
 from flashllm import LLM, SamplingParams
+from flashllm.core.executor import RANK_EXIT_GRACE_S
 from flashllm.core.parallel import DIST_TIMEOUT_ENV, DistributedError
 from flashllm.testing.processes import children, descendants, wait_gone
 from flashllm.testing.server import ServerProcess
+from flashllm.testing.timing import time_limit
 from flashllm.testing.tiny_models import build_tiny_model
 
 FAIL_WITHIN_S = 30.0
@@ -140,7 +142,9 @@ def test_a_rank_that_hangs_fails_generate_after_the_timeout(model_dir: Path, mon
     try:
         with pytest.raises(DistributedError):
             llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        assert time.monotonic() - started < FAIL_WITHIN_S
+        # the collective's timeout, the wait for a rank's exit to be named, then the hung rank is ended at once
+        # (not given JOIN_TIMEOUT_S to leave, as it was never told to)
+        assert time.monotonic() - started < HANG_TIMEOUT_S + RANK_EXIT_GRACE_S + time_limit(4.0)
         assert wait_gone([worker], 15) == []  # the executor kills what it can no longer stop politely
     finally:
         with contextlib.suppress(ProcessLookupError):
