@@ -33,7 +33,7 @@ ADAPTERS = [(8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
             (4, 12, ("q_proj", "v_proj", "up_proj", "down_proj"), True)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def setup(request, tmp_path_factory) -> tuple[Path, list[LoRARequest]]:
     root = tmp_path_factory.mktemp(f"fused-{request.param}")
     base = build_tiny_model(root / "base", request.param, seed=5, tokenizer=False)

@@ -30,7 +30,7 @@ ADAPTERS = [
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, tuple[Path, list[LoRARequest]]]:
     made = {}
-    for preset in ("llama", "qwen2"):
+    for preset in ("llama", "qwen2", "qwen3"):
         root = tmp_path_factory.mktemp(f"multi-{preset}")
         base = build_tiny_model(root / "base", preset, seed=8, tokenizer=False)
         requests = []
@@ -57,7 +57,7 @@ def _llm(base: Path, **kw) -> LLM:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("preset", ["llama", "qwen2"])
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
 def test_batched_adapters_match_transformers_and_peft(preset, setup) -> None:
     """One batch: two adapters and the base model, prompts crossing blocks and prefill chunks; every
     logits row within 1e-4 of peft's (unmerged) and greedy tokens identical over 32 steps."""
