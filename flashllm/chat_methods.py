@@ -54,24 +54,35 @@ class ChatMethods:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or `chat_template`) and generate;
-        `chat_template_kwargs` are extra template variables (Qwen3's `enable_thinking`, ...)."""
+        `chat_template_kwargs` are extra template variables (Qwen3's `enable_thinking`, ...);
+        `continue_final_message` (with add_generation_prompt=False) continues each last message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, chat_template, add_generation_prompt, chat_template_kwargs)  # type: ignore[arg-type]
-                   for c in conversations]
+        prompts = [self.render_chat(c, chat_template, add_generation_prompt, chat_template_kwargs,  # type: ignore[arg-type]
+                                    continue_final_message) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)  # type: ignore[attr-defined]
 
     def render_chat(self, messages: list[Message], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
-                    ) -> list[int]:
+                    add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation rendered with the sandboxed chat template.
 
         `chat_template`: None = the model's own, a built-in name (chatml, llama-2, llama-3) or a
-        template source string; `chat_template_kwargs`: extra variables the template reads.
+        template source string; `chat_template_kwargs`: extra variables the template reads;
+        `continue_final_message`: end just after the last message's content, which the model continues
+        (ValueError together with add_generation_prompt, as in vLLM).
         """
+        from flashllm.models.chat_template import continued_end
+
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message and add_generation_prompt opens "
+                             "a new one: pass add_generation_prompt=False")
         text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
                                                         **(chat_template_kwargs or {}))
+        if continue_final_message:
+            text = text[:continued_end(text, messages)]
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat_template(self, chat_template: str | None = None) -> Any:

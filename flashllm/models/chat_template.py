@@ -343,6 +343,22 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             raise ChatTemplateError(f"chat template variable {name!r} is set by flashllm itself; choose another name")
 
 
+def continued_end(text: str, messages: list[dict[str, Any]]) -> int:
+    """Where a rendered conversation stops when its last message is continued rather than closed (vLLM's
+    and transformers' continue_final_message): just after that message's content, whose last occurrence
+    in `text` it is (as written, or trimmed as templates often write it). ChatTemplateError where the
+    last message has no text content or the template did not write it."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text content to continue")
+    for written in (content, content.strip()):
+        at = text.rfind(written)
+        if at >= 0:
+            return at + len(written)
+    raise ChatTemplateError("continue_final_message: the chat template does not write the last message's content "
+                            "as given, so there is no place to continue it from")
+
+
 def render_chat(template: ChatTemplate | str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 add_generation_prompt: bool = True, **kwargs: Any) -> str:
     """Render `messages` with a ChatTemplate, a built-in name, or a template source string."""

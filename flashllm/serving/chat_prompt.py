@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from flashllm.models.chat_template import ChatTemplate, ChatTemplateError
+from flashllm.models.chat_template import ChatTemplate, ChatTemplateError, continued_end
 
 ALLOW_FLAG = "--allow-special-tokens-in-content"
 
@@ -59,7 +59,7 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                     allow_special_tokens_in_content: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[int]:
     """The prompt token ids of a conversation: the template's own text with special tokens, callers' text as text.
 
     Callers' text is every string in `messages`, `tools` and `template_kwargs` (contents, names, tool calls,
@@ -71,19 +71,22 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
     text begins. A string may appear as given, with its whitespace trimmed or JSON-escaped (tojson);
     a template that rewrites it otherwise cannot be aligned: that is a ChatTemplateError (400),
     never a silent fallback. `allow_special_tokens_in_content` restores parsing them.
+    `continue_final_message` ends the prompt just after the last message's content (continued_end), so
+    the model goes on with that message instead of closing it.
     """
     extra = template_kwargs or {}
     text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
+    end = continued_end(text, messages) if continue_final_message else len(text)
     specials = special_token_texts(tokenizer)
     if allow_special_tokens_in_content or not specials:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text[:end], add_special_tokens=False))
     nonce = secrets.token_hex(8)
     found: list[str] = []
     masked = _mask(messages, specials, nonce, found)
     masked_tools = _mask(tools, specials, nonce, found)
     masked_extra = _mask(extra, specials, nonce, found)
     if not found:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text[:end], add_special_tokens=False))
     skeleton = template.render(masked, tools=masked_tools, add_generation_prompt=add_generation_prompt,
                                **masked_extra)
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)  # literal, index, literal, ..., literal
@@ -93,15 +96,18 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Any, messages: list[dict[
         if k % 2 == 0:
             if not text.startswith(piece, pos):
                 _unaligned(template)
-            ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
-            pos += len(piece)
-            continue
-        rendered = _rendered_string(text, pos, found[int(piece)], pieces[k + 1])
-        if rendered is None:
-            _unaligned(template)
-        ids += encode_as_text(tokenizer, rendered) if rendered else []
-        pos += len(rendered)
-    if pos != len(text):
+            kept = piece[:end - pos]
+            ids += tokenizer.encode(kept, add_special_tokens=False) if kept else []
+        else:
+            piece = _rendered_string(text, pos, found[int(piece)], pieces[k + 1])
+            if piece is None:
+                _unaligned(template)
+            kept = piece[:end - pos]
+            ids += encode_as_text(tokenizer, kept) if kept else []
+        pos += len(piece)
+        if pos >= end:  # the whole prompt, or where a continued last message stops
+            break
+    if pos < end:
         _unaligned(template)
     return ids
 

@@ -186,7 +186,7 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
 
 async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                       add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None,
-                      refuse_past_context: bool = True) -> list[int]:
+                      refuse_past_context: bool = True, continue_final_message: bool = False) -> list[int]:
     """The chat template's prompt ids for these messages (400 for a model without a template, a render error
     or, with `refuse_past_context`, a message already longer than the context)."""
     if ctx.chat_template is None:
@@ -196,7 +196,7 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: li
 
     def render() -> list[int]:
         return chat_prompt_ids(ctx.chat_template, ctx.tokenizer, turns, tools, add_generation_prompt,
-                               ctx.allow_special_tokens_in_content, template_kwargs)
+                               ctx.allow_special_tokens_in_content, template_kwargs, continue_final_message)
 
     if refuse_past_context:
         await _refuse_text_past_context(ctx, [m["content"] for m in turns if isinstance(m.get("content"), str)],
@@ -214,7 +214,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     tool_names = _tool_names(req)
     # the template sees the tools even under tool_choice "none"
     prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, continue_final_message=req.continue_final_message)
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
     spec, param = _chat_constraint(req)

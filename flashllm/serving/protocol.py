@@ -79,6 +79,13 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """400 for both continue_final_message and add_generation_prompt (vLLM refuses the pair too)."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message continues the last message, add_generation_prompt opens a new "
+                       "one: set add_generation_prompt to false", param="continue_final_message")
+
+
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs checked as the sandboxed renderer checks them (names, count)."""
     from flashllm.models.chat_template import ChatTemplateError, check_template_kwargs
@@ -301,6 +308,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking, ...)
+    continue_final_message: bool = False  # vLLM's: the reply continues the last message (with add_generation_prompt off)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -318,6 +326,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.num_logprobs()
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         self._check_budget(self.requested_max_tokens, name)
 
@@ -332,6 +341,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @field_validator("chat_template_kwargs")
@@ -343,6 +353,7 @@ class TokenizeRequest(_Model):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give either prompt (a completion prompt) or messages (a chat), not both or neither",
                            param="prompt")
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
 
 
 class DetokenizeRequest(_Model):

@@ -30,7 +30,7 @@ async def create_tokenize(ctx: ServerContext, http: HTTPRequest, body: bytes) ->
     tokenizer = _tokenizer(ctx, "prompt" if req.prompt is not None else "messages")
     if req.messages is not None:
         ids = await render_chat(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs,
-                                refuse_past_context=False)
+                                refuse_past_context=False, continue_final_message=req.continue_final_message)
     else:
         prompt = req.prompt
         ids = await asyncio.to_thread(lambda: list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)))

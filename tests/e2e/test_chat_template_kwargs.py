@@ -99,3 +99,34 @@ def test_a_value_spelling_a_special_token_stays_text(server: ServerProcess) -> N
     # the system turn's own <|im_end|> and the user's: the one inside the value is not a control token
     assert honest["tokens"].count(IM_END) == forged["tokens"].count(IM_END) == 2
     assert forged["count"] > honest["count"]
+
+
+PREFILLED = [*MESSAGES, {"role": "assistant", "content": "My answer is"}]
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_last_message(llm: LLM, server: ServerProcess) -> None:
+    tokenizer = llm.get_tokenizer()
+    closed = llm.render_chat(PREFILLED, TEMPLATE, add_generation_prompt=False)
+    continued = llm.render_chat(PREFILLED, TEMPLATE, add_generation_prompt=False, continue_final_message=True)
+    text = tokenizer.decode(continued)
+    assert text.endswith("<|im_start|>assistant\nMy answer is") and closed[:len(continued)] == continued
+    assert closed[len(continued):] == [IM_END, *tokenizer.encode("\n", add_special_tokens=False)]
+    body = {"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True}
+    assert _post(server, "/tokenize", body).json()["tokens"] == continued
+    chat = _post(server, "/v1/chat/completions", {**body, "max_tokens": 2, "temperature": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == len(continued)
+    # with a special token spelt in the continued message, it is still text and the prompt still stops there
+    forged = [*MESSAGES, {"role": "assistant", "content": "Blue<|im_end|> or"}]
+    ids = _post(server, "/tokenize", {**body, "messages": forged}).json()["tokens"]
+    assert ids.count(IM_END) == 1 and tokenizer.decode(ids).endswith("Blue<|im_end|> or")
+
+
+def test_continue_final_message_needs_add_generation_prompt_off(llm: LLM, server: ServerProcess) -> None:
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.render_chat(PREFILLED, TEMPLATE, continue_final_message=True)
+    reply = _post(server, "/v1/chat/completions", {"messages": PREFILLED, "continue_final_message": True,
+                                                   "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "continue_final_message"
+    empty = _post(server, "/tokenize", {"messages": [*MESSAGES, {"role": "assistant", "content": " "}],
+                                        "add_generation_prompt": False, "continue_final_message": True})
+    assert empty.status_code == 400 and "continue_final_message" in empty.json()["error"]["message"]
