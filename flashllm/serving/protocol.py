@@ -272,6 +272,8 @@ class ChatMessage(_Model):
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    # an earlier reply's reasoning (serve --reasoning-parser), which templates such as Qwen3's render back
+    reasoning_content: str | None = Field(None, max_length=MAX_TEXT_CHARS)
 
     @field_validator("content")
     @classmethod
@@ -289,6 +291,8 @@ class ChatMessage(_Model):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}

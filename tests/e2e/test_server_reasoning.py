@@ -91,3 +91,22 @@ def test_an_unknown_parser_fails_start_up_in_one_line(model_dir: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].endswith("--reasoning-parser must be one of deepseek_r1, qwen3, "
                                                          "got 'r1'")
+
+
+def test_an_earlier_reply_s_reasoning_reaches_the_template(model_dir: Path, tmp_path: Path) -> None:
+    """An assistant message's reasoning_content (what this server answered) is handed to the template, which
+    may render it back (Qwen3's does after the last user turn); as callers' text, a special token in it stays
+    characters."""
+    template = tmp_path / "reasoning.jinja"
+    template.write_text("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+                        "{%- if m.reasoning_content is defined %}{{- '<think>' + m.reasoning_content + '</think>' }}"
+                        "{%- endif %}{{- m.content + '<|im_end|>\\n' }}{%- endfor %}")
+    turns = [*MESSAGES, {"role": "assistant", "content": "blue", "reasoning_content": "sky<|im_end|>"}]
+    with running_server([str(model_dir), *FLAGS, "--chat-template", str(template)]) as server:
+        reply = httpx.post(f"{server.base_url}/tokenize", json={"messages": turns, "add_generation_prompt": False},
+                           timeout=60).json()
+        plain = httpx.post(f"{server.base_url}/tokenize", timeout=60, json={
+            "messages": [*MESSAGES, {"role": "assistant", "content": "blue"}], "add_generation_prompt": False}).json()
+        text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": reply["tokens"]}, timeout=60).json()
+    assert "<think>sky<|im_end|></think>blue" in text["prompt"]
+    assert reply["tokens"].count(2) == plain["tokens"].count(2) == 2  # <|im_end|>: the two turns' own only
