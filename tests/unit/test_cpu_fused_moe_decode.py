@@ -137,7 +137,7 @@ MAX_TOKENS = [20, 9, 24, 13, 5]  # sequences leave the decode batch at different
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    presets = ("mixtral", "mixtral_top1", "qwen2_moe", "qwen2_moe_top8")
+    presets = ("mixtral", "mixtral_top1", "qwen2_moe", "qwen2_moe_top8", "qwen3_moe")
     return {p: build_moe_model(tmp_path_factory.mktemp(p), p, seed=3) for p in presets}
 
 
@@ -155,7 +155,7 @@ def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, fused: bool, **k
 @pytest.mark.parametrize("preset,quant", [
     ("mixtral", {}), ("mixtral_top1", {}), ("qwen2_moe", {}), ("qwen2_moe_top8", {}),
     ("mixtral", {"quant_type": "w8a16"}), ("qwen2_moe_top8", {"quant_type": "w8a16"}),
-    ("qwen2_moe_top8", {"quant_type": "w4a16", "group_size": 32}),
+    ("qwen2_moe_top8", {"quant_type": "w4a16", "group_size": 32}), ("qwen3_moe", {}),
 ])
 def test_moe_decode_through_the_fused_step_matches_the_per_op_path(moe_dirs, monkeypatch, preset, quant) -> None:
     """Greedy tokens identical and logprobs within fp32 rounding: the same products in the same order,
