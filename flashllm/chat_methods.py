@@ -74,11 +74,9 @@ class ChatMethods:
         `continue_final_message`: end just after the last message's content, which the model continues
         (ValueError together with add_generation_prompt, as in vLLM).
         """
-        from flashllm.models.chat_template import continued_end
+        from flashllm.models.chat_template import check_continuation, continued_end
 
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message continues the last message and add_generation_prompt opens "
-                             "a new one: pass add_generation_prompt=False")
+        check_continuation(continue_final_message, add_generation_prompt)
         text = self.chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
                                                         **(chat_template_kwargs or {}))
         if continue_final_message:

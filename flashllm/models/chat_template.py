@@ -343,6 +343,13 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             raise ChatTemplateError(f"chat template variable {name!r} is set by flashllm itself; choose another name")
 
 
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """ChatTemplateError for both continue_final_message and add_generation_prompt (vLLM refuses the pair too)."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message continues the last message, add_generation_prompt opens a "
+                                "new one: set add_generation_prompt to false")
+
+
 def continued_end(text: str, messages: list[dict[str, Any]]) -> int:
     """Where a rendered conversation stops when its last message is continued rather than closed (vLLM's
     and transformers' continue_final_message): just after that message's content, whose last occurrence

@@ -324,13 +324,12 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
 
 
 def _split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
-    """(reasoning_content deltas, the content text) of one streamed piece (all content without a splitter);
-    a reply's reasoning always comes before its content, so the order within a piece is kept."""
+    """(the reasoning_content delta, the content text) of one streamed piece (all content without a splitter);
+    a reply's reasoning always comes before its content, so the delta goes first."""
     if splitter is None:
         return [], text
-    pieces = (splitter.feed(text) if text else []) + (splitter.flush() if finished else [])
-    return ([{"reasoning_content": t} for kind, t in pieces if kind == "reasoning"],
-            "".join(t for kind, t in pieces if kind == "content"))
+    reasoning, content = splitter.take(text, finished)
+    return ([{"reasoning_content": reasoning}] if reasoning else []), content
 
 
 def _tool_deltas(parser: ToolCallStreamParser, text: str, finished: bool, num_calls: dict[int, int],

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from flashllm.sampling_params import (
     MAX_CHOICES,
@@ -79,11 +79,14 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
-    """400 for both continue_final_message and add_generation_prompt (vLLM refuses the pair too)."""
-    if continue_final_message and add_generation_prompt:
-        raise APIError(400, "continue_final_message continues the last message, add_generation_prompt opens a new "
-                       "one: set add_generation_prompt to false", param="continue_final_message")
+def _continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """chat_template.check_continuation as a 400 naming continue_final_message."""
+    from flashllm.models.chat_template import ChatTemplateError, check_continuation
+
+    try:
+        check_continuation(continue_final_message, add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="continue_final_message") from None
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -96,6 +99,10 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         except ChatTemplateError as exc:
             raise ValueError(str(exc)) from None
     return kwargs
+
+
+# vLLM's chat_template_kwargs: extra template variables (Qwen3's enable_thinking, ...)
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
 
 
 class _Model(BaseModel):
@@ -311,13 +318,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking, ...)
+    chat_template_kwargs: TemplateKwargs = None
     continue_final_message: bool = False  # vLLM's: the reply continues the last message (with add_generation_prompt off)
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _template_kwargs(kwargs)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -330,7 +332,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.num_logprobs()
-        check_continuation(self.continue_final_message, self.add_generation_prompt)
+        _continuation(self.continue_final_message, self.add_generation_prompt)
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         self._check_budget(self.requested_max_tokens, name)
 
@@ -344,20 +346,15 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     continue_final_message: bool = False
     return_token_strs: bool = False
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _template_kwargs(kwargs)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give either prompt (a completion prompt) or messages (a chat), not both or neither",
                            param="prompt")
-        check_continuation(self.continue_final_message, self.add_generation_prompt)
+        _continuation(self.continue_final_message, self.add_generation_prompt)
 
 
 class DetokenizeRequest(_Model):

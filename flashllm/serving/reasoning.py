@@ -54,6 +54,12 @@ class ReasoningSplitter:
         self._held = ""
         return self._out
 
+    def take(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) this piece of the reply places, and with `finished` all that is still held."""
+        pieces = (self.feed(text) if text else []) + (self.flush() if finished else [])
+        return ("".join(t for kind, t in pieces if kind == "reasoning"),
+                "".join(t for kind, t in pieces if kind == "content"))
+
     def _enter(self, state: str) -> None:
         self._state = state
         self.thought = self.thought or state == "reasoning"
@@ -106,7 +112,5 @@ def _partial_tag(text: str, tag: str) -> int:
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole reply."""
     splitter = ReasoningSplitter(parser)
-    pieces = splitter.feed(text) + splitter.flush()
-    reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
-    content = "".join(t for kind, t in pieces if kind == "content")
+    reasoning, content = splitter.take(text, finished=True)
     return (reasoning if splitter.thought else None), content
