@@ -25,12 +25,20 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_ABS_LENGTH_PENALTY = 10.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, +100 forces it
+MAX_LOGIT_BIAS_ENTRIES = 4096
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Structured output: bounds on what a request may ask the grammar compiler to read (the compiler
 # has its own limits on the work it does; these keep the inputs themselves small).
 MAX_STRUCTURED_CHARS = 256 * 1024  # a schema (as JSON text), a regex or a grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# How a thinking model's reply opens with a think block (serving/reasoning.py reads replies by these rules;
+# a constraint with `reasoning_parser` applies after the block): deepseek_r1, the block opened by the
+# template, runs to the first THINK_END; qwen3, only a reply that starts with THINK_START has one.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_START, THINK_END = "<think>", "</think>"
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -94,6 +102,10 @@ class StructuredOutput:
     exactly; grammar: a context-free grammar in Lark syntax (llguidance's dialect) or GBNF (rules
     written `name ::= ...`). The output is constrained token by token (flashllm.structured) and
     stops where the grammar is complete.
+
+    reasoning_parser (one of REASONING_PARSERS; it goes with any of the fields above): the output
+    first holds a think block, free text, read by that parser's rule, and the constraint applies to
+    what follows `</think>` (and up to two newlines); None constrains the whole output.
     """
 
     json: dict[str, Any] | str | None = None
@@ -101,6 +113,7 @@ class StructuredOutput:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
@@ -108,6 +121,9 @@ class StructuredOutput:
             raise ValueError(f"structured output takes exactly one of {', '.join(STRUCTURED_KINDS)}; "
                              f"got {', '.join(set_fields) or 'none'}")
         _check_bool("json_object", self.json_object)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r:.60}")
         if self.json is not None:
             if not isinstance(self.json, (str, dict)):
                 raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
@@ -187,6 +203,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     structured_output: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
     prompt_logprobs: int | None = None  # each prompt token's logprob (+ this many most likely); no prefix cache
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -215,6 +233,28 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         self._check_beam_search()
         self._check_structured()
+        self._check_token_biases()
+
+    def _check_token_biases(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases")
+            for token_id, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token_id, 0, MAX_TOKEN_ID)
+                _check_float(f"logit_bias[{token_id}]", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            for token_id in ids:
+                _check_int("allowed_token_ids entry", token_id, 0, MAX_TOKEN_ID)
+            self.allowed_token_ids = list(ids)
+
+    def token_ids_outside(self, vocab_size: int) -> list[int]:
+        """The logit_bias and allowed_token_ids ids a model of `vocab_size` tokens does not have (the first few)."""
+        ids = [*(self.logit_bias or ()), *(self.allowed_token_ids or ())]
+        return [t for t in ids if t >= vocab_size][:5]
 
     def _check_structured(self) -> None:
         if self.structured_output is None:

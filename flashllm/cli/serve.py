@@ -61,7 +61,10 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
     "reasoning_parser": (str, None, "answer a thinking model's <think>...</think> as the chat message's "
                          "reasoning_content: deepseek_r1 (the think block opened by the template: DeepSeek-R1, "
-                         "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>)"),
+                         "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>); structured "
+                         "output (response_format, guided_*, forced tool calls) then applies after the think block"),
+    "structured_output_in_reasoning": (_bool, False, "with --reasoning-parser: structured output constrains the "
+                                       "think block too, i.e. the whole reply"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
              "`flashllm export --format onnx` directory run by onnxruntime, one batch at a time"),
     "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
@@ -110,7 +113,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "enable_expert_parallel": (_bool, False, EXPERT_PARALLEL_HELP),
 }
 FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_special_tokens_in_content", "enable_lora",
-         "enable_expert_parallel", "quantize_lm_head"}
+         "enable_expert_parallel", "quantize_lm_head", "structured_output_in_reasoning"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
@@ -211,6 +214,8 @@ def _check_limits(values: dict[str, Any]) -> None:
     parser = values.get("reasoning_parser")
     if parser is not None and parser not in REASONING_PARSERS:
         refuse("reasoning_parser", f"one of {', '.join(REASONING_PARSERS)}")
+    if values.get("structured_output_in_reasoning") and parser is None:
+        refuse("structured_output_in_reasoning", "set only with --reasoning-parser")
     host = values["host"]
     try:
         ipaddress.ip_address(host)

@@ -81,6 +81,10 @@ class Engine:
             raise ValueError("this model has no tokenizer: pass prompts as token ids")
         text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_prompt(token_ids)
+        outside = params.token_ids_outside(self.parts.hf_config.vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias / allowed_token_ids name token ids {outside} outside the vocabulary "
+                             f"[0, {self.parts.hf_config.vocab_size})")
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is computed on one rank only; run with --tensor-parallel-size 1")
         spec = params.structured_output

@@ -6,6 +6,7 @@ Processing order per row (HF `generate` / vLLM semantics):
    multiplied by the penalty);
 2. frequency and presence penalties over output tokens (OpenAI: subtract
    `frequency * count + presence * (count > 0)`);
+2b. logit_bias added (OpenAI), and every token outside allowed_token_ids masked (vLLM);
 3. min_tokens: stop_token_ids and EOS (unless ignore_eos) are masked while fewer than
    min_tokens were generated;
 3b. structured output: tokens the row's grammar does not allow next are masked
@@ -156,6 +157,24 @@ def apply_frequency_presence_penalties(logits: Tensor, states: list[SamplingStat
     logits[row_idx, ids] -= freq * counts + presence
 
 
+def apply_token_biases(logits: Tensor, states: list[SamplingState]) -> None:
+    """In place: each row's logit_bias added; tokens outside a row's allowed_token_ids get -inf. logits (B, V)
+    fp32; ids the logits cannot hold are ignored (the engine refuses them at add_request)."""
+    vocab_size = logits.shape[1]
+    for row, state in enumerate(states):
+        params = state.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab_size], dtype=torch.long,
+                                   device=logits.device)
+            kept = logits[row, allowed]
+            logits[row].fill_(float("-inf"))
+            logits[row, allowed] = kept
+        if params.logit_bias:
+            pairs = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+            logits[row, ids] += torch.tensor([b for _, b in pairs], device=logits.device)
+
+
 def apply_min_tokens(logits: Tensor, states: list[SamplingState]) -> None:
     """In place: forbid EOS (unless ignore_eos) and stop_token_ids before min_tokens outputs."""
     rows, banned = [], []
@@ -215,9 +234,11 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
 
 
 def plain_greedy(state: SamplingState) -> bool:
-    """A greedy row with no penalty, no pending min_tokens ban, no logprobs and no grammar: its token is the argmax."""
+    """A greedy row with no penalty, no bias, no pending min_tokens ban, no logprobs and no grammar: its token is
+    the argmax."""
     params = state.params
     return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.logit_bias and params.allowed_token_ids is None
             and not ((params.frequency_penalty or params.presence_penalty) and state.output_token_ids)
             and len(state.output_token_ids) >= params.min_tokens and state.grammar is None)
 
@@ -268,11 +289,12 @@ class Sampler:
 
     @staticmethod
     def process(logits: Tensor, states: list[SamplingState]) -> Tensor:
-        """Steps 1-4 on a private fp32 copy of (B, V) logits: penalties, the min_tokens ban and temperature
+        """Steps 1-4 on a private fp32 copy of (B, V) logits: penalties, biases, the min_tokens ban and temperature
         (greedy rows keep temperature 1)."""
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         apply_repetition_penalty(logits, states)
         apply_frequency_presence_penalties(logits, states)
+        apply_token_biases(logits, states)
         apply_min_tokens(logits, states)
         apply_grammar_masks(logits, [s.grammar for s in states])  # structured output (flashllm.structured)
         temperature = torch.tensor(

@@ -41,6 +41,8 @@ class ServerContext:
     loras: dict[str, Any] = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as model_name
     reasoning_parser: str | None = None  # serving/reasoning.py: <think> text answered as reasoning_content
+    # with a reasoning parser: structured output constrains the think block too (else only what follows it)
+    structured_output_in_reasoning: bool = False
 
 
 @dataclass

@@ -98,6 +98,12 @@ def check_vocab(ctx: ServerContext, prompts: list[list[int]], param: str = "prom
             raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
+def check_biased_ids(ctx: ServerContext, req: Any) -> None:
+    """logit_bias and allowed_token_ids may name only the model's tokens."""
+    for param, ids in req.token_ids_biased().items():
+        check_vocab(ctx, [ids], param)
+
+
 async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check()
@@ -109,6 +115,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
                                                for p in texts])
     check_vocab(ctx, prompts)
+    check_biased_ids(ctx, req)
     max_tokens = _max_tokens(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
     spec, param = from_request(req)
     await precompile(ctx, spec, param)
@@ -211,13 +218,14 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     req.check()
     lora = check_model(ctx, req.model)
+    check_biased_ids(ctx, req)
     tool_names = _tool_names(req)
     # the template sees the tools even under tool_choice "none"
     prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt,
                                req.chat_template_kwargs, continue_final_message=req.continue_final_message)
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
-    spec, param = _chat_constraint(req)
+    spec, param = _chat_constraint(ctx, req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)
     gen = Generation(ctx, [prompt], params, lora)
@@ -246,14 +254,19 @@ def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
     return [t["function"]["name"] for t in req.tools]
 
 
-def _chat_constraint(req: ChatCompletionRequest) -> tuple[Any, str | None]:
-    """response_format / guided_* or, for tool_choice "required" or a named function, the tool-call grammar."""
+def _chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[Any, str | None]:
+    """response_format / guided_* or, for tool_choice "required" or a named function, the tool-call grammar;
+    under a reasoning parser it applies after the reply's think block (unless the server constrains that too)."""
     spec, param = from_request(req)
     forced = tool_call_constraint(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools else None
     if forced is not None and spec is not None:
         raise APIError(400, f"tool_choice forces a tool call, which {param} would constrain too; send one of them",
                        param="tool_choice", code="invalid_structured_output")
-    return (forced, "tool_choice") if forced is not None else (spec, param)
+    if forced is not None:
+        spec, param = forced, "tool_choice"
+    if spec is not None and ctx.reasoning_parser is not None and not ctx.structured_output_in_reasoning:
+        spec = dataclasses.replace(spec, reasoning_parser=ctx.reasoning_parser)
+    return spec, param
 
 
 def _max_calls(req: ChatCompletionRequest) -> int:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from flashllm.sampling_params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -26,6 +30,7 @@ MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256
 MAX_TEXT_CHARS = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 
 class APIError(Exception):
@@ -143,7 +148,11 @@ class _SamplingRequest(_Model):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's token id (as a decimal string) -> bias, and vLLM's allow-list of token ids
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -181,10 +190,14 @@ class _SamplingRequest(_Model):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise ValueError("logit_bias is not supported by flashllm; leave it out")
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and not all(_TOKEN_ID_KEY.fullmatch(key) for key in bias):
+            raise ValueError("logit_bias keys must be token ids written as decimal integers, e.g. {\"50256\": -100}")
         return bias
+
+    def token_ids_biased(self) -> dict[str, list[int]]:
+        """The token ids logit_bias and allowed_token_ids name, by field (for the vocabulary check)."""
+        return {"logit_bias": [int(k) for k in self.logit_bias or ()], "allowed_token_ids": self.allowed_token_ids or []}
 
     def _check_budget(self, max_tokens: int | None, name: str = "max_tokens") -> None:
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -202,7 +215,9 @@ class _SamplingRequest(_Model):
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured, **merged,
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids, **merged,
         )
 
     @property

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-THINK_START, THINK_END = "<think>", "</think>"
+from flashllm.sampling_params import REASONING_PARSERS, THINK_END, THINK_START
 
 
 @dataclass

@@ -93,6 +93,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         allow_special_tokens_in_content=options["allow_special_tokens_in_content"],
         model_aliases=tuple(names[1:]),
         reasoning_parser=options.get("reasoning_parser"),
+        structured_output_in_reasoning=options.get("structured_output_in_reasoning", False),
     )
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options.get("enable_lora"):

@@ -20,6 +20,7 @@ from typing import Any
 
 from flashllm.sampling_params import StructuredOutput
 from flashllm.structured.mask import GrammarState
+from flashllm.structured.reasoning import after_think_block
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._lltok: Any = None
@@ -113,7 +114,7 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar of `spec` (cached); StructuredOutputError says what is wrong with it."""
-        key = spec.key
+        key = (*spec.key, spec.reasoning_parser or "")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -131,6 +132,8 @@ class GrammarCompiler:
         lltok = self._ll_tokenizer()
         start = time.perf_counter()
         grammar = _grammar_text(llguidance, spec)
+        if spec.reasoning_parser is not None:
+            grammar = after_think_block(grammar, spec.reasoning_parser, self._tokenizer)
         matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise StructuredOutputError(f"the {_NAMES[spec.kind]} cannot be compiled: {_short(matcher.get_error())}")

@@ -1,5 +1,7 @@
 """`serve --reasoning-parser`: a reply's think block comes back as reasoning_content, whole and streamed, and
-tool calls are read from the content after it. The tiny model is held to a think block by guided_regex."""
+tool calls are read from the content after it. The tiny model is held to a think block by guided_regex, on a
+server that constrains the think block too (--structured-output-in-reasoning); by default a constraint holds
+only after the block."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
-    with running_server([str(model_dir), *FLAGS, "--reasoning-parser", "qwen3"]) as server:
+    with running_server([str(model_dir), *FLAGS, "--reasoning-parser", "qwen3", "--structured-output-in-reasoning"]
+                        ) as server:
         yield server
 
 
@@ -110,3 +113,50 @@ def test_an_earlier_reply_s_reasoning_reaches_the_template(model_dir: Path, tmp_
         text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": reply["tokens"]}, timeout=60).json()
     assert "<think>sky<|im_end|></think>blue" in text["prompt"]
     assert reply["tokens"].count(2) == plain["tokens"].count(2) == 2  # <|im_end|>: the two turns' own only
+
+
+@pytest.fixture(scope="module")
+def think_tokens_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """The tiny Qwen3 with `<think>` and `</think>` as added tokens, as Qwen3's own tokenizer holds them."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("think-tokens")
+    tok = AutoTokenizer.from_pretrained(str(build_tiny_model(out / "probe", "qwen3")))
+    build_tiny_model(out / "model", "qwen3", seed=4, vocab_size=len(tok) + 2)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.save_pretrained(str(out / "model"))
+    return out / "model", {t: tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")}
+
+
+def test_structured_output_holds_after_the_think_block(think_tokens_dir: tuple[Path, dict[str, int]]) -> None:
+    """By default a constraint leaves the think block free: the reply thinks, then answers in the schema. The
+    tiny model is steered into a block by logit_bias (it would not open or close one itself); with the think block
+    constrained too, the same request cannot think at all."""
+    model_dir, ids = think_tokens_dir
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            "logit_bias": {str(ids["<think>"]): 100, str(ids["</think>"]): 100}}
+    replies = {}
+    for extra in ([], ["--structured-output-in-reasoning"]):
+        with running_server([str(model_dir), *FLAGS, "--reasoning-parser", "qwen3", *extra]) as server:
+            whole = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)
+            assert whole.status_code == 200, whole.text
+            replies[bool(extra)] = whole.json()["choices"][0]["message"]
+    after = replies[False]
+    assert after["reasoning_content"] == ""  # the biased tags open and close the block at once
+    assert isinstance(json.loads(after["content"])["n"], int)
+    assert replies[True]["reasoning_content"] is None  # the schema allowed no <think>
+    assert isinstance(json.loads(replies[True]["content"])["n"], int)
+
+
+def test_the_flag_without_a_parser_fails_start_up_in_one_line(model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "flashllm", "serve", str(model_dir), "--structured-output-in-reasoning"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("flashllm serve: --structured-output-in-reasoning must be "
+                                                           "set only with --reasoning-parser")
