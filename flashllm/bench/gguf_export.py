@@ -1,4 +1,5 @@
-"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen2-MoE, Mixtral) to a GGUF file for the llama.cpp baseline."""
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral) to a GGUF file for the
+llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install gguf"
 # Bump when the written file changes for the same weights, so cached GGUFs are rebuilt.
-CONVERTER_VERSION = "2"  # 2: the pre-tokenizer of the tokenizer transformers loads
+CONVERTER_VERSION = "3"  # 2: the pre-tokenizer of the tokenizer transformers loads; 3: F32 MoE routers
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANT_BLOCK = 32  # Q8_0 packs rows in blocks of 32 values
 
@@ -46,6 +47,7 @@ ARCHS: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
     "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False),
+    "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
 }
 
@@ -202,7 +204,7 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
         name = gguf_tensor_name(hf_name)
         if name is None or (name == "output.weight" and config.tie_word_embeddings):
             continue  # llama.cpp reuses token_embd when there is no output tensor
-        qtype = _tensor_qtype(shape, file_type, gguf)
+        qtype = _tensor_qtype(shape, "f32" if any(p in name for p in gguf_moe.FLOAT_NAME_PARTS) else file_type, gguf)
         nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
         planned.append(_PlannedTensor(name, tuple(shape), qtype, nbytes, source))
     names = {t.name for t in planned}

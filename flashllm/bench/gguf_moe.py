@@ -1,4 +1,4 @@
-"""GGUF export of mixture-of-experts checkpoints (Qwen2-MoE, Mixtral) for the llama.cpp baseline: experts stacked.
+"""GGUF export of mixture-of-experts checkpoints (Qwen2-MoE, Qwen3-MoE, Mixtral) for the llama.cpp baseline: experts stacked.
 
 llama.cpp keeps a layer's experts as one tensor per projection, ffn_{gate,up,down}_exps of GGUF shape
 (K, N, E) (numpy (E, N, K)), where HF checkpoints hold one tensor per expert and projection. This module
@@ -6,7 +6,8 @@ groups those per-expert tensors into stacked ones under a name gguf_export maps 
 (`model.layers.L.mlp.experts.gate_proj.weight` -> `blk.L.ffn_gate_exps.weight`), reshapes the shared
 expert's (1, hidden) gate to the (hidden,) llama.cpp reads, and writes the routing hyperparameters.
 It refuses routing llama.cpp would run differently: its qwen2moe graph never renormalizes the top-k
-weights and has no dense layers, its llama (Mixtral) graph always renormalizes.
+weights and has no dense layers, its qwen3moe graph always renormalizes, has no dense layers and adds no
+q / k / v bias, its llama (Mixtral) graph always renormalizes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-ARCHITECTURES = frozenset({"Qwen2MoeForCausalLM", "MixtralForCausalLM"})
+ARCHITECTURES = frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"})
+# llama.cpp's converter writes the routers in F32 whatever the file type, and llama-quantize leaves them so
+FLOAT_NAME_PARTS = (".ffn_gate_inp.",)
 # HF module names (after the layer index) of the non-expert MoE tensors -> GGUF's
 LAYER_NAMES = {
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
@@ -43,6 +46,9 @@ def check(config: Any) -> None:
     """Refuse routing llama.cpp's graph for the architecture would not reproduce (see the module docstring)."""
     if config.architecture == "MixtralForCausalLM":
         return  # always renormalized, every layer sparse, no shared expert: what llama.cpp's llama graph runs
+    if config.architecture == "Qwen3MoeForCausalLM":
+        _check_qwen3_moe(config)
+        return
     if config.norm_topk_prob:
         raise MoEExportError("Qwen2-MoE with norm_topk_prob=true has no GGUF export here: llama.cpp's qwen2moe graph "
                              "never renormalizes the top-k routing weights")
@@ -52,6 +58,18 @@ def check(config: Any) -> None:
     if not config.shared_expert_intermediate_size:
         raise MoEExportError("Qwen2-MoE without a shared expert has no GGUF export here: llama.cpp's qwen2moe graph "
                              "reads the shared expert's tensors")
+
+
+def _check_qwen3_moe(config: Any) -> None:
+    if not config.norm_topk_prob:
+        raise MoEExportError("Qwen3-MoE with norm_topk_prob=false has no GGUF export here: llama.cpp's qwen3moe graph "
+                             "always renormalizes the top-k routing weights")
+    if not all(config.sparse_layers):
+        raise MoEExportError("Qwen3-MoE with dense MLP layers (decoder_sparse_step > 1 or mlp_only_layers) has no GGUF "
+                             "export here: llama.cpp's qwen3moe graph makes every layer sparse")
+    if config.qkv_bias:
+        raise MoEExportError("Qwen3-MoE with attention_bias=true has no GGUF export here: llama.cpp's qwen3moe graph "
+                             "adds no q / k / v bias")
 
 
 def group_experts(entries: list[tuple[str, tuple[int, ...], Loader]],
@@ -92,8 +110,9 @@ def add_hparams(writer: Any, config: Any) -> None:
     """The expert counts and sizes llama.cpp's loader reads."""
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if config.architecture == "Qwen2MoeForCausalLM":
+    if config.architecture != "MixtralForCausalLM":  # Mixtral's experts are feed_forward_length wide
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
