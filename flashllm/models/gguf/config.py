@@ -1,4 +1,5 @@
-"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3)."""
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3 and the
+mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
 
@@ -31,13 +33,18 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "llama": ArchMap("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False),
     "qwen3": ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False),
+    "qwen2moe": ArchMap("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
+    "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
 }
+# llama.cpp writes Mixtral as "llama" with `llama.expert_count` experts (and llama's Q/K row order)
+WITH_EXPERTS: dict[str, ArchMap] = {"llama": ArchMap("MixtralForCausalLM", "mixtral", permute_qk=True)}
 _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16"}
 LLAMA3_ROPE_FREQS = "rope_freqs.weight"
 
 
 def gguf_arch(gf: GGUFFile) -> tuple[str, ArchMap]:
-    """(`general.architecture`, its ArchMap); ModelLoadError naming it and listing the supported ones."""
+    """(`general.architecture`, its ArchMap: WITH_EXPERTS' for a file of that arch with experts); ModelLoadError
+    naming it and listing the supported ones."""
     arch = gf.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{gf.name} has no general.architecture string; it is not a model GGUF file")
@@ -45,6 +52,8 @@ def gguf_arch(gf: GGUFFile) -> tuple[str, ArchMap]:
     if found is None:
         raise ModelLoadError(f"{gf.name}: GGUF architecture {arch!r} is not supported; supported: "
                              f"{', '.join(sorted(ARCHITECTURES))}")
+    if arch in WITH_EXPERTS and has_experts(gf, arch):
+        return arch, WITH_EXPERTS[arch]
     return arch, found
 
 
@@ -83,8 +92,9 @@ def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": _float_dtype(gf),
     }
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-               if raw[k] is None]
+    moe = spec.architecture in MOE_GRAPHS
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads") + (() if moe else ("intermediate_size",))
+    missing = [k for k in required if raw[k] is None]
     if missing:
         raise ModelLoadError(f"{gf.name} lacks the {arch} metadata for {', '.join(missing)}; it is incomplete")
     head_dim = meta("attention.key_length")
@@ -106,6 +116,9 @@ def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
         raw["rope_scaling"] = scaling
     if arch == "llama" and "blk.0.attn_q.bias" in gf.tensors:
         raw["attention_bias"] = True
+    if moe:
+        raw.update(moe_config_fields(gf, arch, spec.architecture, hidden, raw["num_hidden_layers"],
+                                     raw["intermediate_size"]))
     return raw
 
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf import moe
 from flashllm.models.gguf.config import LLAMA3_ROPE_FREQS, ArchMap
 from flashllm.models.gguf.reader import GGUFFile, import_gguf
 
@@ -30,6 +31,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    **moe.LAYER_NAMES,
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
 _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
@@ -38,12 +40,15 @@ _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The checkpoint (transformers) name of a GGUF tensor ("blk.3.ffn_up.weight" -> "model.layers.3.mlp.up_proj.weight").
 
-    None when the name is not one flashllm's llama-family models hold.
+    None when the name is not one flashllm's llama-family models hold. A layer's stacked experts
+    ("blk.3.ffn_up_exps.weight") get moe.stacked_name, which GGUFWeights expands into per-expert names.
     """
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in moe.EXPERT_PROJS and match.group(3) == "weight":
+        return moe.stacked_name(int(match.group(1)), match.group(2))
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{int(match.group(1))}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
     return None
@@ -89,7 +94,10 @@ class GGUFWeights:
     scheme): those become the layer's QuantizedWeight as stored. Under tensor parallelism a rank keeps
     its rows of each projection and, for a row-parallel layer, its input features, cut at block
     boundaries of the stored bytes (a layer whose rank slice would split a block loads as float).
-    Embedding and norm tensors are always float.
+    Embedding and norm tensors are always float, and so are MoE routers (float_in_checkpoints layers).
+    Stacked experts (moe.py) reach the MoE layer one expert at a time as float (dequantized where stored
+    in blocks); the layer keeps them so, or stores them in its own --quant_type expert scheme, and its
+    weight_loader takes each rank's part under tensor parallelism.
     keep_rope_pairs: leave Q and K rows in the file's interleaved rotary order (and run the model's rotary
     with is_neox=False) instead of reordering them for the half-split one; for a rotary kernel that
     declares keeps_interleaved_pairs (ops/rotary_embedding.py), whose Q.K sums follow the file's order.
@@ -138,7 +146,7 @@ class GGUFWeights:
 
         layers: dict[str, list[tuple[PlannedTensor, Any]]] = {}
         for item in self.plan:
-            if not item.hf_name.endswith(".weight"):
+            if not item.hf_name.endswith(".weight") or moe.STACKED_SUFFIX in item.hf_name:
                 continue
             param_name, shard_id = model._param_target(item.hf_name)
             prefix = param_name.rpartition(".")[0]
@@ -146,10 +154,12 @@ class GGUFWeights:
                 module = model.get_submodule(prefix)
             except AttributeError:
                 continue
-            if isinstance(module, LinearBase):
+            if isinstance(module, LinearBase) and not getattr(module, "float_in_checkpoints", False):
                 layers.setdefault(prefix, []).append((item, shard_id))
         for prefix, shards in layers.items():
             types = {self.gf.tensors[item.gguf_name].tensor_type for item, _ in shards}
+            if any(len(self.gf.tensors[item.gguf_name].shape) != 2 for item, _ in shards):
+                continue  # a (hidden,) shared-expert gate: float
             if not types <= blocks.SUPPORTED_TYPES or len({blocks.layout_of(t) for t in types}) != 1:
                 continue  # float projections, or block types of different layouts: the layer loads float
             module = model.get_submodule(prefix)
@@ -167,6 +177,8 @@ class GGUFWeights:
                 seen.add(item.hf_name)
                 if item.gguf_name in self._routed:
                     self._route(model, item)
+                elif moe.STACKED_SUFFIX in item.hf_name:
+                    yield from self._expert_tensors(item)
                 else:
                     yield item.hf_name, self._float_tensor(item)
                 bar.update(1)
@@ -174,24 +186,40 @@ class GGUFWeights:
             kinds = ", ".join(f"{n} {t}" for t, n in sorted(self._dequantized.items()))
             reason = ("flashllm.quant.gguf_blocks is not installed" if _gguf_blocks() is None
                       else "--quant_type asks for another scheme" if not self.keep_blocks
-                      else "they are embeddings, norms, mixed-type fused layers or tensor-parallel shards")
+                      else "they are experts, routers, embeddings, norms, mixed-type fused layers or "
+                           "tensor-parallel shards")
             logger.info("%s: dequantized %s tensor(s) to float with the gguf package (%s)", self.gf.name, kinds, reason)
 
     def _rows(self, item: PlannedTensor) -> np.ndarray:
         data = np.asarray(self.gf.tensors[item.gguf_name].data)
         return unpermute_rope_rows(data, item.permute_heads) if item.permute_heads else data
 
+    def _expert_tensors(self, item: PlannedTensor) -> Iterator[tuple[str, Tensor]]:
+        """One layer's stacked experts of one projection as per-expert float tensors, dequantized one expert at a
+        time so that memory holds a single expert's floats beside the model."""
+        tensor = self.gf.tensors[item.gguf_name]
+        if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            self._dequantized[f"{tensor.tensor_type.name} experts"] += 1
+        for name, rows in moe.expert_rows(item.hf_name, np.asarray(tensor.data)):
+            yield name, self._to_float(rows, tensor.tensor_type)
+
     def _float_tensor(self, item: PlannedTensor) -> Tensor:
         tensor = self.gf.tensors[item.gguf_name]
-        kind = tensor.tensor_type.name
-        rows = self._rows(item)
+        if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            self._dequantized[tensor.tensor_type.name] += 1
+        value = self._to_float(self._rows(item), tensor.tensor_type)
+        # llama.cpp stores the shared expert's (1, hidden) gate as (hidden,); the checkpoint layer is (1, hidden)
+        return value.reshape(1, -1) if item.hf_name.endswith("shared_expert_gate.weight") else value
+
+    @staticmethod
+    def _to_float(rows: np.ndarray, ggml_type: Any) -> Tensor:
+        """Float values (F32 / F16 / BF16 as stored) or dequantized blocks (float32) of `rows`, copied out of the file."""
+        kind = ggml_type.name
         if kind in ("F32", "F16"):
             return torch.from_numpy(np.array(rows, copy=True))
         if kind == "BF16":
             return torch.from_numpy(np.array(rows.view(np.int16), copy=True)).view(torch.bfloat16)
-        self._dequantized[kind] += 1
-        gguf = import_gguf()
-        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, tensor.tensor_type)))
+        return torch.from_numpy(np.ascontiguousarray(import_gguf().quants.dequantize(rows, ggml_type)))
 
     def _route(self, model: nn.Module, item: PlannedTensor) -> None:
         prefix, shard_id = self._routed[item.gguf_name]
