@@ -120,13 +120,17 @@ def test_q8_0_gguf_equals_the_dequantized_float_model(preset, sources, files, op
     assert (_logits(_load(sources[preset], ops, model_registry), paged_driver) - ours_logits).abs().max() > 1e-4
 
 
-def test_quant_type_quantizes_the_dequantized_experts_as_a_directory_s(sources, files, ops, model_registry,
+@pytest.mark.parametrize("flag", ["quant", "moe_quant"])
+def test_quant_type_quantizes_the_dequantized_experts_as_a_directory_s(flag, sources, files, ops, model_registry,
                                                                         paged_driver, tmp_path):
-    quant = weight_quant_spec("w8a16")
-    ours = _load(files("qwen2_moe", "q8_0"), ops, model_registry, quant=quant)
+    """--quant_type (every layer, the blocks dequantized first) or --moe_quant_type (the experts only)."""
+    quant = {flag: weight_quant_spec("w8a16")}
+    ours = _load(files("qwen2_moe", "q8_0"), ops, model_registry, **quant)
     experts = ours.model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == torch.int8 and experts.w13_scale is not None
-    reference = _load(_q8_0_copy(sources["qwen2_moe"], tmp_path / "float"), ops, model_registry, quant=quant)
+    o_proj = ours.model.layers[1].self_attn.o_proj.qweight
+    assert (o_proj.gguf_type, o_proj.group_size) == ((None, -1) if flag == "quant" else ("Q8_0", 32))
+    reference = _load(_q8_0_copy(sources["qwen2_moe"], tmp_path / "float"), ops, model_registry, **quant)
     torch.testing.assert_close(_logits(ours, paged_driver), _logits(reference, paged_driver), rtol=0, atol=1e-5)
 
 
