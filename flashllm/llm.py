@@ -24,8 +24,9 @@ from flashllm.config import (
 )
 from flashllm.core.builder import EngineConfigError
 from flashllm.core.engine import Engine
-from flashllm.outputs import RequestOutput
-from flashllm.sampling_params import SamplingParams, per_prompt
+from flashllm.models.pooling_config import read_pooling
+from flashllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from flashllm.sampling_params import Pooling, SamplingParams, per_prompt
 
 Prompt = str | list[int]
 
@@ -75,6 +76,7 @@ class LLM(ChatMethods):
     def __init__(self, model: str | None = None, mode: str = "dynamic", **kwargs: Any) -> None:
         self.engine = Engine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._pooling: Pooling | None = None  # embed()'s default, read from the model directory on first use
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None for a model without one), as vLLM's LLM.get_tokenizer returns it."""
@@ -106,6 +108,23 @@ class LLM(ChatMethods):
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: Pooling | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in prompt order: the model's last hidden states
+        pooled as `pooling` says (default: the model directory's sentence-transformers Pooling and Normalize
+        modules, or the last token's state, normalized, when it has none); `outputs.embedding` is a list of
+        floats. Prompts run through continuous batching like generation, one sampled token each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if pooling is None:
+            if self._pooling is None:
+                self._pooling = read_pooling(self.engine.parts.model_dir)
+            pooling = self._pooling
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []))
+                for o in outputs]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, so the next requests compute their prompts in full (a benchmark

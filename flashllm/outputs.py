@@ -60,8 +60,27 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts
     # it), else (the token's logprob, [(token_id, logprob)] of the prompt_logprobs most likely, best first)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # with SamplingParams.pooling: the prompt's embedding, once its prefill has run
+    embedding: list[float] | None = None
 
     @property
     def text(self) -> str:
         """The first completion's text (the common n=1 case)."""
         return self.outputs[0].text
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (LLM.embed)."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, in vLLM's shape: `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -170,6 +170,31 @@ def _check_text(name: str, text: str) -> None:
         raise ValueError(f"the {name} has {len(text)} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+MAX_EMBEDDING_DIMENSIONS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How a prompt's hidden states (the model's last layer, after its final norm) become one embedding.
+
+    type: "last" (the last prompt token's state: decoder embedding models such as Qwen3-Embedding),
+    "mean" (the average over the prompt's tokens) or "cls" (the first token's); dimensions: keep the first
+    this many features (Matryoshka embeddings), before normalizing; normalize: scale to unit L2 norm.
+    """
+
+    type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in POOLING_TYPES:
+            raise ValueError(f"pooling type must be one of {', '.join(POOLING_TYPES)}, got {self.type!r:.40}")
+        _check_bool("normalize", self.normalize)
+        if self.dimensions is not None:
+            _check_int("dimensions", self.dimensions, 1, MAX_EMBEDDING_DIMENSIONS)
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request (OpenAI / vLLM field names and meanings).
@@ -205,6 +230,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob (+ this many most likely); no prefix cache
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's)
+    # an embedding request (LLM.embed, /v1/embeddings): the prompt's pooled hidden state is the result
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -234,6 +261,8 @@ class SamplingParams:
         self._check_beam_search()
         self._check_structured()
         self._check_token_biases()
+        if self.pooling is not None and (not isinstance(self.pooling, Pooling) or self.n != 1):
+            raise ValueError("pooling must be a flashllm.sampling_params.Pooling, with n=1")
 
     def _check_token_biases(self) -> None:
         if self.logit_bias is not None:
@@ -278,6 +307,12 @@ class SamplingParams:
         if self.beam_width < self.n:
             raise ValueError(f"beam_width ({self.beam_width}) must be >= n ({self.n}): "
                              "n beams are returned out of beam_width kept")
+
+    @property
+    def runs_every_prompt_position(self) -> bool:
+        """True when every prompt position must run through the model (no prefix-cache hit): prompt logprobs,
+        and pooling over more than the last token."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.type != "last")
 
     @property
     def is_greedy(self) -> bool:

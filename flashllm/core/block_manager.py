@@ -115,8 +115,8 @@ class BlockManager:
         """
         # The last token is never taken from the cache: the model must run it to produce logits.
         num_eligible = (seq.num_tokens - 1) // self.block_size
-        if not self.enable_prefix_caching or getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
-            # prompt logprobs need every prompt position to run through the model
+        if not self.enable_prefix_caching or getattr(seq.sampling_params, "runs_every_prompt_position", False):
+            # prompt logprobs and mean or first-token pooling read every prompt position's hidden state
             return [], [], num_eligible
         block_ids: list[int] = []
         hashes: list[bytes] = []

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from flashllm.core.pooling import pooling_rows, record_pooled
 from flashllm.core.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
@@ -42,6 +43,8 @@ class ModelInput:
     # SamplingParams.prompt_logprobs: (sequence, first token row, first position, rows) per chunk holding
     # prompt positions whose next prompt token gets its logprob (flashllm.core.prompt_logprobs)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] | None = None
+    # SamplingParams.pooling: the same entries for the rows each sequence's pooling reads (flashllm.core.pooling)
+    pooling: list[tuple[Sequence, int, int, int]] | None = None
     # the seq_id of each entry of cu_seqlens_q (a drafted decode has 1 + k entries): what hidden_sink reads
     seq_ids: list[int] | None = None
 
@@ -58,6 +61,7 @@ class _FlatBatch:
     block_tables: list[list[int]] = field(default_factory=list)
     sampling_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    pooling: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)  # per q_lens entry, for models that read them
 
@@ -244,6 +248,7 @@ class ModelRunner:
             logits_indices=self._tensor(flat.sampling_rows, torch.int64),
             num_logits=num_logits,
             prompt_logprobs=flat.prompt_logprobs or None,
+            pooling=flat.pooling or None,
             seq_ids=flat.seq_ids,
         )
 
@@ -263,6 +268,7 @@ class ModelRunner:
             flat.positions.extend(range(start, end))
             flat.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             flat.prompt_logprobs.extend(prompt_logprob_rows(seq, len(flat.input_ids) - (end - start), start, end))
+            flat.pooling.extend(pooling_rows(seq, len(flat.input_ids) - (end - start), start, end))
             flat.q_lens.append(item.num_new_tokens)
             flat.seq_ids.append(seq.seq_id)
             flat.seq_lens.append(end)
@@ -371,6 +377,8 @@ class ModelRunner:
             self.hidden_sink(inputs, hidden)
         if inputs.prompt_logprobs:
             record_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
+        if inputs.pooling:
+            record_pooled(hidden, inputs.pooling)
         if inputs.logits_indices.numel() == 0:
             self.adapter.end_step(self.device)
             return hidden.new_empty((0,) if greedy else (0, 0), dtype=torch.int64 if greedy else torch.float32)

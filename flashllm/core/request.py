@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from flashllm.core.detokenizer import IncrementalDetokenizer, StopChecker
+from flashllm.core.pooling import embedding
 from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -157,7 +158,8 @@ class Request:
                 cumulative_logprob=c.cumulative_logprob,
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.metrics, self._prompt_logprobs())
+                             self.metrics, self._prompt_logprobs(),
+                             embedding(self.seqs[0]) if self.params.pooling is not None and self.finished else None)
 
     def _prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
         """SamplingParams.prompt_logprobs: one entry per prompt token (None first), once the prompt has run."""

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from collections.abc import Iterable
+from typing import Any
 
 _seq_ids = itertools.count()
 
@@ -69,6 +70,8 @@ class Sequence:
         self.sampling_params = sampling_params
         # SamplingParams.prompt_logprobs: written by the model runner as prefill chunks run, by position
         self.prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] | None = None
+        # SamplingParams.pooling: the pooled hidden state (fp32; for mean pooling the running sum), by the runner
+        self.pooled: Any = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # the LoRA adapter the sequence runs with (0: the base model) and the prefix-cache salt that
         # keeps its KV blocks apart from other adapters' (b"": unsalted)

@@ -103,7 +103,8 @@ def load_model(
     if gguf_weights is not None:
         gguf_weights.prepare(model)
     seen: set[str] = set()
-    tensors = gguf_weights.tensors(model, seen, progress) if gguf_weights else _iter_tensors(files, progress, seen)
+    tensors = (gguf_weights.tensors(model, seen, progress) if gguf_weights
+               else _iter_tensors(files, progress, seen, _base_model_prefix(files, model)))
     if adapter is not None:
         tensors = merge_lora(tensors, adapter)
     try:
@@ -273,10 +274,25 @@ def _inside(model_dir: Path, file_name: str, source: str) -> Path:
     return path
 
 
+def _base_model_prefix(files: dict[Path, set[str] | None], model: torch.nn.Module) -> str:
+    """"model." when the checkpoint was saved from the base model (`layers.0...`, `embed_tokens.weight`, as some
+    embedding models ship) while the architecture names its decoder `model.`; else "" (names as they are)."""
+    first = next(iter(files), None)
+    if first is None or not any(name.startswith("model.") for name, _ in model.named_parameters()):
+        return ""
+    try:
+        with safe_open(first, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+    except SafetensorError:
+        return ""  # _iter_tensors reports the file
+    bare = any(n.startswith(("layers.", "embed_tokens.")) for n in names)
+    return "model." if bare and not any(n.startswith("model.") for n in names) else ""
+
+
 def _iter_tensors(
-    files: dict[Path, set[str] | None], progress: bool, seen: set[str]
+    files: dict[Path, set[str] | None], progress: bool, seen: set[str], prefix: str = ""
 ) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Yield (name, unread CheckpointTensor in the file's dtype) from each file; names go to `seen`.
+    """Yield (prefix + name, unread CheckpointTensor in the file's dtype) from each file; names go to `seen`.
 
     Nothing is read here: a weight loader narrows the tensor to this rank's shard and reads only
     that (the whole tensor where it keeps it whole, and always with one rank). The copy into the
@@ -295,9 +311,9 @@ def _iter_tensors(
                     names = list(f.keys())
                 _check_promised(path, promised, names)
                 for name in names:
-                    seen.add(name)
+                    seen.add(prefix + name)
                     with safe_open(path, framework="pt", device="cpu") as f:
-                        yield name, CheckpointTensor.open(name, f.get_slice(name))
+                        yield prefix + name, CheckpointTensor.open(prefix + name, f.get_slice(name))
                     bar.update(1)
             except SafetensorError as exc:
                 raise ModelLoadError(f"{path.name} is not a valid safetensors file ({_printable(str(exc))})") from None

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flashllm import __version__
+from flashllm.serving.embeddings_api import create_embedding
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.openai_api import create_chat_completion, create_completion
 from flashllm.serving.protocol import APIError
@@ -105,6 +106,7 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
     post("/v1/chat/completions", create_chat_completion)
     post("/tokenize", create_tokenize)
     post("/detokenize", create_detokenize)
+    post("/v1/embeddings", create_embedding)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -59,7 +59,7 @@ def _prompt_has(param: str) -> str:
     return "the messages make a prompt of" if param == "messages" else "the prompt has"
 
 
-def _max_tokens(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None,
+def max_tokens_for(ctx: ServerContext, prompts: list[list[int]], requested: int | None, default: int | None,
                 prompt_param: str, budget_param: str) -> int:
     """The generation budget, refusing prompts that leave no room (400 naming both numbers)."""
     longest = max(len(p) for p in prompts)
@@ -104,19 +104,26 @@ def check_biased_ids(ctx: ServerContext, req: Any) -> None:
         check_vocab(ctx, [ids], param)
 
 
+async def tokenize_prompts(ctx: ServerContext, texts: list[str | list[int]], param: str) -> list[list[int]]:
+    """Text prompts tokenized (token-id ones kept), off the event loop; 400 for text without a tokenizer, text
+    past the context, and ids outside the vocabulary."""
+    if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send prompts as token ids", param=param)
+    await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], param)
+    prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                                               for p in texts])
+    check_vocab(ctx, prompts, param)
+    return prompts
+
+
 async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check()
     lora = check_model(ctx, req.model)
     texts = req.prompts()
-    if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
-    await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], "prompt")
-    prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                                               for p in texts])
-    check_vocab(ctx, prompts)
+    prompts = await tokenize_prompts(ctx, texts, "prompt")
     check_biased_ids(ctx, req)
-    max_tokens = _max_tokens(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
+    max_tokens = max_tokens_for(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
     spec, param = from_request(req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.logprobs, spec)
@@ -224,7 +231,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt,
                                req.chat_template_kwargs, continue_final_message=req.continue_final_message)
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _max_tokens(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
+    max_tokens = max_tokens_for(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
     spec, param = _chat_constraint(ctx, req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)

@@ -11,6 +11,7 @@ from flashllm.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICES,
+    MAX_EMBEDDING_DIMENSIONS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_SEED,
@@ -228,6 +229,32 @@ class _SamplingRequest(_Model):
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+def check_prompts(prompt: Prompt) -> Prompt:
+    """A prompt field (text, token ids, or a list of either) within the request bounds; ValueError otherwise."""
+    if isinstance(prompt, str):
+        if len(prompt) > MAX_TEXT_CHARS:
+            raise ValueError(f"the prompt is longer than {MAX_TEXT_CHARS} characters")
+        return prompt
+    if not prompt:
+        raise ValueError("the prompt list is empty")
+    if isinstance(prompt[0], list) or isinstance(prompt[0], str):
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        for item in prompt:
+            check_prompts(item)
+        return prompt
+    if len(prompt) > MAX_PROMPT_TOKEN_IDS or any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        raise ValueError(f"token-id prompts hold at most {MAX_PROMPT_TOKEN_IDS} ids in [0, {MAX_TOKEN_ID}]")
+    return prompt
+
+
+def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+    """A prompt field as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
@@ -240,27 +267,11 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, prompt: Prompt) -> Prompt:
-        if isinstance(prompt, str):
-            if len(prompt) > MAX_TEXT_CHARS:
-                raise ValueError(f"the prompt is longer than {MAX_TEXT_CHARS} characters")
-            return prompt
-        if not prompt:
-            raise ValueError("the prompt list is empty")
-        if isinstance(prompt[0], list) or isinstance(prompt[0], str):
-            if len(prompt) > MAX_PROMPTS:
-                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
-            for item in prompt:
-                cls._check_prompt(item)
-            return prompt
-        if len(prompt) > MAX_PROMPT_TOKEN_IDS or any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
-            raise ValueError(f"token-id prompts hold at most {MAX_PROMPT_TOKEN_IDS} ids in [0, {MAX_TOKEN_ID}]")
-        return prompt
+        return check_prompts(prompt)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]  # type: ignore[list-item]
-        return list(self.prompt)  # type: ignore[arg-type]
+        return prompt_list(self.prompt)
 
     def check(self) -> None:
         if self.suffix:
@@ -370,6 +381,21 @@ class TokenizeRequest(_Model):
             raise APIError(400, "give either prompt (a completion prompt) or messages (a chat), not both or neither",
                            param="prompt")
         _continuation(self.continue_final_message, self.add_generation_prompt)
+
+
+class EmbeddingRequest(_Model):
+    """POST /v1/embeddings (OpenAI's): one embedding per input (text, token ids, or a list of either)."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=MAX_EMBEDDING_DIMENSIONS)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, prompt: Prompt) -> Prompt:
+        return check_prompts(prompt)
 
 
 class DetokenizeRequest(_Model):

@@ -22,6 +22,7 @@ from flashllm.models.builtin_templates import BUILTIN_TEMPLATES
 from flashllm.models.chat_template import ChatTemplate
 from flashllm.models.default_model import is_demo_model
 from flashllm.models.hf_config import ModelLoadError
+from flashllm.models.pooling_config import read_pooling
 from flashllm.models.tokenizer import load_chat_template
 from flashllm.sampling_params import SamplingParams
 from flashllm.serving.app import create_app
@@ -95,6 +96,8 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         reasoning_parser=options.get("reasoning_parser"),
         structured_output_in_reasoning=options.get("structured_output_in_reasoning", False),
     )
+    if options.get("mode") != "static":
+        _embedding_setup(ctx, served)
     app = create_app(ctx, options["api_key"] or (), options["max_body_bytes"])
     if options.get("enable_lora"):
         _serve_loras(options, served.engine, ctx, app)
@@ -143,6 +146,16 @@ def _raise_open_files_limit(max_connections: int) -> None:
         if target < needed:
             logger.warning("--max-connections %d needs about %d open files but the hard limit is %d; "
                            "lower --max-connections or raise `ulimit -Hn`", max_connections, needed, hard)
+
+
+def _embedding_setup(ctx: ServerContext, served: ServedModel) -> None:
+    """/v1/embeddings' pooling from the model directory; a configuration flashllm cannot compute disables the
+    route (each request says why) rather than the server."""
+    try:
+        ctx.pooling = read_pooling(served.model_dir)
+    except ModelLoadError as exc:
+        ctx.pooling_error = str(exc)
+    ctx.embedding_size = served.engine.parts.hf_config.hidden_size
 
 
 def _load_dynamic(options: dict[str, Any]) -> ServedModel:

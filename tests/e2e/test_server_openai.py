@@ -215,3 +215,29 @@ def test_detokenize_inverts_tokenize(server: ServerProcess, model_dir: Path) -> 
 
 def test_version_names_the_package(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/version", timeout=30).json() == {"version": flashllm.__version__}
+
+
+def test_embeddings_are_the_model_s_pooled_states(client: openai.OpenAI, server: ServerProcess, llm: LLM,
+                                                  model_dir: Path) -> None:
+    """/v1/embeddings as the openai client calls it (base64, which it decodes) and as floats, against
+    LLM.embed; `dimensions` cuts before normalizing; usage counts the prompt tokens."""
+    import base64
+
+    import numpy as np
+
+    texts = ["Name a colour.", "red green blue"]
+    expected = [o.outputs.embedding for o in llm.embed(texts)]
+    reply = client.embeddings.create(model=_model(client), input=texts)
+    assert [d.index for d in reply.data] == [0, 1]
+    for got, want in zip(reply.data, expected, strict=True):
+        assert np.allclose(got.embedding, want, atol=1e-6)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    plain = httpx.post(f"{server.url}/embeddings", json={"input": texts[0], "encoding_format": "float",
+                                                          "dimensions": 8}, timeout=60).json()
+    cut = np.asarray(expected[0])  # normalized full vector: its first 8 features, normalized again
+    assert np.allclose(plain["data"][0]["embedding"], cut[:8] / np.linalg.norm(cut[:8]), atol=1e-6)
+    raw = httpx.post(f"{server.url}/embeddings", json={"input": [[5, 6, 7]], "encoding_format": "base64"},
+                     timeout=60).json()["data"][0]["embedding"]
+    from_ids = llm.embed([[5, 6, 7]])[0].outputs.embedding
+    assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), from_ids, atol=1e-6)

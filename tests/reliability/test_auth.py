@@ -44,7 +44,7 @@ PROTECTED = [(method, path) for method, path in ROUTES if path not in PUBLIC_PAT
 
 BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
                                                                     "max_tokens": 2},
-          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
+          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}, "/v1/embeddings": {"input": "Hi"}}
 
 
 def _send(client: httpx.Client, method: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -72,8 +72,8 @@ def env_key_server(tiny_model_dir: Path, helpers: SimpleNamespace) -> Iterator[S
 
 def test_route_table_has_the_known_routes_and_only_health_and_ready_are_public() -> None:
     paths = {path for _, path in ROUTES}
-    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/version",
-            "/metrics", "/health", "/ready"} <= paths
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
+            "/version", "/metrics", "/health", "/ready"} <= paths
     assert PUBLIC_PATHS == {"/health", "/ready"}
 
 
@@ -90,7 +90,7 @@ def test_health_and_ready_are_public(client: httpx.Client, path: str) -> None:
     assert client.get(path).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/", "/v1/embeddings", "/v2/models", "/admin", "/v1/models/x", "/health/x"])
+@pytest.mark.parametrize("path", ["/", "/v1/rerank", "/v2/models", "/admin", "/v1/models/x", "/health/x"])
 def test_unknown_paths_need_a_key_before_they_say_404(client: httpx.Client, helpers: SimpleNamespace,
                                                       path: str) -> None:
     # Without a key the server must not reveal which paths exist.
