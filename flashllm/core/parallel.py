@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # that dies fails its peers' collectives at once.
 DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 60.0
+# How long a rank other than the driver waits for the driver's next message: as long as the engine
+# idles (a year stands for ever). A driver that dies closes its sockets, which ends the wait at once.
+IDLE_WAIT = timedelta(days=365)
 
 # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k, LoRA slot rows
 # (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens)
@@ -197,10 +200,10 @@ class StepChannel:
             self.lora.load_into(int(slot), LoRARequest(str(name), int(lora_id), str(path)))
 
     def receive(self) -> ModelInput | None:
-        """Other ranks: the next step's inputs, or None when the driver stops."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        """Other ranks: the next step's inputs, or None when the driver stops; waits as long as the
+        driver idles."""
         group = control_group()
-        dist.broadcast(header, src=0, group=group)
+        header = _next_header(group)
         command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows = (
             header.tolist())
         if command == _STOP:
@@ -230,3 +233,14 @@ class StepChannel:
         return ModelInput(input_ids=on_device(ids, torch.int64), positions=on_device(positions, torch.int64),
                           attn_metadata=metadata, logits_indices=on_device(logits_rows, torch.int64),
                           num_logits=None if num_logits < 0 else num_logits)
+
+
+def _next_header(group: Any) -> torch.Tensor:
+    """Other ranks: the driver's next header, however long the engine idles in between. The group's
+    timeout bounds a collective under way, not the gap between two (dist.broadcast would fail an idle
+    rank after FLASHLLM_DIST_TIMEOUT_S)."""
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor, options.timeout = 0, 0, IDLE_WAIT  # the control group spans every rank
+    group.broadcast([header], options).wait()
+    return header
