@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flashllm.core.model_runner import ModelInput
+from flashllm.core.runner_select import EngineConfigError
 from flashllm.ops.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -47,15 +49,20 @@ class DistributedError(RuntimeError):
 
 
 def dist_timeout() -> timedelta:
-    """The collectives' timeout: FLASHLLM_DIST_TIMEOUT_S seconds (default 60)."""
-    raw = os.environ.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_S))
+    """The collectives' timeout: FLASHLLM_DIST_TIMEOUT_S seconds (default 60); EngineConfigError if malformed."""
+    return timedelta(seconds=_seconds(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S, "a positive number of seconds"))
+
+
+def _seconds(name: str, default: float, need: str) -> float:
+    """The environment's `name` as seconds: `need` says what it must be (a configuration error, in one line)."""
+    raw = os.environ.get(name, str(default))
     try:
         seconds = float(raw)
     except ValueError:
-        raise DistributedError(f"{DIST_TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
-    if not seconds > 0:
-        raise DistributedError(f"{DIST_TIMEOUT_ENV}={raw!r} must be positive")
-    return timedelta(seconds=seconds)
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise EngineConfigError(f"{name}={raw!r} must be {need}; fix or unset it")
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from flashllm.cli import serve as serve_cli
 from flashllm.cli.parallel_flags import executor_backend, tensor_parallel_size
 from flashllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig
 from flashllm.core.builder import EngineConfigError
+from flashllm.core.parallel import DIST_TIMEOUT_ENV, dist_timeout
 from flashllm.llm import engine_config
 
 SPELLINGS = (["--tensor-parallel-size", "2"], ["--tensor_parallel_size", "2"], ["-tp", "2"])
@@ -73,6 +74,24 @@ def test_llm_refuses_bad_values_before_building_an_engine() -> None:
         flashllm.llm.LLM("no-such-dir", tensor_parallel_size=0)
     with pytest.raises(EngineConfigError, match="distributed_executor_backend"):
         flashllm.llm.LLM("no-such-dir", distributed_executor_backend="torchrun")
+
+
+@pytest.mark.parametrize("value", ["soon", "", "0", "-1", "nan", "inf"])
+def test_a_malformed_dist_timeout_is_a_configuration_error_naming_it(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, value)
+    with pytest.raises(EngineConfigError, match=f"{DIST_TIMEOUT_ENV}=.* must be a positive number of seconds"):
+        dist_timeout()
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, "2.5")
+    assert dist_timeout().total_seconds() == 2.5
+
+
+def test_a_command_with_a_malformed_dist_setting_fails_in_one_line_before_any_rank_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, "soon")
+    assert main(["generate", "hello", "--model", "no-such-model", "-tp", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"flashllm generate: {DIST_TIMEOUT_ENV}='soon' must be a positive number of seconds; " \
+                          "fix or unset it", err
 
 
 def test_llm_and_auto_model_hand_the_options_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
