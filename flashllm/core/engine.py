@@ -297,8 +297,12 @@ class Engine:
         return self.block_manager.num_free_blocks
 
     def check_health(self) -> None:
-        """Raise if the executor lost a rank (tensor parallelism): the engine cannot step any more."""
+        """Raise DistributedError if the executor lost a rank (tensor parallelism): the engine cannot step
+        any more. Call it while idle, from the thread that steps: it runs the executor's heartbeat, a
+        liveness round with the ranks when they have been quiet for FLASHLLM_DIST_HEARTBEAT_S, which
+        notices a rank that hangs (Executor.heartbeat)."""
         self.executor.check_health()
+        self.executor.heartbeat()
 
     def shutdown(self) -> None:
         """Stop the executor's other ranks (tensor parallelism); the engine cannot step afterwards."""

@@ -25,8 +25,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from flashllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig
 from flashllm.core import parallel
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 JOIN_TIMEOUT_S = 10.0
 RANK_EXIT_GRACE_S = 2.0  # how long a failed collective waits for the watcher to name a dead rank
+_T = TypeVar("_T")
 
 
 class Executor:
@@ -61,6 +63,11 @@ class Executor:
 
     def check_health(self) -> None:
         """Raise DistributedError if a rank has failed (nothing to check on one rank)."""
+        return None
+
+    def heartbeat(self) -> None:
+        """While the engine idles, on the thread that steps it: raise DistributedError if a rank does not
+        answer (nothing to ask on one rank)."""
         return None
 
     def shutdown(self) -> None:
@@ -113,7 +120,8 @@ class DistributedExecutor(Executor):
 
     A rank that dies fails the driver's next collective at once (its sockets close) and one that
     hangs fails it after FLASHLLM_DIST_TIMEOUT_S; either way `execute` raises DistributedError
-    and the executor stops the remaining ranks."""
+    and the executor stops the remaining ranks. While the engine idles, `heartbeat` pings the ranks
+    every FLASHLLM_DIST_HEARTBEAT_S, so a rank that hangs then fails the engine without a step."""
 
     def __init__(self, config: EngineConfig, plugins: FlashPlugins | None, rank: RankContext, address: str | None,
                  launcher: _Launcher | None) -> None:
@@ -121,6 +129,9 @@ class DistributedExecutor(Executor):
         self._failure: str | None = None
         self._rank_exited = threading.Event()
         self._closed = False
+        # a malformed FLASHLLM_DIST_* setting fails in one line before any rank starts
+        self._heartbeat_s = parallel.heartbeat_interval()
+        parallel.dist_timeout()
         plain = _plain(config)
         plugins = plugins or make_plugin_manager()
         try:
@@ -139,6 +150,7 @@ class DistributedExecutor(Executor):
         super().__init__(parts)
         self._channel = StepChannel(parts.runner.device, getattr(parts.runner, "lora", None), driver=True)
         self.runner.on_inputs = self._channel.send
+        self._last_exchange = time.monotonic()  # when the ranks last answered the driver (here: agreed on the cache)
         atexit.register(self.shutdown)  # the other ranks leave their loops (torchrun's exit with code 0)
 
     def _on_rank_exit(self, rank: int, how: str) -> None:
@@ -157,8 +169,19 @@ class DistributedExecutor(Executor):
 
     def execute(self, batch: SchedulerOutput, states: list[SamplingState], max_steps: int = 1) -> list[SamplerOutput]:
         self.check_health()
+        return self._with_ranks("step", lambda: self.runner.execute(batch, states, 1))
+
+    def heartbeat(self) -> None:
+        """Ping the ranks when nothing crossed to them for FLASHLLM_DIST_HEARTBEAT_S (never under load: each
+        step is an answer); a failed ping fails the engine as a failed step does."""
+        if self._closed or not self._heartbeat_s or time.monotonic() - self._last_exchange < self._heartbeat_s:
+            return
+        self._with_ranks("heartbeat", self._channel.ping)
+
+    def _with_ranks(self, what: str, exchange: Callable[[], _T]) -> _T:
+        """exchange() with the other ranks; DistributedError, after stopping them, if a collective fails."""
         try:
-            return super().execute(batch, states, 1)
+            result = exchange()
         except RuntimeError as exc:  # gloo / nccl: a peer's socket closed, or the timeout passed
             if self._launcher is not None:
                 # a killed rank's sockets close before the watcher reaps its exit: give the watcher a moment
@@ -167,7 +190,9 @@ class DistributedExecutor(Executor):
             reason = self._failure or f"a collective failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
             self._failure = reason
             self._stop_ranks(graceful=False)
-            raise DistributedError(f"tensor-parallel step failed: {reason}; restart the engine") from exc
+            raise DistributedError(f"tensor-parallel {what} failed: {reason}; restart the engine") from exc
+        self._last_exchange = time.monotonic()
+        return result
 
     def shutdown(self) -> None:
         self._stop_ranks(graceful=self._failure is None)

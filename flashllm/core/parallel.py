@@ -6,6 +6,8 @@ schedules and samples; before each forward pass it sends the step's flat inputs 
 ranks over the step channel, as plain int64 tensors (never pickled objects). With multi-LoRA the
 step also carries each token's adapter slot and the driver's adapter slot loads since the last
 step (JSON: slot, id, name, directory), which the other ranks repeat from the same directories.
+While the engine idles the driver pings the ranks over the same channel (the executor's heartbeat),
+so a rank that hangs is noticed without a step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ logger = logging.getLogger(__name__)
 # that dies fails its peers' collectives at once.
 DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 60.0
+# How long an idle engine goes without a word with its ranks before the driver pings them (0: never);
+# a rank that hangs is then noticed within this plus the timeout, without waiting for a request.
+HEARTBEAT_ENV = "FLASHLLM_DIST_HEARTBEAT_S"
+DEFAULT_HEARTBEAT_S = 5.0
 # How long a rank other than the driver waits for the driver's next message: as long as the engine
 # idles (a year stands for ever). A driver that dies closes its sockets, which ends the wait at once.
 IDLE_WAIT = timedelta(days=365)
@@ -41,7 +47,7 @@ IDLE_WAIT = timedelta(days=365)
 # (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens)
 _HEADER = 11
 MAX_LOAD_BYTES = 1 << 20  # a step's slot loads: at most 256 adapters' names and paths
-_STEP, _STOP = 1, 0
+_STEP, _STOP, _PING = 1, 0, 2
 
 
 class DistributedError(RuntimeError):
@@ -53,14 +59,20 @@ def dist_timeout() -> timedelta:
     return timedelta(seconds=_seconds(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S, "a positive number of seconds"))
 
 
-def _seconds(name: str, default: float, need: str) -> float:
+def heartbeat_interval() -> float:
+    """FLASHLLM_DIST_HEARTBEAT_S: seconds an idle engine waits before pinging its ranks (default 5; 0: off);
+    EngineConfigError if malformed."""
+    return _seconds(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S, "0 (off) or a positive number of seconds", zero=True)
+
+
+def _seconds(name: str, default: float, need: str, zero: bool = False) -> float:
     """The environment's `name` as seconds: `need` says what it must be (a configuration error, in one line)."""
     raw = os.environ.get(name, str(default))
     try:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < math.inf:
+    if not (0 < seconds < math.inf or (zero and seconds == 0)):
         raise EngineConfigError(f"{name}={raw!r} must be {need}; fix or unset it")
     return seconds
 
@@ -188,6 +200,15 @@ class StepChannel:
         if loads:
             dist.broadcast(torch.frombuffer(bytearray(loads), dtype=torch.uint8), src=0, group=group)
 
+    def ping(self) -> None:
+        """Driver: a liveness round that every rank answers (a barrier); RuntimeError after
+        FLASHLLM_DIST_TIMEOUT_S if a rank hangs, at once if one died."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = _PING
+        dist.broadcast(header, src=0, group=control_group())
+        # the broadcast alone can return before a stopped rank reads it (the bytes wait in its socket)
+        dist.barrier(group=control_group())
+
     def send_stop(self) -> None:
         """Driver: tell the other ranks to leave their loops."""
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -208,9 +229,10 @@ class StepChannel:
 
     def receive(self) -> ModelInput | None:
         """Other ranks: the next step's inputs, or None when the driver stops; waits as long as the
-        driver idles."""
+        driver idles, answering its pings."""
         group = control_group()
-        header = _next_header(group)
+        while int((header := _next_header(group))[0]) == _PING:
+            dist.barrier(group=group)  # the driver's ping waits here too
         command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows = (
             header.tolist())
         if command == _STOP:

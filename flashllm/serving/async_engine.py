@@ -244,7 +244,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    if self.paged:  # a tensor-parallel rank that died while idle ends the engine too
+                    if self.paged:  # a tensor-parallel rank that died or hangs while idle ends the engine too
                         self.engine.check_health()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()

@@ -1,5 +1,6 @@
 """The step channel between an idle driver and a rank: the rank waits for the next step however long the
-engine idles (FLASHLLM_DIST_TIMEOUT_S bounds a collective under way, not the gap between two)."""
+engine idles (FLASHLLM_DIST_TIMEOUT_S bounds a collective under way, not the gap between two) and answers
+the driver's pings (the executor's heartbeat; tests/distributed/test_tp_faults.py has a rank that hangs)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def _driver_and_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[StepChan
         destroy_process_group()
 
 
-def test_an_idle_rank_waits_past_the_timeout_for_the_drivers_next_message(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_idle_rank_waits_past_the_timeout_and_answers_pings(monkeypatch: pytest.MonkeyPatch) -> None:
     with _driver_and_rank(monkeypatch) as (channel, rank):
         time.sleep(1.5 * TIMEOUT_S)  # the engine idles
-        channel.send_stop()  # a barrier with the rank: it fails if the rank left its loop
+        channel.ping()  # a barrier with the rank: it fails if the rank left its loop
+        channel.ping()
+        channel.send_stop()  # the rank went back to waiting after each ping and reads the stop
         assert rank.wait(10) == 0, rank.communicate()[1]

@@ -17,7 +17,7 @@ import pytest
 
 from flashllm import LLM, SamplingParams
 from flashllm.core.executor import RANK_EXIT_GRACE_S
-from flashllm.core.parallel import DIST_TIMEOUT_ENV, DistributedError
+from flashllm.core.parallel import DIST_TIMEOUT_ENV, HEARTBEAT_ENV, DistributedError
 from flashllm.testing.processes import children, descendants, wait_gone
 from flashllm.testing.server import ServerProcess
 from flashllm.testing.timing import time_limit
@@ -25,6 +25,7 @@ from flashllm.testing.tiny_models import build_tiny_model
 
 FAIL_WITHIN_S = 30.0
 HANG_TIMEOUT_S = 5  # FLASHLLM_DIST_TIMEOUT_S for the hung-rank tests: a collective fails after it
+HEARTBEAT_S = 0.5  # FLASHLLM_DIST_HEARTBEAT_S for the idle hung-rank test
 MAX_MODEL_LEN = 512
 
 
@@ -128,6 +129,31 @@ def test_the_server_fails_requests_and_exits_non_zero_when_a_rank_hangs(model_di
             code = _wait_exit(server, "rank 1 hung")
             assert code != 0, server.log()[-3000:]
             assert wait_gone(processes, 5) == [], "a process the server started outlived it"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_an_idle_server_turns_not_ready_and_exits_non_zero_when_a_rank_hangs(model_dir: Path) -> None:
+    # no request: only the heartbeat, a ping every HEARTBEAT_S while the engine idles, can notice the hang
+    with _served(model_dir, {DIST_TIMEOUT_ENV: str(HANG_TIMEOUT_S), HEARTBEAT_ENV: str(HEARTBEAT_S)}) as server:
+        worker = _rank_process(server)
+        processes = descendants(server.proc.pid)
+        try:
+            time.sleep(4 * HEARTBEAT_S)  # a rank that answers its pings keeps the server ready
+            assert _probe(f"{server.base_url}/ready") == 200, server.log()[-3000:]
+            os.kill(worker, signal.SIGSTOP)  # alive but never answers again
+            stopped = time.monotonic()
+            # the next ping, its timeout, the wait for a rank's exit to be named, then the engine fails
+            within = HEARTBEAT_S + HANG_TIMEOUT_S + RANK_EXIT_GRACE_S + time_limit(4.0)
+            while (status := _probe(f"{server.base_url}/ready")) == 200 and time.monotonic() - stopped < within:
+                time.sleep(0.1)
+            assert status in (503, None), f"still ready {within:.1f} s after rank 1 stopped:\n{server.log()[-3000:]}"
+            assert _probe(f"{server.base_url}/health") in (503, None)
+            code = _wait_exit(server, "rank 1 hung while idle")
+            assert code != 0, server.log()[-3000:]
+            assert wait_gone(processes, 5) == [], "a process the server started outlived it"
+            assert "tensor-parallel heartbeat failed" in server.log()
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)

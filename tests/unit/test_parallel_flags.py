@@ -20,7 +20,13 @@ from flashllm.cli import serve as serve_cli
 from flashllm.cli.parallel_flags import executor_backend, tensor_parallel_size
 from flashllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig
 from flashllm.core.builder import EngineConfigError
-from flashllm.core.parallel import DIST_TIMEOUT_ENV, dist_timeout
+from flashllm.core.parallel import (
+    DEFAULT_HEARTBEAT_S,
+    DIST_TIMEOUT_ENV,
+    HEARTBEAT_ENV,
+    dist_timeout,
+    heartbeat_interval,
+)
 from flashllm.llm import engine_config
 
 SPELLINGS = (["--tensor-parallel-size", "2"], ["--tensor_parallel_size", "2"], ["-tp", "2"])
@@ -85,13 +91,25 @@ def test_a_malformed_dist_timeout_is_a_configuration_error_naming_it(value: str,
     assert dist_timeout().total_seconds() == 2.5
 
 
+@pytest.mark.parametrize("value", ["soon", "", "-1", "nan", "inf"])
+def test_a_malformed_heartbeat_is_a_configuration_error_naming_it(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HEARTBEAT_ENV, value)
+    with pytest.raises(EngineConfigError, match=f"{HEARTBEAT_ENV}=.* must be 0 \\(off\\) or a positive number"):
+        heartbeat_interval()
+    monkeypatch.setenv(HEARTBEAT_ENV, "0")
+    assert heartbeat_interval() == 0.0  # off
+    monkeypatch.delenv(HEARTBEAT_ENV)
+    assert heartbeat_interval() == DEFAULT_HEARTBEAT_S
+
+
+@pytest.mark.parametrize(("name", "need"), [(DIST_TIMEOUT_ENV, "a positive number of seconds"),
+                                            (HEARTBEAT_ENV, "0 (off) or a positive number of seconds")])
 def test_a_command_with_a_malformed_dist_setting_fails_in_one_line_before_any_rank_starts(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv(DIST_TIMEOUT_ENV, "soon")
+        name: str, need: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(name, "soon")
     assert main(["generate", "hello", "--model", "no-such-model", "-tp", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"flashllm generate: {DIST_TIMEOUT_ENV}='soon' must be a positive number of seconds; " \
-                          "fix or unset it", err
+    assert err.strip() == f"flashllm generate: {name}='soon' must be {need}; fix or unset it", err
 
 
 def test_llm_and_auto_model_hand_the_options_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
