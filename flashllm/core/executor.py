@@ -131,7 +131,7 @@ class DistributedExecutor(Executor):
         self._closed = False
         # a malformed FLASHLLM_DIST_* setting fails in one line before any rank starts
         self._heartbeat_s = parallel.heartbeat_interval()
-        parallel.dist_timeout()
+        self._timeout_s = parallel.dist_timeout().total_seconds()
         plain = _plain(config)
         plugins = plugins or make_plugin_manager()
         try:
@@ -180,19 +180,27 @@ class DistributedExecutor(Executor):
 
     def _with_ranks(self, what: str, exchange: Callable[[], _T]) -> _T:
         """exchange() with the other ranks; DistributedError, after stopping them, if a collective fails."""
+        started = time.monotonic()
         try:
             result = exchange()
         except RuntimeError as exc:  # gloo / nccl: a peer's socket closed, or the timeout passed
-            if self._launcher is not None:
-                # a killed rank's sockets close before the watcher reaps its exit: give the watcher a moment
-                # to name the rank, so the error says which one died, not only that a collective failed
-                self._rank_exited.wait(RANK_EXIT_GRACE_S)
-            reason = self._failure or f"a collective failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-            self._failure = reason
-            self._stop_ranks(graceful=False)
-            raise DistributedError(f"tensor-parallel {what} failed: {reason}; restart the engine") from exc
+            raise self._failed(what, exc, timed_out=time.monotonic() - started >= self._timeout_s) from exc
         self._last_exchange = time.monotonic()
         return result
+
+    def _failed(self, what: str, exc: RuntimeError, timed_out: bool) -> DistributedError:
+        """Stop the ranks after a failed collective; the error to raise, naming the rank or the hang."""
+        if self._launcher is not None and not timed_out:
+            # a killed rank's sockets close before the watcher reaps its exit: give the watcher a moment
+            # to name the rank, so the error says which one died, not only that a collective failed (after
+            # a timeout there is no exit to wait for: a rank hangs)
+            self._rank_exited.wait(RANK_EXIT_GRACE_S)
+        if self._failure is None:
+            self._failure = (f"a rank did not answer within {parallel.DIST_TIMEOUT_ENV}={self._timeout_s:g} s (it "
+                             f"hangs or was stopped)" if timed_out else
+                             f"a collective failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        self._stop_ranks(graceful=False)
+        return DistributedError(f"tensor-parallel {what} failed: {self._failure}; restart the engine")
 
     def shutdown(self) -> None:
         self._stop_ranks(graceful=self._failure is None)
