@@ -45,8 +45,9 @@ def _driver_and_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[StepChan
     """This process as the driver (rank 0) and a rank 1 process, over gloo with TIMEOUT_S."""
     monkeypatch.setenv(DIST_TIMEOUT_ENV, str(TIMEOUT_S))
     address = f"127.0.0.1:{free_port()}"
-    rank = subprocess.Popen([sys.executable, "-c", RANK, address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "imported", rank.communicate()[1]
         driver = RankContext(0, 2)
