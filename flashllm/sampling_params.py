@@ -28,6 +28,8 @@ MAX_ABS_LENGTH_PENALTY = 10.0
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, +100 forces it
 MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 128  # each is tokenized at add_request and checked against the output at every step
+MAX_BAD_WORD_CHARS = 256
 # Structured output: bounds on what a request may ask the grammar compiler to read (the compiler
 # has its own limits on the work it does; these keep the inputs themselves small).
 MAX_STRUCTURED_CHARS = 256 * 1024  # a schema (as JSON text), a regex or a grammar
@@ -232,6 +234,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's)
     # an embedding request (LLM.embed, /v1/embeddings): the prompt's pooled hidden state is the result
     pooling: Pooling | None = None
+    bad_words: list[str] | None = None  # words the output must not contain as token sequences (vLLM's)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -263,6 +267,23 @@ class SamplingParams:
         self._check_token_biases()
         if self.pooling is not None and (not isinstance(self.pooling, Pooling) or self.n != 1):
             raise ValueError("pooling must be a flashllm.sampling_params.Pooling, with n=1")
+        self._check_bad_words()
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, MAX_TOKENS_LIMIT)
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if words is None:
+            return
+        if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
+        for i, word in enumerate(words):
+            # vLLM strips leading whitespace before tokenizing (the word is banned with and without a space
+            # before it), so a word of only whitespace would ban nothing
+            if not isinstance(word, str) or not 1 <= len(word) <= MAX_BAD_WORD_CHARS or not word.lstrip():
+                raise ValueError(f"bad_words[{i}] must be a string of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                                 f"not only whitespace; got {word!r:.60}")
+        self.bad_words = list(words) or None
 
     def _check_token_biases(self) -> None:
         if self.logit_bias is not None:

@@ -9,10 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from flashllm.config import EngineConfig
+from flashllm.core.bad_words import tokenize_bad_words
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.builder import EngineParts
 from flashllm.core.executor import Executor, make_executor
-from flashllm.core.request import Request
+from flashllm.core.request import Request, prompt_token_ids
 from flashllm.core.sampler import SamplerOutput, SamplingState
 from flashllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from flashllm.core.sequence import FinishReason, Sequence
@@ -77,10 +78,9 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token ids")
-        text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        text, token_ids = prompt_token_ids(prompt, params, self.tokenizer)
         self._check_prompt(token_ids)
+        bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
         outside = params.token_ids_outside(self.parts.hf_config.vocab_size)
         if outside:
             raise ValueError(f"logit_bias / allowed_token_ids name token ids {outside} outside the vocabulary "
@@ -90,7 +90,7 @@ class Engine:
         spec = params.structured_output
         salt = self._lora_salt(lora_request) + self._rope_salt(len(token_ids))
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,
-                          self.runner.device, self.grammars.compile(spec) if spec is not None else None)
+                          self.runner.device, self.grammars.compile(spec) if spec is not None else None, bad_words)
         for seq in request.seqs:
             if lora_request is not None:
                 seq.lora_id = lora_request.lora_int_id

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from flashllm.core.bad_words import BadWordIds
 from flashllm.core.detokenizer import IncrementalDetokenizer, StopChecker
 from flashllm.core.pooling import embedding
 from flashllm.core.sampler import SamplerOutput, SamplingState
@@ -15,6 +16,19 @@ from flashllm.core.sequence import FinishReason, Sequence
 from flashllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashllm.sampling_params import SamplingParams
 from flashllm.structured.compiler import CompiledGrammar
+
+
+def prompt_token_ids(prompt: str | list[int], params: SamplingParams, tokenizer: Any) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt as its request runs it: a text encoded (ValueError without a tokenizer), then
+    only the last params.truncate_prompt_tokens ids kept (vLLM's left truncation), a text then the kept ids'."""
+    if isinstance(prompt, str) and tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass prompts as token ids")
+    text, ids = (prompt, tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+    keep = params.truncate_prompt_tokens
+    if keep is not None and len(ids) > keep:
+        ids = ids[-keep:]
+        text = None if text is None else tokenizer.decode(ids)
+    return text, ids
 
 
 @dataclass
@@ -42,6 +56,7 @@ class Request:
         eos_token_ids: list[int],
         device: torch.device,
         grammar: CompiledGrammar | None = None,
+        bad_words_token_ids: BadWordIds = (),
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -54,6 +69,7 @@ class Request:
         for index, seq in enumerate(self.seqs):
             sampling = SamplingState.create(params, device, prompt_token_ids, eos_token_ids, index=index)
             sampling.grammar = grammar.new_state() if grammar is not None else None
+            sampling.bad_words_token_ids = bad_words_token_ids
             detokenize = params.detokenize and tokenizer is not None
             self._states[seq.seq_id] = _SeqState(
                 sampling=sampling,

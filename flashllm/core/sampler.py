@@ -7,6 +7,8 @@ Processing order per row (HF `generate` / vLLM semantics):
 2. frequency and presence penalties over output tokens (OpenAI: subtract
    `frequency * count + presence * (count > 0)`);
 2b. logit_bias added (OpenAI), and every token outside allowed_token_ids masked (vLLM);
+2c. bad_words (vLLM): the last token of each bad word's token sequence is masked where the row's
+   last generated tokens are the rest of that sequence (a one-token word: always; core/bad_words.py);
 3. min_tokens: stop_token_ids and EOS (unless ignore_eos) are masked while fewer than
    min_tokens were generated;
 3b. structured output: tokens the row's grammar does not allow next are masked
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashllm.core.bad_words import BadWordIds, apply_bad_words
 from flashllm.sampling_params import MAX_SEED, SamplingParams
 from flashllm.structured.mask import GrammarState, apply_grammar_masks
 
@@ -59,6 +62,7 @@ class SamplingState:
     eos_token_ids: Sequence[int] = ()
     grammar: GrammarState | None = None  # structured output: the engine advances it as tokens are recorded
     seed: int | None = None
+    bad_words_token_ids: BadWordIds = ()  # params.bad_words tokenized (core/bad_words.py), shared by siblings
 
     @classmethod
     def create(
@@ -234,11 +238,11 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
 
 
 def plain_greedy(state: SamplingState) -> bool:
-    """A greedy row with no penalty, no bias, no pending min_tokens ban, no logprobs and no grammar: its token is
-    the argmax."""
+    """A greedy row with no penalty, no bias, no bad words, no pending min_tokens ban, no logprobs and no grammar:
+    its token is the argmax."""
     params = state.params
     return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
-            and not params.logit_bias and params.allowed_token_ids is None
+            and not params.logit_bias and params.allowed_token_ids is None and not state.bad_words_token_ids
             and not ((params.frequency_penalty or params.presence_penalty) and state.output_token_ids)
             and len(state.output_token_ids) >= params.min_tokens and state.grammar is None)
 
@@ -289,12 +293,13 @@ class Sampler:
 
     @staticmethod
     def process(logits: Tensor, states: list[SamplingState]) -> Tensor:
-        """Steps 1-4 on a private fp32 copy of (B, V) logits: penalties, biases, the min_tokens ban and temperature
-        (greedy rows keep temperature 1)."""
+        """Steps 1-4 on a private fp32 copy of (B, V) logits: penalties, biases, bad words, the min_tokens ban and
+        temperature (greedy rows keep temperature 1)."""
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         apply_repetition_penalty(logits, states)
         apply_frequency_presence_penalties(logits, states)
         apply_token_biases(logits, states)
+        apply_bad_words(logits, [s.bad_words_token_ids for s in states], [s.output_token_ids for s in states])
         apply_min_tokens(logits, states)
         apply_grammar_masks(logits, [s.grammar for s in states])  # structured output (flashllm.structured)
         temperature = torch.tensor(

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashllm.core.request import Request
+from flashllm.core.bad_words import tokenize_bad_words
+from flashllm.core.request import Request, prompt_token_ids
 from flashllm.core.sampler import Sampler
 from flashllm.core.sequence import FinishReason
 from flashllm.core.sequence import Sequence as Seq
@@ -84,15 +85,14 @@ class StaticEngine:
             raise ValueError("prompt_logprobs is not available in static mode; use --mode dynamic")
         if params.structured_output is not None:
             raise ValueError("structured output is not available in static mode; use --mode dynamic")
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token ids")
-        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        text, ids = prompt_token_ids(prompt, params, self.tokenizer)
         if not ids or any(not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"the prompt must be 1 or more token ids in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              "which must leave room for at least one generated token")
-        request = Request(request_id, text, ids, params, self.tokenizer, self.eos_token_ids, torch.device("cpu"))
+        request = Request(request_id, text, ids, params, self.tokenizer, self.eos_token_ids, torch.device("cpu"),
+                          bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         self.requests[request_id] = request
         self._waiting.extend((request, seq) for seq in request.seqs)
         return request_id
