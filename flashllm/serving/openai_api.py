@@ -99,17 +99,22 @@ def check_vocab(ctx: ServerContext, prompts: list[list[int]], param: str = "prom
 
 
 def check_biased_ids(ctx: ServerContext, req: Any) -> None:
-    """logit_bias and allowed_token_ids may name only the model's tokens."""
+    """logit_bias and allowed_token_ids may name only the model's tokens; bad_words needs a tokenizer."""
     for param, ids in req.token_ids_biased().items():
         check_vocab(ctx, [ids], param)
+    if req.bad_words and ctx.tokenizer is None:
+        raise APIError(400, "bad_words needs the model's tokenizer and this model has none; "
+                       "ban token ids with logit_bias (-100) instead", param="bad_words")
 
 
-async def tokenize_prompts(ctx: ServerContext, texts: list[str | list[int]], param: str) -> list[list[int]]:
+async def tokenize_prompts(ctx: ServerContext, texts: list[str | list[int]], param: str,
+                           refuse_past_context: bool = True) -> list[list[int]]:
     """Text prompts tokenized (token-id ones kept), off the event loop; 400 for text without a tokenizer, text
-    past the context, and ids outside the vocabulary."""
+    past the context (unless refuse_past_context is off), and ids outside the vocabulary."""
     if any(isinstance(p, str) for p in texts) and ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send prompts as token ids", param=param)
-    await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], param)
+    if refuse_past_context:
+        await _refuse_text_past_context(ctx, [p for p in texts if isinstance(p, str)], param)
     prompts = await asyncio.to_thread(lambda: [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)
                                                for p in texts])
     check_vocab(ctx, prompts, param)
@@ -121,7 +126,9 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
     req.check()
     lora = check_model(ctx, req.model)
     texts = req.prompts()
-    prompts = await tokenize_prompts(ctx, texts, "prompt")
+    # with truncate_prompt_tokens a text past the context may still keep its last tokens
+    whole = await tokenize_prompts(ctx, texts, "prompt", refuse_past_context=req.truncate_prompt_tokens is None)
+    prompts = req.truncated(whole)
     check_biased_ids(ctx, req)
     max_tokens = max_tokens_for(ctx, prompts, req.max_tokens, 16, "prompt", "max_tokens")
     spec, param = from_request(req)
@@ -134,8 +141,9 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     gen = Generation(ctx, prompts, params, lora)
     gen.reserve()
-    echo = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in texts] \
-        if req.echo else None
+    # a truncated prompt echoes the tokens the model saw
+    echo = [p if isinstance(p, str) and len(ids) == len(w) else ctx.tokenizer.decode(ids) if ctx.tokenizer else ""
+            for p, ids, w in zip(texts, prompts, whole, strict=True)] if req.echo else None
     if req.stream:
         return StreamingResponse(_completion_stream(gen, req, echo), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
@@ -229,7 +237,9 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     tool_names = _tool_names(req)
     # the template sees the tools even under tool_choice "none"
     prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt,
-                               req.chat_template_kwargs, continue_final_message=req.continue_final_message)
+                               req.chat_template_kwargs, refuse_past_context=req.truncate_prompt_tokens is None,
+                               continue_final_message=req.continue_final_message)
+    (prompt,) = req.truncated([prompt])
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
     spec, param = _chat_constraint(ctx, req)

@@ -10,6 +10,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from flashllm.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_CHOICES,
     MAX_EMBEDDING_DIMENSIONS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -154,6 +156,10 @@ class _SamplingRequest(_Model):
         None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: words the output must not contain (as the tokenizer spells them), and left truncation of the prompt
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -196,6 +202,18 @@ class _SamplingRequest(_Model):
             raise ValueError("logit_bias keys must be token ids written as decimal integers, e.g. {\"50256\": -100}")
         return bias
 
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, words: list[str] | None) -> list[str] | None:
+        if words and not all(word.strip() for word in words):
+            raise ValueError("each bad word must hold a character other than whitespace")
+        return words
+
+    def truncated(self, prompts: list[list[int]]) -> list[list[int]]:
+        """truncate_prompt_tokens: each prompt's last k token ids (vLLM's left truncation); unchanged without."""
+        keep = self.truncate_prompt_tokens
+        return prompts if keep is None else [p[-keep:] for p in prompts]
+
     def token_ids_biased(self) -> dict[str, list[int]]:
         """The token ids logit_bias and allowed_token_ids name, by field (for the vocabulary check)."""
         return {"logit_bias": [int(k) for k in self.logit_bias or ()], "allowed_token_ids": self.allowed_token_ids or []}
@@ -218,7 +236,7 @@ class _SamplingRequest(_Model):
             logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, structured_output=structured,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids, **merged,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, **merged,
         )
 
     @property

@@ -241,3 +241,58 @@ def test_embeddings_are_the_model_s_pooled_states(client: openai.OpenAI, server:
                      timeout=60).json()["data"][0]["embedding"]
     from_ids = llm.embed([[5, 6, 7]])[0].outputs.embedding
     assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), from_ids, atol=1e-6)
+
+
+def _held_word(llm: LLM, output: object) -> str:
+    """A word of a greedy output (split at spaces, or one token's text) whose bad-word token sequences (as the
+    engine bans them) the output holds."""
+    from flashllm.core.bad_words import tokenize_bad_words
+
+    ids, text = output.outputs[0].token_ids, output.outputs[0].text
+    for word in [*text.split(), *(llm.engine.tokenizer.decode([t]).strip() for t in ids)]:
+        for seq in tokenize_bad_words([word], llm.engine.tokenizer):
+            if any(tuple(ids[i:i + len(seq)]) == seq for i in range(len(ids))):
+                return word
+    raise AssertionError(f"the greedy output {text!r} holds no whole word to ban")
+
+
+def test_bad_words_leave_both_routes_as_in_process(client: openai.OpenAI, llm: LLM) -> None:
+    # a prompt whose greedy reply holds a word the tokenizer spells as the reply does (this tiny tokenizer splits
+    # digits, so the "50" tokens other prompts repeat cannot be named as words)
+    prompt, messages = "Hello, my name is", [{"role": "user", "content": "Hello, my name is"}]
+    free = SamplingParams(temperature=0, max_tokens=16)
+    plain = llm.generate([prompt], free, use_tqdm=False)[0]
+    word = _held_word(llm, plain)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, bad_words=[word]), use_tqdm=False)[0]
+    assert expected.outputs[0].text != plain.outputs[0].text
+    reply = client.completions.create(model=_model(client), prompt=prompt, temperature=0, max_tokens=16,
+                                      extra_body={"bad_words": [word]})
+    assert reply.choices[0].text == expected.outputs[0].text
+    chat_plain = llm.chat(messages, free)[0]
+    chat_word = _held_word(llm, chat_plain)
+    chat_expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16, bad_words=[chat_word]))[0]
+    assert chat_expected.outputs[0].text != chat_plain.outputs[0].text
+    chat = client.chat.completions.create(model=_model(client), messages=messages, temperature=0, max_tokens=16,
+                                          extra_body={"bad_words": [chat_word]})
+    assert chat.choices[0].message.content == chat_expected.outputs[0].text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_past_the_context(
+        server: ServerProcess, client: openai.OpenAI, llm: LLM) -> None:
+    long = "the sky is blue and " * 100
+    ids = llm.engine.tokenizer.encode(long)
+    assert len(ids) > 256
+    status, refused = _post(server, "/v1/completions", {"prompt": long, "max_tokens": 4})
+    assert status == 400 and refused["error"]["code"] == "context_length_exceeded"
+    expected = llm.generate([ids[-8:]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    reply = client.completions.create(model=_model(client), prompt=long, temperature=0, max_tokens=6, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 8})
+    assert reply.usage.prompt_tokens == 8
+    assert reply.choices[0].text == llm.engine.tokenizer.decode(ids[-8:]) + expected.outputs[0].text
+    messages = [{"role": "user", "content": long}]
+    chat_ids = llm.render_chat(messages)
+    chat_expected = llm.generate([chat_ids[-8:]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=_model(client), messages=messages, temperature=0, max_tokens=6,
+                                          extra_body={"truncate_prompt_tokens": 8})
+    assert chat.usage.prompt_tokens == 8
+    assert chat.choices[0].message.content == chat_expected.outputs[0].text
