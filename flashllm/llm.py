@@ -110,18 +110,20 @@ class LLM(ChatMethods):
         return self._run(ids, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: Pooling | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), in prompt order: the model's last hidden states
         pooled as `pooling` says (default: the model directory's sentence-transformers Pooling and Normalize
         modules, or the last token's state, normalized, when it has none); `outputs.embedding` is a list of
-        floats. Prompts run through continuous batching like generation, one sampled token each."""
+        floats. Prompts run through continuous batching like generation, one sampled token each.
+        truncate_prompt_tokens: embed only each prompt's last k tokens."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if pooling is None:
             if self._pooling is None:
                 self._pooling = read_pooling(self.engine.parts.model_dir)
             pooling = self._pooling
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []))
                 for o in outputs]

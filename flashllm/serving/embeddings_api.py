@@ -23,7 +23,9 @@ async def create_embedding(ctx: ServerContext, http: HTTPRequest, body: bytes) -
     req: EmbeddingRequest = parse_body(EmbeddingRequest, body)
     lora = check_model(ctx, req.model)
     pooling = _pooling(ctx, req.dimensions)
-    prompts = await tokenize_prompts(ctx, prompt_list(req.input), "input")
+    keep = req.truncate_prompt_tokens  # with it, a text past the context may still keep its last tokens
+    prompts = [p[-keep:] if keep else p for p in
+               await tokenize_prompts(ctx, prompt_list(req.input), "input", refuse_past_context=keep is None)]
     max_tokens_for(ctx, prompts, 1, 1, "input", "input")  # a prompt must leave room for the one token run after it
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
     gen = Generation(ctx, prompts, params, lora)

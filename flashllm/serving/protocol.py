@@ -409,6 +409,7 @@ class EmbeddingRequest(_Model):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=MAX_EMBEDDING_DIMENSIONS)
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)  # vLLM's: keep the last k tokens
 
     @field_validator("input")
     @classmethod

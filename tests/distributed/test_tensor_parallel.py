@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashllm import LLM, SamplingParams
 from flashllm.testing.tiny_models import build_tiny_model
@@ -105,6 +106,25 @@ def test_plain_greedy_steps_match_too(model_dirs: dict[str, Path]) -> None:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     assert tokens(2) == tokens(1)
+
+
+def test_embeddings_match_one_rank(model_dirs: dict[str, Path]) -> None:
+    """The driver pools its own hidden states (whole on every rank after the row-parallel reductions): mean
+    pooling over 16-token chunks and last-token pooling give one rank's vectors."""
+    from flashllm.sampling_params import Pooling
+
+    def vectors(tp: int) -> list[list[float]]:
+        llm = LLM(str(model_dirs["qwen3-head-norms"]), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                  num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
+        try:
+            return [o.outputs.embedding for kind in ("mean", "last")
+                    for o in llm.embed([list(p) for p in PROMPTS], Pooling(kind))]
+        finally:
+            llm.engine.shutdown()
+
+    one, two = torch.tensor(vectors(1)), torch.tensor(vectors(2))
+    assert one.shape == (6, 64)
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-4)
 
 
 def test_more_ranks_than_heads_is_refused(model_dirs: dict[str, Path]) -> None:

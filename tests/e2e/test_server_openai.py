@@ -241,6 +241,12 @@ def test_embeddings_are_the_model_s_pooled_states(client: openai.OpenAI, server:
                      timeout=60).json()["data"][0]["embedding"]
     from_ids = llm.embed([[5, 6, 7]])[0].outputs.embedding
     assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), from_ids, atol=1e-6)
+    long = "red green blue " * 200  # past the 256-token context: refused whole, embedded by its last 5 tokens
+    assert httpx.post(f"{server.url}/embeddings", json={"input": long}, timeout=60).status_code == 400
+    cut = httpx.post(f"{server.url}/embeddings", json={"input": long, "truncate_prompt_tokens": 5}, timeout=60).json()
+    assert cut["usage"]["prompt_tokens"] == 5
+    tail = llm.embed([tokenizer.encode(long)[-5:]])[0].outputs.embedding
+    assert np.allclose(cut["data"][0]["embedding"], tail, atol=1e-6)
 
 
 def _held_word(llm: LLM, output: object) -> str:

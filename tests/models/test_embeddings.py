@@ -62,6 +62,8 @@ def test_the_default_pooling_is_the_directory_s_and_cache_hits_change_nothing(mo
     # the cache hit leaves a shorter chunk to run, whose kernels may sum in another order: close, not equal
     torch.testing.assert_close(torch.tensor(again), torch.tensor(first), atol=1e-6, rtol=1e-5)
     assert llm.engine.block_manager.prefix_cache_hit_rate > 0
+    ids = llm.tokenizer.encode(TEXTS[1])
+    assert llm.embed(TEXTS[1], truncate_prompt_tokens=4)[0].outputs.embedding == llm.embed([ids[-4:]])[0].outputs.embedding
 
 
 def test_mean_pooling_restarts_with_a_recomputed_prompt() -> None:
