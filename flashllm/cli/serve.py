@@ -22,6 +22,7 @@ from flashllm.cli.parallel_flags import (
 from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
 from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS
 from flashllm.serving.reasoning import REASONING_PARSERS
+from flashllm.serving.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("flashllm.serve")
 
@@ -63,6 +64,9 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                          "reasoning_content: deepseek_r1 (the think block opened by the template: DeepSeek-R1, "
                          "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>); structured "
                          "output (response_format, guided_*, forced tool calls) then applies after the think block"),
+    "tool_call_parser": (str, "hermes", "how the model writes tool calls: hermes (<tool_call> blocks: Qwen2.5, "
+                         "Qwen3, Hermes) | llama3_json (Llama 3.x's JSON reply) | mistral ([TOOL_CALLS] and a JSON "
+                         "array)"),
     "structured_output_in_reasoning": (_bool, False, "with --reasoning-parser: structured output constrains the "
                                        "think block too, i.e. the whole reply"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
@@ -154,8 +158,10 @@ def add_parser(sub: Any) -> None:
             parser.add_argument(*flags, dest=dest, action="extend", nargs="+", default=None, help=text)
         else:
             parser.add_argument(*flags, dest=dest, type=kind, default=None, metavar=METAVARS.get(dest), help=text)
-    # vLLM command lines carry these; neither changes what flashllm does
+    # vLLM command lines carry these; none changes what flashllm does
     parser.add_argument("--enable-prefix-caching", action="store_true", help="prefix caching is on by default")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted and ignored: a request with tools is always read for tool calls")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="accepted and ignored: flashllm never runs code from a model directory (the "
                              "architectures it serves are its own code)")
@@ -214,6 +220,8 @@ def _check_limits(values: dict[str, Any]) -> None:
     parser = values.get("reasoning_parser")
     if parser is not None and parser not in REASONING_PARSERS:
         refuse("reasoning_parser", f"one of {', '.join(REASONING_PARSERS)}")
+    if values.get("tool_call_parser") not in TOOL_CALL_PARSERS:
+        refuse("tool_call_parser", f"one of {', '.join(TOOL_CALL_PARSERS)}")
     if values.get("structured_output_in_reasoning") and parser is None:
         refuse("structured_output_in_reasoning", "set only with --reasoning-parser")
     host = values["host"]

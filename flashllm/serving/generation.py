@@ -43,6 +43,7 @@ class ServerContext:
     reasoning_parser: str | None = None  # serving/reasoning.py: <think> text answered as reasoning_content
     # with a reasoning parser: structured output constrains the think block too (else only what follows it)
     structured_output_in_reasoning: bool = False
+    tool_call_parser: str = "hermes"  # serving/tool_parsers.py: how the model writes tool calls
     # /v1/embeddings: the model directory's pooling (None: pooling_error says why it cannot embed), and the
     # hidden size that bounds a request's `dimensions`
     pooling: Any = None

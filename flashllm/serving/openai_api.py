@@ -25,7 +25,8 @@ from flashllm.serving.generation import (
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
 from flashllm.serving.reasoning import ReasoningSplitter, split_reasoning
 from flashllm.serving.structured import from_request, precompile, tool_call_constraint
-from flashllm.serving.tool_calls import MAX_TOOL_CALLS, ToolCallStreamParser, check_tool_choice, parse_tool_calls
+from flashllm.serving.tool_calls import MAX_TOOL_CALLS, check_tool_choice
+from flashllm.serving.tool_parsers import READS_SPECIAL_TOKENS, parse_reply, stream_parser
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -245,6 +246,9 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     spec, param = _chat_constraint(ctx, req)
     await precompile(ctx, spec, param)
     params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)
+    if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
+        # the parser reads the model's tool-call markers (<|python_tag|>, [TOOL_CALLS]): special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
     gen = Generation(ctx, [prompt], params, lora)
     gen.reserve()
     if req.stream:
@@ -275,7 +279,8 @@ def _chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[An
     """response_format / guided_* or, for tool_choice "required" or a named function, the tool-call grammar;
     under a reasoning parser it applies after the reply's think block (unless the server constrains that too)."""
     spec, param = from_request(req)
-    forced = tool_call_constraint(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools else None
+    forced = tool_call_constraint(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser,
+                                  ctx.tokenizer) if req.tools else None
     if forced is not None and spec is not None:
         raise APIError(400, f"tool_choice forces a tool call, which {param} would constrain too; send one of them",
                        param="tool_choice", code="invalid_structured_output")
@@ -296,7 +301,7 @@ def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_c
         message["reasoning_content"], message["content"] = split_reasoning(ctx.reasoning_parser, c.text)
     finish = c.finish_reason
     if tool_names is not None:
-        parsed = parse_tool_calls(message["content"], tool_names, max_tool_calls=max_calls)
+        parsed = parse_reply(ctx.tool_call_parser, message["content"], tool_names, max_calls)
         if parsed.tool_calls:
             message["content"] = parsed.content
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
@@ -311,7 +316,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.model_name}
     sent: dict[int, int] = {}
-    parsers = {i: ToolCallStreamParser(tool_names, max_tool_calls=_max_calls(req)) for i in range(req.n)} \
+    parsers = {i: stream_parser(ctx.tool_call_parser, tool_names, _max_calls(req)) for i in range(req.n)} \
         if tool_names is not None else {}
     splitters = {i: ReasoningSplitter(ctx.reasoning_parser) for i in range(req.n)} \
         if ctx.reasoning_parser is not None else {}
@@ -362,7 +367,7 @@ def _split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) 
     return ([{"reasoning_content": reasoning}] if reasoning else []), content
 
 
-def _tool_deltas(parser: ToolCallStreamParser, text: str, finished: bool, num_calls: dict[int, int],
+def _tool_deltas(parser: Any, text: str, finished: bool, num_calls: dict[int, int],
                  index: int) -> list[dict[str, Any]]:
     events = parser.feed(text) if text else []
     if finished:

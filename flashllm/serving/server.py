@@ -95,6 +95,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         model_aliases=tuple(names[1:]),
         reasoning_parser=options.get("reasoning_parser"),
         structured_output_in_reasoning=options.get("structured_output_in_reasoning", False),
+        tool_call_parser=options.get("tool_call_parser") or "hermes",
     )
     if options.get("mode") != "static":
         _embedding_setup(ctx, served)

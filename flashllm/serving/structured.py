@@ -9,6 +9,8 @@ from typing import Any
 from flashllm.sampling_params import StructuredOutput
 from flashllm.serving.protocol import APIError
 from flashllm.serving.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from flashllm.serving.tool_parsers import MISTRAL_TOOL_CALLS
+from flashllm.structured.tags import tag_grammar
 
 # generated JSON follows json.dumps' layout inside tool calls too (see flashllm.structured.compiler)
 # a function declared without parameters takes none (OpenAI's reading): its arguments are {}
@@ -52,11 +54,31 @@ def from_request(req: Any) -> tuple[StructuredOutput | None, str | None]:
     return _spec(param, **field), param
 
 
-def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> StructuredOutput | None:
-    """The grammar of `<tool_call>` blocks calling the given tools, for tool_choice "required" or a named
-    function; None for "auto"/"none" (the output stays free). Each block's JSON is {"name", "arguments"}
-    with the arguments valid for that tool's `parameters` schema; one block, or several with
-    parallel_tool_calls. The blocks are those serving.tool_calls parses."""
+def _hermes_calls(parallel: bool, tokenizer: Any) -> str:
+    return (f"start: call{' (NL call)*' if parallel else ''}\nNL: {json.dumps(chr(10))}\n"
+            f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n")
+
+
+def _llama3_calls(parallel: bool, tokenizer: Any) -> str:
+    return f"start: body{' (SEP body)*' if parallel else ''}\nSEP: \"; \"\n"
+
+
+def _mistral_calls(parallel: bool, tokenizer: Any) -> str:
+    marker = tag_grammar(tokenizer, MISTRAL_TOOL_CALLS)
+    return f"start: {marker} \" \"? \"[\" body{' (SEP body)*' if parallel else ''} \"]\"\nSEP: \", \"\n"
+
+
+_CALLS_GRAMMARS = {"hermes": _hermes_calls, "llama3_json": _llama3_calls, "mistral": _mistral_calls}
+
+
+def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool, parser: str = "hermes",
+                         tokenizer: Any = None) -> StructuredOutput | None:
+    """The grammar of tool calls in the `parser` format (serving/tool_parsers.py) calling the given tools, for
+    tool_choice "required" or a named function; None for "auto"/"none" (the output stays free). Each call's
+    JSON names one of the tools with arguments valid for its `parameters` schema; one call, or several with
+    parallel_tool_calls. hermes: `<tool_call>` blocks on their own lines; llama3_json: `{"name", "parameters"}`
+    objects separated by "; "; mistral: `[TOOL_CALLS]` and a JSON array (the marker as the tokenizer's token
+    when it has one)."""
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         chosen = [t for t in tools if t["function"]["name"] == name]
@@ -64,18 +86,17 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel
         chosen = tools
     else:
         return None
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    arguments_key = "parameters" if parser == "llama3_json" else "arguments"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get("parameters") or _NO_ARGUMENTS}}
+                             arguments_key: t["function"].get("parameters") or _NO_ARGUMENTS}}
              for t in chosen]
     body = {"anyOf": calls, "x-guidance": _JSON_LAYOUT}
     try:
         body_text = json.dumps(body)
     except (TypeError, ValueError, RecursionError):
         raise APIError(400, "tools: a function's parameters are not a JSON schema", param="tools") from None
-    grammar = (f"start: call{' (NL call)*' if parallel else ''}\nNL: {json.dumps(chr(10))}\n"
-               f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-               f"body: %json {body_text}\n")
+    grammar = _CALLS_GRAMMARS[parser](parallel, tokenizer) + f"body: %json {body_text}\n"
     return _spec("tools", grammar=grammar)
 
 

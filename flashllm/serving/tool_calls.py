@@ -52,6 +52,26 @@ class StreamEvent:
     tool_call: ToolCall | None = None
 
 
+class ContentTrimmer:
+    """A reply's content as events, whitespace dropped at both ends: leading space before any text, and
+    trailing space held until more text follows (so the events of any split of a text join to its strip())."""
+
+    def __init__(self) -> None:
+        self._started = False  # whether non-space content has been emitted
+        self._held_space = ""
+
+    def emit(self, text: str, events: list[StreamEvent]) -> None:
+        if not self._started:
+            text = text.lstrip()
+            self._started = bool(text)
+        body = text.rstrip()
+        if body:
+            events.append(StreamEvent(content=self._held_space + body))
+            self._held_space = text[len(body):]
+        else:
+            self._held_space += text
+
+
 class _BlockScanner:
     """Finds the end of a block that starts at offset 0 of a growing buffer, resuming where it stopped.
 
@@ -126,8 +146,7 @@ class ToolCallStreamParser:
         self._buf = ""
         self._scanner: _BlockScanner | None = None  # set while the buffer starts with an open tag
         self._num_calls = 0
-        self._started = False  # whether non-space content has been emitted
-        self._held_space = ""
+        self._content = ContentTrimmer()
         self._flushed = False
 
     def feed(self, delta: str) -> list[StreamEvent]:
@@ -183,15 +202,7 @@ class ToolCallStreamParser:
         self._num_calls += 1
 
     def _emit_text(self, text: str, events: list[StreamEvent]) -> None:
-        if not self._started:
-            text = text.lstrip()
-            self._started = bool(text)
-        body = text.rstrip()
-        if body:
-            events.append(StreamEvent(content=self._held_space + body))
-            self._held_space = text[len(body):]
-        else:
-            self._held_space += text
+        self._content.emit(text, events)
 
 
 def _partial_open_len(buf: str) -> int:
@@ -211,15 +222,24 @@ def _parse_call(body: str, tool_names: frozenset[str] | None) -> tuple[str, str]
     try:
         # strict=False: models often put raw newlines inside strings; arguments are re-serialized anyway
         call = json.loads(body, strict=False, parse_constant=_reject_constant)
-        if not isinstance(call, dict):
-            return None
-        name, arguments = call.get("name"), call.get("arguments", {})
-        if not isinstance(name, str) or not name or (tool_names is not None and name not in tool_names):
-            return None
-        if isinstance(arguments, dict):
-            return name, json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict):
+        return None
+    arguments = call_arguments(call.get("name"), call.get("arguments", {}), tool_names)
+    return None if arguments is None else (call["name"], arguments)
+
+
+def call_arguments(name: object, arguments: object, tool_names: frozenset[str] | None) -> str | None:
+    """A call's arguments as a JSON object string, or None unless `name` is a non-empty string (one of
+    `tool_names` when given) and `arguments` an object or a string holding a JSON object."""
+    if not isinstance(name, str) or not name or (tool_names is not None and name not in tool_names):
+        return None
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    try:
         if isinstance(arguments, str) and isinstance(json.loads(arguments, parse_constant=_reject_constant), dict):
-            return name, arguments
+            return arguments
     except (ValueError, RecursionError):
         pass
     return None

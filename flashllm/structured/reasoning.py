@@ -18,16 +18,10 @@ import json
 from typing import Any
 
 from flashllm.sampling_params import THINK_END, THINK_START
+from flashllm.structured.tags import tag_grammar
 
 _CONSTRAINT = "constraint"  # the wrapped constraint's grammar name, referenced from the outer grammar
 _NEWLINES = r"/\n{0,2}/"
-
-
-def tag_grammar(tokenizer: Any, tag: str) -> str:
-    """The Lark item matching `tag`: its added token (`<[id]>`) when the tokenizer has one, else its text."""
-    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    token_id = added.get(tag)
-    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
 
 
 def think_block_grammar(parser: str, start: str, end: str) -> str:
