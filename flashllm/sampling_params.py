@@ -25,6 +25,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_ABS_LENGTH_PENALTY = 10.0
+MAX_PRIORITY = 2**31 - 1  # a request's scheduling priority, either sign (vLLM's is an int)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, +100 forces it
 MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_ALLOWED_TOKEN_IDS = 1 << 18

@@ -20,7 +20,7 @@ from flashllm.cli.parallel_flags import (
     tensor_parallel_size,
 )
 from flashllm.cli.spec_flags import SPEC_FLAGS, spellings
-from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS
+from flashllm.config import CPU_SERVE_MAX_PREFILL_TOKENS, SCHEDULING_POLICIES
 from flashllm.serving.reasoning import REASONING_PARSERS
 from flashllm.serving.tool_parsers import TOOL_CALL_PARSERS
 
@@ -92,6 +92,8 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "cachekv_int8_type": (str, "dynamic", "int8/fp8 KV scales: dynamic (per token) | static (from the checkpoint)"),
     "max_num_seqs": (int, 64, "sequences in the running batch"),
     "max_num_batched_tokens": (int, 2048, "token budget of one step"),
+    "scheduling_policy": (str, "fcfs", "fcfs: requests run in arrival order | priority: by each request's "
+                          "`priority` (lower first, then arrival); the lowest priority is preempted first"),
     "max_prefill_tokens": (int, None, "prompt tokens one step may prefill, decodes not counted (default: "
                            f"{CPU_SERVE_MAX_PREFILL_TOKENS} on CPUs, so a burst of new prompts starts streaming in turn; "
                            "--max-num-batched-tokens elsewhere)"),
@@ -121,7 +123,7 @@ FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_sp
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
 DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
-                "max_num_batched_tokens", "max_prefill_tokens", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
+                "max_num_batched_tokens", "max_prefill_tokens", "scheduling_policy", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
                 "lora_path",
                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "allowed_lora_dir",
@@ -220,6 +222,8 @@ def _check_limits(values: dict[str, Any]) -> None:
     parser = values.get("reasoning_parser")
     if parser is not None and parser not in REASONING_PARSERS:
         refuse("reasoning_parser", f"one of {', '.join(REASONING_PARSERS)}")
+    if values.get("scheduling_policy") not in SCHEDULING_POLICIES:
+        refuse("scheduling_policy", f"one of {', '.join(SCHEDULING_POLICIES)}")
     if values.get("tool_call_parser") not in TOOL_CALL_PARSERS:
         refuse("tool_call_parser", f"one of {', '.join(TOOL_CALL_PARSERS)}")
     if values.get("structured_output_in_reasoning") and parser is None:

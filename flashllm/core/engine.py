@@ -21,7 +21,7 @@ from flashllm.core.spec.build import calibrate_guard, check_speculative_config, 
 from flashllm.core.spec.speculator import Speculator
 from flashllm.outputs import RequestOutput
 from flashllm.registry.plugins import FlashPlugins
-from flashllm.sampling_params import SamplingParams
+from flashllm.sampling_params import MAX_PRIORITY, SamplingParams
 from flashllm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,18 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Validation happens here.
 
         lora_request: a flashllm.lora LoRARequest to run the request with that adapter (the engine
-        must be built with enable_lora); the adapter is read and checked here on first use."""
+        must be built with enable_lora); the adapter is read and checked here on first use.
+        priority: with scheduling_policy "priority", lower runs first (admitted first, preempted last)."""
         params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_priority(priority)
         text, token_ids = prompt_token_ids(prompt, params, self.tokenizer)
         self._check_prompt(token_ids)
         bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
@@ -95,10 +98,18 @@ class Engine:
             if lora_request is not None:
                 seq.lora_id = lora_request.lora_int_id
             seq.cache_salt = salt
+            seq.priority = priority
             self.scheduler.add(seq)
             self._by_seq[seq.seq_id] = request
         self.requests[request_id] = request
         return request_id
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r:.40}")
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (serve --scheduling-policy "
+                             "priority); with first-come-first-served scheduling leave it 0")
 
     def add_lora(self, lora_request: Any, pinned: bool = False) -> None:
         """Register an adapter now (read and checked; LoRAError / ValueError when it cannot be used).

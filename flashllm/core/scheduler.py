@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from flashllm.config import SchedulerConfig
+from flashllm.config import SCHEDULING_POLICIES, SchedulerConfig
 from flashllm.core.block_manager import BlockManager
 from flashllm.core.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -40,6 +41,14 @@ def check_scheduler_config(config: SchedulerConfig) -> None:
                          "fix SchedulerConfig")
     if config.num_scheduler_steps < 1:
         raise ValueError(f"num_scheduler_steps must be >= 1, got {config.num_scheduler_steps}; fix SchedulerConfig")
+    if config.scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                         f"{config.scheduling_policy!r}; fix SchedulerConfig")
+
+
+def priority_order(seq: Sequence) -> tuple[int, float, int]:
+    """The scheduling_policy "priority" order of a sequence: its priority (lower first), then arrival."""
+    return seq.priority, seq.arrival_time, seq.seq_id
 
 
 @dataclass(slots=True)
@@ -63,6 +72,11 @@ class Scheduler:
     allow. Prompt tokens (everything but decodes) share a further per-step budget, max_prefill_tokens
     when set, so a burst of new prompts is prefilled over several steps and decodes run in each.
     When a running sequence needs a block that is not there, the most recently admitted running sequence is preempted: its blocks are freed and it re-queues at the front to recompute.
+
+    With scheduling_policy "priority" both orders are priority_order's instead of arrival's: the waiting queue
+    is kept sorted by it (a preempted sequence goes back to its place), and running sequences are scheduled in
+    it each step, so the lowest-priority one is the first preempted. A running sequence is never preempted to
+    admit a waiting one (as in vLLM).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -75,6 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         # distinct LoRA adapters the running batch may use at once (the device's slots); None: no LoRA
         self.max_loras: int | None = None
+        self._by_priority = config.scheduling_policy == "priority"
 
     @property
     def num_waiting(self) -> int:
@@ -97,7 +112,10 @@ class Scheduler:
                 f"is {seq.status.name} with {len(seq.block_table)} blocks"
             )
         self._check_prompt_fits(seq)
-        self.waiting.append(seq)
+        if self._by_priority:
+            bisect.insort(self.waiting, seq, key=priority_order)
+        else:
+            self.waiting.append(seq)
 
     def _check_prompt_fits(self, seq: Sequence) -> None:
         cfg = self.config
@@ -161,6 +179,8 @@ class Scheduler:
         out = SchedulerOutput()
         cap = self.config.max_prefill_tokens
         self._prefill_left = self.config.max_num_batched_tokens if cap is None else cap
+        if self._by_priority:
+            self.running.sort(key=priority_order)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # blocks are short: admitting now would only preempt again
             budget = self._admit_waiting(out, budget)
@@ -237,7 +257,10 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)  # also resets num_computed_tokens: it will recompute
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self._by_priority:
+            bisect.insort(self.waiting, seq, key=priority_order)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
 

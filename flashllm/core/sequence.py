@@ -76,6 +76,8 @@ class Sequence:
         # the LoRA adapter the sequence runs with (0: the base model) and the prefix-cache salt that
         # keeps its KV blocks apart from other adapters' (b"": unsalted)
         self.lora_id: int = 0
+        # the scheduling_policy "priority" order: lower runs first (vLLM's request priority); 0 by default
+        self.priority: int = 0
         self.cache_salt: bytes = b""
 
     def __repr__(self) -> str:

@@ -214,7 +214,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: Any = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one reserved request, step by step, the last one with `finished` set.
 
         Leaving the iteration early (client disconnect, timeout, cancellation) aborts the
@@ -224,7 +224,9 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
         if stream is None:
             raise RuntimeError(f"request {request_id!r} has no seat: call reserve() first")
-        self._inbox.put(("add", request_id, prompt_token_ids, params, lora_request))
+        # only what was asked reaches add_request: static mode's engine takes neither option
+        options = {k: v for k, v in (("lora_request", lora_request), ("priority", priority)) if v}
+        self._inbox.put(("add", request_id, prompt_token_ids, params, options))
         self._wake.set()
         try:
             while True:
@@ -275,14 +277,13 @@ class AsyncEngine:
             if message[0] == "call":
                 _run_call(self.engine, message[1], message[2])
                 continue
-            _, request_id, prompt_token_ids, params, lora_request = message
+            _, request_id, prompt_token_ids, params, options = message
             with self._lock:
                 alive = request_id in self._streams
             if not alive:
                 continue  # released before it reached the engine
             try:
-                lora = {} if lora_request is None else {"lora_request": lora_request}  # static mode takes none
-                self.engine.add_request(prompt_token_ids, params, request_id=request_id, **lora)
+                self.engine.add_request(prompt_token_ids, params, request_id=request_id, **options)
             except ValueError as exc:
                 self._deliver(request_id, exc)
 

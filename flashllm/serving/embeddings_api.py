@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from flashllm.sampling_params import SamplingParams
 from flashllm.serving.generation import Generation, ServerContext
-from flashllm.serving.openai_api import check_model, max_tokens_for, tokenize_prompts
+from flashllm.serving.openai_api import check_model, check_priority, max_tokens_for, tokenize_prompts
 from flashllm.serving.protocol import APIError, EmbeddingRequest, parse_body, prompt_list
 
 
@@ -28,7 +28,7 @@ async def create_embedding(ctx: ServerContext, http: HTTPRequest, body: bytes) -
                await tokenize_prompts(ctx, prompt_list(req.input), "input", refuse_past_context=keep is None)]
     max_tokens_for(ctx, prompts, 1, 1, "input", "input")  # a prompt must leave room for the one token run after it
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
-    gen = Generation(ctx, prompts, params, lora)
+    gen = Generation(ctx, prompts, params, lora, priority=check_priority(ctx, req.priority))
     gen.reserve()
     try:
         finals = await gen.final_outputs(http)

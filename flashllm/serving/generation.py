@@ -43,6 +43,7 @@ class ServerContext:
     reasoning_parser: str | None = None  # serving/reasoning.py: <think> text answered as reasoning_content
     # with a reasoning parser: structured output constrains the think block too (else only what follows it)
     structured_output_in_reasoning: bool = False
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders admission and preemption
     tool_call_parser: str = "hermes"  # serving/tool_parsers.py: how the model writes tool calls
     # /v1/embeddings: the model directory's pooling (None: pooling_error says why it cannot embed), and the
     # hidden size that bounds a request's `dimensions`
@@ -59,6 +60,7 @@ class Generation:
     prompts: list[list[int]]
     params: SamplingParams
     lora_request: Any = None  # the adapter the request's `model` named (None: the base model)
+    priority: int = 0  # serve --scheduling-policy priority: lower runs first
     request_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -112,7 +114,7 @@ class Generation:
         async def pump(index: int, request_id: str) -> None:
             try:
                 async for output in self.ctx.engine.generate(request_id, self.prompts[index], self.params,
-                                                             self.lora_request):
+                                                             self.lora_request, self.priority):
                     await queue.put((index, output))
                 await queue.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises

@@ -99,6 +99,14 @@ def check_vocab(ctx: ServerContext, prompts: list[list[int]], param: str = "prom
             raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
+def check_priority(ctx: ServerContext, priority: int) -> int:
+    """A request's priority, which only a server started with --scheduling-policy priority takes (400)."""
+    if priority and ctx.scheduling_policy != "priority":
+        raise APIError(400, "priority needs a server started with --scheduling-policy priority; leave it 0",
+                       param="priority")
+    return priority
+
+
 def check_biased_ids(ctx: ServerContext, req: Any) -> None:
     """logit_bias and allowed_token_ids may name only the model's tokens; bad_words needs a tokenizer."""
     for param, ids in req.token_ids_biased().items():
@@ -140,7 +148,7 @@ async def create_completion(ctx: ServerContext, http: HTTPRequest, body: bytes) 
             raise APIError(400, "echo with logprobs needs prompt logprobs, which static mode does not compute; "
                            "restart the server with --mode dynamic", param="echo")
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-    gen = Generation(ctx, prompts, params, lora)
+    gen = Generation(ctx, prompts, params, lora, priority=check_priority(ctx, req.priority))
     gen.reserve()
     # a truncated prompt echoes the tokens the model saw
     echo = [p if isinstance(p, str) and len(ids) == len(w) else ctx.tokenizer.decode(ids) if ctx.tokenizer else ""
@@ -249,7 +257,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
         # the parser reads the model's tool-call markers (<|python_tag|>, [TOOL_CALLS]): special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
-    gen = Generation(ctx, [prompt], params, lora)
+    gen = Generation(ctx, [prompt], params, lora, priority=check_priority(ctx, req.priority))
     gen.reserve()
     if req.stream:
         return StreamingResponse(_chat_stream(gen, req, tool_names), media_type="text/event-stream",

@@ -16,6 +16,7 @@ from flashllm.sampling_params import (
     MAX_EMBEDDING_DIMENSIONS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -160,6 +161,8 @@ class _SamplingRequest(_Model):
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
         None, max_length=MAX_BAD_WORDS)
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    # vLLM's: with serve --scheduling-policy priority, lower runs first
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -410,6 +413,7 @@ class EmbeddingRequest(_Model):
     dimensions: int | None = Field(None, ge=1, le=MAX_EMBEDDING_DIMENSIONS)
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)  # vLLM's: keep the last k tokens
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # serve --scheduling-policy priority: lower first
 
     @field_validator("input")
     @classmethod

@@ -96,6 +96,7 @@ def build_server(options: dict[str, Any]) -> BuiltServer:
         reasoning_parser=options.get("reasoning_parser"),
         structured_output_in_reasoning=options.get("structured_output_in_reasoning", False),
         tool_call_parser=options.get("tool_call_parser") or "hermes",
+        scheduling_policy=options.get("scheduling_policy") or "fcfs",
     )
     if options.get("mode") != "static":
         _embedding_setup(ctx, served)
@@ -173,6 +174,7 @@ def _build_engine(options: dict[str, Any]) -> Engine:
         kv_cache_dtype=options["kv_cache_dtype"], cachekv_int8_type=options["cachekv_int8_type"],
         max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"],
         max_prefill_tokens=options.get("max_prefill_tokens"), num_scheduler_steps=options["num_scheduler_steps"], enable_prefix_caching=not options["no_prefix_caching"],
+        scheduling_policy=options.get("scheduling_policy") or "fcfs",
         strict_kernels=options["strict_kernels"],
         enforce_eager=options["enforce_eager"], gpu_memory_utilization=options["gpu_memory_utilization"],
         seed=options["seed"], tensor_parallel_size=options["tensor_parallel_size"],

@@ -114,7 +114,7 @@ def test_both_module_entry_points_run_the_command(module: str) -> None:
     ("--port", "70000"), ("--port", "-1"), ("--max-queue", "-5"), ("--max-body-bytes", "0"),
     ("--request-timeout", "nan"), ("--request-timeout", "-1"), ("--shutdown-drain-timeout", "inf"),
     ("--host", "256.1.1.1"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-3"),
-    ("--num-scheduler-steps", "0"), ("--tool-call-parser", "pythonic"),
+    ("--num-scheduler-steps", "0"), ("--tool-call-parser", "pythonic"), ("--scheduling-policy", "lifo"),
 ])
 def test_a_bad_server_or_scheduler_number_fails_in_one_line(tiny_model_dir: Path, flag: str, value: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
