@@ -15,6 +15,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "flashllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
