@@ -34,9 +34,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # per-head q / k norms; head_dim 32 set explicitly (64 / 4 heads would give 16), as Qwen3's 128 is
     "qwen3": ("Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
+    # sliding (window 8) and full layers alternating, each with its own RoPE (full: linearly scaled, as in
+    # Gemma 3 4B and up); a score scale query_pre_attn_scalar ** -0.5 that head_dim ** -0.5 is not
+    "gemma3": ("Gemma3ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }),
 }
 # transformers' model_type of each preset's architecture
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "Gemma3ForCausalLM": "gemma3_text"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
@@ -60,8 +68,9 @@ def build_tiny_model(
     """Write a tiny random-weight transformers model (config, safetensors, tokenizer) to out_dir.
 
     arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
-    embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied). Weights are drawn from `seed` (same seed, same files);
-    every parameter, biases and norm scales included, is random so none of them can be ignored.
+    embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied, "gemma3" Gemma 3's
+    sliding and full layers + tied). Weights are drawn from `seed` (same seed, same files); every
+    parameter, biases and norm scales included, is random so none of them can be ignored.
     tokenizer: also train and save a small tokenizer with a chatml template; the model's vocab
     is then the tokenizer's. max_shard_size (e.g. "20KB") writes a sharded checkpoint.
     config_overrides replace any config field. Returns out_dir.
