@@ -126,6 +126,45 @@ _ROPE_TYPES: dict[str, Callable[..., tuple[Tensor, float]]] = {
 }
 
 
+def longrope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any], max_position: int,
+                      long: bool) -> tuple[Tensor, float]:
+    """LongRoPE (Phi-3 / Phi-3.5 / Phi-4-mini): the inverse frequencies of one of its two factor sets.
+
+    rope_scaling: {"short_factor": [...], "long_factor": [...] (rotary_dim/2 divisors each),
+    "original_max_position_embeddings": the training length, optional "factor" (default
+    max_position / original) and "attention_factor" (default sqrt(1 + ln(factor) / ln(original)),
+    1 when factor <= 1)}; max_position: the model's max_position_embeddings. long: the long set
+    (transformers uses it while the sequence is longer than the original length), else the short one.
+    Returns (inv_freq (rotary_dim/2,) fp32, attention_factor), as transformers'
+    _compute_longrope_parameters. Not a rope type of rope_inv_freq: which set a token uses depends on
+    its sequence, which one table cannot say (models/phi3.py keeps both and picks per token).
+    """
+    if rotary_dim <= 0 or rotary_dim % 2 != 0:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    original = int(_require(rope_scaling, "original_max_position_embeddings", "longrope"))
+    key = "long_factor" if long else "short_factor"
+    divisors = _require(rope_scaling, key, "longrope")
+    if (not isinstance(divisors, list) or len(divisors) != rotary_dim // 2
+            or not all(isinstance(d, int | float) and not isinstance(d, bool) and d > 0 for d in divisors)):
+        raise ValueError(f"longrope {key} must be a list of rotary_dim / 2 = {rotary_dim // 2} positive numbers, "
+                         f"got {divisors!r:.80}")
+    factor = rope_scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+    # 1 / (divisor * base ** e), transformers' order of operations
+    inv_freq = 1.0 / (torch.tensor(divisors, dtype=torch.float32) * base**exponents)
+    return inv_freq, float(attention_factor)
+
+
+def cos_sin_rows(inv_freq: Tensor, attention_factor: float, num_positions: int) -> Tensor:
+    """(num_positions, rotary_dim) fp32 [cos | sin] of positions 0.. num_positions - 1, times attention_factor."""
+    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor
+
+
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
     """The rope type named by an HF rope_scaling / rope_parameters dict ("rope_type" or legacy "type")."""
     if not rope_scaling:
@@ -170,7 +209,4 @@ def build_cos_sin_cache(
     Angles are computed in fp32 and the table is returned in `dtype` (fp32 is what the op expects).
     """
     inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling, max_position)
-    positions = torch.arange(max_position, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]  # (max_position, rotary_dim/2)
-    cache = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor
-    return cache.to(dtype)
+    return cos_sin_rows(inv_freq, attention_factor, max_position).to(dtype)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from flashllm.ops.rope_cache import SUPPORTED_ROPE_TYPES, build_cos_sin_cache, rope_inv_freq
+from flashllm.ops.rope_cache import SUPPORTED_ROPE_TYPES, build_cos_sin_cache, longrope_inv_freq, rope_inv_freq
 from flashllm.ops.rotary_embedding import rotary_embedding
 from flashllm.ops.tolerances import assert_close
 
@@ -59,6 +59,26 @@ def test_inv_freq_matches_transformers(name: str) -> None:
     expected_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     inv_freq, factor = rope_inv_freq(HEAD_DIM, 50000.0, HF_SCALED_TYPES[name], MAX_POSITION)
     torch.testing.assert_close(inv_freq, expected_inv_freq)
+    assert factor == pytest.approx(expected_factor)
+
+
+@pytest.mark.parametrize("explicit", [{}, {"factor": 3.0}, {"attention_factor": 1.7}])
+@pytest.mark.parametrize("seq_len", [256, 257])
+def test_longrope_sets_match_transformers(seq_len: int, explicit: dict) -> None:
+    """Phi-3's LongRoPE: the short set up to original_max_position_embeddings (256), the long one past it; the
+    attention factor from max_position_embeddings / original unless the dict gives factor or attention_factor."""
+    from transformers import Phi3Config
+
+    rotary_dim = 48  # partial_rotary_factor 0.75 of HEAD_DIM
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(rotary_dim // 2)],
+               "long_factor": [1.0 + 0.5 * i for i in range(rotary_dim // 2)], **explicit}
+    config = Phi3Config(hidden_size=4 * HEAD_DIM, num_attention_heads=4, max_position_embeddings=MAX_POSITION,
+                        original_max_position_embeddings=256, partial_rotary_factor=0.75,
+                        rope_parameters={"rope_theta": 50000.0, **scaling})
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+    inv_freq, factor = longrope_inv_freq(rotary_dim, 50000.0, {**scaling, "original_max_position_embeddings": 256},
+                                         MAX_POSITION, long=seq_len > 256)
+    torch.testing.assert_close(inv_freq, expected, rtol=0, atol=0)
     assert factor == pytest.approx(expected_factor)
 
 
