@@ -124,16 +124,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device,
                                            tp_rank, tp_size)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.rotary_dim, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling, ops, device,
-        )
+        self.rotary_emb = self.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, qkv_bias, o_bias,
                               tp_rank, tp_size)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    @staticmethod
+    def build_rotary(config: LlamaModelConfig, ops: Any, device: torch.device) -> RotaryEmbedding:
+        """The rotary table every layer shares, from config's rope fields; a subclass with its own rope
+        (Phi-3's LongRoPE) returns its own (and takes no fused decoder-stack path, see fusions)."""
+        return RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
+                               config.rope_theta, config.rope_scaling, ops, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:
