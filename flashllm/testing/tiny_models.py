@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ TINY_BASE: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
 }
 
+_PHI3_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {}),
     "llama3": ("LlamaForCausalLM", {
@@ -41,10 +44,21 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
     }),
+    # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
+    # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
+    "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
+    # Phi-4-mini's shape: LongRoPE past an original context of 64 (short and long factors far apart) and
+    # RoPE on the first 0.75 of each head (12 of 16 features: 6 factors a set)
+    "phi3-longrope": ("Phi3ForCausalLM", {
+        "original_max_position_embeddings": 64, "partial_rotary_factor": 0.75,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]},
+        **_PHI3_IDS,
+    }),
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Gemma3ForCausalLM": "gemma3_text"}
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
@@ -69,8 +83,9 @@ def build_tiny_model(
 
     arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
     embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied, "gemma3" Gemma 3's
-    sliding and full layers + tied). Weights are drawn from `seed` (same seed, same files); every
-    parameter, biases and norm scales included, is random so none of them can be ignored.
+    sliding and full layers + tied, "phi3" fused projections + sliding window, "phi3-longrope" LongRoPE +
+    partial rotary). Weights are drawn from `seed` (same seed, same files); every parameter, biases and norm
+    scales included, is random so none of them can be ignored.
     tokenizer: also train and save a small tokenizer with a chatml template; the model's vocab
     is then the tokenizer's. max_shard_size (e.g. "20KB") writes a sharded checkpoint.
     config_overrides replace any config field. Returns out_dir.
@@ -82,7 +97,8 @@ def build_tiny_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     architecture, preset = PRESETS[arch]
-    fields: dict[str, Any] = {**TINY_BASE, **preset, "vocab_size": DEFAULT_VOCAB_WITHOUT_TOKENIZER}
+    # a deep copy: transformers' configs complete a rope_scaling dict in place, which would change PRESETS
+    fields: dict[str, Any] = copy.deepcopy({**TINY_BASE, **preset, "vocab_size": DEFAULT_VOCAB_WITHOUT_TOKENIZER})
     if tokenizer:
         fields.update(_train_tokenizer(out_dir))
     fields.update(config_overrides)
