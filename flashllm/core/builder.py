@@ -183,7 +183,7 @@ def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpT
     if selection.adapter.new_graph(selection.device) is None:
         return f"the {selection.backend.name} backend's device has no graphs"
     if getattr(model, "reads_prompt_lens", False):  # the captured decode inputs hold no prompt lengths
-        return "the model reads each sequence's prompt length (QWen's dynamic NTK RoPE tables)"
+        return "the model reads each sequence's prompt length (QWen's dynamic NTK, Phi-3's LongRoPE tables)"
     unsafe = [op for op in (ops.sources if model is None else bound_ops(model, ops))
               if not ops.kernel(op).caps.graph_safe]
     if unsafe:

@@ -9,12 +9,16 @@ from flashllm.models.loader import load_model
 from flashllm.testing.parity import assert_logits_close, hf_logits, random_tokens
 from flashllm.testing.tiny_models import build_tiny_model
 
-PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma3")
+PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma3", "phi3")
+# LongRoPE: a whole prompt in one pass uses the factor set transformers' full forward does; its decodes
+# and chunks across original_max_position_embeddings are checked against transformers' cached generation
+# in tests/models/test_phi3.py
+PREFILL_PRESETS = (*PRESETS, "phi3-longrope")
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
 
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PREFILL_PRESETS)
 def test_prefill_one_sequence_matches_transformers(preset, length, loaded_pair, paged_driver):
     ours, theirs = loaded_pair(preset)
     tokens = random_tokens(length, ours.config.vocab_size, seed=length)
@@ -24,7 +28,7 @@ def test_prefill_one_sequence_matches_transformers(preset, length, loaded_pair, 
     assert_logits_close(logits, hf_logits(theirs, tokens))
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PREFILL_PRESETS)
 def test_prefill_varlen_batch_matches_transformers(preset, loaded_pair, paged_driver):
     ours, theirs = loaded_pair(preset)
     driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
@@ -50,7 +54,7 @@ def test_greedy_decode_steps_match_transformers(preset, loaded_pair, paged_drive
             assert_logits_close(logits, hf_logits(theirs, prompt)[-1:])
 
 
-@pytest.mark.parametrize("preset", ["llama3", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("preset", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_chunked_prefill_beside_decode_matches_transformers(preset, loaded_pair, paged_driver):
     """A prompt split into chunks (queries after a cached prefix) shares batches with a decode."""
     ours, theirs = loaded_pair(preset)
