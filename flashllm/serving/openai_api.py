@@ -183,9 +183,12 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
     offsets: dict[tuple[int, int], int] = {}
     done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}  # each prompt's newest output, for continuous usage stats
     head = {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": gen.model_name}
     try:
         async for p, output in gen.stream():
+            latest[p] = output
+            so_far = {"usage": usage(gen.prompts, list(latest.values()))} if req.continuous_usage else {}
             for c in output.outputs:
                 key = (p, c.index)
                 if key in done:
@@ -204,7 +207,7 @@ async def _completion_stream(gen: Generation, req: CompletionRequest, echo: list
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in (logprobs or {}).get("tokens", []))
                 logprobs = join_logprobs(echoed, logprobs) if echoed else logprobs
                 yield sse({**head, "choices": [{"index": p * req.n + c.index, "text": prefix + c.delta,
-                                                "logprobs": logprobs, "finish_reason": c.finish_reason}]})
+                                                "logprobs": logprobs, "finish_reason": c.finish_reason}], **so_far})
             if output.finished:
                 finals[p] = output
     except APIError as err:
@@ -331,15 +334,20 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     num_calls: dict[int, int] = {}
     done: set[int] = set()
     final: RequestOutput | None = None
+    so_far: dict[str, Any] = {}  # continuous usage stats: the usage of the newest output, on every chunk
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}]})
+                                         "finish_reason": finish}], **so_far})
 
     try:
+        if req.continuous_usage:
+            so_far = {"usage": usage(gen.prompts, [])}
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for _, output in gen.stream():
+            if req.continuous_usage:
+                so_far = {"usage": usage(gen.prompts, [output])}
             for c in output.outputs:
                 if c.index in done:
                     continue  # a finished choice is repeated in every later output of its request

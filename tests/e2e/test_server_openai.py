@@ -302,3 +302,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_past_the_conte
                                           extra_body={"truncate_prompt_tokens": 8})
     assert chat.usage.prompt_tokens == 8
     assert chat.choices[0].message.content == chat_expected.outputs[0].text
+
+
+@pytest.mark.parametrize("route", ["/completions", "/chat/completions"])
+def test_continuous_usage_stats_count_every_chunk(server: ServerProcess, route: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed so far, and the
+    final usage chunk the whole reply."""
+    import json
+
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            **({"prompt": "Hello"} if route == "/completions" else {"messages": MESSAGES})}
+    with httpx.stream("POST", f"{server.url}{route}", json=body, timeout=60) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 8
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt) == 1 and all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] +
+                                    c["usage"]["completion_tokens"] for c in chunks)
+    streamed = [c for c in chunks if c["choices"]]
+    assert len({c["usage"]["completion_tokens"] for c in streamed}) > 2  # it grows while the reply streams
