@@ -88,8 +88,6 @@ class Engine:
         if outside:
             raise ValueError(f"logit_bias / allowed_token_ids name token ids {outside} outside the vocabulary "
                              f"[0, {self.parts.hf_config.vocab_size})")
-        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is computed on one rank only; run with --tensor-parallel-size 1")
         spec = params.structured_output
         salt = self._lora_salt(lora_request) + self._rope_salt(len(token_ids))
         request = Request(request_id, text, token_ids, params, self.tokenizer, self.parts.eos_token_ids,

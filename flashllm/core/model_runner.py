@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from flashllm.core.pooling import pooling_rows, record_pooled
-from flashllm.core.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
+from flashllm.core.prompt_logprobs import join_logit_gathers, logit_blocks, prompt_logprob_rows, record_prompt_logprobs
 from flashllm.core.sampler import Sampler, SamplerOutput, SamplingState, plain_greedy
 from flashllm.core.scheduler import SchedulerOutput
 from flashllm.core.sequence import Sequence
@@ -43,6 +43,9 @@ class ModelInput:
     # SamplingParams.prompt_logprobs: (sequence, first token row, first position, rows) per chunk holding
     # prompt positions whose next prompt token gets its logprob (flashllm.core.prompt_logprobs)
     prompt_logprobs: list[tuple[Sequence, int, int, int]] | None = None
+    # the (first token row, rows) of each LM-head call those make (prompt_logprobs.logit_blocks): what the other
+    # tensor-parallel ranks receive instead of the entries, to join the head's gathers
+    prompt_logit_blocks: list[tuple[int, int]] | None = None
     # SamplingParams.pooling: the same entries for the rows each sequence's pooling reads (flashllm.core.pooling)
     pooling: list[tuple[Sequence, int, int, int]] | None = None
     # the seq_id of each entry of cu_seqlens_q (a drafted decode has 1 + k entries): what hidden_sink reads
@@ -248,6 +251,7 @@ class ModelRunner:
             logits_indices=self._tensor(flat.sampling_rows, torch.int64),
             num_logits=num_logits,
             prompt_logprobs=flat.prompt_logprobs or None,
+            prompt_logit_blocks=logit_blocks(flat.prompt_logprobs) or None,
             pooling=flat.pooling or None,
             seq_ids=flat.seq_ids,
         )
@@ -377,6 +381,8 @@ class ModelRunner:
             self.hidden_sink(inputs, hidden)
         if inputs.prompt_logprobs:
             record_prompt_logprobs(self.model, hidden, inputs.prompt_logprobs)
+        elif inputs.prompt_logit_blocks:
+            join_logit_gathers(self.model, hidden, inputs.prompt_logit_blocks)
         if inputs.pooling:
             record_pooled(hidden, inputs.pooling)
         if inputs.logits_indices.numel() == 0:

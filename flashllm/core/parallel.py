@@ -44,8 +44,9 @@ DEFAULT_HEARTBEAT_S = 5.0
 IDLE_WAIT = timedelta(days=365)
 
 # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k, LoRA slot rows
-# (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens)
-_HEADER = 11
+# (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens),
+# prompt-logprob LM-head blocks (ModelInput.prompt_logit_blocks: two ids each)
+_HEADER = 12
 MAX_LOAD_BYTES = 1 << 20  # a step's slot loads: at most 256 adapters' names and paths
 _STEP, _STOP, _PING = 1, 0, 2
 
@@ -186,14 +187,15 @@ class StepChannel:
                              f"{MAX_LOAD_BYTES}; use shorter adapter names or paths")
         extra = () if lora_slots is None else (lora_slots,)
         prompt_lens = () if md.prompt_lens is None else (md.prompt_lens,)
+        blocks = torch.tensor(inputs.prompt_logit_blocks or [], dtype=torch.int64).reshape(-1)
         header = torch.tensor([_STEP, inputs.input_ids.numel(), md.seq_lens.numel(), tables.shape[1],
                                inputs.logits_indices.numel(), -1 if inputs.num_logits is None else inputs.num_logits,
                                md.max_seqlen_q, md.max_seqlen_k, 0 if lora_slots is None else lora_slots.numel(),
-                               len(loads), 0 if md.prompt_lens is None else md.prompt_lens.numel()],
-                              dtype=torch.int64)
+                               len(loads), 0 if md.prompt_lens is None else md.prompt_lens.numel(),
+                               blocks.numel() // 2], dtype=torch.int64)
         payload = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
             inputs.input_ids, inputs.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, tables,
-            inputs.logits_indices, *extra, *prompt_lens)])
+            inputs.logits_indices, *extra, *prompt_lens, blocks)])
         group = control_group()
         dist.broadcast(header, src=0, group=group)
         dist.broadcast(payload, src=0, group=group)
@@ -233,15 +235,15 @@ class StepChannel:
         group = control_group()
         while int((header := _next_header(group))[0]) == _PING:
             dist.barrier(group=group)  # the driver's ping waits here too
-        command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows = (
-            header.tolist())
+        (command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows,
+         num_blocks) = header.tolist()
         if command == _STOP:
             dist.barrier(group=group)  # the driver's send_stop waits here too
             return None
-        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows, prompt_rows]
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows, prompt_rows, 2 * num_blocks]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots, prompt_lens = payload.split(sizes)
+        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots, prompt_lens, blocks = payload.split(sizes)
         if load_bytes:
             loads = torch.empty(load_bytes, dtype=torch.uint8)
             dist.broadcast(loads, src=0, group=group)
@@ -261,7 +263,8 @@ class StepChannel:
             prompt_lens=on_device(prompt_lens, torch.int32) if prompt_rows else None)
         return ModelInput(input_ids=on_device(ids, torch.int64), positions=on_device(positions, torch.int64),
                           attn_metadata=metadata, logits_indices=on_device(logits_rows, torch.int64),
-                          num_logits=None if num_logits < 0 else num_logits)
+                          num_logits=None if num_logits < 0 else num_logits,
+                          prompt_logit_blocks=[tuple(b) for b in blocks.view(-1, 2).tolist()] or None)
 
 
 def _next_header(group: Any) -> torch.Tensor:

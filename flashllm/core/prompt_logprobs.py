@@ -23,6 +23,20 @@ def prompt_logprob_rows(seq: Sequence, first_row: int, start: int, end: int) -> 
     return [(seq, first_row, start, last - start)]
 
 
+def logit_blocks(entries: list[tuple[Sequence, int, int, int]]) -> list[tuple[int, int]]:
+    """(first token row, rows) of each compute_logits call record_prompt_logprobs makes, in its order: what the
+    other tensor-parallel ranks repeat, since the vocabulary-parallel LM head gathers over every rank."""
+    return [(first_row + offset, min(_ROWS_PER_BLOCK, count - offset))
+            for _, first_row, _, count in entries for offset in range(0, count, _ROWS_PER_BLOCK)]
+
+
+def join_logit_gathers(model: Any, hidden: torch.Tensor, blocks: list[tuple[int, int]]) -> None:
+    """Another tensor-parallel rank's part of the driver's prompt logprobs: the same compute_logits calls, whose
+    gathers need every rank; the logits are dropped."""
+    for first_row, rows in blocks:
+        model.compute_logits(hidden[first_row: first_row + rows])
+
+
 def record_prompt_logprobs(model: Any, hidden: torch.Tensor, entries: list[tuple[Sequence, int, int, int]]) -> None:
     """Write into each entry's seq.prompt_logprobs, by position of the predicted token, (logprob, top-k list).
 

@@ -110,6 +110,27 @@ def test_plain_greedy_steps_match_too(model_dirs: dict[str, Path]) -> None:
     assert tokens(2) == tokens(1)
 
 
+def test_prompt_logprobs_match_one_rank(model_dirs: dict[str, Path]) -> None:
+    """Prompt logprobs need the whole vocabulary's logits of every prompt row: the other rank joins the LM
+    head's gathers for the rows the driver records, chunk by chunk (16-token steps)."""
+    def prompt_logprobs(tp: int) -> list:
+        llm = LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                  num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+            outputs = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [(o.prompt_logprobs, list(o.outputs[0].token_ids)) for o in outputs]
+
+    one, two = prompt_logprobs(1), prompt_logprobs(2)
+    assert [len(lp) for lp, _ in one] == [len(p) for p in PROMPTS] and one[0][0][5] is not None
+    for (lp1, tokens1), (lp2, tokens2) in zip(one, two, strict=True):
+        assert tokens2 == tokens1 and lp2[0] is None
+        for a, b in zip(lp1[1:], lp2[1:], strict=True):
+            assert b[0] == pytest.approx(a[0], abs=1e-4) and [t for t, _ in b[1]] == [t for t, _ in a[1]]
+
+
 def test_embeddings_match_one_rank(model_dirs: dict[str, Path]) -> None:
     """The driver pools its own hidden states (whole on every rank after the row-parallel reductions): mean
     pooling over 16-token chunks and last-token pooling give one rank's vectors."""
