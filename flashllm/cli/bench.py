@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flashllm.bench import devices, serve_run, structured
+from flashllm.bench import devices, embed, serve_run, structured
 from flashllm.cli.parallel_flags import add_parallel_flags
 from flashllm.cli.spec_flags import add_speculative_flags
 
@@ -91,6 +91,7 @@ def add_parser(sub: Any) -> None:
     _add_serve_parser(modes)
     devices.add_parser(modes)
     structured.add_structured_parser(modes)
+    embed.add_embed_parser(modes)
     plot = modes.add_parser("plot", help="chart saved --json records: serve runs as latency vs load")
     plot.add_argument("records", nargs="+", type=Path, help="serve records (one per request rate) or one "
                                                              "throughput/latency record")
@@ -189,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         return devices.run_devices(args)
     if args.mode == "structured":
         return structured.run_structured(args)
+    if args.mode == "embed":
+        return embed.run_embed(args)
     try:
         if args.mode == "plot":
             plot.plot_records([plot.load_record(path) for path in args.records], args.output)
