@@ -1,14 +1,16 @@
-"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3 and the
-mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3 and
+the mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf import gemma3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -20,11 +22,18 @@ class ArchMap:
     permute_qk: llama.cpp's converter reorders this arch's Q and K rows for its interleaved rotary
     (pairs 2i, 2i+1), while flashllm rotates half-split pairs (i, i + head_dim/2) as transformers
     does; the loader undoes the reorder. Qwen2 and Qwen3 run half-split rotary in llama.cpp too.
+    norm_offset: what llama.cpp's converter added to every `*norm.weight` (Gemma's 1: the file holds 1 + w, the
+    checkpoint w); the loader subtracts it, and the model's norm weight_loader adds it back.
+    layer_names: GGUF layer tensor part -> checkpoint module, where this arch's differ from Llama's.
+    config_fields: (file, the generic fields) -> the arch's own config.json fields (what llama.cpp derives).
     """
 
     architecture: str
     model_type: str
     permute_qk: bool
+    norm_offset: float = 0.0
+    layer_names: Mapping[str, str] = field(default_factory=dict)
+    config_fields: Callable[[GGUFFile, dict[str, Any]], dict[str, Any]] | None = None
 
 
 # Mistral 7B files say "llama" (llama.cpp has no separate arch for it): they load as Llama, without a
@@ -35,6 +44,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3": ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False),
     "qwen2moe": ArchMap("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
     "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
+    "gemma3": ArchMap("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
+                      layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma3_config_fields),
 }
 # llama.cpp writes Mixtral as "llama" with `llama.expert_count` experts (and llama's Q/K row order)
 WITH_EXPERTS: dict[str, ArchMap] = {"llama": ArchMap("MixtralForCausalLM", "mixtral", permute_qk=True)}
@@ -116,6 +127,8 @@ def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
         raw["rope_scaling"] = scaling
     if arch == "llama" and "blk.0.attn_q.bias" in gf.tensors:
         raw["attention_bias"] = True
+    if spec.config_fields is not None:
+        raw.update(spec.config_fields(gf, raw))
     if moe:
         raw.update(moe_config_fields(gf, arch, spec.architecture, hidden, raw["num_hidden_layers"],
                                      raw["intermediate_size"]))

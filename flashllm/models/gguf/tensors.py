@@ -7,7 +7,7 @@ import importlib
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,11 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
 _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] | None = None) -> str | None:
     """The checkpoint (transformers) name of a GGUF tensor ("blk.3.ffn_up.weight" -> "model.layers.3.mlp.up_proj.weight").
 
+    layer_names: the arch's own GGUF layer part -> checkpoint module entries, taking precedence over Llama's
+    (Gemma 3's `ffn_norm` is its pre_feedforward_layernorm, not Llama's post_attention_layernorm).
     None when the name is not one flashllm's llama-family models hold. A layer's stacked experts
     ("blk.3.ffn_up_exps.weight") get moe.stacked_name, which GGUFWeights expands into per-expert names.
     """
@@ -49,8 +51,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in moe.EXPERT_PROJS and match.group(3) == "weight":
         return moe.stacked_name(int(match.group(1)), match.group(2))
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(match.group(1))}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    names = {**_LAYER_NAMES, **(layer_names or {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{int(match.group(1))}.{names[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -78,11 +81,13 @@ class _Shards:
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    """One GGUF tensor to load: its checkpoint name and the heads its rows are reordered over (None: as is)."""
+    """One GGUF tensor to load: its checkpoint name, the heads its rows are reordered over (None: as is) and the
+    offset the converter added to its values (ArchMap.norm_offset; subtracted on loading)."""
 
     gguf_name: str
     hf_name: str
     permute_heads: int | None
+    offset: float = 0.0
 
 
 class GGUFWeights:
@@ -117,13 +122,14 @@ class GGUFWeights:
         for name in self.gf.tensors:
             if name in _SKIPPED:
                 continue
-            hf_name = hf_tensor_name(name)
+            hf_name = hf_tensor_name(name, spec.layer_names)
             if hf_name is None:
                 unknown.append(name)
                 continue
             proj = hf_name.rsplit(".", 1)[0].split(".", 3)[-1]
             permute = spec.permute_qk and not self.interleaved
-            plan.append(PlannedTensor(name, hf_name, heads.get(proj) if permute else None))
+            offset = spec.norm_offset if name.endswith("norm.weight") else 0.0
+            plan.append(PlannedTensor(name, hf_name, heads.get(proj) if permute else None, offset))
         if unknown:
             more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
             raise ModelLoadError(f"{self.gf.name} holds tensors a {spec.architecture} does not have: "
@@ -208,6 +214,10 @@ class GGUFWeights:
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             self._dequantized[tensor.tensor_type.name] += 1
         value = self._to_float(self._rows(item), tensor.tensor_type)
+        if item.offset:
+            # the file holds offset + w, the model's weight_loader adds the offset back to w: exact in float32
+            # wherever the stored value is >= 0.5, so the loaded parameter is the file's value bit for bit
+            value = value.float() - item.offset
         # llama.cpp stores the shared expert's (1, hidden) gate as (hidden,); the checkpoint layer is (1, hidden)
         return value.reshape(1, -1) if item.hf_name.endswith("shared_expert_gate.weight") else value
 
