@@ -1,5 +1,5 @@
-"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral) to a GGUF file for the
-llama.cpp baseline."""
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text) to a GGUF
+file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flashllm.bench import gguf_moe
+from flashllm.bench import gguf_gemma3, gguf_moe
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,14 @@ class ArchSpec:
 
     permute_qk: llama.cpp runs this arch with interleaved ("normal") rope, while HF rotates the
     two halves of each head (neox), so Q and K rows must be reordered; qwen2 runs neox in both.
+    norm_shift: added to every `*norm.weight` (Gemma's RMSNorm multiplies by 1 + w, llama.cpp's by the weight).
+    layer_names: HF module -> GGUF layer part, where this arch's differ from Llama's.
     """
 
     gguf_arch: str
     permute_qk: bool
+    norm_shift: float = 0.0
+    layer_names: Mapping[str, str] = field(default_factory=dict)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -49,6 +53,8 @@ ARCHS: dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
+    gguf_gemma3.ARCHITECTURE: ArchSpec("gemma3", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
+                                       layer_names=gguf_gemma3.LAYER_NAMES),
 }
 
 _LAYER_NAMES = {
@@ -62,9 +68,10 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def gguf_tensor_name(hf_name: str) -> str | None:
+def gguf_tensor_name(hf_name: str, layer_names: Mapping[str, str] | None = None) -> str | None:
     """GGUF name of an HF tensor ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight").
 
+    layer_names: the arch's own HF module -> GGUF part entries, over Llama's (ArchSpec.layer_names).
     None for buffers llama.cpp recomputes (rotary inv_freq); GGUFExportError for anything unknown.
     """
     stem, _, suffix = hf_name.rpartition(".")
@@ -73,8 +80,9 @@ def gguf_tensor_name(hf_name: str) -> str | None:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{int(parts[2])}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    names = {**_LAYER_NAMES, **(layer_names or {})}
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{int(parts[2])}.{names[parts[3]]}.{suffix}"
     raise GGUFExportError(f"no GGUF name for tensor {hf_name!r}; the exporter knows Llama/Qwen2 "
                           "checkpoints (embed_tokens, layers.N.self_attn/mlp/norms, norm, lm_head)")
 
@@ -170,6 +178,12 @@ def _check_supported(config: Any, spec: ArchSpec) -> None:
     if spec.permute_qk and config.rotary_dim != config.head_dim:
         raise GGUFExportError(f"partial rotary ({config.rotary_dim} of {config.head_dim} features) has no "
                               "GGUF export here; only full-head rope is supported")
+    if config.architecture == gguf_gemma3.ARCHITECTURE:
+        try:
+            gguf_gemma3.check(config)
+        except gguf_gemma3.Gemma3ExportError as exc:
+            raise GGUFExportError(str(exc)) from exc
+        return
     if any(window is not None for window in config.sliding_windows):
         raise GGUFExportError("sliding-window attention layers have no GGUF export here; llama.cpp's "
                               f"{spec.gguf_arch} runs full attention")
@@ -201,7 +215,7 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
     """Name, shape, type and byte size of every tensor to write, without reading any data yet."""
     planned = []
     for hf_name, shape, source in _hf_tensors(model_dir, config, spec):
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, spec.layer_names)
         if name is None or (name == "output.weight" and config.tie_word_embeddings):
             continue  # llama.cpp reuses token_embd when there is no output tensor
         qtype = _tensor_qtype(shape, "f32" if any(p in name for p in gguf_moe.FLOAT_NAME_PARTS) else file_type, gguf)
@@ -246,7 +260,8 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
     for name, shape, path in sorted(entries):
         proj = name.rsplit(".", 1)[0].split(".", 3)[-1]
         num_heads = heads.get(proj) if spec.permute_qk else None
-        items.append((name, shape, _loader(path, name, num_heads)))
+        shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
+        items.append((name, shape, _loader(path, name, num_heads, shift)))
     if config.architecture not in gguf_moe.ARCHITECTURES:
         yield from items
         return
@@ -256,13 +271,15 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
         raise GGUFExportError(f"{model_dir}: {exc}") from exc
 
 
-def _loader(path: Path, name: str, num_heads: int | None) -> Any:
+def _loader(path: Path, name: str, num_heads: int | None, shift: float = 0.0) -> Any:
     def load() -> np.ndarray:
         import torch
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as fh:
             array = fh.get_tensor(name).to(torch.float32).numpy()
+        if shift:
+            array = array + np.float32(shift)
         return permute_for_llama_rope(array, num_heads) if num_heads else array
 
     return load
@@ -297,6 +314,8 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
     writer.add_file_type(_FILE_TYPE_IDS[file_type](gguf))
     if config.architecture in gguf_moe.ARCHITECTURES:
         gguf_moe.add_hparams(writer, config)
+    if config.architecture == gguf_gemma3.ARCHITECTURE:
+        gguf_gemma3.add_hparams(writer, config)
     rope_type = rope_type_of(config.rope_scaling)
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -1,0 +1,61 @@
+"""GGUF export of Gemma 3 text checkpoints (Gemma3ForCausalLM) as llama.cpp's converter writes them: norms as 1 + w,
+Gemma's tensor names, the sliding window; configs llama.cpp's gemma3 rules would run differently are refused.
+
+The rules (which layers slide, the sliding layers' RoPE base, the attention scale) are llama.cpp's hard-coded ones,
+kept in flashllm.models.gguf.gemma3 next to the loader that reads them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashllm.models.gguf import gemma3 as rules
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+NORM_SHIFT = rules.NORM_OFFSET  # convert_hf_to_gguf adds 1 to every Gemma `*norm.weight`
+# HF module names (after the layer index) whose GGUF names differ from Llama's (the sandwich norms)
+LAYER_NAMES = {hf: gguf_name for gguf_name, hf in rules.LAYER_NAMES.items()}
+
+
+class Gemma3ExportError(ValueError):
+    """The Gemma 3 config cannot be written as a GGUF llama.cpp runs the same way; the message says why."""
+
+
+def check(config: Any) -> None:
+    """Refuse what llama.cpp's gemma3 loader would derive differently from the checkpoint's config."""
+    layers = config.num_hidden_layers
+    sliding = any(w is not None for w in config.sliding_windows)
+    expected = [t == "sliding_attention" for t in rules.layer_types(layers, sliding)]
+    if [w is not None for w in config.sliding_windows] != expected:
+        raise Gemma3ExportError(f"sliding layers {_indices(config.sliding_windows, True)} of {layers}: llama.cpp's "
+                                f"gemma3 slides layer i when i % {rules.SLIDING_PATTERN} < {rules.SLIDING_PATTERN - 1} "
+                                "(sliding_window_pattern 6) or none; this model has no GGUF export")
+    if len({w for w in config.sliding_windows if w is not None}) > 1:
+        raise Gemma3ExportError("sliding layers of different windows have no GGUF export (one sliding_window key)")
+    scalar = rules.attention_scalar(layers, config.hidden_size, config.num_attention_heads, config.head_dim)
+    if config.query_pre_attn_scalar != scalar:
+        raise Gemma3ExportError(f"query_pre_attn_scalar={config.query_pre_attn_scalar:g}: llama.cpp's gemma3 derives "
+                                f"{scalar} for this shape (head_dim, or hidden_size // heads at 62 layers) and GGUF "
+                                "does not store it; this model has no GGUF export")
+    if sliding and (config.local_rope_theta != rules.LOCAL_ROPE_THETA or config.local_rope_scaling is not None):
+        raise Gemma3ExportError(f"sliding layers' RoPE base {config.local_rope_theta:g} (scaling "
+                                f"{config.local_rope_scaling}): llama.cpp's gemma3 hard-codes {rules.LOCAL_ROPE_THETA:g}, "
+                                "unscaled; this model has no GGUF export")
+    if sliding and config.final_logit_softcapping is not None:
+        raise Gemma3ExportError("final_logit_softcapping with sliding layers: llama.cpp's gemma3 graph for such files "
+                                "ignores the cap; this model has no GGUF export")
+    if config.attention_bias:
+        raise Gemma3ExportError("attention_bias=true: llama.cpp's gemma3 graph adds no attention biases")
+
+
+def add_hparams(writer: Any, config: Any) -> None:
+    """The sliding window (when any layer slides) and the logit cap (when set), as the converter writes them."""
+    window = next((w for w in config.sliding_windows if w is not None), None)
+    if window is not None:
+        writer.add_sliding_window(window)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+def _indices(windows: tuple[int | None, ...], sliding: bool) -> list[int]:
+    return [i for i, w in enumerate(windows) if (w is not None) == sliding]
