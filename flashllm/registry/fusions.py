@@ -241,12 +241,17 @@ class DecoderStackFusion:
 @dataclass(frozen=True, slots=True)
 class LMHeadFusion:
     """The LM head as LM_HEAD declares it: the model's compute_logits(hidden) is exactly
-    quant_matmul(hidden, qweight)[:, :vocab_size] (gathered over tp_size ranks), nothing after it.
+    quant_matmul(hidden, qweight)[:, :vocab_size] (gathered over tp_size ranks) / logits_scale,
+    nothing else after it.
 
     weight: the head's float rows on this rank, (V_p, hidden_size); the input embedding's table when
       tied. qweight: what the head multiplies by (scheme "none": weight itself; "w8a16" for a
       quantized head), None before loading; its kernel_cache is where a backend keeps a re-layout
       of the head it builds once (a smaller copy for a faster argmax, say), which lives as long as the head.
+    logits_scale: a finite positive divisor of the product (Granite's logits_scaling; 1.0: none). A path
+      that returns logits or logprobs must divide by it; one that returns only the argmax of the product
+      may skip it where the division cannot tie two distinct logits (a power of two: exact for normal
+      results), and must decline the head otherwise.
     """
 
     weight: Tensor
@@ -254,6 +259,7 @@ class LMHeadFusion:
     vocab_size: int
     tp_size: int
     tied: bool
+    logits_scale: float = 1.0
 
 
 def declared(model: object, name: str, record: type[_Record], keeps_taps: bool = False) -> _Record | None:

@@ -53,7 +53,8 @@ token picks one to a few rows; a model whose top logits crowd within the margin 
 stays exact, only slower.
 
 It takes a step only for a model that declares the lm_head fusion (flashllm/registry/fusions.py:
-its logits are the head's product, nothing after it) with a single-rank fp32 float head (not
+its logits are the head's product, nothing after it but a division by a power of two, which keeps every
+order and tie of fp32 logits whose quotients stay normal) with a single-rank fp32 float head (not
 --quantize_lm_head), features a multiple of 32, at most native.MAX_TOKENS rows (the bf16 copy on a CPU
 without AVX-512 takes 9: 2 to 9 through the AVX2 tiles of csrc/greedy_screen.c), with the native library; otherwise
 the engine computes logits as before. The copy is kept
@@ -269,10 +270,12 @@ def _up(values: Tensor) -> Tensor:
 def build(model: torch.nn.Module, argmax: Callable[[Tensor], Tensor]) -> GreedyScreen | None:
     """The screened head of a loaded model (built once, then kept with the head: see kept), or None
     where it does not apply: switched off, no lm_head fusion declared, no native library, not an
-    fp32 float single-rank head, or features not a multiple of 32. Tokens it cannot settle come
-    from argmax over the model's compute_logits, which the declaration says is the head's product."""
+    fp32 float single-rank head, features not a multiple of 32, or a logits_scale that is not a power of
+    two (the screen finds the argmax of the product, which only such a division keeps, ties included).
+    Tokens it cannot settle come from argmax over the model's compute_logits, which the declaration says
+    is the head's product divided by logits_scale."""
     head = declared(model, LM_HEAD, LMHeadFusion)
-    if head is None:
+    if head is None or math.frexp(head.logits_scale)[0] != 0.5:
         return None
     logits = model.compute_logits
     return _screen_of(head, lambda rows: argmax(logits(rows).float()))
