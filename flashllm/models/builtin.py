@@ -17,6 +17,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "flashllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
+    "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",

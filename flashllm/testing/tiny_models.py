@@ -55,10 +55,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                          "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]},
         **_PHI3_IDS,
     }),
+    # every multiplier far from 1 and from what Llama would use: embeddings x 12, branch outputs x 0.22, a score
+    # scale 1 / head_dim (Granite's 1 / 128 at head_dim 16) where Llama's would be 0.25, logits / 8
+    "granite": ("GraniteForCausalLM", {
+        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+        "logits_scaling": 8.0,
+    }),
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
+                "GraniteForCausalLM": "granite"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
@@ -84,8 +91,8 @@ def build_tiny_model(
     arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
     embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied, "gemma3" Gemma 3's
     sliding and full layers + tied, "phi3" fused projections + sliding window, "phi3-longrope" LongRoPE +
-    partial rotary). Weights are drawn from `seed` (same seed, same files); every parameter, biases and norm
-    scales included, is random so none of them can be ignored.
+    partial rotary, "granite" Granite's four multipliers). Weights are drawn from `seed` (same seed, same
+    files); every parameter, biases and norm scales included, is random so none of them can be ignored.
     tokenizer: also train and save a small tokenizer with a chatml template; the model's vocab
     is then the tokenizer's. max_shard_size (e.g. "20KB") writes a sharded checkpoint.
     config_overrides replace any config field. Returns out_dir.
