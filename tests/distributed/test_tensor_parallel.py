@@ -21,6 +21,9 @@ CASES = {
     "qwen3-head-norms": ("qwen3", {}),  # each rank norms the heads it holds with the replicated q / k norms
     # fused qkv_proj / gate_up_proj cut per rank; LongRoPE's per-sequence prompt lengths reach every rank
     "phi3-longrope": ("phi3-longrope", {}),
+    # the multiplied embedding (rows all-reduced across the ranks' vocabulary shards, then multiplied), the
+    # multiplied branch outputs after the row-parallel reductions, logits divided after the gather
+    "granite": ("granite", {}),
     # one kv head for two ranks: each rank keeps a replica of it
     "gqa-replicated": ("llama", {"num_key_value_heads": 1}),
     # row-parallel slices of whole 64-feature blocks: the cpu int4 kernel quantizes activations per
