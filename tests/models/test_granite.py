@@ -18,9 +18,21 @@ from flashllm.backends.cpu import greedy_screen
 from flashllm.llm import LLM
 from flashllm.models.granite import MULTIPLIERS
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
+from flashllm.models.layers.linear import LinearBase
+from flashllm.ops.quant_matmul import dequantize
+from flashllm.quant import quantize_weight
+from flashllm.quant.spec import WeightQuantSpec
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD, DecoderStackFusion, LMHeadFusion, declared
 from flashllm.sampling_params import SamplingParams
-from flashllm.testing.parity import LogitRecorder, assert_rows_match, hf_greedy, hf_logits, random_tokens
+from flashllm.testing.loading import load_flashllm
+from flashllm.testing.parity import (
+    LogitRecorder,
+    assert_logits_close,
+    assert_rows_match,
+    hf_greedy,
+    hf_logits,
+    random_tokens,
+)
 from flashllm.testing.tiny_models import PRESETS, TINY_BASE, build_tiny_model
 
 GRANITE = PRESETS["granite"][1]
@@ -51,6 +63,26 @@ def test_each_multiplier_changes_the_logits(name, granite_dir, hf_granite):
     other = AutoModelForCausalLM.from_pretrained(granite_dir, dtype=torch.float32, **{name: plain}).eval()
     tokens = random_tokens(30, hf_granite.config.vocab_size, seed=1)
     assert (hf_logits(other, tokens) - hf_logits(hf_granite, tokens)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("scheme", "group_size"), [("w8a16", -1), ("w4a16", 32)])
+def test_weight_only_quantization_is_transformers_on_the_rounded_weights(scheme, group_size, granite_dir,
+                                                                          paged_driver):
+    """--quant_type: the residual multiplier is not folded into o_proj / down_proj, so each projection quantizes
+    the checkpoint's own weights and the logits are those of transformers' model holding the same rounded ones."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(granite_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in theirs.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":  # the head stays float
+                module.weight.copy_(dequantize(quantize_weight(module.weight, scheme, group_size)))
+    ours = load_flashllm(granite_dir, quant=WeightQuantSpec(scheme, group_size))
+    assert {m.qweight.scheme for m in ours.modules() if isinstance(m, LinearBase)} == {scheme}
+    tokens = random_tokens(40, ours.config.vocab_size, seed=9)
+    driver = paged_driver(ours, block_size=BLOCK, num_blocks=8)
+    (logits,) = driver.step([(driver.add_sequence(), tokens)])
+    assert_logits_close(logits, hf_logits(theirs, tokens))
 
 
 def _llm(model_dir: Path, **kw) -> LLM:
