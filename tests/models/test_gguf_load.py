@@ -237,3 +237,19 @@ def test_llm_runs_a_gguf_file_like_its_directory(tiny_with_tokenizer, tmp_path):
                         [o.outputs[0].token_ids for o in llm.chat(messages, params)]))
     assert results[0] == results[1]
     assert json.loads((source / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_a_chat_model_s_turn_end_stops_a_reply_as_llama_cpp_stops_it(tiny_with_tokenizer, tmp_path):
+    """A GGUF names one EOS; llama.cpp also ends a reply at the end-of-turn tokens it recognises (the `eot` /
+    `eom` ids and added tokens spelt like one): the tiny vocabulary's <|im_end|> (2) stops it besides EOS (0),
+    and an `eot_token_id` adds its token."""
+    from flashllm import LLM
+
+    source = tiny_with_tokenizer("qwen2")
+    plain = write_gguf(source, tmp_path / "plain.gguf", "F32")
+    with_eot = write_gguf(source, tmp_path / "eot.gguf", "F32", metadata={"tokenizer.ggml.eot_token_id": 1})
+    stops = {}
+    for name, path in (("plain", plain), ("eot", with_eot)):
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+        stops[name] = set(llm.engine.parts.eos_token_ids)
+    assert stops == {"plain": {0, 2}, "eot": {0, 1, 2}}

@@ -72,8 +72,29 @@ def build_gguf_tokenizer(gf: GGUFFile) -> PreTrainedTokenizerFast:
     backend.add_tokens(added)
     _post_processor(gf, backend, kind, tokens, specials)
     named = {f"{key}_token": tokens[i] for key, i in specials.items()}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                   model_input_names=["input_ids", "attention_mask"], **named)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                        model_input_names=["input_ids", "attention_mask"], **named)
+    tokenizer.turn_end_tokens = turn_end_tokens(gf, tokens, types)  # models/tokenizer.py eos_token_ids reads them
+    return tokenizer
+
+
+def turn_end_tokens(gf: GGUFFile, tokens: list[str], types: list[int]) -> tuple[str, ...]:
+    """The tokens that end a reply besides EOS, as llama.cpp finds them: `tokenizer.ggml.eot_token_id` and
+    `eom_token_id`, and the added tokens spelt like a known end of turn (a chat model's GGUF often names only
+    its base model's EOS: gemma-3-it's <eos> while replies end with <end_of_turn>)."""
+    found = []
+    for meta in ("eot_token_id", "eom_token_id"):
+        index = gf.get(f"tokenizer.ggml.{meta}")
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(tokens):
+            found.append(tokens[index])
+    found += [t for t, kind in zip(tokens, types, strict=True) if kind in (CONTROL, USER_DEFINED) and t in TURN_ENDS]
+    return tuple(dict.fromkeys(found))
+
+
+# texts llama.cpp takes as the end of a generation wherever they are added tokens (llama-vocab.cpp's end-of-
+# generation set): Llama 3's, ChatML's, Phi-3's, Gemma's, GPT-2's and CodeLlama's turn ends
+TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<EOT>", "_<EOT>"})
 
 
 def _special_ids(gf: GGUFFile, count: int) -> dict[str, int]:
