@@ -28,12 +28,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 TERMINATE = "terminate called without an active exception"
 
 
-def torchrun(*args: str, cwd: Path, output: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd: Path, output: Path | None = None, lines: int | None = None
+             ) -> subprocess.CompletedProcess:
     """Run torchrun with 2 ranks. Ranks print their Python stacks on a fatal signal (faulthandler).
 
-    output: the file the job writes last. Once (2026-11-30, CI) rank 0 of the generate job aborted with
-    TERMINATE and nothing in its stderr said where; it did not happen again in 150 runs on a 2-core
-    host, some beside a busy core. When the abort comes after `output` was written whole, the job's
+    output: the file the job writes last (with `lines`: that many JSON lines). Twice in CI (2026-11-30 the
+    generate job, 2026-12-01 the predict job, after its output was written) rank 0 aborted with TERMINATE and
+    nothing in its stderr said where; it did not happen again in 150 runs on a 2-core host, some beside a
+    busy core. When the abort comes after `output` was written whole, the job's
     work is done and the abort is in the process's teardown: the run is repeated once, with a warning
     that carries the first run's stderr. An abort before the output is complete fails the test as any
     other failure does."""
@@ -47,19 +49,23 @@ def torchrun(*args: str, cwd: Path, output: Path | None = None) -> subprocess.Co
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
     run = launch()
-    if run.returncode != 0 and TERMINATE in run.stderr and output is not None and _complete_json(output):
+    if run.returncode != 0 and TERMINATE in run.stderr and output is not None and _complete_json(output, lines):
         warnings.warn(f"a torchrun rank aborted after the job's output was complete; ran it again. Its stderr:\n"
                       f"{run.stderr[-3000:]}", stacklevel=2)
         run = launch()
     return run
 
 
-def _complete_json(path: Path) -> bool:
+def _complete_json(path: Path, lines: int | None = None) -> bool:
+    """Whether `path` holds one whole JSON document, or with `lines` that many whole JSON lines."""
     try:
-        json.loads(path.read_text())
+        text = path.read_text()
+        documents = [text] if lines is None else text.splitlines()
+        for document in documents:
+            json.loads(document)
     except (OSError, ValueError):
         return False
-    return True
+    return lines is None or len(documents) == lines
 
 
 def test_two_torchrun_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
@@ -82,7 +88,7 @@ def test_torchrun_predict_writes_one_output_and_exits_zero(model_dir: Path, tmp_
     out = tmp_path / "out.jsonl"
     run = torchrun("-m", "flashllm", "predict", "--model_name_or_path", str(model_dir), "--data_file", str(data),
                    "--output_file", str(out), "--max_length", "8", "--device", "cpu", "--num-kv-blocks", "64",
-                   "--block-size", "16", cwd=tmp_path)
+                   "--block-size", "16", cwd=tmp_path, output=out, lines=2)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]  # written by rank 0 alone
     assert [r["src"] for r in records] == ["hello there", "the cat sat"]
