@@ -1,5 +1,5 @@
-"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text) to a GGUF
-file for the llama.cpp baseline."""
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text, Granite,
+Phi-3) to a GGUF file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flashllm.bench import gguf_gemma3, gguf_moe
+from flashllm.bench import gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,21 @@ class ArchSpec:
     two halves of each head (neox), so Q and K rows must be reordered; qwen2 runs neox in both.
     norm_shift: added to every `*norm.weight` (Gemma's RMSNorm multiplies by 1 + w, llama.cpp's by the weight).
     layer_names: HF module -> GGUF layer part, where this arch's differ from Llama's.
+    check: (config) -> None, raising ValueError for what llama.cpp would run differently; in place of the
+    generic refusal of sliding windows.
+    add_hparams: (GGUFWriter, config) -> None, the arch's own metadata.
+    rope_types: rope types add_hparams / extra_tensors write themselves (LongRoPE's factor tensors).
+    extra_tensors: (config) -> {GGUF name: F32 array} written beside the weights.
     """
 
     gguf_arch: str
     permute_qk: bool
     norm_shift: float = 0.0
     layer_names: Mapping[str, str] = field(default_factory=dict)
+    check: Callable[[Any], None] | None = None
+    add_hparams: Callable[[Any, Any], None] | None = None
+    rope_types: tuple[str, ...] = ()
+    extra_tensors: Callable[[Any], dict[str, np.ndarray]] | None = None
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -55,6 +64,10 @@ ARCHS: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
     gguf_gemma3.ARCHITECTURE: ArchSpec("gemma3", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
                                        layer_names=gguf_gemma3.LAYER_NAMES),
+    gguf_granite.ARCHITECTURE: ArchSpec("granite", permute_qk=True, add_hparams=gguf_granite.add_hparams),
+    gguf_phi3.ARCHITECTURE: ArchSpec("phi3", permute_qk=False, layer_names=gguf_phi3.LAYER_NAMES,
+                                     check=gguf_phi3.check, add_hparams=gguf_phi3.add_hparams,
+                                     rope_types=gguf_phi3.ROPE_TYPES, extra_tensors=gguf_phi3.extra_tensors),
 }
 
 _LAYER_NAMES = {
@@ -184,6 +197,12 @@ def _check_supported(config: Any, spec: ArchSpec) -> None:
         except gguf_gemma3.Gemma3ExportError as exc:
             raise GGUFExportError(str(exc)) from exc
         return
+    if spec.check is not None:
+        try:
+            spec.check(config)
+        except ValueError as exc:
+            raise GGUFExportError(str(exc)) from exc
+        return
     if any(window is not None for window in config.sliding_windows):
         raise GGUFExportError("sliding-window attention layers have no GGUF export here; llama.cpp's "
                               f"{spec.gguf_arch} runs full attention")
@@ -228,10 +247,13 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
         # llama.cpp would quietly reuse token_embd as the output head
         raise GGUFExportError(f"{model_dir} has no lm_head.weight and tie_word_embeddings is false; "
                               "is it a complete checkpoint?")
+    extra = {} if spec.extra_tensors is None else spec.extra_tensors(config)
     factors = _llama3_rope_factors(config)
     if factors is not None:
-        f32 = gguf.GGMLQuantizationType.F32
-        planned.append(_PlannedTensor("rope_freqs.weight", factors.shape, f32, factors.nbytes, lambda: factors))
+        extra["rope_freqs.weight"] = factors
+    f32 = gguf.GGMLQuantizationType.F32
+    for name, values in extra.items():
+        planned.append(_PlannedTensor(name, values.shape, f32, values.nbytes, lambda values=values: values))
     return planned
 
 
@@ -316,7 +338,11 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
         gguf_moe.add_hparams(writer, config)
     if config.architecture == gguf_gemma3.ARCHITECTURE:
         gguf_gemma3.add_hparams(writer, config)
+    if spec.add_hparams is not None:
+        spec.add_hparams(writer, config)
     rope_type = rope_type_of(config.rope_scaling)
+    if rope_type in spec.rope_types:
+        return
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))

@@ -1,5 +1,5 @@
-"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3 and
-the mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
+granite, phi3 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import gemma3
+from flashllm.models.gguf import gemma3, granite, phi3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -26,6 +26,11 @@ class ArchMap:
     checkpoint w); the loader subtracts it, and the model's norm weight_loader adds it back.
     layer_names: GGUF layer tensor part -> checkpoint module, where this arch's differ from Llama's.
     config_fields: (file, the generic fields) -> the arch's own config.json fields (what llama.cpp derives).
+    partial_rotary: the arch's config takes RoPE over fewer features than a head has (`rope.dimension_count` <
+    the head size; its config_fields says how); elsewhere such a file is refused.
+    fused_rows: (parsed config) -> GGUF layer part of a tensor holding several checkpoint projections stacked
+    along its rows -> (checkpoint module, rows) of each, in order (Phi-3's attn_qkv and ffn_up).
+    config_tensors: tensors config_fields reads (LongRoPE's factors); they are not weights.
     """
 
     architecture: str
@@ -34,6 +39,9 @@ class ArchMap:
     norm_offset: float = 0.0
     layer_names: Mapping[str, str] = field(default_factory=dict)
     config_fields: Callable[[GGUFFile, dict[str, Any]], dict[str, Any]] | None = None
+    partial_rotary: bool = False
+    fused_rows: Callable[[Any], Mapping[str, tuple[tuple[str, int], ...]]] | None = None
+    config_tensors: tuple[str, ...] = ()
 
 
 # Mistral 7B files say "llama" (llama.cpp has no separate arch for it): they load as Llama, without a
@@ -46,6 +54,9 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
     "gemma3": ArchMap("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma3_config_fields),
+    "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
+    "phi3": ArchMap("Phi3ForCausalLM", "phi3", permute_qk=False, config_fields=phi3.phi3_config_fields,
+                    partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
 }
 # llama.cpp writes Mixtral as "llama" with `llama.expert_count` experts (and llama's Q/K row order)
 WITH_EXPERTS: dict[str, ArchMap] = {"llama": ArchMap("MixtralForCausalLM", "mixtral", permute_qk=True)}
@@ -115,7 +126,7 @@ def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
         raw["head_dim"] = head_dim
     head_dim = head_dim or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
     rope_dims = meta("rope.dimension_count")
-    if rope_dims is not None and head_dim and rope_dims != head_dim:
+    if rope_dims is not None and head_dim and rope_dims != head_dim and not spec.partial_rotary:
         raise ModelLoadError(f"{gf.name}: rope over {rope_dims} of {head_dim} head features (partial rotary) is "
                              "not supported for GGUF files")
     for key, value in (("bos_token_id", gf.get("tokenizer.ggml.bos_token_id")),

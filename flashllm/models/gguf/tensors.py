@@ -81,13 +81,15 @@ class _Shards:
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    """One GGUF tensor to load: its checkpoint name, the heads its rows are reordered over (None: as is) and the
-    offset the converter added to its values (ArchMap.norm_offset; subtracted on loading)."""
+    """One GGUF tensor (or one part of a fused one) to load: its checkpoint name, the heads its rows are reordered
+    over (None: as is), the offset the converter added to its values (ArchMap.norm_offset; subtracted on loading)
+    and which of the tensor's rows it is."""
 
     gguf_name: str
     hf_name: str
     permute_heads: int | None
     offset: float = 0.0
+    rows: tuple[int, int] | None = None  # [start, stop) of a fused tensor's rows (ArchMap.fused_rows); None: all
 
 
 class GGUFWeights:
@@ -113,14 +115,19 @@ class GGUFWeights:
         self.gf, self.config, self.tp_size, self.keep_blocks = gf, config, tp_size, keep_blocks
         self.interleaved = keep_rope_pairs and spec.permute_qk  # the file's pairs are interleaved and stay so
         self.plan = self._plan(spec)
-        self._routed: dict[str, tuple[str, Any]] = {}  # gguf name -> (linear layer name, shard id)
+        self._routed: dict[str, tuple[str, Any]] = {}  # checkpoint name -> (linear layer name, shard id)
         self._dequantized: Counter[str] = Counter()
 
     def _plan(self, spec: ArchMap) -> list[PlannedTensor]:
         heads = {"self_attn.q_proj": self.config.num_attention_heads, "self_attn.k_proj": self.config.num_key_value_heads}
         plan, unknown = [], []
+        fused = spec.fused_rows(self.config) if spec.fused_rows is not None else {}
         for name in self.gf.tensors:
-            if name in _SKIPPED:
+            if name in _SKIPPED or name in spec.config_tensors:
+                continue
+            match = _LAYER_TENSOR.fullmatch(name)
+            if match and match.group(2) in fused:
+                plan += self._fused_parts(name, int(match.group(1)), match.group(3), fused[match.group(2)])
                 continue
             hf_name = hf_tensor_name(name, spec.layer_names)
             if hf_name is None:
@@ -135,6 +142,22 @@ class GGUFWeights:
             raise ModelLoadError(f"{self.gf.name} holds tensors a {spec.architecture} does not have: "
                                  f"{', '.join(unknown[:3])}{more}; the file is not a plain {spec.model_type} model")
         return plan
+
+    def _fused_parts(self, name: str, layer: int, suffix: str,
+                     parts: tuple[tuple[str, int], ...]) -> list[PlannedTensor]:
+        """One PlannedTensor per checkpoint projection of a fused GGUF tensor, each its run of rows (whole rows of
+        blocks, so a quantized tensor's parts stay as stored); refuses a tensor whose rows the parts do not fill."""
+        shape = self.gf.tensors[name].shape
+        rows = int(shape[-1]) if len(shape) else 0  # ggml order: rows last
+        if sum(size for _, size in parts) != rows:
+            raise ModelLoadError(f"{self.gf.name}: {name} has {rows} rows; the config's "
+                                 f"{' + '.join(f'{m} {n}' for m, n in parts)} give {sum(n for _, n in parts)}")
+        planned, start = [], 0
+        for module, size in parts:
+            hf_name = f"model.layers.{layer}.{module}.{suffix}"
+            planned.append(PlannedTensor(name, hf_name, None, rows=(start, start + size)))
+            start += size
+        return planned
 
     def prepare(self, model: nn.Module) -> None:
         """Pick the linear layers that take GGUF blocks as they are; drop their float weights (never allocated twice).
@@ -174,14 +197,14 @@ class GGUFWeights:
                 continue  # a rank's input features would cut a block (or q8_K's 256 activations): float
             setattr(module, _ATTR, _Shards(len(shards)))
             module.weight = None
-            self._routed.update({item.gguf_name: (prefix, shard_id) for item, shard_id in shards})
+            self._routed.update({item.hf_name: (prefix, shard_id) for item, shard_id in shards})
 
     def tensors(self, model: nn.Module, seen: set[str], progress: bool) -> Iterator[tuple[str, Tensor]]:
         """Yield (checkpoint name, float tensor) per planned tensor; routed weights go to their layer instead."""
         with tqdm(total=len(self.plan), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
             for item in self.plan:
                 seen.add(item.hf_name)
-                if item.gguf_name in self._routed:
+                if item.hf_name in self._routed:
                     self._route(model, item)
                 elif moe.STACKED_SUFFIX in item.hf_name:
                     yield from self._expert_tensors(item)
@@ -198,6 +221,8 @@ class GGUFWeights:
 
     def _rows(self, item: PlannedTensor) -> np.ndarray:
         data = np.asarray(self.gf.tensors[item.gguf_name].data)
+        if item.rows is not None:
+            data = data[item.rows[0]:item.rows[1]]
         return unpermute_rope_rows(data, item.permute_heads) if item.permute_heads else data
 
     def _expert_tensors(self, item: PlannedTensor) -> Iterator[tuple[str, Tensor]]:
@@ -232,12 +257,14 @@ class GGUFWeights:
         return torch.from_numpy(np.ascontiguousarray(import_gguf().quants.dequantize(rows, ggml_type)))
 
     def _route(self, model: nn.Module, item: PlannedTensor) -> None:
-        prefix, shard_id = self._routed[item.gguf_name]
+        prefix, shard_id = self._routed[item.hf_name]
         module = model.get_submodule(prefix)
         tensor = self.gf.tensors[item.gguf_name]
         shape = (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else None
         if shape is None:
             raise ModelLoadError(f"{self.gf.name}: {item.gguf_name} is not a 2-D weight")
+        if item.rows is not None:
+            shape = (item.rows[1] - item.rows[0], shape[1])
         try:
             raw, shape = _rank_slice(module, shard_id, self._rows(item), tensor.tensor_type, shape)
             weight = _gguf_blocks().weight_from_gguf(raw, tensor.tensor_type, shape)
