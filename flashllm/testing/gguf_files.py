@@ -213,3 +213,86 @@ def _q6_k(rows: np.ndarray) -> np.ndarray:
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
     tail = np.concatenate((sub.view(np.uint8), _half(d).view(np.uint8).reshape(-1, 2)), axis=-1)
     return np.concatenate((ql, qh, tail), axis=-1).reshape(n, -1)
+
+
+# ---------------------------------------------------------------- reading exported files back, for the GGUF tests
+
+def exports(root: Path, sources: Any) -> Any:
+    """get(name, file_type) -> `sources[name]` exported once by bench/gguf_export.py as "f32" or "q8_0" under
+    `root` (sources: a mapping of names to model directories)."""
+    from flashllm.bench.gguf_export import export_gguf
+
+    written: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, file_type: str) -> Path:
+        if (name, file_type) not in written:
+            written[name, file_type] = export_gguf(sources[name], root / f"{name}-{file_type}.gguf", file_type)
+        return written[name, file_type]
+
+    return get
+
+
+def load_float_model(path: str | Path, ops: Any, registry: Any, **kwargs: Any) -> torch.nn.Module:
+    """The model of a directory or GGUF file, fp32 on the CPU (flashllm's loader)."""
+    from flashllm.models.loader import load_model
+
+    return load_model(path, ops, torch.float32, "cpu", registry, progress=False, **kwargs)[0]
+
+
+def prompt_logits(model: torch.nn.Module, driver_cls: Any, prompt: list[int]) -> torch.Tensor:
+    """Every prompt position's logits from one prefill through the paged test driver (8-token blocks)."""
+    driver = driver_cls(model, block_size=8, num_blocks=16)
+    return driver.step([(driver.add_sequence(), prompt)])[0]
+
+
+def greedy_tokens(model: torch.nn.Module, driver_cls: Any, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens after `prompt`, decoded one at a time through the paged test driver."""
+    driver = driver_cls(model, block_size=8, num_blocks=16)
+    seq = driver.add_sequence()
+    logits, out = driver.step([(seq, prompt)])[0][-1], []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = driver.step([(seq, [out[-1]])])[0][-1]
+    return out
+
+
+def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
+    """A copy of the directory `source` whose every matrix (except names ending in `keep`) is replaced by gguf's
+    Q8_0 quantize-then-dequantize of it: the float model a Q8_0 export stands for (rows must be whole blocks)."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    weights = load_file(str(source / "model.safetensors"))
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for name, value in weights.items():
+        if value.dim() == 2 and not name.endswith(keep):
+            if value.shape[-1] % 32:
+                raise ValueError(f"{name}: rows of {value.shape[-1]} are not whole Q8_0 blocks")
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def patched_metadata(path: Path, out: Path, key: str, value: bytes) -> Path:
+    """A copy of the GGUF file `path` with metadata `key`'s (fixed-size) value bytes replaced by `value`."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    offset = reader.fields[key].offset + 8 + len(key.encode()) + 4  # past its length-prefixed key and value type
+    data = path.read_bytes()
+    out.write_bytes(data[:offset] + value + data[offset + len(value):])
+    return out
+
+
+def check_q8_0_logits(ours: torch.nn.Module, source: Path, ops: Any, registry: Any, driver_cls: Any,
+                      prompt: list[int], scratch: Path, keep: tuple[str, ...] = ()) -> None:
+    """A model loaded from a Q8_0 export of `source` gives the logits of `source` with each exported matrix
+    rounded through Q8_0 (within 1e-5), and not those of `source` itself (so that comparison could fail)."""
+    ours_logits = prompt_logits(ours, driver_cls, prompt)
+    rounded = load_float_model(q8_0_round_trip_copy(source, scratch, keep), ops, registry)
+    torch.testing.assert_close(ours_logits, prompt_logits(rounded, driver_cls, prompt), rtol=0, atol=1e-5)
+    unquantized = prompt_logits(load_float_model(source, ops, registry), driver_cls, prompt)
+    assert (unquantized - ours_logits).abs().max() > 1e-4, "the Q8_0 rounding did not change the logits"

@@ -14,13 +14,19 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E402
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.gguf.gemma3 import attention_scalar, gemma3_config_fields  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_q8_0_logits,
+    exports,
+    greedy_tokens,
+    load_float_model,
+    prompt_logits,
+)
 from flashllm.testing.tiny_models import PRESETS, build_tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]  # longer than the window (8)
@@ -39,33 +45,8 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
     """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    root, written = tmp_path_factory.mktemp("gguf"), {}
-
-    def get(file_type: str) -> Path:
-        if file_type not in written:
-            written[file_type] = export_gguf(source, root / f"gemma3-{file_type}.gguf", file_type)
-        return written[file_type]
-
-    return get
-
-
-def _load(path: Path, ops, registry):
-    return load_model(path, ops, torch.float32, "cpu", registry, progress=False)[0]
-
-
-def _logits(model, driver_cls) -> torch.Tensor:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    return driver.step([(driver.add_sequence(), PROMPT)])[0]
-
-
-def _greedy(model, driver_cls, steps: int) -> list[int]:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    seq = driver.add_sequence()
-    logits, out = driver.step([(seq, PROMPT)])[0][-1], []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = driver.step([(seq, [out[-1]])])[0][-1]
-    return out
+    get = exports(tmp_path_factory.mktemp("gguf"), {"gemma3": source})
+    return lambda file_type: get("gemma3", file_type)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -96,37 +77,21 @@ def test_config_follows_llama_cpp_s_gemma3_rules(source, files):
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
     from transformers import AutoModelForCausalLM
 
-    ours = _load(files("f32"), ops, model_registry)
-    reference = _load(source, ops, model_registry)
-    torch.testing.assert_close(_logits(ours, paged_driver), _logits(reference, paged_driver), rtol=0, atol=1e-6)
+    ours = load_float_model(files("f32"), ops, model_registry)
+    reference = load_float_model(source, ops, model_registry)
+    expected = prompt_logits(reference, paged_driver, PROMPT)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected,
+                               rtol=0, atol=1e-6)
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert _greedy(ours, paged_driver, 8) == expected[0, len(PROMPT):].tolist()
-
-
-def _q8_0_copy(source: Path, out: Path) -> Path:
-    """`source` with each weight the exporter stores as Q8_0 (every matrix: rows of 64 or 128) replaced by gguf's
-    quantize-then-dequantize of it."""
-    shutil.copytree(source, out)
-    weights = load_file(str(source / "model.safetensors"))
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in weights.items():
-        if value.dim() == 2:
-            assert value.shape[-1] % 32 == 0, name
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    assert greedy_tokens(ours, paged_driver, PROMPT, 8) == expected[0, len(PROMPT):].tolist()
 
 
 def test_q8_0_gguf_equals_the_dequantized_float_model(source, files, ops, model_registry, paged_driver, tmp_path):
-    ours = _load(files("q8_0"), ops, model_registry)
+    ours = load_float_model(files("q8_0"), ops, model_registry)
     assert ours.model.layers[0].self_attn.qkv_proj.qweight.gguf_type == "Q8_0"  # the blocks kept as stored
-    reference = _load(_q8_0_copy(source, tmp_path / "float"), ops, model_registry)
-    ours_logits = _logits(ours, paged_driver)
-    torch.testing.assert_close(ours_logits, _logits(reference, paged_driver), rtol=0, atol=1e-5)
-    # and the quantization did change the model, so the comparison above could fail
-    assert (_logits(_load(source, ops, model_registry), paged_driver) - ours_logits).abs().max() > 1e-4
+    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "float")
 
 
 def test_a_file_without_a_sliding_window_attends_to_everything(source, tmp_path, ops, model_registry, paged_driver):
@@ -138,8 +103,9 @@ def test_a_file_without_a_sliding_window_attends_to_everything(source, tmp_path,
     path = export_gguf(tmp_path / "full", tmp_path / "full.gguf", "f32")
     assert "gemma3.attention.sliding_window" not in gguf.GGUFReader(path).fields
     assert load_hf_config(path).sliding_windows == (None,) * 7
-    torch.testing.assert_close(_logits(_load(path, ops, model_registry), paged_driver),
-                               _logits(_load(tmp_path / "full", ops, model_registry), paged_driver), rtol=0, atol=1e-6)
+    logits = [prompt_logits(load_float_model(m, ops, model_registry), paged_driver, PROMPT)
+              for m in (path, tmp_path / "full")]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides,fragment", [

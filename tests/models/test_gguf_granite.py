@@ -5,7 +5,6 @@ attention scale is head_dim ** -0.5); metadata llama.cpp would refuse or run dif
 
 from __future__ import annotations
 
-import shutil
 import struct
 from pathlib import Path
 
@@ -14,13 +13,20 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
-from flashllm.bench.gguf_export import export_gguf, permute_for_llama_rope  # noqa: E402
+from flashllm.bench.gguf_export import permute_for_llama_rope  # noqa: E402
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.gguf.granite import granite_config_fields  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_q8_0_logits,
+    exports,
+    greedy_tokens,
+    load_float_model,
+    patched_metadata,
+    prompt_logits,
+)
 from flashllm.testing.tiny_models import PRESETS, build_tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
@@ -37,33 +43,8 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
     """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    root, written = tmp_path_factory.mktemp("gguf"), {}
-
-    def get(file_type: str) -> Path:
-        if file_type not in written:
-            written[file_type] = export_gguf(source, root / f"granite-{file_type}.gguf", file_type)
-        return written[file_type]
-
-    return get
-
-
-def _load(path: Path, ops, registry):
-    return load_model(path, ops, torch.float32, "cpu", registry, progress=False)[0]
-
-
-def _logits(model, driver_cls) -> torch.Tensor:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    return driver.step([(driver.add_sequence(), PROMPT)])[0]
-
-
-def _greedy(model, driver_cls, steps: int) -> list[int]:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    seq = driver.add_sequence()
-    logits, out = driver.step([(seq, PROMPT)])[0][-1], []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = driver.step([(seq, [out[-1]])])[0][-1]
-    return out
+    get = exports(tmp_path_factory.mktemp("gguf"), {"granite": source})
+    return lambda file_type: get("granite", file_type)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -93,37 +74,21 @@ def test_config_carries_the_four_multipliers(source, files):
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
     from transformers import AutoModelForCausalLM
 
-    ours = _load(files("f32"), ops, model_registry)
-    reference = _load(source, ops, model_registry)
-    torch.testing.assert_close(_logits(ours, paged_driver), _logits(reference, paged_driver), rtol=0, atol=1e-5)
+    ours = load_float_model(files("f32"), ops, model_registry)
+    reference = load_float_model(source, ops, model_registry)
+    expected = prompt_logits(reference, paged_driver, PROMPT)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected, rtol=0, atol=1e-5)
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0,
                              eos_token_id=None)  # no stop: the greedy run below does not stop either
-    assert _greedy(ours, paged_driver, 8) == expected[0, len(PROMPT):].tolist()
-
-
-def _q8_0_copy(source: Path, out: Path) -> Path:
-    """`source` with each matrix (rows of 64 or 128: whole Q8_0 blocks) replaced by gguf's quantize-then-dequantize."""
-    shutil.copytree(source, out)
-    weights = load_file(str(source / "model.safetensors"))
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in weights.items():
-        if value.dim() == 2:
-            assert value.shape[-1] % 32 == 0, name
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    assert greedy_tokens(ours, paged_driver, PROMPT, 8) == expected[0, len(PROMPT):].tolist()
 
 
 def test_q8_0_gguf_equals_the_dequantized_float_model(source, files, ops, model_registry, paged_driver, tmp_path):
-    ours = _load(files("q8_0"), ops, model_registry)
+    ours = load_float_model(files("q8_0"), ops, model_registry)
     assert ours.model.layers[0].self_attn.qkv_proj.qweight.gguf_type == "Q8_0"  # the blocks kept as stored
-    reference = _load(_q8_0_copy(source, tmp_path / "float"), ops, model_registry)
-    ours_logits = _logits(ours, paged_driver)
-    torch.testing.assert_close(ours_logits, _logits(reference, paged_driver), rtol=0, atol=1e-5)
-    # and the quantization did change the model, so the comparison above could fail
-    assert (_logits(_load(source, ops, model_registry), paged_driver) - ours_logits).abs().max() > 1e-4
+    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "float")
 
 
 class _Metadata:
@@ -160,11 +125,6 @@ def test_metadata_llama_cpp_would_refuse_or_run_differently_is_refused(values, f
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
-def _value_offset(reader, key: str) -> int:
-    """Byte offset of metadata `key`'s value (after its length-prefixed key string and value type)."""
-    return reader.fields[key].offset + 8 + len(key.encode()) + 4
-
-
 @pytest.mark.parametrize("key,kind,value,fragment", [
     ("granite.logit_scale", gguf.GGUFValueType.FLOAT32, struct.pack("<f", -8.0), "logit_scale is -8.0; expected"),
     # partial rotary stays refused for granite (llama.cpp's graph asserts rope over the whole head)
@@ -172,12 +132,8 @@ def _value_offset(reader, key: str) -> int:
      "rope over 12 of 16 head features (partial rotary) is not supported"),
 ])
 def test_an_inconsistent_file_is_refused_in_one_line(key, kind, value, fragment, files, tmp_path):
-    data = files("f32").read_bytes()
-    reader = gguf.GGUFReader(files("f32"))
-    assert reader.fields[key].types == [kind]
-    offset = _value_offset(reader, key)
-    path = tmp_path / "bad.gguf"
-    path.write_bytes(data[:offset] + value + data[offset + len(value):])
+    assert gguf.GGUFReader(files("f32")).fields[key].types == [kind]
+    path = patched_metadata(files("f32"), tmp_path / "bad.gguf", key, value)
     with pytest.raises(ModelLoadError) as err:
         load_hf_config(path)
     assert fragment in str(err.value) and "\n" not in str(err.value)

@@ -4,7 +4,6 @@ gguf package dequantizes it; inconsistent expert metadata is refused in one line
 
 from __future__ import annotations
 
-import shutil
 import struct
 from pathlib import Path
 
@@ -13,14 +12,20 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-from flashllm.bench.gguf_export import export_gguf  # noqa: E402
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.models.layers.moe import FusedMoE  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.quant.spec import weight_quant_spec  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_q8_0_logits,
+    exports,
+    greedy_tokens,
+    load_float_model,
+    patched_metadata,
+    prompt_logits,
+    q8_0_round_trip_copy,
+)
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
@@ -50,46 +55,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def files(sources, tmp_path_factory):
     """(preset, "f32" | "q8_0") -> the exported GGUF file, written once."""
-    root, written = tmp_path_factory.mktemp("gguf"), {}
-
-    def get(preset: str, file_type: str) -> Path:
-        if (preset, file_type) not in written:
-            written[preset, file_type] = export_gguf(sources[preset], root / f"{preset}-{file_type}.gguf", file_type)
-        return written[preset, file_type]
-
-    return get
-
-
-def _load(path: Path, ops, registry, **kwargs):
-    return load_model(path, ops, torch.float32, "cpu", registry, progress=False, **kwargs)[0]
-
-
-def _logits(model, driver_cls) -> torch.Tensor:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    return driver.step([(driver.add_sequence(), PROMPT)])[0]
-
-
-def _greedy(model, driver_cls, steps: int) -> list[int]:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    seq = driver.add_sequence()
-    logits, out = driver.step([(seq, PROMPT)])[0][-1], []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = driver.step([(seq, [out[-1]])])[0][-1]
-    return out
-
-
-def _q8_0_copy(source: Path, out: Path) -> Path:
-    """`source` with each weight the exporter stores as Q8_0 replaced by gguf's quantize-then-dequantize of it."""
-    shutil.copytree(source, out)
-    weights = load_file(str(source / "model.safetensors"))
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in weights.items():
-        if value.dim() == 2 and not name.endswith(ROUTERS):
-            assert value.shape[-1] % 32 == 0, name  # else the exporter would have written F16
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return exports(tmp_path_factory.mktemp("gguf"), sources)
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -97,27 +63,24 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(preset, sources, 
                                                                 paged_driver):
     from transformers import AutoModelForCausalLM
 
-    ours = _load(files(preset, "f32"), ops, model_registry)
-    reference = _load(sources[preset], ops, model_registry)
-    torch.testing.assert_close(_logits(ours, paged_driver), _logits(reference, paged_driver), rtol=0, atol=1e-6)
+    ours = load_float_model(files(preset, "f32"), ops, model_registry)
+    reference = load_float_model(sources[preset], ops, model_registry)
+    expected = prompt_logits(reference, paged_driver, PROMPT)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected, rtol=0, atol=1e-6)
     hf = AutoModelForCausalLM.from_pretrained(sources[preset], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert _greedy(ours, paged_driver, 10) == expected[0, len(PROMPT):].tolist()
+    assert greedy_tokens(ours, paged_driver, PROMPT, 10) == expected[0, len(PROMPT):].tolist()
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_q8_0_gguf_equals_the_dequantized_float_model(preset, sources, files, ops, model_registry, paged_driver,
                                                       tmp_path):
-    ours = _load(files(preset, "q8_0"), ops, model_registry)
+    ours = load_float_model(files(preset, "q8_0"), ops, model_registry)
     experts = ours.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.float32 and experts.w13_scale is None  # dequantized, stored float
     assert ours.model.layers[0].self_attn.o_proj.qweight.gguf_type == "Q8_0"  # dense layers keep their blocks
-    reference = _load(_q8_0_copy(sources[preset], tmp_path / "float"), ops, model_registry)
-    ours_logits = _logits(ours, paged_driver)
-    torch.testing.assert_close(ours_logits, _logits(reference, paged_driver), rtol=0, atol=1e-5)
-    # and the quantization did change the model, so the comparison above could fail
-    assert (_logits(_load(sources[preset], ops, model_registry), paged_driver) - ours_logits).abs().max() > 1e-4
+    check_q8_0_logits(ours, sources[preset], ops, model_registry, paged_driver, PROMPT, tmp_path / "float", ROUTERS)
 
 
 @pytest.mark.parametrize("flag", ["quant", "moe_quant"])
@@ -125,21 +88,23 @@ def test_quant_type_quantizes_the_dequantized_experts_as_a_directory_s(flag, sou
                                                                         paged_driver, tmp_path):
     """--quant_type (every layer, the blocks dequantized first) or --moe_quant_type (the experts only)."""
     quant = {flag: weight_quant_spec("w8a16")}
-    ours = _load(files("qwen2_moe", "q8_0"), ops, model_registry, **quant)
+    ours = load_float_model(files("qwen2_moe", "q8_0"), ops, model_registry, **quant)
     experts = ours.model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == torch.int8 and experts.w13_scale is not None
     o_proj = ours.model.layers[1].self_attn.o_proj.qweight
     assert (o_proj.gguf_type, o_proj.group_size) == ((None, -1) if flag == "quant" else ("Q8_0", 32))
-    reference = _load(_q8_0_copy(sources["qwen2_moe"], tmp_path / "float"), ops, model_registry, **quant)
-    torch.testing.assert_close(_logits(ours, paged_driver), _logits(reference, paged_driver), rtol=0, atol=1e-5)
+    rounded = q8_0_round_trip_copy(sources["qwen2_moe"], tmp_path / "float", ROUTERS)
+    reference = load_float_model(rounded, ops, model_registry, **quant)
+    expected = prompt_logits(reference, paged_driver, PROMPT)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected, rtol=0, atol=1e-5)
 
 
 def test_tensor_parallel_ranks_hold_what_they_hold_of_the_directory(sources, files, ops, model_registry):
     for rank in (0, 1):
         kwargs = {"tp_rank": rank, "tp_size": 2}
-        model = _load(files("qwen2_moe", "f32"), ops, model_registry, **kwargs)
+        model = load_float_model(files("qwen2_moe", "f32"), ops, model_registry, **kwargs)
         ours = dict(model.named_parameters())
-        reference = dict(_load(sources["qwen2_moe"], ops, model_registry, **kwargs).named_parameters())
+        reference = dict(load_float_model(sources["qwen2_moe"], ops, model_registry, **kwargs).named_parameters())
         assert ours.keys() == reference.keys()
         for name, param in reference.items():
             assert torch.equal(ours[name], param), name
@@ -156,11 +121,6 @@ def test_config_carries_the_routing_llama_cpp_runs(preset, sources, files):
         assert getattr(ours, field) == getattr(expected, field), field
 
 
-def _value_offset(reader, key: str) -> int:
-    """Byte offset of metadata `key`'s value (after its length-prefixed key string and value type)."""
-    return reader.fields[key].offset + 8 + len(key.encode()) + 4
-
-
 @pytest.mark.parametrize("preset,key,value,fragment", [
     ("qwen2_moe", "qwen2moe.expert_used_count", 9, "expert_used_count=9 exceeds qwen2moe.expert_count=8"),
     ("qwen3_moe", "qwen3moe.expert_count", 0, "qwen3moe.expert_count is 0; expected a whole number in 1..4096"),
@@ -173,12 +133,8 @@ def _value_offset(reader, key: str) -> int:
     ("mixtral", "llama.expert_count", 0, "holds expert tensors (blk.0.ffn_gate_inp) but llama.expert_count is 0"),
 ])
 def test_inconsistent_expert_metadata_is_refused_in_one_line(preset, key, value, fragment, files, tmp_path):
-    data = files(preset, "f32").read_bytes()
-    reader = gguf.GGUFReader(files(preset, "f32"))
-    assert reader.fields[key].types == [gguf.GGUFValueType.UINT32]
-    offset = _value_offset(reader, key)
-    path = tmp_path / "bad.gguf"
-    path.write_bytes(data[:offset] + struct.pack("<I", value) + data[offset + 4:])
+    assert gguf.GGUFReader(files(preset, "f32")).fields[key].types == [gguf.GGUFValueType.UINT32]
+    path = patched_metadata(files(preset, "f32"), tmp_path / "bad.gguf", key, struct.pack("<I", value))
     with pytest.raises(ModelLoadError) as err:
         load_hf_config(path)
     assert fragment in str(err.value) and "\n" not in str(err.value)

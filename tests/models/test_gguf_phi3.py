@@ -15,13 +15,20 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E402
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
-from flashllm.models.loader import load_model  # noqa: E402
 from flashllm.models.phi3 import LongRopeStack  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_q8_0_logits,
+    exports,
+    greedy_tokens,
+    load_float_model,
+    patched_metadata,
+    prompt_logits,
+)
 from flashllm.testing.tiny_models import PRESETS, build_tiny_model  # noqa: E402
 
 SHORT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
@@ -39,33 +46,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def files(sources, tmp_path_factory):
     """(preset, "f32" | "q8_0") -> the exported GGUF file, written once."""
-    root, written = tmp_path_factory.mktemp("gguf"), {}
-
-    def get(preset: str, file_type: str) -> Path:
-        if (preset, file_type) not in written:
-            written[preset, file_type] = export_gguf(sources[preset], root / f"{preset}-{file_type}.gguf", file_type)
-        return written[preset, file_type]
-
-    return get
-
-
-def _load(path: Path, ops, registry, **kwargs):
-    return load_model(path, ops, torch.float32, "cpu", registry, progress=False, **kwargs)[0]
-
-
-def _logits(model, driver_cls, prompt: list[int]) -> torch.Tensor:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    return driver.step([(driver.add_sequence(), prompt)])[0]
-
-
-def _greedy(model, driver_cls, prompt: list[int], steps: int) -> list[int]:
-    driver = driver_cls(model, block_size=8, num_blocks=16)
-    seq = driver.add_sequence()
-    logits, out = driver.step([(seq, prompt)])[0][-1], []
-    for _ in range(steps):
-        out.append(int(logits.argmax()))
-        logits = driver.step([(seq, [out[-1]])])[0][-1]
-    return out
+    return exports(tmp_path_factory.mktemp("gguf"), sources)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(sources, files):
@@ -106,67 +87,38 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(preset, prompt, s
     """The long prompt (80 > 64 tokens) runs on the long factor set from position 0, the short one on the short."""
     from transformers import AutoModelForCausalLM
 
-    ours = _load(files(preset, "f32"), ops, model_registry)
+    ours = load_float_model(files(preset, "f32"), ops, model_registry)
     assert isinstance(ours.model, LongRopeStack) == (preset == "phi3-longrope")
-    reference = _load(sources[preset], ops, model_registry)
-    torch.testing.assert_close(_logits(ours, paged_driver, prompt), _logits(reference, paged_driver, prompt),
+    reference = load_float_model(sources[preset], ops, model_registry)
+    expected = prompt_logits(reference, paged_driver, prompt)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, prompt), expected,
                                rtol=0, atol=1e-5)
     hf = AutoModelForCausalLM.from_pretrained(sources[preset], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
                              eos_token_id=None)  # no stop: the greedy run below does not stop either
-    assert _greedy(ours, paged_driver, prompt, 8) == expected[0, len(prompt):].tolist()
-
-
-def _q8_0_copy(source: Path, out: Path) -> Path:
-    """`source` with each matrix (rows of 64 or 128: whole Q8_0 blocks) replaced by gguf's quantize-then-dequantize;
-    a fused tensor's blocks lie within its rows, so quantizing it whole equals quantizing its parts."""
-    shutil.copytree(source, out)
-    weights = load_file(str(source / "model.safetensors"))
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in weights.items():
-        if value.dim() == 2:
-            assert value.shape[-1] % 32 == 0, name
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    assert greedy_tokens(ours, paged_driver, prompt, 8) == expected[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("preset", ["phi3", "phi3-longrope"])
 def test_q8_0_gguf_equals_the_dequantized_float_model(preset, sources, files, ops, model_registry, paged_driver,
                                                       tmp_path):
-    ours = _load(files(preset, "q8_0"), ops, model_registry)
+    ours = load_float_model(files(preset, "q8_0"), ops, model_registry)
     layer = ours.model.layers[0]
     # the fused tensors' parts joined again as the blocks stored
     assert layer.self_attn.qkv_proj.qweight.gguf_type == layer.mlp.gate_up_proj.qweight.gguf_type == "Q8_0"
-    reference = _load(_q8_0_copy(sources[preset], tmp_path / "float"), ops, model_registry)
     prompt = LONG if preset == "phi3-longrope" else SHORT
-    ours_logits = _logits(ours, paged_driver, prompt)
-    torch.testing.assert_close(ours_logits, _logits(reference, paged_driver, prompt), rtol=0, atol=1e-5)
-    # and the quantization did change the model, so the comparison above could fail
-    assert (_logits(_load(sources[preset], ops, model_registry), paged_driver, prompt) - ours_logits).abs().max() > 1e-4
+    check_q8_0_logits(ours, sources[preset], ops, model_registry, paged_driver, prompt, tmp_path / "float")
 
 
 def test_tensor_parallel_ranks_hold_their_rows_of_each_fused_part(sources, files, ops, model_registry):
     for rank in (0, 1):
         kwargs = {"tp_rank": rank, "tp_size": 2}
-        ours = dict(_load(files("phi3-longrope", "f32"), ops, model_registry, **kwargs).named_parameters())
-        reference = dict(_load(sources["phi3-longrope"], ops, model_registry, **kwargs).named_parameters())
+        ours = dict(load_float_model(files("phi3-longrope", "f32"), ops, model_registry, **kwargs).named_parameters())
+        reference = dict(load_float_model(sources["phi3-longrope"], ops, model_registry, **kwargs).named_parameters())
         assert ours.keys() == reference.keys()
         for name, param in reference.items():
             assert torch.equal(ours[name], param), name
-
-
-def _value_offset(reader, key: str) -> int:
-    """Byte offset of metadata `key`'s value (after its length-prefixed key string and value type)."""
-    return reader.fields[key].offset + 8 + len(key.encode()) + 4
-
-
-def _patched(path: Path, out: Path, key: str, value: bytes) -> Path:
-    reader = gguf.GGUFReader(path)
-    data, offset = path.read_bytes(), _value_offset(reader, key)
-    out.write_bytes(data[:offset] + value + data[offset + len(value):])
-    return out
 
 
 @pytest.mark.parametrize("key,value,fragment", [
@@ -177,7 +129,7 @@ def _patched(path: Path, out: Path, key: str, value: bytes) -> Path:
     ("phi3.rope.scaling.attn_factor", struct.pack("<f", -1.0), "attn_factor is -1.0; expected a positive number"),
 ])
 def test_inconsistent_rope_metadata_is_refused_in_one_line(key, value, fragment, files, tmp_path):
-    path = _patched(files("phi3-longrope", "f32"), tmp_path / "bad.gguf", key, value)
+    path = patched_metadata(files("phi3-longrope", "f32"), tmp_path / "bad.gguf", key, value)
     with pytest.raises(ModelLoadError) as err:
         load_hf_config(path)
     assert fragment in str(err.value) and "\n" not in str(err.value)
@@ -202,10 +154,11 @@ def test_an_attention_factor_without_factor_sets_is_refused(files, tmp_path):
 
 
 def test_fused_rows_that_the_sizes_do_not_fill_are_refused(files, tmp_path, ops, model_registry):
-    path = _patched(files("phi3", "f32"), tmp_path / "bad.gguf", "phi3.feed_forward_length", struct.pack("<I", 96))
+    path = patched_metadata(files("phi3", "f32"), tmp_path / "bad.gguf", "phi3.feed_forward_length",
+                            struct.pack("<I", 96))
     with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_up\.weight has 256 rows; the config's "
                                              r"mlp\.gate_proj 96 \+ mlp\.up_proj 96 give 192"):
-        _load(path, ops, model_registry)
+        load_float_model(path, ops, model_registry)
 
 
 def test_the_exporter_refuses_heads_that_do_not_span_the_hidden_size(sources, tmp_path):
