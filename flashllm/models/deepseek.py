@@ -273,7 +273,7 @@ def _fusable_block(layer: nn.Module, rotary: RotaryEmbedding) -> bool:
     whose routed experts are whole on this rank."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(mlp) is DeepseekMoE:
-        plain = (type(mlp.experts) is FusedMoE and not mlp.experts.expert_parallel
+        plain = (type(mlp.experts) is FusedMoE and not mlp.experts.expert_parallel and mlp.experts.expert_blocks is None
                  and type(mlp.gate) is DeepseekRouter
                  and (mlp.shared_experts is None or type(mlp.shared_experts) is GatedMLP))
     else:

@@ -90,9 +90,7 @@ class DeepseekMoE(nn.Module):
         """Expert weight bytes one decode token does not read on this rank: E - k of the E routed experts
         (expert parallel: at least E/tp - k of the rank's E/tp)."""
         experts = self.experts
-        params = (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)
-        per_expert = sum(p.nbytes for p in params if p is not None) // experts.num_local_experts
-        return max(experts.num_local_experts - self.top_k, 0) * per_expert
+        return max(experts.num_local_experts - self.top_k, 0) * experts.expert_nbytes()
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, hidden) -> (T, hidden) in x.dtype."""

@@ -90,7 +90,7 @@ def load_model(
         raise ModelLoadError(f"model directory {model_dir} does not exist or is not a directory")
     config = load_hf_config(model_dir, model_registry)
     files = {} if gguf else safetensors_files(model_dir)
-    gguf_weights = _gguf_weights(model_dir, config, tp_size, quant, ops) if gguf else None
+    gguf_weights = _gguf_weights(model_dir, config, tp_size, quant, ops, moe_quant) if gguf else None
     model_cls = model_registry.resolve(config.architecture)
     checkpoint_quant_spec(config, quant)
     if expert_parallel:
@@ -176,14 +176,16 @@ def _read_adapter(lora_path: str | Path, config: HFModelConfig, files: dict[Path
 
 
 def _gguf_weights(path: Path, config: HFModelConfig, tp_size: int, quant: WeightQuantSpec | None,
-                  ops: Any = None) -> GGUFWeights:
+                  ops: Any = None, moe_quant: WeightQuantSpec | None = None) -> GGUFWeights:
     """The GGUF file's tensors, planned (names mapped and checked) before the model is allocated; its quantized
-    linear weights stay as stored unless --quant_type asks for a scheme (then they load as float first); Q/K rows
-    stay interleaved for a rotary kernel that keeps_interleaved_pairs (ops/rotary_embedding.py)."""
+    linear weights stay as stored unless --quant_type asks for a scheme (then they load as float first), and so
+    do its MoE experts unless --quant_type or --moe_quant_type does; Q/K rows stay interleaved for a rotary
+    kernel that keeps_interleaved_pairs (ops/rotary_embedding.py)."""
     gf = open_gguf(path)
     keep_pairs = bool(getattr(getattr(ops, "rotary_embedding", None), "keeps_interleaved_pairs", False))
-    return GGUFWeights(gf, config, gguf_arch(gf)[1], tp_size, keep_blocks=not (quant is not None and quant.enabled),
-                       keep_rope_pairs=keep_pairs)
+    keep = not (quant is not None and quant.enabled)
+    return GGUFWeights(gf, config, gguf_arch(gf)[1], tp_size, keep_blocks=keep, keep_rope_pairs=keep_pairs,
+                       keep_expert_blocks=keep and not (moe_quant is not None and moe_quant.enabled))
 
 
 def checkpoint_quant_spec(config: HFModelConfig, quant: WeightQuantSpec | None) -> WeightQuantSpec | None:

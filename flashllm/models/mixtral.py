@@ -277,7 +277,7 @@ def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedd
     classes, not subclasses), with `first`'s attention geometry and the shared `rotary` table."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if type(mlp) is SparseMoeBlock:
-        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE
+        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE and mlp.experts.expert_blocks is None
                  and (mlp.shared_expert is None or (type(mlp.shared_expert) is GatedMLP
                                                     and type(mlp.shared_expert_gate) is RouterLinear)))
     else:

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from flashllm.models.deepseek_moe import DeepseekMoE
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import LinearBase
-from flashllm.models.layers.moe import SparseMoeBlock
+from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +17,7 @@ class WeightBytes:
     """Bytes a loaded model keeps for its weights.
 
     linear: the linear layers' weights as stored (quantized data + scales + zeros, or float),
-      and a quantized LM head's int8 copy (--quantize_lm_head);
+      a quantized LM head's int8 copy (--quantize_lm_head) and MoE experts kept as GGUF blocks;
     other: everything else (embeddings, norms, biases, a float untied lm_head, and the copy a
       device's greedy head keeps of it with its scales and bounds:
       flashllm/backends/cpu/greedy_screen.py); total = both.
@@ -58,6 +58,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
         qweight = getattr(module, "qweight", None)
         if qweight is not None and (isinstance(module, LinearBase) or qweight.scheme != "none"):
             linear += count(list(qweight.tensors))
+        if isinstance(module, FusedMoE) and module.expert_blocks is not None:
+            linear += count([t for pair in module.expert_blocks for w in pair for t in w.tensors])
     other = count([p for _, p in model.named_parameters()])
     other += sum(screen.nbytes for screen in map(_greedy_screen, _lm_heads(model)) if screen is not None)
     return WeightBytes(linear, other, linear + other - _unstreamed_bytes(model))

@@ -276,6 +276,56 @@ def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) ->
     return out
 
 
+def round_trip_copy(source: Path, out: Path, types: dict[str, str]) -> Path:
+    """A copy of the directory `source` whose matrices named `...<part>.weight` for a key `part` of `types`
+    ("gate_proj": "Q4_K") are replaced by their quantize_rows-then-gguf-dequantize values in that type."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    weights = load_file(str(source / "model.safetensors"))
+    for name, value in weights.items():
+        part = name.rsplit(".", 2)[-2]
+        if value.dim() == 2 and part in types:
+            kind = gguf.GGMLQuantizationType[types[part]]
+            blocks = quantize_rows(value.float().numpy(), types[part])
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def retyped_copy(path: Path, out: Path, types: dict[str, str]) -> Path:
+    """A copy of the GGUF file `path` (its metadata as is) with the F32 tensors whose part after "blk.N." is a key
+    of `types` ("ffn_down_exps": "Q6_K") stored in that type instead (quantize_rows, along each tensor's rows)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+        if part in types:
+            if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+                raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}; retyped_copy re-stores F32 tensors")
+            blocks = quantize_rows(data.reshape(-1, data.shape[-1]), types[part])
+            writer.add_tensor(tensor.name, blocks.reshape(*data.shape[:-1], -1),
+                              raw_dtype=gguf.GGMLQuantizationType[types[part]])
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def patched_metadata(path: Path, out: Path, key: str, value: bytes) -> Path:
     """A copy of the GGUF file `path` with metadata `key`'s (fixed-size) value bytes replaced by `value`."""
     import gguf

@@ -1,6 +1,7 @@
 """Mixture-of-experts GGUF files (Mixtral as llama.cpp's "llama" with experts, qwen2moe, qwen3moe), written by
-flashllm's llama.cpp exporter from tiny directories, load into the directory's model: F32 exactly, Q8_0 as the
-gguf package dequantizes it; inconsistent expert metadata is refused in one line."""
+flashllm's llama.cpp exporter from tiny directories, load into the directory's model: F32 exactly, Q8_0 and
+K-quant experts kept as stored blocks that compute what the gguf package's dequantized values do; inconsistent
+expert metadata is refused in one line."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ gguf = pytest.importorskip("gguf")
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.models.layers.moe import FusedMoE  # noqa: E402
+from flashllm.models.weight_bytes import weight_bytes  # noqa: E402
+from flashllm.ops.quant_matmul import dequantize  # noqa: E402
 from flashllm.quant.spec import weight_quant_spec  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
     check_q8_0_logits,
@@ -25,6 +28,8 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     patched_metadata,
     prompt_logits,
     q8_0_round_trip_copy,
+    retyped_copy,
+    round_trip_copy,
 )
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
@@ -78,9 +83,70 @@ def test_q8_0_gguf_equals_the_dequantized_float_model(preset, sources, files, op
                                                       tmp_path):
     ours = load_float_model(files(preset, "q8_0"), ops, model_registry)
     experts = ours.model.layers[0].mlp.experts
-    assert experts.w13_weight.dtype == torch.float32 and experts.w13_scale is None  # dequantized, stored float
+    assert experts.w13_weight is None and len(experts.expert_blocks) == experts.num_experts  # kept as stored
+    assert {w.gguf_type for pair in experts.expert_blocks for w in pair} == {"Q8_0"}
     assert ours.model.layers[0].self_attn.o_proj.qweight.gguf_type == "Q8_0"  # dense layers keep their blocks
     check_q8_0_logits(ours, sources[preset], ops, model_registry, paged_driver, PROMPT, tmp_path / "float", ROUTERS)
+
+
+K_QUANTS = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}  # as a Q4_K_M file mixes them
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """(source directory, GGUF file with Q4_K gate / up and Q6_K down experts, the rest F32): rows of 256 features,
+    the K-quants' super-block, and 512 intermediate features, so that two ranks each hold 256 of them."""
+    out = tmp_path_factory.mktemp("kquant")
+    tokenizer = train_tokenizer(out, vocab_size=300)
+    source = build_moe_model(out, "qwen3_moe", seed=5, vocab_size=len(tokenizer), hidden_size=256,
+                             num_hidden_layers=2, mlp_only_layers=[], moe_intermediate_size=512)
+    f32 = exports(out / "gguf", {"m": source})("m", "f32")
+    return source, retyped_copy(f32, out / "kquant.gguf", K_QUANTS)
+
+
+def test_k_quant_experts_stay_as_stored_and_compute_their_dequantized_values(k_quant_file, ops, model_registry,
+                                                                             paged_driver, tmp_path):
+    source, path = k_quant_file
+    ours = load_float_model(path, ops, model_registry)
+    experts = ours.model.layers[0].mlp.experts
+    w13, w2 = experts.expert_blocks[0]
+    assert (w13.gguf_type, w13.scheme, w2.gguf_type, w2.scheme) == ("Q4_K", "w4a16", "Q6_K", "w8a16")
+    rounded = load_float_model(round_trip_copy(source, tmp_path / "rounded", {
+        "gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K"}), ops, model_registry)
+    expected = prompt_logits(rounded, paged_driver, PROMPT)
+    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected, rtol=0, atol=1e-5)
+    unquantized = prompt_logits(load_float_model(source, ops, model_registry), paged_driver, PROMPT)
+    assert (unquantized - expected).abs().max() > 1e-3, "the K-quant rounding did not change the logits"
+    assert greedy_tokens(ours, paged_driver, PROMPT, 6) == greedy_tokens(rounded, paged_driver, PROMPT, 6)
+    # 4.5 + 6.5625 bits a weight as stored, unpacked to int4 / int8 codes with fp32 scales: well under fp32's 32
+    # (the experts are most of this model; its attention, embeddings and head are F32 in the file)
+    stored = weight_bytes(ours)
+    assert stored.total < weight_bytes(rounded).total / 3
+    streamed = stored.total - stored.streamed  # the 8 - 2 experts of each layer a decode token does not read
+    assert streamed >= 2 * 6 * experts.expert_nbytes() > 0
+
+
+def test_k_quant_experts_split_over_ranks_at_whole_super_blocks(k_quant_file, ops, model_registry, tmp_path):
+    """Two ranks keep blocks (256 of 512 features each); where a rank's features would cut a 256-feature block
+    of the down projection the layer loads float, with the same values."""
+    source, path = k_quant_file
+    rounded_dir = round_trip_copy(source, tmp_path / "rounded", {
+        "gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K"})
+    for tp_size, kept in ((2, True), (4, False)):
+        for rank in range(tp_size):
+            kwargs = {"tp_rank": rank, "tp_size": tp_size}
+            ours = next(m for m in load_float_model(path, ops, model_registry, **kwargs).modules()
+                        if isinstance(m, FusedMoE))
+            reference = next(m for m in load_float_model(rounded_dir, ops, model_registry, **kwargs).modules()
+                             if isinstance(m, FusedMoE))
+            assert (ours.expert_blocks is not None) is kept, (tp_size, rank)
+            for expert in range(ours.num_experts):
+                if kept:
+                    w13, w2 = (dequantize(w) for w in ours.expert_blocks[expert])
+                else:
+                    w13, w2 = ours.w13_weight[expert], ours.w2_weight[expert]
+                assert torch.equal(w13, reference.w13_weight[expert]), (tp_size, rank, expert)
+                assert torch.equal(w2, reference.w2_weight[expert]), (tp_size, rank, expert)
 
 
 @pytest.mark.parametrize("flag", ["quant", "moe_quant"])
@@ -97,6 +163,21 @@ def test_quant_type_quantizes_the_dequantized_experts_as_a_directory_s(flag, sou
     reference = load_float_model(rounded, ops, model_registry, **quant)
     expected = prompt_logits(reference, paged_driver, PROMPT)
     torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT), expected, rtol=0, atol=1e-5)
+
+
+def test_q8_0_expert_blocks_under_tensor_parallelism(sources, files, ops, model_registry, tmp_path):
+    """Each rank's blocks dequantize to the rounded directory's rank slice: 32 of every expert's 64 features."""
+    rounded_dir = q8_0_round_trip_copy(sources["qwen2_moe"], tmp_path / "float", ROUTERS)
+    for rank in (0, 1):
+        kwargs = {"tp_rank": rank, "tp_size": 2}
+        ours = next(m for m in load_float_model(files("qwen2_moe", "q8_0"), ops, model_registry, **kwargs).modules()
+                    if isinstance(m, FusedMoE))
+        reference = next(m for m in load_float_model(rounded_dir, ops, model_registry, **kwargs).modules()
+                         if isinstance(m, FusedMoE))
+        assert len(ours.expert_blocks) == 8 and ours.expert_blocks[0][1].in_features == 32
+        for expert, (w13, w2) in enumerate(ours.expert_blocks):
+            assert torch.equal(dequantize(w13), reference.w13_weight[expert]), (rank, expert)
+            assert torch.equal(dequantize(w2), reference.w2_weight[expert]), (rank, expert)
 
 
 def test_tensor_parallel_ranks_hold_what_they_hold_of_the_directory(sources, files, ops, model_registry):
@@ -148,6 +229,21 @@ def test_a_layer_without_its_experts_is_refused_before_loading(files, tmp_path):
     path.write_bytes(data.replace(name, b"blk.1.ffn_up_exps.wei9ht"))
     with pytest.raises(ModelLoadError, match=r"lacks blk\.1\.ffn_up_exps\.weight; llama\.cpp's qwen3moe graph"):
         load_hf_config(path)
+
+
+def test_llm_runs_q8_0_expert_blocks_like_the_rounded_directory(sources, files, tmp_path, monkeypatch):
+    """The cpu backend's quant_matmul on the experts' blocks, with its exact fp32 activations for Q8_0 (its default
+    rounds them to int8 blocks as llama.cpp does), gives the greedy tokens of the Q8_0-rounded directory."""
+    from flashllm import LLM, SamplingParams
+
+    monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
+    rounded = q8_0_round_trip_copy(sources["qwen3_moe"], tmp_path / "float", ROUTERS)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = []
+    for model in (rounded, files("qwen3_moe", "q8_0")):
+        llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
+        results.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "hello"], params)])
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

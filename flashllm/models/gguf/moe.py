@@ -24,6 +24,8 @@ from flashllm.models.gguf.reader import GGUFFile
 MAX_EXPERTS = 4096
 # GGUF name part (after "blk.L.") of a stacked expert tensor -> the per-expert checkpoint projection
 EXPERT_PROJS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# the checkpoint projection -> the MoE layer's part (FusedMoE's shard ids)
+EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # GGUF name part of the router and shared-expert tensors -> the checkpoint module (after "model.layers.L.")
 LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 GGUF_BLOCKS_MODULE = "flashllm.quant.gguf_blocks"
 _ATTR = "_gguf_quantized_shards"  # shard id -> QuantizedWeight of a layer loading GGUF blocks as they are
+_EXPERTS_ATTR = "_gguf_expert_blocks"  # (expert, "gate" | "up" | "down") -> QuantizedWeight of a MoE layer's experts
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -79,6 +80,15 @@ class _Shards:
     weights: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
+@dataclass
+class _ExpertBlocks:
+    """The QuantizedWeights a MoE layer keeping GGUF blocks collects: (expert, "gate" | "up" | "down") -> weight,
+    and the device its stacked parameters were on."""
+
+    device: torch.device
+    weights: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """One GGUF tensor (or one part of a fused one) to load: its checkpoint name, the heads its rows are reordered
@@ -102,17 +112,22 @@ class GGUFWeights:
     its rows of each projection and, for a row-parallel layer, its input features, cut at block
     boundaries of the stored bytes (a layer whose rank slice would split a block loads as float).
     Embedding and norm tensors are always float, and so are MoE routers (float_in_checkpoints layers).
-    Stacked experts (moe.py) reach the MoE layer one expert at a time as float (dequantized where stored
-    in blocks); the layer keeps them so, or stores them in its own --quant_type expert scheme, and its
-    weight_loader takes each rank's part under tensor parallelism.
+    Stacked experts (moe.py) of a layer whose three projections are of types gguf_blocks represents (gate
+    and up of one layout) stay as stored too, one QuantizedWeight pair per expert (FusedMoE.use_expert_blocks),
+    unless `keep_expert_blocks` is false (--quant_type or --moe_quant_type asks for a scheme) or a rank's
+    slice of the down projection's input features would cut a block. Otherwise they reach the MoE layer one
+    expert at a time as float (dequantized where stored in blocks); the layer keeps them so, or stores them
+    in its own --quant_type expert scheme, and its weight_loader takes each rank's part under tensor parallelism.
     keep_rope_pairs: leave Q and K rows in the file's interleaved rotary order (and run the model's rotary
     with is_neox=False) instead of reordering them for the half-split one; for a rotary kernel that
     declares keeps_interleaved_pairs (ops/rotary_embedding.py), whose Q.K sums follow the file's order.
     """
 
     def __init__(self, gf: GGUFFile, config: Any, spec: ArchMap, tp_size: int = 1, keep_blocks: bool = True,
-                 keep_rope_pairs: bool = False) -> None:
+                 keep_rope_pairs: bool = False, keep_expert_blocks: bool | None = None) -> None:
         self.gf, self.config, self.tp_size, self.keep_blocks = gf, config, tp_size, keep_blocks
+        self.keep_expert_blocks = keep_blocks if keep_expert_blocks is None else keep_expert_blocks
+        self._expert_layers: dict[str, str] = {}  # stacked checkpoint prefix -> FusedMoE module keeping its blocks
         self.interleaved = keep_rope_pairs and spec.permute_qk  # the file's pairs are interleaved and stay so
         self.plan = self._plan(spec)
         self._routed: dict[str, tuple[str, Any]] = {}  # checkpoint name -> (linear layer name, shard id)
@@ -169,6 +184,8 @@ class GGUFWeights:
                 if isinstance(module, RotaryEmbedding):
                     module.is_neox = False
         blocks = _gguf_blocks()
+        if blocks is not None and self.keep_expert_blocks:
+            self._prepare_experts(model, blocks)
         if blocks is None or not self.keep_blocks:
             return
         from flashllm.models.layers.linear import LinearBase
@@ -199,6 +216,34 @@ class GGUFWeights:
             module.weight = None
             self._routed.update({item.hf_name: (prefix, shard_id) for item, shard_id in shards})
 
+    def _prepare_experts(self, model: nn.Module, blocks: Any) -> None:
+        """Pick the MoE layers whose experts stay GGUF blocks (see the class docstring); drop their float stacks."""
+        from flashllm.models.layers.moe import FusedMoE
+
+        stacks: dict[str, dict[str, Any]] = {}  # "model.layers.L.mlp" -> projection -> GGUF tensor
+        for item in self.plan:
+            if moe.STACKED_SUFFIX in item.hf_name:
+                prefix, _, tail = item.hf_name.partition(moe.STACKED_SUFFIX)
+                stacks.setdefault(prefix, {})[tail.split(".")[1]] = self.gf.tensors[item.gguf_name]
+        for prefix, projections in stacks.items():
+            types = {proj: tensor.tensor_type for proj, tensor in projections.items()}
+            if set(types) != {"gate_proj", "up_proj", "down_proj"} or not set(types.values()) <= blocks.SUPPORTED_TYPES:
+                continue
+            if blocks.layout_of(types["gate_proj"]) != blocks.layout_of(types["up_proj"]):
+                continue  # gate and up rows join into one w13 weight: they must share a layout
+            param_name, _ = model._param_target(f"{prefix}.experts.0.gate_proj.weight")
+            name = param_name.rpartition(".")[0]
+            module = model.get_submodule(name)
+            if not isinstance(module, FusedMoE):
+                continue
+            first, count = module.rank_features()
+            block = blocks.block_of(types["down_proj"])
+            if count != module.intermediate_size and (first % block or count % block):
+                continue  # this rank's down features would cut a block: the experts load as float
+            setattr(module, _EXPERTS_ATTR, _ExpertBlocks(module.w13_weight.device))
+            module.w13_weight = module.w2_weight = None  # never allocated beside the blocks
+            self._expert_layers[prefix] = name
+
     def tensors(self, model: nn.Module, seen: set[str], progress: bool) -> Iterator[tuple[str, Tensor]]:
         """Yield (checkpoint name, float tensor) per planned tensor; routed weights go to their layer instead."""
         with tqdm(total=len(self.plan), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
@@ -206,6 +251,8 @@ class GGUFWeights:
                 seen.add(item.hf_name)
                 if item.hf_name in self._routed:
                     self._route(model, item)
+                elif item.hf_name.partition(moe.STACKED_SUFFIX)[0] in self._expert_layers:
+                    self._route_experts(model, item)
                 elif moe.STACKED_SUFFIX in item.hf_name:
                     yield from self._expert_tensors(item)
                 else:
@@ -215,8 +262,8 @@ class GGUFWeights:
             kinds = ", ".join(f"{n} {t}" for t, n in sorted(self._dequantized.items()))
             reason = ("flashllm.quant.gguf_blocks is not installed" if _gguf_blocks() is None
                       else "--quant_type asks for another scheme" if not self.keep_blocks
-                      else "they are experts, routers, embeddings, norms, mixed-type fused layers or "
-                           "tensor-parallel shards")
+                      else "they are routers, embeddings, norms, mixed-type fused layers or experts, or "
+                           "tensor-parallel shards that would cut a block")
             logger.info("%s: dequantized %s tensor(s) to float with the gguf package (%s)", self.gf.name, kinds, reason)
 
     def _rows(self, item: PlannedTensor) -> np.ndarray:
@@ -233,6 +280,44 @@ class GGUFWeights:
             self._dequantized[f"{tensor.tensor_type.name} experts"] += 1
         for name, rows in moe.expert_rows(item.hf_name, np.asarray(tensor.data)):
             yield name, self._to_float(rows, tensor.tensor_type)
+
+    def _route_experts(self, model: nn.Module, item: PlannedTensor) -> None:
+        """One projection of a layer's stacked experts, kept as stored: this rank's experts, each cut to the
+        rank's intermediate features (rows of gate and up, input features of down), as QuantizedWeights."""
+        prefix, _, tail = item.hf_name.partition(moe.STACKED_SUFFIX)
+        module = model.get_submodule(self._expert_layers[prefix])
+        part = moe.EXPERT_PARTS[tail.split(".")[1]]
+        tensor = self.gf.tensors[item.gguf_name]
+        data = np.asarray(tensor.data)  # (E, N, row bytes)
+        first, count = module.rank_features()
+        collected = getattr(module, _EXPERTS_ATTR).weights
+        blocks = _gguf_blocks()
+        for expert in module.local_experts():
+            rows = data[expert]
+            if part == "down":
+                raw = rows[:, blocks.row_bytes(tensor.tensor_type, first):blocks.row_bytes(tensor.tensor_type, first + count)]
+                shape = (module.hidden_size, count)
+            else:
+                raw, shape = rows[first:first + count], (count, module.hidden_size)
+            try:
+                collected[expert, part] = blocks.weight_from_gguf(np.ascontiguousarray(raw), tensor.tensor_type, shape)
+            except ValueError as exc:
+                raise ModelLoadError(f"{self.gf.name}: {item.gguf_name} expert {expert}: {exc}") from None
+
+    def _finish_experts(self, module: nn.Module, blocks: _ExpertBlocks) -> None:
+        """Give a MoE layer its experts' blocks: gate and up rows joined into w13, on the layer's device."""
+        collected, device = blocks.weights, blocks.device
+        missing = [(e, p) for e in module.local_experts() for p in ("gate", "up", "down") if (e, p) not in collected]
+        if missing:
+            raise ModelLoadError(f"{self.gf.name}: a MoE layer received no {missing[0][1]} projection of expert "
+                                 f"{missing[0][0]} ({len(missing)} missing)")
+        pairs = [(_to_device(concat_rows([collected[e, "gate"], collected[e, "up"]]), device),
+                  _to_device(collected[e, "down"], device)) for e in module.local_experts()]
+        delattr(module, _EXPERTS_ATTR)
+        try:
+            module.use_expert_blocks(pairs)
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.gf.name}: {exc}") from None
 
     def _float_tensor(self, item: PlannedTensor) -> Tensor:
         tensor = self.gf.tensors[item.gguf_name]
@@ -273,7 +358,12 @@ class GGUFWeights:
         getattr(module, _ATTR).weights[shard_id] = weight
 
     def finish(self, module: nn.Module) -> bool:
-        """Give a layer loading GGUF blocks its QuantizedWeight (shards joined along N); False for any other."""
+        """Give a layer loading GGUF blocks its QuantizedWeight (shards joined along N), a MoE layer keeping its
+        experts' blocks those (FusedMoE.use_expert_blocks); False for any other."""
+        experts = getattr(module, _EXPERTS_ATTR, None)
+        if isinstance(experts, _ExpertBlocks):
+            self._finish_experts(module, experts)
+            return True
         collected = getattr(module, _ATTR, None)
         if not isinstance(collected, _Shards):
             return False
@@ -287,9 +377,7 @@ class GGUFWeights:
             raise ModelLoadError(f"{self.gf.name}: a layer's GGUF weight has {weight.data.shape[0]} rows, expected "
                                  f"{module.output_size_per_partition}")
         device = module.bias.device if module.bias is not None else torch.device("cpu")
-        moved = {f.name: getattr(weight, f.name).to(device) for f in dataclasses.fields(weight)
-                 if isinstance(getattr(weight, f.name), Tensor)}
-        module.qweight = dataclasses.replace(weight, **moved)
+        module.qweight = _to_device(weight, device)
         delattr(module, _ATTR)
         return True
 
@@ -310,6 +398,13 @@ class GGUFWeights:
         kind = None if tensor is None else tensor.tensor_type.name
         if kind in FORMAT_OF_TYPE and head.qweight.in_features % BLOCK[FORMAT_OF_TYPE[kind]] == 0:
             head.qweight = dataclasses.replace(head.qweight, gguf_type=kind)
+
+
+def _to_device(weight: Any, device: torch.device) -> Any:
+    """A QuantizedWeight with every tensor field moved to `device`."""
+    moved = {f.name: getattr(weight, f.name).to(device) for f in dataclasses.fields(weight)
+             if isinstance(getattr(weight, f.name), Tensor)}
+    return dataclasses.replace(weight, **moved)
 
 
 def _rank_slice(module: nn.Module, shard_id: Any, rows: np.ndarray, ggml_type: Any,
@@ -360,8 +455,8 @@ def gguf_quant_capability(gf: GGUFFile, scheme: str, tp_size: int = 1) -> str:
     blocks = _gguf_blocks()
     if blocks is None or scheme != "none":
         return scheme
-    linear = [t.tensor_type for name, t in gf.tensors.items()
-              if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2]
+    linear = [t.tensor_type for name, t in gf.tensors.items()  # 2-D weights and 3-D stacked experts
+              if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) in (2, 3)]
     return blocks.request_quant(linear)
 
 

@@ -7,11 +7,12 @@ import re
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashllm.models.layers.linear import ReplicatedLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
-from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, INT8_MAX, MIN_SCALE, pack_int4
+from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, INT8_MAX, MIN_SCALE, QuantizedWeight, pack_int4
 from flashllm.quant.spec import WeightQuantSpec
 from flashllm.quant.weight_only import INT4_SYMMETRIC_MAX
 
@@ -82,6 +83,11 @@ class FusedMoE(nn.Module):
     all-reduce), runs only the (token, expert) pairs routed to its own experts, and the same
     all-reduce combines the ranks' weighted sums. The stacked parameters are then (E/tp, 2I, H) and
     (E/tp, H, I); num_experts stays the model's E.
+
+    Experts may instead be kept as one (w13, w2) QuantizedWeight pair per local expert (use_expert_blocks:
+    a GGUF file's K-quant or Q8_0 blocks as stored, models/gguf/tensors.py). The stacked parameters are
+    then dropped and each chosen expert's two products run on ops.quant_matmul, the op the dense layers of
+    such a file run on, so every backend that multiplies the file's dense blocks runs its experts too.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: Any,
@@ -112,6 +118,38 @@ class FusedMoE(nn.Module):
         # w8a16 experts: fp32 (E, 2I) and (E, H) scales beside int8 codes (process_weights_after_loading)
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
+        self._quant_matmul = ops.quant_matmul
+        self.expert_blocks: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
+
+    def rank_features(self) -> tuple[int, int]:
+        """(first, count) of each expert's intermediate features this rank holds (all of them under expert parallelism)."""
+        inter = self.intermediate_size // self.feature_shards
+        return (0 if self.expert_parallel else self.tp_rank * inter), inter
+
+    def local_experts(self) -> range:
+        """The model's expert ids this rank holds."""
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+    def use_expert_blocks(self, blocks: list[tuple[QuantizedWeight, QuantizedWeight]]) -> None:
+        """Hold the experts as given, one (w13 (2I/tp, H), w2 (H, I/tp)) pair per local expert in order, in place
+        of the stacked parameters (dropped). Raises ValueError on a count or shape that does not fit the layer."""
+        first, inter = self.rank_features()
+        if len(blocks) != self.num_local_experts:
+            raise ValueError(f"{len(blocks)} expert weights for a layer holding {self.num_local_experts} experts")
+        for expert, (w13, w2) in zip(self.local_experts(), blocks, strict=True):
+            shapes = ((w13.out_features, w13.in_features), (w2.out_features, w2.in_features))
+            if shapes != ((2 * inter, self.hidden_size), (self.hidden_size, inter)):
+                raise ValueError(f"expert {expert}'s weights are (out, in) {shapes}; the layer expects "
+                                 f"{((2 * inter, self.hidden_size), (self.hidden_size, inter))}")
+        self.w13_weight = self.w2_weight = None
+        self.expert_blocks = list(blocks)
+
+    def expert_nbytes(self) -> int:
+        """Bytes one local expert's weights take (codes, scales and offsets where quantized)."""
+        if self.expert_blocks is not None:
+            return sum(w.nbytes for w in self.expert_blocks[0]) if self.expert_blocks else 0
+        params = (self.w13_weight, self.w2_weight, self.w13_scale, self.w2_scale)
+        return sum(p.nbytes for p in params if p is not None) // max(self.num_local_experts, 1)
 
     def _param(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -175,7 +213,7 @@ class FusedMoE(nn.Module):
         per expert, output channel and group of quant.group_size input features), if the bound
         fused_moe kernel claims the format; anything else keeps them in the model dtype, saying so.
         Raises ValueError when the group size does not divide an expert's (rank's) input features."""
-        if quant is None or not quant.enabled:
+        if quant is None or not quant.enabled or self.expert_blocks is not None:
             return
         if quant.scheme not in ("w8a16", "w4a16") or not quant.symmetric:
             _warn_once(f"MoE experts stay in {self.w13_weight.dtype} under {quant.scheme}"
@@ -226,10 +264,37 @@ class FusedMoE(nn.Module):
         return out
 
     def _run(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.expert_blocks is not None:
+            return self._run_blocks(x, topk_weights, topk_ids)
         if self.w13_scale is None:
             return self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                self.w13_scale, self.w2_scale)
+
+    def _run_blocks(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """fused_moe's sum over expert_blocks: each chosen expert's rows through its two quant_matmul products, the
+        (token, slot) pairs sorted by expert with one host sync; the weighted sum in fp32, returned in x.dtype."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if topk_ids.numel() == 0:
+            return out.to(x.dtype)
+        flat = topk_ids.reshape(-1)
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < 0 or high >= self.num_local_experts:
+            raise ValueError(f"expert ids [{low}, {high}] are outside this layer's {self.num_local_experts} experts")
+        top_k = topk_ids.shape[1]
+        order = torch.argsort(flat, stable=True)
+        tokens, weights = order // top_k, topk_weights.reshape(-1)[order].float()
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_local_experts).tolist()):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            w13, w2 = self.expert_blocks[expert]
+            gate, up = self._quant_matmul(x[rows], w13).float().chunk(2, dim=-1)
+            down = self._quant_matmul((F.silu(gate) * up).to(x.dtype), w2)
+            out.index_add_(0, rows, down.float() * weights[start:start + count, None])
+            start += count
+        return out.to(x.dtype)
 
     def _local_experts(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """Dispatch: the (token, slot) pairs routed to this rank's experts become rows of one k=1 call on
@@ -294,11 +359,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = RouterLinear(hidden_size, 1, False, ops, dtype, device, tp_rank, tp_size)
 
     def unstreamed_bytes(self) -> int:
-        """Expert weight bytes one decode token does not read: E - k of the E experts."""
+        """Expert weight bytes one decode token does not read on this rank: E - k of the E experts
+        (expert parallel: at least E/tp - k of the rank's E/tp)."""
         experts = self.experts
-        params = (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)
-        per_expert = sum(p.nbytes for p in params if p is not None) // experts.num_experts
-        return (experts.num_experts - self.top_k) * per_expert
+        return max(experts.num_local_experts - self.top_k, 0) * experts.expert_nbytes()
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, hidden) -> (T, hidden) in x.dtype."""
