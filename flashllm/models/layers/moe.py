@@ -281,6 +281,10 @@ class FusedMoE(nn.Module):
         low, high = (int(v) for v in torch.aminmax(flat))
         if low < 0 or high >= self.num_local_experts:
             raise ValueError(f"expert ids [{low}, {high}] are outside this layer's {self.num_local_experts} experts")
+        if topk_ids.shape[0] == 1:  # one decode token: its k experts in turn, nothing to sort or scatter
+            for slot, expert in enumerate(topk_ids[0].tolist()):
+                out += self._block_expert(x, expert).float() * topk_weights[0, slot].float()
+            return out.to(x.dtype)
         top_k = topk_ids.shape[1]
         order = torch.argsort(flat, stable=True)
         tokens, weights = order // top_k, topk_weights.reshape(-1)[order].float()
@@ -289,12 +293,15 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            w13, w2 = self.expert_blocks[expert]
-            gate, up = self._quant_matmul(x[rows], w13).float().chunk(2, dim=-1)
-            down = self._quant_matmul((F.silu(gate) * up).to(x.dtype), w2)
-            out.index_add_(0, rows, down.float() * weights[start:start + count, None])
+            out.index_add_(0, rows, self._block_expert(x[rows], expert).float() * weights[start:start + count, None])
             start += count
         return out.to(x.dtype)
+
+    def _block_expert(self, x: Tensor, expert: int) -> Tensor:
+        """Local expert `expert`'s gated MLP over rows x (n, H) through its blocks -> (n, H) in x.dtype."""
+        w13, w2 = self.expert_blocks[expert]
+        gate, up = self._quant_matmul(x, w13).float().chunk(2, dim=-1)
+        return self._quant_matmul((F.silu(gate) * up).to(x.dtype), w2)
 
     def _local_experts(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """Dispatch: the (token, slot) pairs routed to this rank's experts become rows of one k=1 call on
