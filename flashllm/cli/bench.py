@@ -39,6 +39,10 @@ def add_parser(sub: Any) -> None:
                        type=int, default=-1, help="-1 = per output channel, or 32 | 64 | 128")
         p.add_argument("--quantize-lm-head", "--quantize_lm_head", dest="quantize_lm_head", action="store_true",
                        help="with weight-only int8/int4 runs, store the LM head as int8 too")
+        p.add_argument("--moe_quant_type", "--moe-quant-type", dest="moe_quant_type", default=None,
+                       choices=("weight_only_int8", "weight_only_int4"),
+                       help="MoE models: store the experts alone in this scheme (a GGUF file's experts then "
+                            "leave their blocks)")
         _add_kv_cache_flags(p)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)

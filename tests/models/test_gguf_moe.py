@@ -257,3 +257,23 @@ def test_llm_runs_a_moe_gguf_file_like_its_directory(preset, sources, files):
         llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
         results.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "hello"], params)])
     assert results[0] == results[1]
+
+
+def test_bench_moe_quant_type_stores_a_gguf_file_s_experts_as_int8(k_quant_file, tmp_path):
+    """`flashllm bench latency --moe_quant_type weight_only_int8`: the experts leave their Q4_K / Q6_K blocks (0.75
+    and 1.25 bytes a weight unpacked) for the MoE layer's int8 codes (1 byte and a scale per row), in the JSON."""
+    import json
+
+    from flashllm.cli import main
+
+    records = []
+    for extra in ([], ["--moe_quant_type", "weight_only_int8"]):
+        out = tmp_path / f"record{len(records)}.json"
+        argv = ["bench", "latency", "--model", str(k_quant_file[1]), "--device", "cpu", "--input-len", "8",
+                "--output-len", "4", "--num-prompts", "1", "--max-model-len", "64", "--json", str(out), *extra]
+        assert main(argv) == 0
+        records.append(json.loads(out.read_text()))
+    assert [r["moe_quant_type"] for r in records] == [None, "weight_only_int8"]
+    experts = 2 * 8 * 3 * 256 * 512  # layers x experts x projections x hidden x intermediate
+    added = records[1]["loaded_weight_bytes"] - records[0]["loaded_weight_bytes"]
+    assert 0.05 * experts < added < 0.1 * experts  # (2 x 1 + 1) / 3 - (2 x 0.75 + 1.25) / 3 = 0.083 a weight
