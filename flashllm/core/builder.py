@@ -184,6 +184,10 @@ def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpT
         return f"the {selection.backend.name} backend's device has no graphs"
     if getattr(model, "reads_prompt_lens", False):  # the captured decode inputs hold no prompt lengths
         return "the model reads each sequence's prompt length (QWen's dynamic NTK, Phi-3's LongRoPE tables)"
+    syncing = next((m for m in (model.modules() if model is not None else ()) if getattr(m, "syncs_with_host", False)),
+                   None)
+    if syncing is not None:  # a layer whose forward reads device values on the host cannot be captured
+        return f"{type(syncing).__name__} layers read values on the host each step ({syncing.syncs_with_host})"
     unsafe = [op for op in (ops.sources if model is None else bound_ops(model, ops))
               if not ops.kernel(op).caps.graph_safe]
     if unsafe:

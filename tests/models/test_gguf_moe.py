@@ -277,3 +277,20 @@ def test_bench_moe_quant_type_stores_a_gguf_file_s_experts_as_int8(k_quant_file,
     experts = 2 * 8 * 3 * 256 * 512  # layers x experts x projections x hidden x intermediate
     added = records[1]["loaded_weight_bytes"] - records[0]["loaded_weight_bytes"]
     assert 0.05 * experts < added < 0.1 * experts  # (2 x 1 + 1) / 3 - (2 x 0.75 + 1.25) / 3 = 0.083 a weight
+
+
+def test_block_experts_keep_decode_steps_out_of_device_graphs(files, ops, model_registry):
+    """The block experts' forward picks experts on the host: a device with graphs must run such a model eagerly."""
+    from types import SimpleNamespace
+
+    from flashllm.core.builder import _no_graphs_reason
+
+    config = SimpleNamespace(device=SimpleNamespace(enforce_eager=False), lora=SimpleNamespace(enable_lora=False))
+    selection = SimpleNamespace(adapter=SimpleNamespace(new_graph=lambda device: object()), device="cuda",
+                                backend=SimpleNamespace(name="cuda"))
+    blocks = load_float_model(files("mixtral", "q8_0"), ops, model_registry)
+    floats = load_float_model(files("mixtral", "f32"), ops, model_registry)
+    # the reference kernels read tensors on the host too: the float model is refused for its ops, not its layers
+    assert "layers read values on the host" not in _no_graphs_reason(config, selection, ops, 1, floats)
+    reason = _no_graphs_reason(config, selection, ops, 1, blocks)
+    assert reason == "FusedMoE layers read values on the host each step (the chosen experts of GGUF block experts)"

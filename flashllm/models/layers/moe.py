@@ -144,6 +144,12 @@ class FusedMoE(nn.Module):
         self.w13_weight = self.w2_weight = None
         self.expert_blocks = list(blocks)
 
+    @property
+    def syncs_with_host(self) -> str | None:
+        """Why this layer's forward reads device values on the host (so no device graph can hold it), or None:
+        experts kept as blocks are chosen on the host, one quant_matmul pair each."""
+        return "the chosen experts of GGUF block experts" if self.expert_blocks is not None else None
+
     def expert_nbytes(self) -> int:
         """Bytes one local expert's weights take (codes, scales and offsets where quantized)."""
         if self.expert_blocks is not None:
