@@ -277,7 +277,7 @@ def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedd
     classes, not subclasses), with `first`'s attention geometry and the shared `rotary` table."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if type(mlp) is SparseMoeBlock:
-        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE and mlp.experts.expert_blocks is None
+        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE
                  and (mlp.shared_expert is None or (type(mlp.shared_expert) is GatedMLP
                                                     and type(mlp.shared_expert_gate) is RouterLinear)))
     else:
@@ -297,13 +297,16 @@ def _layer_weights(layer: MoEDecoderLayer) -> DecoderLayerWeights:
         return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
                                    linear(mlp.down_proj), attn.attn.sliding_window, **head_norms(attn))
     experts, shared = mlp.experts, mlp.shared_expert
-    scales = (experts.w13_scale, experts.w2_scale)
+    stacked = [None if t is None else t.data
+               for t in (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)]
+    blocks = None if experts.expert_blocks is None else tuple(
+        (LinearWeights(w13, None, experts.tp_size), LinearWeights(w2, None, experts.tp_size))
+        for w13, w2 in experts.expert_blocks)
     moe = MoEWeights(
-        router=linear(mlp.gate), top_k=mlp.top_k, renormalize=mlp.renormalize, w13=experts.w13_weight.data,
-        w2=experts.w2_weight.data, w13_scale=None if scales[0] is None else scales[0].data,
-        w2_scale=None if scales[1] is None else scales[1].data, experts_tp_size=experts.tp_size,
+        router=linear(mlp.gate), top_k=mlp.top_k, renormalize=mlp.renormalize, w13=stacked[0], w2=stacked[1],
+        w13_scale=stacked[2], w2_scale=stacked[3], experts_tp_size=experts.tp_size,
         shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
         shared_down=None if shared is None else linear(shared.down_proj),
-        shared_gate=None if shared is None else linear(mlp.shared_expert_gate))
+        shared_gate=None if shared is None else linear(mlp.shared_expert_gate), expert_blocks=blocks)
     return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), None, None,
                                attn.attn.sliding_window, moe, **head_norms(attn))

@@ -106,7 +106,9 @@ class MoEWeights:
     (E, N) for w8a16, (E, N, G) for w4a16). shared_gate_up / shared_down / shared_gate ((1, hidden)):
     the shared expert and its gate, all three None without one; shared_gate alone None: the shared
     expert's output is added unscaled (DeepSeek). experts_tp_size: the ranks the experts'
-    intermediate features are split over (1: whole on this rank).
+    intermediate features are split over (1: whole on this rank). expert_blocks: the experts as one
+    (w13 (2I, hidden), w2 (hidden, I)) linear pair each, run through quant_matmul (a GGUF file's blocks,
+    FusedMoE.use_expert_blocks), with w13, w2 and their scales None; None: the stacked tensors above.
 
     DeepSeek's routing (flashllm/models/deepseek_moe.py select_experts_grouped) changes the first two
     lines: scoring "sigmoid" takes sigmoid(router(h)) as the scores and chooses by scores +
@@ -119,8 +121,8 @@ class MoEWeights:
     router: LinearWeights
     top_k: int
     renormalize: bool
-    w13: Tensor
-    w2: Tensor
+    w13: Tensor | None
+    w2: Tensor | None
     w13_scale: Tensor | None
     w2_scale: Tensor | None
     experts_tp_size: int
@@ -132,6 +134,12 @@ class MoEWeights:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    expert_blocks: tuple[tuple[LinearWeights, LinearWeights], ...] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """E: the experts' count, stacked or as blocks."""
+        return len(self.expert_blocks) if self.expert_blocks is not None else self.w13.shape[0]
 
 
 @dataclass(frozen=True, slots=True)

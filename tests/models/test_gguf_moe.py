@@ -294,3 +294,44 @@ def test_block_experts_keep_decode_steps_out_of_device_graphs(files, ops, model_
     assert "layers read values on the host" not in _no_graphs_reason(config, selection, ops, 1, floats)
     reason = _no_graphs_reason(config, selection, ops, 1, blocks)
     assert reason == "FusedMoE layers read values on the host each step (the chosen experts of GGUF block experts)"
+
+
+def _fused_and_per_op(path, monkeypatch) -> list[tuple[list, list, int]]:
+    """(tokens, logprobs, decode steps the fused call took) of the file through the cpu engine, with the fused
+    decode step on and off; five sequences decode together and leave the batch one by one."""
+    from flashllm import LLM, SamplingParams
+    from flashllm.backends.cpu import decode_stack
+    from flashllm.testing.fused_decode import record_fused_steps
+
+    prompts, lengths = [[5, 17, 3, 99, 42, 7, 1], [8] * 20, [1, 2], list(range(30, 63)), [9]], [12, 7, 14, 9, 4]
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setenv(decode_stack.ENV_SWITCH, "1" if fused else "0")
+        taken = record_fused_steps(monkeypatch)
+        llm = LLM(str(path), dtype="float32", device="cpu", block_size=16, num_kv_blocks=32, max_model_len=128,
+                  num_scheduler_steps=1)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in lengths]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], sum(taken)))
+        monkeypatch.undo()
+    return runs
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "k_quants"])
+def test_block_experts_decode_through_the_fused_step_as_through_the_per_op_path(preset, files, k_quant_file,
+                                                                                monkeypatch):
+    """The cpu backend's fused decode step runs block experts with each expert's own descriptor, built as the dense
+    layers' (int8 activations as quant_matmul rounds them): the per-op path's tokens and logprobs."""
+    from flashllm.backends.cpu import native
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    path = k_quant_file[1] if preset == "k_quants" else files(preset, "q8_0")
+    (fused_tokens, fused_logprobs, taken), (tokens, logprobs, untaken) = _fused_and_per_op(path, monkeypatch)
+    assert untaken == 0 and taken >= 13  # every decode step of the longest request went through the fused call
+    assert fused_tokens == tokens
+    diffs = torch.cat([(torch.tensor(ours) - torch.tensor(theirs)).abs().flatten()
+                       for ours, theirs in zip(fused_logprobs, logprobs, strict=True)])
+    # C's routing softmax and weighted sums round apart from torch's by an ulp or so; the next layer's int8
+    # activations (quant_matmul's, in both paths) can turn that into one code's step at a rare position
+    assert float(diffs.max()) < 5e-3 and int((diffs > 2e-5).sum()) <= diffs.numel() // 20

@@ -6,7 +6,9 @@ so a decode step of a MoE model makes no per-op Python calls (the per-op path ma
 layer: the router, softmax and top-k, each chosen expert's two products and activation, the
 shared expert and its gate). The experts are fp32, or the fused_moe op's w8a16 / w4a16 codes,
 which the block multiplies against fp32 activations exactly as the cpu fused_moe kernel's native
-products do (backends/cpu/moe.py); anything else keeps the model's own forward.
+products do (backends/cpu/moe.py), or a GGUF file's blocks kept per expert (MoEWeights.expert_blocks),
+each described as the dense layers are and multiplied as quant_matmul multiplies them; anything else keeps
+the model's own forward.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class MoEBlock(ctypes.Structure):
                 + [(name, _P) for name in ("w13", "w2", "s13", "s2", "router", "shared_gate_up", "shared_down",
                                            "shared_gate", "scratch")]
                 + [("max_tokens", _I64), ("H", _I64), ("sigmoid", _I64), ("n_group", _I64), ("topk_group", _I64),
-                   ("bias", _P), ("scaling", ctypes.c_float)])
+                   ("bias", _P), ("scaling", ctypes.c_float), ("blocks13", _P), ("blocks2", _P)])
 
 
 def _groups(weights: Tensor, scales: Tensor | None, what: str) -> int:
@@ -61,6 +63,8 @@ def describe(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], line
     """The C descriptor of one layer's MoE MLP on one rank, its router and shared expert described by
     `linear` (keeps what it points at alive); raises Unsupported for experts, routing or adapters the
     native block does not run as the ops would (see the module docstring)."""
+    if block.expert_blocks is not None:
+        return _describe_blocks(block, hidden, ops, keep, linear)
     if "fused_moe" not in ops.sources or ops.kernel("fused_moe").fn is not moe.fused_moe:
         raise Unsupported(f"op fused_moe runs {ops.sources.get('fused_moe')}'s kernel, not the cpu backend's")
     w13, w2 = block.w13, block.w2
@@ -86,6 +90,33 @@ def describe(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], line
         if scales is not None:
             setattr(desc, name, scales.data_ptr())
             keep.append(scales)
+    _shared(desc, block, hidden, keep, linear)
+    return desc
+
+
+def _describe_blocks(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], linear: DescribeLinear) -> MoEBlock:
+    """describe() for experts kept as blocks: one linear descriptor per expert and projection, built as the
+    dense layers' are (`linear`: the products the per-op path's quant_matmul runs, int8 activations included)."""
+    experts = block.num_experts
+    if block.experts_tp_size != 1 or not experts or not 1 <= block.top_k <= experts:
+        raise Unsupported("block experts split over ranks, or top-k outside the experts")
+    inter = block.expert_blocks[0][1].weight.in_features
+    w13 = [linear(pair[0], (2 * inter, hidden), keep) for pair in block.expert_blocks]
+    w2 = [linear(pair[1], (hidden, inter), keep) for pair in block.expert_blocks]
+    if any(d.lora for d in (*w13, *w2)):
+        raise Unsupported("block experts with multi-LoRA slots (the block runs no adapters)")
+    blocks13, blocks2 = (type(w13[0]) * experts)(*w13), (type(w2[0]) * experts)(*w2)
+    keep.extend((blocks13, blocks2))
+    desc = MoEBlock(E=experts, k=block.top_k, renormalize=int(block.renormalize), I=inter, kind=0, G13=1, G2=1,
+                    H=hidden, blocks13=ctypes.addressof(blocks13), blocks2=ctypes.addressof(blocks2))
+    _routing(desc, block, keep)
+    desc.router = _pointer(linear(block.router, (experts, hidden), keep), keep)
+    _shared(desc, block, hidden, keep, linear)
+    return desc
+
+
+def _shared(desc: MoEBlock, block: MoEWeights, hidden: int, keep: list[Any], linear: DescribeLinear) -> None:
+    """The shared expert's and its gate's descriptors, where the layer has them."""
     shared = (block.shared_gate_up, block.shared_down)
     if any(part is not None for part in (*shared, block.shared_gate)):
         if any(part is None or part.weight is None for part in shared):
@@ -95,12 +126,11 @@ def describe(block: MoEWeights, hidden: int, ops: OpTable, keep: list[Any], line
         desc.shared_down = _pointer(linear(shared[1], (hidden, shared_inter), keep), keep)
         if block.shared_gate is not None:  # None: the shared expert is added unscaled (DeepSeek)
             desc.shared_gate = _pointer(linear(block.shared_gate, (1, hidden), keep), keep)
-    return desc
 
 
 def _routing(desc: MoEBlock, block: MoEWeights, keep: list[Any]) -> None:
     """DeepSeek's routing fields of the descriptor (MoEWeights' scoring, bias, groups and scaling), checked."""
-    experts = block.w13.shape[0]
+    experts = block.num_experts
     if block.scoring not in ("softmax", "sigmoid"):
         raise Unsupported(f"{block.scoring!r} expert scores (the native block takes softmax and sigmoid)")
     groups, kept = block.n_group, block.topk_group

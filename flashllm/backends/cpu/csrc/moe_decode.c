@@ -13,7 +13,8 @@
  * takes its experts in slot order; several tokens go expert by expert (ascending ids), each chosen
  * expert's weights read once for all the tokens routed to it. Unchosen experts are never read.
  * Every product is flashllm_stack_linear, the kernel the per-op path runs (fp32, or int8 / int4
- * codes against fp32 activations), split over the step's threads where the dense stack's rule
+ * codes against fp32 activations; experts kept as a GGUF file's blocks: each expert's own descriptor,
+ * as the dense layers' quant_matmul runs it), split over the step's threads where the dense stack's rule
  * says; the routing indices are computed here, so they are in range by construction.
  */
 #include <math.h>
@@ -35,6 +36,8 @@ struct stack_moe {
     int64_t sigmoid, n_group, topk_group;  /* sigmoid scores (else softmax); groups (1: none), groups kept */
     const float *bias;              /* (E,) added to sigmoid scores to choose experts, or NULL */
     float scaling;                  /* the k weights are multiplied by it (1 for Mixtral / Qwen2-MoE) */
+    const stack_linear *blocks13, *blocks2;  /* (E,) each expert's w13 / w2 descriptor in place of w13 / w2
+                                                (a GGUF file's blocks, any kind the dense layers take), or NULL */
 };
 
 #define MOE_MAX_GROUPS 64  /* moe_stack.py refuses more */
@@ -175,7 +178,8 @@ void flashllm_moe_block(const stack_moe *m, const moe_sizes *z, const float *x, 
             if (n == 0) continue;
             for (int64_t i = 0; i < n; i++) memcpy(xg + i * H, x + rows[i] * H, (size_t)H * sizeof(float));
         }
-        const stack_linear w13 = expert_linear(m, expert, 0), w2 = expert_linear(m, expert, 1);
+        const stack_linear w13 = m->blocks13 ? m->blocks13[expert] : expert_linear(m, expert, 0);
+        const stack_linear w2 = m->blocks2 ? m->blocks2[expert] : expert_linear(m, expert, 1);
         gated_mlp(&w13, &w2, z, n, T == 1 ? x : xg, y, gu, act, even, odd);
         for (int64_t i = 0; i < n; i++) {
             const float w = weights[slots[i]];
