@@ -95,11 +95,11 @@ K_QUANTS = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory):
     """(source directory, GGUF file with Q4_K gate / up and Q6_K down experts, the rest F32): rows of 256 features,
-    the K-quants' super-block, and 512 intermediate features, so that two ranks each hold 256 of them."""
+    the K-quants' super-block, and 768 intermediate features (Qwen3-30B-A3B's), three blocks of the down projection."""
     out = tmp_path_factory.mktemp("kquant")
     tokenizer = train_tokenizer(out, vocab_size=300)
     source = build_moe_model(out, "qwen3_moe", seed=5, vocab_size=len(tokenizer), hidden_size=256,
-                             num_hidden_layers=2, mlp_only_layers=[], moe_intermediate_size=512)
+                             num_hidden_layers=2, mlp_only_layers=[], moe_intermediate_size=768)
     f32 = exports(out / "gguf", {"m": source})("m", "f32")
     return source, retyped_copy(f32, out / "kquant.gguf", K_QUANTS)
 
@@ -127,26 +127,34 @@ def test_k_quant_experts_stay_as_stored_and_compute_their_dequantized_values(k_q
 
 
 def test_k_quant_experts_split_over_ranks_at_whole_super_blocks(k_quant_file, ops, model_registry, tmp_path):
-    """Two ranks keep blocks (256 of 512 features each); where a rank's features would cut a 256-feature block
-    of the down projection the layer loads float, with the same values."""
+    """Ranks keep blocks by holding whole 256-feature blocks of the down projection: 768 features over 2 ranks as
+    512 and 256; over 4 some rank would hold none, and the layer loads float (192 each, the same values). Each rank's blocks dequantize to its slice of the rounded directory's experts, and the ranks'
+    slices tile every feature once."""
     source, path = k_quant_file
     rounded_dir = round_trip_copy(source, tmp_path / "rounded", {
         "gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K"})
-    for tp_size, kept in ((2, True), (4, False)):
+    whole = next(m for m in load_float_model(rounded_dir, ops, model_registry).modules() if isinstance(m, FusedMoE))
+    inter = whole.intermediate_size
+    for tp_size, slices in ((2, [(0, 512), (512, 256)]), (4, None)):
         for rank in range(tp_size):
             kwargs = {"tp_rank": rank, "tp_size": tp_size}
             ours = next(m for m in load_float_model(path, ops, model_registry, **kwargs).modules()
                         if isinstance(m, FusedMoE))
-            reference = next(m for m in load_float_model(rounded_dir, ops, model_registry, **kwargs).modules()
-                             if isinstance(m, FusedMoE))
-            assert (ours.expert_blocks is not None) is kept, (tp_size, rank)
+            if slices is None:  # float fallback: the directory's own even split
+                assert ours.expert_blocks is None
+                reference = next(m for m in load_float_model(rounded_dir, ops, model_registry, **kwargs).modules()
+                                 if isinstance(m, FusedMoE))
+                assert torch.equal(ours.w13_weight, reference.w13_weight) and torch.equal(ours.w2_weight,
+                                                                                          reference.w2_weight)
+                continue
+            first, count = ours.rank_features()
+            assert (first, count) == slices[rank], (tp_size, rank)
             for expert in range(ours.num_experts):
-                if kept:
-                    w13, w2 = (dequantize(w) for w in ours.expert_blocks[expert])
-                else:
-                    w13, w2 = ours.w13_weight[expert], ours.w2_weight[expert]
-                assert torch.equal(w13, reference.w13_weight[expert]), (tp_size, rank, expert)
-                assert torch.equal(w2, reference.w2_weight[expert]), (tp_size, rank, expert)
+                w13, w2 = (dequantize(w) for w in ours.expert_blocks[expert])
+                gate_up = whole.w13_weight[expert]
+                expected = torch.cat([gate_up[first:first + count], gate_up[inter + first:inter + first + count]])
+                assert torch.equal(w13, expected), (tp_size, rank, expert)
+                assert torch.equal(w2, whole.w2_weight[expert][:, first:first + count]), (tp_size, rank, expert)
 
 
 @pytest.mark.parametrize("flag", ["quant", "moe_quant"])
@@ -274,7 +282,7 @@ def test_bench_moe_quant_type_stores_a_gguf_file_s_experts_as_int8(k_quant_file,
         assert main(argv) == 0
         records.append(json.loads(out.read_text()))
     assert [r["moe_quant_type"] for r in records] == [None, "weight_only_int8"]
-    experts = 2 * 8 * 3 * 256 * 512  # layers x experts x projections x hidden x intermediate
+    experts = 2 * 8 * 3 * 256 * 768  # layers x experts x projections x hidden x intermediate
     added = records[1]["loaded_weight_bytes"] - records[0]["loaded_weight_bytes"]
     assert 0.05 * experts < added < 0.1 * experts  # (2 x 1 + 1) / 3 - (2 x 0.75 + 1.25) / 3 = 0.083 a weight
 
@@ -335,3 +343,26 @@ def test_block_experts_decode_through_the_fused_step_as_through_the_per_op_path(
     # C's routing softmax and weighted sums round apart from torch's by an ulp or so; the next layer's int8
     # activations (quant_matmul's, in both paths) can turn that into one code's step at a rare position
     assert float(diffs.max()) < 5e-3 and int((diffs > 2e-5).sum()) <= diffs.numel() // 20
+
+
+def test_two_ranks_with_uneven_block_shares_decode_as_one(k_quant_file, monkeypatch):
+    """Two gloo ranks holding 512 and 256 of the K-quant experts' 768 features (whole Q6_K blocks of the down
+    projection each) give one rank's greedy tokens and logprobs; fp32 activations, so the sums differ in order
+    only."""
+    from flashllm import LLM, SamplingParams
+
+    monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
+    monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(k_quant_file[1]), device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=16,
+                  num_kv_blocks=32, max_model_len=128)
+        try:
+            outs = llm.generate([PROMPT, [7, 3, 250]], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
+        assert tokens1 == tokens2
+        torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), rtol=0, atol=1e-4)

@@ -114,8 +114,9 @@ class GGUFWeights:
     Embedding and norm tensors are always float, and so are MoE routers (float_in_checkpoints layers).
     Stacked experts (moe.py) of a layer whose three projections are of types gguf_blocks represents (gate
     and up of one layout) stay as stored too, one QuantizedWeight pair per expert (FusedMoE.use_expert_blocks),
-    unless `keep_expert_blocks` is false (--quant_type or --moe_quant_type asks for a scheme) or a rank's
-    slice of the down projection's input features would cut a block. Otherwise they reach the MoE layer one
+    each rank holding whole blocks of the down projection's input features (FusedMoE.split_at_blocks), unless
+    `keep_expert_blocks` is false (--quant_type or --moe_quant_type asks for a scheme) or some rank would hold
+    no whole block. Otherwise they reach the MoE layer one
     expert at a time as float (dequantized where stored in blocks); the layer keeps them so, or stores them
     in its own --quant_type expert scheme, and its weight_loader takes each rank's part under tensor parallelism.
     keep_rope_pairs: leave Q and K rows in the file's interleaved rotary order (and run the model's rotary
@@ -236,10 +237,8 @@ class GGUFWeights:
             module = model.get_submodule(name)
             if not isinstance(module, FusedMoE):
                 continue
-            first, count = module.rank_features()
-            block = blocks.block_of(types["down_proj"])
-            if count != module.intermediate_size and (first % block or count % block):
-                continue  # this rank's down features would cut a block: the experts load as float
+            if not module.split_at_blocks(blocks.block_of(types["down_proj"])):
+                continue  # the down projection's features are not whole blocks on every rank: float experts
             setattr(module, _EXPERTS_ATTR, _ExpertBlocks(module.w13_weight.device))
             module.w13_weight = module.w2_weight = None  # never allocated beside the blocks
             self._expert_layers[prefix] = name

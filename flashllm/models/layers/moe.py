@@ -120,11 +120,30 @@ class FusedMoE(nn.Module):
         self.register_parameter("w2_scale", None)
         self._quant_matmul = ops.quant_matmul
         self.expert_blocks: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
+        self._block_split: tuple[int, int] | None = None  # (first, count) features of split_at_blocks
 
     def rank_features(self) -> tuple[int, int]:
-        """(first, count) of each expert's intermediate features this rank holds (all of them under expert parallelism)."""
+        """(first, count) of each expert's intermediate features this rank holds (all of them under expert parallelism;
+        a share of whole blocks after split_at_blocks)."""
+        if self._block_split is not None:
+            return self._block_split
         inter = self.intermediate_size // self.feature_shards
         return (0 if self.expert_parallel else self.tp_rank * inter), inter
+
+    def split_at_blocks(self, block: int) -> bool:
+        """For experts to be kept as blocks of `block` input features (use_expert_blocks): cut each expert's
+        intermediate features over the ranks at whole blocks, as evenly as they allow (768 features in blocks of
+        256 over 2 ranks: 512 and 256); the ranks' partial outputs still sum in the all-reduce. False, changing
+        nothing, where the features are not whole blocks or some rank would get none."""
+        if self.feature_shards == 1:
+            return self.intermediate_size % block == 0
+        blocks, rest = divmod(self.intermediate_size, block)
+        base, extra = divmod(blocks, self.feature_shards)
+        if rest or base == 0:
+            return False
+        rank = self.tp_rank
+        self._block_split = (block * (rank * base + min(rank, extra)), block * (base + (rank < extra)))
+        return True
 
     def local_experts(self) -> range:
         """The model's expert ids this rank holds."""
