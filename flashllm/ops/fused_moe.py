@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -52,6 +54,35 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         weights = topk_weights[token_idx, slot_idx].float()[:, None]
         out.index_add_(0, token_idx, expert_out * weights)
     return out.to(x.dtype)
+
+
+def expert_batches(topk_ids: Tensor, topk_weights: Tensor,
+                   num_experts: int) -> Iterator[tuple[int, Tensor | None, Tensor]]:
+    """A routing's (token, slot) pairs grouped by expert, as a per-expert loop over chosen experts takes them:
+    (expert, token rows, their fp32 weights (n, 1)), ascending experts, sorted with one host sync; for a
+    single token its k experts in slot order, with rows None (the whole of x) and a 0-d weight. Unchosen
+    experts never appear. Raises ValueError for ids outside [0, num_experts)."""
+    if topk_ids.numel() == 0:
+        return
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    low, high = (int(v) for v in torch.aminmax(flat))
+    if low < 0 or high >= num_experts:
+        raise ValueError(f"fused_moe: topk_ids range [{low}, {high}] is outside [0, {num_experts}) "
+                         f"for {num_experts} experts")
+    weights = topk_weights.float()
+    if num_tokens == 1:  # one decode token: its k experts in turn, nothing to sort or scatter
+        for slot, expert in enumerate(topk_ids[0].tolist()):
+            yield expert, None, weights[0, slot]
+        return
+    order = torch.argsort(flat, stable=True)
+    tokens = order // top_k  # the token of each (token, slot) pair, sorted by expert
+    pair_weights = weights.reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            yield expert, tokens[start:start + count], pair_weights[start:start + count, None]
+            start += count
 
 
 def expert_weight(weight: Tensor, scale: Tensor | None, expert: int) -> Tensor:

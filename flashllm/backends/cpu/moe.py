@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.backends.cpu import native
-from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_int4
+from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_batches, expert_int4
 from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
 from flashllm.registry.backend import Backend, Caps
 
@@ -35,34 +35,13 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     grouped scales (E, N, G); int4 experts run native only with FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 (the
     default int8 activations are not this op's numerics), else each chosen one is dequantized."""
     check_expert_scales(w13, w2, w13_scale, w2_scale)
-    num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if topk_ids.numel() == 0:
-        return out.to(x.dtype)
-    flat_ids = topk_ids.reshape(-1)
-    low, high = torch.aminmax(flat_ids)
-    low, high = int(low), int(high)
-    if low < 0 or high >= num_experts:
-        raise ValueError(f"fused_moe: topk_ids range [{low}, {high}] is outside [0, {num_experts}) "
-                         f"for {num_experts} experts")
     xf = x.float()
-    weights = topk_weights.float()
-    if num_tokens == 1:  # one decode token: its k experts in turn, nothing to sort or scatter
-        for slot, expert in enumerate(topk_ids[0].tolist()):
-            out += _expert(xf, w13, w2, w13_scale, w2_scale, expert) * weights[0, slot]
-        return out.to(x.dtype)
-    order = torch.argsort(flat_ids, stable=True)
-    tokens = order // top_k  # the token of each (token, slot) pair, sorted by expert
-    pair_weights = weights.reshape(-1)[order]
-    start = 0
-    for expert, count in enumerate(torch.bincount(flat_ids, minlength=num_experts).tolist()):
-        if count == 0:
-            continue
-        rows = tokens[start:start + count]
-        expert_out = _expert(xf[rows], w13, w2, w13_scale, w2_scale, expert)  # (count, H)
-        out.index_add_(0, rows, expert_out * pair_weights[start:start + count, None])
-        start += count
+    for expert, rows, weights in expert_batches(topk_ids, topk_weights, w13.shape[0]):
+        if rows is None:  # the one decode token
+            out += _expert(xf, w13, w2, w13_scale, w2_scale, expert) * weights
+        else:
+            out.index_add_(0, rows, _expert(xf[rows], w13, w2, w13_scale, w2_scale, expert) * weights)
     return out.to(x.dtype)
 
 

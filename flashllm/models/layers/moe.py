@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from flashllm.models.layers.linear import ReplicatedLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
+from flashllm.ops.fused_moe import expert_batches
 from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, INT8_MAX, MIN_SCALE, QuantizedWeight, pack_int4
 from flashllm.quant.spec import WeightQuantSpec
 from flashllm.quant.weight_only import INT4_SYMMETRIC_MAX
@@ -174,7 +175,7 @@ class FusedMoE(nn.Module):
         if self.expert_blocks is not None:
             return sum(w.nbytes for w in self.expert_blocks[0]) if self.expert_blocks else 0
         params = (self.w13_weight, self.w2_weight, self.w13_scale, self.w2_scale)
-        return sum(p.nbytes for p in params if p is not None) // max(self.num_local_experts, 1)
+        return sum(p.nbytes for p in params if p is not None) // self.num_local_experts
 
     def _param(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -297,29 +298,14 @@ class FusedMoE(nn.Module):
                                self.w13_scale, self.w2_scale)
 
     def _run_blocks(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        """fused_moe's sum over expert_blocks: each chosen expert's rows through its two quant_matmul products, the
-        (token, slot) pairs sorted by expert with one host sync; the weighted sum in fp32, returned in x.dtype."""
+        """fused_moe's sum over expert_blocks: each chosen expert's rows through its two quant_matmul products
+        (ops.fused_moe.expert_batches), the weighted sum in fp32, returned in x.dtype."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if topk_ids.numel() == 0:
-            return out.to(x.dtype)
-        flat = topk_ids.reshape(-1)
-        low, high = (int(v) for v in torch.aminmax(flat))
-        if low < 0 or high >= self.num_local_experts:
-            raise ValueError(f"expert ids [{low}, {high}] are outside this layer's {self.num_local_experts} experts")
-        if topk_ids.shape[0] == 1:  # one decode token: its k experts in turn, nothing to sort or scatter
-            for slot, expert in enumerate(topk_ids[0].tolist()):
-                out += self._block_expert(x, expert).float() * topk_weights[0, slot].float()
-            return out.to(x.dtype)
-        top_k = topk_ids.shape[1]
-        order = torch.argsort(flat, stable=True)
-        tokens, weights = order // top_k, topk_weights.reshape(-1)[order].float()
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_local_experts).tolist()):
-            if count == 0:
-                continue
-            rows = tokens[start:start + count]
-            out.index_add_(0, rows, self._block_expert(x[rows], expert).float() * weights[start:start + count, None])
-            start += count
+        for expert, rows, weights in expert_batches(topk_ids, topk_weights, self.num_local_experts):
+            if rows is None:  # the one decode token
+                out += self._block_expert(x, expert).float() * weights
+            else:
+                out.index_add_(0, rows, self._block_expert(x[rows], expert).float() * weights)
         return out.to(x.dtype)
 
     def _block_expert(self, x: Tensor, expert: int) -> Tensor:
