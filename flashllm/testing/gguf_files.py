@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,39 +260,29 @@ def greedy_tokens(model: torch.nn.Module, driver_cls: Any, prompt: list[int], st
 def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     """A copy of the directory `source` whose every matrix (except names ending in `keep`) is replaced by gguf's
     Q8_0 quantize-then-dequantize of it: the float model a Q8_0 export stands for (rows must be whole blocks)."""
+    return round_trip_copy(source, out, lambda name: None if name.endswith(keep) else "Q8_0")
+
+
+def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[str], str | None]) -> Path:
+    """A copy of the directory `source` whose matrices are replaced by their quantize_rows-then-gguf-dequantize
+    values: in types[part] for a name `...<part>.weight` ({"gate_proj": "Q4_K"}), or in types(name) where that
+    is not None. Raises ValueError for a matrix whose rows are not whole blocks of its type."""
     import shutil
 
     import gguf
     from safetensors.torch import save_file
 
-    shutil.copytree(source, out)
-    weights = load_file(str(source / "model.safetensors"))
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in weights.items():
-        if value.dim() == 2 and not name.endswith(keep):
-            if value.shape[-1] % 32:
-                raise ValueError(f"{name}: rows of {value.shape[-1]} are not whole Q8_0 blocks")
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def round_trip_copy(source: Path, out: Path, types: dict[str, str]) -> Path:
-    """A copy of the directory `source` whose matrices named `...<part>.weight` for a key `part` of `types`
-    ("gate_proj": "Q4_K") are replaced by their quantize_rows-then-gguf-dequantize values in that type."""
-    import shutil
-
-    import gguf
-    from safetensors.torch import save_file
-
+    type_of = types if callable(types) else (lambda name: types.get(name.rsplit(".", 2)[-2]))
     shutil.copytree(source, out)
     weights = load_file(str(source / "model.safetensors"))
     for name, value in weights.items():
-        part = name.rsplit(".", 2)[-2]
-        if value.dim() == 2 and part in types:
-            kind = gguf.GGMLQuantizationType[types[part]]
-            blocks = quantize_rows(value.float().numpy(), types[part])
-            weights[name] = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+        qtype = type_of(name) if value.dim() == 2 else None
+        if qtype is None:
+            continue
+        kind = gguf.GGMLQuantizationType[qtype]
+        if value.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+            raise ValueError(f"{name}: rows of {value.shape[-1]} are not whole {qtype} blocks")
+        weights[name] = torch.from_numpy(gguf.quants.dequantize(quantize_rows(value.float().numpy(), qtype), kind))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
