@@ -46,7 +46,7 @@ PARSERS = (("tensor_parallel_size", tensor_parallel_size), ("distributed_executo
 
 
 EXPERT_PARALLEL_HELP = ("MoE layers hold whole experts per rank (experts / tensor-parallel-size each) instead of "
-                        "every expert's slice (DeepSeek-V2/V3; docs/deepseek.md)")
+                        "every expert's slice (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3; docs/parallel.md)")
 
 
 def add_parallel_flags(parser: Any, prefix: str = "", who: str = "", passed_on: bool = False) -> None:

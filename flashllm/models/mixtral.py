@@ -3,6 +3,8 @@ stack Qwen2-MoE reuses)."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -37,6 +39,8 @@ from flashllm.registry.fusions import (
 
 # More experts than this is not a model flashllm could run; refused before allocating.
 MAX_NUM_EXPERTS = 4096
+# a per-expert checkpoint projection's layer and expert ids
+_LAYER_EXPERT = re.compile(r"\.layers\.(?P<layer>\d+)\..*\.experts\.(?P<expert>\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class MoEModelConfig(LlamaModelConfig):
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
     qkv_bias: bool = False
+    # --enable-expert-parallel: the MoE layers' ranks hold whole experts (models/layers/moe.py FusedMoE)
+    expert_parallel: bool = False
 
     @property
     def num_parameters(self) -> int:
@@ -197,6 +203,12 @@ class MixtralForCausalLM(CausalLM):
         """config.json -> MoEModelConfig, validated (see parse_mixtral_config)."""
         return parse_mixtral_config(raw, source)
 
+    @classmethod
+    def with_expert_parallel(cls, config: MoEModelConfig) -> MoEModelConfig:
+        """--enable-expert-parallel: the routed experts are split whole over the ranks (E/tp each), while attention,
+        the dense MLPs and a shared expert stay tensor parallel (models/layers/moe.py FusedMoE)."""
+        return dataclasses.replace(config, expert_parallel=True)
+
     @staticmethod
     def attention_biases(config: MoEModelConfig) -> tuple[bool, bool]:
         """(qkv_proj has a bias, o_proj has a bias): (config.qkv_bias, False); Mixtral has neither."""
@@ -208,7 +220,8 @@ class MixtralForCausalLM(CausalLM):
         """Layer `layer_idx`'s MLP: Mixtral's sparse MoE block (top-k renormalized, no shared expert)."""
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, config.norm_topk_prob,
-                              config.shared_expert_intermediate_size, ops, dtype, device, tp_rank, tp_size)
+                              config.shared_expert_intermediate_size, ops, dtype, device, tp_rank, tp_size,
+                              expert_parallel=config.expert_parallel)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -257,12 +270,28 @@ class MixtralForCausalLM(CausalLM):
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
         expert's projections (or the stacked tensor) arrived. GPTQ / AWQ experts arrive as the float weights
         their integers stand for (packed_experts.dequantized_experts)."""
-        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization))
+        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization, self._holds_expert()))
         for name, module in self.named_modules():
             if isinstance(module, FusedMoE):
                 loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
                 loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
         return loaded
+
+    def _holds_expert(self) -> Callable[[str], bool] | None:
+        """Under expert parallelism: whether this rank holds the expert of a checkpoint projection named
+        `...layers.<L>. ... .experts.<e>.<proj>` (so that another rank's packed experts are never dequantized)."""
+        held = {index: layer.mlp.experts.local_experts() for index, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.expert_parallel}
+        if not held:
+            return None
+
+        def holds(linear: str) -> bool:
+            found = _LAYER_EXPERT.search(linear)
+            if found is None or int(found["layer"]) not in held:
+                return True
+            return int(found["expert"]) in held[int(found["layer"])]
+
+        return holds
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): module renames, then expert tensors, then packed projections."""

@@ -201,6 +201,49 @@ def test_tensor_parallel_ranks_hold_what_they_hold_of_the_directory(sources, fil
         assert experts.w13_weight.shape == (8, 64, 64)  # half of every expert's 2 x 64 gate and up features
 
 
+
+def test_expert_parallel_ranks_hold_whole_experts_of_the_file(sources, files, ops, model_registry, tmp_path):
+    """--enable-expert-parallel: rank r keeps experts 4r..4r+3 of 8 whole, as Q8_0 blocks of all 64 features equal
+    to the rounded directory's experts there; an F32 file's float experts equal the directory's rank."""
+    rounded_dir = q8_0_round_trip_copy(sources["qwen2_moe"], tmp_path / "float", ROUTERS)
+
+    def experts(path, rank):
+        return next(m for m in load_float_model(path, ops, model_registry, tp_rank=rank, tp_size=2,
+                                                expert_parallel=True).modules() if isinstance(m, FusedMoE))
+
+    for rank in (0, 1):
+        ours, reference = experts(files("qwen2_moe", "q8_0"), rank), experts(rounded_dir, rank)
+        assert list(ours.local_experts()) == list(range(4 * rank, 4 * rank + 4))
+        assert len(ours.expert_blocks) == 4 and ours.expert_blocks[0][1].in_features == 64
+        for local, (w13, w2) in enumerate(ours.expert_blocks):
+            assert torch.equal(dequantize(w13), reference.w13_weight[local]), (rank, local)
+            assert torch.equal(dequantize(w2), reference.w2_weight[local]), (rank, local)
+        floats, directory = experts(files("qwen2_moe", "f32"), rank), experts(sources["qwen2_moe"], rank)
+        assert floats.w13_weight.shape == (4, 128, 64)
+        assert torch.equal(floats.w13_weight, directory.w13_weight) and torch.equal(floats.w2_weight, directory.w2_weight)
+
+
+def test_two_expert_parallel_ranks_decode_a_q8_0_file_as_one(files, monkeypatch):
+    """Two gloo ranks of whole Q8_0 block experts (fp32 activations: the sums differ in order only) give one
+    rank's greedy tokens and logprobs."""
+    from flashllm import LLM, SamplingParams
+
+    monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(files("qwen2_moe", "q8_0")), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                  enable_expert_parallel=tp > 1, block_size=16, num_kv_blocks=32, max_model_len=128)
+        try:
+            outs = llm.generate([PROMPT, [7, 3, 250]], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
+        assert tokens1 == tokens2
+        torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_config_carries_the_routing_llama_cpp_runs(preset, sources, files):
     ours, expected = load_hf_config(files(preset, "f32")), load_hf_config(sources[preset])

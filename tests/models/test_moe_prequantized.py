@@ -127,3 +127,27 @@ def test_an_incomplete_packed_expert_is_refused_naming_it(tmp_path, ops, model_r
     save_file(tensors, packed_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3 is missing scales"):
         load_model(packed_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+
+
+def test_an_expert_parallel_rank_dequantizes_only_its_own_experts(tmp_path, ops, model_registry, monkeypatch):
+    """Rank 1 of 2 under --enable-expert-parallel dequantizes the packed projections of its experts 2 and 3 alone
+    (the others' tensors are dropped unread) and holds them at the values one rank holds."""
+    from flashllm.models.layers import packed_experts
+
+    float_dir = build_moe_model(tmp_path / "float", "mixtral", seed=3)
+    packed_dir, _ = quantized_dirs(float_dir, tmp_path, QUANTIZED["gptq-int4"], seed=4)
+    whole, _ = load_model(packed_dir, ops, torch.float32, "cpu", model_registry, progress=False)
+    dequantized, dequantize = [], packed_experts._dequantize
+
+    def counted(linear, parts, quant):
+        dequantized.append(linear)
+        return dequantize(linear, parts, quant)
+
+    monkeypatch.setattr(packed_experts, "_dequantize", counted)
+    rank, _ = load_model(packed_dir, ops, torch.float32, "cpu", model_registry, progress=False, tp_rank=1, tp_size=2,
+                         expert_parallel=True)
+    assert len(dequantized) == 2 * 2 * 3  # 2 layers x experts 2, 3 x w1, w3, w2
+    assert {int(name.split(".experts.")[1].split(".")[0]) for name in dequantized} == {2, 3}
+    for ours, one in zip(rank.model.layers, whole.model.layers, strict=True):
+        assert torch.equal(ours.mlp.experts.w13_weight, one.mlp.experts.w13_weight[2:])
+        assert torch.equal(ours.mlp.experts.w2_weight, one.mlp.experts.w2_weight[2:])

@@ -253,7 +253,7 @@ class GGUFWeights:
                 elif item.hf_name.partition(moe.STACKED_SUFFIX)[0] in self._expert_layers:
                     self._route_experts(model, item)
                 elif moe.STACKED_SUFFIX in item.hf_name:
-                    yield from self._expert_tensors(item)
+                    yield from self._expert_tensors(model, item)
                 else:
                     yield item.hf_name, self._float_tensor(item)
                 bar.update(1)
@@ -271,14 +271,18 @@ class GGUFWeights:
             data = data[item.rows[0]:item.rows[1]]
         return unpermute_rope_rows(data, item.permute_heads) if item.permute_heads else data
 
-    def _expert_tensors(self, item: PlannedTensor) -> Iterator[tuple[str, Tensor]]:
+    def _expert_tensors(self, model: nn.Module, item: PlannedTensor) -> Iterator[tuple[str, Tensor]]:
         """One layer's stacked experts of one projection as per-expert float tensors, dequantized one expert at a
-        time so that memory holds a single expert's floats beside the model."""
+        time so that memory holds a single expert's floats beside the model; under expert parallelism only this
+        rank's experts (the layer never reads the others')."""
         tensor = self.gf.tensors[item.gguf_name]
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             self._dequantized[f"{tensor.tensor_type.name} experts"] += 1
-        for name, rows in moe.expert_rows(item.hf_name, np.asarray(tensor.data)):
-            yield name, self._to_float(rows, tensor.tensor_type)
+        layer = model.get_submodule(item.hf_name.partition(moe.STACKED_SUFFIX)[0] + ".experts")
+        local = layer.local_experts()
+        for expert, (name, rows) in enumerate(moe.expert_rows(item.hf_name, np.asarray(tensor.data))):
+            if expert in local:
+                yield name, self._to_float(rows, tensor.tensor_type)
 
     def _route_experts(self, model: nn.Module, item: PlannedTensor) -> None:
         """One projection of a layer's stacked experts, kept as stored: this rank's experts, each cut to the

@@ -228,8 +228,9 @@ class FusedMoE(nn.Module):
         copy_checked(self.w13_weight[local].narrow(0, offset, inter), loaded.narrow(0, start, inter), what)
 
     def fully_loaded(self) -> set[str]:
-        """Names (w13_weight, w2_weight) whose every expert and projection has been loaded."""
-        experts = range(self.num_experts)
+        """Names (w13_weight, w2_weight) whose every expert (this rank's, under expert parallelism) and projection
+        has been loaded."""
+        experts = self.local_experts()
         need = {W13: {(e, p) for e in experts for p in ("gate", "up")}, W2: {(e, "down") for e in experts}}
         return {n for n, shards in self._loaded.items() if None in shards or need[n] <= shards}
 
@@ -357,18 +358,20 @@ class SparseMoeBlock(nn.Module):
 
     With a shared expert (Qwen2-MoE) every token also goes through one dense gated MLP, scaled by
     sigmoid(shared_expert_gate(x)), and added. Submodule names follow the checkpoints: gate,
-    experts, shared_expert, shared_expert_gate.
+    experts, shared_expert, shared_expert_gate. With expert_parallel the routed experts are split whole
+    over the ranks (FusedMoE); the router stays replicated and the shared expert tensor parallel.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_intermediate_size: int, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = RouterLinear(hidden_size, num_experts, False, ops, dtype, device, tp_rank, tp_size)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ops, dtype, device, tp_rank, tp_size)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ops, dtype, device, tp_rank, tp_size,
+                                expert_parallel)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: RouterLinear | None = None
         if shared_intermediate_size:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -19,12 +19,14 @@ _PACKED_EXPERT = re.compile(r"^(?P<linear>.+\.experts\.\d+\.(?:w1|w3|w2|gate_pro
 _REQUIRED = ("qweight", "qzeros", "scales")
 
 
-def dequantized_experts(weights: Iterable[tuple[str, Tensor]], quant: CheckpointQuant | None
-                        ) -> Iterator[tuple[str, Tensor]]:
+def dequantized_experts(weights: Iterable[tuple[str, Tensor]], quant: CheckpointQuant | None,
+                        held: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint's tensors with every packed expert projection replaced by `<linear>.weight`, the fp32
     (N, K) weight its integers stand for, yielded once its tensors have all arrived (so only projections in
     flight are held); every other tensor passes through unchanged. The experts then load as a float
     checkpoint's do, and --quant_type / --moe_quant_type may quantize them again for the fused_moe kernel.
+    held(linear): whether this rank holds that projection's expert (expert parallelism); the packed tensors of
+    one it does not hold are dropped unread.
 
     Raises ModelLoadError naming the projection on a repeated or missing tensor, packed tensors that do
     not fit the quantization_config, or a g_idx (read after the rest) that is not the plain group order.
@@ -40,6 +42,8 @@ def dequantized_experts(weights: Iterable[tuple[str, Tensor]], quant: Checkpoint
             yield name, tensor
             continue
         linear, part = match["linear"], match["part"]
+        if held is not None and not held(linear):
+            continue
         if part == "g_idx" and quant.method == "awq":
             raise ModelLoadError(f"{name}: an AWQ checkpoint has no g_idx; the quantization_config says awq")
         if linear in finished:
