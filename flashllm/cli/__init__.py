@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "predict": "predict",
     "bench": "bench",
     "serve": "serve",
+    "run-batch": "run_batch",
     "chat": "chat",
     "webui": "webui",
     "eval": "eval",
@@ -47,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 # OMP_WAIT_POLICY). By default they spin for a while, and on a CPU they then compete for the cores with
 # the native kernels' own workers, which run every product between two torch ops: issue 48's c16
 # workload in process (qwen2.5-0.5b fp32, epyc4-2c) spent 9 % of its samples spinning in libgomp, and
-# its prefill steps took 21.4 s passive against 23.2 s. Only serve: the variable must be set before
-# torch loads, and commands that start llama.cpp's server (bench) must not hand it to that process.
-OMP_PASSIVE_COMMANDS = ("serve",)
+# its prefill steps took 21.4 s passive against 23.2 s. Only serve and run-batch (the server's engine): the
+# variable must be set before torch loads, and commands that start llama.cpp's server (bench) must not hand it
+# to that process.
+OMP_PASSIVE_COMMANDS = ("serve", "run-batch")
 
 
 def _command(argv: list[str]) -> str | None:

