@@ -18,7 +18,8 @@ from flashllm.cli import serve
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL of /v1/chat/completions, "
-                                              "/v1/completions and /v1/embeddings requests) offline")
+                                              "/v1/completions, /v1/embeddings and /v1/responses requests) "
+                                              "offline")
     parser.add_argument("-i", "--input-file", "--input_file", dest="input_file", required=True,
                         help="the batch: one {custom_id, method, url, body} request a line ('-': standard input)")
     parser.add_argument("-o", "--output-file", "--output_file", dest="output_file", required=True,

@@ -20,6 +20,7 @@ from flashllm.serving.embeddings_api import create_embedding
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.openai_api import create_chat_completion, create_completion
 from flashllm.serving.protocol import APIError
+from flashllm.serving.responses_api import create_response, retrieve_response
 from flashllm.serving.tokenize_api import create_detokenize, create_tokenize
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
     post("/tokenize", create_tokenize)
     post("/detokenize", create_detokenize)
     post("/v1/embeddings", create_embedding)
+    post("/v1/responses", create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return await retrieve_response(ctx, response_id)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

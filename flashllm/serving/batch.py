@@ -1,7 +1,7 @@
 """OpenAI batch files run through the server's own routes, in this process: `flashllm run-batch`.
 
 Each input line is one request of the OpenAI Batch API's input format, `{"custom_id": ..., "method": "POST",
-"url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings", "body": {...}}`; each output line, in
+"url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/responses", "body": {...}}`; each output line, in
 input order, is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}` with
 the body the HTTP server would have answered (an OpenAI error body for a refused request), or, for a line that
 is no such request, `"response": null` and `"error": {"code", "message"}`. The requests go to the server's ASGI
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # The longest a custom_id may be (OpenAI's limit is not published; an id is a label, not data).
 MAX_CUSTOM_ID = 512
 # A request the engine has no seat for (503 queue_full) waits this long, doubling up to _MAX_WAIT_S, and tries

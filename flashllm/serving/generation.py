@@ -50,6 +50,7 @@ class ServerContext:
     pooling: Any = None
     pooling_error: str = "it has no pooling configuration"
     embedding_size: int | None = None
+    response_store: Any = None  # /v1/responses' stored responses (serving/responses_api.py), made at first use
 
 
 @dataclass

@@ -12,6 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flashllm.outputs import RequestOutput
+from flashllm.sampling_params import SamplingParams
 from flashllm.serving.chat_prompt import chat_prompt_ids, tokens_past_context
 from flashllm.serving.generation import (
     Generation,
@@ -246,7 +247,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     req.check()
     lora = check_model(ctx, req.model)
     check_biased_ids(ctx, req)
-    tool_names = _tool_names(req)
+    tool_names = tool_names_of(req)
     # the template sees the tools even under tool_choice "none"
     prompt = await render_chat(ctx, req.messages, req.tools or None, req.add_generation_prompt,
                                req.chat_template_kwargs, refuse_past_context=req.truncate_prompt_tokens is None,
@@ -254,12 +255,9 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
     (prompt,) = req.truncated([prompt])
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(ctx, [prompt], req.requested_max_tokens, None, "messages", budget)
-    spec, param = _chat_constraint(ctx, req)
+    spec, param = chat_constraint(ctx, req)
     await precompile(ctx, spec, param)
-    params = req.sampling_params(ctx.defaults, max_tokens, req.num_logprobs(), spec)
-    if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
-        # the parser reads the model's tool-call markers (<|python_tag|>, [TOOL_CALLS]): special tokens
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = chat_sampling_params(ctx, req, max_tokens, req.num_logprobs(), spec, tool_names)
     gen = Generation(ctx, [prompt], params, lora, priority=check_priority(ctx, req.priority))
     gen.reserve()
     if req.stream:
@@ -269,12 +267,22 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
         (output,) = await gen.final_outputs(http)
     except asyncio.CancelledError:
         return Response(status_code=499)
-    choices = [_chat_choice(ctx, c, tool_names, _max_calls(req)) for c in output.outputs]
+    choices = [chat_choice(ctx, c, tool_names, max_tool_calls(req)) for c in output.outputs]
     return JSONResponse({"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created,
                          "model": gen.model_name, "choices": choices, "usage": usage(gen.prompts, [output])})
 
 
-def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
+def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest, max_tokens: int, num_logprobs: int | None,
+                         spec: Any, tool_names: list[str] | None) -> SamplingParams:
+    """The request's SamplingParams; a reply read for tool calls keeps the special tokens its parser reads."""
+    params = req.sampling_params(ctx.defaults, max_tokens, num_logprobs, spec)
+    if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
+        # the parser reads the model's tool-call markers (<|python_tag|>, [TOOL_CALLS]): special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def tool_names_of(req: ChatCompletionRequest) -> list[str] | None:
     """Names of the tools the model may call, or None when tool calling is off for this request."""
     try:
         mode = check_tool_choice(req.tools, req.tool_choice)
@@ -286,7 +294,7 @@ def _tool_names(req: ChatCompletionRequest) -> list[str] | None:
     return [t["function"]["name"] for t in req.tools]
 
 
-def _chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[Any, str | None]:
+def chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[Any, str | None]:
     """response_format / guided_* or, for tool_choice "required" or a named function, the tool-call grammar;
     under a reasoning parser it applies after the reply's think block (unless the server constrains that too)."""
     spec, param = from_request(req)
@@ -302,11 +310,11 @@ def _chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[An
     return spec, param
 
 
-def _max_calls(req: ChatCompletionRequest) -> int:
+def max_tool_calls(req: ChatCompletionRequest) -> int:
     return MAX_TOOL_CALLS if req.parallel_tool_calls else 1
 
 
-def _chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_calls: int) -> dict[str, Any]:
+def chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_calls: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     if ctx.reasoning_parser is not None:
         message["reasoning_content"], message["content"] = split_reasoning(ctx.reasoning_parser, c.text)
@@ -327,7 +335,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.model_name}
     sent: dict[int, int] = {}
-    parsers = {i: stream_parser(ctx.tool_call_parser, tool_names, _max_calls(req)) for i in range(req.n)} \
+    parsers = {i: stream_parser(ctx.tool_call_parser, tool_names, max_tool_calls(req)) for i in range(req.n)} \
         if tool_names is not None else {}
     splitters = {i: ReasoningSplitter(ctx.reasoning_parser) for i in range(req.n)} \
         if ctx.reasoning_parser is not None else {}
@@ -355,9 +363,9 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
                 start, end = sent.get(c.index, 0), len(c.token_ids)
                 sent[c.index] = end
                 logprobs = chat_logprobs(ctx.tokenizer, c, start, end)
-                reasoning, text = _split_delta(splitters.get(c.index), c.delta, c.finished)
+                reasoning, text = split_delta(splitters.get(c.index), c.delta, c.finished)
                 parser = parsers.get(c.index)
-                deltas = reasoning + (_tool_deltas(parser, text, c.finished, num_calls, c.index) if parser
+                deltas = reasoning + (tool_deltas(parser, text, c.finished, num_calls, c.index) if parser
                                       else ([{"content": text}] if text else []))
                 for delta in deltas or ([{}] if logprobs and logprobs["content"] else []):
                     yield chunk(c.index, delta, logprobs=logprobs)
@@ -374,7 +382,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     yield sse("[DONE]")
 
 
-def _split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
+def split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
     """(the reasoning_content delta, the content text) of one streamed piece (all content without a splitter);
     a reply's reasoning always comes before its content, so the delta goes first."""
     if splitter is None:
@@ -383,7 +391,7 @@ def _split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) 
     return ([{"reasoning_content": reasoning}] if reasoning else []), content
 
 
-def _tool_deltas(parser: Any, text: str, finished: bool, num_calls: dict[int, int],
+def tool_deltas(parser: Any, text: str, finished: bool, num_calls: dict[int, int],
                  index: int) -> list[dict[str, Any]]:
     events = parser.feed(text) if text else []
     if finished:

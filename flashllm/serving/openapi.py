@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 from flashllm.lora.manager import MAX_NAME_CHARS
 from flashllm.serving.lora_api import MAX_PATH_CHARS
 from flashllm.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from flashllm.serving.responses_api import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -50,6 +51,17 @@ _TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens"]
                              "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                              "token_strs": {"type": "array", "items": {"type": "string"}}}}
 _DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+             "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                            "created_at": {"type": "integer"}, "model": {"type": "string"},
+                            "status": {"enum": ["completed", "incomplete"]},
+                            "output": {"type": "array", "minItems": 1, "items": {
+                                "type": "object", "required": ["type", "id"],
+                                "properties": {"type": {"enum": ["message", "function_call", "reasoning"]},
+                                               "id": {"type": "string"}}}},
+                            "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
+                                      "properties": {k: {"type": "integer", "minimum": 0} for k in
+                                                     ("input_tokens", "output_tokens", "total_tokens")}}}}
 _VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 # What every POST route may answer besides 200: validation (400), unknown model (404), timeout (408),
@@ -106,7 +118,7 @@ def openapi_schema(lora_admin: bool = False) -> dict[str, Any]:
     `lora_admin` adds the adapter load / unload routes of `serve --enable-lora`.
     """
     models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
-              (TokenizeRequest, "validation"), (DetokenizeRequest, "validation")]
+              (TokenizeRequest, "validation"), (DetokenizeRequest, "validation"), (ResponsesRequest, "validation")]
     refs, defs = models_json_schema(models, ref_template=_REF)
     schemas = {**defs.get("$defs", {}), "Error": _ERROR}
     paths = {
@@ -118,6 +130,12 @@ def openapi_schema(lora_admin: bool = False) -> dict[str, Any]:
                            "a prompt or chat as the model's token ids", stream=False),
         "/detokenize": _post(refs[(DetokenizeRequest, "validation")], _DETOKENIZED, "token ids as text",
                              stream=False),
+        "/v1/responses": _post(refs[(ResponsesRequest, "validation")], _RESPONSE, "a response (OpenAI's Responses API)"),
+        "/v1/responses/{response_id}": {"get": {
+            "summary": "a stored response", "parameters": [{"name": "response_id", "in": "path", "required": True,
+                                                            "schema": {"type": "string", "minLength": 1}}],
+            "responses": {"200": _json(_RESPONSE, "the response as it was answered"),
+                          "404": _json({"$ref": "#/components/schemas/Error"}, "not stored")}}},
         "/v1/models": _get(_MODELS, "the served model"),
         "/version": _get(_VERSION, "flashllm's version"),
         "/health": _get(_STATUS, "liveness", unavailable=True),

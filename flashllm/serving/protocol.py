@@ -114,12 +114,12 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
 TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
 
 
-class _Model(BaseModel):
+class RequestModel(BaseModel):
     # strict: "5" is not an int and true is not a number; NaN/Infinity are refused everywhere.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
-class StreamOptions(_Model):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
@@ -127,21 +127,21 @@ class StreamOptions(_Model):
 Stop = str | list[str] | None
 
 
-class JSONSchemaFormat(_Model):
+class JSONSchemaFormat(RequestModel):
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     description: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(RequestModel):
     """OpenAI's response_format: free text, any JSON object, or a JSON schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingRequest(_Model):
+class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras)."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -309,23 +309,23 @@ class CompletionRequest(_SamplingRequest):
         self._check_budget(self.max_tokens)
 
 
-class TextPart(_Model):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class FunctionCall(_Model):
+class FunctionCall(RequestModel):
     name: str = Field(max_length=MAX_NAME_CHARS)
     arguments: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class MessageToolCall(_Model):
+class MessageToolCall(RequestModel):
     id: str = Field(max_length=MAX_NAME_CHARS)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Model):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -389,7 +389,7 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_budget(self.requested_max_tokens, name)
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(RequestModel):
     """POST /tokenize, as vLLM takes it: a completion prompt (`prompt`) or chat messages (`messages`)."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -409,7 +409,7 @@ class TokenizeRequest(_Model):
         _continuation(self.continue_final_message, self.add_generation_prompt)
 
 
-class EmbeddingRequest(_Model):
+class EmbeddingRequest(RequestModel):
     """POST /v1/embeddings (OpenAI's): one embedding per input (text, token ids, or a list of either)."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -426,14 +426,14 @@ class EmbeddingRequest(_Model):
         return check_prompts(prompt)
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize: token ids back to text."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tokens: list[int] = Field(max_length=MAX_PROMPT_TOKEN_IDS)
 
 
-def parse_body(model: type[_Model], body: bytes) -> Any:
+def parse_body(model: type[RequestModel], body: bytes) -> Any:
     """Validate a JSON body against `model`; APIError 400 on any problem."""
     try:
         return model.model_validate_json(body)

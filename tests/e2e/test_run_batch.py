@@ -73,10 +73,11 @@ def test_answers_are_the_server_s_in_input_order_and_bad_lines_say_why(model_dir
         _request("no-body", "/v1/chat/completions", []),
         _chat("refused", QUESTIONS[3], max_tokens=100_000_000),  # answered by the route: 400
         json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}),
+        _request("respond", "/v1/responses", {"input": QUESTIONS[0], "max_output_tokens": 10, "temperature": 0}),
     ]
     out = _run(model_dir, lines)
     assert [o["custom_id"] for o in out] == ["chat", None, "complete", "embed", "elsewhere", "streamed", "chat",
-                                             "no-body", "refused", "get"]
+                                             "no-body", "refused", "get", "respond"]
     assert all(o["id"].startswith("batch_req_") for o in out)
     errors = {i: o["error"]["code"] for i, o in enumerate(out) if o["error"] is not None}
     assert errors == {1: "invalid_json", 4: "invalid_url", 5: "stream_unsupported", 6: "duplicate_custom_id",
@@ -95,6 +96,9 @@ def test_answers_are_the_server_s_in_input_order_and_bad_lines_say_why(model_dir
 
     embedding = out[3]["response"]["body"]["data"][0]["embedding"]
     assert np.allclose(embedding, llm.embed(["red green blue"])[0].outputs.embedding, atol=1e-6)
+
+    response = out[10]["response"]["body"]
+    assert response["object"] == "response" and response["output"][0]["content"][0]["text"] == expected.outputs[0].text
 
     refused = out[8]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
