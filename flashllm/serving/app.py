@@ -20,7 +20,7 @@ from flashllm.serving.embeddings_api import create_embedding
 from flashllm.serving.generation import ServerContext
 from flashllm.serving.openai_api import create_chat_completion, create_completion
 from flashllm.serving.protocol import APIError
-from flashllm.serving.responses_api import create_response, retrieve_response
+from flashllm.serving.responses_api import create_response, delete_response, retrieve_response
 from flashllm.serving.tokenize_api import create_detokenize, create_tokenize
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,10 @@ def create_app(ctx: ServerContext, api_keys: Iterable[str] = (), max_body_bytes:
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
         return await retrieve_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget_response(response_id: str) -> Response:
+        return await delete_response(ctx, response_id)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

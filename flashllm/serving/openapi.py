@@ -62,6 +62,8 @@ _RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "statu
                             "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
                                       "properties": {k: {"type": "integer", "minimum": 0} for k in
                                                      ("input_tokens", "output_tokens", "total_tokens")}}}}
+_DELETED = {"type": "object", "required": ["id", "object", "deleted"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}}}
 _VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 # What every POST route may answer besides 200: validation (400), unknown model (404), timeout (408),
@@ -103,6 +105,13 @@ def _get(schema: dict[str, Any], summary: str, unavailable: bool = False) -> dic
     return {"get": {"summary": summary, "responses": responses}}
 
 
+def _stored(summary: str, ok: dict[str, Any]) -> dict[str, Any]:
+    """An operation on one stored response, by the id in its path: `ok`, or 404 when none is stored under it."""
+    return {"summary": summary, "parameters": [{"name": "response_id", "in": "path", "required": True,
+                                                "schema": {"type": "string", "minLength": 1}}],
+            "responses": {"200": ok, "404": _json({"$ref": "#/components/schemas/Error"}, "not stored")}}
+
+
 def _admin(request: dict[str, Any], errors: dict[str, str], summary: str) -> dict[str, Any]:
     responses = {"200": _json(_ADMIN_OK, summary),
                  **{code: _json({"$ref": "#/components/schemas/Error"}, text) for code, text in errors.items()}}
@@ -131,11 +140,9 @@ def openapi_schema(lora_admin: bool = False) -> dict[str, Any]:
         "/detokenize": _post(refs[(DetokenizeRequest, "validation")], _DETOKENIZED, "token ids as text",
                              stream=False),
         "/v1/responses": _post(refs[(ResponsesRequest, "validation")], _RESPONSE, "a response (OpenAI's Responses API)"),
-        "/v1/responses/{response_id}": {"get": {
-            "summary": "a stored response", "parameters": [{"name": "response_id", "in": "path", "required": True,
-                                                            "schema": {"type": "string", "minLength": 1}}],
-            "responses": {"200": _json(_RESPONSE, "the response as it was answered"),
-                          "404": _json({"$ref": "#/components/schemas/Error"}, "not stored")}}},
+        "/v1/responses/{response_id}": {
+            "get": _stored("a stored response", _json(_RESPONSE, "the response as it was answered")),
+            "delete": _stored("forget a stored response", _json(_DELETED, "forgotten"))},
         "/v1/models": _get(_MODELS, "the served model"),
         "/version": _get(_VERSION, "flashllm's version"),
         "/health": _get(_STATUS, "liveness", unavailable=True),

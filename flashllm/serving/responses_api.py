@@ -107,6 +107,12 @@ class ResponseStore:
         item = self._items.get(response_id)
         return None if item is None else item[:2]
 
+    def delete(self, response_id: str) -> bool:
+        item = self._items.pop(response_id, None)
+        if item is not None:
+            self._chars -= item[2]
+        return item is not None
+
 
 def _store(ctx: ServerContext) -> ResponseStore:
     if ctx.response_store is None:
@@ -431,6 +437,15 @@ async def _stream(call: _Call) -> AsyncIterator[bytes]:
 async def retrieve_response(ctx: ServerContext, response_id: str) -> Response:
     stored = _store(ctx).get(response_id)
     if stored is None:
-        raise APIError(404, f"no stored response {response_id[:100]!r}", "not_found_error",
-                       code="response_not_found")
+        raise _not_stored(response_id)
     return JSONResponse(stored[0])
+
+
+async def delete_response(ctx: ServerContext, response_id: str) -> Response:
+    if not _store(ctx).delete(response_id):
+        raise _not_stored(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _not_stored(response_id: str) -> APIError:
+    return APIError(404, f"no stored response {response_id[:100]!r}", "not_found_error", code="response_not_found")

@@ -106,6 +106,9 @@ def test_previous_response_id_continues_the_stored_conversation(client: openai.O
     assert second.output_text == expected.outputs[0].text and second.previous_response_id == first.id
     stored = client.responses.retrieve(first.id)
     assert stored.id == first.id and stored.output_text == first.output_text and stored.usage == first.usage
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        client.responses.retrieve(first.id)
 
     unstored = client.responses.create(model="tiny", input="Name a colour.", store=False, **SAMPLED)
     for attempt in (lambda: client.responses.retrieve(unstored.id),
