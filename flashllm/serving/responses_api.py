@@ -345,59 +345,94 @@ async def create_response(ctx: ServerContext, http: HTTPRequest, body: bytes) ->
     return JSONResponse(call.finish(reply, output))
 
 
-async def _stream(call: _Call) -> AsyncIterator[bytes]:
-    """The reply as Responses events: response.created and .in_progress, each output item added, its deltas and
-    done events (reasoning text, output text, function call arguments), then response.completed (or .incomplete)."""
-    ctx, reply = call.ctx, _Reply()
-    sequence = 0
-    streaming: dict[str, int] = {}  # "reasoning" / "message" -> its output index while its deltas stream
+class _Events:
+    """The Responses stream's server-sent events for one reply, numbered in order, and the items they build."""
 
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal sequence
-        payload = {"type": kind, "sequence_number": sequence, **fields}
-        sequence += 1
+    def __init__(self) -> None:
+        self.reply = _Reply()
+        self.sequence = 0
+        self.streaming: dict[str, int] = {}  # "reasoning" / "message" -> its output index while its deltas stream
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
 
-    def start(which: str) -> list[bytes]:
-        if which in streaming:
+    def start(self, which: str) -> list[bytes]:
+        """An item ("reasoning" or "message") added, unless its deltas already stream."""
+        if which in self.streaming:
             return []
-        index = streaming[which] = reply.open(which)
+        reply, index = self.reply, self.reply.open(which)
+        self.streaming[which] = index
         if which == "reasoning":
-            return [event("response.output_item.added", output_index=index, item=reply.reasoning_item("in_progress"))]
-        return [event("response.output_item.added", output_index=index, item=reply.message_item("in_progress")),
-                event("response.content_part.added", item_id=reply.message_id, output_index=index, content_index=0,
-                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+            return [self.event("response.output_item.added", output_index=index,
+                               item=reply.reasoning_item("in_progress"))]
+        return [self.event("response.output_item.added", output_index=index, item=reply.message_item("in_progress")),
+                self.event("response.content_part.added", item_id=reply.message_id, output_index=index,
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                  "logprobs": []})]
 
-    def end(which: str) -> list[bytes]:
-        index = streaming.pop(which, None)
+    def end(self, which: str) -> list[bytes]:
+        """A streaming item's done events (none when it is not streaming)."""
+        index, reply = self.streaming.pop(which, None), self.reply
         if index is None:
             return []
         if which == "reasoning":
-            return [event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index,
-                          content_index=0, text=reply.reasoning),
-                    event("response.output_item.done", output_index=index, item=reply.reasoning_item())]
-        return [event("response.output_text.done", item_id=reply.message_id, output_index=index, content_index=0,
-                      text=reply.text, logprobs=[]),
-                event("response.content_part.done", item_id=reply.message_id, output_index=index, content_index=0,
-                      part=reply.text_part()),
-                event("response.output_item.done", output_index=index, item=reply.message_item())]
+            return [self.event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index,
+                               content_index=0, text=reply.reasoning),
+                    self.event("response.output_item.done", output_index=index, item=reply.reasoning_item())]
+        return [self.event("response.output_text.done", item_id=reply.message_id, output_index=index,
+                           content_index=0, text=reply.text, logprobs=[]),
+                self.event("response.content_part.done", item_id=reply.message_id, output_index=index,
+                           content_index=0, part=reply.text_part()),
+                self.event("response.output_item.done", output_index=index, item=reply.message_item())]
 
-    def function_call(tool_call: dict[str, Any]) -> list[bytes]:
+    def delta(self, delta: dict[str, Any]) -> list[bytes]:
+        """One chat delta (reasoning_content, content or whole tool calls) as Responses events."""
+        reply, events = self.reply, []
+        if delta.get("reasoning_content"):
+            events += self.start("reasoning")
+            reply.reasoning += delta["reasoning_content"]
+            events.append(self.event("response.reasoning_text.delta", item_id=reply.reasoning_id,
+                                     output_index=self.streaming["reasoning"], content_index=0,
+                                     delta=delta["reasoning_content"]))
+        if delta.get("content"):
+            events += self.end("reasoning") + self.start("message")
+            reply.text += delta["content"]
+            events.append(self.event("response.output_text.delta", item_id=reply.message_id,
+                                     output_index=self.streaming["message"], content_index=0, delta=delta["content"],
+                                     logprobs=[]))
+        for tool_call in delta.get("tool_calls", []):
+            events += self.end("reasoning") + self.function_call(tool_call)
+        return events
+
+    def function_call(self, tool_call: dict[str, Any]) -> list[bytes]:
+        """A whole function call (the parsers hand calls over whole): added, its arguments, done."""
         item = _call_item(tool_call)
-        index = reply.open(item)
-        return [event("response.output_item.added", output_index=index,
-                      item={**item, "arguments": "", "status": "in_progress"}),
-                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=item["arguments"]),
-                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      arguments=item["arguments"]),
-                event("response.output_item.done", output_index=index, item=item)]
+        index = self.reply.open(item)
+        return [self.event("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
+    def close(self) -> list[bytes]:
+        """The open items' done events; an empty message where the reply had neither text nor calls."""
+        empty = not self.reply.calls and "message" not in self.reply.order
+        return self.end("reasoning") + (self.start("message") if empty else []) + self.end("message")
+
+
+async def _stream(call: _Call) -> AsyncIterator[bytes]:
+    """The reply as Responses events: response.created and .in_progress, each output item added, its deltas and
+    done events (reasoning text, output text, function call arguments), then response.completed (or .incomplete)."""
+    ctx, events = call.ctx, _Events()
     parser = stream_parser(ctx.tool_call_parser, call.tool_names, max_tool_calls(call.chat)) \
         if call.tool_names is not None else None
     splitter = ReasoningSplitter(ctx.reasoning_parser) if ctx.reasoning_parser is not None else None
-    yield event("response.created", response=call.response("in_progress", []))
-    yield event("response.in_progress", response=call.response("in_progress", []))
+    yield events.event("response.created", response=call.response("in_progress", []))
+    yield events.event("response.in_progress", response=call.response("in_progress", []))
     final = None
     try:
         async for _, output in call.gen.stream():
@@ -405,33 +440,16 @@ async def _stream(call: _Call) -> AsyncIterator[bytes]:
             reasoning, text = split_delta(splitter, c.delta, c.finished)
             deltas = reasoning + (tool_deltas(parser, text, c.finished, {}, 0) if parser
                                   else ([{"content": text}] if text else []))
-            events: list[bytes] = []
-            for delta in deltas:
-                if delta.get("reasoning_content"):
-                    events += start("reasoning")
-                    reply.reasoning += delta["reasoning_content"]
-                    events.append(event("response.reasoning_text.delta", item_id=reply.reasoning_id,
-                                        output_index=streaming["reasoning"], content_index=0,
-                                        delta=delta["reasoning_content"]))
-                if delta.get("content"):
-                    events += end("reasoning") + start("message")
-                    reply.text += delta["content"]
-                    events.append(event("response.output_text.delta", item_id=reply.message_id,
-                                        output_index=streaming["message"], content_index=0, delta=delta["content"],
-                                        logprobs=[]))
-                for tool_call in delta.get("tool_calls", []):
-                    events += end("reasoning") + function_call(tool_call)
-            for chunk in events:
+            for chunk in [chunk for delta in deltas for chunk in events.delta(delta)]:
                 yield chunk
             final = output if output.finished else final
     except APIError as err:
-        yield event("error", code=err.code or err.type, message=err.message, param=err.param)
+        yield events.event("error", code=err.code or err.type, message=err.message, param=err.param)
         return
-    closing = end("reasoning") + (start("message") if not reply.calls and "message" not in reply.order else [])
-    for chunk in closing + end("message"):
+    for chunk in events.close():
         yield chunk
-    response = call.finish(reply, final)
-    yield event(f"response.{response['status']}", response=response)
+    response = call.finish(events.reply, final)
+    yield events.event(f"response.{response['status']}", response=response)
 
 
 async def retrieve_response(ctx: ServerContext, response_id: str) -> Response:

@@ -125,6 +125,10 @@ def test_a_required_function_tool_is_called_and_its_output_continues(client: ope
     assert calls and all(call.name == "get_weather" and call.call_id for call in calls)
     arguments = json.loads(calls[0].arguments)
     assert set(arguments) == {"city"} and len(arguments["city"]) <= 12
+    events = list(client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], stream=True,
+                                          tool_choice="required", temperature=0, max_output_tokens=64))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
 
     follow = client.responses.create(model="tiny", previous_response_id=response.id, tools=[WEATHER],
                                      input=[{"type": "function_call_output", "call_id": calls[0].call_id,
