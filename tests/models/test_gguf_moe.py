@@ -226,14 +226,19 @@ def test_expert_parallel_ranks_hold_whole_experts_of_the_file(sources, files, op
 def test_two_expert_parallel_ranks_decode_a_q8_0_file_as_one(files, monkeypatch):
     """Two gloo ranks of whole Q8_0 block experts (fp32 activations: the sums differ in order only) give one
     rank's greedy tokens and logprobs."""
+    monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
+    _two_ranks_decode_as_one(files("qwen2_moe", "q8_0"), enable_expert_parallel=True)
+
+
+def _two_ranks_decode_as_one(path, **options) -> None:
+    """Two gloo ranks (with `options`) give one rank's greedy tokens, and logprobs within 1e-4."""
     from flashllm import LLM, SamplingParams
 
-    monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = []
-    for tp in (1, 2):
-        llm = LLM(str(files("qwen2_moe", "q8_0")), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                  enable_expert_parallel=tp > 1, block_size=16, num_kv_blocks=32, max_model_len=128)
+    for tp, extra in ((1, {}), (2, options)):
+        llm = LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=16, num_kv_blocks=32,
+                  max_model_len=128, **extra)
         try:
             outs = llm.generate([PROMPT, [7, 3, 250]], params, use_tqdm=False)
         finally:
@@ -392,20 +397,6 @@ def test_two_ranks_with_uneven_block_shares_decode_as_one(k_quant_file, monkeypa
     """Two gloo ranks holding 512 and 256 of the K-quant experts' 768 features (whole Q6_K blocks of the down
     projection each) give one rank's greedy tokens and logprobs; fp32 activations, so the sums differ in order
     only."""
-    from flashllm import LLM, SamplingParams
-
     monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(str(k_quant_file[1]), device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=16,
-                  num_kv_blocks=32, max_model_len=128)
-        try:
-            outs = llm.generate([PROMPT, [7, 3, 250]], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
-    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
-        assert tokens1 == tokens2
-        torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), rtol=0, atol=1e-4)
+    _two_ranks_decode_as_one(k_quant_file[1])
