@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from tqdm.auto import tqdm
+
 from flashllm.cli import serve
 
 
@@ -46,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
     built = build_server(options)
     built.engine.start()
     try:
-        with _input(args.input_file) as lines, _output(args.output_file) as out:
+        with _input(args.input_file) as lines, _output(args.output_file) as out, \
+                tqdm(total=_count_lines(args.input_file), desc="run-batch", unit="req", disable=None) as bar:
             def write(line: str) -> None:
                 out.write(line + "\n")
+                bar.update(1)
 
             summary = asyncio.run(run_batch(built.app, lines, write, concurrency, options["max_body_bytes"]))
             if built.engine.error is not None:
@@ -58,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         built.engine.stop()
-    statuses = ", ".join(f"{count} x {status}" for status, count in sorted(summary.statuses.items()))
-    print(f"flashllm run-batch: {summary.total} request(s), {summary.succeeded} succeeded, {summary.failed} failed "
-          f"({statuses or 'none answered'}) in {summary.seconds:.1f} s -> {args.output_file}", file=sys.stderr)
+    print(f"flashllm run-batch: {summary} -> {args.output_file}", file=sys.stderr)
     return 0
+
+
+def _count_lines(path: str) -> int | None:
+    """The requests a batch file holds (its non-blank lines), for the progress bar; None for standard input."""
+    if path == "-":
+        return None
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
 
 
 class _EngineFailed(Exception):

@@ -39,16 +39,25 @@ class LineError(Exception):
 
 @dataclass
 class BatchSummary:
-    """What a run did: requests answered 2xx, answered otherwise (or not requests), and its seconds."""
+    """What a run did: requests by the HTTP status they were answered with, lines that were no request (or
+    whose request failed before an answer), and its seconds."""
 
-    succeeded: int = 0
-    failed: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    invalid: int = 0
     seconds: float = 0.0
-    statuses: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests answered with it
+
+    @property
+    def succeeded(self) -> int:
+        return sum(count for status, count in self.statuses.items() if 200 <= status < 300)
 
     @property
     def total(self) -> int:
-        return self.succeeded + self.failed
+        return sum(self.statuses.values()) + self.invalid
+
+    def __str__(self) -> str:
+        answered = ", ".join(f"{count} x {status}" for status, count in sorted(self.statuses.items()))
+        return (f"{self.total} line(s): {self.succeeded} succeeded, {self.total - self.succeeded} failed "
+                f"({answered or 'none answered'}; {self.invalid} without an answer) in {self.seconds:.1f} s")
 
 
 def parse_line(line: str, max_bytes: int, seen: set[str]) -> tuple[str, str, bytes]:
@@ -145,10 +154,9 @@ async def run_batch(app: Any, lines: Iterable[str], write: Callable[[str], None]
         while next_out in done:
             line, status = done.pop(next_out)
             write(json.dumps(line))
-            ok = status is not None and 200 <= status < 300
-            summary.succeeded += ok
-            summary.failed += not ok
-            if status is not None:
+            if status is None:
+                summary.invalid += 1
+            else:
                 summary.statuses[status] = summary.statuses.get(status, 0) + 1
             next_out += 1
 

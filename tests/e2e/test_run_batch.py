@@ -125,7 +125,7 @@ def test_the_command_writes_the_output_file_whole(model_dir: Path, tmp_path: Pat
                *ENGINE_FLAGS]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "3 request(s), 2 succeeded, 1 failed (2 x 200)" in proc.stderr
+    assert "3 line(s): 2 succeeded, 1 failed (2 x 200; 1 without an answer)" in proc.stderr
     out = [json.loads(line) for line in results.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == ["a", None, "b"]
     assert not list(tmp_path.glob("*.partial"))
