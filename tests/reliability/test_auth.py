@@ -44,10 +44,14 @@ PROTECTED = [(method, path) for method, path in ROUTES if path not in PUBLIC_PAT
 
 BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
                                                                     "max_tokens": 2},
-          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}, "/v1/embeddings": {"input": "Hi"}}
+          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}, "/v1/embeddings": {"input": "Hi"},
+          "/v1/responses": {"input": "Hi", "max_output_tokens": 2}}
 
 
 def _send(client: httpx.Client, method: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    if "{response_id}" in path and headers is not None:  # a stored response's id, made with the same key
+        stored = client.post("/v1/responses", json=BODIES["/v1/responses"], headers=headers).json()
+        path = path.replace("{response_id}", stored["id"])
     return client.request(method, path, json=BODIES.get(path), headers=headers)
 
 
