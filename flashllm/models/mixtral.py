@@ -4,7 +4,6 @@ stack Qwen2-MoE reuses)."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -39,8 +38,6 @@ from flashllm.registry.fusions import (
 
 # More experts than this is not a model flashllm could run; refused before allocating.
 MAX_NUM_EXPERTS = 4096
-# a per-expert checkpoint projection's layer and expert ids
-_LAYER_EXPERT = re.compile(r"\.layers\.(?P<layer>\d+)\..*\.experts\.(?P<expert>\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,28 +267,22 @@ class MixtralForCausalLM(CausalLM):
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
         expert's projections (or the stacked tensor) arrived. GPTQ / AWQ experts arrive as the float weights
         their integers stand for (packed_experts.dequantized_experts)."""
-        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization, self._holds_expert()))
+        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization, self._holds_expert))
         for name, module in self.named_modules():
             if isinstance(module, FusedMoE):
                 loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
                 loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
         return loaded
 
-    def _holds_expert(self) -> Callable[[str], bool] | None:
-        """Under expert parallelism: whether this rank holds the expert of a checkpoint projection named
-        `...layers.<L>. ... .experts.<e>.<proj>` (so that another rank's packed experts are never dequantized)."""
-        held = {index: layer.mlp.experts.local_experts() for index, layer in enumerate(self.model.layers)
-                if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.expert_parallel}
-        if not held:
-            return None
-
-        def holds(linear: str) -> bool:
-            found = _LAYER_EXPERT.search(linear)
-            if found is None or int(found["layer"]) not in held:
-                return True
-            return int(found["expert"]) in held[int(found["layer"])]
-
-        return holds
+    def _holds_expert(self, linear: str) -> bool:
+        """Whether this rank holds the expert of a checkpoint projection (`<...>.experts.<e>.<proj>`), found as its
+        weight would load (_param_target): under expert parallelism another rank's packed experts are never
+        dequantized."""
+        param, shard = self._param_target(f"{linear}.weight")
+        if not isinstance(shard, tuple):
+            return True
+        experts = self.get_submodule(param.rpartition(".")[0])
+        return not experts.expert_parallel or shard[0] in experts.local_experts()
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): module renames, then expert tensors, then packed projections."""
