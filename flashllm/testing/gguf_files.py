@@ -337,3 +337,23 @@ def check_q8_0_logits(ours: torch.nn.Module, source: Path, ops: Any, registry: A
     torch.testing.assert_close(ours_logits, prompt_logits(rounded, driver_cls, prompt), rtol=0, atol=1e-5)
     unquantized = prompt_logits(load_float_model(source, ops, registry), driver_cls, prompt)
     assert (unquantized - ours_logits).abs().max() > 1e-4, "the Q8_0 rounding did not change the logits"
+
+
+def two_ranks_decode_as_one(prompts: list[list[int]], path: Path, **options: Any) -> None:
+    """Two gloo ranks of the engine on the cpu backend (with `options`: expert parallelism, say) give one rank's
+    greedy tokens for `prompts`, and logprobs within 1e-4."""
+    from flashllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for tp, extra in ((1, {}), (2, options)):
+        llm = LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=16, num_kv_blocks=32,
+                  max_model_len=128, **extra)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
+        assert tokens1 == tokens2
+        torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), rtol=0, atol=1e-4)

@@ -30,6 +30,7 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     q8_0_round_trip_copy,
     retyped_copy,
     round_trip_copy,
+    two_ranks_decode_as_one,
 )
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
@@ -223,30 +224,11 @@ def test_expert_parallel_ranks_hold_whole_experts_of_the_file(sources, files, op
         assert torch.equal(floats.w13_weight, directory.w13_weight) and torch.equal(floats.w2_weight, directory.w2_weight)
 
 
-def test_two_expert_parallel_ranks_decode_a_q8_0_file_as_one(files, monkeypatch):
-    """Two gloo ranks of whole Q8_0 block experts (fp32 activations: the sums differ in order only) give one
-    rank's greedy tokens and logprobs."""
+def test_two_expert_parallel_ranks_decode_a_q8_0_file_as_one(files, monkeypatch, exact_w8_products):
+    """Two gloo ranks of whole Q8_0 block experts (fp32 activations, the prompt's too rather than bf16-rounded on
+    AVX512-BF16 CPUs: the sums differ in order only) give one rank's greedy tokens and logprobs."""
     monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
-    _two_ranks_decode_as_one(files("qwen2_moe", "q8_0"), enable_expert_parallel=True)
-
-
-def _two_ranks_decode_as_one(path, **options) -> None:
-    """Two gloo ranks (with `options`) give one rank's greedy tokens, and logprobs within 1e-4."""
-    from flashllm import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    runs = []
-    for tp, extra in ((1, {}), (2, options)):
-        llm = LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=16, num_kv_blocks=32,
-                  max_model_len=128, **extra)
-        try:
-            outs = llm.generate([PROMPT, [7, 3, 250]], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
-    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
-        assert tokens1 == tokens2
-        torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), rtol=0, atol=1e-4)
+    two_ranks_decode_as_one([PROMPT, [7, 3, 250]], files("qwen2_moe", "q8_0"), enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -399,4 +381,4 @@ def test_two_ranks_with_uneven_block_shares_decode_as_one(k_quant_file, monkeypa
     only."""
     monkeypatch.setenv("FLASHLLM_CPU_INT4_ACTIVATIONS", "fp32")
     monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
-    _two_ranks_decode_as_one(k_quant_file[1])
+    two_ranks_decode_as_one([PROMPT, [7, 3, 250]], k_quant_file[1])
