@@ -1,5 +1,5 @@
 """Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text, Granite,
-Phi-3) to a GGUF file for the llama.cpp baseline."""
+Phi-3, DeepSeek-V2/V3) to a GGUF file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from flashllm.bench import gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
+from flashllm.bench import gguf_deepseek, gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class ArchSpec:
     add_hparams: (GGUFWriter, config) -> None, the arch's own metadata.
     rope_types: rope types add_hparams / extra_tensors write themselves (LongRoPE's factor tensors).
     extra_tensors: (config) -> {GGUF name: F32 array} written beside the weights.
+    transform: (the checkpoint's (HF name, shape, loader) entries, config) -> the entries to write, where the
+    converter stacks, splits or renames tensors (DeepSeek's experts and latent up-projection).
+    latent_heads: add_hparams writes head_count_kv, key / value lengths and the rope dimensions (MLA's), not the
+    generic ones.
     """
 
     gguf_arch: str
@@ -53,6 +57,8 @@ class ArchSpec:
     add_hparams: Callable[[Any, Any], None] | None = None
     rope_types: tuple[str, ...] = ()
     extra_tensors: Callable[[Any], dict[str, np.ndarray]] | None = None
+    transform: Callable[[list[Any], Any], Iterator[Any]] | None = None
+    latent_heads: bool = False
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -68,6 +74,10 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_phi3.ARCHITECTURE: ArchSpec("phi3", permute_qk=False, layer_names=gguf_phi3.LAYER_NAMES,
                                      check=gguf_phi3.check, add_hparams=gguf_phi3.add_hparams,
                                      rope_types=gguf_phi3.ROPE_TYPES, extra_tensors=gguf_phi3.extra_tensors),
+    **{architecture: ArchSpec("deepseek2", permute_qk=False, layer_names=gguf_deepseek.LAYER_NAMES,
+                              check=gguf_deepseek.check, add_hparams=gguf_deepseek.add_hparams, rope_types=("yarn",),
+                              transform=gguf_deepseek.transform, latent_heads=True)
+       for architecture in gguf_deepseek.ARCHITECTURES},
 }
 
 _LAYER_NAMES = {
@@ -273,7 +283,8 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise GGUFExportError(f"{model_dir} has no *.safetensors files; GGUF export reads safetensors only")
-    heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
+    heads = ({"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
+             if spec.permute_qk else {})
     entries = []
     for path in files:
         with safe_open(str(path), framework="pt") as fh:
@@ -281,9 +292,15 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
     items = []
     for name, shape, path in sorted(entries):
         proj = name.rsplit(".", 1)[0].split(".", 3)[-1]
-        num_heads = heads.get(proj) if spec.permute_qk else None
+        num_heads = heads.get(proj)
         shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
         items.append((name, shape, _loader(path, name, num_heads, shift)))
+    if spec.transform is not None:
+        try:
+            yield from spec.transform(items, config)
+        except gguf_moe.MoEExportError as exc:
+            raise GGUFExportError(f"{model_dir}: {exc}") from exc
+        return
     if config.architecture not in gguf_moe.ARCHITECTURES:
         yield from items
         return
@@ -326,10 +343,11 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.rotary_dim)
+    if not spec.latent_heads:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_dimension_count(config.rotary_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)

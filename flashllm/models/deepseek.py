@@ -46,7 +46,10 @@ _SCALE_INV = ".weight_scale_inv"
 
 class LatentUpProjection(ColumnParallelLinear):
     """kv_b_proj (H * (Dn + Dv), kv_lora_rank), split by heads over the ranks. It is never a matmul of its
-    own: latent_attention reads it per head, so it stays in the model dtype whatever --quant_type says."""
+    own: latent_attention reads it per head, so it stays in the model dtype whatever --quant_type says, and a GGUF
+    file's blocks of it are dequantized (float_in_checkpoints)."""
+
+    float_in_checkpoints: ClassVar[bool] = True
 
     def process_weights_after_loading(self, quant: Any = None) -> None:
         """Keep the float weight (the latent op reads it); `quant` is ignored on purpose."""

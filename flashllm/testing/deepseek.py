@@ -57,7 +57,7 @@ def build_deepseek_model(out_dir: Path, preset: str, seed: int = 0, **changes: A
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, architecture, fields = PRESETS[preset]
-    config = AutoConfig.for_model(model_type, architectures=[architecture], **BASE, **{**fields, **changes})
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **{**BASE, **fields, **changes})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

@@ -213,6 +213,30 @@ def test_config_maps_the_architecture_metadata(tiny_with_tokenizer, tmp_path):
     assert config.torch_dtype == torch.float16
 
 
+def test_yarn_metadata_is_the_directory_s_yarn(tiny_with_tokenizer, tmp_path):
+    """`<arch>.rope.scaling.*` yarn keys (Qwen2.5 / Qwen3 long-context files) give the frequencies and attention factor
+    of the directory's yarn rope_scaling; absent betas are llama.cpp's 32 / 1, as transformers' defaults."""
+    from flashllm.ops.rope_cache import rope_inv_freq
+
+    source = tiny_with_tokenizer("qwen2")
+    path = write_gguf(source, tmp_path / "model.gguf", "F32", metadata={
+        "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32, "qwen2.rope.scaling.yarn_beta_fast": 16.0})
+    directory = tmp_path / "directory"
+    shutil.copytree(source, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw["rope_parameters"] = {**raw["rope_parameters"], "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32, "beta_fast": 16}
+    (directory / "config.json").write_text(json.dumps(raw))
+    ours, expected = load_hf_config(path), load_hf_config(directory)
+    assert ours.rope_scaling["rope_type"] == "yarn"
+    got = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling, ours.max_position_embeddings)
+    want = rope_inv_freq(expected.head_dim, expected.rope_theta, expected.rope_scaling, expected.max_position_embeddings)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1] != 1.0
+    plain = rope_inv_freq(ours.head_dim, ours.rope_theta, None)[0]
+    assert not torch.equal(got[0], plain)
+
+
 def test_quant_type_dequantizes_the_blocks_first(tiny_with_tokenizer, tmp_path, ops, model_registry):
     from flashllm.quant.spec import weight_quant_spec
 

@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe)."""
+granite, phi3 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import gemma3, granite, phi3
+from flashllm.models.gguf import deepseek2, gemma3, granite, phi3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -31,6 +31,12 @@ class ArchMap:
     fused_rows: (parsed config) -> GGUF layer part of a tensor holding several checkpoint projections stacked
     along its rows -> (checkpoint module, rows) of each, in order (Phi-3's attn_qkv and ffn_up).
     config_tensors: tensors config_fields reads (LongRoPE's factors); they are not weights.
+    layer_params: GGUF layer tensor ("exp_probs_b.bias") -> checkpoint parameter (after "model.layers.L."), for
+    tensors whose checkpoint name is not a module plus the GGUF suffix.
+    joined: (GGUF layer parts, checkpoint module, join) of checkpoint weights a converter split into several tensors
+    (DeepSeek's kv_b_proj as attn_k_b + attn_v_b); join takes the parts' float values in that order.
+    latent_heads: the arch's config_fields sets the head sizes (MLA's query / key and value heads differ, and the
+    file's key_length / value_length may describe the latent); the generic head-size checks are skipped.
     """
 
     architecture: str
@@ -42,6 +48,9 @@ class ArchMap:
     partial_rotary: bool = False
     fused_rows: Callable[[Any], Mapping[str, tuple[tuple[str, int], ...]]] | None = None
     config_tensors: tuple[str, ...] = ()
+    layer_params: Mapping[str, str] = field(default_factory=dict)
+    joined: tuple[tuple[tuple[str, ...], str, Callable[[list[Any]], Any]], ...] = ()
+    latent_heads: bool = False
 
 
 # Mistral 7B files say "llama" (llama.cpp has no separate arch for it): they load as Llama, without a
@@ -57,6 +66,10 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "phi3": ArchMap("Phi3ForCausalLM", "phi3", permute_qk=False, config_fields=phi3.phi3_config_fields,
                     partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
+    "deepseek2": ArchMap("DeepseekV2ForCausalLM", "deepseek_v2", permute_qk=False, layer_names=deepseek2.LAYER_NAMES,
+                         config_fields=deepseek2.deepseek2_config_fields, layer_params=deepseek2.LAYER_PARAMS,
+                         joined=((deepseek2.KV_B_PARTS, deepseek2.KV_B_MODULE, deepseek2.join_kv_b),),
+                         latent_heads=True),
 }
 # llama.cpp writes Mixtral as "llama" with `llama.expert_count` experts (and llama's Q/K row order)
 WITH_EXPERTS: dict[str, ArchMap] = {"llama": ArchMap("MixtralForCausalLM", "mixtral", permute_qk=True)}
@@ -119,14 +132,14 @@ def gguf_config_dict(gf: GGUFFile) -> dict[str, Any]:
     missing = [k for k in required if raw[k] is None]
     if missing:
         raise ModelLoadError(f"{gf.name} lacks the {arch} metadata for {', '.join(missing)}; it is incomplete")
-    head_dim = meta("attention.key_length")
+    head_dim = None if spec.latent_heads else meta("attention.key_length")
     if head_dim is not None:
         if meta("attention.value_length", head_dim) != head_dim:
             raise ModelLoadError(f"{gf.name}: key_length {head_dim} differs from value_length; not supported")
         raw["head_dim"] = head_dim
     head_dim = head_dim or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
     rope_dims = meta("rope.dimension_count")
-    if rope_dims is not None and head_dim and rope_dims != head_dim and not spec.partial_rotary:
+    if rope_dims is not None and head_dim and rope_dims != head_dim and not (spec.partial_rotary or spec.latent_heads):
         raise ModelLoadError(f"{gf.name}: rope over {rope_dims} of {head_dim} head features (partial rotary) is "
                              "not supported for GGUF files")
     for key, value in (("bos_token_id", gf.get("tokenizer.ggml.bos_token_id")),
@@ -180,8 +193,31 @@ def _rope_scaling(gf: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[
         return {"rope_type": "linear", "factor": float(factor)}
     if kind in (None, "none"):
         return _llama3_scaling(gf, head_dim, theta)
+    if kind == "yarn":
+        return _yarn_scaling(gf, arch)
     raise ModelLoadError(f"{gf.name}: rope scaling {kind!r} is not supported for GGUF files; supported: none, linear, "
-                         "llama3 (rope_freqs)")
+                         "yarn, llama3 (rope_freqs)")
+
+
+def _yarn_scaling(gf: GGUFFile, arch: str) -> dict[str, Any]:
+    """transformers' yarn rope_scaling for `<arch>.rope.scaling.*`: factor, the original context and the ramp's
+    betas (llama.cpp's defaults 32 / 1 where absent); cos and sin carry YaRN's 1 + 0.1 ln(factor) in both."""
+    values = {}
+    for key, field_name, default in (("factor", "factor", None),
+                                     ("original_context_length", "original_max_position_embeddings", None),
+                                     ("yarn_beta_fast", "beta_fast", 32.0), ("yarn_beta_slow", "beta_slow", 1.0)):
+        value = gf.get(f"{arch}.rope.scaling.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+            raise ModelLoadError(f"{gf.name}: rope scaling 'yarn' needs a positive {arch}.rope.scaling.{key} "
+                                 f"(it is {value!r})")
+        values[field_name] = value
+    for key in ("yarn_ext_factor", "yarn_attn_factor"):
+        if gf.get(f"{arch}.rope.scaling.{key}") is not None:
+            raise ModelLoadError(f"{gf.name}: {arch}.rope.scaling.{key} is not supported; flashllm runs yarn with "
+                                 "llama.cpp's default ramp and attention factor")
+    return {"rope_type": "yarn", "factor": float(values["factor"]), "beta_fast": float(values["beta_fast"]),
+            "beta_slow": float(values["beta_slow"]),
+            "original_max_position_embeddings": int(values["original_max_position_embeddings"])}
 
 
 # The llama3 rope settings Meta's 3.x models ship; a rope_freqs tensor is matched against these.

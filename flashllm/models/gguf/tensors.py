@@ -38,11 +38,13 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
 _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
 
 
-def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] | None = None) -> str | None:
+def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] | None = None,
+                   layer_params: Mapping[str, str] | None = None) -> str | None:
     """The checkpoint (transformers) name of a GGUF tensor ("blk.3.ffn_up.weight" -> "model.layers.3.mlp.up_proj.weight").
 
     layer_names: the arch's own GGUF layer part -> checkpoint module entries, taking precedence over Llama's
     (Gemma 3's `ffn_norm` is its pre_feedforward_layernorm, not Llama's post_attention_layernorm).
+    layer_params: the arch's GGUF "part.suffix" -> checkpoint parameter entries (ArchMap.layer_params).
     None when the name is not one flashllm's llama-family models hold. A layer's stacked experts
     ("blk.3.ffn_up_exps.weight") get moe.stacked_name, which GGUFWeights expands into per-expert names.
     """
@@ -52,6 +54,8 @@ def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] | None = None)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in moe.EXPERT_PROJS and match.group(3) == "weight":
         return moe.stacked_name(int(match.group(1)), match.group(2))
+    if match and f"{match.group(2)}.{match.group(3)}" in (layer_params or {}):
+        return f"model.layers.{int(match.group(1))}.{layer_params[f'{match.group(2)}.{match.group(3)}']}"
     names = {**_LAYER_NAMES, **(layer_names or {})}
     if match and match.group(2) in names:
         return f"model.layers.{int(match.group(1))}.{names[match.group(2)]}.{match.group(3)}"
@@ -100,6 +104,8 @@ class PlannedTensor:
     permute_heads: int | None
     offset: float = 0.0
     rows: tuple[int, int] | None = None  # [start, stop) of a fused tensor's rows (ArchMap.fused_rows); None: all
+    joined: tuple[str, ...] = ()  # further GGUF tensors whose values join with this one's (ArchMap.joined)
+    join: Any = None  # (float values of gguf_name and `joined`, in order) -> the checkpoint tensor
 
 
 class GGUFWeights:
@@ -135,9 +141,12 @@ class GGUFWeights:
         self._dequantized: Counter[str] = Counter()
 
     def _plan(self, spec: ArchMap) -> list[PlannedTensor]:
-        heads = {"self_attn.q_proj": self.config.num_attention_heads, "self_attn.k_proj": self.config.num_key_value_heads}
+        heads = ({"self_attn.q_proj": self.config.num_attention_heads,
+                  "self_attn.k_proj": self.config.num_key_value_heads} if spec.permute_qk else {})
         plan, unknown = [], []
         fused = spec.fused_rows(self.config) if spec.fused_rows is not None else {}
+        joined = {parts[0]: (parts, module, join) for parts, module, join in spec.joined}
+        later_parts = {part for parts, _, _ in spec.joined for part in parts[1:]}
         for name in self.gf.tensors:
             if name in _SKIPPED or name in spec.config_tensors:
                 continue
@@ -145,7 +154,12 @@ class GGUFWeights:
             if match and match.group(2) in fused:
                 plan += self._fused_parts(name, int(match.group(1)), match.group(3), fused[match.group(2)])
                 continue
-            hf_name = hf_tensor_name(name, spec.layer_names)
+            if match and match.group(2) in joined:
+                plan.append(self._joined(name, match, *joined[match.group(2)]))
+                continue
+            if match and match.group(2) in later_parts:
+                continue  # planned with the first part of its join
+            hf_name = hf_tensor_name(name, spec.layer_names, spec.layer_params)
             if hf_name is None:
                 unknown.append(name)
                 continue
@@ -158,6 +172,17 @@ class GGUFWeights:
             raise ModelLoadError(f"{self.gf.name} holds tensors a {spec.architecture} does not have: "
                                  f"{', '.join(unknown[:3])}{more}; the file is not a plain {spec.model_type} model")
         return plan
+
+    def _joined(self, name: str, match: re.Match[str], parts: tuple[str, ...], module: str, join: Any) -> PlannedTensor:
+        """The checkpoint tensor `module` of this layer, joined from `name` and the layer's other parts; refuses a
+        file that lacks one of them."""
+        layer, suffix = match.group(1), match.group(3)
+        others = tuple(f"blk.{layer}.{part}.{suffix}" for part in parts[1:])
+        missing = [other for other in others if other not in self.gf.tensors]
+        if missing:
+            raise ModelLoadError(f"{self.gf.name} has {name} without {missing[0]}; together they are the checkpoint's "
+                                 f"{module}: the file is incomplete")
+        return PlannedTensor(name, f"model.layers.{int(layer)}.{module}.{suffix}", None, joined=others, join=join)
 
     def _fused_parts(self, name: str, layer: int, suffix: str,
                      parts: tuple[tuple[str, int], ...]) -> list[PlannedTensor]:
@@ -326,6 +351,9 @@ class GGUFWeights:
         tensor = self.gf.tensors[item.gguf_name]
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             self._dequantized[tensor.tensor_type.name] += 1
+        if item.join is not None:
+            parts = [self.gf.tensors[name] for name in (item.gguf_name, *item.joined)]
+            return item.join([self._to_float(np.asarray(part.data), part.tensor_type) for part in parts])
         value = self._to_float(self._rows(item), tensor.tensor_type)
         if item.offset:
             # the file holds offset + w, the model's weight_loader adds the offset back to w: exact in float32
