@@ -25,13 +25,17 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                  r"|\s+(?!\S)|\s+")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek-V3's tokenizer.json splits in turn: digit runs of up to three, CJK ideographs and kana, then words
+DEEPSEEK_V3_PATTERNS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _texts(count: int = 300) -> list[str]:
     """Corpus lines, their pieces glued oddly, digits, whitespace runs, CJK, emoji, special tokens inside text."""
     rng = random.Random(7)
     lines = [line for text in CORPUS for line in text.splitlines() if line.strip()]
-    alphabet = "abc XYZ 0123456789 \n\t  ,.;:'\"!?-_()[]{}é中文字🙂🚀\u00a0"
+    alphabet = "abc XYZ 0123456789 \n\t  ,.;:'\"!?-_()[]{}é中文字ひらカタ🙂🚀\u00a0"
     texts = ["", " ", "  leading", "trailing  ", "a\n\nb", "1234567", "it's they'll we've", "x" * 50]
     texts += [f"{SPECIALS[1]}user\n{lines[0]}{SPECIALS[2]}\n", f"{lines[1]}{SPECIALS[0]}{lines[2]}"]
     while len(texts) < count:
@@ -53,6 +57,9 @@ def _train_bpe(pre: str) -> PreTrainedTokenizerFast:
     elif pre in ("qwen2", "llama-bpe"):
         split = pre_tokenizers.Split(Regex(QWEN2_PATTERN if pre == "qwen2" else LLAMA3_PATTERN), behavior="isolated")
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "deepseek-v3":
+        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in DEEPSEEK_V3_PATTERNS]
+        backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
@@ -74,7 +81,7 @@ def _vocab_only_gguf(path: Path, fill) -> Path:
     return path
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3"])
 def test_bpe_vocabulary_encodes_and_decodes_as_its_tokenizer_json(pre, tmp_path):
     source = _train_bpe(pre)
     source.save_pretrained(str(tmp_path / "src"))

@@ -23,6 +23,14 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# DeepSeek-V3's splits, applied in turn (each piece of one split is split by the next): llama.cpp's list for
+# "deepseek-v3" in src/llama-vocab.cpp (digits in runs of up to three, CJK ideographs and kana, then words).
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
 def _byte_level() -> Any:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -32,9 +40,9 @@ def _digits_then_byte_level() -> Any:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
 
 
-def _split_then_bytes(pattern: str) -> Any:
+def _split_then_bytes(*patterns: str) -> Any:
     return lambda: pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        *(pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False) for pattern in patterns),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
@@ -43,6 +51,7 @@ BPE_PRE_TOKENIZERS: dict[str, Any] = {
     "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level, "refact": _digits_then_byte_level,
     "qwen2": _split_then_bytes(_QWEN2_SPLIT), "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+    "deepseek-v3": _split_then_bytes(*_DEEPSEEK_V3_SPLITS),
 }
 
 
