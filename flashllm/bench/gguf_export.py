@@ -1,5 +1,5 @@
 """Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text, Granite,
-Phi-3, DeepSeek-V2/V3) to a GGUF file for the llama.cpp baseline."""
+Phi-3, DeepSeek-V2/V3, GLM) to a GGUF file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from flashllm.bench import gguf_deepseek, gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
+from flashllm.bench import gguf_chatglm, gguf_deepseek, gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_phi3.ARCHITECTURE: ArchSpec("phi3", permute_qk=False, layer_names=gguf_phi3.LAYER_NAMES,
                                      check=gguf_phi3.check, add_hparams=gguf_phi3.add_hparams,
                                      rope_types=gguf_phi3.ROPE_TYPES, extra_tensors=gguf_phi3.extra_tensors),
+    gguf_chatglm.ARCHITECTURE: ArchSpec("chatglm", permute_qk=False, layer_names=gguf_chatglm.LAYER_NAMES,
+                                        check=gguf_chatglm.check),
     **{architecture: ArchSpec("deepseek2", permute_qk=False, layer_names=gguf_deepseek.LAYER_NAMES,
                               check=gguf_deepseek.check, add_hparams=gguf_deepseek.add_hparams, rope_types=("yarn",),
                               transform=gguf_deepseek.transform, latent_heads=True)

@@ -22,13 +22,11 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.glm import EPS, FFN, GROUPS, HEAD_DIM, HEADS, HIDDEN, LAYERS, ROPE_RATIO, SEQ, VOCAB, build_glm
 from flashllm.testing.parity import assert_logits_close, assert_rows_match, hf_greedy, hf_logits, random_tokens
 from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
-HIDDEN, FFN, LAYERS, HEADS, GROUPS, HEAD_DIM, VOCAB, SEQ = 64, 128, 2, 4, 2, 16, 256, 512
-ROPE_RATIO = 5.0  # ChatGLM's base 10000 times rope_ratio is GLM's rope_theta
-EPS = 1e-5
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
 STEPS = 32
 ATOL = 1e-4
@@ -48,27 +46,6 @@ def chatglm_config(**overrides) -> dict:
     }
     config.update(overrides)
     return config
-
-
-def build_glm(seed: int, vocab_size: int = VOCAB):
-    """transformers' GlmForCausalLM of the tiny shapes, every parameter random (norm scales around 1)."""
-    from transformers import GlmConfig
-    from transformers import GlmForCausalLM as HFGlm
-
-    config = GlmConfig(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM, max_position_embeddings=SEQ,
-        rms_norm_eps=EPS, attention_bias=True, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0 * ROPE_RATIO, "partial_rotary_factor": 0.5},
-        architectures=["GlmForCausalLM"],
-    )
-    model = HFGlm(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen) * 0.1
-            param.copy_(noise + 1.0 if "norm" in name else noise)
-    return model
 
 
 def to_chatglm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -51,6 +51,7 @@ BPE_PRE_TOKENIZERS: dict[str, Any] = {
     "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level, "refact": _digits_then_byte_level,
     "qwen2": _split_then_bytes(_QWEN2_SPLIT), "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+    "chatglm-bpe": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4's tiktoken split is cl100k's, Llama 3's
     "deepseek-v3": _split_then_bytes(*_DEEPSEEK_V3_SPLITS),
 }
 
