@@ -287,34 +287,48 @@ def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[s
     return out
 
 
-def retyped_copy(path: Path, out: Path, types: dict[str, str]) -> Path:
-    """A copy of the GGUF file `path` (its metadata as is) with the F32 tensors whose part after "blk.N." is a key
-    of `types` ("ffn_down_exps": "Q6_K") stored in that type instead (quantize_rows, along each tensor's rows)."""
+def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], Any],
+                   values: dict[str, Any] | None = None, dropped: tuple[str, ...] = ()) -> Path:
+    """A copy of the GGUF file `path`: its metadata as is, except keys in `values` (their new values, same types) and
+    keys ending in `dropped` (left out); its tensors as tensors(name -> the reader's tensor) yields them, (name, numpy
+    data, GGML type or None for a float array's own) in order."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key.endswith(dropped):
             continue
         array = field.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
-    for tensor in reader.tensors:
-        data = np.array(tensor.data)
-        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
-        if part in types:
-            if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
-                raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}; retyped_copy re-stores F32 tensors")
-            blocks = quantize_rows(data.reshape(-1, data.shape[-1]), types[part])
-            writer.add_tensor(tensor.name, blocks.reshape(*data.shape[:-1], -1),
-                              raw_dtype=gguf.GGMLQuantizationType[types[part]])
-        else:
-            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+        writer.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0],
+                             sub_type=field.types[-1] if array else None)
+    for name, data, kind in tensors({t.name: t for t in reader.tensors}):
+        writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def retyped_copy(path: Path, out: Path, types: dict[str, str]) -> Path:
+    """A copy of the GGUF file `path` (its metadata as is) with the F32 tensors whose part after "blk.N." is a key
+    of `types` ("ffn_down_exps": "Q6_K") stored in that type instead (quantize_rows, along each tensor's rows)."""
+    import gguf
+
+    def retyped(tensors: dict[str, Any]) -> Any:
+        for name, tensor in tensors.items():
+            data = np.array(tensor.data)
+            part = name.split(".")[2] if name.startswith("blk.") else None
+            if part not in types:
+                yield name, data, tensor.tensor_type
+                continue
+            if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+                raise ValueError(f"{name} is {tensor.tensor_type.name}; retyped_copy re-stores F32 tensors")
+            blocks = quantize_rows(data.reshape(-1, data.shape[-1]), types[part])
+            yield name, blocks.reshape(*data.shape[:-1], -1), gguf.GGMLQuantizationType[types[part]]
+
+    return rewritten_copy(path, out, retyped)
 
 
 def patched_metadata(path: Path, out: Path, key: str, value: bytes) -> Path:

@@ -25,6 +25,7 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     load_float_model,
     patched_metadata,
     prompt_logits,
+    rewritten_copy,
     two_ranks_decode_as_one,
 )
 from flashllm.testing.glm import build_glm  # noqa: E402
@@ -87,28 +88,17 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, op
 def _fused_qkv_copy(path: Path, out: Path) -> Path:
     """The file as llama.cpp's converter writes a ChatGLMModel checkpoint: each layer's attn_q, attn_k and attn_v
     (weights and biases) stacked along the rows into attn_qkv, q first."""
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(out), "chatglm")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        array = field.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
-    tensors = {t.name: t for t in reader.tensors}
-    for name, tensor in tensors.items():
-        if ".attn_k." in name or ".attn_v." in name:
-            continue
-        if ".attn_q." in name:  # whole rows (of values or of blocks' bytes) stack as they are
-            parts = [np.array(tensors[name.replace("attn_q", part)].data) for part in ("attn_q", "attn_k", "attn_v")]
-            writer.add_tensor(name.replace("attn_q", "attn_qkv"), np.ascontiguousarray(np.concatenate(parts)),
-                              raw_dtype=tensor.tensor_type)
-        else:
-            writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    def fused(tensors):
+        for name, tensor in tensors.items():
+            if ".attn_k." in name or ".attn_v." in name:
+                continue
+            if ".attn_q." in name:  # whole rows (of values or of blocks' bytes) stack as they are
+                parts = [np.array(tensors[name.replace("attn_q", p)].data) for p in ("attn_q", "attn_k", "attn_v")]
+                yield name.replace("attn_q", "attn_qkv"), np.ascontiguousarray(np.concatenate(parts)), tensor.tensor_type
+            else:
+                yield name, np.array(tensor.data), tensor.tensor_type
+
+    return rewritten_copy(path, out, fused)
 
 
 def test_a_fused_attn_qkv_file_loads_the_same_model(files, ops, model_registry, paged_driver, tmp_path):

@@ -30,6 +30,7 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     load_float_model,
     patched_metadata,
     prompt_logits,
+    rewritten_copy,
     two_ranks_decode_as_one,
 )
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
@@ -143,34 +144,23 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(preset, sources, 
 def _single_kv_b_copy(path: Path, out: Path) -> Path:
     """The file as llama.cpp's converter wrote it before splitting the latent up-projection: attn_k_b / attn_v_b
     joined back into attn_kv_b, key / value lengths the per-head sizes, head_count_kv the head count."""
-    reader = gguf.GGUFReader(path)
-    fields = {key: field for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    heads = fields["deepseek2.attention.head_count"].contents()
-    writer = gguf.GGUFWriter(str(out), "deepseek2")
+    fields = gguf.GGUFReader(path).fields
     sizes = {"deepseek2.attention.key_length": fields["deepseek2.attention.key_length_mla"].contents(),
              "deepseek2.attention.value_length": fields["deepseek2.attention.value_length_mla"].contents(),
-             "deepseek2.attention.head_count_kv": heads}
-    for key, field in fields.items():
-        if key == "general.architecture" or key.endswith("_length_mla"):
-            continue
-        array = field.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, sizes.get(key, field.contents()), field.types[0],
-                             sub_type=field.types[-1] if array else None)
-    tensors = {t.name: t for t in reader.tensors}
-    for name, tensor in tensors.items():
-        if ".attn_v_b." in name:
-            continue
-        if ".attn_k_b." in name:
-            k_b, v_b = np.array(tensor.data), np.array(tensors[name.replace("attn_k_b", "attn_v_b")].data)
-            kv_b = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, k_b.shape[1])
-            writer.add_tensor(name.replace("attn_k_b", "attn_kv_b"), np.ascontiguousarray(kv_b))
-        else:
-            writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+             "deepseek2.attention.head_count_kv": fields["deepseek2.attention.head_count"].contents()}
+
+    def joined(tensors):
+        for name, tensor in tensors.items():
+            if ".attn_v_b." in name:
+                continue
+            if ".attn_k_b." in name:
+                k_b, v_b = np.array(tensor.data), np.array(tensors[name.replace("attn_k_b", "attn_v_b")].data)
+                kv_b = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, k_b.shape[1])
+                yield name.replace("attn_k_b", "attn_kv_b"), np.ascontiguousarray(kv_b), None
+            else:
+                yield name, np.array(tensor.data), tensor.tensor_type
+
+    return rewritten_copy(path, out, joined, values=sizes, dropped=("_length_mla",))
 
 
 def test_a_file_with_the_single_kv_b_tensor_loads_the_same_model(files, ops, model_registry, paged_driver, tmp_path):
