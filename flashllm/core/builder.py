@@ -75,6 +75,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     selection = rank.select(select_device(config.device.device, config.device.backend, plugins=plugins))
     plugins.adjust_config(config, selection.backend)
     model_dir = resolve_model(config.model.model)  # None: SmolLM2 when installed, else the demo model
+    _check_tokenizer_source(config.model.tokenizer)  # before minutes of loading
     registry = ModelRegistry()
     for architecture, target in plugins.model_targets().items():
         registry.register(architecture, target)
@@ -219,6 +220,19 @@ def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 def _config_eos(generation_config: dict[str, Any]) -> list[int]:
     eos = generation_config.get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _check_tokenizer_source(tokenizer: str | None) -> None:
+    """EngineConfigError when a tokenizer given apart from the model (--tokenizer) is neither a GGUF file nor a
+    directory holding tokenizer files: asked for explicitly, it must not quietly fall back to token ids."""
+    if tokenizer is None:
+        return
+    path = Path(tokenizer)
+    if is_gguf_path(path) or (path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES)):
+        return
+    raise EngineConfigError(f"--tokenizer {tokenizer}: not a GGUF file or a directory holding one of "
+                            f"{', '.join(TOKENIZER_FILES)}; give the model's tokenizer directory (flashllm never "
+                            "downloads)")
 
 
 def _tokenizer(path: Path) -> Any:

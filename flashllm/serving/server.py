@@ -168,7 +168,8 @@ def _load_dynamic(options: dict[str, Any]) -> ServedModel:
 
 def _build_engine(options: dict[str, Any]) -> Engine:
     config = engine_config(
-        options["model"], dtype=options["dtype"], device=options["device"], backend=options["backend"],
+        options["model"], tokenizer=options.get("tokenizer"), dtype=options["dtype"], device=options["device"],
+        backend=options["backend"],
         max_model_len=options["max_model_len"], block_size=options["block_size"],
         num_kv_blocks=options["num_kv_blocks"], kv_cache_memory=options["kv_cache_memory"],
         kv_cache_dtype=options["kv_cache_dtype"], cachekv_int8_type=options["cachekv_int8_type"],

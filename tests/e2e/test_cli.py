@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,25 @@ def test_generate_takes_the_context_and_the_cache_in_blocks(qwen_dir: Path, caps
         with pytest.raises(SystemExit) as exc:
             main([*argv, flag, "0"])
         assert exc.value.code == 2 and "positive whole number" in capsys.readouterr().err
+
+
+def test_generate_takes_a_tokenizer_apart_from_the_model(qwen_dir: Path, tmp_path: Path, capsys,
+                                                        built_llms: list) -> None:
+    """--tokenizer: a model directory without tokenizer files answers in text with another directory's tokenizer,
+    as it does with its own; a --tokenizer that holds none fails in one line before the weights load."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(qwen_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special*"))
+    argv = ["generate", "Hello there", "--max-tokens", "4", "--device", "cpu"]
+    assert main([*argv, "--model", str(qwen_dir)]) == 0
+    own = re.sub(r"[0-9.]+ s\)", "", capsys.readouterr().out)  # the prompt, the reply, the counts; not the time
+    assert main([*argv, "--model", str(bare), "--tokenizer", str(qwen_dir)]) == 0
+    assert re.sub(r"[0-9.]+ s\)", "", capsys.readouterr().out) == own and "Hello there" in own
+    assert built_llms[-1].engine.config.model.tokenizer == str(qwen_dir)
+    assert main([*argv, "--model", str(qwen_dir), "--tokenizer", str(tmp_path / "empty")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--tokenizer" in err and "empty: not a GGUF file or a directory holding one of" in err and "\n" not in err
 
 
 def test_python_dash_m_flashllm_llm_runs_the_predictor(qwen_dir: Path, tmp_path: Path) -> None:

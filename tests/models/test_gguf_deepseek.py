@@ -236,6 +236,26 @@ def test_llm_runs_a_deepseek_gguf_file_like_its_directory(sources, files):
     assert [o.outputs[0].token_ids for o in f32.generate(["The quick brown fox", "hello"], params)] == results[0]
 
 
+def test_a_vocabulary_flashllm_cannot_build_runs_with_the_source_tokenizer(sources, files, tmp_path):
+    """V2-era files record the deepseek-llm pre-tokenizer, which flashllm does not build: the file is refused at its
+    vocabulary, and with tokenizer= the source directory's (vLLM's advice for GGUF files too) it answers text prompts
+    as the directory does."""
+    from flashllm import LLM, SamplingParams
+
+    path = rewritten_copy(files("v2_lite", "f32"), tmp_path / "v2.gguf",
+                          lambda tensors: ((n, np.array(t.data), t.tensor_type) for n, t in tensors.items()),
+                          values={"tokenizer.ggml.pre": "deepseek-llm"})
+    options = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'deepseek-llm' is not supported"):
+        LLM(str(path), **options)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["The quick brown fox", "hello"]
+    ours = LLM(str(path), tokenizer=str(sources["v2_lite"]), **options).generate(prompts, params)
+    expected = LLM(str(sources["v2_lite"]), **options).generate(prompts, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in ours] == [
+        (o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
+
+
 @pytest.mark.parametrize("options", [{}, {"enable_expert_parallel": True}], ids=["tensor", "expert"])
 def test_two_ranks_decode_a_q8_0_file_as_one(options, files, monkeypatch, exact_w8_products):
     """Heads, the joined latent up-projection, blocks and experts split over two gloo ranks (exact fp32 activations:

@@ -1,5 +1,6 @@
 """`flashllm serve` takes the model-shaping flags predict and generate take (--moe_quant_type, --quantize_lm_head,
---mla_use_matrix_absorption) from the command line, FLASHLLM_<NAME> and --config, and hands them to the engine."""
+--mla_use_matrix_absorption, --tokenizer) from the command line, FLASHLLM_<NAME> and --config, and hands them to the
+engine."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def test_vllms_prefix_caching_and_remote_code_flags_are_understood() -> None:
                                      {})["no_prefix_caching"] is False
     with pytest.raises(SystemExit, match="contradict"):
         serve_cli.resolve_options(parse(["serve", "--enable-prefix-caching", "--no-prefix-caching"]), {})
+
+
+@pytest.mark.parametrize(("argv", "environ"), [(["--tokenizer", "/models/src"], {}),
+                                               ([], {"FLASHLLM_TOKENIZER": "/models/src"})])
+def test_the_tokenizer_apart_from_the_model_reaches_the_engine_config(argv: list[str], environ: dict[str, str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _config([], {}, monkeypatch).model.tokenizer is None
+    assert _config(argv, environ, monkeypatch).model.tokenizer == "/models/src"
+
+
+def test_static_mode_refuses_a_tokenizer_apart_from_the_export() -> None:
+    with pytest.raises(SystemExit, match="--tokenizer"):
+        serve_cli.resolve_options(build_parser().parse_args(["serve", "--mode", "static", "--tokenizer", "x"]), {})
