@@ -22,6 +22,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
+    "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
     "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
     "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",

@@ -1,4 +1,5 @@
-"""ChatGLM2 / ChatGLM3 / GLM-4 (`ChatGLMModel` checkpoints) and transformers' `GlmForCausalLM`: one GLM decoder.
+"""ChatGLM2 / ChatGLM3 / GLM-4 (`ChatGLMModel` checkpoints), transformers' `GlmForCausalLM` and `Glm4ForCausalLM`
+(GLM-4-0414: GLM's block with norms after attention and MLP): one GLM decoder.
 
 A GLM block is a pre-norm Llama-style block with three differences: the checkpoint stores q, k and v
 as one `query_key_value` tensor (with a bias) and gate and up as one `dense_h_to_4h` tensor; keys and
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
-from flashllm.models.chatglm_config import GLMConfig, parse_chatglm_config, parse_glm_config
+from flashllm.models.chatglm_config import GLMConfig, parse_chatglm_config, parse_glm4_config, parse_glm_config
 from flashllm.models.layers.attention import Attention, split_heads
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import PreNormBlock
@@ -137,13 +138,35 @@ class GLMBlock(PreNormBlock):
         return self.self_attention(positions, hidden, kv_cache, attn_metadata)
 
 
+class Glm4Block(GLMBlock):
+    """GLM-4-0414's block: x + post_attn_norm(attention(norm(x))), then + post_mlp_norm(mlp(norm(.)))."""
+
+    def __init__(self, config: GLMConfig, rotary_emb: RotaryEmbedding, ops: Any, dtype: torch.dtype,
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, rotary_emb, ops, dtype, device, tp_rank, tp_size)
+        self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_self_attn_layernorm(self.attend(positions, hidden, kv_cache, attn_metadata))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+
+
 class GLMEncoder(nn.Module):
     """The blocks and the final norm (ChatGLM's `transformer.encoder`)."""
 
     def __init__(self, config: GLMConfig, rotary_emb: RotaryEmbedding, ops: Any, dtype: torch.dtype,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(GLMBlock(config, rotary_emb, ops, dtype, device, tp_rank, tp_size)
+        block = Glm4Block if config.post_norms else GLMBlock
+        self.layers = nn.ModuleList(block(config, rotary_emb, ops, dtype, device, tp_rank, tp_size)
                                     for _ in range(config.num_hidden_layers))
         self.final_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
                                 if config.final_norm else None)
@@ -350,3 +373,14 @@ def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
                 name = pattern.sub(target, name, count=1)
                 break
         yield name, tensor
+
+
+class Glm4ForCausalLM(GlmForCausalLM):
+    """transformers' Glm4ForCausalLM (model_type "glm4": GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): GlmForCausalLM's
+    names and decoder, each block with post_self_attn_layernorm and post_mlp_layernorm (Glm4Block). Its blocks are
+    not the fused decode step's standard block, so that step is not declared for it."""
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> GLMConfig:
+        """config.json -> GLMConfig with post norms (flashllm.models.chatglm_config.parse_glm4_config)."""
+        return parse_glm4_config(raw, source)

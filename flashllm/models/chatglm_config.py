@@ -1,7 +1,9 @@
-"""The GLM family's config.json (ChatGLM2/3 and GLM-4 `ChatGLMModel`, transformers' `GlmForCausalLM`), validated."""
+"""The GLM family's config.json (ChatGLM2/3 and GLM-4 `ChatGLMModel`, transformers' `GlmForCausalLM` and `Glm4ForCausalLM`),
+validated."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +45,8 @@ class GLMConfig:
     each head (half of them in every released checkpoint) in adjacent pairs (GPT-J style, not NeoX
     halves), at frequencies rope_theta ** (-2i / rotary_dim). `qkv_bias`: the qkv projection has a bias;
     `linear_bias`: the attention output and both MLP projections have one (ChatGLM's add_bias_linear);
-    `final_norm`: an RMSNorm after the last block (ChatGLM's post_layer_norm).
+    `final_norm`: an RMSNorm after the last block (ChatGLM's post_layer_norm); `post_norms`: RMSNorms after the
+    attention and after the MLP too, before each residual add (GLM-4-0414's Glm4ForCausalLM).
     """
 
     architecture: str
@@ -68,6 +71,7 @@ class GLMConfig:
     eos_token_id: int | list[int] | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     quantization: CheckpointQuant | None = None
+    post_norms: bool = False
 
     @property
     def num_parameters(self) -> int:
@@ -180,6 +184,12 @@ def parse_glm_config(raw: dict[str, Any], source: str = "config.json") -> GLMCon
         **sizes,
         **checkpoint_fields(raw, source),
     )
+
+
+def parse_glm4_config(raw: dict[str, Any], source: str = "config.json") -> GLMConfig:
+    """transformers' Glm4ForCausalLM config.json (model_type "glm4", GLM-4-0414 / GLM-Z1) -> GLMConfig: GLM's fields
+    and defaults (parse_glm_config), blocks with the post-attention and post-MLP norms."""
+    return dataclasses.replace(parse_glm_config(raw, source), post_norms=True)
 
 
 def _glm_rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> tuple[int, dict[str, Any]]:
