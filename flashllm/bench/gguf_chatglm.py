@@ -1,4 +1,5 @@
-"""GGUF export of transformers' GlmForCausalLM checkpoints as llama.cpp's converter writes `chatglm` files: the
+"""GGUF export of transformers' GlmForCausalLM checkpoints as llama.cpp's converter writes `chatglm` files (and of
+Glm4ForCausalLM ones as `glm4` files, with their post-attention and post-MLP norms): the
 checkpoint's q / k / v projections (with their biases) as they are, gate_up_proj as `ffn_up`, RoPE over the
 rotary part of each head (adjacent pairs, as GLM turns them), no BOS token. It refuses what llama.cpp's chatglm
 graph would run differently (flashllm.models.gguf.chatglm says how the graph runs): rope scaling (the converter
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURE = "GlmForCausalLM"
+ARCHITECTURE, GLM4_ARCHITECTURE = "GlmForCausalLM", "Glm4ForCausalLM"
 LAYER_NAMES = {"mlp.gate_up_proj": "ffn_up"}
+GLM4_LAYER_NAMES = {**LAYER_NAMES, "post_self_attn_layernorm": "post_attention_norm",
+                    "post_mlp_layernorm": "post_ffw_norm"}
 
 
 def check(config: Any) -> None:

@@ -1,5 +1,5 @@
 """Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text, Granite,
-Phi-3, DeepSeek-V2/V3, GLM) to a GGUF file for the llama.cpp baseline."""
+Phi-3, DeepSeek-V2/V3, GLM, GLM-4-0414) to a GGUF file for the llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -76,6 +76,8 @@ ARCHS: dict[str, ArchSpec] = {
                                      rope_types=gguf_phi3.ROPE_TYPES, extra_tensors=gguf_phi3.extra_tensors),
     gguf_chatglm.ARCHITECTURE: ArchSpec("chatglm", permute_qk=False, layer_names=gguf_chatglm.LAYER_NAMES,
                                         check=gguf_chatglm.check),
+    gguf_chatglm.GLM4_ARCHITECTURE: ArchSpec("glm4", permute_qk=False, layer_names=gguf_chatglm.GLM4_LAYER_NAMES,
+                                             check=gguf_chatglm.check),
     **{architecture: ArchSpec("deepseek2", permute_qk=False, layer_names=gguf_deepseek.LAYER_NAMES,
                               check=gguf_deepseek.check, add_hparams=gguf_deepseek.add_hparams, rope_types=("yarn",),
                               transform=gguf_deepseek.transform, latent_heads=True)

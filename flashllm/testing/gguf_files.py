@@ -289,9 +289,10 @@ def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[s
 
 def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], Any],
                    values: dict[str, Any] | None = None, dropped: tuple[str, ...] = ()) -> Path:
-    """A copy of the GGUF file `path`: its metadata as is, except keys in `values` (their new values, same types) and
-    keys ending in `dropped` (left out); its tensors as tensors(name -> the reader's tensor) yields them, (name, numpy
-    data, GGML type or None for a float array's own) in order."""
+    """A copy of the GGUF file `path`: its metadata as is, except keys in `values` (their new values, same types; a
+    key the file lacks is added, typed as write_gguf's metadata) and keys ending in `dropped` (left out); its tensors
+    as tensors(name -> the reader's tensor) yields them, (name, numpy data, GGML type or None for a float array's own)
+    in order."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -302,6 +303,9 @@ def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], An
         array = field.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0],
                              sub_type=field.types[-1] if array else None)
+    for key, value in (values or {}).items():
+        if key not in reader.fields:
+            _add_value(writer, key, value)
     for name, data, kind in tensors({t.name: t for t in reader.tensors}):
         writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()

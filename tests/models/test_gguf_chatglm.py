@@ -1,8 +1,9 @@
-"""ChatGLM / GLM-4 GGUF files (`chatglm`), written by flashllm's llama.cpp exporter from a tiny transformers
-GlmForCausalLM (partial adjacent-pair rotary, q/k/v biases, grouped KV heads, fused gate_up_proj), load into the
-directory's model: the configuration the directory's own, F32 logits equal to the directory's and greedy tokens
-equal to transformers', the fused `attn_qkv` form (ChatGLMModel checkpoints) as the separate one, Q8_0 as the
-directory rounded through Q8_0; a rotary part llama.cpp could not run is refused in one line."""
+"""ChatGLM / GLM-4 GGUF files (`chatglm`) and GLM-4-0414 ones (`glm4`), written by flashllm's llama.cpp exporter
+from tiny transformers GlmForCausalLM and Glm4ForCausalLM directories (partial adjacent-pair rotary, q/k/v biases,
+grouped KV heads, fused gate_up_proj; Glm4's post-attention and post-MLP norms), load into the directory's model:
+the configuration the directory's own, F32 logits equal to the directory's and greedy tokens equal to
+transformers', the fused `attn_qkv` form (ChatGLMModel checkpoints) as the separate one, Q8_0 as the directory
+rounded through Q8_0; a rotary part llama.cpp could not run is refused in one line."""
 
 from __future__ import annotations
 
@@ -37,48 +38,59 @@ CONFIG_FIELDS = ("architecture", "rotary_dim", "head_dim", "num_attention_heads"
                  "max_position_embeddings", "tie_word_embeddings", "num_hidden_layers")
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("glm")
-    tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
-    build_glm(seed=3, vocab_size=len(tokenizer)).save_pretrained(out)
-    return out
+KINDS = {"chatglm": False, "glm4": True}  # GGUF arch -> built as Glm4ForCausalLM
 
 
 @pytest.fixture(scope="module")
-def files(source, tmp_path_factory):
-    """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    get = exports(tmp_path_factory.mktemp("gguf"), {"glm": source})
-    return lambda file_type: get("glm", file_type)
+def sources(tmp_path_factory) -> dict[str, Path]:
+    built = {}
+    for arch, glm4 in KINDS.items():
+        out = tmp_path_factory.mktemp(arch)
+        tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
+        build_glm(seed=3, vocab_size=len(tokenizer), glm4=glm4).save_pretrained(out)
+        built[arch] = out
+    return built
 
 
-def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
-    reader = gguf.GGUFReader(files("f32"))
-    assert reader.fields["general.architecture"].contents() == "chatglm"
-    fields = {k: reader.fields[f"chatglm.{k}"].contents() for k in (
+@pytest.fixture(scope="module")
+def files(sources, tmp_path_factory):
+    """(arch, "f32" | "q8_0") -> the exported GGUF file, written once."""
+    return exports(tmp_path_factory.mktemp("gguf"), sources)
+
+
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_the_file_holds_what_llama_cpp_s_converter_writes(arch, files):
+    reader = gguf.GGUFReader(files(arch, "f32"))
+    assert reader.fields["general.architecture"].contents() == arch
+    fields = {k: reader.fields[f"{arch}.{k}"].contents() for k in (
         "rope.dimension_count", "attention.head_count", "attention.head_count_kv", "rope.freq_base")}
     assert fields == {"rope.dimension_count": 8, "attention.head_count": 4, "attention.head_count_kv": 2,
                       "rope.freq_base": 50000.0}
     stored = {t.name: t for t in reader.tensors}
     assert tuple(stored["blk.1.ffn_up.weight"].shape) == (64, 2 * 128)  # gate and up rows in one tensor
     assert {"blk.1.attn_q.bias", "blk.1.attn_k.bias", "blk.1.attn_v.bias"} <= set(stored)
+    assert ({"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= set(stored)) == KINDS[arch]
 
 
-def test_config_is_the_directory_s(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_config_is_the_directory_s(arch, sources, files):
+    ours, expected = load_hf_config(files(arch, "f32")), load_hf_config(sources[arch])
     for field in CONFIG_FIELDS:
         assert getattr(ours, field) == getattr(expected, field), field
     assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    assert ours.post_norms == KINDS[arch]
 
 
-def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_f32_gguf_equals_its_source_directory_and_transformers(arch, sources, files, ops, model_registry,
+                                                                paged_driver):
     from transformers import AutoModelForCausalLM
 
-    ours = load_float_model(files("f32"), ops, model_registry)
-    reference = load_float_model(source, ops, model_registry)
+    ours = load_float_model(files(arch, "f32"), ops, model_registry)
+    reference = load_float_model(sources[arch], ops, model_registry)
     torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT),
                                prompt_logits(reference, paged_driver, PROMPT), rtol=0, atol=1e-5)
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(sources[arch], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0,
                                eos_token_id=None)
@@ -101,40 +113,44 @@ def _fused_qkv_copy(path: Path, out: Path) -> Path:
     return rewritten_copy(path, out, fused)
 
 
-def test_a_fused_attn_qkv_file_loads_the_same_model(files, ops, model_registry, paged_driver, tmp_path):
-    fused = _fused_qkv_copy(files("f32"), tmp_path / "fused.gguf")
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_a_fused_attn_qkv_file_loads_the_same_model(arch, files, ops, model_registry, paged_driver, tmp_path):
+    fused = _fused_qkv_copy(files(arch, "f32"), tmp_path / "fused.gguf")
     assert "blk.0.attn_qkv.bias" in {t.name for t in gguf.GGUFReader(fused).tensors}
-    ours, separate = load_float_model(fused, ops, model_registry), load_float_model(files("f32"), ops, model_registry)
+    ours = load_float_model(fused, ops, model_registry)
+    separate = load_float_model(files(arch, "f32"), ops, model_registry)
     params = dict(ours.named_parameters())
     for name, param in separate.named_parameters():
         assert torch.equal(params[name], param), name
     assert torch.equal(prompt_logits(ours, paged_driver, PROMPT), prompt_logits(separate, paged_driver, PROMPT))
 
 
-def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops, model_registry, paged_driver,
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(arch, sources, files, ops, model_registry, paged_driver,
                                                              tmp_path):
-    ours = load_float_model(files("q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded")
+    ours = load_float_model(files(arch, "q8_0"), ops, model_registry)
+    check_q8_0_logits(ours, sources[arch], ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded")
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "attn_qkv"])
-def test_two_ranks_decode_a_q8_0_file_as_one(fused, files, tmp_path, monkeypatch, exact_w8_products):
+@pytest.mark.parametrize("arch,fused", [("chatglm", False), ("chatglm", True), ("glm4", False)])
+def test_two_ranks_decode_a_q8_0_file_as_one(arch, fused, files, tmp_path, monkeypatch, exact_w8_products):
     """Heads of the q / k / v blocks (one tensor or three) and gate / up rows split over two gloo ranks (exact fp32
     activations: the sums differ in order only) give one rank's greedy tokens and logprobs."""
     monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
-    path = files("q8_0")
+    path = files(arch, "q8_0")
     if fused:  # the Q8_0 file's q / k / v rows restacked as attn_qkv, blocks as stored
         path = _fused_qkv_copy(path, tmp_path / "fused.gguf")
     two_ranks_decode_as_one([PROMPT, [7, 3, 250]], path)
 
 
-def test_llm_runs_a_chatglm_gguf_file_like_its_directory(source, files):
+@pytest.mark.parametrize("arch", list(KINDS))
+def test_llm_runs_a_glm_gguf_file_like_its_directory(arch, sources, files):
     """The engine's own path (the cpu backend's runner, the file's vocabulary as tokenizer), not only the model."""
     from flashllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     results = []
-    for model in (source, files("f32")):
+    for model in (sources[arch], files(arch, "f32")):
         llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
         results.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "hello"], params)])
     assert results[0] == results[1]
@@ -144,11 +160,20 @@ def test_llm_runs_a_chatglm_gguf_file_like_its_directory(source, files):
                                             (32, "expected an even number of features in 1..16")])
 def test_a_rotary_part_llama_cpp_cannot_run_is_refused_in_one_line(value, fragment, files, tmp_path):
     key = "chatglm.rope.dimension_count"
-    assert gguf.GGUFReader(files("f32")).fields[key].types == [gguf.GGUFValueType.UINT32]
-    path = patched_metadata(files("f32"), tmp_path / "bad.gguf", key, struct.pack("<I", value))
+    assert gguf.GGUFReader(files("chatglm", "f32")).fields[key].types == [gguf.GGUFValueType.UINT32]
+    path = patched_metadata(files("chatglm", "f32"), tmp_path / "bad.gguf", key, struct.pack("<I", value))
     with pytest.raises(ModelLoadError) as err:
         load_hf_config(path)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_glm_4v_s_m_rope_sections_are_refused_in_one_line(files, tmp_path):
+    path = rewritten_copy(files("glm4", "f32"), tmp_path / "mrope.gguf",
+                          lambda tensors: ((n, np.array(t.data), t.tensor_type) for n, t in tensors.items()),
+                          values={"glm4.rope.dimension_sections": [4, 4, 0, 0]})
+    with pytest.raises(ModelLoadError) as err:
+        load_hf_config(path)
+    assert "GLM-4V's M-RoPE" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_rope_scaling_is_not_exported(tmp_path):

@@ -1,4 +1,5 @@
-"""ChatGLM3 / GLM-4 GGUF files (`chatglm`): run as transformers' GlmForCausalLM (flashllm's GLM decoder).
+"""ChatGLM3 / GLM-4 GGUF files (`chatglm`) and GLM-4-0414 ones (`glm4`): run as transformers' GlmForCausalLM /
+Glm4ForCausalLM (flashllm's GLM decoder).
 
 What llama.cpp does with a `chatglm` file (src/models/chatglm.cpp, its hparams and tensors in src/llama-model.cpp,
 convert_hf_to_gguf.py's ChatGLMModel, which converts ChatGLMModel and GlmForCausalLM checkpoints alike):
@@ -13,6 +14,9 @@ convert_hf_to_gguf.py's ChatGLMModel, which converts ChatGLMModel and GlmForCaus
   silu of the first half times the second), `ffn_down` the down projection; `output_norm` is always applied.
 - Vocabulary: GLM-4's byte-level BPE with the `chatglm-bpe` pre-tokenizer (the llama3 split), or ChatGLM3's
   SentencePiece; the converter writes add_bos_token false (GLM's chat template starts with [gMASK]<sop>).
+- `glm4` (src/models/glm4.cpp, the converter's Glm4Model) is the same graph with an RMSNorm after attention
+  (`post_attention_norm`) and one after the MLP (`post_ffw_norm`), each before its residual add, and the same
+  adjacent-pair rope unless `rope.dimension_sections` asks for GLM-4V's M-RoPE (refused here).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gguf.reader import GGUFFile
 
-ARCH = "chatglm"
 LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj"}
+GLM4_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
+                    "post_ffw_norm": "post_mlp_layernorm"}
 
 
 def fused_rows(config: Any) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -33,15 +38,27 @@ def fused_rows(config: Any) -> dict[str, tuple[tuple[str, int], ...]]:
 
 
 def chatglm_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
-    """The GlmForCausalLM config.json fields of a `chatglm` file: the rotary part and whether q, k, v carry biases."""
+    """The GlmForCausalLM config.json fields of a `chatglm` file (glm_fields)."""
+    return {"architectures": ["GlmForCausalLM"], "model_type": "glm", **glm_fields(gf, raw, "chatglm")}
+
+
+def glm4_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """The Glm4ForCausalLM config.json fields of a `glm4` file (glm_fields); M-RoPE sections are refused."""
+    if gf.get("glm4.rope.dimension_sections") is not None:
+        raise ModelLoadError(f"{gf.name}: glm4.rope.dimension_sections is set (GLM-4V's M-RoPE); flashllm runs the "
+                             "text models' plain rope")
+    return {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", **glm_fields(gf, raw, "glm4")}
+
+
+def glm_fields(gf: GGUFFile, raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The head size, the rotary part and whether q, k, v carry biases, from either GLM arch's file."""
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rope = gf.get(f"{ARCH}.rope.dimension_count", head_dim // 2)
+    rope = gf.get(f"{arch}.rope.dimension_count", head_dim // 2)
     if isinstance(rope, bool) or not isinstance(rope, int) or not 0 < rope <= head_dim or rope % 2:
-        raise ModelLoadError(f"{gf.name}: {ARCH}.rope.dimension_count is {rope!r}; expected an even number of "
+        raise ModelLoadError(f"{gf.name}: {arch}.rope.dimension_count is {rope!r}; expected an even number of "
                              f"features in 1..{head_dim} (the head size)")
-    if gf.get(f"{ARCH}.rope.scaling.type") not in (None, "none"):
-        raise ModelLoadError(f"{gf.name}: {ARCH}.rope.scaling.type is set; llama.cpp's chatglm graph and flashllm's "
+    if gf.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelLoadError(f"{gf.name}: {arch}.rope.scaling.type is set; llama.cpp's {arch} graph and flashllm's "
                              "GLM run plain rope here")
     biases = {name for name in ("blk.0.attn_qkv.bias", "blk.0.attn_q.bias") if name in gf.tensors}
-    return {"architectures": ["GlmForCausalLM"], "model_type": "glm", "head_dim": head_dim,
-            "partial_rotary_factor": rope / head_dim, "attention_bias": bool(biases)}
+    return {"head_dim": head_dim, "partial_rotary_factor": rope / head_dim, "attention_bias": bool(biases)}

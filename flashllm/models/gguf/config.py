@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3, chatglm and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2)."""
+granite, phi3, chatglm, glm4 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
                     partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
     "chatglm": ArchMap("GlmForCausalLM", "glm", permute_qk=False, layer_names=chatglm.LAYER_NAMES,
                        config_fields=chatglm.chatglm_config_fields, partial_rotary=True, fused_rows=chatglm.fused_rows),
+    "glm4": ArchMap("Glm4ForCausalLM", "glm4", permute_qk=False, layer_names=chatglm.GLM4_LAYER_NAMES,
+                    config_fields=chatglm.glm4_config_fields, partial_rotary=True, fused_rows=chatglm.fused_rows),
     "deepseek2": ArchMap("DeepseekV2ForCausalLM", "deepseek_v2", permute_qk=False, layer_names=deepseek2.LAYER_NAMES,
                          config_fields=deepseek2.deepseek2_config_fields, layer_params=deepseek2.LAYER_PARAMS,
                          joined=((deepseek2.KV_B_PARTS, deepseek2.KV_B_MODULE, deepseek2.join_kv_b),),
