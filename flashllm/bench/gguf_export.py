@@ -44,7 +44,7 @@ class ArchSpec:
     rope_types: rope types add_hparams / extra_tensors write themselves (LongRoPE's factor tensors).
     extra_tensors: (config) -> {GGUF name: F32 array} written beside the weights.
     transform: (the checkpoint's (HF name, shape, loader) entries, config) -> the entries to write, where the
-    converter stacks, splits or renames tensors (DeepSeek's experts and latent up-projection).
+    converter stacks, splits or renames tensors (MoE experts, DeepSeek's latent up-projection).
     latent_heads: add_hparams writes head_count_kv, key / value lengths and the rope dimensions (MLA's), not the
     generic ones.
     """
@@ -65,9 +65,9 @@ ARCHS: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
     "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
-    "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False),
-    "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False),
-    "MixtralForCausalLM": ArchSpec("llama", permute_qk=True),
+    "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
+    "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
+    "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),
     gguf_gemma3.ARCHITECTURE: ArchSpec("gemma3", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
                                        layer_names=gguf_gemma3.LAYER_NAMES),
     gguf_granite.ARCHITECTURE: ArchSpec("granite", permute_qk=True, add_hparams=gguf_granite.add_hparams),
@@ -299,17 +299,11 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
         num_heads = heads.get(proj)
         shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
         items.append((name, shape, _loader(path, name, num_heads, shift)))
-    if spec.transform is not None:
-        try:
-            yield from spec.transform(items, config)
-        except gguf_moe.MoEExportError as exc:
-            raise GGUFExportError(f"{model_dir}: {exc}") from exc
-        return
-    if config.architecture not in gguf_moe.ARCHITECTURES:
+    if spec.transform is None:
         yield from items
         return
-    try:  # a layer's experts stacked into one tensor per projection, as llama.cpp reads them
-        yield from gguf_moe.group_experts(items, config.num_experts)
+    try:  # MoE experts stacked into one tensor per projection (as llama.cpp reads them), DeepSeek's kv_b split
+        yield from spec.transform(items, config)
     except gguf_moe.MoEExportError as exc:
         raise GGUFExportError(f"{model_dir}: {exc}") from exc
 

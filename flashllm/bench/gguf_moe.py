@@ -98,6 +98,12 @@ def group_experts(entries: list[tuple[str, tuple[int, ...], Loader]],
                _stacked(loaders))
 
 
+def stack_experts(entries: list[tuple[str, tuple[int, ...], Loader]], config: Any) -> Iterator[tuple[str, tuple[int, ...],
+                                                                                             Loader]]:
+    """gguf_export's ArchSpec.transform for Qwen2-MoE, Qwen3-MoE and Mixtral: group_experts over the config's experts."""
+    return group_experts(entries, config.num_experts)
+
+
 def _flattened(load: Loader) -> Loader:
     return lambda: load().reshape(-1)
 

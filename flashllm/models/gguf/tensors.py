@@ -156,9 +156,8 @@ class GGUFWeights:
                 continue
             if match and match.group(2) in joined:
                 plan.append(self._joined(name, match, *joined[match.group(2)]))
-                continue
-            if match and match.group(2) in later_parts:
-                continue  # planned with the first part of its join
+            if match and match.group(2) in joined.keys() | later_parts:
+                continue  # a later part is planned with the first part of its join
             hf_name = hf_tensor_name(name, spec.layer_names, spec.layer_params)
             if hf_name is None:
                 unknown.append(name)
@@ -351,9 +350,9 @@ class GGUFWeights:
         tensor = self.gf.tensors[item.gguf_name]
         if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
             self._dequantized[tensor.tensor_type.name] += 1
-        if item.join is not None:
-            parts = [self.gf.tensors[name] for name in (item.gguf_name, *item.joined)]
-            return item.join([self._to_float(np.asarray(part.data), part.tensor_type) for part in parts])
+        if item.join is not None:  # the parts whole, as stored (ArchMap.joined)
+            return item.join([self._to_float(np.asarray(self.gf.tensors[n].data), self.gf.tensors[n].tensor_type)
+                              for n in (item.gguf_name, *item.joined)])
         value = self._to_float(self._rows(item), tensor.tensor_type)
         if item.offset:
             # the file holds offset + w, the model's weight_loader adds the offset back to w: exact in float32
@@ -411,7 +410,6 @@ class GGUFWeights:
         module.qweight = _to_device(weight, device)
         delattr(module, _ATTR)
         return True
-
 
     def mark_head(self, model: nn.Module) -> None:
         """Name the GGUF type the LM head's float rows were read from on its QuantizedWeight (gguf_type), so
