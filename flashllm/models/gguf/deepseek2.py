@@ -67,7 +67,7 @@ def join_kv_b(parts: list[Tensor]) -> Tensor:
 def deepseek2_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """The DeepseekV2ForCausalLM / DeepseekV3ForCausalLM config.json fields of a `deepseek2` file (module docstring)."""
     heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
-    fields: dict[str, Any] = {"num_key_value_heads": heads, **_head_sizes(gf, heads), **_routing(gf, layers)}
+    fields: dict[str, Any] = {"num_key_value_heads": heads, **_head_sizes(gf), **_routing(gf, layers)}
     fields["q_lora_rank"] = _uint(gf, "attention.q_lora_rank") if "blk.0.attn_q_a.weight" in gf.tensors else None
     fields["architectures"], fields["model_type"] = (["DeepseekV3ForCausalLM"], "deepseek_v3") if fields.pop(
         "sigmoid") else (["DeepseekV2ForCausalLM"], "deepseek_v2")
@@ -94,7 +94,7 @@ def _float(gf: GGUFFile, key: str, default: float) -> float:
     return float(value)
 
 
-def _head_sizes(gf: GGUFFile, heads: int) -> dict[str, int]:
+def _head_sizes(gf: GGUFFile) -> dict[str, int]:
     """qk_nope / qk_rope / v head sizes and kv_lora_rank from either layout's metadata (module docstring)."""
     rank, rope = _uint(gf, "attention.kv_lora_rank"), _uint(gf, "rope.dimension_count")
     key, value = _uint(gf, "attention.key_length"), _uint(gf, "attention.value_length")

@@ -146,7 +146,7 @@ class GGUFWeights:
         plan, unknown = [], []
         fused = spec.fused_rows(self.config) if spec.fused_rows is not None else {}
         joined = {parts[0]: (parts, module, join) for parts, module, join in spec.joined}
-        later_parts = {part for parts, _, _ in spec.joined for part in parts[1:]}
+        in_joins = {part for parts, _, _ in spec.joined for part in parts}
         for name in self.gf.tensors:
             if name in _SKIPPED or name in spec.config_tensors:
                 continue
@@ -156,7 +156,7 @@ class GGUFWeights:
                 continue
             if match and match.group(2) in joined:
                 plan.append(self._joined(name, match, *joined[match.group(2)]))
-            if match and match.group(2) in joined.keys() | later_parts:
+            if match and match.group(2) in in_joins:
                 continue  # a later part is planned with the first part of its join
             hf_name = hf_tensor_name(name, spec.layer_names, spec.layer_params)
             if hf_name is None:
