@@ -147,16 +147,14 @@ class Glm4Block(GLMBlock):
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (block output, residual stream)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_self_attn_layernorm(self.attend(positions, hidden, kv_cache, attn_metadata))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+    def attend(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
+               attn_metadata: AttentionMetadata) -> Tensor:
+        """GLM's attention, then the post-attention norm (before the residual add)."""
+        return self.post_self_attn_layernorm(super().attend(positions, hidden, kv_cache, attn_metadata))
+
+    def feed_forward(self, hidden: Tensor) -> Tensor:
+        """GLM's MLP, then the post-MLP norm (before the residual add)."""
+        return self.post_mlp_layernorm(self.mlp(hidden))
 
 
 class GLMEncoder(nn.Module):

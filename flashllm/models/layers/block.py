@@ -9,13 +9,18 @@ from flashllm.models.layers.attention_metadata import AttentionMetadata
 
 class PreNormBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); a subclass sets input_layernorm, post_attention_layernorm, mlp and
-    self_attn (or overrides attend, as ChatGLM's `self_attention` does). The residual add is fused into each
+    self_attn (or overrides attend, as ChatGLM's `self_attention` does; attend and feed_forward are where a block adds
+    norms after its sublayers, as GLM-4-0414's does). The residual add is fused into each
     RMSNorm, so the block returns its output beside the residual stream it was not yet added to."""
 
     def attend(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, ...],
                attn_metadata: AttentionMetadata) -> Tensor:
         """The block's attention: normed hidden (T, H) -> (T, H)."""
         return self.self_attn(positions, hidden, kv_cache, attn_metadata)
+
+    def feed_forward(self, hidden: Tensor) -> Tensor:
+        """The block's MLP: normed hidden (T, H) -> (T, H)."""
+        return self.mlp(hidden)
 
     def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
                 attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -26,4 +31,4 @@ class PreNormBlock(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.attend(positions, hidden, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
