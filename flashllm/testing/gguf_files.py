@@ -257,6 +257,23 @@ def greedy_tokens(model: torch.nn.Module, driver_cls: Any, prompt: list[int], st
     return out
 
 
+def check_f32_file(path: Path, source: Path, ops: Any, registry: Any, driver_cls: Any, prompt: list[int],
+                   steps: int = 8) -> torch.nn.Module:
+    """The model of the F32 GGUF file `path` gives the prompt logits of its source directory (within 1e-5) and
+    transformers' greedy tokens on the directory; returns that model."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_float_model(path, ops, registry)
+    expected = prompt_logits(load_float_model(source, ops, registry), driver_cls, prompt)
+    torch.testing.assert_close(prompt_logits(ours, driver_cls, prompt), expected, rtol=0, atol=1e-5)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():  # no stop token: the greedy run here does not stop either
+        tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+    assert greedy_tokens(ours, driver_cls, prompt, steps) == tokens[0, len(prompt):].tolist()
+    return ours
+
+
 def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     """A copy of the directory `source` whose every matrix (except names ending in `keep`) is replaced by gguf's
     Q8_0 quantize-then-dequantize of it: the float model a Q8_0 export stands for (rows must be whole blocks)."""

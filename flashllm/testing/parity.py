@@ -72,3 +72,19 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, atol: floa
     assert actual.shape == expected.shape, f"logits of shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     err = (actual - expected).abs().max().item()
     assert err <= atol, f"max abs logit difference {err:.2e} > {atol:.0e}"
+
+
+def check_varlen_prefill_and_decode(driver: Any, hf_model: torch.nn.Module, prompts: list[list[int]],
+                                    atol: float = 1e-4, steps: int = 3) -> None:
+    """One varlen prefill of every prompt through a paged test driver, then `steps` greedy decode steps of all of
+    them together; every logit row within `atol` of transformers' full forward. Extends `prompts` in place."""
+    seqs = [driver.add_sequence() for _ in prompts]
+    outputs = driver.step(list(zip(seqs, prompts, strict=True)))
+    for prompt, logits in zip(prompts, outputs, strict=True):
+        assert_logits_close(logits, hf_logits(hf_model, prompt), atol)
+    for _ in range(steps):
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            prompt.append(int(logits[-1].argmax()))
+        outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
+        for prompt, logits in zip(prompts, outputs, strict=True):
+            assert_logits_close(logits, hf_logits(hf_model, prompt)[-1:], atol)

@@ -23,7 +23,14 @@ from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.glm import EPS, FFN, GROUPS, HEAD_DIM, HEADS, HIDDEN, LAYERS, ROPE_RATIO, SEQ, VOCAB, build_glm
-from flashllm.testing.parity import assert_logits_close, assert_rows_match, hf_greedy, hf_logits, random_tokens
+from flashllm.testing.parity import (
+    assert_logits_close,
+    assert_rows_match,
+    check_varlen_prefill_and_decode,
+    hf_greedy,
+    hf_logits,
+    random_tokens,
+)
 from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.sentencepiece_model import train_sentencepiece_model
 
@@ -99,16 +106,7 @@ def test_varlen_prefill_and_decode_match_transformers(layout, glm, ops, model_re
     assert (config.rotary_dim, config.rope_theta) == (HEAD_DIM // 2, 10000.0 * ROPE_RATIO)
     driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
     prompts = [random_tokens(n, VOCAB, seed=100 + n) for n in PROMPT_LENGTHS]
-    seqs = [driver.add_sequence() for _ in prompts]
-    outputs = driver.step(list(zip(seqs, prompts, strict=True)))
-    for prompt, logits in zip(prompts, outputs, strict=True):
-        assert_logits_close(logits, hf_logits(hf_model, prompt), ATOL)
-    for _ in range(3):
-        for prompt, logits in zip(prompts, outputs, strict=True):
-            prompt.append(int(logits[-1].argmax()))
-        outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
-        for prompt, logits in zip(prompts, outputs, strict=True):
-            assert_logits_close(logits, hf_logits(hf_model, prompt)[-1:], ATOL)
+    check_varlen_prefill_and_decode(driver, hf_model, prompts, ATOL)
 
 
 def test_chunked_prefill_beside_a_decode_matches_transformers(glm, ops, model_registry, paged_driver):

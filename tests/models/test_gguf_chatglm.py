@@ -20,9 +20,9 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_f32_file,
     check_q8_0_logits,
     exports,
-    greedy_tokens,
     load_float_model,
     patched_metadata,
     prompt_logits,
@@ -84,17 +84,7 @@ def test_config_is_the_directory_s(arch, sources, files):
 @pytest.mark.parametrize("arch", list(KINDS))
 def test_f32_gguf_equals_its_source_directory_and_transformers(arch, sources, files, ops, model_registry,
                                                                 paged_driver):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_float_model(files(arch, "f32"), ops, model_registry)
-    reference = load_float_model(sources[arch], ops, model_registry)
-    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT),
-                               prompt_logits(reference, paged_driver, PROMPT), rtol=0, atol=1e-5)
-    hf = AutoModelForCausalLM.from_pretrained(sources[arch], dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                               eos_token_id=None)
-    assert greedy_tokens(ours, paged_driver, PROMPT, 8) == expected[0, len(PROMPT):].tolist()
+    check_f32_file(files(arch, "f32"), sources[arch], ops, model_registry, paged_driver, PROMPT)
 
 
 def _fused_qkv_copy(path: Path, out: Path) -> Path:

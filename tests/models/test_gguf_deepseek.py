@@ -25,8 +25,8 @@ from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.deepseek import _YARN, build_deepseek_model  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_f32_file,
     exports,
-    greedy_tokens,
     load_float_model,
     patched_metadata,
     prompt_logits,
@@ -128,17 +128,7 @@ def test_yarn_without_a_log_multiplier_scales_neither_softmax_nor_rotation(files
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_f32_gguf_equals_its_source_directory_and_transformers(preset, sources, files, ops, model_registry,
                                                                 paged_driver):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_float_model(files(preset, "f32"), ops, model_registry)
-    reference = load_float_model(sources[preset], ops, model_registry)
-    torch.testing.assert_close(prompt_logits(ours, paged_driver, PROMPT),
-                               prompt_logits(reference, paged_driver, PROMPT), rtol=0, atol=1e-5)
-    hf = AutoModelForCausalLM.from_pretrained(sources[preset], dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                               eos_token_id=None)
-    assert greedy_tokens(ours, paged_driver, PROMPT, 8) == expected[0, len(PROMPT):].tolist()
+    check_f32_file(files(preset, "f32"), sources[preset], ops, model_registry, paged_driver, PROMPT)
 
 
 def _single_kv_b_copy(path: Path, out: Path) -> Path:
