@@ -88,3 +88,17 @@ def check_varlen_prefill_and_decode(driver: Any, hf_model: torch.nn.Module, prom
         outputs = driver.step([(seq, [prompt[-1]]) for seq, prompt in zip(seqs, prompts, strict=True)])
         for prompt, logits in zip(prompts, outputs, strict=True):
             assert_logits_close(logits, hf_logits(hf_model, prompt)[-1:], atol)
+
+
+def check_chunked_prefill_beside_a_decode(driver: Any, hf_model: torch.nn.Module, vocab_size: int,
+                                          atol: float = 1e-4, short_len: int = 20) -> None:
+    """A 150-token prompt prefilled in three chunks (0-37, 37-100, 100-150) through a paged test driver, each in a
+    step beside another sequence's one-token decode; every logit row within `atol` of transformers' full forward."""
+    long_prompt, short = random_tokens(150, vocab_size, seed=6), random_tokens(short_len, vocab_size, seed=8)
+    a, b = driver.add_sequence(), driver.add_sequence()
+    driver.step([(b, short)])
+    for lo, hi in ((0, 37), (37, 100), (100, 150)):
+        short.append(random_tokens(1, vocab_size, seed=hi)[0])
+        chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
+        assert_logits_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi], atol)
+        assert_logits_close(decode_logits, hf_logits(hf_model, short)[-1:], atol)

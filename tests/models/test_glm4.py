@@ -16,11 +16,10 @@ from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.glm import SEQ, VOCAB, build_glm
 from flashllm.testing.parity import (
-    assert_logits_close,
     assert_rows_match,
+    check_chunked_prefill_beside_a_decode,
     check_varlen_prefill_and_decode,
     hf_greedy,
-    hf_logits,
     random_tokens,
 )
 from flashllm.testing.parity import record_logits as _record_logits
@@ -53,14 +52,7 @@ def test_chunked_prefill_beside_a_decode_matches_transformers(glm4, ops, model_r
     hf_model, model_dir = glm4
     ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     driver = paged_driver(ours, block_size=16, num_blocks=32, seed=5)
-    long_prompt, short = random_tokens(150, VOCAB, seed=6), random_tokens(20, VOCAB, seed=8)
-    a, b = driver.add_sequence(), driver.add_sequence()
-    driver.step([(b, short)])
-    for lo, hi in ((0, 37), (37, 100), (100, 150)):
-        short.append(random_tokens(1, VOCAB, seed=hi)[0])
-        chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
-        assert_logits_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi], ATOL)
-        assert_logits_close(decode_logits, hf_logits(hf_model, short)[-1:], ATOL)
+    check_chunked_prefill_beside_a_decode(driver, hf_model, VOCAB, ATOL)
 
 
 def test_the_post_norm_blocks_declare_no_fused_decode_step(glm4, ops, model_registry):
