@@ -24,6 +24,7 @@ from flashllm.models.hf_config import (
     config_architecture,
     flag,
     normalize_rope,
+    partial_rotary,
     positive_float,
     positive_int,
 )
@@ -168,7 +169,7 @@ def parse_glm_config(raw: dict[str, Any], source: str = "config.json") -> GLMCon
     if raw.get("quantization_config") is not None:
         raise ModelLoadError(f"{source}: pre-quantized GlmForCausalLM checkpoints are not supported yet; load the "
                              "float checkpoint and pass --quant_type")
-    rotary_dim, rope_raw = _glm_rotary_dim(raw, sizes["head_dim"], source)
+    rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], 0.5, source)
     rope_theta, rope_scaling = normalize_rope(rope_raw, source)
     check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
     return GLMConfig(
@@ -190,24 +191,6 @@ def parse_glm4_config(raw: dict[str, Any], source: str = "config.json") -> GLMCo
     """transformers' Glm4ForCausalLM config.json (model_type "glm4", GLM-4-0414 / GLM-Z1) -> GLMConfig: GLM's fields
     and defaults (parse_glm_config), blocks with the post-attention and post-MLP norms."""
     return dataclasses.replace(parse_glm_config(raw, source), post_norms=True)
-
-
-def _glm_rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> tuple[int, dict[str, Any]]:
-    """(rotary_dim, config without partial_rotary_factor in its rope parameters) of a GlmConfig dict.
-
-    transformers 5 keeps partial_rotary_factor inside rope_parameters, older versions at the top level.
-    """
-    params = raw.get("rope_parameters")
-    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
-    factor = positive_float({"partial_rotary_factor": inner if inner is not None else raw.get("partial_rotary_factor")},
-                            "partial_rotary_factor", 0.5, source)
-    rotary_dim = int(head_dim * factor)
-    if factor > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor={factor} with head_dim={head_dim} gives rotary_dim="
-                             f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim")
-    if isinstance(params, dict):
-        raw = {**raw, "rope_parameters": {k: v for k, v in params.items() if k != "partial_rotary_factor"}}
-    return rotary_dim, raw
 
 
 def _head_dim(raw: dict[str, Any], key: str, hidden: int, num_heads: int, source: str) -> int:

@@ -277,6 +277,24 @@ def check_rope(rotary_dim: int, theta: float, scaling: dict | None, max_position
         raise ModelLoadError(f"{source}: rope settings {scaling!r} (rope_theta={theta}) give non-finite frequencies")
 
 
+def partial_rotary(raw: dict[str, Any], head_dim: int, default: float, source: str) -> tuple[int, dict[str, Any]]:
+    """(rotary_dim, config without partial_rotary_factor in its rope dict): RoPE turns the first
+    partial_rotary_factor x head_dim features of each head. transformers 5 writes the factor inside
+    rope_parameters and prefers it there; older versions write it at the top level; `default` where neither does."""
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rope = raw.get(key)
+    inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    factor = positive_float({"partial_rotary_factor": raw.get("partial_rotary_factor") if inner is None else inner},
+                            "partial_rotary_factor", default, source)
+    rotary_dim = int(head_dim * factor)
+    if factor > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor={factor} with head_dim={head_dim} gives rotary_dim="
+                             f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim")
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        raw = {**raw, key: {k: v for k, v in rope.items() if k != "partial_rotary_factor"}}
+    return rotary_dim, raw
+
+
 def flag(raw: dict[str, Any], key: str, source: str) -> bool:
     """`raw[key]` as a JSON boolean; False when absent or null."""
     value = raw.get(key, False)

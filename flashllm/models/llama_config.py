@@ -16,6 +16,7 @@ from flashllm.models.hf_config import (
     flag,
     normalize_rope,
     parse_quantization_config,
+    partial_rotary,
     positive_float,
 )
 
@@ -73,14 +74,14 @@ def parse_llama_config(raw: dict[str, Any], source: str = "config.json") -> Llam
     sanity limits, inconsistent head counts, invalid rope settings or an activation other than silu.
     """
     sizes = decoder_sizes(raw, source)
-    rope_theta, rope_scaling = normalize_rope(raw, source)
+    rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], 1.0, source)
+    rope_theta, rope_scaling = normalize_rope(rope_raw, source)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ModelLoadError(
             f"{source}: hidden_act={hidden_act!r} is not supported; flashllm's gated MLP "
             "implements 'silu' only"
         )
-    rotary_dim = _rotary_dim(raw, sizes["head_dim"], source)
     check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
     return LlamaModelConfig(
         architecture=config_architecture(raw, source),
@@ -105,17 +106,6 @@ def _num_parameters(hidden: int, intermediate: int, num_layers: int, num_heads: 
     attn = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
     mlp = 3 * hidden * intermediate
     return num_layers * (attn + mlp) + 2 * vocab * hidden
-
-
-def _rotary_dim(raw: dict[str, Any], head_dim: int, source: str) -> int:
-    partial = positive_float(raw, "partial_rotary_factor", 1.0, source)
-    rotary_dim = int(head_dim * partial)
-    if partial > 1.0 or rotary_dim <= 0 or rotary_dim % 2 != 0:
-        raise ModelLoadError(
-            f"{source}: partial_rotary_factor={partial} with head_dim={head_dim} gives rotary_dim="
-            f"{rotary_dim}; expected a factor in (0, 1] giving a positive even rotary_dim"
-        )
-    return rotary_dim
 
 
 def _sliding_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
