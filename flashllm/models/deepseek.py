@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -14,7 +12,7 @@ from torch import Tensor, nn
 from flashllm.models.base import CausalLM
 from flashllm.models.checkpoint_tensor import materialize
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
-from flashllm.models.deepseek_moe import DeepseekMoE, DeepseekRouter
+from flashllm.models.deepseek_moe import DeepseekMoE, decode_stack_moe, without_mtp_layers
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import PreNormBlock
@@ -33,14 +31,10 @@ from flashllm.registry.fusions import (
     LinearWeights,
     LMHeadFusion,
     MLAWeights,
-    MoEWeights,
     RMSNormWeights,
     RotaryTable,
 )
 
-logger = logging.getLogger(__name__)
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_INV = ".weight_scale_inv"
 
 
@@ -243,22 +237,10 @@ class DeepseekV2ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """CausalLM.load_weights after skipping MTP layers and dequantizing block-FP8 weights; each FusedMoE's
         stacked parameters count as loaded once every expert's projections arrived."""
-        stream = self._decoder_tensors(weights)
+        stream = without_mtp_layers(weights, self.config.num_hidden_layers)
         if self.config.fp8_block is not None:
             stream = dequantize_block_fp8(stream, self.config.fp8_block)
         return with_fused_experts(self, super().load_weights(stream))
-
-    def _decoder_tensors(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        skipped = 0
-        for name, tensor in weights:
-            match = _LAYER.match(name)
-            if match and int(match[1]) >= self.config.num_hidden_layers:
-                skipped += 1  # the next-token-prediction (MTP) layers V3 checkpoints append
-                continue
-            yield name, tensor
-        if skipped:
-            logger.info("skipped %d tensors of layers past num_hidden_layers (MTP layers: loaded by "
-                        "--speculate_method mtp, models/deepseek_mtp.py)", skipped)
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): expert tensors first, then packed projections."""
@@ -275,12 +257,7 @@ def _fusable_block(layer: nn.Module, rotary: RotaryEmbedding) -> bool:
     layers' classes, not subclasses): absorbed MLA on the shared `rotary` table, a GatedMLP or a DeepseekMoE
     whose routed experts are whole on this rank."""
     attn, mlp = layer.self_attn, layer.mlp
-    if type(mlp) is DeepseekMoE:
-        plain = (type(mlp.experts) is FusedMoE and not mlp.experts.expert_parallel and mlp.experts.expert_blocks is None
-                 and type(mlp.gate) is DeepseekRouter
-                 and (mlp.shared_experts is None or type(mlp.shared_experts) is GatedMLP))
-    else:
-        plain = type(mlp) is GatedMLP
+    plain = decode_stack_moe(mlp) is not None if type(mlp) is DeepseekMoE else type(mlp) is GatedMLP
     return (plain and type(layer) is DeepseekDecoderLayer and type(attn) is DeepseekAttention and attn.absorbed
             and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
             and type(attn.kv_b_proj) is LatentUpProjection and type(attn.kv_a_layernorm) is RMSNorm
@@ -303,17 +280,7 @@ def _layer_weights(layer: DeepseekDecoderLayer, config: DeepseekModelConfig) -> 
     if type(mlp) is GatedMLP:
         return DecoderLayerWeights(*norms, None, o_proj, linear(mlp.gate_up_proj), linear(mlp.down_proj), None,
                                    mla=mla)
-    experts, shared, bias = mlp.experts, mlp.shared_experts, mlp.gate.e_score_correction_bias
-    grouped = config.group_limited
-    moe = MoEWeights(
-        router=linear(mlp.gate), top_k=mlp.top_k, renormalize=config.norm_topk_prob, w13=experts.w13_weight.data,
-        w2=experts.w2_weight.data, w13_scale=None if experts.w13_scale is None else experts.w13_scale.data,
-        w2_scale=None if experts.w2_scale is None else experts.w2_scale.data, experts_tp_size=experts.tp_size,
-        shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
-        shared_down=None if shared is None else linear(shared.down_proj), shared_gate=None,
-        scoring="sigmoid" if config.sigmoid_scoring else "softmax",
-        correction_bias=None if bias is None else bias.data, n_group=config.n_group if grouped else 1,
-        topk_group=config.topk_group if grouped else 1, routed_scaling_factor=config.routed_scaling_factor)
+    moe = decode_stack_moe(mlp)
     return DecoderLayerWeights(*norms, None, o_proj, None, None, None, moe, mla)
 
 

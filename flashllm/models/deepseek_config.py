@@ -37,8 +37,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
          "n_routed_experts": 256, "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "n_group": 8,
          "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
 }
+GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 route as V3 does (transformers' Glm4MoeTopkRouter)
+_DEFAULTS[GLM4_MOE] = {**_DEFAULTS[V3], "first_k_dense_replace": 1, "routed_scaling_factor": 1.0,
+                       "n_routed_experts": 128, "moe_intermediate_size": 1408, "n_group": 1, "topk_group": 1}
 # topk_method values each architecture's transformers router implements
-_TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",)}
+_TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",), GLM4_MOE: ("noaux_tc",)}
 BLOCK_FP8 = "fp8"
 
 
@@ -148,13 +151,12 @@ def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> D
     compute differently from the checkpoint authors' code, or flashllm cannot run.
     """
     architecture = config_architecture(raw, source, (V2, V3))
-    defaults = _DEFAULTS[architecture]
     sizes = _sizes(raw, source)
     rope_theta, rope_scaling = normalize_rope(raw, source)
     check_rope(sizes["qk_rope_head_dim"], rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act={raw.get('hidden_act')!r} is not supported; expected 'silu'")
-    routing = _routing(raw, architecture, defaults, sizes["num_hidden_layers"], source)
+    routing = grouped_routing(raw, architecture, sizes["num_hidden_layers"], source)
     qk = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
     return DeepseekModelConfig(
         architecture=architecture, model_type=str(raw.get("model_type", "")),
@@ -197,15 +199,19 @@ def _even(rope_dim: int, source: str) -> int:
     return rope_dim
 
 
-def _routing(raw: dict[str, Any], architecture: str, defaults: dict[str, Any], num_layers: int,
-             source: str) -> dict[str, Any]:
-    # config.json's routing fields over the architecture's defaults (a null takes the default where there is one)
+def grouped_routing(raw: dict[str, Any], architecture: str, num_layers: int, source: str) -> dict[str, Any]:
+    """The MoE routing fields of a DeepSeek-V2 / V3 (or GLM-4.5) config.json, validated, over the architecture's
+    transformers defaults (a null takes the default where there is one): first_k_dense_replace,
+    n_routed_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, sigmoid_scoring,
+    group_limited, n_group, topk_group, norm_topk_prob, routed_scaling_factor."""
+    defaults = _DEFAULTS[architecture]
     values = {key: default if raw.get(key) is None else raw[key] for key, default in defaults.items()}
     experts = positive_int(values, "n_routed_experts", None, MAX_NUM_EXPERTS, source)
     top_k = positive_int(values, "num_experts_per_tok", None, MAX_NUM_EXPERTS, source)
     if top_k > experts:
         raise ModelLoadError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
     method, scoring = values["topk_method"], values["scoring_func"]
+    sigmoid = defaults["scoring_func"] == "sigmoid"
     if method not in _TOPK_METHODS[architecture] or scoring != defaults["scoring_func"]:
         raise ModelLoadError(f"{source}: topk_method={method!r} with scoring_func={scoring!r} is not what "
                              f"{architecture} routes by; expected topk_method in {_TOPK_METHODS[architecture]} and "
@@ -220,10 +226,10 @@ def _routing(raw: dict[str, Any], architecture: str, defaults: dict[str, Any], n
     topk_group = positive_int(groups, "topk_group", None, MAX_NUM_EXPERTS, source)
     per_group = experts // n_group
     if experts % n_group or topk_group > n_group or top_k > topk_group * per_group or (
-            architecture == V3 and per_group < 2):
+            sigmoid and per_group < 2):
         raise ModelLoadError(f"{source}: n_group={n_group}, topk_group={topk_group} do not fit n_routed_experts="
                              f"{experts} and num_experts_per_tok={top_k}; expected groups dividing the experts "
-                             f"(V3: 2 or more each), topk_group <= n_group and k within the chosen groups")
+                             f"(sigmoid scoring: 2 or more each), topk_group <= n_group and k within the chosen groups")
     if raw.get("moe_layer_freq", 1) != 1:
         raise ModelLoadError(f"{source}: moe_layer_freq={raw.get('moe_layer_freq')!r} is not supported; "
                              "transformers' DeepSeek classes make every layer from first_k_dense_replace on MoE")
@@ -235,7 +241,7 @@ def _routing(raw: dict[str, Any], architecture: str, defaults: dict[str, Any], n
         raise ModelLoadError(f"{source}: n_shared_experts={shared!r} must be a non-negative int")
     return {
         "first_k_dense_replace": first_dense, "n_routed_experts": experts, "num_experts_per_tok": top_k,
-        "n_shared_experts": shared, "sigmoid_scoring": architecture == V3,
+        "n_shared_experts": shared, "sigmoid_scoring": sigmoid,
         "moe_intermediate_size": positive_int(values, "moe_intermediate_size", None, MAX_INTERMEDIATE_SIZE, source),
         "group_limited": group_limited, "n_group": n_group, "topk_group": topk_group, "norm_topk_prob": norm,
         "routed_scaling_factor": positive_float(values, "routed_scaling_factor", 1.0, source),

@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from flashllm.models.deepseek_config import DeepseekModelConfig
 from flashllm.models.layers.linear import copy_checked
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, RouterLinear
+from flashllm.registry.fusions import LinearWeights, MoEWeights
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def select_experts_grouped(router_logits: Tensor, config: DeepseekModelConfig,
+class GroupedMoEConfig(Protocol):
+    """The config fields DeepSeek's MoE reads (DeepseekModelConfig's; GLM-4.5's Glm4MoeModelConfig has them too)."""
+
+    hidden_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    sigmoid_scoring: bool
+    group_limited: bool
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    expert_parallel: bool
+
+
+def select_experts_grouped(router_logits: Tensor, config: GroupedMoEConfig,
                            correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """router_logits (T, E) fp32 -> (topk_weights (T, k) fp32, topk_ids (T, k) int64), as DeepSeek routes.
 
@@ -50,7 +74,7 @@ class DeepseekRouter(RouterLinear):
     """The expert gate `mlp.gate`: weight (E, hidden) kept in fp32 (as transformers keeps it) and, for V3,
     `e_score_correction_bias` (E,) fp32, added to the scores only to choose experts."""
 
-    def __init__(self, config: DeepseekModelConfig, ops: Any, device: torch.device) -> None:
+    def __init__(self, config: GroupedMoEConfig, ops: Any, device: torch.device) -> None:
         super().__init__(config.hidden_size, config.n_routed_experts, False, ops, torch.float32, device)
         self.e_score_correction_bias: nn.Parameter | None = None
         if config.sigmoid_scoring:
@@ -73,7 +97,7 @@ class DeepseekMoE(nn.Module):
     """One MoE MLP: routed experts through ops.fused_moe (weights computed here) plus the shared experts,
     one gated MLP of n_shared_experts x moe_intermediate_size features, added unscaled."""
 
-    def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+    def __init__(self, config: GroupedMoEConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
@@ -99,3 +123,40 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
+    """`mlp` as the fused decode stack's MoEWeights, or None when the stack cannot run it as is: not this file's
+    DeepseekMoE (a subclass, another router or shared MLP), its routed experts split whole over the ranks
+    (expert parallel), or kept as a GGUF file's blocks."""
+    if type(mlp) is not DeepseekMoE:
+        return None
+    experts, shared, gate = mlp.experts, mlp.shared_experts, mlp.gate
+    if (type(experts) is not FusedMoE or experts.expert_parallel or experts.expert_blocks is not None
+            or type(gate) is not DeepseekRouter or (shared is not None and type(shared) is not GatedMLP)):
+        return None
+    config, linear, bias = mlp.config, LinearWeights.of, gate.e_score_correction_bias
+    grouped = config.group_limited
+    return MoEWeights(
+        router=linear(gate), top_k=mlp.top_k, renormalize=config.norm_topk_prob, w13=experts.w13_weight.data,
+        w2=experts.w2_weight.data, w13_scale=None if experts.w13_scale is None else experts.w13_scale.data,
+        w2_scale=None if experts.w2_scale is None else experts.w2_scale.data, experts_tp_size=experts.tp_size,
+        shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
+        shared_down=None if shared is None else linear(shared.down_proj), shared_gate=None,
+        scoring="sigmoid" if config.sigmoid_scoring else "softmax",
+        correction_bias=None if bias is None else bias.data, n_group=config.n_group if grouped else 1,
+        topk_group=config.topk_group if grouped else 1, routed_scaling_factor=config.routed_scaling_factor)
+
+
+def without_mtp_layers(weights: Iterable[tuple[str, Tensor]], num_layers: int) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors less those of layers >= num_layers: the next-token-prediction (MTP) layers
+    DeepSeek-V3 and GLM-4.5 checkpoints append after the decoder's (--speculate_method mtp loads DeepSeek's)."""
+    skipped = 0
+    for name, tensor in weights:
+        match = _LAYER.match(name)
+        if match and int(match[1]) >= num_layers:
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logger.info("skipped %d tensors of layers past num_hidden_layers (next-token-prediction layers)", skipped)

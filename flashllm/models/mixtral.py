@@ -73,9 +73,9 @@ class MoEModelConfig(LlamaModelConfig):
         return self.num_hidden_layers * attn + mlps + 2 * self.vocab_size * h
 
 
-def moe_config(base: LlamaModelConfig, **moe_fields: Any) -> MoEModelConfig:
-    """`base`'s fields plus the MoE ones, as a MoEModelConfig."""
-    return MoEModelConfig(**{f.name: getattr(base, f.name) for f in fields(LlamaModelConfig)}, **moe_fields)
+def moe_config(base: LlamaModelConfig, cls: type[MoEModelConfig] = MoEModelConfig, **moe_fields: Any) -> Any:
+    """`base`'s fields plus the MoE ones, as a MoEModelConfig (or the subclass `cls`)."""
+    return cls(**{f.name: getattr(base, f.name) for f in fields(LlamaModelConfig)}, **moe_fields)
 
 
 def experts_and_top_k(raw: dict[str, Any], experts_field: str, default_experts: int, default_top_k: int,
@@ -248,13 +248,15 @@ class MixtralForCausalLM(CausalLM):
                                           tied=head.weight is self.model.embed_tokens.weight)
         stack = self.model
         first = stack.layers[0].self_attn if len(stack.layers) else None
+        moes = [None if type(layer.mlp) is GatedMLP else self.decode_stack_moe(layer.mlp) for layer in stack.layers]
         if (type(self).forward is MixtralForCausalLM.forward and type(stack) is MoEModel and first is not None
                 and type(stack.embed_tokens) is VocabEmbedding and type(stack.norm) is RMSNorm
-                and all(_fusable_block(layer, first, stack.rotary_emb) for layer in stack.layers)):
+                and all(_fusable_block(layer, first, stack.rotary_emb, moe)
+                        for layer, moe in zip(stack.layers, moes, strict=True))):
             rotary = stack.rotary_emb
             dense = [layer.mlp for layer in stack.layers if type(layer.mlp) is GatedMLP]
             found[DECODER_STACK] = DecoderStackFusion(
-                layers=tuple(_layer_weights(layer) for layer in stack.layers),
+                layers=tuple(_layer_weights(layer, moe) for layer, moe in zip(stack.layers, moes, strict=True)),
                 num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
                 scale=first.attn.scale,
                 intermediate_size=dense[0].gate_up_proj.output_sizes[0] if dense else self.config.intermediate_size,
@@ -262,6 +264,11 @@ class MixtralForCausalLM(CausalLM):
                 embed_tokens=stack.embed_tokens.weight.data, embed_tp_size=stack.embed_tokens.tp_size,
                 norm=RMSNormWeights.of(stack.norm), ops=self.ops)
         return found
+
+    @staticmethod
+    def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
+        """A layer's sparse MLP as the fused decode stack's MoEWeights; None when the stack cannot run it as is."""
+        return sparse_moe_weights(mlp)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
@@ -292,41 +299,47 @@ class MixtralForCausalLM(CausalLM):
         return target if target is not None else super()._param_target(name)
 
 
-def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedding) -> bool:
-    """Whether `layer` computes what DecoderLayerWeights describes (this file's and the layers'
-    classes, not subclasses), with `first`'s attention geometry and the shared `rotary` table."""
+def _fusable_block(layer: nn.Module, first: LlamaAttention, rotary: RotaryEmbedding, moe: MoEWeights | None) -> bool:
+    """Whether `layer` computes what DecoderLayerWeights describes (this file's and the layers' classes, not
+    subclasses), with `first`'s attention geometry and the shared `rotary` table: its MLP a GatedMLP or the
+    sparse MLP `moe` describes."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(mlp) is SparseMoeBlock:
-        plain = (type(mlp.gate) is RouterLinear and type(mlp.experts) is FusedMoE
-                 and (mlp.shared_expert is None or (type(mlp.shared_expert) is GatedMLP
-                                                    and type(mlp.shared_expert_gate) is RouterLinear)))
-    else:
-        plain = type(mlp) is GatedMLP
-    return (plain and type(layer) is MoEDecoderLayer and type(attn) is LlamaAttention and type(attn.attn) is Attention
+    return ((type(mlp) is GatedMLP or moe is not None) and type(layer) is MoEDecoderLayer
+            and type(attn) is LlamaAttention and type(attn.attn) is Attention
             and attn.rotary_emb is rotary and type(rotary) is RotaryEmbedding
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and plain_head_norms(attn) and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale)
             == (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale))
 
 
-def _layer_weights(layer: MoEDecoderLayer) -> DecoderLayerWeights:
-    """One fusable block's weights (see _fusable_block) as the fusion record holds them."""
-    attn, mlp, linear, norm = layer.self_attn, layer.mlp, LinearWeights.of, RMSNormWeights.of
-    norms = (norm(layer.input_layernorm), norm(layer.post_attention_layernorm))
-    if type(mlp) is GatedMLP:
-        return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
-                                   linear(mlp.down_proj), attn.attn.sliding_window, **head_norms(attn))
-    experts, shared = mlp.experts, mlp.shared_expert
+def sparse_moe_weights(mlp: nn.Module) -> MoEWeights | None:
+    """A SparseMoeBlock (this class, its router, experts and shared expert the layers' own) as MoEWeights; None
+    for anything else."""
+    if type(mlp) is not SparseMoeBlock:
+        return None
+    experts, shared, linear = mlp.experts, mlp.shared_expert, LinearWeights.of
+    if type(mlp.gate) is not RouterLinear or type(experts) is not FusedMoE or (
+            shared is not None and (type(shared) is not GatedMLP or type(mlp.shared_expert_gate) is not RouterLinear)):
+        return None
     stacked = [None if t is None else t.data
                for t in (experts.w13_weight, experts.w2_weight, experts.w13_scale, experts.w2_scale)]
     blocks = None if experts.expert_blocks is None else tuple(
         (LinearWeights(w13, None, experts.tp_size), LinearWeights(w2, None, experts.tp_size))
         for w13, w2 in experts.expert_blocks)
-    moe = MoEWeights(
+    return MoEWeights(
         router=linear(mlp.gate), top_k=mlp.top_k, renormalize=mlp.renormalize, w13=stacked[0], w2=stacked[1],
         w13_scale=stacked[2], w2_scale=stacked[3], experts_tp_size=experts.tp_size,
         shared_gate_up=None if shared is None else linear(shared.gate_up_proj),
         shared_down=None if shared is None else linear(shared.down_proj),
         shared_gate=None if shared is None else linear(mlp.shared_expert_gate), expert_blocks=blocks)
+
+
+def _layer_weights(layer: MoEDecoderLayer, moe: MoEWeights | None) -> DecoderLayerWeights:
+    """One fusable block's weights (see _fusable_block) as the fusion record holds them."""
+    attn, mlp, linear, norm = layer.self_attn, layer.mlp, LinearWeights.of, RMSNormWeights.of
+    norms = (norm(layer.input_layernorm), norm(layer.post_attention_layernorm))
+    if moe is None:
+        return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), linear(mlp.gate_up_proj),
+                                   linear(mlp.down_proj), attn.attn.sliding_window, **head_norms(attn))
     return DecoderLayerWeights(*norms, linear(attn.qkv_proj), linear(attn.o_proj), None, None,
                                attn.attn.sliding_window, moe, **head_norms(attn))
