@@ -23,6 +23,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
+    "Glm4MoeForCausalLM": "flashllm.models.glm4_moe:Glm4MoeForCausalLM",  # GLM-4.5 / 4.6
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
     "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
     "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",

@@ -36,6 +36,14 @@ MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM",
                   {"intermediate_size": 128, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": True, "head_dim": 24}),
+    # GLM-4.5: DeepSeek-V3's routing (sigmoid, correction bias, top-3 of 8 within the best of 2 groups, scaled
+    # by 1.5) beside one shared expert; biased q / k / v, per-head q / k norms, RoPE over half of each head;
+    # layer 0 dense (first_k_dense_replace)
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM",
+                 {"intermediate_size": 128, "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 3,
+                  "moe_intermediate_size": 48, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                  "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "use_qk_norm": True,
+                  "attention_bias": True, "head_dim": 24}),
 }
 
 
@@ -55,5 +63,8 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen) * INIT_STD
             param.copy_(noise + 1.0 if "norm" in name else noise)
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # chooses experts (zeros would leave that untested)
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * INIT_STD)
     model.save_pretrained(out_dir, save_original_format=original_format)
     return out_dir

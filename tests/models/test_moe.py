@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE against transformers' own classes (tiny random fp32 models built here): logits over
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5 against transformers' own classes (tiny random fp32 models built here): logits over
 the paged cache, greedy tokens and logits through the engine (prefix-cache hits, chunked prefill), the
 checkpoint layouts transformers writes, and configs refused at load."""
 
@@ -101,7 +101,7 @@ def test_paged_forward_matches_transformers(preset, ours, hf_models, paged_drive
 def test_transformers_5_stacked_expert_tensors_load_the_same_model(tmp_path, ours, model_registry, ops) -> None:
     """save_original_format=False writes experts.gate_up_proj / experts.down_proj (and Mixtral's `mlp`):
     they load into the same weights as the per-expert tensors."""
-    for preset in ("mixtral", "qwen2_moe"):
+    for preset in ("mixtral", "qwen2_moe", "glm4_moe"):
         stacked = build_moe_model(tmp_path / preset, preset, seed=3, original_format=False)
         names = tensor_names(stacked)
         assert any(name.endswith(".experts.gate_up_proj") for name in names)
@@ -125,7 +125,14 @@ def test_moe_models_declare_their_moe_layers_in_the_decoder_stack_fusion(ours) -
             assert layer.gate_up_proj is None and layer.down_proj is None
             assert layer.moe.w13.data_ptr() == block.mlp.experts.w13_weight.data_ptr()
             assert (layer.moe.top_k, layer.moe.renormalize) == (block.mlp.top_k, model.config.norm_topk_prob)
-            assert (layer.moe.shared_gate is None) == (model.config.shared_expert_intermediate_size == 0)
+            if isinstance(block.mlp, SparseMoeBlock):
+                assert (layer.moe.shared_gate is None) == (model.config.shared_expert_intermediate_size == 0)
+                assert (layer.moe.scoring, layer.moe.correction_bias) == ("softmax", None)
+            else:  # GLM-4.5: DeepSeek-V3's routing, the shared experts added ungated
+                assert (layer.moe.scoring, layer.moe.n_group, layer.moe.topk_group) == ("sigmoid", 2, 1)
+                assert layer.moe.correction_bias.data_ptr() == block.mlp.gate.e_score_correction_bias.data_ptr()
+                assert layer.moe.routed_scaling_factor == 1.5
+                assert layer.moe.shared_gate is None and layer.moe.shared_gate_up is not None
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -136,7 +143,7 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Te
     return ids[len(prompt):], hf_logits(model, ids)
 
 
-@pytest.mark.parametrize("preset", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("preset", ["mixtral", "qwen2_moe", "glm4_moe"])
 def test_engine_greedy_tokens_and_logits_match_transformers(preset, moe_dirs, hf_models) -> None:
     """The engine on the cpu backend (its fused_moe kernel): 32 greedy tokens as transformers' and every
     logits row within 1e-4, with prompts across block edges, prefill chunks of 48 tokens and prefix-cache hits."""

@@ -1,4 +1,4 @@
-"""GPTQ / AWQ Mixtral and Qwen2-MoE checkpoints: attention, dense MLPs and shared experts stay packed, routed
+"""GPTQ / AWQ Mixtral, Qwen2-MoE and GLM-4.5 checkpoints: attention, dense MLPs and shared experts stay packed, routed
 experts are dequantized at load; logits equal transformers' own classes on the float weights the integers stand
 for (packed here by flashllm.testing.packed_quant, written from the published layouts)."""
 
@@ -68,7 +68,8 @@ def quantized_dirs(float_dir: Path, out: Path, qconfig: dict, seed: int) -> tupl
 
 
 @pytest.mark.parametrize("preset, case", [("mixtral", "gptq-int4"), ("mixtral", "gptq-int8-act-order"),
-                                          ("mixtral", "awq-int4"), ("qwen2_moe", "gptq-int4")])
+                                          ("mixtral", "awq-int4"), ("qwen2_moe", "gptq-int4"),
+                                          ("glm4_moe", "gptq-int4"), ("glm4_moe", "awq-int4")])
 def test_a_quantized_moe_checkpoint_computes_its_dequantized_weights(preset, case, tmp_path, ops, model_registry,
                                                                     paged_driver):
     from transformers import AutoModelForCausalLM
@@ -84,6 +85,9 @@ def test_a_quantized_moe_checkpoint_computes_its_dequantized_weights(preset, cas
     assert layer.self_attn.qkv_proj.weight is None and layer.mlp.gate.weight is not None  # packed; router float
     if preset == "qwen2_moe":
         assert layer.mlp.shared_expert.gate_up_proj.weight is None
+    if preset == "glm4_moe":  # the shared experts packed, the router's correction bias float
+        assert layer.mlp.shared_experts.gate_up_proj.weight is None and layer.self_attn.qkv_proj.bias is not None
+        assert layer.mlp.gate.e_score_correction_bias.abs().sum() > 0
     driver = paged_driver(model, block_size=BLOCK, num_blocks=32, seed=5)
     prompts = [random_tokens(n, model.config.vocab_size, seed=n) for n in (37, 5)]
     seqs = [driver.add_sequence() for _ in prompts]
