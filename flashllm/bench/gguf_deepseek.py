@@ -60,15 +60,19 @@ def transform(entries: list[Entry], config: Any) -> Iterator[Entry]:
     `exp_probs_b.bias`."""
     heads, nope, value = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
     for name, shape, load in gguf_moe.group_experts(entries, config.n_routed_experts):
-        kv_b, bias = _KV_B.match(name), _BIAS.match(name)
+        kv_b = _KV_B.match(name)
         if kv_b:
             rank = shape[1]
             yield f"{kv_b[1]}.k_b_proj.weight", (heads, rank, nope), _k_b(load, heads, nope)
             yield f"{kv_b[1]}.v_b_proj.weight", (heads, value, rank), _v_b(load, heads, nope)
-        elif bias:
-            yield f"{bias[1]}.e_score_correction.bias", shape, load
         else:
-            yield name, shape, load
+            yield renamed_bias(name), shape, load
+
+
+def renamed_bias(name: str) -> str:
+    """The correction bias's HF name as one gguf_export maps to `exp_probs_b.bias` (LAYER_NAMES); others as they are."""
+    bias = _BIAS.match(name)
+    return f"{bias[1]}.e_score_correction.bias" if bias else name
 
 
 def _k_b(load: Callable[[], np.ndarray], heads: int, nope: int) -> Callable[[], np.ndarray]:

@@ -15,13 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from flashllm.bench import gguf_chatglm, gguf_deepseek, gguf_gemma3, gguf_granite, gguf_moe, gguf_phi3
+from flashllm.bench import gguf_chatglm, gguf_deepseek, gguf_gemma3, gguf_glm4moe, gguf_granite, gguf_moe, gguf_phi3
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install gguf"
-# Bump when the written file changes for the same weights, so cached GGUFs are rebuilt.
-CONVERTER_VERSION = "3"  # 2: the pre-tokenizer of the tokenizer transformers loads; 3: F32 MoE routers
+CONVERTER_VERSION = "3"  # bumped when the file changes for the same weights (cached GGUFs are rebuilt); 3: F32 routers
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANT_BLOCK = 32  # Q8_0 packs rows in blocks of 32 values
 
@@ -82,6 +81,9 @@ ARCHS: dict[str, ArchSpec] = {
                               check=gguf_deepseek.check, add_hparams=gguf_deepseek.add_hparams, rope_types=("yarn",),
                               transform=gguf_deepseek.transform, latent_heads=True)
        for architecture in gguf_deepseek.ARCHITECTURES},
+    gguf_glm4moe.ARCHITECTURE: ArchSpec("glm4moe", permute_qk=False, layer_names=gguf_glm4moe.LAYER_NAMES,
+                                        check=gguf_glm4moe.check, add_hparams=gguf_glm4moe.add_hparams,
+                                        transform=gguf_glm4moe.transform),
 }
 
 _LAYER_NAMES = {

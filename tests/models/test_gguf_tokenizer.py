@@ -54,7 +54,7 @@ def _train_bpe(pre: str) -> PreTrainedTokenizerFast:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
     if pre == "smollm":
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("qwen2", "llama-bpe", "chatglm-bpe"):  # GLM-4's tiktoken split is Llama 3's
+    elif pre in ("qwen2", "llama-bpe", "chatglm-bpe", "glm4"):  # GLM-4's tiktoken split is Llama 3's
         split = pre_tokenizers.Split(Regex(QWEN2_PATTERN if pre == "qwen2" else LLAMA3_PATTERN), behavior="isolated")
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     elif pre == "deepseek-v3":
@@ -81,7 +81,7 @@ def _vocab_only_gguf(path: Path, fill) -> Path:
     return path
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3", "chatglm-bpe"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3", "chatglm-bpe", "glm4"])
 def test_bpe_vocabulary_encodes_and_decodes_as_its_tokenizer_json(pre, tmp_path):
     source = _train_bpe(pre)
     source.save_pretrained(str(tmp_path / "src"))

@@ -1,8 +1,9 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3, chatglm, glm4 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2)."""
+granite, phi3, chatglm, glm4 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2, glm4moe)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import chatglm, deepseek2, gemma3, granite, phi3
+from flashllm.models.gguf import chatglm, deepseek2, gemma3, glm4moe, granite, phi3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -37,6 +38,8 @@ class ArchMap:
     (DeepSeek's kv_b_proj as attn_k_b + attn_v_b); join takes the parts' float values in that order.
     latent_heads: the arch's config_fields sets the head sizes (MLA's query / key and value heads differ, and the
     file's key_length / value_length may describe the latent); the generic head-size checks are skipped.
+    appended_layers: the file's blocks past the config's num_hidden_layers are next-token-prediction layers the
+    graph never runs (config_fields leaves them out of the count); their tensors are skipped.
     """
 
     architecture: str
@@ -51,6 +54,12 @@ class ArchMap:
     layer_params: Mapping[str, str] = field(default_factory=dict)
     joined: tuple[tuple[tuple[str, ...], str, Callable[[list[Any]], Any]], ...] = ()
     latent_heads: bool = False
+    appended_layers: bool = False
+
+    def skips(self, name: str, config: Any) -> bool:
+        """Whether the tensor `name` belongs to an appended layer (appended_layers) and is not loaded."""
+        match = _BLOCK.match(name)
+        return self.appended_layers and match is not None and int(match[1]) >= config.num_hidden_layers
 
 
 # Mistral 7B files say "llama" (llama.cpp has no separate arch for it): they load as Llama, without a
@@ -74,11 +83,15 @@ ARCHITECTURES: dict[str, ArchMap] = {
                          config_fields=deepseek2.deepseek2_config_fields, layer_params=deepseek2.LAYER_PARAMS,
                          joined=((deepseek2.KV_B_PARTS, deepseek2.KV_B_MODULE, deepseek2.join_kv_b),),
                          latent_heads=True),
+    "glm4moe": ArchMap("Glm4MoeForCausalLM", "glm4_moe", permute_qk=False, layer_names=glm4moe.LAYER_NAMES,
+                       config_fields=glm4moe.glm4moe_config_fields, partial_rotary=True,
+                       layer_params=glm4moe.LAYER_PARAMS, appended_layers=True),
 }
 # llama.cpp writes Mixtral as "llama" with `llama.expert_count` experts (and llama's Q/K row order)
 WITH_EXPERTS: dict[str, ArchMap] = {"llama": ArchMap("MixtralForCausalLM", "mixtral", permute_qk=True)}
 _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16"}
 LLAMA3_ROPE_FREQS = "rope_freqs.weight"
+_BLOCK = re.compile(r"blk\.(\d{1,6})\.")
 
 
 def gguf_arch(gf: GGUFFile) -> tuple[str, ArchMap]:

@@ -80,18 +80,28 @@ def deepseek2_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]
     return fields
 
 
-def _uint(gf: GGUFFile, key: str, default: int | None = None, maximum: int = 1 << 20) -> int:
-    value = gf.get(f"{ARCH}.{key}", default)
+def uint_meta(gf: GGUFFile, arch: str, key: str, default: int | None = None, maximum: int = 1 << 20) -> int:
+    """`<arch>.<key>` as a whole number in 0..maximum (`default` when absent); ModelLoadError naming it otherwise."""
+    value = gf.get(f"{arch}.{key}", default)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
-        raise ModelLoadError(f"{gf.name}: {ARCH}.{key} is {value!r}; expected a whole number in 0..{maximum}")
+        raise ModelLoadError(f"{gf.name}: {arch}.{key} is {value!r}; expected a whole number in 0..{maximum}")
     return value
 
 
-def _float(gf: GGUFFile, key: str, default: float) -> float:
-    value = gf.get(f"{ARCH}.{key}", default)
+def float_meta(gf: GGUFFile, arch: str, key: str, default: float) -> float:
+    """`<arch>.<key>` as a finite number >= 0 (`default` when absent); ModelLoadError naming it otherwise."""
+    value = gf.get(f"{arch}.{key}", default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-        raise ModelLoadError(f"{gf.name}: {ARCH}.{key} is {value!r}; expected a finite number >= 0")
+        raise ModelLoadError(f"{gf.name}: {arch}.{key} is {value!r}; expected a finite number >= 0")
     return float(value)
+
+
+def _uint(gf: GGUFFile, key: str, default: int | None = None, maximum: int = 1 << 20) -> int:
+    return uint_meta(gf, ARCH, key, default, maximum)
+
+
+def _float(gf: GGUFFile, key: str, default: float) -> float:
+    return float_meta(gf, ARCH, key, default)
 
 
 def _head_sizes(gf: GGUFFile) -> dict[str, int]:

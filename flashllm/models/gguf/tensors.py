@@ -148,7 +148,7 @@ class GGUFWeights:
         joined = {parts[0]: (parts, module, join) for parts, module, join in spec.joined}
         in_joins = {part for parts, _, _ in spec.joined for part in parts}
         for name in self.gf.tensors:
-            if name in _SKIPPED or name in spec.config_tensors:
+            if name in _SKIPPED or name in spec.config_tensors or spec.skips(name, self.config):
                 continue
             match = _LAYER_TENSOR.fullmatch(name)
             if match and match.group(2) in fused:

@@ -52,6 +52,7 @@ BPE_PRE_TOKENIZERS: dict[str, Any] = {
     "qwen2": _split_then_bytes(_QWEN2_SPLIT), "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
     "chatglm-bpe": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4's tiktoken split is cl100k's, Llama 3's
+    "glm4": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4.5's files: llama.cpp runs it as chatglm-bpe
     "deepseek-v3": _split_then_bytes(*_DEEPSEEK_V3_SPLITS),
 }
 
