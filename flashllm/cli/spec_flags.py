@@ -38,7 +38,7 @@ SPEC_FLAGS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "speculate_method": (("--speculate_method",), str,
                          f"speculative decoding: {' | '.join(SPECULATE_METHODS)} (inference_with_reference is the "
                          "n-gram lookup in the prompt and output; draft_model, eagle and eagle3 need --speculative-model "
-                         "(a draft model, an EAGLE-1 or EAGLE-3 head: eagle loads either); mtp drafts with a DeepSeek-V3 checkpoint's own "
+                         "(a draft model, an EAGLE-1 or EAGLE-3 head: eagle loads either); mtp drafts with a DeepSeek-V3 or GLM-4.5 checkpoint's own "
                          "next-token-prediction layer)"),
     "speculate_max_draft_token_num": (("--speculate_max_draft_token_num", "--num_speculative_tokens"), int,
                                       f"tokens drafted per sequence and round, 1..{MAX_DRAFT_TOKENS} (default 4)"),

@@ -242,6 +242,13 @@ class DeepseekV2ForCausalLM(CausalLM):
             stream = dequantize_block_fp8(stream, self.config.fp8_block)
         return with_fused_experts(self, super().load_weights(stream))
 
+    @staticmethod
+    def next_token_predictor() -> type[CausalLM]:
+        """The class of the checkpoint's MTP layer (--speculate_method mtp; V3 and R1 ship one)."""
+        from flashllm.models.deepseek_mtp import DeepseekMTP
+
+        return DeepseekMTP
+
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): expert tensors first, then packed projections."""
         target = expert_param_target(name)

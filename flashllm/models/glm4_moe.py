@@ -78,7 +78,8 @@ class Glm4MoeForCausalLM(MixtralForCausalLM):
     """GLM-4.5 / 4.6 / 4.5-Air: `mlp.gate` (weight and e_score_correction_bias), per-expert
     `mlp.experts.N.gate_proj|up_proj|down_proj` (or transformers 5's stacked tensors), `mlp.shared_experts.*`;
     dense `mlp.gate_proj|up_proj|down_proj` before first_k_dense_replace. The next-token-prediction layer the
-    checkpoints append (model.layers.{num_hidden_layers}) is skipped."""
+    checkpoints append (model.layers.{num_hidden_layers}) is skipped here; --speculate_method mtp loads it
+    (glm4_moe_mtp.py)."""
 
     renamed_modules: ClassVar[dict[str, str]] = {}
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
@@ -100,6 +101,13 @@ class Glm4MoeForCausalLM(MixtralForCausalLM):
     def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
         """A DeepseekMoE as the fused decode stack's MoEWeights (deepseek_moe.decode_stack_moe)."""
         return decode_stack_moe(mlp)
+
+    @staticmethod
+    def next_token_predictor() -> type[nn.Module]:
+        """The class of the checkpoint's MTP layer (--speculate_method mtp)."""
+        from flashllm.models.glm4_moe_mtp import Glm4MoeMTP
+
+        return Glm4MoeMTP
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """MixtralForCausalLM.load_weights over the checkpoint less its next-token-prediction layers."""

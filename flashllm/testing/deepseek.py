@@ -161,20 +161,30 @@ def build_deepseek_mtp_model(out_dir: Path, preset: str = "v3", seed: int = 0, p
     next token depends mostly on the current one (a bigram model, with some context), and the MTP layer
     maps the embedding of t_{i+1} through eh_proj = [I 0] to the model's own head: it predicts what the
     model would say after t_{i+1}."""
-    from safetensors.torch import load_file, save_file
-
     layers = PRESETS[preset][2]["num_hidden_layers"]
     build_deepseek_model(out_dir, preset, seed, num_hidden_layers=layers + 1)
+    return with_mtp_layer(out_dir, layers, seed, predictable)
+
+
+def with_mtp_layer(out_dir: Path, layers: int, seed: int, predictable: float | None = None,
+                   std: float = INIT_STD) -> Path:
+    """Turn layer `layers` of the transformers checkpoint in out_dir (built with layers + 1 decoder layers) into
+    the MTP layer the published checkpoints append (build_deepseek_mtp_model says how, and what `predictable`
+    does): its enorm, hnorm, eh_proj, shared_head and embed_tokens added (random with `std`), config.json back
+    to `layers` layers with num_nextn_predict_layers 1."""
+    from safetensors.torch import load_file, save_file
+
     tensors = load_file(out_dir / "model.safetensors")
-    h, vocab = BASE["hidden_size"], BASE["vocab_size"]
+    config = json.loads((out_dir / "config.json").read_text())
+    h, vocab = config["hidden_size"], config["vocab_size"]
     gen = torch.Generator().manual_seed(seed + 1)
     prefix = f"model.layers.{layers}."
-    extra = {"enorm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
-             "hnorm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
-             "eh_proj.weight": INIT_STD * torch.randn(h, 2 * h, generator=gen),
-             "shared_head.norm.weight": 1.0 + INIT_STD * torch.randn(h, generator=gen),
-             "shared_head.head.weight": INIT_STD * torch.randn(vocab, h, generator=gen),
-             "embed_tokens.weight": INIT_STD * torch.randn(vocab, h, generator=gen)}
+    extra = {"enorm.weight": 1.0 + std * torch.randn(h, generator=gen),
+             "hnorm.weight": 1.0 + std * torch.randn(h, generator=gen),
+             "eh_proj.weight": std * torch.randn(h, 2 * h, generator=gen),
+             "shared_head.norm.weight": 1.0 + std * torch.randn(h, generator=gen),
+             "shared_head.head.weight": std * torch.randn(vocab, h, generator=gen),
+             "embed_tokens.weight": std * torch.randn(vocab, h, generator=gen)}
     if predictable is not None:
         for name in tensors:
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -186,7 +196,6 @@ def build_deepseek_mtp_model(out_dir: Path, preset: str = "v3", seed: int = 0, p
                       "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
     tensors.update({prefix + name: tensor.to(tensors["model.norm.weight"].dtype) for name, tensor in extra.items()})
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out_dir / "config.json").read_text())
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir

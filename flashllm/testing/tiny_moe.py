@@ -68,3 +68,14 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * INIT_STD)
     model.save_pretrained(out_dir, save_original_format=original_format)
     return out_dir
+
+
+def build_glm4_moe_mtp_model(out_dir: Path, seed: int = 0, predictable: float | None = None) -> Path:
+    """The glm4_moe preset laid out as GLM-4.5 ships its multi-token-prediction layer: model.layers.{N} a full
+    (MoE) decoder block plus enorm, hnorm, eh_proj, shared_head and embed_tokens (testing.deepseek.with_mtp_layer,
+    which says what `predictable` does)."""
+    from flashllm.testing.deepseek import with_mtp_layer
+
+    layers = MOE_PRESETS["glm4_moe"][2]["num_hidden_layers"]
+    build_moe_model(out_dir, "glm4_moe", seed, num_hidden_layers=layers + 1)
+    return with_mtp_layer(out_dir, layers, seed, predictable, std=INIT_STD)

@@ -1,6 +1,7 @@
-"""DeepSeek-V3 MTP speculation: the proposer's drafts against an independent reference of the MTP forward (plain
-torch around transformers' own decoder layer, recomputed over the whole sequence every time), greedy tokens equal
-to plain decoding under preemption and prefix caching, acceptance in the stats, bad setups refused."""
+"""MTP speculation with DeepSeek-V3's and GLM-4.5's next-token-prediction layers: the proposer's drafts against an
+independent reference of the MTP forward (plain torch around transformers' own decoder layer, recomputed over the
+whole sequence every time), greedy tokens equal to plain decoding under preemption and prefix caching, acceptance
+in the stats, bad setups refused."""
 
 from __future__ import annotations
 
@@ -15,17 +16,25 @@ from flashllm.llm import LLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.deepseek import PRESETS, build_deepseek_model, build_deepseek_mtp_model
 from flashllm.testing.spec_engine import check_parity_under_preemption, random_prompts, spec_llm
+from flashllm.testing.tiny_moe import build_glm4_moe_mtp_model
 
 LAYERS = PRESETS["v3"][2]["num_hidden_layers"]
 # the predictable model's output projections scale: about half the drafts accepted (measured 0.57 with k = 3)
 PREDICTABLE = 0.03
 
 
+BUILDERS = {"v3": lambda out, **kw: build_deepseek_mtp_model(out, "v3", **kw), "glm4_moe": build_glm4_moe_mtp_model}
+
+
 @pytest.fixture(scope="module")
 def mtp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {"random": build_deepseek_mtp_model(tmp_path_factory.mktemp("mtp_random"), "v3", seed=5),
-            "predictable": build_deepseek_mtp_model(tmp_path_factory.mktemp("mtp_pred"), "v3", seed=5,
-                                                    predictable=PREDICTABLE)}
+    """"random" / "predictable" (DeepSeek-V3) and "glm4_moe/random" / "glm4_moe/predictable" (GLM-4.5)."""
+    dirs = {}
+    for arch, build in BUILDERS.items():
+        prefix = "" if arch == "v3" else f"{arch}/"
+        dirs[prefix + "random"] = build(tmp_path_factory.mktemp(f"{arch}_random"), seed=5)
+        dirs[prefix + "predictable"] = build(tmp_path_factory.mktemp(f"{arch}_pred"), seed=5, predictable=PREDICTABLE)
+    return dirs
 
 
 class ReferenceMTP:
@@ -41,10 +50,11 @@ class ReferenceMTP:
         from transformers import AutoModelForCausalLM
 
         self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        grown = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, num_hidden_layers=LAYERS + 1,
+        layers = self.target.config.num_hidden_layers
+        grown = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, num_hidden_layers=layers + 1,
                                                      attn_implementation="eager").eval()
-        self.block, self.rotary = grown.model.layers[LAYERS], grown.model.rotary_emb
-        prefix = f"model.layers.{LAYERS}."
+        self.block, self.rotary = grown.model.layers[layers], grown.model.rotary_emb
+        prefix = f"model.layers.{layers}."
         self.w = {k[len(prefix):]: v.float() for k, v in load_file(model_dir / "model.safetensors").items()
                   if k.startswith(prefix)}
         self.eps = self.target.config.rms_norm_eps
@@ -89,7 +99,8 @@ def _spy(llm: LLM) -> list[tuple[list[int], int, list[int]]]:
     return calls
 
 
-@pytest.mark.parametrize(("which", "guard"), [("random", 0.25), ("predictable", 0.0)])
+@pytest.mark.parametrize(("which", "guard"), [("random", 0.25), ("predictable", 0.0), ("glm4_moe/random", 0.25),
+                                              ("glm4_moe/predictable", 0.0)])
 def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: float) -> None:
     """Every round's drafts (k = 3) equal the reference's from the same tokens: the catch-up over chunked prompts,
     over accepted drafts (predictable model) and over the rounds the guard paused drafting for (random model,
@@ -109,17 +120,19 @@ def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: flo
     for tokens, limit, drafts in calls[::3]:
         assert drafts == reference.drafts(tokens, limit), f"after {len(tokens)} tokens"
     stats = llm.engine.speculator.stats
-    if which == "predictable":
+    if which.endswith("predictable"):
         assert 0 < stats.num_accepted < stats.num_drafted, stats
 
 
-@pytest.mark.parametrize(("backend", "k", "count", "blocks"), [("cpu", 3, 16, 24), ("cpu", 1, 8, 96),
-                                                             ("reference", 4, 8, 96)])
-def test_greedy_tokens_equal_plain_decoding(mtp_dirs, backend: str, k: int, count: int, blocks: int) -> None:
+@pytest.mark.parametrize(("which", "backend", "k", "count", "blocks"), [
+    ("predictable", "cpu", 3, 16, 24), ("predictable", "cpu", 1, 8, 96), ("predictable", "reference", 4, 8, 96),
+    ("glm4_moe/predictable", "cpu", 3, 16, 24), ("glm4_moe/predictable", "reference", 2, 8, 96)])
+def test_greedy_tokens_equal_plain_decoding(mtp_dirs, which: str, backend: str, k: int, count: int,
+                                            blocks: int) -> None:
     """Under continuous batching, with preemption forced by a small cache (and prefix-cache hits from repeated
     prompts), speculation with the MTP layer changes no token; acceptance lands in the speculator's stats."""
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=k)
-    check_parity_under_preemption(mtp_dirs["predictable"], backend, spec, count, blocks)
+    check_parity_under_preemption(mtp_dirs[which], backend, spec, count, blocks)
 
 
 def test_models_without_mtp_layers_are_refused(tmp_path: Path, mtp_dirs) -> None:
@@ -133,7 +146,7 @@ def test_models_without_mtp_layers_are_refused(tmp_path: Path, mtp_dirs) -> None
     from flashllm.testing.tiny_models import build_tiny_model
 
     llama = build_tiny_model(tmp_path / "llama", "llama", seed=1, tokenizer=False)
-    with pytest.raises(ValueError, match="needs a DeepSeek-V3 model with MTP layers"):
+    with pytest.raises(ValueError, match="needs a DeepSeek-V3 or GLM-4.5 model with MTP layers"):
         spec_llm(llama, "cpu", SpeculativeConfig(method="mtp"))
 
 

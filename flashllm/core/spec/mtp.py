@@ -1,4 +1,5 @@
-"""DeepSeek-V3's multi-token prediction layer as proposer: drafts from the target's own final hidden states."""
+"""A checkpoint's multi-token prediction layer (DeepSeek-V3, GLM-4.5) as proposer: drafts from the target's own final
+hidden states."""
 
 from __future__ import annotations
 
@@ -237,13 +238,14 @@ def load_mtp_drafter(target: Target) -> LoadedHead:
     from flashllm.quant.spec import weight_quant_spec
 
     config, model = target.config, target.model
-    if not hasattr(model, "config") or getattr(model.config, "latent_dim", None) is None:
-        raise SpeculativeConfigError(f"--speculate_method mtp needs a DeepSeek-V3 model with MTP layers; "
+    if getattr(model, "next_token_predictor", None) is None:
+        raise SpeculativeConfigError(f"--speculate_method mtp needs a DeepSeek-V3 or GLM-4.5 model with MTP layers; "
                                      f"{target.hf_config.architecture} has none (use ngram or draft_model)")
     quant = checkpoint_quant_spec(target.hf_config, weight_quant_spec(
         config.quant.quant_type, config.quant.group_size, config.quant.quantize_lm_head))
     dtype = next(model.parameters()).dtype
     mtp = load_mtp(target.model_dir, model, target.ops, dtype, target.selection.device, quant, target.vocabulary)
-    mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
+    if hasattr(mtp, "set_matrix_absorption"):  # DeepSeek's MLA block
+        mtp.set_matrix_absorption(config.model.mla_use_matrix_absorption)
     return LoadedHead(mtp, target.hf_config.vocab_size, head_kv_bytes_per_block(mtp, config.cache.block_size),
                       f"MTP layer of {target.model_dir}")
