@@ -153,7 +153,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     the normalized latent and the rotated shared key of each token (kv_caches_per_layer = 1). Block-FP8
     weights (e4m3 `weight` + `weight_scale_inv` per block) are dequantized at load; the checkpoint's
     next-token-prediction layers (model.layers.{num_hidden_layers}.., V3's MTP) are skipped here
-    (models/deepseek_mtp.py loads them as a speculative proposer).
+    (models/mtp_loading.py loads them as a speculative proposer).
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -241,13 +241,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         if self.config.fp8_block is not None:
             stream = dequantize_block_fp8(stream, self.config.fp8_block)
         return with_fused_experts(self, super().load_weights(stream))
-
-    @staticmethod
-    def next_token_predictor() -> type[CausalLM]:
-        """The class of the checkpoint's MTP layer (--speculate_method mtp; V3 and R1 ship one)."""
-        from flashllm.models.deepseek_mtp import DeepseekMTP
-
-        return DeepseekMTP
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): expert tensors first, then packed projections."""

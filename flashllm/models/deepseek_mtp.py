@@ -4,7 +4,6 @@ GLM-4.5's in glm4_moe_mtp.py, the same parts around its own block)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -13,28 +12,12 @@ from torch import Tensor, nn
 from flashllm.models.base import CausalLM
 from flashllm.models.deepseek import DeepseekDecoderLayer, dequantize_block_fp8, with_fused_experts
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
-from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding, Vocabulary, target_vocabulary
 from flashllm.models.layers.linear import ReplicatedLinear
 from flashllm.models.layers.moe import expert_param_target
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
-
-# the most next-token-prediction layers a config may declare (V3 and R1 ship one)
-MAX_MTP_LAYERS = 8
-
-
-def num_mtp_layers(config: Any) -> int:
-    """config.json's num_nextn_predict_layers (0 when absent): how many MTP layers follow the decoder's.
-    ModelLoadError for a value that is not an integer in 0..MAX_MTP_LAYERS."""
-    value = config.raw.get("num_nextn_predict_layers", 0)
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MTP_LAYERS:
-        raise ModelLoadError(f"config.json: num_nextn_predict_layers={value!r}; expected an integer in "
-                             f"0..{MAX_MTP_LAYERS}")
-    return value
 
 
 class SharedHead(nn.Module):
@@ -171,51 +154,3 @@ class DeepseekMTP(NextTokenPredictor):
         if self.config.fp8_block is not None:
             weights = dequantize_block_fp8(weights, self.config.fp8_block)
         return super().load_weights(weights)
-
-
-def reads_from_target(model_dir: str | Path, config: Any) -> tuple[bool, bool]:
-    """Which of the target's (embedding, LM head) the checkpoint's first MTP layer reads: each where the layer
-    has no copy of its own (config: the target's parsed config). Reads the safetensors headers only."""
-    own_embedding, own_head = _own_tables(*_layer_names(model_dir, config))
-    return not own_embedding, not own_head
-
-
-def _layer_names(model_dir: str | Path, config: Any) -> tuple[str, set[str]]:
-    """The first MTP layer's name prefix and the checkpoint's tensor names (from the safetensors headers)."""
-    from flashllm.lora.merge import checkpoint_headers
-    from flashllm.models.loader import safetensors_files
-
-    return f"model.layers.{config.num_hidden_layers}.", set(checkpoint_headers(safetensors_files(model_dir))[0])
-
-
-def _own_tables(prefix: str, names: set[str]) -> tuple[bool, bool]:
-    """Whether the MTP layer under `prefix` has an embedding and an output head of its own."""
-    return prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names
-
-
-def load_mtp(model_dir: str | Path, target: Any, ops: Any, dtype: torch.dtype, device: torch.device,
-             quant: Any = None, vocabulary: Vocabulary | None = None) -> NextTokenPredictor:
-    """The first MTP layer of the checkpoint in model_dir, beside the loaded `target` (its config, and its
-    embedding / LM head where the checkpoint has no copies: `vocabulary` where not the target's own, whole
-    copies of a tensor-parallel target's), quantized like it with `quant`; its class is the target class's
-    next_token_predictor().
-
-    ModelLoadError (one line) when config.json declares no MTP layer or the weights lack it."""
-    from flashllm.models.loader import load_selected_weights
-
-    config, predictor = target.config, getattr(type(target), "next_token_predictor", None)
-    if predictor is None or num_mtp_layers(config) < 1:
-        raise ModelLoadError(f"{model_dir}: config.json declares no next-token-prediction layer "
-                             "(num_nextn_predict_layers); --speculate_method mtp needs a DeepSeek-V3 or GLM-4.5 "
-                             "checkpoint with its MTP weights, or use another method (ngram, draft_model)")
-    prefix, names = _layer_names(model_dir, config)
-    if prefix + "eh_proj.weight" not in names:
-        raise ModelLoadError(f"{model_dir}: config.json declares num_nextn_predict_layers but the weights have no "
-                             f"{prefix}eh_proj.weight (a checkpoint converted without its MTP layer?); "
-                             "--speculate_method mtp needs them")
-    own_embedding, own_head = _own_tables(prefix, names)
-    mtp = predictor()(config, ops, dtype, torch.device(device), target=target, own_embedding=own_embedding,
-                      own_head=own_head, vocabulary=vocabulary)
-    load_selected_weights(mtp, model_dir, lambda name: "layer." + name[len(prefix):] if name.startswith(prefix)
-                          else None, quant)
-    return mtp

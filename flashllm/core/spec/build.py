@@ -107,13 +107,13 @@ def _whole_vocabulary(target: Target) -> Any:
 def _reads_from_target(target: Target) -> tuple[bool, bool]:
     """Which of the target's (embedding, LM head) the configured head reads; neither where its files cannot be
     read (its loader then says why, in one line)."""
-    from flashllm.models import deepseek_mtp, eagle
+    from flashllm.models import eagle, mtp_loading
     from flashllm.models.hf_config import ModelLoadError
 
     spec = target.config.speculative
     try:
         if spec.method == "mtp":
-            return deepseek_mtp.reads_from_target(target.model_dir, target.model.config)
+            return mtp_loading.reads_from_target(target.model_dir, target.model.config)
         return eagle.reads_from_target(str(spec.model))
     except (ModelLoadError, OSError, ValueError, AttributeError):  # AttributeError: a config without layers
         return False, False

@@ -233,12 +233,12 @@ def head_kv_bytes_per_block(module: Any, block_size: int) -> int:
 def load_mtp_drafter(target: Target) -> LoadedHead:
     """The target checkpoint's MTP layer, loaded beside the target; ValueError (one line) when the model has
     none."""
-    from flashllm.models.deepseek_mtp import load_mtp
     from flashllm.models.loader import checkpoint_quant_spec
+    from flashllm.models.mtp_loading import load_mtp, predictor_class
     from flashllm.quant.spec import weight_quant_spec
 
     config, model = target.config, target.model
-    if getattr(model, "next_token_predictor", None) is None:
+    if predictor_class(model) is None:
         raise SpeculativeConfigError(f"--speculate_method mtp needs a DeepSeek-V3 or GLM-4.5 model with MTP layers; "
                                      f"{target.hf_config.architecture} has none (use ngram or draft_model)")
     quant = checkpoint_quant_spec(target.hf_config, weight_quant_spec(
