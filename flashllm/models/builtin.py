@@ -24,6 +24,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
     "Glm4MoeForCausalLM": "flashllm.models.glm4_moe:Glm4MoeForCausalLM",  # GLM-4.5 / 4.6
+    "Ernie4_5ForCausalLM": "flashllm.models.ernie4_5:Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "flashllm.models.ernie4_5:Ernie4_5_MoeForCausalLM",
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",
     "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
     "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",

@@ -101,6 +101,11 @@ class DeepseekModelConfig:
     expert_parallel: bool = False
 
     @property
+    def choice_bias(self) -> bool:
+        """Whether the router holds e_score_correction_bias (V3's sigmoid routing does; V2's softmax has none)."""
+        return self.sigmoid_scoring
+
+    @property
     def head_dim(self) -> int:
         """The value head size: what the op table is resolved for (MLA's latent op is not gated on it)."""
         return self.v_head_dim

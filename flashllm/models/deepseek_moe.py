@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -13,11 +14,38 @@ from torch import Tensor, nn
 from flashllm.models.layers.linear import copy_checked
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, RouterLinear
+from flashllm.models.mixtral import MoEModelConfig
 from flashllm.registry.fusions import LinearWeights, MoEWeights
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedExpertsMoEConfig(MoEModelConfig):
+    """MoEModelConfig plus DeepSeek's routing fields (GroupedMoEConfig), for decoders with Llama's attention and
+    DeepSeek-style MoE layers (GLM-4.5, ERNIE 4.5): sparse_layers says which layers are MoE, n_routed_experts ==
+    num_experts, n_shared_experts shared experts of moe_intermediate_size features each
+    (shared_expert_intermediate_size their sum), choice_bias: the router's e_score_correction_bias."""
+
+    first_k_dense_replace: int = 0
+    n_routed_experts: int = 1
+    n_shared_experts: int = 0
+    sigmoid_scoring: bool = True
+    group_limited: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    choice_bias: bool = True
+
+    @property
+    def num_parameters(self) -> int:
+        """Every weight (MoEModelConfig's count, less the shared-expert gate these models have not, plus the
+        correction biases)."""
+        sparse = sum(self.sparse_layers)
+        gate = self.hidden_size if self.shared_expert_intermediate_size else 0
+        return MoEModelConfig.num_parameters.fget(self) + sparse * (self.num_experts * self.choice_bias - gate)
 
 
 class GroupedMoEConfig(Protocol):
@@ -35,24 +63,23 @@ class GroupedMoEConfig(Protocol):
     norm_topk_prob: bool
     routed_scaling_factor: float
     expert_parallel: bool
+    choice_bias: bool  # the router holds e_score_correction_bias, added to the scores to choose the experts
 
 
 def select_experts_grouped(router_logits: Tensor, config: GroupedMoEConfig,
                            correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """router_logits (T, E) fp32 -> (topk_weights (T, k) fp32, topk_ids (T, k) int64), as DeepSeek routes.
 
-    Scores: softmax over the experts (V2) or sigmoid (V3). With group-limited routing the E experts
+    Scores: softmax over the experts (V2, ERNIE 4.5) or sigmoid (V3). With group-limited routing the E experts
     form n_group groups; a group's score is its best expert's (V2) or the sum of its best two
     biased scores (V3), only the topk_group best groups stay eligible, and the k experts are the best
-    eligible ones. V3 chooses by score + correction_bias but weights by the unbiased score. The k
+    eligible ones. With a correction_bias (V3, ERNIE 4.5) the choice is by score + bias, the weights the
+    unbiased scores. The k
     weights are renormalized when norm_topk_prob, then multiplied by routed_scaling_factor.
     """
     k = config.num_experts_per_tok
-    if config.sigmoid_scoring:
-        scores = torch.sigmoid(router_logits)
-        choice = scores if correction_bias is None else scores + correction_bias
-    else:
-        scores = choice = torch.softmax(router_logits, dim=-1)
+    scores = torch.sigmoid(router_logits) if config.sigmoid_scoring else torch.softmax(router_logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
     if config.group_limited:
         tokens, experts = choice.shape
         grouped = choice.view(tokens, config.n_group, experts // config.n_group)
@@ -63,7 +90,7 @@ def select_experts_grouped(router_logits: Tensor, config: GroupedMoEConfig,
         # V2 zeroes the other groups' probabilities, V3 rules them out: the same choice for positive scores
         choice = choice.masked_fill(~keep, float("-inf") if config.sigmoid_scoring else 0.0)
     weights, ids = torch.topk(choice, k=k, dim=-1, sorted=False)
-    if config.sigmoid_scoring:
+    if correction_bias is not None or config.sigmoid_scoring:
         weights = scores.gather(1, ids)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -71,13 +98,14 @@ def select_experts_grouped(router_logits: Tensor, config: GroupedMoEConfig,
 
 
 class DeepseekRouter(RouterLinear):
-    """The expert gate `mlp.gate`: weight (E, hidden) kept in fp32 (as transformers keeps it) and, for V3,
-    `e_score_correction_bias` (E,) fp32, added to the scores only to choose experts."""
+    """The expert gate `mlp.gate`: weight (E, hidden) kept in fp32 (as transformers keeps it) and, where
+    config.choice_bias (V3, GLM-4.5, ERNIE 4.5), `e_score_correction_bias` (E,) fp32, added to the scores only to
+    choose experts."""
 
     def __init__(self, config: GroupedMoEConfig, ops: Any, device: torch.device) -> None:
         super().__init__(config.hidden_size, config.n_routed_experts, False, ops, torch.float32, device)
         self.e_score_correction_bias: nn.Parameter | None = None
-        if config.sigmoid_scoring:
+        if config.choice_bias:
             bias = torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
             self.e_score_correction_bias.weight_loader = self._load_bias
@@ -133,8 +161,9 @@ def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
         return None
     experts, shared, gate = mlp.experts, mlp.shared_experts, mlp.gate
     if (type(experts) is not FusedMoE or experts.expert_parallel or experts.expert_blocks is not None
-            or type(gate) is not DeepseekRouter or (shared is not None and type(shared) is not GatedMLP)):
-        return None
+            or type(gate) is not DeepseekRouter or (shared is not None and type(shared) is not GatedMLP)
+            or (gate.e_score_correction_bias is not None and not mlp.config.sigmoid_scoring)):
+        return None  # the native block's choice bias goes with sigmoid scores only
     config, linear, bias = mlp.config, LinearWeights.of, gate.e_score_correction_bias
     grouped = config.group_limited
     return MoEWeights(

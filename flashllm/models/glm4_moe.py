@@ -14,38 +14,20 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.models.deepseek_config import GLM4_MOE, grouped_routing
-from flashllm.models.deepseek_moe import DeepseekMoE, decode_stack_moe, without_mtp_layers
+from flashllm.models.deepseek_moe import DeepseekMoE, SharedExpertsMoEConfig, decode_stack_moe, without_mtp_layers
 from flashllm.models.hf_config import flag
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.llama_config import parse_llama_config
-from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig, check_prequantized_experts, moe_config
+from flashllm.models.mixtral import MixtralForCausalLM, check_prequantized_experts, moe_config
 from flashllm.registry.fusions import MoEWeights
 
 GLM4_MOE_ROTARY_FACTOR = 0.5  # transformers' Glm4MoeConfig default, and every published GLM-4.5 / 4.6 config's
 
 
 @dataclass(frozen=True, slots=True)
-class Glm4MoeModelConfig(MoEModelConfig):
-    """MoEModelConfig plus DeepSeek-V3's routing fields (deepseek_moe.GroupedMoEConfig): layers from
-    first_k_dense_replace on are sparse (sparse_layers), n_routed_experts == num_experts, n_shared_experts
-    shared experts of moe_intermediate_size features each (shared_expert_intermediate_size their sum)."""
-
-    first_k_dense_replace: int = 0
-    n_routed_experts: int = 1
-    n_shared_experts: int = 0
-    sigmoid_scoring: bool = True
-    group_limited: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    @property
-    def num_parameters(self) -> int:
-        """Every weight (MoEModelConfig's count, less the shared-expert gate GLM has not, plus the correction
-        biases)."""
-        sparse = sum(self.sparse_layers)
-        gate = self.hidden_size if self.shared_expert_intermediate_size else 0
-        return MoEModelConfig.num_parameters.fget(self) + sparse * (self.num_experts - gate)
+class Glm4MoeModelConfig(SharedExpertsMoEConfig):
+    """A GLM-4.5 config.json: layers from first_k_dense_replace on are sparse, routed as DeepSeek-V3 routes
+    (sigmoid scores, the choice bias, groups)."""
 
 
 def parse_glm4_moe_config(raw: dict[str, Any], source: str = "config.json") -> Glm4MoeModelConfig:
@@ -101,13 +83,6 @@ class Glm4MoeForCausalLM(MixtralForCausalLM):
     def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
         """A DeepseekMoE as the fused decode stack's MoEWeights (deepseek_moe.decode_stack_moe)."""
         return decode_stack_moe(mlp)
-
-    @staticmethod
-    def next_token_predictor() -> type[nn.Module]:
-        """The class of the checkpoint's MTP layer (--speculate_method mtp)."""
-        from flashllm.models.glm4_moe_mtp import Glm4MoeMTP
-
-        return Glm4MoeMTP
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """MixtralForCausalLM.load_weights over the checkpoint less its next-token-prediction layers."""

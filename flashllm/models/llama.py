@@ -137,7 +137,7 @@ class LlamaModel(nn.Module):
         """The rotary table every layer shares, from config's rope fields; a subclass with its own rope
         (Phi-3's LongRoPE) returns its own (and takes no fused decoder-stack path, see fusions)."""
         return RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
-                               config.rope_theta, config.rope_scaling, ops, device)
+                               config.rope_theta, config.rope_scaling, ops, device, is_neox=not config.rope_interleaved)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:

@@ -32,6 +32,7 @@ class LlamaModelConfig:
     `quantization` describes a GPTQ / AWQ checkpoint's packed linear weights (None: float).
     `qk_norm`: each query and key head is RMS-normed over head_dim (its own (head_dim,) scales,
     `self_attn.q_norm` / `self_attn.k_norm`) before the rotary embedding, as in Qwen3.
+    `rope_interleaved`: RoPE turns adjacent feature pairs (2i, 2i + 1) (GPT-J style, ERNIE 4.5), not halves.
     """
 
     architecture: str
@@ -59,6 +60,7 @@ class LlamaModelConfig:
     raw: dict[str, Any] = field(repr=False, compare=False)
     quantization: CheckpointQuant | None = None
     qk_norm: bool = False
+    rope_interleaved: bool = False
 
     @property
     def num_parameters(self) -> int:

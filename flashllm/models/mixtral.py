@@ -145,7 +145,8 @@ class MoEModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, ops, device)
+                                          config.rope_theta, config.rope_scaling, ops, device,
+                                          is_neox=not config.rope_interleaved)
         self.layers = nn.ModuleList(
             MoEDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i), ops, dtype, device, qkv_bias, o_bias,
                             tp_rank, tp_size)

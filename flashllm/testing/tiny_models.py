@@ -61,11 +61,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
         "logits_scaling": 8.0,
     }),
+    # ERNIE 4.5: RoPE over adjacent feature pairs, a bias on every projection (use_bias), tied embeddings;
+    # head_dim explicit (ERNIE's default is 128, not hidden / heads)
+    "ernie4_5": ("Ernie4_5ForCausalLM", {"use_bias": True, "head_dim": 16, "tie_word_embeddings": True,
+                                         "rope_theta": 10000.0}),
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
-                "GraniteForCausalLM": "granite"}
+                "GraniteForCausalLM": "granite", "Ernie4_5ForCausalLM": "ernie4_5"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.

@@ -45,6 +45,13 @@ MOE_PRESETS: dict[str, tuple[str, str, dict]] = {
                   "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "use_qk_norm": True,
                   "attention_bias": True, "head_dim": 24}),
 }
+# ERNIE 4.5 MoE: softmax scores chosen with a choice bias (moe_statics), top-3 of 8 renormalized, one shared
+# expert; layers 1 and 3 sparse (interval 2 from layer 1); RoPE over adjacent pairs; kept apart from MOE_PRESETS
+# (no fused decode step: test_moe.py's checks expect one)
+ERNIE_MOE_PRESET = ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM",
+                    {"intermediate_size": 128, "num_hidden_layers": 4, "moe_num_experts": 8, "moe_k": 3,
+                     "moe_intermediate_size": 48, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                     "moe_layer_interval": 2, "head_dim": 16, "tie_word_embeddings": False, "rope_theta": 10000.0})
 
 
 def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True,
@@ -53,7 +60,7 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
     overrides replace config fields of the preset (vocab_size=512 for a trained tokenizer, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, architecture, fields = MOE_PRESETS[preset]
+    model_type, architecture, fields = ERNIE_MOE_PRESET if preset == "ernie4_5_moe" else MOE_PRESETS[preset]
     config = AutoConfig.for_model(model_type, architectures=[architecture], **{**MOE_BASE, **fields, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -63,9 +70,9 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen) * INIT_STD
             param.copy_(noise + 1.0 if "norm" in name else noise)
-        for name, buffer in sorted(model.named_buffers()):
+        for name, tensor in sorted([*model.named_buffers(), *model.named_parameters()]):
             if name.endswith("e_score_correction_bias"):  # chooses experts (zeros would leave that untested)
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * INIT_STD)
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_STD * (0.3 if "moe_statics" in name else 1))
     model.save_pretrained(out_dir, save_original_format=original_format)
     return out_dir
 

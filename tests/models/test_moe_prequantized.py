@@ -1,4 +1,4 @@
-"""GPTQ / AWQ Mixtral, Qwen2-MoE and GLM-4.5 checkpoints: attention, dense MLPs and shared experts stay packed, routed
+"""GPTQ / AWQ Mixtral, Qwen2-MoE, GLM-4.5 and ERNIE 4.5 checkpoints: attention, dense MLPs and shared experts stay packed, routed
 experts are dequantized at load; logits equal transformers' own classes on the float weights the integers stand
 for (packed here by flashllm.testing.packed_quant, written from the published layouts)."""
 
@@ -69,7 +69,8 @@ def quantized_dirs(float_dir: Path, out: Path, qconfig: dict, seed: int) -> tupl
 
 @pytest.mark.parametrize("preset, case", [("mixtral", "gptq-int4"), ("mixtral", "gptq-int8-act-order"),
                                           ("mixtral", "awq-int4"), ("qwen2_moe", "gptq-int4"),
-                                          ("glm4_moe", "gptq-int4"), ("glm4_moe", "awq-int4")])
+                                          ("glm4_moe", "gptq-int4"), ("glm4_moe", "awq-int4"),
+                                          ("ernie4_5_moe", "gptq-int4")])
 def test_a_quantized_moe_checkpoint_computes_its_dequantized_weights(preset, case, tmp_path, ops, model_registry,
                                                                     paged_driver):
     from transformers import AutoModelForCausalLM
