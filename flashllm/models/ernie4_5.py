@@ -138,11 +138,15 @@ class Ernie4_5_MoeForCausalLM(MixtralForCausalLM):
 
 
 def _router_named(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors less `model.mtp_*`, its choice bias (moe_statics, or a GGUF file's exp_probs_b, as
+    (1, E)) as the router's (E,) e_score_correction_bias."""
     for name, tensor in weights:
         if name.startswith(_MTP):
             continue
         statics = _STATICS.match(name)
         if statics:
             yield f"{statics[1]}.gate.e_score_correction_bias", tensor.reshape(-1)
+        elif name.endswith(".mlp.gate.e_score_correction_bias"):
+            yield name, tensor.reshape(-1)
         else:
             yield name, tensor

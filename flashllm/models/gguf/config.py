@@ -1,5 +1,6 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3, chatglm, glm4 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2, glm4moe)."""
+granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2, glm4moe,
+ernie4_5-moe)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import chatglm, deepseek2, gemma3, glm4moe, granite, phi3
+from flashllm.models.gguf import chatglm, deepseek2, ernie, gemma3, glm4moe, granite, phi3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -83,6 +84,10 @@ ARCHITECTURES: dict[str, ArchMap] = {
                          config_fields=deepseek2.deepseek2_config_fields, layer_params=deepseek2.LAYER_PARAMS,
                          joined=((deepseek2.KV_B_PARTS, deepseek2.KV_B_MODULE, deepseek2.join_kv_b),),
                          latent_heads=True),
+    "ernie4_5": ArchMap("Ernie4_5ForCausalLM", "ernie4_5", permute_qk=False, config_fields=ernie.ernie_config_fields),
+    ernie.MOE_ARCH: ArchMap("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", permute_qk=False,
+                            layer_names=ernie.MOE_LAYER_NAMES, config_fields=ernie.ernie_moe_config_fields,
+                            layer_params=ernie.MOE_LAYER_PARAMS),
     "glm4moe": ArchMap("Glm4MoeForCausalLM", "glm4_moe", permute_qk=False, layer_names=glm4moe.LAYER_NAMES,
                        config_fields=glm4moe.glm4moe_config_fields, partial_rotary=True,
                        layer_params=glm4moe.LAYER_PARAMS, appended_layers=True),

@@ -1,0 +1,83 @@
+"""How each transformers architecture maps onto a llama.cpp GGUF arch for flashllm/bench/gguf_export.py: the arch
+name, the rope layout and each architecture's own names, checks, metadata and tensor transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flashllm.bench import (
+    gguf_chatglm,
+    gguf_deepseek,
+    gguf_ernie,
+    gguf_gemma3,
+    gguf_glm4moe,
+    gguf_granite,
+    gguf_moe,
+    gguf_phi3,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """How one HF architecture maps onto llama.cpp: its GGUF arch name and rope layout.
+
+    permute_qk: llama.cpp runs this arch with interleaved ("normal") rope, while HF rotates the
+    two halves of each head (neox), so Q and K rows must be reordered; qwen2 runs neox in both.
+    norm_shift: added to every `*norm.weight` (Gemma's RMSNorm multiplies by 1 + w, llama.cpp's by the weight).
+    layer_names: HF module -> GGUF layer part, where this arch's differ from Llama's.
+    check: (config) -> None, raising ValueError for what llama.cpp would run differently; in place of the
+    generic refusal of sliding windows.
+    add_hparams: (GGUFWriter, config) -> None, the arch's own metadata.
+    rope_types: rope types add_hparams / extra_tensors write themselves (LongRoPE's factor tensors).
+    extra_tensors: (config) -> {GGUF name: F32 array} written beside the weights.
+    transform: (the checkpoint's (HF name, shape, loader) entries, config) -> the entries to write, where the
+    converter stacks, splits or renames tensors (MoE experts, DeepSeek's latent up-projection).
+    latent_heads: add_hparams writes head_count_kv, key / value lengths and the rope dimensions (MLA's), not the
+    generic ones.
+    """
+
+    gguf_arch: str
+    permute_qk: bool
+    norm_shift: float = 0.0
+    layer_names: Mapping[str, str] = field(default_factory=dict)
+    check: Callable[[Any], None] | None = None
+    add_hparams: Callable[[Any, Any], None] | None = None
+    rope_types: tuple[str, ...] = ()
+    extra_tensors: Callable[[Any], dict[str, np.ndarray]] | None = None
+    transform: Callable[[list[Any], Any], Iterator[Any]] | None = None
+    latent_heads: bool = False
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
+    "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
+    "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
+    "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
+    "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
+    "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),
+    gguf_gemma3.ARCHITECTURE: ArchSpec("gemma3", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
+                                       layer_names=gguf_gemma3.LAYER_NAMES),
+    gguf_granite.ARCHITECTURE: ArchSpec("granite", permute_qk=True, add_hparams=gguf_granite.add_hparams),
+    gguf_phi3.ARCHITECTURE: ArchSpec("phi3", permute_qk=False, layer_names=gguf_phi3.LAYER_NAMES,
+                                     check=gguf_phi3.check, add_hparams=gguf_phi3.add_hparams,
+                                     rope_types=gguf_phi3.ROPE_TYPES, extra_tensors=gguf_phi3.extra_tensors),
+    gguf_chatglm.ARCHITECTURE: ArchSpec("chatglm", permute_qk=False, layer_names=gguf_chatglm.LAYER_NAMES,
+                                        check=gguf_chatglm.check),
+    gguf_chatglm.GLM4_ARCHITECTURE: ArchSpec("glm4", permute_qk=False, layer_names=gguf_chatglm.GLM4_LAYER_NAMES,
+                                             check=gguf_chatglm.check),
+    **{architecture: ArchSpec("deepseek2", permute_qk=False, layer_names=gguf_deepseek.LAYER_NAMES,
+                              check=gguf_deepseek.check, add_hparams=gguf_deepseek.add_hparams, rope_types=("yarn",),
+                              transform=gguf_deepseek.transform, latent_heads=True)
+       for architecture in gguf_deepseek.ARCHITECTURES},
+    gguf_ernie.ARCHITECTURE: ArchSpec("ernie4_5", permute_qk=False, check=gguf_ernie.check),
+    gguf_ernie.MOE_ARCHITECTURE: ArchSpec("ernie4_5-moe", permute_qk=False, layer_names=gguf_ernie.MOE_LAYER_NAMES,
+                                          check=gguf_ernie.check, add_hparams=gguf_ernie.add_hparams,
+                                          transform=gguf_ernie.transform),
+    gguf_glm4moe.ARCHITECTURE: ArchSpec("glm4moe", permute_qk=False, layer_names=gguf_glm4moe.LAYER_NAMES,
+                                        check=gguf_glm4moe.check, add_hparams=gguf_glm4moe.add_hparams,
+                                        transform=gguf_glm4moe.transform),
+}
