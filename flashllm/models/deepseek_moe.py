@@ -161,9 +161,8 @@ def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
         return None
     experts, shared, gate = mlp.experts, mlp.shared_experts, mlp.gate
     if (type(experts) is not FusedMoE or experts.expert_parallel or experts.expert_blocks is not None
-            or type(gate) is not DeepseekRouter or (shared is not None and type(shared) is not GatedMLP)
-            or (gate.e_score_correction_bias is not None and not mlp.config.sigmoid_scoring)):
-        return None  # the native block's choice bias goes with sigmoid scores only
+            or type(gate) is not DeepseekRouter or (shared is not None and type(shared) is not GatedMLP)):
+        return None
     config, linear, bias = mlp.config, LinearWeights.of, gate.e_score_correction_bias
     grouped = config.group_limited
     return MoEWeights(

@@ -128,7 +128,7 @@ class Ernie4_5_MoeForCausalLM(MixtralForCausalLM):
 
     @staticmethod
     def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
-        """None: the native block takes a choice bias beside sigmoid scores only (deepseek_moe.decode_stack_moe)."""
+        """A DeepseekMoE as the fused decode stack's MoEWeights (deepseek_moe.decode_stack_moe)."""
         return decode_stack_moe(mlp)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

@@ -111,8 +111,9 @@ class MoEWeights:
     FusedMoE.use_expert_blocks), with w13, w2 and their scales None; None: the stacked tensors above.
 
     DeepSeek's routing (flashllm/models/deepseek_moe.py select_experts_grouped) changes the first two
-    lines: scoring "sigmoid" takes sigmoid(router(h)) as the scores and chooses by scores +
-    correction_bias ((E,) fp32, or None) while weighing by the scores; with n_group > 1 the k are
+    lines: scoring "sigmoid" takes sigmoid(router(h)) as the scores; a correction_bias ((E,) fp32, or None;
+    with either scoring: ERNIE 4.5 adds one to softmax probabilities) chooses by scores + bias while the
+    weights are the scores; with n_group > 1 the k are
     chosen within the topk_group best of n_group equal groups of experts (a group's score: its best
     expert's for softmax, its best two's sum for sigmoid); the k weights (renormalized or not) are
     then multiplied by routed_scaling_factor.

@@ -1,5 +1,5 @@
 """DeepSeek-V2/V3 decode through the cpu backend's fused native step (csrc/mla_decode.c's latent attention
-block, csrc/moe_decode.c's DeepSeek routing): the native MoE block against the model's own routing and the
+block, csrc/moe_decode.c's DeepSeek routing, which ERNIE 4.5's softmax-with-a-choice-bias shares): the native MoE block against the model's own routing and the
 reference fused_moe op, whole decodes against the per-op path (tokens, logprobs) and against transformers'
 greedy tokens, multi-step bursts, and the models the step must leave to their own forward."""
 
@@ -54,6 +54,7 @@ class _Routing:
     (False, 4, 2, 2, False, 1.5),   # V2: group-limited softmax, scaled
     (True, 4, 2, 2, True, 2.5),     # V3: sigmoid + bias within groups, renormalized, scaled
     (True, 2, 1, 3, False, 1.0),    # sigmoid, one group of two kept, not renormalized
+    (False, 1, 1, 3, True, 1.0),    # ERNIE 4.5: softmax probabilities + a choice bias, renormalized
 ])
 def test_the_native_block_routes_as_deepseek(tokens, sigmoid, groups, kept, top_k, renormalize, scaling) -> None:
     """The block's routing and experts against select_experts_grouped (the per-op path's torch routing,
@@ -61,7 +62,8 @@ def test_the_native_block_routes_as_deepseek(tokens, sigmoid, groups, kept, top_
     experts = 16
     gen = torch.Generator().manual_seed(experts * 10 + top_k + 100 * groups)
     router = torch.randn(experts, HIDDEN, generator=gen) * 0.5
-    bias = torch.randn(experts, generator=gen) * 0.3 if sigmoid else None
+    # V3's bias beside sigmoid scores; ERNIE's (renormalized softmax) of the size of its probabilities' spread
+    bias = torch.randn(experts, generator=gen) * (0.3 if sigmoid else 0.05) if sigmoid or renormalize else None
     w13 = torch.randn(experts, 2 * INTER, HIDDEN, generator=gen) * 0.1
     w2 = torch.randn(experts, HIDDEN, INTER, generator=gen) * 0.1
     gate_up, down = torch.randn(2 * SHARED, HIDDEN, generator=gen) * 0.1, torch.randn(HIDDEN, SHARED, generator=gen) * 0.1
@@ -104,7 +106,8 @@ def test_describe_refuses_routing_the_block_does_not_run() -> None:
     assert refused(n_group=4, topk_group=5)                      # more groups kept than there are
     assert refused(n_group=8, topk_group=1)                      # top-2 from one group of one expert
     assert refused(scoring="sigmoid", correction_bias=torch.zeros(7))
-    assert refused(correction_bias=torch.zeros(8))               # a bias beside softmax scores
+    assert refused(correction_bias=torch.zeros(8, dtype=torch.float64))
+    assert not refused(correction_bias=torch.zeros(8))           # beside softmax probabilities (ERNIE 4.5)
 
 
 @pytest.fixture(scope="module")

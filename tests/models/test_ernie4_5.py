@@ -117,7 +117,10 @@ def test_the_moe_layers_are_what_the_config_asks_for(moe, ops, model_registry) -
     block = ours.model.layers[1].mlp
     assert block.gate.e_score_correction_bias.shape == (8,) and block.gate.e_score_correction_bias.abs().sum() > 0
     assert ours.model.rotary_emb.is_neox is False
-    assert DECODER_STACK not in ours.fusions()  # the native block takes a choice bias beside sigmoid scores only
+    moes = [layer.moe for layer in ours.fusions()[DECODER_STACK].layers]
+    assert [moe is not None for moe in moes] == [False, True, False, True]
+    assert (moes[1].scoring, moes[1].renormalize) == ("softmax", True)
+    assert moes[1].correction_bias.data_ptr() == block.gate.e_score_correction_bias.data_ptr()
 
 
 def test_moe_varlen_prefill_and_decode_match_transformers(moe, ops, model_registry, paged_driver) -> None:
@@ -150,6 +153,28 @@ def test_moe_engine_greedy_tokens_and_logits_match_transformers(moe) -> None:
         tokens, logits = hf_greedy(hf_model, prompt, 16)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert_rows_match(rows, prompt, tokens, logits, 16, atol=ATOL)
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")
+@pytest.mark.parametrize("options", [{}, {"quant_type": "w8a16"}])
+def test_moe_decode_through_the_fused_step_matches_the_per_op_path(moe, tmp_path, monkeypatch, options) -> None:
+    """The native MoE block (softmax probabilities + the choice bias choose, renormalized probabilities weigh) against
+    the per-op path's torch routing: greedy tokens identical, logprobs within fp32 rounding, every decode fused. The
+    int8 kernels take whole groups of 32 input features: the w8a16 model's experts have 64."""
+    model_dir = build_moe_model(tmp_path, "ernie4_5_moe", seed=9, moe_intermediate_size=64) if options else moe[1]
+    prompts = [[5, 17, 3, 99, 42, 7, 1], [8] * 20, list(range(30, 63)), [9]]
+    runs = []
+    for fused in (True, False):
+        taken = record_fused_steps(monkeypatch)
+        monkeypatch.setenv(decode_stack.ENV_SWITCH, "1" if fused else "0")
+        llm = _llm(model_dir, num_scheduler_steps=1, **options)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in (20, 9, 13, 5)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], sum(taken)))
+    (fused_tokens, fused_logprobs, taken), (tokens, logprobs, untaken) = runs
+    assert untaken == 0 and taken >= 19 and fused_tokens == tokens
+    for ours, theirs in zip(fused_logprobs, logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

@@ -139,9 +139,8 @@ def _routing(desc: MoEBlock, block: MoEWeights, keep: list[Any]) -> None:
         raise Unsupported(f"{groups} expert groups ({kept} kept) for {experts} experts, top-{block.top_k}")
     bias = block.correction_bias
     if bias is not None:
-        if block.scoring != "sigmoid" or not (bias.dtype == torch.float32 and bias.is_contiguous()
-                                              and tuple(bias.shape) == (experts,)):
-            raise Unsupported("a correction bias that is not fp32 (E,) beside sigmoid scores")
+        if not (bias.dtype == torch.float32 and bias.is_contiguous() and tuple(bias.shape) == (experts,)):
+            raise Unsupported("a correction bias that is not fp32 (E,)")
         desc.bias = bias.data_ptr()
         keep.append(bias)
     desc.sigmoid, desc.n_group, desc.topk_group = int(block.scoring == "sigmoid"), groups, kept

@@ -34,7 +34,7 @@ struct stack_moe {
     float *scratch;                 /* flashllm_moe_scratch(this, max_tokens, H) floats */
     int64_t max_tokens, H;
     int64_t sigmoid, n_group, topk_group;  /* sigmoid scores (else softmax); groups (1: none), groups kept */
-    const float *bias;              /* (E,) added to sigmoid scores to choose experts, or NULL */
+    const float *bias;              /* (E,) added to the scores (sigmoid, or softmax probabilities) to choose experts, or NULL */
     float scaling;                  /* the k weights are multiplied by it (1 for Mixtral / Qwen2-MoE) */
     const stack_linear *blocks13, *blocks2;  /* (E,) each expert's w13 / w2 descriptor in place of w13 / w2
                                                 (a GGUF file's blocks, any kind the dense layers take), or NULL */
@@ -83,16 +83,19 @@ static float group_score(const stack_moe *m, const float *c, int64_t g) {
 }
 
 /* Token t's k experts and their weights from its router logits l (E); c (E) scratch: the scores the
- * experts are chosen by (the logits themselves for softmax, which orders them alike), -inf outside
- * the groups kept. */
+ * experts are chosen by (the logits themselves for softmax without a bias, which orders them alike; with
+ * one, the probabilities plus the bias), -inf outside the groups kept. */
 static void route(const stack_moe *m, const float *l, float *c, int64_t *ids, float *weights) {
     float top = l[0];
     for (int64_t e = 1; e < m->E; e++)
         if (ranks_above(l[e], top)) top = l[e];
     double sum = 0.0;
+    if (!m->sigmoid)
+        for (int64_t e = 0; e < m->E; e++) sum += expf(l[e] - top);
     for (int64_t e = 0; e < m->E; e++) {
-        if (!m->sigmoid) sum += expf(l[e] - top);
-        c[e] = m->sigmoid ? sigmoid_of(l[e]) + (m->bias ? m->bias[e] : 0.0f) : l[e];
+        const float b = m->bias ? m->bias[e] : 0.0f;
+        if (m->sigmoid) c[e] = sigmoid_of(l[e]) + b;
+        else c[e] = m->bias ? (float)(expf(l[e] - top) / sum) + b : l[e];  /* ERNIE 4.5: probability + bias */
     }
     if (m->n_group > 1) {
         const int64_t size = m->E / m->n_group;
