@@ -6,7 +6,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from flashllm.models.layers.linear import copy_checked
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.moe import FusedMoE, RouterLinear
-from flashllm.models.mixtral import MoEModelConfig
+from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig
 from flashllm.registry.fusions import LinearWeights, MoEWeights
 
 logger = logging.getLogger(__name__)
@@ -188,3 +188,23 @@ def without_mtp_layers(weights: Iterable[tuple[str, Tensor]], num_layers: int) -
         yield name, tensor
     if skipped:
         logger.info("skipped %d tensors of layers past num_hidden_layers (next-token-prediction layers)", skipped)
+
+
+class SharedExpertsMoEForCausalLM(MixtralForCausalLM):
+    """Llama's attention over DeepSeek's MoE (routed and shared experts) in the layers config.sparse_layers says, dense
+    gated MLPs elsewhere (GLM-4.5, ERNIE 4.5); checkpoint names as the DeepSeek MoE's."""
+
+    renamed_modules: ClassVar[dict[str, str]] = {}
+
+    @staticmethod
+    def make_mlp(config: SharedExpertsMoEConfig, layer_idx: int, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int, tp_size: int) -> nn.Module:
+        """A DeepseekMoE where config.sparse_layers says, else a dense gated MLP of intermediate_size."""
+        if config.sparse_layers[layer_idx]:
+            return DeepseekMoE(config, ops, dtype, device, tp_rank, tp_size)
+        return GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device, tp_rank, tp_size)
+
+    @staticmethod
+    def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
+        """A DeepseekMoE as the fused decode stack's MoEWeights (decode_stack_moe)."""
+        return decode_stack_moe(mlp)

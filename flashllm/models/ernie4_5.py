@@ -8,18 +8,15 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from flashllm.models.deepseek_moe import DeepseekMoE, SharedExpertsMoEConfig, decode_stack_moe
+from flashllm.models.deepseek_moe import SharedExpertsMoEConfig, SharedExpertsMoEForCausalLM
 from flashllm.models.hf_config import MAX_INTERMEDIATE_SIZE, MAX_NUM_LAYERS, ModelLoadError, flag, positive_int
-from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.llama import LlamaForCausalLM
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
-from flashllm.models.mixtral import MAX_NUM_EXPERTS, MixtralForCausalLM, check_prequantized_experts, moe_config
-from flashllm.registry.fusions import MoEWeights
+from flashllm.models.mixtral import MAX_NUM_EXPERTS, check_prequantized_experts, moe_config
 
 # transformers' Ernie4_5Config / Ernie4_5_MoeConfig defaults where they are not parse_llama_config's
 _DEFAULTS = {"head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
@@ -104,32 +101,17 @@ def _layer_index(fields: dict[str, Any], key: str, layers: int, source: str) -> 
     return value
 
 
-class Ernie4_5_MoeForCausalLM(MixtralForCausalLM):
+class Ernie4_5_MoeForCausalLM(SharedExpertsMoEForCausalLM):
     """ERNIE 4.5 MoE (21B-A3B, 300B-A47B): router `mlp.gate` with its choice bias
     `mlp.moe_statics.e_score_correction_bias` ((1, E) in the checkpoints), per-expert `mlp.experts.N.*` (or
     transformers 5's stacked tensors), `mlp.shared_experts.*`; dense `mlp.*` elsewhere; no biases (use_bias
     false). `model.mtp_*` tensors are skipped."""
 
-    renamed_modules: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> Ernie4_5MoeModelConfig:
         """config.json -> Ernie4_5MoeModelConfig, validated (see parse_ernie4_5_moe_config)."""
         return parse_ernie4_5_moe_config(raw, source)
-
-    @staticmethod
-    def make_mlp(config: Ernie4_5MoeModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int, tp_size: int) -> nn.Module:
-        """DeepSeek's MoE block (softmax scores, the choice bias, shared experts) where config.sparse_layers says, else
-        a dense gated MLP."""
-        if config.sparse_layers[layer_idx]:
-            return DeepseekMoE(config, ops, dtype, device, tp_rank, tp_size)
-        return GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device, tp_rank, tp_size)
-
-    @staticmethod
-    def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
-        """A DeepseekMoE as the fused decode stack's MoEWeights (deepseek_moe.decode_stack_moe)."""
-        return decode_stack_moe(mlp)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """MixtralForCausalLM.load_weights over the checkpoint less its MTP tensors, the (1, E) choice bias as the

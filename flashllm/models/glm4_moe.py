@@ -8,18 +8,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from flashllm.models.deepseek_config import GLM4_MOE, grouped_routing
-from flashllm.models.deepseek_moe import DeepseekMoE, SharedExpertsMoEConfig, decode_stack_moe, without_mtp_layers
+from flashllm.models.deepseek_moe import SharedExpertsMoEConfig, SharedExpertsMoEForCausalLM, without_mtp_layers
 from flashllm.models.hf_config import flag
-from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.llama_config import parse_llama_config
-from flashllm.models.mixtral import MixtralForCausalLM, check_prequantized_experts, moe_config
-from flashllm.registry.fusions import MoEWeights
+from flashllm.models.mixtral import check_prequantized_experts, moe_config
 
 GLM4_MOE_ROTARY_FACTOR = 0.5  # transformers' Glm4MoeConfig default, and every published GLM-4.5 / 4.6 config's
 
@@ -56,33 +53,18 @@ def parse_glm4_moe_config(raw: dict[str, Any], source: str = "config.json") -> G
     return config
 
 
-class Glm4MoeForCausalLM(MixtralForCausalLM):
+class Glm4MoeForCausalLM(SharedExpertsMoEForCausalLM):
     """GLM-4.5 / 4.6 / 4.5-Air: `mlp.gate` (weight and e_score_correction_bias), per-expert
     `mlp.experts.N.gate_proj|up_proj|down_proj` (or transformers 5's stacked tensors), `mlp.shared_experts.*`;
     dense `mlp.gate_proj|up_proj|down_proj` before first_k_dense_replace. The next-token-prediction layer the
     checkpoints append (model.layers.{num_hidden_layers}) is skipped here; --speculate_method mtp loads it
     (glm4_moe_mtp.py)."""
 
-    renamed_modules: ClassVar[dict[str, str]] = {}
-    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> Glm4MoeModelConfig:
         """config.json -> Glm4MoeModelConfig, validated (see parse_glm4_moe_config)."""
         return parse_glm4_moe_config(raw, source)
-
-    @staticmethod
-    def make_mlp(config: Glm4MoeModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int, tp_size: int) -> nn.Module:
-        """DeepSeek's MoE (routed and shared experts) where config.sparse_layers says, else a dense gated MLP."""
-        if config.sparse_layers[layer_idx]:
-            return DeepseekMoE(config, ops, dtype, device, tp_rank, tp_size)
-        return GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device, tp_rank, tp_size)
-
-    @staticmethod
-    def decode_stack_moe(mlp: nn.Module) -> MoEWeights | None:
-        """A DeepseekMoE as the fused decode stack's MoEWeights (deepseek_moe.decode_stack_moe)."""
-        return decode_stack_moe(mlp)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """MixtralForCausalLM.load_weights over the checkpoint less its next-token-prediction layers."""

@@ -22,6 +22,7 @@ from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.fused_decode import record_fused_steps
+from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
     assert_rows_match,
     check_chunked_prefill_beside_a_decode,
@@ -177,20 +178,9 @@ def test_moe_decode_through_the_fused_step_matches_the_per_op_path(moe, tmp_path
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_two_ranks_give_one_rank_s_tokens(moe, expert_parallel) -> None:
-    prompts = [random_tokens(n, VOCAB, seed=50 + n) for n in (5, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
-    runs = []
-    for tp in (1, 2):
-        llm = _llm(moe[1], tensor_parallel_size=tp, enable_expert_parallel=expert_parallel and tp > 1)
-        try:
-            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
-        finally:
-            llm.engine.shutdown()
-    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(*runs, strict=True):
-        assert tokens2 == tokens1
-        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-4
+@pytest.mark.parametrize("options", [{}, {"enable_expert_parallel": True}], ids=["tensor", "expert"])
+def test_two_ranks_give_one_rank_s_tokens(moe, options) -> None:
+    two_ranks_decode_as_one([random_tokens(n, VOCAB, seed=50 + n) for n in (5, 40)], moe[1], **options)
 
 
 def test_the_checkpoints_mtp_tensors_are_skipped(moe, tmp_path, ops, model_registry) -> None:
