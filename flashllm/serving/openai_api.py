@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -273,7 +273,7 @@ async def create_chat_completion(ctx: ServerContext, http: HTTPRequest, body: by
 
 
 def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest, max_tokens: int, num_logprobs: int | None,
-                         spec: Any, tool_names: list[str] | None) -> SamplingParams:
+                         spec: Any, tool_names: Mapping[str, Any] | None) -> SamplingParams:
     """The request's SamplingParams; a reply read for tool calls keeps the special tokens its parser reads."""
     params = req.sampling_params(ctx.defaults, max_tokens, num_logprobs, spec)
     if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
@@ -282,8 +282,9 @@ def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest, max_tok
     return params
 
 
-def tool_names_of(req: ChatCompletionRequest) -> list[str] | None:
-    """Names of the tools the model may call, or None when tool calling is off for this request."""
+def tool_names_of(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The tools the model may call, by name (to their parameters schemas, which the glm45 parser reads values by),
+    or None when tool calling is off for this request."""
     try:
         mode = check_tool_choice(req.tools, req.tool_choice)
     except ValueError as exc:
@@ -291,7 +292,7 @@ def tool_names_of(req: ChatCompletionRequest) -> list[str] | None:
         raise APIError(400, str(exc), param=param) from None
     if mode in (None, "none") or not req.tools:
         return None
-    return [t["function"]["name"] for t in req.tools]
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools}
 
 
 def chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[Any, str | None]:
@@ -314,7 +315,7 @@ def max_tool_calls(req: ChatCompletionRequest) -> int:
     return MAX_TOOL_CALLS if req.parallel_tool_calls else 1
 
 
-def chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_calls: int) -> dict[str, Any]:
+def chat_choice(ctx: ServerContext, c: Any, tool_names: Mapping[str, Any] | None, max_calls: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     if ctx.reasoning_parser is not None:
         message["reasoning_content"], message["content"] = split_reasoning(ctx.reasoning_parser, c.text)
@@ -329,7 +330,7 @@ def chat_choice(ctx: ServerContext, c: Any, tool_names: list[str] | None, max_ca
             "logprobs": chat_logprobs(ctx.tokenizer, c, 0, len(c.token_ids))}
 
 
-async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: list[str] | None
+async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: Mapping[str, Any] | None
                        ) -> AsyncIterator[bytes]:
     ctx = gen.ctx
     head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,

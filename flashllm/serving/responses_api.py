@@ -15,7 +15,7 @@ import collections
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
@@ -271,7 +271,7 @@ class _Call:
     """One /v1/responses request, resolved: its chat request, conversation, prompt and generation."""
 
     def __init__(self, ctx: ServerContext, req: ResponsesRequest, conversation: list[dict[str, Any]],
-                 chat: ChatCompletionRequest, gen: Generation, tool_names: list[str] | None) -> None:
+                 chat: ChatCompletionRequest, gen: Generation, tool_names: Mapping[str, Any] | None) -> None:
         self.ctx, self.req, self.conversation, self.chat, self.gen = ctx, req, conversation, chat, gen
         self.tool_names = tool_names
         self.id, self.created = _new_id("resp"), int(time.time())

@@ -86,6 +86,10 @@ def tool_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel
         chosen = tools
     else:
         return None
+    if parser not in _CALLS_GRAMMARS:
+        raise APIError(400, f"tool_choice {'required' if tool_choice == 'required' else 'naming a function'} is not "
+                       f"supported with --tool-call-parser {parser} (its calls have no grammar here); send "
+                       "tool_choice auto", param="tool_choice")
     arguments_key = "parameters" if parser == "llama3_json" else "arguments"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": t["function"]["name"]},

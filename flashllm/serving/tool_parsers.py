@@ -8,7 +8,11 @@
 - `mistral` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct, Mistral-Nemo): `[TOOL_CALLS]` followed by a
   JSON array of `{"name", "arguments"}`; text before the marker is content.
 
-Llama's and Mistral's calls run to the end of the reply, so a stream holds them until the reply ends and
+- `glm45` (GLM-4.5 / 4.5-Air / 4.6): `<tool_call>NAME` then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+  pairs and `</tool_call>`, one block per call; a value is the argument's text where the tool's schema says
+  the argument is a string (or does not say), else the JSON it holds; text before the first block is content.
+
+Llama's, Mistral's and GLM's calls run to the end of the reply, so a stream holds them until the reply ends and
 then sends each call whole, as the Hermes parser sends each block whole. A reply whose calls do not parse
 (bad JSON, unknown tool, too many calls) is all content.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from flashllm.serving.tool_calls import (
@@ -31,11 +35,13 @@ from flashllm.serving.tool_calls import (
     call_arguments,
 )
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "glm45")
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+GLM45_CALL, GLM45_END = "<tool_call>", "</tool_call>"
+_GLM45_PAIR = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 # the special tokens a parser reads: a request with tools keeps them in the reply's text
-READS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral"})
+READS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral", "glm45"})
 
 
 class TrailingCallsParser:
@@ -156,9 +162,74 @@ def _mistral_parse(tool_names: frozenset[str] | None, max_calls: int) -> Callabl
     return parse
 
 
+def _glm45_parse(tools: Mapping[str, Any], tool_names: frozenset[str] | None,
+                 max_calls: int) -> Callable[[str], list[tuple[str, str]] | None]:
+    def parse(text: str) -> list[tuple[str, str]] | None:
+        calls: list[tuple[str, str]] = []
+        at = 0
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at == len(text):
+                return calls or None
+            block = _glm45_block(text, at)
+            if block is None or len(calls) == max_calls:
+                return None
+            name, pairs, at = block
+            schema = tools.get(name) if isinstance(tools.get(name), dict) else {}
+            properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            arguments = call_arguments(name, {key: _glm45_value(value, properties.get(key)) for key, value in pairs},
+                                       tool_names)
+            if arguments is None:
+                return None
+            calls.append((name, arguments))
+    return parse
+
+
+def _glm45_block(text: str, at: int) -> tuple[str, list[tuple[str, str]], int] | None:
+    """(name, [(key, value)], the index past it) of the `<tool_call>` block at `at`, or None if it is not one."""
+    if not text.startswith(GLM45_CALL, at):
+        return None
+    end = text.find(GLM45_END, at)
+    if end < 0:
+        return None
+    body, pairs = text[at + len(GLM45_CALL):end], []
+    first = body.find(_GLM45_PAIR[0])
+    name, rest = (body, "") if first < 0 else (body[:first], body[first:])
+    while rest.strip():
+        parts, pos = [], 0
+        for tag in _GLM45_PAIR:  # each tag in order, with only whitespace between a closing and the next opening
+            found = rest.find(tag, pos)
+            if found < 0 or (tag in (_GLM45_PAIR[0], _GLM45_PAIR[2]) and rest[pos:found].strip()):
+                return None
+            parts.append(rest[pos:found])
+            pos = found + len(tag)
+        pairs.append((parts[1].strip(), parts[3]))
+        rest = rest[pos:]
+    return name.strip(), pairs, end + len(GLM45_END)
+
+
+def _glm45_value(text: str, schema: Any) -> Any:
+    """An argument's value: its text where the schema says string (or nothing), else the JSON it holds (its text
+    when it holds none)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if kind is None or "string" in kinds:
+        return text
+    try:
+        return json.loads(text.strip(), parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def stream_parser(parser: str, tool_names: Collection[str] | None = None,
                   max_tool_calls: int = MAX_TOOL_CALLS) -> ToolCallStreamParser | TrailingCallsParser:
-    """A per-reply parser (feed(delta) / flush() -> StreamEvents) for the format `parser` names."""
+    """A per-reply parser (feed(delta) / flush() -> StreamEvents) for the format `parser` names. tool_names: the
+    tools' names, or a mapping of them to their parameters schemas (which glm45 reads its values by)."""
     names = None if tool_names is None else frozenset(tool_names)
     if parser == "hermes":
         return ToolCallStreamParser(names, max_tool_calls=max_tool_calls)
@@ -166,6 +237,9 @@ def stream_parser(parser: str, tool_names: Collection[str] | None = None,
         return TrailingCallsParser((PYTHON_TAG, "{"), True, _llama3_parse(names, max_tool_calls))
     if parser == "mistral":
         return TrailingCallsParser((MISTRAL_TOOL_CALLS,), False, _mistral_parse(names, max_tool_calls))
+    if parser == "glm45":
+        schemas = tool_names if isinstance(tool_names, Mapping) else {}
+        return TrailingCallsParser((GLM45_CALL,), False, _glm45_parse(schemas, names, max_tool_calls))
     raise ValueError(f"tool call parser {parser!r} is not one of: {', '.join(TOOL_CALL_PARSERS)}")
 
 

@@ -1,5 +1,5 @@
-"""`--tool-call-parser llama3_json | mistral`: replies read into calls and content, any stream split reads as the
-whole reply, and the forced-call grammars produce exactly what the parsers read."""
+"""`--tool-call-parser llama3_json | mistral | glm45`: replies read into calls and content, any stream split reads as
+the whole reply, and the forced-call grammars produce exactly what the parsers read (glm45 has none: refused)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashllm.serving.protocol import APIError
 from flashllm.serving.tool_parsers import MISTRAL_TOOL_CALLS, PYTHON_TAG, parse_reply, stream_parser
 
 NAMES = ["look", "add"]
@@ -39,6 +40,45 @@ def test_mistral_replies() -> None:
     assert parse_reply("mistral", "no calls here", NAMES).content == "no calls here"
 
 
+# GLM-4.5's tools as the server hands them to the parser: name -> parameters schema
+GLM_TOOLS = {"look": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
+                                                       "tags": {"type": "array"}, "opt": {"type": ["string", "null"]}}},
+             "add": {}}
+
+
+def _glm(name: str, **arguments: str) -> str:
+    pairs = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in arguments.items())
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+def test_glm45_replies() -> None:
+    """Values typed by the tool's schema: strings as written (digits and JSON-looking text included), other types
+    parsed as JSON; text before the first block is content; a block of an unknown tool, an unterminated one or text
+    between blocks leaves the reply all content."""
+    text = "Let me look.\n" + _glm("look", q="123", n="7", tags='["a", 2]', opt='{"x": 1}') + "\n" + _glm("add")
+    parsed = parse_reply("glm45", text, GLM_TOOLS)
+    assert parsed.content == "Let me look."
+    assert calls(parsed) == [("look", {"q": "123", "n": 7, "tags": ["a", 2], "opt": '{"x": 1}'}), ("add", {})]
+    # a value the schema types but that holds no JSON stays text; a key the schema lacks is a string
+    assert calls(parse_reply("glm45", _glm("look", n="seven", extra="[1]"), GLM_TOOLS)) == [
+        ("look", {"n": "seven", "extra": "[1]"})]
+    assert calls(parse_reply("glm45", _glm("look", n="NaN"), GLM_TOOLS)) == [("look", {"n": "NaN"})]
+    for bad in (_glm("rm", q="x"), "<tool_call>look\n<arg_key>q</arg_key><arg_value>x", _glm("add") + " and " + _glm("add"),
+                "<tool_call>look\n<arg_key>q</arg_key>junk<arg_value>x</arg_value></tool_call>"):
+        assert (parse_reply("glm45", bad, GLM_TOOLS).content, parse_reply("glm45", bad, GLM_TOOLS).tool_calls) == (bad, [])
+    assert parse_reply("glm45", "no calls", GLM_TOOLS).content == "no calls"
+    # names alone (no schemas): every value is text
+    assert calls(parse_reply("glm45", _glm("look", n="7"), list(GLM_TOOLS))) == [("look", {"n": "7"})]
+
+
+def test_glm45_has_no_forced_call_grammar() -> None:
+    from flashllm.serving.structured import tool_call_constraint
+
+    with pytest.raises(APIError, match="not supported with --tool-call-parser glm45"):
+        tool_call_constraint(TOOLS, "required", True, "glm45")
+    assert tool_call_constraint(TOOLS, "auto", True, "glm45") is None
+
+
 def test_at_most_max_calls_else_all_content() -> None:
     text = '{"name": "look", "parameters": {}}; {"name": "look", "parameters": {}}'
     assert len(parse_reply("llama3_json", text, NAMES, max_tool_calls=2).tool_calls) == 2
@@ -50,6 +90,9 @@ PIECES = {
                     '{"name": "add", "arguments": {"a": [1, "}"]}}', '{"name": "rm", "parameters": {}}'],
     "mistral": [MISTRAL_TOOL_CALLS, "[TOOL", "[", "]", "{", '"', " ", "\n", "x", "é",
                 '[{"name": "look", "arguments": {}}]', '[{"name": "add", "arguments": {"s": "]["}}]'],
+    "glm45": ["<tool_call>", "<tool_", "</tool_call>", "<arg_key>", "</arg_value>", " ", "\n", "x", "é",
+              "<tool_call>look\n<arg_key>n</arg_key><arg_value>7</arg_value></tool_call>",
+              "<tool_call>add</tool_call>", "<tool_call>rm</tool_call>"],
 }
 
 
@@ -58,8 +101,9 @@ PIECES = {
 def test_any_split_streams_like_the_whole_reply(parser: str, data: st.DataObject) -> None:
     text = "".join(data.draw(st.lists(st.sampled_from(PIECES[parser]), max_size=10)))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    whole = parse_reply(parser, text, NAMES)
-    reader = stream_parser(parser, NAMES)
+    tools = GLM_TOOLS if parser == "glm45" else NAMES
+    whole = parse_reply(parser, text, tools)
+    reader = stream_parser(parser, tools)
     events = []
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         events += reader.feed(text[start:end])
