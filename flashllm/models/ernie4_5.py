@@ -8,7 +8,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -37,6 +37,9 @@ def parse_ernie4_5_config(raw: dict[str, Any], source: str = "config.json") -> L
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
     """ERNIE 4.5 dense (0.3B): Llama's checkpoint names; next-token-prediction tensors (`model.mtp_*`) skipped."""
+
+    # sentencepiece, through tokenizer_config's Ernie4_5Tokenizer (built natively: models/tokenizers)
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.model",)
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
@@ -106,6 +109,8 @@ class Ernie4_5_MoeForCausalLM(SharedExpertsMoEForCausalLM):
     `mlp.moe_statics.e_score_correction_bias` ((1, E) in the checkpoints), per-expert `mlp.experts.N.*` (or
     transformers 5's stacked tensors), `mlp.shared_experts.*`; dense `mlp.*` elsewhere; no biases (use_bias
     false). `model.mtp_*` tensors are skipped."""
+
+    tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.model",)  # as the dense model's
 
 
     @classmethod

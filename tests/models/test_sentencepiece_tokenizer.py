@@ -152,6 +152,37 @@ def test_llama_style_loader_adds_bos_and_checks_its_special_tokens(tmp_path):
         load_sentencepiece_tokenizer(tmp_path, {"eos_token": "<nope>"})
 
 
+ERNIE_PIECES = ["<pad>", "<cls>", "<sep>", "<mask:0>", "<mask:1>", "<mask:7>", "<|begin_of_sentence|>",
+                "<|end_of_sentence|>"]
+
+
+def test_ernie_4_5_s_remote_code_tokenizer_is_built_natively_adding_nothing(tmp_path):
+    """ERNIE 4.5 checkpoints name Ernie4_5Tokenizer (remote code over tokenizer.model): built from the file, its
+    code never run; the text between special tokens is sentencepiece's, with no <s> / </s> added (the class drops
+    add_special_tokens); its default special tokens are the model's pieces, the config's additional ones too."""
+    model = train_sentencepiece_model(tmp_path / "tokenizer.model", user_defined_symbols=ERNIE_PIECES)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Ernie4_5Tokenizer", "bos_token": "<s>", "eos_token": "</s>",
+        "additional_special_tokens": ["<|begin_of_sentence|>", "<|end_of_sentence|>"],
+        "auto_map": {"AutoTokenizer": ["tokenization_ernie4_5.Ernie4_5Tokenizer", None]}}))
+    (tmp_path / "tokenization_ernie4_5.py").write_text(
+        f"open({str(tmp_path / 'EXECUTED')!r}, 'w').close()\nraise SystemExit('remote code ran')\n")
+    own = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, SentencePieceTokenizer) and not (tmp_path / "EXECUTED").exists()
+    for text in TEXTS:
+        assert tok.encode(text) == own.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    start, end, mask = (own.piece_to_id(p) for p in ("<|begin_of_sentence|>", "<|end_of_sentence|>", "<mask:1>"))
+    assert tok.encode("<|begin_of_sentence|>User: hi<mask:1><|end_of_sentence|>") == [
+        start, *own.encode("User: hi"), mask, end]
+    assert (tok.eos_token_id, tok.pad_token_id) == (own.eos_id(), own.piece_to_id("<pad>"))
+    train_sentencepiece_model(tmp_path / "bare" / "tokenizer.model")  # no <pad> / <cls> / <mask:*> pieces
+    (tmp_path / "bare" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Ernie4_5Tokenizer"}))
+    with pytest.raises(ModelLoadError, match="is not in"):
+        load_tokenizer(tmp_path / "bare")
+
+
 # ---------------------------------------------------------------- chat formats
 
 

@@ -21,6 +21,8 @@ NATIVE_TOKENIZERS: dict[str, str] = {
     # Baichuan-13B / Baichuan2 and Baichuan-7B (its class is spelt BaiChuanTokenizer)
     "BaichuanTokenizer": "flashllm.models.tokenizers.sentencepiece_tokenizer:load_sentencepiece_tokenizer",
     "BaiChuanTokenizer": "flashllm.models.tokenizers.sentencepiece_tokenizer:load_sentencepiece_tokenizer",
+    # ERNIE 4.5's checkpoints name a remote-code sentencepiece class (transformers reads them with its own backend)
+    "Ernie4_5Tokenizer": "flashllm.models.tokenizers.sentencepiece_tokenizer:load_ernie4_5_tokenizer",
 }
 
 

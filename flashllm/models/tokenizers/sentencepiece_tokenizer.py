@@ -283,6 +283,26 @@ def load_sentencepiece_tokenizer(model_dir: str | Path, tokenizer_config: dict[s
                                   name_or_path=str(root), **tokens)
 
 
+# Ernie4_5Tokenizer's special tokens beyond bos / eos / unk, with its defaults
+ERNIE_SPECIAL_DEFAULTS = {"pad_token": "<pad>", "cls_token": "<cls>", "sep_token": "<sep>", "mask_token": "<mask:0>"}
+ERNIE_ADDITIONAL_DEFAULTS = ("<mask:1>", "<mask:7>")
+
+
+def load_ernie4_5_tokenizer(model_dir: str | Path, tokenizer_config: dict[str, Any] | None = None
+                            ) -> SentencePieceTokenizer:
+    """ERNIE 4.5's remote-code Ernie4_5Tokenizer, built from its tokenizer.model: sentencepiece pieces of the text
+    between special tokens, nothing added around a prompt (its prepare_for_model drops add_special_tokens). The
+    special tokens are the config's bos / eos / unk / pad / cls / sep / mask tokens and additional_special_tokens,
+    the class's defaults where the config is silent (<s>, </s>, <unk>, <pad>, <cls>, <sep>, <mask:0>; <mask:1>,
+    <mask:7>), each a piece of the model. Raises ModelLoadError (one line) as load_sentencepiece_tokenizer."""
+    config = dict(tokenizer_config or {})
+    named = {key: _token_text(config.get(key)) or default for key, default in ERNIE_SPECIAL_DEFAULTS.items()}
+    extra = [t for t in map(_token_text, config.get("additional_special_tokens") or ERNIE_ADDITIONAL_DEFAULTS) if t]
+    config.update(pad_token=named.pop("pad_token"), additional_special_tokens=[*extra, *named.values()],
+                  add_bos_token=False, add_eos_token=False)
+    return load_sentencepiece_tokenizer(model_dir, config)
+
+
 def _turn_markers(root: Path, processor: Any) -> list[str]:
     """The pieces at generation_config.json's user_token_id / assistant_token_id (none when absent);
     an id outside the model's pieces is refused in one line."""
