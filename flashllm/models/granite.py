@@ -4,6 +4,7 @@ embedding, each block's branch outputs, the attention scores and the logits each
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +73,10 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     weights and LoRA deltas see the checkpoint's own projections, as in transformers."""
 
     def __init__(self, config: GraniteModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
-                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
+                 mlp: nn.Module | None = None) -> None:
         bias = config.attention_bias
-        super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias, tp_rank, tp_size)
+        super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias, tp_rank, tp_size, mlp)
         attn = self.self_attn  # Llama's Attention holds no weights: only its scale differs
         attn.attn = Attention(attn.num_heads, attn.head_dim, config.attention_multiplier, attn.num_kv_heads, ops)
         self.residual_multiplier = config.residual_multiplier
@@ -93,17 +95,19 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
 
 class GraniteModel(nn.Module):
-    """Multiplied embedding, Granite's decoder layers and final norm (HF's `model.` prefix)."""
+    """Multiplied embedding, Granite's decoder layers and final norm (HF's `model.` prefix); layer i's MLP from
+    make_mlp(i) where given (Granite-MoE), else gated."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
 
     def __init__(self, config: GraniteModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, make_mlp: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = MultipliedVocabEmbedding(config, dtype, device, tp_rank, tp_size)
         self.rotary_emb = LlamaModel.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
-            GraniteDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
+            GraniteDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size,
+                                None if make_mlp is None else make_mlp(i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)

@@ -70,12 +70,13 @@ class LlamaDecoderLayer(PreNormBlock):
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device,
                                         qkv_bias, o_bias, tp_rank, tp_size)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops,
-                            dtype, device, tp_rank, tp_size)
+        # the gated MLP, or the one given (Granite-MoE's sparse block)
+        self.mlp = mlp if mlp is not None else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                                                        ops, dtype, device, tp_rank, tp_size)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype, device)

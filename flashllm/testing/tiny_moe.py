@@ -52,6 +52,13 @@ ERNIE_MOE_PRESET = ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM",
                     {"intermediate_size": 128, "num_hidden_layers": 4, "moe_num_experts": 8, "moe_k": 3,
                      "moe_intermediate_size": 48, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
                      "moe_layer_interval": 2, "head_dim": 16, "tie_word_embeddings": False, "rope_theta": 10000.0})
+# Granite-MoE: Granite's four multipliers far from 1, top-2 of 4 experts in every layer
+GRANITE_MOE_PRESET = ("granitemoe", "GraniteMoeForCausalLM",
+                      {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                       "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+                       "logits_scaling": 8.0, "tie_word_embeddings": True})
+# presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
+OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET}
 
 
 def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True,
@@ -60,7 +67,7 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
     overrides replace config fields of the preset (vocab_size=512 for a trained tokenizer, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, architecture, fields = ERNIE_MOE_PRESET if preset == "ernie4_5_moe" else MOE_PRESETS[preset]
+    model_type, architecture, fields = {**MOE_PRESETS, **OTHER_MOE_PRESETS}[preset]
     config = AutoConfig.for_model(model_type, architectures=[architecture], **{**MOE_BASE, **fields, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
