@@ -283,7 +283,8 @@ def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) ->
 def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[str], str | None]) -> Path:
     """A copy of the directory `source` whose matrices are replaced by their quantize_rows-then-gguf-dequantize
     values: in types[part] for a name `...<part>.weight` ({"gate_proj": "Q4_K"}), or in types(name) where that
-    is not None. Raises ValueError for a matrix whose rows are not whole blocks of its type."""
+    is not None; a stack of matrices (experts stored (E, N, K)) row by row as the matrices would be. Raises
+    ValueError for a matrix whose rows are not whole blocks of its type."""
     import shutil
 
     import gguf
@@ -293,13 +294,14 @@ def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[s
     shutil.copytree(source, out)
     weights = load_file(str(source / "model.safetensors"))
     for name, value in weights.items():
-        qtype = type_of(name) if value.dim() == 2 else None
+        qtype = type_of(name) if value.dim() in (2, 3) else None
         if qtype is None:
             continue
         kind = gguf.GGMLQuantizationType[qtype]
         if value.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             raise ValueError(f"{name}: rows of {value.shape[-1]} are not whole {qtype} blocks")
-        weights[name] = torch.from_numpy(gguf.quants.dequantize(quantize_rows(value.float().numpy(), qtype), kind))
+        rows = value.float().reshape(-1, value.shape[-1]).numpy()
+        weights[name] = torch.from_numpy(gguf.quants.dequantize(quantize_rows(rows, qtype), kind)).reshape(value.shape)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

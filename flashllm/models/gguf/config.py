@@ -1,6 +1,6 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, deepseek2, glm4moe,
-ernie4_5-moe)."""
+granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, granitemoe,
+deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "gemma3": ArchMap("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma3_config_fields),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
+    "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,
+                          config_fields=granite.granitemoe_config_fields),
     "phi3": ArchMap("Phi3ForCausalLM", "phi3", permute_qk=False, config_fields=phi3.phi3_config_fields,
                     partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
     "chatglm": ArchMap("GlmForCausalLM", "glm", permute_qk=False, layer_names=chatglm.LAYER_NAMES,

@@ -55,6 +55,8 @@ MOE_GRAPHS: dict[str, MoEGraph] = {
     "MixtralForCausalLM": MoEGraph("num_local_experts", None, shared_expert=False, bias_field="attention_bias"),
     "Qwen2MoeForCausalLM": MoEGraph("num_experts", False, shared_expert=True, bias_field="qkv_bias"),
     "Qwen3MoeForCausalLM": MoEGraph("num_experts", True, shared_expert=False, bias_field="attention_bias"),
+    # llama.cpp's granite graph with experts: softmax top-k renormalized, experts feed_forward_length wide
+    "GraniteMoeForCausalLM": MoEGraph("num_local_experts", None, shared_expert=False, bias_field="attention_bias"),
 }
 
 
