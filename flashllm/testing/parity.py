@@ -102,3 +102,17 @@ def check_chunked_prefill_beside_a_decode(driver: Any, hf_model: torch.nn.Module
         chunk_logits, decode_logits = driver.step([(a, long_prompt[lo:hi]), (b, short[-1:])])
         assert_logits_close(chunk_logits, hf_logits(hf_model, long_prompt[:hi])[lo:hi], atol)
         assert_logits_close(decode_logits, hf_logits(hf_model, short)[-1:], atol)
+
+
+def check_engine_greedy_against(llm: Any, hf_model: torch.nn.Module, prompts: list[list[int]], steps: int,
+                                atol: float = 1e-4) -> None:
+    """The engine's `steps` greedy tokens after each prompt equal transformers' (full forwards, no cache), and every
+    logits row it scored on the way is within `atol` of transformers'."""
+    from flashllm.sampling_params import SamplingParams
+
+    rows = record_logits(llm)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logits = hf_greedy(hf_model, prompt, steps)
+        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
+        assert_rows_match(rows, prompt, tokens, logits, steps, atol=atol)

@@ -24,13 +24,11 @@ from flashllm.sampling_params import SamplingParams
 from flashllm.testing.fused_decode import record_fused_steps
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
-    assert_rows_match,
     check_chunked_prefill_beside_a_decode,
+    check_engine_greedy_against,
     check_varlen_prefill_and_decode,
-    hf_greedy,
     random_tokens,
 )
-from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.tiny_models import build_tiny_model
 from flashllm.testing.tiny_moe import ERNIE_MOE_PRESET, MOE_BASE, build_moe_model
 
@@ -146,14 +144,8 @@ def _llm(model_dir: Path, **kw) -> LLM:
 
 def test_moe_engine_greedy_tokens_and_logits_match_transformers(moe) -> None:
     hf_model, model_dir = moe
-    llm = _llm(model_dir)
-    rows = _record_logits(llm)
-    prompts = [random_tokens(n, VOCAB, seed=n) for n in PROMPT_LENGTHS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logits = hf_greedy(hf_model, prompt, 16)
-        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        assert_rows_match(rows, prompt, tokens, logits, 16, atol=ATOL)
+    check_engine_greedy_against(_llm(model_dir), hf_model, [random_tokens(n, VOCAB, seed=n) for n in PROMPT_LENGTHS], 16,
+                                ATOL)
 
 
 @pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.unavailable_reason()}")

@@ -17,13 +17,11 @@ from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
-    assert_rows_match,
     check_chunked_prefill_beside_a_decode,
+    check_engine_greedy_against,
     check_varlen_prefill_and_decode,
-    hf_greedy,
     random_tokens,
 )
-from flashllm.testing.parity import record_logits as _record_logits
 from flashllm.testing.tiny_moe import GRANITE_MOE_PRESET, MOE_BASE, build_moe_model
 
 VOCAB = MOE_BASE["vocab_size"]
@@ -69,13 +67,7 @@ def test_chunked_prefill_beside_a_decode_matches_transformers(granite, ops, mode
 def test_engine_greedy_tokens_and_logits_match_transformers(granite) -> None:
     hf_model, model_dir = granite
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64)
-    rows = _record_logits(llm)
-    prompts = [random_tokens(n, VOCAB, seed=n) for n in PROMPT_LENGTHS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logits = hf_greedy(hf_model, prompt, 16)
-        assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
-        assert_rows_match(rows, prompt, tokens, logits, 16, atol=ATOL)
+    check_engine_greedy_against(llm, hf_model, [random_tokens(n, VOCAB, seed=n) for n in PROMPT_LENGTHS], 16, ATOL)
 
 
 def test_transformers_5_names_load_the_same_model(granite, tmp_path, ops, model_registry) -> None:
