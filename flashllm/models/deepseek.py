@@ -19,7 +19,7 @@ from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from flashllm.models.layers.mlp import GatedMLP
-from flashllm.models.layers.moe import FusedMoE, expert_param_target
+from flashllm.models.layers.moe import expert_param_target, with_fused_experts
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import HiddenTaps, run_decoder_stack
@@ -282,16 +282,6 @@ def _layer_weights(layer: DeepseekDecoderLayer, config: DeepseekModelConfig) -> 
                                    mla=mla)
     moe = decode_stack_moe(mlp)
     return DecoderLayerWeights(*norms, None, o_proj, None, None, None, moe, mla)
-
-
-def with_fused_experts(model: nn.Module, loaded: set[str]) -> set[str]:
-    """The loaded parameter names, each FusedMoE's stacked w13 / w2 counted only once every expert's
-    projections arrived (CausalLM.load_weights counts a parameter at its first shard)."""
-    for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
-            loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
-    return loaded
 
 
 def dequantize_block_fp8(weights: Iterable[tuple[str, Tensor]], block: tuple[int, int]

@@ -10,12 +10,12 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
-from flashllm.models.deepseek import DeepseekDecoderLayer, dequantize_block_fp8, with_fused_experts
+from flashllm.models.deepseek import DeepseekDecoderLayer, dequantize_block_fp8
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding, Vocabulary, target_vocabulary
 from flashllm.models.layers.linear import ReplicatedLinear
-from flashllm.models.layers.moe import expert_param_target
+from flashllm.models.layers.moe import expert_param_target, with_fused_experts
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 

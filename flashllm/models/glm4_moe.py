@@ -31,11 +31,8 @@ def parse_glm4_moe_config(raw: dict[str, Any], source: str = "config.json") -> G
     """Validate a Glm4MoeForCausalLM config.json: Llama's fields (partial_rotary_factor 0.5 unless given, q / k
     norms where use_qk_norm, q, k and v biased where attention_bias) and DeepSeek-V3's routing fields with
     transformers' Glm4MoeConfig defaults. Raises ModelLoadError (one line naming the field)."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-    given = raw.get("partial_rotary_factor") is not None or (
-        isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None)
-    fields = raw if given else {**raw, "partial_rotary_factor": GLM4_MOE_ROTARY_FACTOR}
-    base = dataclasses.replace(parse_llama_config(fields, source), qk_norm=flag(raw, "use_qk_norm", source))
+    base = dataclasses.replace(parse_llama_config(raw, source, rotary_default=GLM4_MOE_ROTARY_FACTOR),
+                               qk_norm=flag(raw, "use_qk_norm", source))
     routing = grouped_routing(raw, GLM4_MOE, base.num_hidden_layers, source)
     first_dense, experts = routing["first_k_dense_replace"], routing["n_routed_experts"]
     config = moe_config(

@@ -12,10 +12,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from flashllm.models.deepseek import with_fused_experts
 from flashllm.models.granite import MULTIPLIERS, GraniteForCausalLM, GraniteModel, parse_granite_config
 from flashllm.models.hf_config import ModelLoadError
-from flashllm.models.layers.moe import SparseMoeBlock, expert_param_target
+from flashllm.models.layers.moe import SparseMoeBlock, expert_param_target, with_fused_experts
 from flashllm.models.mixtral import MoEModelConfig, experts_and_top_k, moe_config
 
 # the published checkpoints' expert and router names (transformers 5 writes experts.gate_up_proj / down_proj and

@@ -69,14 +69,16 @@ class LlamaModelConfig:
                                self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.vocab_size)
 
 
-def parse_llama_config(raw: dict[str, Any], source: str = "config.json") -> LlamaModelConfig:
+def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_default: float = 1.0
+                       ) -> LlamaModelConfig:
     """Validate a Llama-family config.json dict (already checked for `architectures`) and return its typed view.
 
+    rotary_default: the partial_rotary_factor where config.json gives none (GLM-4.5's is 0.5).
     Raises ModelLoadError (one line) on a missing or non-positive required field, a size past the
     sanity limits, inconsistent head counts, invalid rope settings or an activation other than silu.
     """
     sizes = decoder_sizes(raw, source)
-    rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], 1.0, source)
+    rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], rotary_default, source)
     rope_theta, rope_scaling = normalize_rope(rope_raw, source)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":

@@ -18,7 +18,7 @@ from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.mlp import GatedMLP
-from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, expert_param_target
+from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, expert_param_target, with_fused_experts
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.packed_experts import dequantized_experts
 from flashllm.models.layers.rotary import RotaryEmbedding
@@ -275,12 +275,8 @@ class MixtralForCausalLM(CausalLM):
         """CausalLM.load_weights, with each FusedMoE's stacked parameters counted loaded once every
         expert's projections (or the stacked tensor) arrived. GPTQ / AWQ experts arrive as the float weights
         their integers stand for (packed_experts.dequantized_experts)."""
-        loaded = super().load_weights(dequantized_experts(weights, self.config.quantization, self._holds_expert))
-        for name, module in self.named_modules():
-            if isinstance(module, FusedMoE):
-                loaded -= {f"{name}.w13_weight", f"{name}.w2_weight"}
-                loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
-        return loaded
+        return with_fused_experts(self, super().load_weights(
+            dequantized_experts(weights, self.config.quantization, self._holds_expert)))
 
     def _holds_expert(self, linear: str) -> bool:
         """Whether this rank holds the expert of a checkpoint projection (`<...>.experts.<e>.<proj>`), found as its

@@ -58,6 +58,16 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tupl
     return weights, ids
 
 
+def with_fused_experts(model: nn.Module, loaded: set[str]) -> set[str]:
+    """The loaded parameter names, each FusedMoE's stacked w13 / w2 counted only once every expert's
+    projections (or the stacked tensor) arrived (CausalLM.load_weights counts a parameter at its first shard)."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            loaded -= {f"{name}.{W13}", f"{name}.{W2}"}
+            loaded |= {f"{name}.{param}" for param in module.fully_loaded()}
+    return loaded
+
+
 class RouterLinear(ReplicatedLinear):
     """A small replicated projection that decides routing (the expert gate, the shared-expert gate).
 
