@@ -13,6 +13,7 @@ from flashllm.bench import (
     gguf_chatglm,
     gguf_deepseek,
     gguf_ernie,
+    gguf_first_generation,
     gguf_gemma3,
     gguf_glm4moe,
     gguf_granite,
@@ -38,6 +39,8 @@ class ArchSpec:
     converter stacks, splits or renames tensors (MoE experts, DeepSeek's latent up-projection).
     latent_heads: add_hparams writes head_count_kv, key / value lengths and the rope dimensions (MLA's), not the
     generic ones.
+    feed_forward_length: (config) -> the `feed_forward_length` the converter writes, where it is not the config's
+    intermediate_size (QWen's twice the projections' width).
     """
 
     gguf_arch: str
@@ -50,11 +53,18 @@ class ArchSpec:
     extra_tensors: Callable[[Any], dict[str, np.ndarray]] | None = None
     transform: Callable[[list[Any], Any], Iterator[Any]] | None = None
     latent_heads: bool = False
+    feed_forward_length: Callable[[Any], int] | None = None
 
 
 ARCHS: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("llama", permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec("qwen2", permute_qk=False),
+    gguf_first_generation.QWEN: ArchSpec("qwen", permute_qk=False, layer_names=gguf_first_generation.QWEN_LAYER_NAMES,
+                                         check=gguf_first_generation.check_qwen,
+                                         transform=gguf_first_generation.qwen_names,
+                                         feed_forward_length=gguf_first_generation.qwen_feed_forward_length),
+    gguf_first_generation.BAICHUAN: ArchSpec("baichuan", permute_qk=True, check=gguf_first_generation.check_baichuan,
+                                             transform=gguf_first_generation.split_w_pack),
     "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),

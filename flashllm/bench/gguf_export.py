@@ -1,5 +1,6 @@
-"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 text, Granite,
-Phi-3, DeepSeek-V2/V3, GLM, GLM-4-0414) to a GGUF file for the llama.cpp baseline."""
+"""Convert a flashllm-loadable HF directory (Llama, Qwen2, Qwen3, first-generation Qwen, Baichuan, Qwen2-MoE, Qwen3-MoE,
+Mixtral, Gemma 3 text, Granite, Phi-3, DeepSeek-V2/V3, GLM, GLM-4-0414, GLM-4.5, ERNIE 4.5) to a GGUF file for the
+llama.cpp baseline."""
 
 from __future__ import annotations
 
@@ -239,33 +240,31 @@ def _hf_tensors(model_dir: Path, config: Any, spec: ArchSpec) -> Iterator[tuple[
     for path in files:
         with safe_open(str(path), framework="pt") as fh:
             entries += [(name, tuple(fh.get_slice(name).get_shape()), path) for name in fh.keys()]
-    items = []
-    for name, shape, path in sorted(entries):
-        proj = name.rsplit(".", 1)[0].split(".", 3)[-1]
-        num_heads = heads.get(proj)
-        shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
-        items.append((name, shape, _loader(path, name, num_heads, shift)))
-    if spec.transform is None:
-        yield from items
-        return
+    items = [(name, shape, _loader(path, name, spec.norm_shift if name.endswith("norm.weight") else 0.0))
+             for name, shape, path in sorted(entries)]
     try:  # MoE experts stacked into one tensor per projection (as llama.cpp reads them), DeepSeek's kv_b split
-        yield from spec.transform(items, config)
+        items = list(spec.transform(items, config)) if spec.transform is not None else items
     except gguf_moe.MoEExportError as exc:
         raise GGUFExportError(f"{model_dir}: {exc}") from exc
+    for name, shape, load in items:  # Q/K rows by the names the transform gives (Baichuan's split W_pack)
+        num_heads = heads.get(name.rsplit(".", 1)[0].split(".", 3)[-1])
+        yield name, shape, (_permuted(load, num_heads) if num_heads else load)
 
 
-def _loader(path: Path, name: str, num_heads: int | None, shift: float = 0.0) -> Any:
+def _loader(path: Path, name: str, shift: float = 0.0) -> Any:
     def load() -> np.ndarray:
         import torch
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as fh:
             array = fh.get_tensor(name).to(torch.float32).numpy()
-        if shift:
-            array = array + np.float32(shift)
-        return permute_for_llama_rope(array, num_heads) if num_heads else array
+        return array + np.float32(shift) if shift else array
 
     return load
+
+
+def _permuted(load: Any, num_heads: int) -> Any:
+    return lambda: permute_for_llama_rope(load(), num_heads)
 
 
 def _llama3_rope_factors(config: Any) -> np.ndarray | None:
@@ -285,7 +284,8 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(config.intermediate_size if spec.feed_forward_length is None
+                                   else spec.feed_forward_length(config))
     writer.add_head_count(config.num_attention_heads)
     if not spec.latent_heads:
         writer.add_head_count_kv(config.num_key_value_heads)

@@ -5,19 +5,19 @@ test_baichuan_config.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from flashllm.llm import LLM
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.first_generation import baichuan_from_llama, write_baichuan
 from flashllm.testing.parity import LogitRecorder, random_tokens
 from flashllm.testing.tiny_models import build_tiny_model
 
@@ -28,32 +28,6 @@ VOCAB = 256
 # the ALiBi models: 6 heads (not a power of two, so the interleaved slopes are used), head_dim 16
 ALIBI = {"vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
          "num_attention_heads": 6, "rms_norm_eps": 1e-6, "hidden_act": "silu", "model_max_length": 512}
-
-
-def write_baichuan(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    raw = {"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan", "tie_word_embeddings": False,
-           "bos_token_id": 1, "eos_token_id": 2, **config}
-    (out_dir / "config.json").write_text(json.dumps(raw))
-    return out_dir
-
-
-def baichuan_from_llama(llama_dir: Path, out_dir: Path, **config) -> Path:
-    """A Llama checkpoint rewritten as Baichuan's: q, k, v rows fused into W_pack, Baichuan's config.json."""
-    llama = load_file(llama_dir / "model.safetensors")
-    tensors = {}
-    for name, tensor in llama.items():
-        if name.endswith("q_proj.weight"):
-            prefix = name.removesuffix("q_proj.weight")
-            parts = [llama[f"{prefix}{p}_proj.weight"] for p in "qkv"]
-            tensors[f"{prefix}W_pack.weight"] = torch.cat(parts)
-        elif not name.endswith(("k_proj.weight", "v_proj.weight")):
-            tensors[name] = tensor
-    llama_config = json.loads((llama_dir / "config.json").read_text())
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "rms_norm_eps", "max_position_embeddings", "hidden_act")
-    return write_baichuan(out_dir, tensors, {**{k: llama_config[k] for k in keys}, **config})
 
 
 def build_alibi(out_dir: Path, seed: int, **config) -> Path:

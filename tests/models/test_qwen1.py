@@ -20,6 +20,7 @@ from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.loader import load_model
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
+from flashllm.testing.first_generation import qwen_tensors
 from flashllm.testing.packed_quant import quantize_linear
 from flashllm.testing.parity import assert_logits_close, assert_rows_match, hf_greedy, hf_logits, random_tokens
 from flashllm.testing.parity import record_logits as _record_logits
@@ -49,19 +50,8 @@ def write_qwen_dir(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict
 
 
 def qwen_tensors_from_qwen2(model) -> dict[str, torch.Tensor]:
-    """transformers Qwen2 weights under QWen's names: q/k/v concatenated into c_attn, gate -> w2, up -> w1."""
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = {"transformer.wte.weight": sd["model.embed_tokens.weight"],
-           "transformer.ln_f.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(LAYERS):
-        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{dst}attn.c_attn.{kind}"] = torch.cat([sd[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"])
-        for theirs, ours in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"),
-                             ("self_attn.o_proj", "attn.c_proj"), ("mlp.gate_proj", "mlp.w2"),
-                             ("mlp.up_proj", "mlp.w1"), ("mlp.down_proj", "mlp.c_proj")):
-            out[f"{dst}{ours}.weight"] = sd[f"{src}{theirs}.weight"]
-    return out
+    """transformers Qwen2 weights under QWen's names (flashllm.testing.first_generation.qwen_tensors)."""
+    return qwen_tensors({k: v.detach().clone() for k, v in model.state_dict().items()}, LAYERS)
 
 
 def random_qwen_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen2, qwen3, gemma3,
-granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe, granitemoe,
-deepseek2, glm4moe, ernie4_5-moe)."""
+"""GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
+baichuan, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import chatglm, deepseek2, ernie, gemma3, glm4moe, granite, phi3
+from flashllm.models.gguf import chatglm, deepseek2, ernie, first_generation, gemma3, glm4moe, granite, phi3
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -68,6 +68,11 @@ class ArchMap:
 ARCHITECTURES: dict[str, ArchMap] = {
     "llama": ArchMap("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False),
+    # first-generation Qwen: Qwen2's decoder with one attn_qkv tensor (first_generation.py)
+    "qwen": ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False, config_fields=first_generation.qwen_config_fields,
+                    fused_rows=chatglm.fused_rows),
+    "baichuan": ArchMap("BaichuanForCausalLM", "baichuan", permute_qk=True,
+                        config_fields=first_generation.baichuan_config_fields),
     "qwen3": ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False),
     "qwen2moe": ArchMap("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
     "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
