@@ -20,7 +20,7 @@ import numpy as np
 
 from flashllm.bench import gguf_moe
 
-ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")  # the last: GLM-4.7-Flash
 # HF module (after "model.layers.L.") -> GGUF layer part, over Llama's and gguf_moe's
 LAYER_NAMES = {
     "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",

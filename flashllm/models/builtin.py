@@ -31,6 +31,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "BaiChuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",  # Baichuan-7B
     "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "flashllm.models.deepseek:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "flashllm.models.deepseek:DeepseekV3ForCausalLM",  # GLM-4.7-Flash: V3's MLA and MoE
 }
 
 

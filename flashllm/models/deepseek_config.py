@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 config.json: multi-head latent attention sizes, YaRN, and the MoE routing fields, validated."""
+"""DeepSeek-V2 / V3 (and GLM-4.7-Flash) config.json: multi-head latent attention sizes, YaRN, and the MoE routing fields,
+validated."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from flashllm.models.hf_config import (
     config_architecture,
     flag,
     normalize_rope,
+    partial_rotary,
     positive_float,
     positive_int,
 )
@@ -40,8 +42,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 route as V3 does (transformers' Glm4MoeTopkRouter)
 _DEFAULTS[GLM4_MOE] = {**_DEFAULTS[V3], "first_k_dense_replace": 1, "routed_scaling_factor": 1.0,
                        "n_routed_experts": 128, "moe_intermediate_size": 1408, "n_group": 1, "topk_group": 1}
+# GLM-4.7-Flash: V3's MLA and routing (transformers' Glm4MoeLite classes are DeepseekV3Attention and the GLM-4.5 MoE)
+GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"
+_DEFAULTS[GLM4_MOE_LITE] = {**_DEFAULTS[V3], "first_k_dense_replace": 1, "routed_scaling_factor": 1.8,
+                            "n_routed_experts": 64, "moe_intermediate_size": 1536, "num_experts_per_tok": 4,
+                            "n_group": 1, "topk_group": 1}
+# Glm4MoeLiteConfig's size defaults, where DeepSeek's differ (a field config.json writes, null included, wins)
+_LITE_SIZES = {"q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256, "max_position_embeddings": 202752,
+               "rms_norm_eps": 1e-5}
 # topk_method values each architecture's transformers router implements
-_TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",), GLM4_MOE: ("noaux_tc",)}
+_TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",), GLM4_MOE: ("noaux_tc",),
+                 GLM4_MOE_LITE: ("noaux_tc",)}
 BLOCK_FP8 = "fp8"
 
 
@@ -155,7 +166,9 @@ def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> D
     Raises ModelLoadError (one line naming the field) on anything transformers' classes would
     compute differently from the checkpoint authors' code, or flashllm cannot run.
     """
-    architecture = config_architecture(raw, source, (V2, V3))
+    architecture = config_architecture(raw, source, (V2, V3, GLM4_MOE_LITE))
+    if architecture == GLM4_MOE_LITE:
+        raw = _lite_view(raw, source)
     sizes = _sizes(raw, source)
     rope_theta, rope_scaling = normalize_rope(raw, source)
     check_rope(sizes["qk_rope_head_dim"], rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
@@ -173,6 +186,30 @@ def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> D
         fp8_block=_fp8_block(raw.get("quantization_config"), source),
         raw=raw, **sizes, **routing, **checkpoint_fields(raw, source),
     )
+
+
+def _lite_view(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Glm4MoeLiteForCausalLM config.json as DeepSeek-V3's fields: Glm4MoeLiteConfig's defaults where absent, and
+    first_k_dense_replace from mlp_layer_types (transformers builds the layers from that list, one dense layer then
+    sparse ones by default); refuses a list that is not dense layers followed by sparse ones, a first_k_dense_replace
+    that disagrees with it, and RoPE over part of qk_rope_head_dim."""
+    view = {**_LITE_SIZES, **raw}
+    layers = positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
+    types = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    first = next((i for i, kind in enumerate(types) if kind != "dense"), len(types))
+    if not isinstance(types, list) or len(types) != layers or any(kind != "sparse" for kind in types[first:]):
+        raise ModelLoadError(f"{source}: mlp_layer_types={types!r}; expected {layers} entries, 'dense' ones followed "
+                             "by 'sparse' ones (flashllm's MLA decoder makes every layer from the first sparse one MoE)")
+    declared = raw.get("first_k_dense_replace")
+    if declared is not None and declared != first:
+        raise ModelLoadError(f"{source}: first_k_dense_replace={declared!r} but mlp_layer_types makes {first} "
+                             "layer(s) dense; transformers follows mlp_layer_types, so the config is ambiguous")
+    rope_dim = positive_int(view, "qk_rope_head_dim", 64, MAX_HEAD_DIM, source)
+    rotary_dim, view = partial_rotary(view, rope_dim, 1.0, source)
+    if rotary_dim != rope_dim:
+        raise ModelLoadError(f"{source}: partial_rotary_factor turns {rotary_dim} of qk_rope_head_dim={rope_dim} "
+                             f"features; {GLM4_MOE_LITE}'s attention rotates all of them, so expected 1.0")
+    return {**view, "first_k_dense_replace": first}
 
 
 def _sizes(raw: dict[str, Any], source: str) -> dict[str, Any]:

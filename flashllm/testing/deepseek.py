@@ -1,4 +1,5 @@
-"""Tiny random DeepSeek-V2 / V3 checkpoints written by transformers' own classes, and block-FP8 copies of them."""
+"""Tiny random DeepSeek-V2 / V3 (and GLM-4.7-Flash) checkpoints written by transformers' own classes, and block-FP8
+copies of them."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
                  "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1, "norm_topk_prob": False,
                  "routed_scaling_factor": 1.0, "rope_interleave": False,
                  "rope_parameters": {k: v for k, v in _YARN.items() if not k.startswith("mscale")}}),
+    # GLM-4.7-Flash (transformers' Glm4MoeLite: V3's MLA, GLM-4.5's MoE): dense layers named by mlp_layer_types (two
+    # here, where its default is one), ungrouped sigmoid routing scaled by 1.8, interleaved RoPE without scaling
+    "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM",
+                      {"num_hidden_layers": 4, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+                       "q_lora_rank": 48, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1,
+                       "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.8,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 
@@ -161,8 +169,10 @@ def build_deepseek_mtp_model(out_dir: Path, preset: str = "v3", seed: int = 0, p
     next token depends mostly on the current one (a bigram model, with some context), and the MTP layer
     maps the embedding of t_{i+1} through eh_proj = [I 0] to the model's own head: it predicts what the
     model would say after t_{i+1}."""
-    layers = PRESETS[preset][2]["num_hidden_layers"]
-    build_deepseek_model(out_dir, preset, seed, num_hidden_layers=layers + 1)
+    fields = PRESETS[preset][2]
+    layers = fields["num_hidden_layers"]
+    grown = {"mlp_layer_types": [*fields["mlp_layer_types"], "sparse"]} if "mlp_layer_types" in fields else {}
+    build_deepseek_model(out_dir, preset, seed, num_hidden_layers=layers + 1, **grown)
     return with_mtp_layer(out_dir, layers, seed, predictable)
 
 
@@ -197,5 +207,7 @@ def with_mtp_layer(out_dir: Path, layers: int, seed: int, predictable: float | N
     tensors.update({prefix + name: tensor.to(tensors["model.norm.weight"].dtype) for name, tensor in extra.items()})
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    if isinstance(config.get("mlp_layer_types"), list):  # the list describes the decoder's layers only
+        config["mlp_layer_types"] = config["mlp_layer_types"][:layers]
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir

@@ -354,6 +354,26 @@ def retyped_copy(path: Path, out: Path, types: dict[str, str]) -> Path:
     return rewritten_copy(path, out, retyped)
 
 
+def with_nextn_layer(path: Path, out: Path, arch: str, layers: int, hidden: int) -> Path:
+    """The GGUF file `path` (of `layers` blocks, hidden size `hidden`) as llama.cpp's converter writes it from a
+    checkpoint with its MTP layer: one more block (the last block's tensors, halved, and the nextn.* ones), counted in
+    `<arch>.block_count` and `<arch>.nextn_predict_layers`."""
+    last, appended = f"blk.{layers - 1}.", f"blk.{layers}."
+
+    def with_block(tensors: dict[str, Any]) -> Any:
+        for name, tensor in tensors.items():
+            yield name, np.array(tensor.data), tensor.tensor_type
+        for name, tensor in tensors.items():
+            if name.startswith(last):
+                yield name.replace(last, appended, 1), np.array(tensor.data) * 0.5, tensor.tensor_type
+        yield f"{appended}nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32), None
+        for part in ("enorm", "hnorm", "shared_head_norm"):
+            yield f"{appended}nextn.{part}.weight", np.ones(hidden, dtype=np.float32), None
+
+    return rewritten_copy(path, out, with_block, values={f"{arch}.block_count": layers + 1,
+                                                         f"{arch}.nextn_predict_layers": 1})
+
+
 def patched_metadata(path: Path, out: Path, key: str, value: bytes) -> Path:
     """A copy of the GGUF file `path` with metadata `key`'s (fixed-size) value bytes replaced by `value`."""
     import gguf

@@ -46,6 +46,25 @@ def test_the_models_build_the_layers_the_config_asks_for(ours) -> None:
     assert not hasattr(ours["v2"].model.layers[0].self_attn, "q_proj")
     assert v3.kv_cache_shape() == (3, 1, 32 + 8)  # kv_lora_rank + qk_rope_head_dim, one "head"
     assert v3.kv_caches_per_layer == 1
+    lite = ours["glm4_moe_lite"]  # mlp_layer_types' two dense layers, then MoE with the choice bias
+    assert [isinstance(layer.mlp, DeepseekMoE) for layer in lite.model.layers] == [False, False, True, True]
+    assert lite.model.layers[2].mlp.gate.e_score_correction_bias is not None
+
+
+def test_a_glm_4_7_flash_config_takes_transformers_defaults_for_what_it_leaves_out() -> None:
+    """Glm4MoeLiteConfig's own defaults (not DeepSeek's) for the sizes and routing a config.json leaves out, one
+    dense layer before the MoE ones when it names no mlp_layer_types; compared with transformers' parsed config."""
+    from transformers import AutoConfig
+
+    left_out = ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings", "rms_norm_eps",
+                "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "routed_scaling_factor",
+                "mlp_layer_types", "n_group", "topk_group", "n_shared_experts", "kv_lora_rank", "qk_rope_head_dim")
+    raw = {k: v for k, v in raw_config("glm4_moe_lite").items() if k not in left_out}
+    theirs = AutoConfig.for_model(**raw)
+    ours = parse_hf_config(raw)
+    for field in (f for f in left_out if f != "mlp_layer_types"):
+        assert getattr(ours, field) == pytest.approx(getattr(theirs, field)), field
+    assert ours.first_k_dense_replace == theirs.mlp_layer_types.index("sparse") == 1
 
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "naive"])
@@ -88,7 +107,7 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Te
 
 
 @pytest.mark.parametrize("preset, backend, absorbed", [
-    ("v3", "cpu", True), ("v2_lite", "reference", False),
+    ("v3", "cpu", True), ("v2_lite", "reference", False), ("glm4_moe_lite", "cpu", True),
     pytest.param("v2", "cpu", False, marks=pytest.mark.slow), pytest.param("v3", "reference", True, marks=pytest.mark.slow),
     pytest.param("v3_neox", "cpu", False, marks=pytest.mark.slow),
 ])
@@ -154,6 +173,10 @@ def test_a_quantized_kv_cache_is_refused_for_the_latent_cache(ds_dirs) -> None:
     ("v3", {"routed_scaling_factor": -1.0}, "routed_scaling_factor=-1.0 must be a finite positive number"),
     ("v2", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds n_routed_experts=8"),
     ("v3", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config=.* is not supported"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]},
+     "expected 4 entries, 'dense' ones followed by 'sparse' ones"),
+    ("glm4_moe_lite", {"first_k_dense_replace": 1}, "first_k_dense_replace=1 but mlp_layer_types makes 2 layer"),
+    ("glm4_moe_lite", {"partial_rotary_factor": 0.5}, "partial_rotary_factor turns 4 of qk_rope_head_dim=8"),
 ])
 def test_bad_configs_are_refused_in_one_line_naming_the_field(preset, changes, fragment) -> None:
     with pytest.raises(ModelLoadError, match=fragment) as info:

@@ -1,6 +1,6 @@
 """DeepSeek GGUF files (`deepseek2`), written by flashllm's llama.cpp exporter from tiny transformers DeepSeek-V2-Lite
-(softmax routing, no q bottleneck) and DeepSeek-V3 (sigmoid routing with the choice bias, expert groups,
-renormalized weights, YaRN) directories, load into the directory's model: the configuration the directory's own,
+(softmax routing, no q bottleneck), DeepSeek-V3 (sigmoid routing with the choice bias, expert groups,
+renormalized weights, YaRN) and GLM-4.7-Flash (V3's layers, two dense ones first) directories, load into the directory's model: the configuration the directory's own,
 F32 logits equal to the directory's and greedy tokens equal to transformers', both the split latent up-projection
 (attn_k_b / attn_v_b) and the older single attn_kv_b, Q8_0 as gguf dequantizes each stored tensor. Routing llama.cpp
 runs differently from the checkpoint's is refused on export and on loading, in one line."""
@@ -32,12 +32,15 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     prompt_logits,
     rewritten_copy,
     two_ranks_decode_as_one,
+    with_nextn_layer,
 )
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
 # V3 with YaRN as llama.cpp runs it (mscale == mscale_all_dim); qk_nope 32: k_b rows are whole Q8_0 blocks
-PRESETS = {"v2_lite": {}, "v3": {"rope_parameters": {**_YARN, "mscale": 0.8}, "qk_nope_head_dim": 32}}
+# GLM-4.7-Flash: llama.cpp's converter writes it as a deepseek2 file too (two leading dense layers here)
+PRESETS = {"v2_lite": {}, "v3": {"rope_parameters": {**_YARN, "mscale": 0.8}, "qk_nope_head_dim": 32},
+           "glm4_moe_lite": {}}
 CONFIG_FIELDS = ("architecture", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                  "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
                  "moe_intermediate_size", "sigmoid_scoring", "group_limited", "n_group", "topk_group",
@@ -101,8 +104,11 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(sources, files):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_config_is_the_directory_s(preset, sources, files):
     ours, expected = load_hf_config(files(preset, "f32")), load_hf_config(sources[preset])
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
+    for field in CONFIG_FIELDS[1:]:  # float fields from float32 keys (1.8 is not one)
+        value = getattr(expected, field)
+        assert getattr(ours, field) == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), field
+    # a deepseek2 file names no architecture: sigmoid routing is V3's, whose class runs GLM-4.7-Flash too
+    assert ours.architecture == ("DeepseekV3ForCausalLM" if preset == "glm4_moe_lite" else expected.architecture)
     assert ours.softmax_scale == pytest.approx(expected.softmax_scale, rel=1e-6)  # mscale from a float32 key
     if preset == "v3":
         scaling = ours.rope_scaling
@@ -129,6 +135,20 @@ def test_yarn_without_a_log_multiplier_scales_neither_softmax_nor_rotation(files
 def test_f32_gguf_equals_its_source_directory_and_transformers(preset, sources, files, ops, model_registry,
                                                                 paged_driver):
     check_f32_file(files(preset, "f32"), sources[preset], ops, model_registry, paged_driver, PROMPT)
+
+
+def test_a_glm_4_7_flash_file_with_its_appended_mtp_block_loads_without_it(files, ops, model_registry, paged_driver,
+                                                                           tmp_path):
+    """Newer converters write GLM-4.7-Flash's MTP layer as one more deepseek2 block (nextn_predict_layers 1): it is
+    skipped, the model and its logits are those of the file without it."""
+    path = with_nextn_layer(files("glm4_moe_lite", "f32"), tmp_path / "mtp.gguf", "deepseek2", layers=4, hidden=64)
+    config = load_hf_config(path)
+    assert config.num_hidden_layers == 4 and config.raw["num_nextn_predict_layers"] == 1
+    ours, plain = (load_float_model(p, ops, model_registry) for p in (path, files("glm4_moe_lite", "f32")))
+    params = dict(ours.named_parameters())
+    for name, param in plain.named_parameters():
+        assert torch.equal(params[name], param), name
+    assert torch.equal(prompt_logits(ours, paged_driver, PROMPT), prompt_logits(plain, paged_driver, PROMPT))
 
 
 def _single_kv_b_copy(path: Path, out: Path) -> Path:

@@ -30,6 +30,7 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     prompt_logits,
     rewritten_copy,
     two_ranks_decode_as_one,
+    with_nextn_layer,
 )
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
 from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
@@ -103,25 +104,8 @@ def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops,
                       keep=("mlp.gate.weight",))
 
 
-def _with_nextn_layer(path: Path, out: Path) -> Path:
-    """The file as llama.cpp's converter writes it from a checkpoint with its MTP layer: one more block (a full layer
-    and the nextn.* tensors), counted in block_count and nextn_predict_layers."""
-    def appended(tensors):
-        for name, tensor in tensors.items():
-            yield name, np.array(tensor.data), tensor.tensor_type
-        for name, tensor in tensors.items():
-            if name.startswith("blk.2."):
-                yield name.replace("blk.2.", "blk.3.", 1), np.array(tensor.data) * 0.5, tensor.tensor_type
-        hidden = np.ones(64, dtype=np.float32)
-        yield "blk.3.nextn.eh_proj.weight", np.zeros((64, 128), dtype=np.float32), None
-        for part in ("enorm", "hnorm", "shared_head_norm"):
-            yield f"blk.3.nextn.{part}.weight", hidden, None
-
-    return rewritten_copy(path, out, appended, values={"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1})
-
-
 def test_the_appended_next_token_prediction_layer_is_skipped(files, ops, model_registry, paged_driver, tmp_path):
-    path = _with_nextn_layer(files("f32"), tmp_path / "mtp.gguf")
+    path = with_nextn_layer(files("f32"), tmp_path / "mtp.gguf", "glm4moe", layers=3, hidden=64)
     assert "blk.3.nextn.eh_proj.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     config = load_hf_config(path)
     assert config.num_hidden_layers == 3 and config.raw["num_nextn_predict_layers"] == 1

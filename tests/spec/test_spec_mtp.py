@@ -23,12 +23,14 @@ LAYERS = PRESETS["v3"][2]["num_hidden_layers"]
 PREDICTABLE = 0.03
 
 
-BUILDERS = {"v3": lambda out, **kw: build_deepseek_mtp_model(out, "v3", **kw), "glm4_moe": build_glm4_moe_mtp_model}
+BUILDERS = {"v3": lambda out, **kw: build_deepseek_mtp_model(out, "v3", **kw), "glm4_moe": build_glm4_moe_mtp_model,
+            "glm4_moe_lite": lambda out, **kw: build_deepseek_mtp_model(out, "glm4_moe_lite", **kw)}
 
 
 @pytest.fixture(scope="module")
 def mtp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """"random" / "predictable" (DeepSeek-V3) and "glm4_moe/random" / "glm4_moe/predictable" (GLM-4.5)."""
+    """"random" / "predictable" (DeepSeek-V3), "glm4_moe/random" / "glm4_moe/predictable" (GLM-4.5) and
+    "glm4_moe_lite/..." (GLM-4.7-Flash: DeepSeek's MTP layer over its MLA decoder)."""
     dirs = {}
     for arch, build in BUILDERS.items():
         prefix = "" if arch == "v3" else f"{arch}/"
@@ -51,8 +53,11 @@ class ReferenceMTP:
 
         self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         layers = self.target.config.num_hidden_layers
+        types = getattr(self.target.config, "mlp_layer_types", None)  # GLM-4.7-Flash's: its MTP block is MoE
         grown = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, num_hidden_layers=layers + 1,
-                                                     attn_implementation="eager").eval()
+                                                     attn_implementation="eager",
+                                                     **({"mlp_layer_types": [*types, "sparse"]} if types else {})
+                                                     ).eval()
         self.block, self.rotary = grown.model.layers[layers], grown.model.rotary_emb
         prefix = f"model.layers.{layers}."
         self.w = {k[len(prefix):]: v.float() for k, v in load_file(model_dir / "model.safetensors").items()
@@ -100,7 +105,7 @@ def _spy(llm: LLM) -> list[tuple[list[int], int, list[int]]]:
 
 
 @pytest.mark.parametrize(("which", "guard"), [("random", 0.25), ("predictable", 0.0), ("glm4_moe/random", 0.25),
-                                              ("glm4_moe/predictable", 0.0)])
+                                              ("glm4_moe/predictable", 0.0), ("glm4_moe_lite/predictable", 0.0)])
 def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: float) -> None:
     """Every round's drafts (k = 3) equal the reference's from the same tokens: the catch-up over chunked prompts,
     over accepted drafts (predictable model) and over the rounds the guard paused drafting for (random model,
@@ -126,7 +131,8 @@ def test_drafts_equal_the_reference_mtp_forward(mtp_dirs, which: str, guard: flo
 
 @pytest.mark.parametrize(("which", "backend", "k", "count", "blocks"), [
     ("predictable", "cpu", 3, 16, 24), ("predictable", "cpu", 1, 8, 96), ("predictable", "reference", 4, 8, 96),
-    ("glm4_moe/predictable", "cpu", 3, 16, 24), ("glm4_moe/predictable", "reference", 2, 8, 96)])
+    ("glm4_moe/predictable", "cpu", 3, 16, 24), ("glm4_moe/predictable", "reference", 2, 8, 96),
+    ("glm4_moe_lite/predictable", "cpu", 3, 16, 24)])
 def test_greedy_tokens_equal_plain_decoding(mtp_dirs, which: str, backend: str, k: int, count: int,
                                             blocks: int) -> None:
     """Under continuous batching, with preemption forced by a small cache (and prefix-cache hits from repeated

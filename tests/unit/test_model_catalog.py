@@ -19,7 +19,7 @@ from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-       "Glm4MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM"}
+       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
 DEQUANTIZED_AT_LOAD = {"fp8"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)

@@ -90,7 +90,7 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "deepseek2": ArchMap("DeepseekV2ForCausalLM", "deepseek_v2", permute_qk=False, layer_names=deepseek2.LAYER_NAMES,
                          config_fields=deepseek2.deepseek2_config_fields, layer_params=deepseek2.LAYER_PARAMS,
                          joined=((deepseek2.KV_B_PARTS, deepseek2.KV_B_MODULE, deepseek2.join_kv_b),),
-                         latent_heads=True),
+                         latent_heads=True, appended_layers=True),
     "ernie4_5": ArchMap("Ernie4_5ForCausalLM", "ernie4_5", permute_qk=False, config_fields=ernie.ernie_config_fields),
     ernie.MOE_ARCH: ArchMap("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", permute_qk=False,
                             layer_names=ernie.MOE_LAYER_NAMES, config_fields=ernie.ernie_moe_config_fields,

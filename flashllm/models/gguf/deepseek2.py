@@ -24,6 +24,9 @@ src/models/deepseek2.cpp's graph, src/llama-graph.cpp's build_moe_ffn; convert_h
   0.1 x mscale_all_dim, absent: 0). The graph scales the
   softmax by (1 + 0.1 x mscale_all_dim x ln factor)^2 and leaves cos / sin unscaled: transformers' DeepSeek YaRN
   with mscale == mscale_all_dim.
+- GLM-4.7-Flash is written as a deepseek2 file (the converter's Glm4MoeLiteModel); newer converters append its
+  next-token-prediction layer, counted in `block_count` and `nextn_predict_layers`, which the graph never runs: its
+  blocks are skipped here and num_hidden_layers is block_count - nextn_predict_layers.
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ def join_kv_b(parts: list[Tensor]) -> Tensor:
 
 def deepseek2_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """The DeepseekV2ForCausalLM / DeepseekV3ForCausalLM config.json fields of a `deepseek2` file (module docstring)."""
-    heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
-    fields: dict[str, Any] = {"num_key_value_heads": heads, **_head_sizes(gf), **_routing(gf, layers)}
+    heads, blocks = raw["num_attention_heads"], raw["num_hidden_layers"]
+    nextn = _uint(gf, "nextn_predict_layers", 0, maximum=blocks - 1)  # GLM-4.7-Flash files may append its MTP layer
+    layers = blocks - nextn
+    fields: dict[str, Any] = {"num_key_value_heads": heads, "num_hidden_layers": layers,
+                              "num_nextn_predict_layers": nextn, **_head_sizes(gf), **_routing(gf, layers)}
     fields["q_lora_rank"] = _uint(gf, "attention.q_lora_rank") if "blk.0.attn_q_a.weight" in gf.tensors else None
     fields["architectures"], fields["model_type"] = (["DeepseekV3ForCausalLM"], "deepseek_v3") if fields.pop(
         "sigmoid") else (["DeepseekV2ForCausalLM"], "deepseek_v2")
