@@ -17,6 +17,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "flashllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
+    "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

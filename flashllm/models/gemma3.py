@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from flashllm.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
+from flashllm.models.gemma3_config import Gemma3ModelConfig, parse_gemma2_config, parse_gemma3_config
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
@@ -80,7 +80,8 @@ class GeGLUMLP(GatedMLP):
 
 class Gemma3Attention(LlamaAttention):
     """LlamaAttention's qkv_proj -> per-head q / k norm -> RoPE -> paged attention -> o_proj, with Gemma's
-    (1 + w) head norms, scores scaled by query_pre_attn_scalar ** -0.5 and this layer's rotary table."""
+    (1 + w) head norms, scores scaled by query_pre_attn_scalar ** -0.5 and this layer's rotary table. Gemma 2:
+    no head norms, scores capped by attn_logit_softcapping."""
 
     def __init__(self, config: Gemma3ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -88,9 +89,11 @@ class Gemma3Attention(LlamaAttention):
         super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias, tp_rank, tp_size)
         # Llama's attention built head_dim ** -0.5 and plain RMSNorms; Gemma's differ (they hold no other state)
         self.attn = Attention(self.num_heads, self.head_dim, config.query_pre_attn_scalar**-0.5, self.num_kv_heads,
-                              ops, sliding_window=config.sliding_windows[layer_idx])
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
+                              ops, sliding_window=config.sliding_windows[layer_idx],
+                              logit_softcap=config.attn_logit_softcapping)
+        if config.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -152,7 +155,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model: checkpoint names as Llama's (q/k/v and gate/up fused at load) plus the four norms
     a layer and the per-head q_norm / k_norm; tied embeddings; logits capped by final_logit_softcapping where
-    set. Gemma 2's attention softcapping is refused (see gemma3_config)."""
+    set."""
 
     required_ops: ClassVar[tuple[str, ...]] = ("gelu_and_mul",)
     attention_needs: ClassVar[tuple[str, ...]] = ("sliding window",)
@@ -184,3 +187,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return {}
         return {LM_HEAD: LMHeadFusion(head.weight.data, head.qweight, head.num_embeddings, head.tp_size,
                                       tied=head.weight is self.model.embed_tokens.weight)}
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (gemma-2-2b / 9b / 27b): Gemma 3's sandwich-norm block without per-head q / k norms, one RoPE, and
+    attention scores capped by attn_logit_softcapping (kernels whose Caps claim softcap; the cpu backend's runs the
+    op's reference body for them)."""
+
+    attention_needs: ClassVar[tuple[str, ...]] = ("sliding window", "attention score softcap")
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> Gemma3ModelConfig:
+        """config.json -> Gemma3ModelConfig, validated (see flashllm.models.gemma3_config.parse_gemma2_config)."""
+        return parse_gemma2_config(raw, source)

@@ -1,4 +1,5 @@
-"""Gemma 3's text config.json (`gemma3_text`): its fields, parsed and validated before anything is allocated."""
+"""Gemma 3's text config.json (`gemma3_text`) and Gemma 2's (`gemma2`): their fields, parsed and validated before
+anything is allocated."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ GEMMA3_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
     "max_position_embeddings": 131072, "tie_word_embeddings": True,
 }
+# transformers' Gemma2Config defaults (the softcaps too: a config.json that leaves them out gets them)
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "max_position_embeddings": 8192,
+    "tie_word_embeddings": True, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
 GLOBAL_ROPE_THETA = 1_000_000.0  # full-attention layers (config.json `rope_theta`)
 LOCAL_ROPE_THETA = 10_000.0      # sliding-window layers (config.json `rope_local_base_freq`)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -39,6 +45,8 @@ class Gemma3ModelConfig(LlamaModelConfig):
     local_rope_theta / local_rope_scaling: the sliding layers' RoPE (`rope_local_base_freq`, unscaled).
     final_logit_softcapping: logits become cap * tanh(logits / cap) (None: not capped).
     gelu_approximate: the GeGLU MLP's GELU ("tanh" for `gelu_pytorch_tanh`).
+    attn_logit_softcapping: attention scores become cap * tanh(score / cap) (Gemma 2; None for Gemma 3).
+    Gemma 2 has no per-head q / k norms (qk_norm false) and one RoPE for both kinds of layer.
     """
 
     query_pre_attn_scalar: float = 256.0
@@ -46,6 +54,7 @@ class Gemma3ModelConfig(LlamaModelConfig):
     local_rope_scaling: dict[str, Any] | None = None
     final_logit_softcapping: float | None = None
     gelu_approximate: str = "tanh"
+    attn_logit_softcapping: float | None = None
 
 
 def parse_gemma3_config(raw: dict[str, Any], source: str = "config.json") -> Gemma3ModelConfig:
@@ -57,17 +66,44 @@ def parse_gemma3_config(raw: dict[str, Any], source: str = "config.json") -> Gem
     run: attention logit softcapping (Gemma 2's), bidirectional attention, another activation, a
     pre-quantized checkpoint, or a malformed field.
     """
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{source}: attn_logit_softcapping={raw['attn_logit_softcapping']!r} (Gemma 2's tanh cap "
+                             "on attention scores) is not part of Gemma 3; expected null")
     _refuse_unsupported(raw, source)
     fields = {**GEMMA3_DEFAULTS, **raw}
-    sizes = decoder_sizes(fields, source, max_position_default=GEMMA3_DEFAULTS["max_position_embeddings"])
+    return _parse(raw, fields, source, _ropes(raw, source), qk_norm=True, attn_softcap=None)
+
+
+def parse_gemma2_config(raw: dict[str, Any], source: str = "config.json") -> Gemma3ModelConfig:
+    """Validate a Gemma 2 config.json (Gemma2ForCausalLM): Gemma 3's block without q / k norms, one RoPE
+    (`rope_parameters` or `rope_theta` / `rope_scaling`) for every layer, sliding and full layers alternating
+    (the even ones slide; `layer_types` where given), attention scores capped by attn_logit_softcapping and logits
+    by final_logit_softcapping (transformers' defaults 50 and 30 where absent, none where null). Raises
+    ModelLoadError (one line) as parse_gemma3_config does."""
+    _refuse_unsupported(raw, source)
+    fields = {**GEMMA2_DEFAULTS, **raw}
+    layers = positive_int(fields, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
+    if fields.get("layer_types") is None:
+        fields["layer_types"] = [LAYER_TYPES[i % 2] for i in range(layers)]
+    rope = normalize_rope(raw, source)
+    softcap = fields.get("attn_logit_softcapping")
+    return _parse(raw, fields, source, (rope, rope), qk_norm=False,
+                  attn_softcap=None if softcap is None else positive_float(fields, "attn_logit_softcapping", 0, source))
+
+
+def _parse(raw: dict[str, Any], fields: dict[str, Any], source: str,
+           ropes: tuple[tuple[float, dict | None], tuple[float, dict | None]], qk_norm: bool,
+           attn_softcap: float | None) -> Gemma3ModelConfig:
+    """The Gemma3ModelConfig of either family's fields (raw over the family's defaults)."""
+    sizes = decoder_sizes(fields, source, max_position_default=fields["max_position_embeddings"])
     act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     if act not in GELU_APPROXIMATIONS:
-        raise ModelLoadError(f"{source}: hidden_activation={act!r} is not supported; Gemma 3's GeGLU MLP "
+        raise ModelLoadError(f"{source}: hidden_activation={act!r} is not supported; Gemma's GeGLU MLP "
                              f"runs {sorted(GELU_APPROXIMATIONS)}")
-    (theta, scaling), (local_theta, local_scaling) = _ropes(raw, source)
+    (theta, scaling), (local_theta, local_scaling) = ropes
     for base, rope in ((theta, scaling), (local_theta, local_scaling)):
         check_rope(sizes["head_dim"], base, rope, sizes["max_position_embeddings"], source)
-    softcap = raw.get("final_logit_softcapping")
+    softcap = fields.get("final_logit_softcapping")
     return Gemma3ModelConfig(
         architecture=config_architecture(raw, source),
         model_type=str(raw.get("model_type", "")),
@@ -80,26 +116,25 @@ def parse_gemma3_config(raw: dict[str, Any], source: str = "config.json") -> Gem
         hidden_act=act,
         sliding_windows=_sliding_windows(fields, sizes["num_hidden_layers"], source),
         raw=raw,
-        qk_norm=True,
+        qk_norm=qk_norm,
         query_pre_attn_scalar=positive_float(fields, "query_pre_attn_scalar", 256.0, source),
         local_rope_theta=local_theta,
         local_rope_scaling=local_scaling,
-        final_logit_softcapping=None if softcap is None else positive_float(raw, "final_logit_softcapping", 0, source),
+        final_logit_softcapping=None if softcap is None else positive_float(fields, "final_logit_softcapping", 0,
+                                                                            source),
         gelu_approximate=GELU_APPROXIMATIONS[act],
+        attn_logit_softcapping=attn_softcap,
         **sizes,
         **checkpoint_fields(fields, source),
     )
 
 
 def _refuse_unsupported(raw: dict[str, Any], source: str) -> None:
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError(f"{source}: attn_logit_softcapping={raw['attn_logit_softcapping']!r} (Gemma 2's tanh cap "
-                             "on attention scores) is not supported by flashllm's paged_attention; expected null")
     if flag(raw, "use_bidirectional_attention", source):
         raise ModelLoadError(f"{source}: use_bidirectional_attention=true is an encoder's attention; flashllm "
-                             "runs Gemma 3 as a causal LM only")
+                             "runs Gemma as a causal LM only")
     if raw.get("quantization_config") is not None:
-        raise ModelLoadError(f"{source}: Gemma 3 loads float checkpoints only (quantize them at load with "
+        raise ModelLoadError(f"{source}: Gemma loads float checkpoints only (quantize them at load with "
                              "--quant_type); drop quantization_config or use a float checkpoint")
 
 

@@ -79,7 +79,9 @@ class HFModelConfig(Protocol):
     token id, a list of them, or None; tie_word_embeddings: the LM head shares the embedding;
     raw: the config.json dict; num_parameters: an estimate, bounded before anything is allocated.
     Optional: alibi (bool, absent means False): the attention adds ALiBi biases, so the op table is
-    resolved for attention kernels that implement them (read through `uses_alibi`).
+    resolved for attention kernels that implement them (read through `uses_alibi`); attn_logit_softcapping
+    (a positive float, absent or None: none): the attention caps its scores (Gemma 2), likewise
+    (`attention_request`).
     """
 
     @property
@@ -230,6 +232,10 @@ def check_model_config(config: Any, architecture: str, source: str) -> None:
                              f"got {type(config.quantization).__name__}")
     if not isinstance(getattr(config, "alibi", False), bool):
         raise ModelLoadError(f"{source}: the parsed alibi must be a bool, got {config.alibi!r}")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, float) or not softcap > 0):
+        raise ModelLoadError(f"{source}: the parsed attn_logit_softcapping must be a positive float or None, "
+                             f"got {softcap!r}")
     if not isinstance(config.tie_word_embeddings, bool) or not isinstance(config.raw, dict):
         raise ModelLoadError(f"{source}: the parsed tie_word_embeddings must be a bool and raw the config.json dict")
     for name in ("bos_token_id", "eos_token_id"):
@@ -239,6 +245,12 @@ def check_model_config(config: Any, architecture: str, source: str) -> None:
 def uses_alibi(config: HFModelConfig) -> bool:
     """Whether the model's attention adds ALiBi biases: the parsed config's optional `alibi` field."""
     return getattr(config, "alibi", False) is True
+
+
+def attention_request(config: HFModelConfig) -> dict[str, bool]:
+    """The OpRequest fields the model's attention needs kernels to implement: `alibi` (uses_alibi) and `softcap`
+    (the parsed config's optional attn_logit_softcapping is set)."""
+    return {"alibi": uses_alibi(config), "softcap": getattr(config, "attn_logit_softcapping", None) is not None}
 
 
 def positive_int(raw: dict[str, Any], key: str, default: int | None, maximum: int, source: str) -> int:

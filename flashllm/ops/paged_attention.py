@@ -7,7 +7,7 @@ from torch import Tensor
 
 from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 
-USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size", "alibi"})
+USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size", "alibi", "softcap"})
 
 
 def _gather_context(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -41,18 +41,30 @@ def _score_bias(q_pos: Tensor, k_pos: Tensor, alibi_slopes: Tensor | None, slidi
     return bias
 
 
-def _attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """Attention of q (q_len, Hq, D) over k, v (seq_len, Hk, D) in fp32; returns (q_len, Hq, D)."""
+def _attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, softcap: float | None = None) -> Tensor:
+    """Attention of q (q_len, Hq, D) over k, v (seq_len, Hk, D) in fp32, scores capped to softcap * tanh(s / softcap)
+    where softcap is given; returns (q_len, Hq, D)."""
     q_len, num_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     # query head h reads KV head h // group: view the query heads as (Hk, group)
     qg = q.float().view(q_len, num_kv_heads, group, head_size)
     scores = torch.einsum("qkgd,skd->kgqs", qg, k.float()) * scale  # (Hk, group, q_len, seq_len)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(num_heads, q_len, -1) + bias
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group, q_len, -1)
     out = torch.einsum("kgqs,skd->qkgd", probs, v.float())
     return out.reshape(q_len, num_heads, head_size)
+
+
+def refuse_softcap(backend: str, logit_softcap: float | None) -> None:
+    """For kernels whose Caps do not claim softcap: raise NotImplementedError when a score cap is given (the op
+    table binds such a kernel only for models without one, so this guards direct calls)."""
+    if logit_softcap is not None:
+        raise NotImplementedError(f"{backend} paged_attention does not cap attention scores and its caps do not "
+                                  "claim it; resolve the op table with OpRequest(softcap=True) to bind a kernel that "
+                                  "does (the reference)")
 
 
 def _check_layout(q: Tensor, k_cache: Tensor, q_lens: list[int], seq_lens: list[int]) -> None:
@@ -79,6 +91,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of B sequences' new tokens over their paged context.
 
@@ -95,7 +108,9 @@ def paged_attention(
     GQA: query head h reads KV head h // (Hq // Hk). scores = scale * q.k, plus
     alibi_slopes[h] * (key_pos - p) when alibi_slopes (Hq,) fp32 is given (ALiBi; Baichuan-13B's own code adds
     slope * key_pos, which differs by a constant per query row that softmax cancels). A kernel serves models
-    with ALiBi only where its Caps say alibi=True.
+    with ALiBi only where its Caps say alibi=True. With logit_softcap c (Gemma 2's attn_logit_softcapping) each
+    score becomes c * tanh(score / c) before the bias and the softmax; a kernel serves such models only where its
+    Caps say softcap=True.
     Numerics: scores, softmax and the weighted sum of V in fp32; returns (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] (batch padding) are unspecified.
 
@@ -108,6 +123,8 @@ def paged_attention(
     mode = check_kv_scales("paged_attention", k_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"paged_attention: logit_softcap must be positive or None, got {logit_softcap}")
     starts = cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
     lens = seq_lens.tolist()
@@ -121,5 +138,5 @@ def paged_attention(
         k_pos = torch.arange(seq_len, device=q.device)
         q_pos = k_pos[seq_len - q_len :]
         bias = _score_bias(q_pos, k_pos, alibi_slopes, sliding_window)
-        out[start : start + q_len] = _attend_one(q[start : start + q_len], k, v, bias, scale).to(q.dtype)
+        out[start : start + q_len] = _attend_one(q[start : start + q_len], k, v, bias, scale, logit_softcap).to(q.dtype)
     return out

@@ -162,6 +162,8 @@ def _attention_layout(case: str, bs: int) -> tuple[list[int], list[int], int, in
         "alibi": ([bs + 1, 1, 3], [bs + 1, bs, 2 * bs + 3], 8, 8),
         # a chunk after a cached prefix, a decode and a prefill over GQA heads, 6 slopes (not a power of two)
         "alibi_gqa": ([7, 1, bs + 1], [2 * bs + 5, 3 * bs - 1, bs + 1], 6, 2),
+        # Gemma 2's capped scores, with a sliding window on one of the sequences' layers' worth of queries
+        "softcap": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 8, 2),
     }[case]
 
 
@@ -188,6 +190,8 @@ def _paged_attention(
         inputs["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(heads)], device=device)
     if case == "alibi_gqa":
         inputs["alibi_slopes"] = alibi_slopes(heads).to(device)
+    if case == "softcap":  # scores of unit-variance q, k reach past 1.5 * sqrt(d) / sqrt(d): the cap bends them
+        inputs["logit_softcap"] = 1.5
     return inputs
 
 
@@ -299,9 +303,20 @@ def case_quant(op_name: str, case: str) -> str:
     return "none"
 
 
-def case_alibi(op_name: str, case: str) -> bool:
-    """Whether an input case passes alibi_slopes: a kernel whose caps do not claim ALiBi is not expected to run it."""
-    return op_name == "paged_attention" and case in ("alibi", "alibi_gqa")
+# paged_attention cases -> the Caps flag a kernel must claim to run them
+_CASE_CAPS = {"alibi": "alibi", "alibi_gqa": "alibi", "softcap": "softcap"}
+
+
+def case_caps(op_name: str, case: str) -> frozenset[str]:
+    """The Caps flags ("alibi", "softcap") an input case needs: a kernel whose caps do not claim one of them is
+    never bound for such models, so it is not expected to run the case."""
+    flag = _CASE_CAPS.get(case) if op_name == "paged_attention" else None
+    return frozenset({flag} if flag else ())
+
+
+def unclaimed_case(kernel: Any, op_name: str, case: str) -> bool:
+    """Whether `kernel` (a registry Kernel) does not claim a Caps flag the case needs (case_caps)."""
+    return any(not getattr(kernel.caps, flag) for flag in case_caps(op_name, case))
 
 
 class _MoECase(NamedTuple):
@@ -398,7 +413,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "paged_attention": (
         _paged_attention,
         ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi", "alibi_gqa",
-         *_KV_QUANT_CASES["paged_attention"]),
+         "softcap", *_KV_QUANT_CASES["paged_attention"]),
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
     "fused_moe": (_fused_moe, tuple(_MOE_CASES)),

@@ -36,6 +36,7 @@ class Caps:
 
     alibi: the kernel adds ALiBi biases (paged_attention's `alibi_slopes`); a kernel that does not
     say so is never bound for a model whose attention uses them (the reference runs instead).
+    softcap: the kernel caps attention scores (paged_attention's `logit_softcap`), likewise.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -45,6 +46,7 @@ class Caps:
     block_sizes: frozenset[int] | None = None
     graph_safe: bool = True
     alibi: bool = False
+    softcap: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,7 @@ class OpRequest:
     """What the engine needs from one op: the activation dtype plus the fields the op uses.
 
     alibi: the model's attention adds ALiBi biases (Baichuan-13B), so attention kernels must claim them.
+    softcap: the model caps its attention scores (Gemma 2), so attention kernels must claim that.
     """
 
     dtype: torch.dtype
@@ -60,6 +63,7 @@ class OpRequest:
     head_size: int | None = None
     block_size: int | None = None
     alibi: bool = False
+    softcap: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,8 @@ class Kernel:
             return f"block size {request.block_size} not in {sorted(caps.block_sizes or ())}"
         if "alibi" in uses and request.alibi and not caps.alibi:
             return "the model uses ALiBi (alibi_slopes), which this kernel does not implement"
+        if "softcap" in uses and request.softcap and not caps.softcap:
+            return "the model caps attention scores (logit_softcap), which this kernel does not implement"
         return None
 
 

@@ -241,4 +241,5 @@ def _describe_kernels(backend: Backend, op: str) -> str:
     dtypes = sorted({str(d).removeprefix("torch.") for k in kernels for d in k.caps.dtypes})
     quant = sorted({q for k in kernels for q in k.caps.quant} - {"none"})
     alibi = "; ALiBi" if any(k.caps.alibi for k in kernels) else ""
-    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "") + alibi
+    softcap = "; score softcap" if any(k.caps.softcap for k in kernels) else ""
+    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "") + alibi + softcap

@@ -44,6 +44,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
     }),
+    # Gemma 2: Gemma 3's block without q / k norms, even layers sliding (window 8), one RoPE; attention scores and
+    # logits capped low enough that the caps change them (the published 50 and 30 barely touch a tiny model's)
+    "gemma2": ("Gemma2ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0, "rope_theta": 10000.0,
+    }),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -68,7 +74,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
+                "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
                 "GraniteForCausalLM": "granite", "Ernie4_5ForCausalLM": "ernie4_5"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
@@ -93,7 +99,8 @@ def build_tiny_model(
     """Write a tiny random-weight transformers model (config, safetensors, tokenizer) to out_dir.
 
     arch: a preset of PRESETS ("llama" GQA, "llama3" llama3 rope scaling, "llama-tied" tied
-    embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied, "gemma3" Gemma 3's
+    embeddings, "qwen2" qkv bias + tied, "qwen3" per-head q / k norms + tied, "gemma2" Gemma 2's capped scores and
+    logits, "gemma3" Gemma 3's
     sliding and full layers + tied, "phi3" fused projections + sliding window, "phi3-longrope" LongRoPE +
     partial rotary, "granite" Granite's four multipliers). Weights are drawn from `seed` (same seed, same
     files); every parameter, biases and norm scales included, is random so none of them can be ignored.

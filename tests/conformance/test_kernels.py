@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashllm.ops import op_specs
-from flashllm.ops.testing import case_alibi, case_kv_dtype, case_quant, cases, make_inputs, run_case
+from flashllm.ops.testing import case_kv_dtype, case_quant, cases, make_inputs, run_case, unclaimed_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import Backend, Kernel
 from flashllm.registry.plugins import make_plugin_manager
@@ -37,8 +37,8 @@ def _generate() -> list:
                     for case in cases(op):
                         if case_quant(op, case) not in kernel.caps.quant:
                             continue  # the kernel does not claim this weight format; resolve never picks it
-                        if case_alibi(op, case) and not kernel.caps.alibi:
-                            continue  # the kernel does not claim ALiBi; resolve never picks it for ALiBi models
+                        if unclaimed_case(kernel, op, case):
+                            continue  # the kernel does not claim ALiBi / a score cap; resolve never picks it for those
                         kv_dtype = case_kv_dtype(op, case)
                         if kv_dtype is not None and kv_dtype not in kernel.caps.kv_dtypes:
                             continue  # the kernel does not claim this quantized KV cache; resolve never picks it

@@ -28,7 +28,6 @@ from flashllm.backends import cuda
 from flashllm.backends.cuda import kernels as cuda_kernels
 from flashllm.ops import op_specs
 from flashllm.ops.testing import (
-    case_alibi,
     case_kv_dtype,
     case_quant,
     cases,
@@ -36,6 +35,7 @@ from flashllm.ops.testing import (
     random_block_tables,
     run_case,
     to_device,
+    unclaimed_case,
 )
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import check_signature
@@ -117,8 +117,8 @@ def _param_ids() -> list[Any]:
                 kv_dtype = case_kv_dtype(op, case)
                 if case_quant(op, case) not in kernel.caps.quant or (
                     kv_dtype is not None and kv_dtype not in kernel.caps.kv_dtypes
-                ) or (case_alibi(op, case) and not kernel.caps.alibi):
-                    continue  # a weight format, KV cache or ALiBi the kernel does not claim: resolve never picks it
+                ) or unclaimed_case(kernel, op, case):
+                    continue  # a weight format, KV cache, ALiBi or score cap the kernel does not claim: never picked
                 params.append(pytest.param(op, dtype, case, id=f"{op}-{str(dtype)[6:]}-{case}"))
     return params
 

@@ -22,7 +22,8 @@ BLOCK = 16  # small blocks so prompts and decodes cross many block boundaries
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False)
-            for p in ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma3", "phi3", "granite", "ernie4_5")}
+            for p in ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite",
+                      "ernie4_5")}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def _llm(model_dir: Path, **kw) -> LLM:
     return LLM(str(model_dir), **options)
 
 
-@pytest.mark.parametrize("preset", ["llama", "llama3", "llama-tied", "qwen2", "qwen3", "phi3", "granite", "ernie4_5"])
+@pytest.mark.parametrize("preset", ["llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "phi3", "granite",
+                                    "ernie4_5"])
 def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_models) -> None:
     llm = _llm(model_dirs[preset])
     recorder = LogitRecorder(llm)

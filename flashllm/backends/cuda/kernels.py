@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from flashllm.ops.paged_attention import refuse_softcap
 from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.backend import Backend, Caps
 
@@ -118,8 +119,10 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """Triton paged attention: prefill tiles + split-K decode (see triton_attention.paged_attention)."""
+    refuse_softcap("cuda", logit_softcap)
     return launcher_module("paged_attention").paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, alibi_slopes, sliding_window,
         k_scale, v_scale,

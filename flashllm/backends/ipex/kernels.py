@@ -11,6 +11,7 @@ from torch import Tensor
 
 from flashllm.backends.cpu import kernels as cpu_kernels
 from flashllm.ops._kv_checks import check_kv_scales
+from flashllm.ops.paged_attention import refuse_softcap
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -102,6 +103,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """ipex.llm.modules.PagedAttention over the blocks this batch reads, in IPEX's cache layout.
 
@@ -113,6 +115,7 @@ def paged_attention(
     cpu backend's kernel.
     Float caches only (IPEX's CPU paged attention stores fp8 as e5m2 with one scale).
     """
+    refuse_softcap("ipex", logit_softcap)
     if check_kv_scales("ipex paged_attention", k_cache, k_scale, v_scale) != "none":
         raise ValueError(
             f"ipex paged_attention: a {k_cache.dtype} KV cache is not supported (IPEX's CPU kernel has no "

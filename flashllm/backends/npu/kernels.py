@@ -17,6 +17,7 @@ from torch import Tensor
 
 from flashllm.backends.xpu import native
 from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops.paged_attention import refuse_softcap
 from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, QuantizedWeight, integer_codes
 from flashllm.registry.backend import Backend, Caps
 
@@ -79,6 +80,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """All-decode batches: one npu_incre_flash_attention; otherwise one npu_fused_infer_attention_score.
 
@@ -89,6 +91,7 @@ def paged_attention(
     and applying the sliding window.
     """
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
+    refuse_softcap("npu", logit_softcap)
     if alibi_slopes is not None:
         raise NotImplementedError(
             "npu paged_attention: ALiBi is not mapped (torch_npu's pse_shift semantics are not verified) and its "

@@ -42,6 +42,7 @@ def make_backend() -> Backend:
             quant=REFERENCE_QUANT.get(name, frozenset({"none"})),
             graph_safe=name not in HOST_SYNCING_OPS,
             alibi=name == "paged_attention",
+            softcap=name == "paged_attention",
         )
         backend.kernel(name, caps)(spec.reference)
     return backend

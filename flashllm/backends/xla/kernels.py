@@ -19,6 +19,7 @@ from torch import Tensor
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import reject_quantized_kv
 from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_weight
+from flashllm.ops.paged_attention import refuse_softcap
 from flashllm.registry.backend import Backend, Caps
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -77,6 +78,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """Masked dense attention of every query token over its sequence's gathered paged context.
 
@@ -89,6 +91,7 @@ def paged_attention(
     key 0 of the last sequence and are meaningless, as the op allows.
     """
     reject_quantized_kv("xla paged_attention", k_cache, k_scale, v_scale)
+    refuse_softcap("xla", logit_softcap)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     num_tokens, num_heads, head_size = q.shape

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops.paged_attention import refuse_softcap
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -97,9 +98,11 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> Tensor:
     """Per sequence: gather its blocks once, then one scaled_dot_product_attention call (fp32 math)."""
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
+    refuse_softcap("xpu", logit_softcap)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     if q.shape[1] % k_cache.shape[2]:

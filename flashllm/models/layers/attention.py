@@ -30,16 +30,20 @@ class Attention(nn.Module):
     kv_cache for `--cachekv_int8_type static`.
     alibi_slopes: (num_heads,) fp32 ALiBi slopes of this rank's query heads, or None (no ALiBi);
     the op table must then come from a request with alibi=True (see registry Caps.alibi).
+    logit_softcap: scores become c * tanh(score / c) (Gemma 2), or None; the op table must then come from a
+    request with softcap=True (registry Caps.softcap).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, ops: Any,
-                 sliding_window: int | None = None, alibi_slopes: Tensor | None = None) -> None:
+                 sliding_window: int | None = None, alibi_slopes: Tensor | None = None,
+                 logit_softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
             raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({num_heads},), "
                              "one slope per query head of this rank")
@@ -74,6 +78,6 @@ class Attention(nn.Module):
         out = self._paged_attention(
             q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
             attn_metadata.seq_lens, self.scale, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, logit_softcap=self.logit_softcap,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
