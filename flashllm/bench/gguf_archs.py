@@ -19,6 +19,7 @@ from flashllm.bench import (
     gguf_granite,
     gguf_moe,
     gguf_phi3,
+    gguf_smollm3,
 )
 
 
@@ -66,6 +67,7 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_first_generation.BAICHUAN: ArchSpec("baichuan", permute_qk=True, check=gguf_first_generation.check_baichuan,
                                              transform=gguf_first_generation.split_w_pack),
     "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
+    gguf_smollm3.ARCHITECTURE: ArchSpec("smollm3", permute_qk=True, check=gguf_smollm3.check),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),

@@ -18,6 +18,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
+    "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

@@ -23,7 +23,7 @@ BLOCK = 16  # small blocks so prompts and decodes cross many block boundaries
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False)
             for p in ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite",
-                      "ernie4_5")}
+                      "ernie4_5", "smollm3")}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def _llm(model_dir: Path, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("preset", ["llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "phi3", "granite",
-                                    "ernie4_5"])
+                                    "ernie4_5", "smollm3"])
 def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_models) -> None:
     llm = _llm(model_dirs[preset])
     recorder = LogitRecorder(llm)
@@ -100,7 +100,8 @@ def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_mode
     assert llm.engine.num_free_blocks() == llm.engine.block_manager.num_total_blocks
 
 
-@pytest.mark.parametrize("preset", ["llama", "llama-tied", "qwen2", "qwen3", "gemma3", "phi3", "granite", "ernie4_5"])
+@pytest.mark.parametrize("preset", ["llama", "llama-tied", "qwen2", "qwen3", "gemma3", "phi3", "granite", "ernie4_5",
+                                    "smollm3"])
 def test_the_greedy_screen_gives_the_same_tokens(preset, model_dirs, hf_models) -> None:
     """Greedy steps through the device's greedy head (on the cpu backend, the bf16 screen of the
     LM head): transformers' greedy tokens, with prefix-cache hits and prefill chunks on the way."""

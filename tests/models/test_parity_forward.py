@@ -9,7 +9,8 @@ from flashllm.models.loader import load_model
 from flashllm.testing.parity import assert_logits_close, hf_logits, random_tokens
 from flashllm.testing.tiny_models import build_tiny_model
 
-PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5")
+PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
+           "smollm3")
 # LongRoPE: a whole prompt in one pass uses the factor set transformers' full forward does; its decodes
 # and chunks across original_max_position_embeddings are checked against transformers' cached generation
 # in tests/models/test_phi3.py
@@ -54,7 +55,8 @@ def test_greedy_decode_steps_match_transformers(preset, loaded_pair, paged_drive
             assert_logits_close(logits, hf_logits(theirs, prompt)[-1:])
 
 
-@pytest.mark.parametrize("preset", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5"])
+@pytest.mark.parametrize("preset", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
+                                    "smollm3"])
 def test_chunked_prefill_beside_decode_matches_transformers(preset, loaded_pair, paged_driver):
     """A prompt split into chunks (queries after a cached prefix) shares batches with a decode."""
     ours, theirs = loaded_pair(preset)
