@@ -21,6 +21,7 @@ from flashllm.bench import (
     gguf_phi3,
     gguf_smollm3,
 )
+from flashllm.models.gguf.olmo2 import LAYER_NAMES as OLMO2_LAYER_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_first_generation.BAICHUAN: ArchSpec("baichuan", permute_qk=True, check=gguf_first_generation.check_baichuan,
                                              transform=gguf_first_generation.split_w_pack),
     "Qwen3ForCausalLM": ArchSpec("qwen3", permute_qk=False),
+    "Olmo2ForCausalLM": ArchSpec("olmo2", permute_qk=False,
+                                 layer_names={module: part for part, module in OLMO2_LAYER_NAMES.items()}),
     gguf_smollm3.ARCHITECTURE: ArchSpec("smollm3", permute_qk=True, check=gguf_smollm3.check),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),

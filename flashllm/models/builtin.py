@@ -19,6 +19,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

@@ -23,7 +23,7 @@ TINY_BASE: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
 }
 
-# token ids inside the tiny vocabulary, for configs whose defaults lie past it (Phi-3, SmolLM3)
+# token ids inside the tiny vocabulary, for configs whose defaults lie past it (Phi-3, SmolLM3, OLMo 2)
 _PHI3_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -53,6 +53,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     # SmolLM3: layer 3 of 4 without RoPE (transformers' default interval 4), tied embeddings
     "smollm3": ("SmolLM3ForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4, **_PHI3_IDS}),
+    # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
+    "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -78,7 +80,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
-                "SmolLM3ForCausalLM": "smollm3",
+                "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
                 "GraniteForCausalLM": "granite", "Ernie4_5ForCausalLM": "ernie4_5"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits

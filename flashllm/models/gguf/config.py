@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, olmo2, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -12,7 +12,18 @@ from typing import Any
 import numpy as np
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf import chatglm, deepseek2, ernie, first_generation, gemma3, glm4moe, granite, phi3, smollm3
+from flashllm.models.gguf import (
+    chatglm,
+    deepseek2,
+    ernie,
+    first_generation,
+    gemma3,
+    glm4moe,
+    granite,
+    olmo2,
+    phi3,
+    smollm3,
+)
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
 from flashllm.models.gguf.reader import GGUFFile
 
@@ -80,6 +91,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma3_config_fields),
     "gemma2": ArchMap("Gemma2ForCausalLM", "gemma2", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma2_config_fields),
+    "olmo2": ArchMap("Olmo2ForCausalLM", "olmo2", permute_qk=False, layer_names=olmo2.LAYER_NAMES,
+                     config_fields=olmo2.olmo2_config_fields),
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,

@@ -1,0 +1,75 @@
+"""OLMo 2 (norms after each branch, q / k normalized over all heads together): the refusal of tensor parallelism,
+and GGUF `olmo2` files written by flashllm's llama.cpp exporter loading as llama.cpp runs them. The tiny model's
+paged-forward and engine parity with transformers run in test_parity_forward.py and test_engine_parity.py with the
+other presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from flashllm.llm import LLM  # noqa: E402
+from flashllm.models.hf_config import ModelLoadError, load_hf_config  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_f32_file,
+    check_q8_0_logits,
+    exports,
+    load_float_model,
+    rewritten_copy,
+)
+from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("olmo2"), "olmo2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def files(source, tmp_path_factory):
+    get = exports(tmp_path_factory.mktemp("gguf"), {"olmo2": source})
+    return lambda file_type: get("olmo2", file_type)
+
+
+def test_the_file_holds_the_converter_s_names(source, files) -> None:
+    reader = gguf.GGUFReader(files("f32"))
+    stored = {t.name: np.array(t.data) for t in reader.tensors}
+    weights = load_file(str(source / "model.safetensors"))
+    for part, module in (("attn_q_norm", "self_attn.q_norm"), ("post_attention_norm", "post_attention_layernorm"),
+                         ("post_ffw_norm", "post_feedforward_layernorm")):
+        assert np.array_equal(stored[f"blk.1.{part}.weight"], weights[f"model.layers.1.{module}.weight"].numpy())
+    assert stored["blk.1.attn_q_norm.weight"].shape == (64,)  # all four heads of 16 together
+    assert "blk.1.attn_norm.weight" not in stored and "blk.1.ffn_norm.weight" not in stored
+
+
+def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
+    assert load_hf_config(files("f32")).architecture == "Olmo2ForCausalLM"
+    check_f32_file(files("f32"), source, ops, model_registry, paged_driver, PROMPT)
+
+
+def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops, model_registry, paged_driver,
+                                                             tmp_path):
+    ours = load_float_model(files("q8_0"), ops, model_registry)
+    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded")
+
+
+def test_an_olmo3_file_with_sliding_windows_is_refused(files, tmp_path) -> None:
+    copy = rewritten_copy(files("f32"), tmp_path / "olmo3.gguf",
+                          lambda tensors: ((n, np.array(t.data), t.tensor_type) for n, t in tensors.items()),
+                          values={"olmo2.attention.sliding_window": 4096})
+    with pytest.raises(ModelLoadError, match="sliding_window is set"):
+        load_hf_config(copy)
+
+
+def test_tensor_parallelism_is_refused_with_the_flag_to_change(source) -> None:
+    with pytest.raises(Exception, match="--tensor-parallel-size 1"):
+        LLM(str(source), device="cpu", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+            block_size=16, num_kv_blocks=16)
