@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # that dies fails its peers' collectives at once.
 DIST_TIMEOUT_ENV = "FLASHLLM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 60.0
+# A rank still starting (importing torch, loading its shard) is slow, not hung: the driver waits for every rank's
+# announcement at least this long, whatever the collectives' timeout (a rank that exits is reported at once).
+MIN_START_TIMEOUT_S = 60.0
 # How long an idle engine goes without a word with its ranks before the driver pings them (0: never);
 # a rank that hangs is then noticed within this plus the timeout, without waiting for a request.
 HEARTBEAT_ENV = "FLASHLLM_DIST_HEARTBEAT_S"
@@ -121,16 +124,17 @@ def rendezvous(address: str, rank: RankContext) -> Any:
 
 def wait_for_ranks(store: Any, world_size: int, failed: Callable[[], str | None]) -> None:
     """Driver: wait until every other rank announced itself, raising DistributedError at once when
-    `failed()` reports one that exited, or after the timeout."""
-    deadline = time.monotonic() + dist_timeout().total_seconds()
+    `failed()` reports one that exited, or after the collectives' timeout (at least MIN_START_TIMEOUT_S)."""
+    limit = max(dist_timeout().total_seconds(), MIN_START_TIMEOUT_S)
+    deadline = time.monotonic() + limit
     keys = [f"flashllm/ready/{r}" for r in range(1, world_size)]
     while not store.check(keys):
         reason = failed()
         if reason is not None:
             raise DistributedError(f"{reason} while starting; see its log above")
         if time.monotonic() > deadline:
-            raise DistributedError(f"tensor-parallel ranks did not start within {DIST_TIMEOUT_ENV}="
-                                   f"{dist_timeout().total_seconds():g} s")
+            raise DistributedError(f"tensor-parallel ranks did not start within {limit:g} s (the larger of "
+                                   f"{DIST_TIMEOUT_ENV} and {MIN_START_TIMEOUT_S:g} s)")
         time.sleep(0.05)
 
 
