@@ -20,6 +20,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

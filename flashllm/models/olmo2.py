@@ -1,19 +1,27 @@
-"""OLMo 2 (`Olmo2ForCausalLM`, allenai/OLMo-2-*): Llama's projections with the norms moved after each branch.
+"""OLMo 2 (`Olmo2ForCausalLM`, allenai/OLMo-2-*) and OLMo 3 (`Olmo3ForCausalLM`): Llama's projections with the norms
+moved after each branch.
 
 A layer computes x + post_attention_norm(attn(x)), then + post_feedforward_norm(mlp(.)): no norm before attention
 or the MLP. The attention RMS-normalizes the whole query projection (every head together, one weight of
 num_heads x head_dim) and the whole key projection before RoPE. Those norms span every head, so a tensor-parallel
 rank holding some heads cannot compute them alone: tensor parallelism is refused.
+
+OLMo 3 adds sliding-window layers (`layer_types`; by default three sliding layers, then a full one) with their own
+RoPE: the full layers rotate by `rope_parameters.full_attention` (or the legacy `rope_theta` / `rope_scaling`, YaRN
+in the long-context checkpoints), the sliding ones by `rope_parameters.sliding_attention` (legacy: the same base,
+unscaled), as transformers' Olmo3Config reads them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.hf_config import MAX_NUM_LAYERS, normalize_rope, positive_int
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import VocabEmbedding
 from flashllm.models.layers.mlp import GatedMLP
@@ -21,6 +29,15 @@ from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import HiddenTaps, LlamaAttention, LlamaForCausalLM, LlamaModel, run_decoder_stack
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
+
+OLMO3_ROPE_THETA = 500000.0  # transformers' Olmo3Config default_theta
+LAYER_TYPES = ("full_attention", "sliding_attention")  # indexed by "is sliding"
+
+
+def _refuse_prequantized(raw: dict[str, Any], source: str) -> None:
+    if raw.get("quantization_config") is not None:
+        raise ModelLoadError(f"{source}: OLMo loads float checkpoints only (quantize them at load with --quant_type); "
+                             "drop quantization_config or use a float checkpoint")
 
 
 class Olmo2Attention(LlamaAttention):
@@ -80,9 +97,13 @@ class Olmo2Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = LlamaModel.build_rotary(config, ops, device)
+        local = getattr(config, "local_rope", None)  # OLMo 3's sliding layers rotate by their own table
+        self.rotary_emb_local = None if local is None else RotaryEmbedding(
+            config.head_dim, config.rotary_dim, config.max_position_embeddings, local[0], local[1], ops, device)
         self.layers = nn.ModuleList(
-            Olmo2DecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
-            for i in range(config.num_hidden_layers)
+            Olmo2DecoderLayer(config, i, self.rotary_emb if window is None or local is None else self.rotary_emb_local,
+                              ops, dtype, device, tp_rank, tp_size)
+            for i, window in enumerate(config.sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
@@ -102,12 +123,58 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
         """Llama's config.json fields; a pre-quantized checkpoint is refused (float weights only: quantize at load
         with --quant_type)."""
-        if raw.get("quantization_config") is not None:
-            raise ModelLoadError(f"{source}: OLMo 2 loads float checkpoints only (quantize them at load with "
-                                 "--quant_type); drop quantization_config or use a float checkpoint")
+        _refuse_prequantized(raw, source)
         return parse_llama_config(raw, source)
 
     def build_stack(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                     qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> Olmo2Model:
         """OLMo 2's post-norm stack."""
         return Olmo2Model(config, ops, dtype, device, tp_rank, tp_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Olmo3ModelConfig(LlamaModelConfig):
+    """LlamaModelConfig (rope_theta / rope_scaling: the full layers'; sliding_windows per layer_types) plus
+    local_rope: the sliding layers' (rope_theta, rope_scaling)."""
+
+    local_rope: tuple[float, dict[str, Any] | None] = (OLMO3_ROPE_THETA, None)
+
+
+def parse_olmo3_config(raw: dict[str, Any], source: str = "config.json") -> Olmo3ModelConfig:
+    """Validate an Olmo3ForCausalLM config.json (module docstring); ModelLoadError (one line) otherwise."""
+    _refuse_prequantized(raw, source)
+    layers = positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
+    types = raw.get("layer_types") or [LAYER_TYPES[(i + 1) % 4 != 0] for i in range(layers)]
+    params = raw.get("rope_parameters")
+    if params:
+        if not isinstance(params, dict) or not set(params) <= set(LAYER_TYPES):
+            raise ModelLoadError(f"{source}: rope_parameters={params!r} must map {' and '.join(LAYER_TYPES)} to their "
+                                 "RoPE settings, as transformers writes OLMo 3's")
+        full = normalize_rope({"rope_parameters": params.get("full_attention") or {},
+                               "rope_theta": OLMO3_ROPE_THETA}, f"{source} rope_parameters.full_attention")
+        local = normalize_rope({"rope_parameters": params.get("sliding_attention") or {},
+                                "rope_theta": OLMO3_ROPE_THETA}, f"{source} rope_parameters.sliding_attention")
+    else:
+        full = normalize_rope({**raw, "rope_theta": raw.get("rope_theta", OLMO3_ROPE_THETA)}, source)
+        if full[0] != OLMO3_ROPE_THETA:
+            # transformers gives the sliding layers its default base then, not rope_theta: refused as ambiguous
+            raise ModelLoadError(f"{source}: rope_theta={full[0]:g} without per-layer-type rope_parameters: "
+                                 f"transformers rotates OLMo 3's sliding layers by {OLMO3_ROPE_THETA:g} then; write "
+                                 "rope_parameters with full_attention and sliding_attention entries")
+        local = (full[0], None)
+    view = {**raw, "layer_types": types, "sliding_window": raw.get("sliding_window", 4096),
+            "use_sliding_window": True, "rope_parameters": None, "rope_theta": full[0], "rope_scaling": full[1]}
+    base = parse_llama_config(view, source)
+    return Olmo3ModelConfig(**{f.name: getattr(base, f.name) for f in fields(LlamaModelConfig)}, local_rope=local)
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2's layers, sliding windows and a second RoPE table for the sliding layers (module docstring)."""
+
+    attention_needs: ClassVar[tuple[str, ...]] = ("sliding window",)
+    skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq", "rotary_emb_local.inv_freq")
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> Olmo3ModelConfig:
+        """config.json -> Olmo3ModelConfig, validated (parse_olmo3_config)."""
+        return parse_olmo3_config(raw, source)

@@ -73,3 +73,45 @@ def test_tensor_parallelism_is_refused_with_the_flag_to_change(source) -> None:
     with pytest.raises(Exception, match="--tensor-parallel-size 1"):
         LLM(str(source), device="cpu", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
             block_size=16, num_kv_blocks=16)
+
+
+OLMO3 = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0, "sliding_window": 16}
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "yarn", "factor": 8.0,
+                                                  "original_max_position_embeddings": 64}},
+    {"layer_types": ["sliding_attention", "full_attention"] * 4},
+    {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
+])
+def test_an_olmo3_config_reads_as_transformers_reads_it(changes) -> None:
+    """Sliding layers by layer_types (three sliding, then a full one, by default); the full layers' RoPE and the
+    sliding layers' as transformers' Olmo3Config sets them up."""
+    from transformers import Olmo3Config
+
+    from flashllm.models.hf_config import parse_hf_config
+
+    ours, theirs = parse_hf_config({**OLMO3, **changes}), Olmo3Config(**{**OLMO3, **changes})
+    assert ours.sliding_windows == tuple(16 if t == "sliding_attention" else None for t in theirs.layer_types)
+    for kind, (theta, scaling) in (("full_attention", (ours.rope_theta, ours.rope_scaling)),
+                                   ("sliding_attention", ours.local_rope)):
+        params = dict(theirs.rope_parameters[kind])
+        assert theta == params.pop("rope_theta"), kind
+        kind_type = params.pop("rope_type")
+        assert (scaling or {"rope_type": "default"})["rope_type"] == kind_type, kind
+        for key, value in params.items():
+            assert scaling[key] == value, (kind, key)
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [
+    ({"rope_theta": 1e4}, "rope_theta=10000 without per-layer-type rope_parameters"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "must map full_attention and sliding"),
+])
+def test_olmo3_rope_layouts_transformers_reads_otherwise_are_refused(changes, fragment) -> None:
+    from flashllm.models.hf_config import parse_hf_config
+
+    with pytest.raises(ModelLoadError, match=fragment):
+        parse_hf_config({**OLMO3, **changes})
