@@ -76,6 +76,7 @@ ARCHS: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),
     gguf_gemma3.ARCHITECTURE: ArchSpec("gemma3", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
                                        layer_names=gguf_gemma3.LAYER_NAMES),
+    "GemmaForCausalLM": ArchSpec("gemma", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT),
     gguf_gemma3.GEMMA2_ARCHITECTURE: ArchSpec("gemma2", permute_qk=False, norm_shift=gguf_gemma3.NORM_SHIFT,
                                               layer_names=gguf_gemma3.LAYER_NAMES, check=gguf_gemma3.check_gemma2,
                                               add_hparams=gguf_gemma3.add_gemma2_hparams),

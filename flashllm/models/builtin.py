@@ -18,6 +18,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
+    "GemmaForCausalLM": "flashllm.models.gemma3:GemmaForCausalLM",
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",

@@ -1,5 +1,7 @@
 """Gemma 3 text decoder (Gemma3ForCausalLM, gemma-3-1b): Llama's projections with Gemma's sandwich norms of
-(1 + weight), a GeGLU MLP, a scaled embedding, and sliding-window layers with their own RoPE base."""
+(1 + weight), a GeGLU MLP, a scaled embedding, and sliding-window layers with their own RoPE base. Gemma 2
+(Gemma2ForCausalLM) is that block without q / k norms and with capped scores; Gemma 1 (GemmaForCausalLM) is Llama's
+pre-norm block with Gemma's norms, MLP and embedding."""
 
 from __future__ import annotations
 
@@ -8,7 +10,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from flashllm.models.gemma3_config import Gemma3ModelConfig, parse_gemma2_config, parse_gemma3_config
+from flashllm.models.gemma3_config import (
+    Gemma3ModelConfig,
+    parse_gemma2_config,
+    parse_gemma3_config,
+    parse_gemma_config,
+)
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
@@ -125,11 +132,37 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 1's pre-norm block: r += attn(input_norm(r)); r += mlp(post_attention_norm(r)), with Gemma's norms and
+    GeGLU; the residual stream split as run_decoder_stack's layers take it (each add fused into the next norm)."""
+
+    def __init__(self, config: Gemma3ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb, ops, dtype, device, tp_rank, tp_size)
+        self.mlp = GeGLUMLP(config.hidden_size, config.intermediate_size, config.gelu_approximate, ops, dtype,
+                            device, tp_rank, tp_size)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """hidden (T, H), residual (T, H) or None before the first layer -> (mlp output, residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, attn_metadata),
+                                                         residual)
+        return self.mlp(hidden), residual
+
+
 class Gemma3Model(nn.Module):
     """Scaled embedding, decoder layers and final norm (HF's `model.` prefix). Sliding layers rotate with
     `rotary_emb_local` (rope_local_base_freq), full layers with `rotary_emb` (rope_theta, rope_scaling)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    layer_class: ClassVar[type[nn.Module]]  # Gemma3DecoderLayer, set below; GemmaModel's: GemmaDecoderLayer
 
     def __init__(self, config: Gemma3ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -140,8 +173,8 @@ class Gemma3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(*dims, config.rope_theta, config.rope_scaling, ops, device)
         self.rotary_emb_local = RotaryEmbedding(*dims, config.local_rope_theta, config.local_rope_scaling, ops, device)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, self.rotary_emb if window is None else self.rotary_emb_local, ops, dtype,
-                               device, tp_rank, tp_size)
+            self.layer_class(config, i, self.rotary_emb if window is None else self.rotary_emb_local, ops, dtype,
+                             device, tp_rank, tp_size)
             for i, window in enumerate(config.sliding_windows)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
@@ -150,6 +183,15 @@ class Gemma3Model(nn.Module):
                 attn_metadata: AttentionMetadata) -> Tensor:
         """input_ids (T,), positions (T,) -> final hidden states (T, hidden)."""
         return run_decoder_stack(self, input_ids, positions, kv_caches, attn_metadata)
+
+
+Gemma3Model.layer_class = Gemma3DecoderLayer
+
+
+class GemmaModel(Gemma3Model):
+    """Gemma 1's stack: Gemma 3's embedding, RoPE and final norm around pre-norm layers."""
+
+    layer_class = GemmaDecoderLayer
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -200,3 +242,20 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> Gemma3ModelConfig:
         """config.json -> Gemma3ModelConfig, validated (see flashllm.models.gemma3_config.parse_gemma2_config)."""
         return parse_gemma2_config(raw, source)
+
+
+class GemmaForCausalLM(Gemma3ForCausalLM):
+    """Gemma 1 (gemma-2b / 7b, CodeGemma): Llama's pre-norm block with Gemma's (1 + w) norms, GeGLU and scaled
+    embedding; full attention everywhere, scores scaled by head_dim ** -0.5."""
+
+    attention_needs: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> Gemma3ModelConfig:
+        """config.json -> Gemma3ModelConfig, validated (see flashllm.models.gemma3_config.parse_gemma_config)."""
+        return parse_gemma_config(raw, source)
+
+    def build_stack(self, config: Gemma3ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                    qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> GemmaModel:
+        """Gemma 1's pre-norm stack."""
+        return GemmaModel(config, ops, dtype, device, tp_rank, tp_size)

@@ -8,6 +8,7 @@ from typing import Any
 
 from flashllm.models.decoder_fields import checkpoint_fields, decoder_sizes
 from flashllm.models.hf_config import (
+    MAX_HEAD_DIM,
     MAX_NUM_LAYERS,
     ModelLoadError,
     check_rope,
@@ -29,6 +30,10 @@ GEMMA2_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "max_position_embeddings": 8192,
     "tie_word_embeddings": True, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
 }
+# transformers' GemmaConfig defaults (Gemma 1)
+GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True}
+# Gemma 1's config.json `hidden_act`: "gelu" is the official releases' legacy value for the tanh approximation
+GEMMA_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
 GLOBAL_ROPE_THETA = 1_000_000.0  # full-attention layers (config.json `rope_theta`)
 LOCAL_ROPE_THETA = 10_000.0      # sliding-window layers (config.json `rope_local_base_freq`)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -89,6 +94,24 @@ def parse_gemma2_config(raw: dict[str, Any], source: str = "config.json") -> Gem
     softcap = fields.get("attn_logit_softcapping")
     return _parse(raw, fields, source, (rope, rope), qk_norm=False,
                   attn_softcap=None if softcap is None else positive_float(fields, "attn_logit_softcapping", 0, source))
+
+
+def parse_gemma_config(raw: dict[str, Any], source: str = "config.json") -> Gemma3ModelConfig:
+    """Validate a Gemma 1 config.json (GemmaForCausalLM): Llama's pre-norm layers with Gemma's norms, GeGLU (its
+    `hidden_act`, where "gelu" means the tanh approximation, as transformers reads it) and scaled embedding; full
+    attention, scores scaled by head_dim ** -0.5, one RoPE. Raises ModelLoadError (one line) otherwise."""
+    _refuse_unsupported(raw, source)
+    fields = {**GEMMA_DEFAULTS, **raw}
+    act = raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported; Gemma's GeGLU MLP runs "
+                             f"{sorted(GEMMA_ACTIVATIONS)} (both the tanh approximation)")
+    layers = positive_int(fields, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
+    head_dim = positive_int(fields, "head_dim", None, MAX_HEAD_DIM, source)
+    fields.update(layer_types=[LAYER_TYPES[1]] * layers, query_pre_attn_scalar=head_dim, final_logit_softcapping=None)
+    rope = normalize_rope(raw, source)
+    return _parse({**raw, "hidden_activation": GEMMA_ACTIVATIONS[act]}, fields, source, (rope, rope), qk_norm=False,
+                  attn_softcap=None)
 
 
 def _parse(raw: dict[str, Any], fields: dict[str, Any], source: str,

@@ -45,6 +45,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
     }),
+    # Gemma 1: Llama's pre-norm block with Gemma's (1 + w) norms, GeGLU, scaled embedding; head_dim 32 explicit
+    # (Gemma's is 256, not hidden / heads); the legacy hidden_act "gelu" the official configs carry
+    "gemma": ("GemmaForCausalLM", {"head_dim": 32, "hidden_act": "gelu"}),
     # Gemma 2: Gemma 3's block without q / k norms, even layers sliding (window 8), one RoPE; attention scores and
     # logits capped low enough that the caps change them (the published 50 and 30 barely touch a tiny model's)
     "gemma2": ("Gemma2ForCausalLM", {
@@ -82,7 +85,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
+                "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "GemmaForCausalLM": "gemma", "Phi3ForCausalLM": "phi3",
                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                 "GraniteForCausalLM": "granite", "Ernie4_5ForCausalLM": "ernie4_5"}
 

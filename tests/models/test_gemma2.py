@@ -1,4 +1,4 @@
-"""Gemma 2 against transformers' Gemma2ForCausalLM: the Hub's config layout and transformers' defaults, and the
+"""Gemma 2 (and Gemma 1's config) against transformers' Gemma2ForCausalLM / GemmaConfig: the Hub's config layout and transformers' defaults, and the
 two caps (attention scores, logits) changing what the model computes. The tiny model's paged-forward and engine
 parity (sliding and full layers alternating, chunked prefill, decode) run in test_parity_forward.py and
 test_engine_parity.py with the other presets."""
@@ -71,3 +71,26 @@ def test_each_cap_changes_the_logits_as_transformers_does(cap, tmp_path, paged_d
         driver = paged_driver(load_flashllm(model_dir, ops), block_size=16, num_blocks=16, seed=1)
         assert_logits_close(driver.step([(driver.add_sequence(), prompt)])[0], expected[name])
     assert (expected["capped"] - expected["uncapped"]).abs().max() > 1e-2
+
+
+# google/gemma-2b's config.json (transformers 4.38's layout), shrunk: the legacy hidden_act "gelu"
+HUB_GEMMA_2B = {
+    "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "attention_bias": False, "bos_token_id": 2,
+    "eos_token_id": 1, "head_dim": 32, "hidden_act": "gelu", "hidden_size": 64, "intermediate_size": 128,
+    "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 1,
+    "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "vocab_size": 256,
+}
+
+
+def test_gemma_1_reads_as_transformers_reads_it() -> None:
+    """Gemma 1: "gelu" is the tanh GeGLU (transformers rewrites it so), full attention scaled by head_dim ** -0.5,
+    no caps, no q / k norms; another activation is refused."""
+    from transformers import GemmaConfig
+
+    ours, theirs = parse_hf_config(HUB_GEMMA_2B), GemmaConfig(**HUB_GEMMA_2B)
+    assert theirs.hidden_act == "gelu_pytorch_tanh" and ours.gelu_approximate == "tanh"
+    assert ours.sliding_windows == (None, None, None) and ours.query_pre_attn_scalar == 32.0
+    assert ours.attn_logit_softcapping is None and ours.final_logit_softcapping is None and not ours.qk_norm
+    assert ours.tie_word_embeddings is theirs.tie_word_embeddings is True
+    with pytest.raises(ModelLoadError, match="hidden_act='silu'"):
+        parse_hf_config({**HUB_GEMMA_2B, "hidden_act": "silu"})

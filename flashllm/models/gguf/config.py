@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, olmo2, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, olmo2, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
     "gemma3": ArchMap("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma3_config_fields),
+    "gemma": ArchMap("GemmaForCausalLM", "gemma", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
+                     config_fields=gemma3.gemma_config_fields),
     "gemma2": ArchMap("Gemma2ForCausalLM", "gemma2", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma2_config_fields),
     "olmo2": ArchMap("Olmo2ForCausalLM", "olmo2", permute_qk=False, layer_names=olmo2.LAYER_NAMES,

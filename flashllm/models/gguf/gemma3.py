@@ -17,6 +17,9 @@ convert_hf_to_gguf.py's Gemma3Model, the converter):
 - `final_logit_softcapping` is applied only by the graph without sliding layers; a file carrying it with a
   sliding window is refused rather than run one of two ways.
 
+`gemma` files (Gemma 1, src/models/gemma.cpp): Llama's pre-norm layers (`attn_norm`, `ffn_norm`) with the norms stored
+as 1 + w, GeGLU, the scaled embedding, full attention scaled by key_length ** -0.5, one RoPE.
+
 `gemma2` files (src/models/gemma2.cpp, its hparams in src/llama-model.cpp, the converter's Gemma2Model): the same
 norms and names without q / k norms; layer i slides when i % 2 == 0 (pattern 2), window
 `gemma2.attention.sliding_window` (4096 when absent); one RoPE base for every layer; attention scores capped by
@@ -59,6 +62,12 @@ def attention_scalar(num_layers: int, hidden: int, heads: int, head_dim: int, la
 def gemma2_layer_types(num_layers: int) -> list[str]:
     """transformers' layer_types of llama.cpp's gemma2 rule: the even layers slide."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+def gemma_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """The GemmaForCausalLM config.json fields of a `gemma` file (module docstring)."""
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    return {"hidden_act": "gelu_pytorch_tanh", "head_dim": head_dim, "attention_bias": False}
 
 
 def gemma2_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
