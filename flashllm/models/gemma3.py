@@ -18,6 +18,7 @@ from flashllm.models.gemma3_config import (
 )
 from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import copy_checked
 from flashllm.models.layers.mlp import GatedMLP
@@ -132,9 +133,8 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Gemma 1's pre-norm block: r += attn(input_norm(r)); r += mlp(post_attention_norm(r)), with Gemma's norms and
-    GeGLU; the residual stream split as run_decoder_stack's layers take it (each add fused into the next norm)."""
+class GemmaDecoderLayer(PreNormBlock):
+    """Gemma 1's pre-norm block (PreNormBlock's forward) with Gemma's norms and GeGLU."""
 
     def __init__(self, config: Gemma3ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -144,17 +144,6 @@ class GemmaDecoderLayer(nn.Module):
                             device, tp_rank, tp_size)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
-
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (mlp output, residual stream)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, attn_metadata),
-                                                         residual)
-        return self.mlp(hidden), residual
 
 
 class Gemma3Model(nn.Module):

@@ -8,34 +8,21 @@ import math
 import pytest
 import torch
 
-from flashllm import hookimpl
 from flashllm.backends import npu
 from flashllm.ops import op_specs
 from flashllm.ops.alibi_slopes import alibi_slopes
-from flashllm.registry.backend import Backend, Caps, DeviceAdapter, OpRequest
-from flashllm.registry.plugins import make_plugin_manager
-from flashllm.registry.precision import DeviceProfile
+from flashllm.registry.backend import Backend, Caps, OpRequest
 from flashllm.registry.resolve import DeviceSelection, KernelResolutionError, resolve_ops
+from flashllm.testing.backends import cpu_selection
 
 FP32 = frozenset({torch.float32})
-
-
-class _Plugin:
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-
-    @hookimpl
-    def flashllm_register_backends(self, register):
-        register(self.backend)
 
 
 def _selection_without_alibi() -> tuple[DeviceSelection, object]:
     """A cpu backend whose only kernel is a paged_attention that does not claim ALiBi."""
     backend = Backend(name="no-alibi", device_type="cpu", priority=1)
     backend.kernel("paged_attention", Caps(dtypes=FP32, kv_dtypes=FP32))(op_specs()["paged_attention"].reference)
-    plugins = make_plugin_manager(load_entry_points=False, extra_plugins=[_Plugin(backend)])
-    profile = DeviceProfile("test cpu", FP32, accelerator=False)
-    return DeviceSelection(torch.device("cpu"), backend, profile, DeviceAdapter("cpu")), plugins
+    return cpu_selection(backend, FP32)
 
 
 def test_an_alibi_request_falls_back_to_the_reference_visibly() -> None:

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from flashllm import hookimpl
 from flashllm.backends import cuda, ggml, npu, xla
 from flashllm.backends.cpu import kernels as cpu_kernels
 from flashllm.backends.cuda import kernels as cuda_kernels
@@ -17,22 +16,14 @@ from flashllm.backends.xpu import native as xpu_native
 from flashllm.ops import op_specs
 from flashllm.ops.paged_attention import paged_attention
 from flashllm.ops.testing import make_inputs, run_case
-from flashllm.registry.backend import Backend, Caps, DeviceAdapter, OpRequest
-from flashllm.registry.plugins import make_plugin_manager
-from flashllm.registry.precision import DeviceProfile
+from flashllm.registry.backend import Backend, Caps, OpRequest
 from flashllm.registry.resolve import DeviceSelection, KernelResolutionError, resolve_ops
+from flashllm.testing.backends import cpu_selection
 
 FP32 = frozenset({torch.float32})
 USES = op_specs()["paged_attention"].uses
 
 
-class _Plugin:
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-
-    @hookimpl
-    def flashllm_register_backends(self, register):
-        register(self.backend)
 
 
 def test_the_reference_caps_each_score_before_the_softmax() -> None:
@@ -67,9 +58,7 @@ def _selection_without_softcap() -> tuple[DeviceSelection, object]:
     backend = Backend(name="no-softcap", device_type="cpu", priority=1)
     backend.kernel("paged_attention", Caps(dtypes=FP32, kv_dtypes=FP32, alibi=True))(
         op_specs()["paged_attention"].reference)
-    plugins = make_plugin_manager(load_entry_points=False, extra_plugins=[_Plugin(backend)])
-    profile = DeviceProfile("test cpu", FP32, accelerator=False)
-    return DeviceSelection(torch.device("cpu"), backend, profile, DeviceAdapter("cpu")), plugins
+    return cpu_selection(backend, FP32)
 
 
 def test_a_capped_model_falls_back_to_the_reference_visibly_or_strict_refuses() -> None:
