@@ -22,6 +22,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
+    "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

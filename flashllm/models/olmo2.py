@@ -34,7 +34,7 @@ OLMO3_ROPE_THETA = 500000.0  # transformers' Olmo3Config default_theta
 LAYER_TYPES = ("full_attention", "sliding_attention")  # indexed by "is sliding"
 
 
-def _refuse_prequantized(raw: dict[str, Any], source: str) -> None:
+def refuse_prequantized(raw: dict[str, Any], source: str) -> None:
     if raw.get("quantization_config") is not None:
         raise ModelLoadError(f"{source}: OLMo loads float checkpoints only (quantize them at load with --quant_type); "
                              "drop quantization_config or use a float checkpoint")
@@ -71,9 +71,10 @@ class Olmo2DecoderLayer(nn.Module):
     run_decoder_stack's layers, with the residual stream split as (hidden, residual), x = hidden + residual."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
-                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int) -> None:
+                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                 attention_class: type[nn.Module]) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, layer_idx, rotary_emb, ops, dtype, device, tp_rank, tp_size)
+        self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, tp_rank, tp_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, dtype, device,
                             tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
@@ -91,6 +92,7 @@ class Olmo2Model(nn.Module):
     """Llama's embedding, rotary table and final norm around OLMo 2's post-norm layers (HF's `model.` prefix)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    attention_class: ClassVar[type[nn.Module]] = Olmo2Attention  # (config, layer_idx, rotary, ops, ...) -> module
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -102,7 +104,7 @@ class Olmo2Model(nn.Module):
             config.head_dim, config.rotary_dim, config.max_position_embeddings, local[0], local[1], ops, device)
         self.layers = nn.ModuleList(
             Olmo2DecoderLayer(config, i, self.rotary_emb if window is None or local is None else self.rotary_emb_local,
-                              ops, dtype, device, tp_rank, tp_size)
+                              ops, dtype, device, tp_rank, tp_size, self.attention_class)
             for i, window in enumerate(config.sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
@@ -123,7 +125,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> LlamaModelConfig:
         """Llama's config.json fields; a pre-quantized checkpoint is refused (float weights only: quantize at load
         with --quant_type)."""
-        _refuse_prequantized(raw, source)
+        refuse_prequantized(raw, source)
         return parse_llama_config(raw, source)
 
     def build_stack(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
@@ -142,7 +144,7 @@ class Olmo3ModelConfig(LlamaModelConfig):
 
 def parse_olmo3_config(raw: dict[str, Any], source: str = "config.json") -> Olmo3ModelConfig:
     """Validate an Olmo3ForCausalLM config.json (module docstring); ModelLoadError (one line) otherwise."""
-    _refuse_prequantized(raw, source)
+    refuse_prequantized(raw, source)
     layers = positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
     types = raw.get("layer_types") or [LAYER_TYPES[(i + 1) % 4 != 0] for i in range(layers)]
     params = raw.get("rope_parameters")

@@ -61,6 +61,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
     "olmo3": ("Olmo3ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 8, "rope_theta": 10000.0,
                                    "rope_scaling": {"rope_type": "linear", "factor": 4.0}, **_PHI3_IDS}),
+    # EXAONE 4.0's hybrid attention, pattern 4 ("LLLG": three sliding layers of window 8, then a global one
+    # without RoPE), per-head q / k norms, norms after each branch
+    "exaone4": ("Exaone4ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
+                                       **_PHI3_IDS}),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -85,9 +89,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "GemmaForCausalLM": "gemma", "Phi3ForCausalLM": "phi3",
-                "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                "GraniteForCausalLM": "granite", "Ernie4_5ForCausalLM": "ernie4_5"}
+                "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "GemmaForCausalLM": "gemma",
+                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
+                "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "GraniteForCausalLM": "granite",
+                "Ernie4_5ForCausalLM": "ernie4_5"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.

@@ -23,7 +23,7 @@ MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Deep
 # pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
 DEQUANTIZED_AT_LOAD = {"fp8"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                     "GraniteMoeForCausalLM"}
 
 
