@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, olmo2, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flashllm.models.gguf import (
     chatglm,
     deepseek2,
     ernie,
+    exaone4,
     first_generation,
     gemma3,
     glm4moe,
@@ -95,6 +96,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma2_config_fields),
     "olmo2": ArchMap("Olmo2ForCausalLM", "olmo2", permute_qk=False, layer_names=olmo2.LAYER_NAMES,
                      config_fields=olmo2.olmo2_config_fields),
+    "exaone4": ArchMap("Exaone4ForCausalLM", "exaone4", permute_qk=False, layer_names=exaone4.LAYER_NAMES,
+                       config_fields=exaone4.exaone4_config_fields),
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,
