@@ -17,6 +17,7 @@ import triton
 from flashllm.backends.cuda import triton_attention_kernels as kernels
 from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
 from flashllm.ops._kv_checks import reject_quantized_kv
+from flashllm.ops.paged_attention import refuse_softcap
 
 PARTITION_SIZE = 512  # keys per decode split: long enough to amortize a split, short enough to fill SMs
 # Small decode batches shorten the splits (down to one key tile) until the grid holds this many
@@ -81,13 +82,16 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention over the paged cache; shapes and numerics as `flashllm.ops.paged_attention`.
+    """Causal varlen attention over the paged cache; shapes and numerics as `flashllm.ops.paged_attention`
+    (no score cap: its Caps do not claim softcap, and a cap given is refused).
 
     q (T, Hq, D) may have any token/head strides; returns a new contiguous (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] are left uninitialized. Lengths are trusted, not checked on the host
     (that would synchronize): q_len <= seq_len <= block_tables.shape[1] * block_size must hold.
     """
+    refuse_softcap("cuda", logit_softcap)
     return attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                   alibi_slopes, sliding_window, k_scale, v_scale)
 
