@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # Request fields an op's kernels can be gated on beyond the activation dtype (always checked).
-REQUEST_FIELDS = frozenset({"kv_dtype", "quant", "head_size", "block_size", "alibi", "softcap"})
+REQUEST_FIELDS = frozenset({"kv_dtype", "quant", "head_size", "block_size", "alibi", "softcap", "sinks",
+                            "moe_activation"})
 
 OP_NAMES: tuple[str, ...] = (
     "rms_norm",

@@ -1,4 +1,4 @@
-"""fused_moe: the routed experts of a mixture-of-experts MLP (Mixtral, Qwen-MoE)."""
+"""fused_moe: the routed experts of a mixture-of-experts MLP (Mixtral, Qwen-MoE, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
 # Not gated on the model's quant request: a kernel lists in Caps.quant the expert formats of
 # EXPERT_SCHEMES it takes, and a MoE layer stores its experts in one of those (models/layers/moe.py),
 # so a kernel never receives a format it did not claim.
-USES: frozenset[str] = frozenset()
+USES: frozenset[str] = frozenset({"moe_activation"})
 # "none": float w13 / w2; "w8a16": int8 codes with a float scale per expert and output channel;
 # "w4a16": symmetric int4 codes packed two per byte with a float scale per expert, output channel and group
 EXPERT_SCHEMES: frozenset[str] = frozenset({"none", "w8a16", "w4a16"})
+# The experts' activations: "silu" is silu(g) * u; "swigluoai" is gpt-oss's clamped form (expert_activation)
+MOE_ACTIVATIONS: frozenset[str] = frozenset({"silu", "swigluoai"})
+# gpt-oss's swiglu_alpha and swiglu_limit (its config's defaults; other values are refused at load)
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None, w13_bias: Tensor | None = None,
+              w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     """Weighted sum of each token's top-k experts' gated MLP outputs.
 
     Shapes: x (T, H); w13 (E, 2I, H), each expert's gate rows then up rows; w2 (E, H, I);
@@ -33,11 +38,15 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     channel); or "w4a16": uint8 w13 (E, 2I, H/2) and w2 (E, H, I/2) holding two int4 codes a byte as
     QuantizedWeight's w4a16 (low nibble first, 0..15 around the zero point 8), float w13_scale
     (E, 2I, G13) and w2_scale (E, H, G2), G groups of K / G input features each.
+    Biases (gpt-oss): w13_bias (E, 2I) is added to x[t] @ w13[e].T and w2_bias (E, H) to the expert's output
+    before it is weighted. activation "swigluoai" replaces silu(g) * u by gpt-oss's clamped form
+    (expert_activation); a kernel runs it, and biases, only where its Caps.moe_activations claim it.
     Numerics: both matmuls, the activation and the weighted sum run in fp32; returns (T, H) in
     x.dtype. Kernels that round the intermediate to x.dtype stay within tolerances.
     """
     num_experts = w13.shape[0]
     check_expert_scales(w13, w2, w13_scale, w2_scale)
+    check_expert_biases(w13, w2, w13_bias, w2_bias, activation)
     if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < num_experts:
         raise ValueError(
             f"fused_moe: topk_ids range [{int(topk_ids.min())}, {int(topk_ids.max())}] is outside "
@@ -49,11 +58,36 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
         if token_idx.numel() == 0:
             continue
         gate_up = x[token_idx].float() @ expert_weight(w13, w13_scale, expert).T  # (n, 2I)
-        gate, up = gate_up.chunk(2, dim=-1)
-        expert_out = (F.silu(gate) * up) @ expert_weight(w2, w2_scale, expert).T  # (n, H)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].float()
+        expert_out = expert_activation(gate_up, activation) @ expert_weight(w2, w2_scale, expert).T  # (n, H)
+        if w2_bias is not None:
+            expert_out = expert_out + w2_bias[expert].float()
         weights = topk_weights[token_idx, slot_idx].float()[:, None]
         out.index_add_(0, token_idx, expert_out * weights)
     return out.to(x.dtype)
+
+
+def expert_activation(gate_up: Tensor, activation: str = "silu") -> Tensor:
+    """An expert's gate then up features (n, 2I) fp32 -> (n, I) fp32: silu(g) * u, or for "swigluoai"
+    (gpt-oss) (u' + 1) * g' * sigmoid(1.702 g') with g' = min(g, 7) and u' = clamp(u, -7, 7)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+    up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA)
+
+
+def check_expert_biases(w13: Tensor, w2: Tensor, w13_bias: Tensor | None, w2_bias: Tensor | None,
+                        activation: str) -> None:
+    """Raise ValueError for an activation outside MOE_ACTIVATIONS or a bias that is not float (E, 2I) / (E, H)."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r} is not one of {sorted(MOE_ACTIVATIONS)}")
+    experts, hidden = w2.shape[0], w2.shape[1]
+    for name, bias, shape in (("w13_bias", w13_bias, (experts, w13.shape[1])), ("w2_bias", w2_bias, (experts, hidden))):
+        if bias is not None and (not bias.is_floating_point() or tuple(bias.shape) != shape):
+            raise ValueError(f"fused_moe: {name} must be float of shape {shape}, got {bias.dtype} {tuple(bias.shape)}")
 
 
 def expert_batches(topk_ids: Tensor, topk_weights: Tensor,

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from flashllm.ops._kv_checks import check_kv_scales, dequantize_kv, static_scale_view
 
-USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size", "alibi", "softcap"})
+USES: frozenset[str] = frozenset({"kv_dtype", "head_size", "block_size", "alibi", "softcap", "sinks"})
 
 
 def _gather_context(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -41,9 +41,11 @@ def _score_bias(q_pos: Tensor, k_pos: Tensor, alibi_slopes: Tensor | None, slidi
     return bias
 
 
-def _attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, softcap: float | None = None) -> Tensor:
+def _attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, softcap: float | None = None,
+                sinks: Tensor | None = None) -> Tensor:
     """Attention of q (q_len, Hq, D) over k, v (seq_len, Hk, D) in fp32, scores capped to softcap * tanh(s / softcap)
-    where softcap is given; returns (q_len, Hq, D)."""
+    where softcap is given, each head's sink logit (sinks (Hq,)) joining its softmax where given; returns
+    (q_len, Hq, D)."""
     q_len, num_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -53,18 +55,24 @@ def _attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, sof
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(num_heads, q_len, -1) + bias
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group, q_len, -1)
-    out = torch.einsum("kgqs,skd->qkgd", probs, v.float())
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink takes a share of the softmax and contributes no value
+        sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("kgqs,skd->qkgd", probs.reshape(num_kv_heads, group, q_len, -1), v.float())
     return out.reshape(q_len, num_heads, head_size)
 
 
-def refuse_softcap(backend: str, logit_softcap: float | None) -> None:
-    """For kernels whose Caps do not claim softcap: raise NotImplementedError when a score cap is given (the op
-    table binds such a kernel only for models without one, so this guards direct calls)."""
-    if logit_softcap is not None:
-        raise NotImplementedError(f"{backend} paged_attention does not cap attention scores and its caps do not "
-                                  "claim it; resolve the op table with OpRequest(softcap=True) to bind a kernel that "
-                                  "does (the reference)")
+def refuse_unclaimed(backend: str, logit_softcap: float | None, sinks: Tensor | None = None) -> None:
+    """For kernels whose Caps claim neither softcap nor sinks: raise NotImplementedError when a score cap or
+    attention sinks are given (the op table binds such a kernel only for models without them, so this guards
+    direct calls)."""
+    if logit_softcap is not None or sinks is not None:
+        what = "cap attention scores" if logit_softcap is not None else "add attention sinks"
+        raise NotImplementedError(f"{backend} paged_attention does not {what} and its caps do not claim it; resolve "
+                                  "the op table with OpRequest(softcap=True) / OpRequest(sinks=True) to bind a kernel "
+                                  "that does (the reference)")
 
 
 def _check_layout(q: Tensor, k_cache: Tensor, q_lens: list[int], seq_lens: list[int]) -> None:
@@ -92,6 +100,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of B sequences' new tokens over their paged context.
 
@@ -110,7 +119,9 @@ def paged_attention(
     slope * key_pos, which differs by a constant per query row that softmax cancels). A kernel serves models
     with ALiBi only where its Caps say alibi=True. With logit_softcap c (Gemma 2's attn_logit_softcapping) each
     score becomes c * tanh(score / c) before the bias and the softmax; a kernel serves such models only where its
-    Caps say softcap=True.
+    Caps say softcap=True. With sinks (Hq,) fp32 (gpt-oss) head h's softmax gets one more logit, sinks[h], whose
+    probability is dropped (it attends to nothing), so the weights of the real keys sum to less than one; a
+    kernel serves such models only where its Caps say sinks=True.
     Numerics: scores, softmax and the weighted sum of V in fp32; returns (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] (batch padding) are unspecified.
 
@@ -125,6 +136,9 @@ def paged_attention(
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"paged_attention: logit_softcap must be positive or None, got {logit_softcap}")
+    if sinks is not None and (not sinks.is_floating_point() or tuple(sinks.shape) != (q.shape[1],)):
+        raise ValueError(f"paged_attention: sinks must be float of shape ({q.shape[1]},), one per query head; got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
     starts = cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
     lens = seq_lens.tolist()
@@ -138,5 +152,6 @@ def paged_attention(
         k_pos = torch.arange(seq_len, device=q.device)
         q_pos = k_pos[seq_len - q_len :]
         bias = _score_bias(q_pos, k_pos, alibi_slopes, sliding_window)
-        out[start : start + q_len] = _attend_one(q[start : start + q_len], k, v, bias, scale, logit_softcap).to(q.dtype)
+        out[start : start + q_len] = _attend_one(q[start : start + q_len], k, v, bias, scale, logit_softcap,
+                                                            sinks).to(q.dtype)
     return out

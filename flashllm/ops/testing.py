@@ -164,6 +164,8 @@ def _attention_layout(case: str, bs: int) -> tuple[list[int], list[int], int, in
         "alibi_gqa": ([7, 1, bs + 1], [2 * bs + 5, 3 * bs - 1, bs + 1], 6, 2),
         # Gemma 2's capped scores, with a sliding window on one of the sequences' layers' worth of queries
         "softcap": ([bs - 1, 1, 5, bs + 2], [bs - 1, 2 * bs + 1, 5, 3 * bs], 8, 2),
+        # gpt-oss's sinks over GQA heads: a prefill, a decode and a chunk after a cached prefix
+        "sinks": ([bs + 2, 1, 4], [bs + 2, 2 * bs + 1, 3 * bs], 8, 2),
     }[case]
 
 
@@ -192,6 +194,8 @@ def _paged_attention(
         inputs["alibi_slopes"] = alibi_slopes(heads).to(device)
     if case == "softcap":  # scores of unit-variance q, k reach past 1.5 * sqrt(d) / sqrt(d): the cap bends them
         inputs["logit_softcap"] = 1.5
+    if case == "sinks":  # sink logits around the scores' own size, so each takes a visible share of the softmax
+        inputs["sinks"] = (torch.randn(heads, generator=gen) * 2).to(device)
     return inputs
 
 
@@ -303,20 +307,27 @@ def case_quant(op_name: str, case: str) -> str:
     return "none"
 
 
-# paged_attention cases -> the Caps flag a kernel must claim to run them
-_CASE_CAPS = {"alibi": "alibi", "alibi_gqa": "alibi", "softcap": "softcap"}
+# input cases -> the Caps claim a kernel must make to run them: a bool flag, or an expert activation
+_CASE_CAPS = {("paged_attention", "alibi"): "alibi", ("paged_attention", "alibi_gqa"): "alibi",
+              ("paged_attention", "softcap"): "softcap", ("paged_attention", "sinks"): "sinks",
+              ("fused_moe", "swigluoai_bias"): "swigluoai", ("fused_moe", "swigluoai_bias_one_token"): "swigluoai"}
 
 
 def case_caps(op_name: str, case: str) -> frozenset[str]:
-    """The Caps flags ("alibi", "softcap") an input case needs: a kernel whose caps do not claim one of them is
-    never bound for such models, so it is not expected to run the case."""
-    flag = _CASE_CAPS.get(case) if op_name == "paged_attention" else None
+    """The Caps claims ("alibi", "softcap", "sinks", "swigluoai") an input case needs: a kernel that does not
+    make one of them is never bound for such models, so it is not expected to run the case."""
+    flag = _CASE_CAPS.get((op_name, case))
     return frozenset({flag} if flag else ())
+
+
+def claims(caps: Any, flag: str) -> bool:
+    """Whether registry Caps make the claim `flag` of case_caps: a bool field, or an expert activation."""
+    return flag in caps.moe_activations if flag == "swigluoai" else bool(getattr(caps, flag))
 
 
 def unclaimed_case(kernel: Any, op_name: str, case: str) -> bool:
     """Whether `kernel` (a registry Kernel) does not claim a Caps flag the case needs (case_caps)."""
-    return any(not getattr(kernel.caps, flag) for flag in case_caps(op_name, case))
+    return any(not claims(kernel.caps, flag) for flag in case_caps(op_name, case))
 
 
 class _MoECase(NamedTuple):
@@ -334,6 +345,7 @@ class _MoECase(NamedTuple):
     renormalized: bool = True
     scheme: str = "none"  # "w8a16": int8 experts, per-channel scales; "w4a16": packed int4, grouped scales
     group_size: int = -1  # w4a16: input features sharing a scale
+    activation: str = "silu"  # "swigluoai": gpt-oss's clamped activation, with expert biases
 
 
 # top-1, top-2, top-4 over 60 experts (Qwen1.5-MoE's routing) and top-8 (Qwen2-57B's), one decode
@@ -353,6 +365,9 @@ _MOE_CASES: dict[str, _MoECase] = {
     # int4 experts: groups of 32 over several tokens, per-channel scales for one token
     "w4a16_group32": _MoECase(7, 64, 64, 8, 2, scheme="w4a16", group_size=32),
     "w4a16_per_channel_one_token": _MoECase(1, 64, 48, 6, 3, renormalized=False, scheme="w4a16"),
+    # gpt-oss: biased experts, clamped SwiGLU, top-k weights a softmax over the chosen experts
+    "swigluoai_bias": _MoECase(9, 64, 48, 8, 4, activation="swigluoai"),
+    "swigluoai_bias_one_token": _MoECase(1, 64, 32, 8, 4, activation="swigluoai"),
 }
 
 
@@ -392,6 +407,12 @@ def _fused_moe(
         return inputs
     inputs["w13"] = _randn(gen, c.experts, 2 * c.inter, c.hidden, dtype=dtype, device=device, std=c.hidden**-0.5)
     inputs["w2"] = _randn(gen, c.experts, c.hidden, c.inter, dtype=dtype, device=device, std=c.inter**-0.5)
+    if c.activation != "silu":  # gate features past the clamp (std 6 around +-7) bend the activation; w2 brings the
+        inputs["w13"] = inputs["w13"] * 6  # outputs back to about unit size, as the tolerances expect
+        inputs["w2"] = inputs["w2"] / 16
+        inputs["w13_bias"] = _randn(gen, c.experts, 2 * c.inter, dtype=dtype, device=device)
+        inputs["w2_bias"] = _randn(gen, c.experts, c.hidden, dtype=dtype, device=device)
+        inputs["activation"] = c.activation
     return inputs
 
 
@@ -413,7 +434,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "paged_attention": (
         _paged_attention,
         ("mixed", "prefill", "prefill_block_edges", "cached_prefix", "decode", "sliding_window", "alibi", "alibi_gqa",
-         "softcap", *_KV_QUANT_CASES["paged_attention"]),
+         "softcap", "sinks", *_KV_QUANT_CASES["paged_attention"]),
     ),
     "quant_matmul": (_quant_matmul, tuple(_QUANT_MATMUL_CASES)),
     "fused_moe": (_fused_moe, tuple(_MOE_CASES)),

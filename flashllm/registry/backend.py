@@ -37,6 +37,9 @@ class Caps:
     alibi: the kernel adds ALiBi biases (paged_attention's `alibi_slopes`); a kernel that does not
     say so is never bound for a model whose attention uses them (the reference runs instead).
     softcap: the kernel caps attention scores (paged_attention's `logit_softcap`), likewise.
+    sinks: the kernel adds per-head attention sinks to the softmax (paged_attention's `sinks`), likewise.
+    moe_activations: the expert activations a fused_moe kernel runs ("silu"; "swigluoai" also means the
+    experts' biases, gpt-oss), likewise.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -47,6 +50,8 @@ class Caps:
     graph_safe: bool = True
     alibi: bool = False
     softcap: bool = False
+    sinks: bool = False
+    moe_activations: frozenset[str] = frozenset({"silu"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,9 @@ class OpRequest:
 
     alibi: the model's attention adds ALiBi biases (Baichuan-13B), so attention kernels must claim them.
     softcap: the model caps its attention scores (Gemma 2), so attention kernels must claim that.
+    sinks: the model's attention has per-head sinks (gpt-oss), likewise.
+    moe_activation: the activation (and, for "swigluoai", biases) of the model's experts, which fused_moe
+    kernels must claim in Caps.moe_activations.
     """
 
     dtype: torch.dtype
@@ -64,6 +72,8 @@ class OpRequest:
     block_size: int | None = None
     alibi: bool = False
     softcap: bool = False
+    sinks: bool = False
+    moe_activation: str = "silu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,10 @@ class Kernel:
             return "the model uses ALiBi (alibi_slopes), which this kernel does not implement"
         if "softcap" in uses and request.softcap and not caps.softcap:
             return "the model caps attention scores (logit_softcap), which this kernel does not implement"
+        if "sinks" in uses and request.sinks and not caps.sinks:
+            return "the model's attention has sinks (sinks), which this kernel does not implement"
+        if "moe_activation" in uses and request.moe_activation not in caps.moe_activations:
+            return f"expert activation {request.moe_activation!r} not in {sorted(caps.moe_activations)}"
         return None
 
 

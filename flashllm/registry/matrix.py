@@ -26,9 +26,10 @@ LEGEND = (
     "✅ every op has a kernel of this backend · 🟡 some ops run the reference kernel · "
     "🔵 every op runs the reference kernel · ❌ the device cannot run it · ⛔ not implemented yet"
 )
-KERNELS_LEGEND = ("Activation dtypes each backend's kernels claim, then weight formats and ALiBi (attention biases "
-                  "of models such as Baichuan-13B) where claimed; an op a backend lacks, or a model needing what "
-                  "its kernel does not claim, runs the reference kernel, listed at engine start.")
+KERNELS_LEGEND = ("Activation dtypes each backend's kernels claim, then weight formats, ALiBi (attention biases "
+                  "of models such as Baichuan-13B), score softcap (Gemma 2), sinks and swigluoai experts (gpt-oss) "
+                  "where claimed; an op a backend lacks, or a model needing what its kernel does not claim, runs the "
+                  "reference kernel, listed at engine start.")
 # Cells whose status says something runs carry the proof level of their backend.
 PROVEN_STATUSES = frozenset({"native", "partial", "reference"})
 PROOF_LEGEND = "Proof levels: " + " · ".join(f"{level}: {why}" for level, why in PROOF_LEVELS.items())
@@ -242,4 +243,7 @@ def _describe_kernels(backend: Backend, op: str) -> str:
     quant = sorted({q for k in kernels for q in k.caps.quant} - {"none"})
     alibi = "; ALiBi" if any(k.caps.alibi for k in kernels) else ""
     softcap = "; score softcap" if any(k.caps.softcap for k in kernels) else ""
-    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "") + alibi + softcap
+    sinks = "; sinks" if any(k.caps.sinks for k in kernels) else ""
+    activations = sorted({a for k in kernels for a in k.caps.moe_activations} - {"silu"})
+    extra = "".join(f"; {a}" for a in activations)
+    return ", ".join(dtypes) + (f"; {', '.join(quant)}" if quant else "") + alibi + softcap + sinks + extra

@@ -341,6 +341,37 @@ def test_attention_window_and_alibi_skip_whole_splits() -> None:
 
 
 @interpreted_or_gpu
+@pytest.mark.parametrize("splits", [64, None], ids=["many_splits", "default_split"])
+def test_attention_sinks_and_score_caps_through_the_split_merge(splits: int | None) -> None:
+    """gpt-oss's sinks (added once, in the merge, when a decode runs in splits) and Gemma 2's score cap, with a
+    window that leaves some splits empty, on decodes and a prefill chunk."""
+    gen = torch.Generator().manual_seed(7)
+    extra = {"sliding_window": 70, "sinks": torch.randn(4, generator=gen) * 2, "logit_softcap": 1.5}
+    inputs = attention_inputs([1, 9, 1, 1], [333, 200, 197, 198], 4, 2, 64, 16, torch.float32, **extra)
+    fn = attend(partition_size=splits) if splits else None
+    check("paged_attention", inputs, torch.float32, fn)
+    for name in ("sinks", "logit_softcap"):  # each changes the result on its own
+        alone = {**inputs, name: None}
+        assert (run_case(SPECS["paged_attention"].reference, "paged_attention", alone)
+                - run_case(SPECS["paged_attention"].reference, "paged_attention", inputs)).abs().max() > 1e-3
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_gpt_oss_experts(dtype: torch.dtype) -> None:
+    """w8a16 experts with float biases and the clamped "swigluoai" activation, gate features past the clamp."""
+    inputs = make_inputs("fused_moe", dtype, case="w8a16_top2")
+    gen = torch.Generator().manual_seed(3)
+    experts, two_inter, hidden = inputs["w13"].shape
+    inputs = dev({**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                  "w13_scale": inputs["w13_scale"].cpu() * 8, "w2_scale": inputs["w2_scale"].cpu() / 16,
+                  "w13_bias": torch.randn(experts, two_inter, generator=gen).to(dtype),
+                  "w2_bias": torch.randn(experts, hidden, generator=gen).to(dtype)})
+    inputs["activation"] = "swigluoai"
+    check("fused_moe", inputs, dtype)
+
+
+@interpreted_or_gpu
 @pytest.mark.parametrize("head_size", sorted(cuda_kernels.ATTENTION_HEAD_SIZES))
 def test_attention_every_claimed_head_size(head_size: int) -> None:
     inputs = attention_inputs([1, 3], [40, 21], 2, 1, head_size, 16, torch.float32)

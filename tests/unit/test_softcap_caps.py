@@ -11,7 +11,7 @@ import torch
 
 from flashllm.backends import cuda, ggml, npu, xla
 from flashllm.backends.cpu import kernels as cpu_kernels
-from flashllm.backends.cuda import kernels as cuda_kernels
+from flashllm.backends.xla import kernels as xla_kernels
 from flashllm.backends.xpu import native as xpu_native
 from flashllm.ops import op_specs
 from flashllm.ops.paged_attention import paged_attention
@@ -45,6 +45,14 @@ def test_the_reference_caps_each_score_before_the_softmax() -> None:
         paged_attention(*args, logit_softcap=0.0)
 
 
+def test_the_cuda_kernel_claims_the_cap() -> None:
+    """The Triton kernel caps scores itself (checked against the reference under TRITON_INTERPRET=1 in
+    tests/conformance/test_triton_interpret.py)."""
+    (kernel,) = cuda.make_backend().kernels["paged_attention"]
+    assert kernel.caps.softcap and kernel.mismatch(OpRequest(torch.float32, None, "none", 64, 16, softcap=True),
+                                                   USES) is None
+
+
 def test_the_cpu_kernel_claims_the_cap_and_computes_the_reference() -> None:
     inputs = make_inputs("paged_attention", torch.float32, head_size=64, block_size=16, case="softcap")
     reference = run_case(op_specs()["paged_attention"].reference, "paged_attention", inputs)
@@ -72,16 +80,16 @@ def test_a_capped_model_falls_back_to_the_reference_visibly_or_strict_refuses() 
         resolve_ops(selection, request, plugins=plugins, strict=True)
 
 
-@pytest.mark.parametrize("make_backend", [cuda.make_backend, npu.make_backend, xla.make_backend, ggml.make_backend],
-                         ids=["cuda", "npu", "xla", "ggml"])
+@pytest.mark.parametrize("make_backend", [npu.make_backend, xla.make_backend, ggml.make_backend],
+                         ids=["npu", "xla", "ggml"])
 def test_kernels_without_the_cap_do_not_claim_it(make_backend) -> None:
     for kernel in make_backend().kernels["paged_attention"]:
         request = OpRequest(next(iter(kernel.caps.dtypes)), None, "none", 64, 16, softcap=True)
         assert "caps attention scores" in kernel.mismatch(request, USES)
 
 
-@pytest.mark.parametrize("kernel", [cuda_kernels.paged_attention, xpu_native.paged_attention],
-                         ids=["cuda", "xpu"])
+@pytest.mark.parametrize("kernel", [xpu_native.paged_attention, xla_kernels.paged_attention],
+                         ids=["xpu", "xla"])
 def test_a_cap_given_to_a_kernel_that_does_not_claim_it_is_refused(kernel) -> None:
     inputs = make_inputs("paged_attention", torch.float32, head_size=64, block_size=16, case="softcap")
     with pytest.raises(NotImplementedError, match="does not cap attention scores"):

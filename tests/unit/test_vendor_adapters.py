@@ -20,7 +20,7 @@ from flashllm.backends import dcu, gcu, npu, xpu
 from flashllm.backends.npu import kernels as npu_kernels
 from flashllm.backends.xpu import native
 from flashllm.ops import op_specs
-from flashllm.ops.testing import case_caps, case_quant, cases, make_inputs, run_case
+from flashllm.ops.testing import case_caps, case_quant, cases, claims, make_inputs, run_case
 from flashllm.ops.tolerances import assert_close
 from flashllm.registry.backend import PROOF_LEVELS, Backend, OpRequest
 from flashllm.registry.plugins import make_plugin_manager
@@ -326,8 +326,8 @@ def test_native_kernels_match_the_reference_on_cpu(op) -> None:
     for case in cases(op):
         for dtype in sorted(caps.dtypes, key=str):
             inputs = make_inputs(op, dtype, head_size=64, block_size=16, case=case)
-            if not _float_kv(inputs) or any(not getattr(caps, flag) for flag in case_caps(op, case)):
-                continue  # quantized caches and score caps are not claimed (caps.kv_dtypes are float)
+            if not _float_kv(inputs) or any(not claims(caps, flag) for flag in case_caps(op, case)):
+                continue  # quantized caches, score caps and sinks are not claimed (caps.kv_dtypes are float)
             assert_close(run_case(fn, op, inputs), run_case(op_specs()[op].reference, op, inputs), dtype)
 
 

@@ -77,17 +77,19 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's blocks once, then one scaled_dot_product_attention call.
 
     Shapes and scale semantics as the op spec: q (T, Hq, D), caches (num_blocks, block_size, Hk, D).
     Quantized caches are dequantized to fp32 as they are gathered, and attention runs in fp32. Capped scores
-    (logit_softcap, Gemma 2) have no fused form here: such calls run the op's reference body.
+    (logit_softcap, Gemma 2) and attention sinks (gpt-oss) have no fused form here: such calls run the op's
+    reference body.
     """
-    if logit_softcap is not None:
+    if logit_softcap is not None or sinks is not None:
         return op_specs()["paged_attention"].reference(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, alibi_slopes, sliding_window, k_scale,
-            v_scale, logit_softcap)
+            v_scale, logit_softcap, sinks)
     mode = check_kv_scales("cpu paged_attention", k_cache, k_scale, v_scale)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -253,8 +255,8 @@ def register(backend: Backend) -> None:
     """Register the cpu kernels on `backend`."""
     specs = op_specs()
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
-    backend.kernel("paged_attention", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES, alibi=True, softcap=True))(
-        paged_attention)
+    attention_caps = Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES, alibi=True, softcap=True, sinks=True)
+    backend.kernel("paged_attention", attention_caps)(paged_attention)
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)
     backend.kernel("silu_and_mul", Caps(dtypes=FLOATS))(silu_and_mul)
     backend.kernel("write_kv_cache", Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES))(write_kv_cache)

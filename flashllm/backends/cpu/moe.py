@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.backends.cpu import native
-from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_batches, expert_int4
+from flashllm.ops.fused_moe import (
+    EXPERT_SCHEMES,
+    MOE_ACTIVATIONS,
+    check_expert_biases,
+    check_expert_scales,
+    expert_activation,
+    expert_batches,
+    expert_int4,
+)
 from flashllm.ops.quant_matmul import QuantizedWeight, dequantize
 from flashllm.registry.backend import Backend, Caps
 
@@ -28,28 +37,45 @@ FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None, w13_bias: Tensor | None = None,
+              w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     """The fused_moe op (flashllm.ops.fused_moe): x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights /
     topk_ids (T, k) -> (T, H) in x.dtype; products, activation and the weighted sum in fp32. Float
     experts, w8a16 int8 codes with w13_scale (E, 2I) / w2_scale (E, H), or w4a16 packed int4 codes with
     grouped scales (E, N, G); int4 experts run native only with FLASHLLM_CPU_INT4_ACTIVATIONS=fp32 (the
-    default int8 activations are not this op's numerics), else each chosen one is dequantized."""
+    default int8 activations are not this op's numerics), else each chosen one is dequantized. Biases
+    (E, 2I) / (E, H) and the "swigluoai" activation (gpt-oss) as the op defines them."""
     check_expert_scales(w13, w2, w13_scale, w2_scale)
+    check_expert_biases(w13, w2, w13_bias, w2_bias, activation)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
+    experts = _Experts(w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, activation)
     for expert, rows, weights in expert_batches(topk_ids, topk_weights, w13.shape[0]):
         if rows is None:  # the one decode token
-            out += _expert(xf, w13, w2, w13_scale, w2_scale, expert) * weights
+            out += experts.run(xf, expert) * weights
         else:
-            out.index_add_(0, rows, _expert(xf[rows], w13, w2, w13_scale, w2_scale, expert) * weights)
+            out.index_add_(0, rows, experts.run(xf[rows], expert) * weights)
     return out.to(x.dtype)
 
 
-def _expert(x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
-            expert: int) -> Tensor:
-    """Expert `expert`'s gated MLP on fp32 rows x (n, H) -> (n, H) fp32."""
-    gate, up = _linear(x, w13, w13_scale, expert).chunk(2, dim=-1)
-    return _linear(F.silu(gate) * up, w2, w2_scale, expert)
+class _Experts(NamedTuple):
+    """One fused_moe call's expert tensors, as the op takes them."""
+
+    w13: Tensor
+    w2: Tensor
+    w13_scale: Tensor | None
+    w2_scale: Tensor | None
+    w13_bias: Tensor | None
+    w2_bias: Tensor | None
+    activation: str
+
+    def run(self, x: Tensor, expert: int) -> Tensor:
+        """Expert `expert`'s gated MLP on fp32 rows x (n, H) -> (n, H) fp32."""
+        gate_up = _linear(x, self.w13, self.w13_scale, expert)
+        if self.w13_bias is not None:
+            gate_up = gate_up + self.w13_bias[expert].float()
+        out = _linear(expert_activation(gate_up, self.activation), self.w2, self.w2_scale, expert)
+        return out if self.w2_bias is None else out + self.w2_bias[expert].float()
 
 
 def _linear(x: Tensor, weights: Tensor, scales: Tensor | None, expert: int) -> Tensor:
@@ -76,7 +102,8 @@ def _linear(x: Tensor, weights: Tensor, scales: Tensor | None, expert: int) -> T
 
 def register(backend: Backend) -> None:
     """Register the cpu fused_moe kernel on `backend` (it reads expert ids on the host: not graph safe)."""
-    backend.kernel("fused_moe", Caps(dtypes=FLOATS, quant=EXPERT_SCHEMES, graph_safe=False))(fused_moe)
+    backend.kernel("fused_moe", Caps(dtypes=FLOATS, quant=EXPERT_SCHEMES, graph_safe=False,
+                                              moe_activations=MOE_ACTIVATIONS))(fused_moe)
 
 
 def _bench(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from flashllm.ops.paged_attention import refuse_softcap
+from flashllm.ops.fused_moe import MOE_ACTIVATIONS
 from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.registry.backend import Backend, Caps
 
@@ -49,14 +49,14 @@ CAPS: dict[str, Caps] = {
     "write_kv_cache": Caps(dtypes=FLOATS, kv_dtypes=FLOATS),
     "paged_attention": Caps(
         dtypes=FLOATS, kv_dtypes=FLOATS, head_sizes=ATTENTION_HEAD_SIZES, block_sizes=ATTENTION_BLOCK_SIZES,
-        alibi=True,
+        alibi=True, softcap=True, sinks=True,
     ),
     # weight-only int8/int4 (any group size, symmetric or with zero points) in Triton, "none" in
     # torch; a8w8 and fp8 weights resolve to the reference. No host sync: graph-capturable.
     "quant_matmul": Caps(dtypes=FLOATS, quant=QUANT_SCHEMES),
     # float and int8 (w8a16, per-channel scales) experts; the topk_ids range check reads back to the
     # host, and is skipped under capture
-    "fused_moe": Caps(dtypes=FLOATS, quant=frozenset({"none", "w8a16"})),
+    "fused_moe": Caps(dtypes=FLOATS, quant=frozenset({"none", "w8a16"}), moe_activations=MOE_ACTIVATIONS),
     # batched multi-LoRA (one adapter slot per row, -1 for none): no host sync, graph-capturable
     "lora_shrink": Caps(dtypes=FLOATS),
     "lora_expand": Caps(dtypes=FLOATS),
@@ -120,12 +120,12 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Triton paged attention: prefill tiles + split-K decode (see triton_attention.paged_attention)."""
-    refuse_softcap("cuda", logit_softcap)
     return launcher_module("paged_attention").paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, alibi_slopes, sliding_window,
-        k_scale, v_scale,
+        k_scale, v_scale, logit_softcap, sinks,
     )
 
 
@@ -135,9 +135,12 @@ def quant_matmul(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None)
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
-    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe); float and w8a16 experts."""
-    return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None, w13_bias: Tensor | None = None,
+              w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
+    """Triton grouped-GEMM MoE experts (see triton_moe.fused_moe); float and w8a16 experts, biased and swigluoai
+    ones too."""
+    return launcher_module("fused_moe").fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_bias,
+                                                  w2_bias, activation)
 
 
 def lora_shrink(x: Tensor, lora_a: Tensor, lora_indices: Tensor) -> Tensor:

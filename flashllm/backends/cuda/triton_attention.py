@@ -17,7 +17,6 @@ import triton
 from flashllm.backends.cuda import triton_attention_kernels as kernels
 from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
 from flashllm.ops._kv_checks import reject_quantized_kv
-from flashllm.ops.paged_attention import refuse_softcap
 
 PARTITION_SIZE = 512  # keys per decode split: long enough to amortize a split, short enough to fill SMs
 # Small decode batches shorten the splits (down to one key tile) until the grid holds this many
@@ -83,17 +82,17 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention over the paged cache; shapes and numerics as `flashllm.ops.paged_attention`
-    (no score cap: its Caps do not claim softcap, and a cap given is refused).
+    """Causal varlen attention over the paged cache; shapes and numerics as `flashllm.ops.paged_attention`,
+    score caps (logit_softcap) and attention sinks included.
 
     q (T, Hq, D) may have any token/head strides; returns a new contiguous (T, Hq, D) in q.dtype.
     Rows past cu_seqlens_q[-1] are left uninitialized. Lengths are trusted, not checked on the host
     (that would synchronize): q_len <= seq_len <= block_tables.shape[1] * block_size must hold.
     """
-    refuse_softcap("cuda", logit_softcap)
     return attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                  alibi_slopes, sliding_window, k_scale, v_scale)
+                  alibi_slopes, sliding_window, k_scale, v_scale, logit_softcap=logit_softcap, sinks=sinks)
 
 
 def attend(
@@ -101,24 +100,32 @@ def attend(
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    partition_size: int | None = None,
+    partition_size: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode split length exposed (tests force many splits with it)."""
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
     _check(q, k_cache, v_cache, block_tables, alibi_slopes, sliding_window)
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"paged_attention: logit_softcap must be positive or None, got {logit_softcap}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"paged_attention: sinks must be ({q.shape[1]},), got {tuple(sinks.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     cu_seqlens_q, seq_lens = cu_seqlens_q.contiguous(), seq_lens.contiguous()
     alibi = alibi_slopes.contiguous() if alibi_slopes is not None else q  # q: a never-read placeholder
+    sinks = sinks.contiguous() if sinks is not None else None
     shape = _shape(q, k_cache)
     common = dict(
         window=sliding_window or 0, qk_scale=scale * kernels.LOG2E, alibi_scale=kernels.LOG2E,
+        softcap=logit_softcap or 1.0,
         HEAD_SIZE=shape.head_size, D_PAD=shape.d_pad, BLOCK_SIZE=shape.block_size, BLOCK_N=shape.block_n,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
         WIDEN=widen_bf16(kernels.prefill_kernel, q.dtype), num_warps=shape.num_warps, **LAUNCH_OPTIONS,
     )
+    sinks = sinks if sinks is not None else q  # a never-read placeholder
     strides = (
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -128,11 +135,11 @@ def attend(
     block_q = max(rows // group_pad, 1)
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
     kernels.prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, out, *strides,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, sinks, out, *strides,
         num_seqs, shape.group, BLOCK_Q=block_q, GROUP_PAD=group_pad, **{**common, "num_warps": warps},
         num_stages=stages,
     )
-    _decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, out, strides, shape,
+    _decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, (alibi, sinks), out, strides, shape,
             partition_size, common)
     return out
 
@@ -162,9 +169,12 @@ def _partition(max_keys: int, rows: int, block_n: int, device: torch.device) -> 
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, alibi: torch.Tensor, out: torch.Tensor,
-            strides: tuple[int, ...], shape: _Shape, partition_size: int | None, common: dict) -> None:
-    """Split-K over the context for every sequence with exactly one query token."""
+            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor, strides: tuple[int, ...], shape: _Shape, partition_size: int | None,
+            common: dict) -> None:
+    """Split-K over the context for every sequence with exactly one query token; biases: (alibi slopes, sinks),
+    placeholders where the model has none."""
+    alibi, sinks = biases
     num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
     max_keys = block_tables.shape[1] * shape.block_size
     if partition_size is None:
@@ -179,7 +189,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     kernels.decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, out, part_out, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, alibi, sinks, out, part_out, part_max, part_sum,
         *strides, shape.group, GROUP_PAD=pow2(shape.group, 16), PARTITION=partition, NUM_SPLITS=num_splits,
         **common,
     )
@@ -187,8 +197,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         return
     splits_pad = pow2(num_splits)
     kernels.merge_kernel[(num_seqs, num_heads)](
-        cu_seqlens_q, seq_lens, out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
+        cu_seqlens_q, seq_lens, sinks, out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
         common["window"], HEAD_SIZE=shape.head_size, D_PAD=shape.d_pad, PARTITION=partition,
         NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, SPLIT_CHUNK=min(splits_pad, SPLIT_CHUNK),
-        HAS_WINDOW=common["HAS_WINDOW"], num_warps=4, **LAUNCH_OPTIONS,
+        HAS_WINDOW=common["HAS_WINDOW"], HAS_SINKS=common["HAS_SINKS"], num_warps=4, **LAUNCH_OPTIONS,
     )

@@ -30,14 +30,15 @@ def _attend_keys(
     q, m_i, l_i, acc, q_pos, slopes,
     k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    key_lo, scan_lo, key_hi, window, qk_scale,
+    key_lo, scan_lo, key_hi, window, qk_scale, softcap,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """Fold keys [key_lo, key_hi) into the online softmax state (m_i, l_i, acc) of rows q (M, D_PAD).
 
     Scanning starts at the tile holding scan_lo (>= key_lo): tiles wholly outside every row's
     window are skipped. q_pos (M,) is each row's absolute position; slopes (M,) its ALiBi slope.
+    With HAS_SOFTCAP each score s becomes softcap * tanh(s / softcap) (natural units) before the bias.
     """
     dims = tl.arange(0, D_PAD)
     dim_mask = dims < HEAD_SIZE
@@ -53,6 +54,8 @@ def _attend_keys(
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :],
                     mask=key_mask[:, None] & dim_mask[None, :], other=0.0)  # (BLOCK_N, D_PAD)
         scores = _mma(q, k_t.to(q.dtype), WIDEN) * qk_scale  # (M, BLOCK_N), log2 units
+        if HAS_SOFTCAP:
+            scores = _capped(scores, softcap)
         if HAS_ALIBI:
             scores += slopes[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
         visible = key_mask[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -71,6 +74,23 @@ def _attend_keys(
 
 
 @triton.jit
+def _capped(scores, softcap):
+    """Scores in log2 units capped as softcap * tanh(score / softcap) in natural units, tanh(y) written as
+    1 - 2 / (exp(2y) + 1) (exact at both ends: exp2 overflows to inf, or underflows to 0)."""
+    y2 = scores * (2.0 / softcap)  # 2y in log2 units: exp(2y) = exp2(y2)
+    return (1.0 - 2.0 / (tl.exp2(y2) + 1.0)) * (softcap * LOG2E)
+
+
+@triton.jit
+def _with_sink(m_i, l_i, acc, sink):
+    """Add a sink logit sink (M,) (log2 units) to online softmax states: it joins the denominator and adds no
+    value. Returns (l_i, acc) rescaled to the new running max."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _find_seq(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """The sequence owning global query tile q_block: sequence b owns tiles from
     cu_seqlens_q[b] // BLOCK_Q + b on, which leaves each at least cdiv(q_len, BLOCK_Q) tiles."""
@@ -86,13 +106,14 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, alibi_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, alibi_ptr, sinks_ptr, out_ptr,
     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_table, stride_ot, stride_oh,
-    num_seqs, group, window, qk_scale, alibi_scale,
+    num_seqs, group, window, qk_scale, alibi_scale, softcap,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Grid (cu_seqlens_q[-1] // BLOCK_Q + B, Hk): one tile of BLOCK_Q tokens x GROUP_PAD heads.
 
@@ -131,9 +152,12 @@ def prefill_kernel(
         q, m_i, l_i, acc, q_pos, slopes,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table, kv_head,
         stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-        0, scan_lo, key_hi, window, qk_scale,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, HAS_ALIBI, HAS_WINDOW, WIDEN,
+        0, scan_lo, key_hi, window, qk_scale, softcap,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, WIDEN,
     )
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
+        l_i, acc = _with_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_row = (q_start + token).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_row[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -141,20 +165,22 @@ def prefill_kernel(
 
 @triton.jit
 def decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, alibi_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, alibi_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_table, stride_ot, stride_oh,
-    group, window, qk_scale, alibi_scale,
+    group, window, qk_scale, alibi_scale, softcap,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_PAD: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Grid (B, Hk, NUM_SPLITS): the one query of a decode sequence, all heads of a KV head,
     against keys [split * PARTITION, (split + 1) * PARTITION).
 
     With NUM_SPLITS == 1 the result goes straight to out; otherwise the normalized partial output,
-    its running max (log2 units) and sum go to part_* (B, Hq, NUM_SPLITS[, HEAD_SIZE]) fp32.
+    its running max (log2 units) and sum go to part_* (B, Hq, NUM_SPLITS[, HEAD_SIZE]) fp32, and the merge adds
+    the sinks.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,9 +214,12 @@ def decode_kernel(
         q, m_i, l_i, acc, q_pos, slopes,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table, kv_head,
         stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-        key_lo, scan_lo, key_hi, window, qk_scale,
-        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, HAS_ALIBI, HAS_WINDOW, WIDEN,
+        key_lo, scan_lo, key_hi, window, qk_scale, softcap,
+        HEAD_SIZE, D_PAD, BLOCK_SIZE, BLOCK_N, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, WIDEN,
     )
+    if HAS_SINKS and NUM_SPLITS == 1:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
+        l_i, acc = _with_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
         o_row = q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -204,12 +233,13 @@ def decode_kernel(
 
 @triton.jit
 def merge_kernel(
-    cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     stride_ot, stride_oh, window,
     HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Grid (B, Hq): combine a decode row's split partials, weighting each by exp(max) * sum."""
+    """Grid (B, Hq): combine a decode row's split partials, weighting each by exp(max) * sum; a head's sink
+    joins the denominator."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -225,8 +255,13 @@ def merge_kernel(
     valid = (splits < NUM_SPLITS) & (splits * PARTITION < seq_len) & ((splits + 1) * PARTITION > window_lo)
     m_all = tl.load(part_max_ptr + base + splits, mask=valid, other=float("-inf"))
     m_max = tl.max(m_all, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m_max = tl.maximum(m_max, sink)
     total = tl.sum(tl.where(valid, tl.exp2(m_all - m_max) * tl.load(part_sum_ptr + base + splits, mask=valid,
                                                                       other=0.0), 0.0), axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_max)
     dims = tl.arange(0, D_PAD)
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     for first in range(0, NUM_SPLITS, SPLIT_CHUNK):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last, widen_bf16
 from flashllm.backends.cuda.triton_attention_kernels import _mma
-from flashllm.ops.fused_moe import check_expert_scales
+from flashllm.ops.fused_moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, check_expert_biases, check_expert_scales
 
 
 @triton.jit
@@ -47,10 +47,11 @@ def _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.conste
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w13_ptr, scale_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
-    num_pairs, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_se, stride_it,
-    QUANT: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w13_ptr, scale_ptr, bias_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, top_k, hidden, inter, alpha, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_it,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, pairs, valid = _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -74,17 +75,27 @@ def _gate_up_kernel(
         s_expert = scale_ptr + expert.to(tl.int64) * stride_se
         gate *= tl.load(s_expert + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         up *= tl.load(s_expert + inter + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    act = gate * tl.sigmoid(gate) * up
+    if HAS_BIAS:  # gpt-oss: a bias per expert and feature, the gate's then the up half's
+        b_expert = bias_ptr + expert.to(tl.int64) * stride_be
+        gate += tl.load(b_expert + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_expert + inter + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLUOAI:  # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    else:
+        act = gate * tl.sigmoid(gate) * up
     out = inter_ptr + pairs.to(tl.int64)[:, None] * stride_it + n[None, :]
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    inter_ptr, w2_ptr, scale_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+    inter_ptr, w2_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, hidden, inter,
-    stride_it, stride_we, stride_wn, stride_se, stride_ot,
-    QUANT: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_it, stride_we, stride_wn, stride_se, stride_be, stride_ot,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     expert, pairs, valid = _tile_rows(sorted_pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -102,6 +113,8 @@ def _down_kernel(
         acc += _mma(a, _operand(w, a, WIDEN), WIDEN)
     if QUANT:
         acc *= tl.load(scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     routing = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     out = out_ptr + rows[:, None] * stride_ot + n[None, :]
     tl.store(out, acc * routing[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -174,6 +187,7 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, activation: str = "silu",
 ) -> torch.Tensor:
     """Routed experts' gated MLPs, weighted and summed per token: x (T, H) -> (T, H) in x.dtype.
 
@@ -181,8 +195,10 @@ def fused_moe(
     int. Semantics as `flashllm.ops.fused_moe`; the dot operands are x.dtype (weights cast to it),
     fp32 accumulation, and the intermediate silu(gate) * up is rounded to x.dtype. Experts are float
     (no scales) or "w8a16": int8 w13 / w2 with float w13_scale (E, 2I) and w2_scale (E, H), one scale
-    per expert and output channel. The caps claim those two; int4 experts ("w4a16") run elsewhere.
+    per expert and output channel. The caps claim those two; int4 experts ("w4a16") run elsewhere. Biases and
+    the "swigluoai" activation (gpt-oss) are applied in fp32 before the rounding.
     """
+    check_expert_biases(w13, w2, w13_bias, w2_bias, activation)
     quant = _check_scales(w13, w2, w13_scale, w2_scale)
     _check(x, w13, w2, topk_ids)
     tokens, top_k = topk_ids.shape
@@ -198,20 +214,25 @@ def fused_moe(
     block_n, num_blocks = 64, block_expert.numel()
     # without scales the kernels never read the scale pointer: the weights stand in for it
     s13, s2 = (w13_scale.contiguous(), w2_scale.contiguous()) if quant else (w13, w2)
+    # likewise without biases
+    b13, b2 = (w13_bias.contiguous(), w2_bias.contiguous()) if w13_bias is not None else (w13, w2)
+    has_bias = w13_bias is not None
+    if has_bias != (w2_bias is not None):
+        raise ValueError("the Triton fused_moe kernel takes both expert biases (w13_bias and w2_bias) or neither")
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, s13, intermediate, sorted_pairs, block_expert,
-        num_pairs, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), intermediate.stride(0),
-        QUANT=quant, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(hidden, 16), 64), num_warps=4,
-        **LAUNCH_OPTIONS,
+        x, w13, s13, b13, intermediate, sorted_pairs, block_expert,
+        num_pairs, top_k, hidden, inter, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), b13.stride(0), intermediate.stride(0),
+        QUANT=quant, HAS_BIAS=has_bias, SWIGLUOAI=activation == "swigluoai", WIDEN=widen, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=min(pow2(hidden, 16), 64), num_warps=4, **LAUNCH_OPTIONS,
     )
     routing = topk_weights.reshape(-1).contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        intermediate, w2, s2, routing, per_pair, sorted_pairs, block_expert,
+        intermediate, w2, s2, b2, routing, per_pair, sorted_pairs, block_expert,
         num_pairs, hidden, inter,
-        intermediate.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), per_pair.stride(0),
-        QUANT=quant, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(pow2(inter, 16), 64), num_warps=4,
-        **LAUNCH_OPTIONS,
+        intermediate.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), b2.stride(0), per_pair.stride(0),
+        QUANT=quant, HAS_BIAS=has_bias, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=min(pow2(inter, 16), 64), num_warps=4, **LAUNCH_OPTIONS,
     )
     # the second reduction pass: each token's k weighted expert rows, in slot order
     return per_pair.view(tokens, top_k, hidden).sum(1).to(x.dtype)

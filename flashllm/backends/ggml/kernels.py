@@ -12,7 +12,7 @@ from torch import Tensor
 from flashllm.backends.ggml import numerics as g
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import check_kv_scales
-from flashllm.ops.paged_attention import _context_kv, _score_bias, refuse_softcap
+from flashllm.ops.paged_attention import _context_kv, _score_bias, refuse_unclaimed
 from flashllm.ops.quant_matmul import QuantizedWeight, unpack_int4
 from flashllm.ops.rope_cache import build_cos_sin_cache, rope_type_of
 from flashllm.registry.backend import Backend, Caps
@@ -98,11 +98,12 @@ rotary_embedding.keeps_interleaved_pairs = True  # type: ignore[attr-defined]
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                     seq_lens: Tensor, scale: float, alibi_slopes: Tensor | None = None,
                     sliding_window: int | None = None, k_scale: Tensor | None = None,
-                    v_scale: Tensor | None = None, logit_softcap: float | None = None) -> Tensor:
+                    v_scale: Tensor | None = None, logit_softcap: float | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
     """Attention as llama.cpp computes it without flash attention on an fp32 cache: Q.K by ggml_vec_dot_f32,
     soft_max_ext, then P.V by the 16-lane chain (a sequence with two or more query tokens in the step) or
     ggml_vec_dot_f32 (one query token). Each sequence gets the order it would get alone (batch-invariant)."""
-    refuse_softcap("ggml", logit_softcap)
+    refuse_unclaimed("ggml", logit_softcap, sinks)
     reference = op_specs()["paged_attention"].reference
     if alibi_slopes is not None or k_cache.dtype != torch.float32 or q.shape[-1] % 64:
         return reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, alibi_slopes,

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flashllm.backends.cpu import kernels as cpu_kernels
 from flashllm.ops._kv_checks import check_kv_scales
-from flashllm.ops.paged_attention import refuse_softcap
+from flashllm.ops.paged_attention import refuse_unclaimed
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -104,6 +104,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """ipex.llm.modules.PagedAttention over the blocks this batch reads, in IPEX's cache layout.
 
@@ -115,7 +116,7 @@ def paged_attention(
     cpu backend's kernel.
     Float caches only (IPEX's CPU paged attention stores fp8 as e5m2 with one scale).
     """
-    refuse_softcap("ipex", logit_softcap)
+    refuse_unclaimed("ipex", logit_softcap, sinks)
     if check_kv_scales("ipex paged_attention", k_cache, k_scale, v_scale) != "none":
         raise ValueError(
             f"ipex paged_attention: a {k_cache.dtype} KV cache is not supported (IPEX's CPU kernel has no "

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flashllm.backends.xpu import native
 from flashllm.ops._kv_checks import reject_quantized_kv
-from flashllm.ops.paged_attention import refuse_softcap
+from flashllm.ops.paged_attention import refuse_unclaimed
 from flashllm.ops.quant_matmul import INT4_SYMMETRIC_ZERO, QuantizedWeight, integer_codes
 from flashllm.registry.backend import Backend, Caps
 
@@ -81,6 +81,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """All-decode batches: one npu_incre_flash_attention; otherwise one npu_fused_infer_attention_score.
 
@@ -91,7 +92,7 @@ def paged_attention(
     and applying the sliding window.
     """
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
-    refuse_softcap("npu", logit_softcap)
+    refuse_unclaimed("npu", logit_softcap, sinks)
     if alibi_slopes is not None:
         raise NotImplementedError(
             "npu paged_attention: ALiBi is not mapped (torch_npu's pse_shift semantics are not verified) and its "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashllm.ops import op_specs
-from flashllm.ops.fused_moe import EXPERT_SCHEMES
+from flashllm.ops.fused_moe import EXPERT_SCHEMES, MOE_ACTIVATIONS
 from flashllm.ops.quant_matmul import AFFINE_CAPABILITY
 from flashllm.ops.quant_matmul import SCHEMES as QUANT_MATMUL_SCHEMES
 from flashllm.registry.backend import ANY_DEVICE, Backend, Caps
@@ -43,6 +43,8 @@ def make_backend() -> Backend:
             graph_safe=name not in HOST_SYNCING_OPS,
             alibi=name == "paged_attention",
             softcap=name == "paged_attention",
+            sinks=name == "paged_attention",
+            moe_activations=MOE_ACTIVATIONS if name == "fused_moe" else frozenset({"silu"}),
         )
         backend.kernel(name, caps)(spec.reference)
     return backend

@@ -13,13 +13,19 @@ reference bodies, which are trace-friendly as written (only static shape checks)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.ops import op_specs
 from flashllm.ops._kv_checks import reject_quantized_kv
-from flashllm.ops.fused_moe import EXPERT_SCHEMES, check_expert_scales, expert_weight
-from flashllm.ops.paged_attention import refuse_softcap
+from flashllm.ops.fused_moe import (
+    EXPERT_SCHEMES,
+    MOE_ACTIVATIONS,
+    check_expert_biases,
+    check_expert_scales,
+    expert_activation,
+    expert_weight,
+)
+from flashllm.ops.paged_attention import refuse_unclaimed
 from flashllm.registry.backend import Backend, Caps
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -79,6 +85,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Masked dense attention of every query token over its sequence's gathered paged context.
 
@@ -91,7 +98,7 @@ def paged_attention(
     key 0 of the last sequence and are meaningless, as the op allows.
     """
     reject_quantized_kv("xla paged_attention", k_cache, k_scale, v_scale)
-    refuse_softcap("xla", logit_softcap)
+    refuse_unclaimed("xla", logit_softcap, sinks)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     num_tokens, num_heads, head_size = q.shape
@@ -138,7 +145,8 @@ def _token_positions(cu_seqlens_q: Tensor, seq_lens: Tensor, num_tokens: int) ->
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+              w13_scale: Tensor | None = None, w2_scale: Tensor | None = None, w13_bias: Tensor | None = None,
+              w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     """Dense mixture of experts: every expert runs on every token, weighted 0 where not routed.
 
     Routing by gathering each expert's tokens has a data-dependent size; the dense form keeps
@@ -146,17 +154,24 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
     PJRT device can afford). x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights (T, k),
     topk_ids (T, k) int64 in [0, E) (not range-checked: that would sync the device);
     math in fp32, returns (T, H) in x.dtype. w8a16 experts (int8 codes, w13_scale (E, 2I), w2_scale
-    (E, H)) are dequantized one expert at a time inside the graph.
+    (E, H)) are dequantized one expert at a time inside the graph. Biases and the "swigluoai" activation
+    (gpt-oss) as the op defines them.
     """
     check_expert_scales(w13, w2, w13_scale, w2_scale)
+    check_expert_biases(w13, w2, w13_bias, w2_bias, activation)
     num_tokens, num_experts = x.shape[0], w13.shape[0]
     routing = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     routing = routing.scatter_add(1, topk_ids.long(), topk_weights.float())  # (T, E)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in range(num_experts):  # E is a weight shape, not data: the loop unrolls into the graph
-        gate, up = (xf @ expert_weight(w13, w13_scale, expert).T).chunk(2, dim=-1)
-        out = out + routing[:, expert, None] * ((F.silu(gate) * up) @ expert_weight(w2, w2_scale, expert).T)
+        gate_up = xf @ expert_weight(w13, w13_scale, expert).T
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].float()
+        expert_out = expert_activation(gate_up, activation) @ expert_weight(w2, w2_scale, expert).T
+        if w2_bias is not None:
+            expert_out = expert_out + w2_bias[expert].float()
+        out = out + routing[:, expert, None] * expert_out
     return out.to(x.dtype)
 
 
@@ -166,6 +181,6 @@ def register(backend: Backend) -> None:
     float_kv = Caps(DTYPES, kv_dtypes=DTYPES)
     backend.kernel("write_kv_cache", float_kv)(write_kv_cache)
     backend.kernel("paged_attention", Caps(DTYPES, kv_dtypes=DTYPES, alibi=True))(paged_attention)
-    backend.kernel("fused_moe", Caps(DTYPES, quant=EXPERT_SCHEMES))(fused_moe)
+    backend.kernel("fused_moe", Caps(DTYPES, quant=EXPERT_SCHEMES, moe_activations=MOE_ACTIVATIONS))(fused_moe)
     for op in TRACEABLE_REFERENCES:
         backend.kernel(op, Caps(DTYPES))(specs[op].reference)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashllm.ops._kv_checks import reject_quantized_kv
-from flashllm.ops.paged_attention import refuse_softcap
+from flashllm.ops.paged_attention import refuse_unclaimed
 from flashllm.registry.backend import Backend, Caps
 
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -99,10 +99,11 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Per sequence: gather its blocks once, then one scaled_dot_product_attention call (fp32 math)."""
     reject_quantized_kv("paged_attention", k_cache, k_scale, v_scale)
-    refuse_softcap("xpu", logit_softcap)
+    refuse_unclaimed("xpu", logit_softcap, sinks)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_attention: sliding_window must be positive or None, got {sliding_window}")
     if q.shape[1] % k_cache.shape[2]:
