@@ -18,7 +18,7 @@ from flashllm.core.scheduler import check_scheduler_config
 from flashllm.models.default_model import resolve_model
 from flashllm.models.gguf import is_gguf_path, open_gguf
 from flashllm.models.gguf.tensors import gguf_quant_capability
-from flashllm.models.hf_config import HFModelConfig, ModelLoadError, attention_request, load_hf_config
+from flashllm.models.hf_config import HFModelConfig, ModelLoadError, kernel_request, load_hf_config
 from flashllm.models.loader import checkpoint_quant_spec, load_generation_config, load_model, resolve_dtype
 from flashllm.models.registry import ModelRegistry
 from flashllm.models.tokenizers import TOKENIZER_FILES
@@ -95,7 +95,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
     if is_gguf_path(model_dir):  # layers holding GGUF blocks as stored need kernels for their layouts
         scheme = gguf_quant_capability(open_gguf(model_dir), scheme, rank.world_size)
     request = OpRequest(dtype, kv_dtype, scheme, hf_config.head_dim, config.cache.block_size,
-                        **attention_request(hf_config))
+                        **kernel_request(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     selection.adapter.set_device(selection.device)
     runner_cls = model_runner_class(selection)

@@ -11,6 +11,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
+    "GptOssForCausalLM": "flashllm.models.gpt_oss:GptOssForCausalLM",
     "Phi3ForCausalLM": "flashllm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",

@@ -80,8 +80,8 @@ class HFModelConfig(Protocol):
     raw: the config.json dict; num_parameters: an estimate, bounded before anything is allocated.
     Optional: alibi (bool, absent means False): the attention adds ALiBi biases, so the op table is
     resolved for attention kernels that implement them (read through `uses_alibi`); attn_logit_softcapping
-    (a positive float, absent or None: none): the attention caps its scores (Gemma 2), likewise
-    (`attention_request`).
+    (a positive float, absent or None: none): the attention caps its scores (Gemma 2), likewise; attention_sinks
+    (bool) and moe_activation (str) likewise (`kernel_request`).
     """
 
     @property
@@ -247,10 +247,13 @@ def uses_alibi(config: HFModelConfig) -> bool:
     return getattr(config, "alibi", False) is True
 
 
-def attention_request(config: HFModelConfig) -> dict[str, bool]:
-    """The OpRequest fields the model's attention needs kernels to implement: `alibi` (uses_alibi) and `softcap`
-    (the parsed config's optional attn_logit_softcapping is set)."""
-    return {"alibi": uses_alibi(config), "softcap": getattr(config, "attn_logit_softcapping", None) is not None}
+def kernel_request(config: HFModelConfig) -> dict[str, Any]:
+    """The OpRequest fields the model needs kernels to implement: `alibi` (uses_alibi), `softcap` (the parsed
+    config's optional attn_logit_softcapping is set), `sinks` (its optional attention_sinks is true: gpt-oss) and
+    `moe_activation` (its optional moe_activation, "silu" where absent)."""
+    return {"alibi": uses_alibi(config), "softcap": getattr(config, "attn_logit_softcapping", None) is not None,
+            "sinks": getattr(config, "attention_sinks", False) is True,
+            "moe_activation": getattr(config, "moe_activation", "silu")}
 
 
 def positive_int(raw: dict[str, Any], key: str, default: int | None, maximum: int, source: str) -> int:

@@ -121,10 +121,10 @@ class MoEDecoderLayer(PreNormBlock):
 
     def __init__(self, config: MoEModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module,
                  ops: Any, dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device, qkv_bias, o_bias,
-                                        tp_rank, tp_size)
+        self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, qkv_bias, o_bias,
+                                         tp_rank, tp_size)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
@@ -141,7 +141,8 @@ class MoEModel(nn.Module):
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
 
     def __init__(self, config: MoEModelConfig, make_mlp: MakeMLP, ops: Any, dtype: torch.dtype, device: torch.device,
-                 qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1,
+                 attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
@@ -149,7 +150,7 @@ class MoEModel(nn.Module):
                                           is_neox=not config.rope_interleaved)
         self.layers = nn.ModuleList(
             MoEDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i), ops, dtype, device, qkv_bias, o_bias,
-                            tp_rank, tp_size)
+                            tp_rank, tp_size, attention_class)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
@@ -181,6 +182,8 @@ class MixtralForCausalLM(CausalLM):
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
     # checkpoint module names -> flashllm's, applied before any other mapping
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
+    # each layer's attention block (gpt-oss's adds sinks)
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
 
     def __init__(self, config: MoEModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -191,7 +194,8 @@ class MixtralForCausalLM(CausalLM):
         def layer_mlp(cfg: MoEModelConfig, layer_idx: int) -> nn.Module:
             return self.make_mlp(cfg, layer_idx, ops, dtype, device, tp_rank, tp_size)
 
-        self.model = MoEModel(config, layer_mlp, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        self.model = MoEModel(config, layer_mlp, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size,
+                              self.attention_class)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -1,4 +1,4 @@
-"""Tiny random-weight Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written by transformers, for tests of the MoE models."""
+"""Tiny random-weight Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and other MoE checkpoints written by transformers, for tests of the MoE models."""
 
 from __future__ import annotations
 
@@ -57,8 +57,17 @@ GRANITE_MOE_PRESET = ("granitemoe", "GraniteMoeForCausalLM",
                       {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
                        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
                        "logits_scaling": 8.0, "tie_word_embeddings": True})
+# gpt-oss: top-2 of 4 biased experts (the clamped SwiGLU), per-head sinks, even layers sliding (window 8), YaRN x8
+# past an original context of 64 (truncate false, as published), biased attention projections
+GPT_OSS_PRESET = ("gpt_oss", "GptOssForCausalLM",
+                  {"intermediate_size": 48, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "head_dim": 16, "sliding_window": 8, "attention_bias": True,
+                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}})
 # presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
-OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET}
+OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET}
+# parameters drawn at unit scale: gpt-oss's sink logits (at INIT_STD they would barely take any attention)
+UNIT_SCALE_SUFFIXES = ("self_attn.sinks",)
 
 
 def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: bool = True,
@@ -76,7 +85,8 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen) * INIT_STD
-            param.copy_(noise + 1.0 if "norm" in name else noise)
+            param.copy_(noise + 1.0 if "norm" in name else noise / INIT_STD if name.endswith(UNIT_SCALE_SUFFIXES)
+                        else noise)
         for name, tensor in sorted([*model.named_buffers(), *model.named_parameters()]):
             if name.endswith("e_score_correction_bias"):  # chooses experts (zeros would leave that untested)
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_STD * (0.3 if "moe_statics" in name else 1))

@@ -19,9 +19,10 @@ from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM"}
-# pre-quantized formats a model reads without a packed-weight layer: block FP8 (DeepSeek), dequantized at load
-DEQUANTIZED_AT_LOAD = {"fp8"}
+       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM"}
+# pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
+# MXFP4 experts (gpt-oss)
+DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
 PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                     "GraniteMoeForCausalLM"}

@@ -311,7 +311,7 @@ class _LoadedDraft:
 def load_draft_model(target: Target) -> _LoadedDraft:
     """Load --speculative-model on the target's device and backend (its KV cache comes later, sized with the
     target's); ValueError (one line) when its vocabulary is not the target's."""
-    from flashllm.models.hf_config import attention_request, load_hf_config
+    from flashllm.models.hf_config import kernel_request, load_hf_config
     from flashllm.models.loader import load_model, resolve_dtype
     from flashllm.models.registry import ModelRegistry
     from flashllm.quant.spec import weight_quant_spec
@@ -331,7 +331,7 @@ def load_draft_model(target: Target) -> _LoadedDraft:
                           selection.profile.accelerator)
     quant = weight_quant_spec(config.speculative.quant_type, config.speculative.group_size, False)
     request = OpRequest(dtype, dtype, quant.scheme, hf_config.head_dim, config.cache.block_size,
-                        **attention_request(hf_config))
+                        **kernel_request(hf_config))
     ops = resolve_ops(selection, request, plugins=plugins, strict=config.device.strict_kernels)
     model, hf_config = load_model(model_dir, ops, dtype, selection.device, registry, progress=False, quant=quant)
     runner_cls = model_runner_class(selection)

@@ -69,8 +69,9 @@ class Attention(nn.Module):
         setattr(self, which, scale)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> Tensor:
-        """q (T, Hq, D), k and v (T, Hk, D) of the new tokens -> (T, Hq * D)."""
+                attn_metadata: AttentionMetadata, sinks: Tensor | None = None) -> Tensor:
+        """q (T, Hq, D), k and v (T, Hk, D) of the new tokens -> (T, Hq * D). sinks: (Hq,) fp32 sink logits of this
+        rank's query heads (gpt-oss), or None; the op table must then come from a request with sinks=True."""
         k_cache, v_cache, *scales = kv_cache
         k_scale, v_scale = scales if scales else (None, None)
         # the op reads the new tokens' keys from the cache, so they must land there first
@@ -78,6 +79,6 @@ class Attention(nn.Module):
         out = self._paged_attention(
             q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
             attn_metadata.seq_lens, self.scale, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
-            k_scale=k_scale, v_scale=v_scale, logit_softcap=self.logit_softcap,
+            k_scale=k_scale, v_scale=v_scale, logit_softcap=self.logit_softcap, sinks=sinks,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -367,21 +367,23 @@ class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer: route each token to its top-k experts, sum their outputs by weight.
 
     With a shared expert (Qwen2-MoE) every token also goes through one dense gated MLP, scaled by
-    sigmoid(shared_expert_gate(x)), and added. Submodule names follow the checkpoints: gate,
+    sigmoid(shared_expert_gate(x)), and added. router_bias: the router has a bias (gpt-oss); experts_class: a
+    FusedMoE subclass holding more than the stacked weights (gpt-oss's biased experts). Submodule names follow the checkpoints: gate,
     experts, shared_expert, shared_expert_gate. With expert_parallel the routed experts are split whole
     over the ranks (FusedMoE); the router stays replicated and the shared expert tensor parallel.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_intermediate_size: int, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False, router_bias: bool = False,
+                 experts_class: type[FusedMoE] = FusedMoE) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = RouterLinear(hidden_size, num_experts, False, ops, dtype, device, tp_rank, tp_size)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ops, dtype, device, tp_rank, tp_size,
-                                expert_parallel)
+        self.gate = RouterLinear(hidden_size, num_experts, router_bias, ops, dtype, device, tp_rank, tp_size)
+        self.experts = experts_class(num_experts, hidden_size, intermediate_size, ops, dtype, device, tp_rank, tp_size,
+                                     expert_parallel)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: RouterLinear | None = None
         if shared_intermediate_size:
