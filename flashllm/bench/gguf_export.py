@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install gguf"
 CONVERTER_VERSION = "3"  # bumped when the file changes for the same weights (cached GGUFs are rebuilt); 3: F32 routers
-FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "mxfp4")
 QUANT_BLOCK = 32  # Q8_0 packs rows in blocks of 32 values
 
 
@@ -110,8 +110,9 @@ def cached_gguf(model_dir: Path, file_type: str = "f32", cache_dir: Path | None 
 def export_gguf(model_dir: Path, out_path: Path, file_type: str = "f32") -> Path:
     """Write the model in `model_dir` as one GGUF file at `out_path` (atomically); returns out_path.
 
-    file_type: "f32" | "f16" | "bf16" | "q8_0"; 1-D tensors (norms, biases) stay F32, and Q8_0
-    falls back to F16 for a matrix whose rows are not a multiple of 32. Tensors are read and
+    file_type: "f32" | "f16" | "bf16" | "q8_0" | "mxfp4"; 1-D tensors (norms) and biases stay F32, and Q8_0
+    falls back to F16 for a matrix whose rows are not a multiple of 32; "mxfp4" writes the stacked experts in
+    MXFP4 (as the published gpt-oss files hold them) and everything else in F32. Tensors are read and
     written one at a time, so memory stays near the largest tensor.
     """
     gguf = _import_gguf()
@@ -198,7 +199,8 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
         name = gguf_tensor_name(hf_name, spec.layer_names)
         if name is None or (name == "output.weight" and config.tie_word_embeddings):
             continue  # llama.cpp reuses token_embd when there is no output tensor
-        qtype = _tensor_qtype(shape, "f32" if any(p in name for p in gguf_moe.FLOAT_NAME_PARTS) else file_type, gguf)
+        kept_float = name.endswith(".bias") or any(p in name for p in gguf_moe.FLOAT_NAME_PARTS)
+        qtype = _tensor_qtype(shape, "f32" if kept_float else file_type, gguf, name)
         nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
         planned.append(_PlannedTensor(name, tuple(shape), qtype, nbytes, source))
     names = {t.name for t in planned}
@@ -218,8 +220,11 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
     return planned
 
 
-def _tensor_qtype(shape: tuple[int, ...], file_type: str, gguf: Any) -> Any:
+def _tensor_qtype(shape: tuple[int, ...], file_type: str, gguf: Any, name: str = "") -> Any:
     q = gguf.GGMLQuantizationType
+    if file_type == "mxfp4":
+        experts = len(shape) == 3 and name.endswith("_exps.weight") and shape[-1] % QUANT_BLOCK == 0
+        return q.MXFP4 if experts else q.F32
     if len(shape) < 2 or file_type == "f32":
         return q.F32
     if file_type == "q8_0" and shape[-1] % QUANT_BLOCK == 0:
@@ -315,6 +320,7 @@ def _add_hparams(writer: Any, config: Any, spec: ArchSpec, file_type: str, gguf:
 _FILE_TYPE_IDS = {
     "f32": lambda g: g.LlamaFileType.ALL_F32, "f16": lambda g: g.LlamaFileType.MOSTLY_F16,
     "bf16": lambda g: g.LlamaFileType.MOSTLY_BF16, "q8_0": lambda g: g.LlamaFileType.MOSTLY_Q8_0,
+    "mxfp4": lambda g: g.LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 

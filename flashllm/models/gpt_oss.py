@@ -23,7 +23,7 @@ from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import LlamaAttention
 from flashllm.models.llama_config import parse_llama_config
 from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig, experts_and_top_k, moe_config
-from flashllm.ops.fused_moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from flashllm.ops.fused_moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, expert_activation
 
 # transformers' GptOssConfig defaults (the published models' values)
 GPT_OSS_DEFAULTS: dict[str, Any] = {
@@ -121,12 +121,19 @@ class OaiExperts(FusedMoE):
         inter = self.intermediate_size // self.feature_shards
         self.gate_up_proj_bias = self._param((self.num_local_experts, 2 * inter), dtype, device)
         self.down_proj_bias = self._param((self.num_local_experts, hidden_size), dtype, device)
+        self.bias_halves: set[str] = set()  # which halves of gate_up_proj_bias a GGUF file gave ("gate", "up")
 
     def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: Any = None) -> None:
-        """Load a stacked checkpoint tensor (see the class docstring for the layouts); ValueError on another shape."""
-        if shard_id is not None:
-            raise ValueError("gpt-oss experts are stacked over the experts; got one expert's tensor")
+        """Load a stacked checkpoint tensor (see the class docstring for the layouts), one expert's projection as
+        FusedMoE does (a GGUF file's), or a GGUF file's (E, I) gate or up biases (shard_id "gate" / "up");
+        ValueError on another shape."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        if shard_id is not None:
+            if param is self.gate_up_proj_bias and shard_id in ("gate", "up"):
+                self._load_bias_half(loaded, shard_id)
+            else:
+                super().weight_loader(param, loaded, shard_id)
+            return
         if param is self.w13_weight or param is self.w2_weight:
             w13 = param is self.w13_weight
             expected = (e, h, 2 * i) if w13 else (e, i, h)
@@ -146,9 +153,26 @@ class OaiExperts(FusedMoE):
         gate, up = _gate_then_up(bias, dim=1).split(i, dim=1)
         copy_checked(param, torch.cat([gate.narrow(1, first, inter), up.narrow(1, first, inter)], dim=1))
 
+    def _load_bias_half(self, loaded: Tensor, half: str) -> None:
+        """A GGUF file's gate or up biases (E, I) into this rank's half of gate_up_proj_bias."""
+        _check_bias(loaded, (self.num_experts, self.intermediate_size), f"{half} bias")
+        first, inter = self.rank_features()
+        rows = loaded.narrow(0, self.first_expert, self.num_local_experts).narrow(1, first, inter)
+        copy_checked(self.gate_up_proj_bias.narrow(1, 0 if half == "gate" else inter, inter), rows)
+        self.bias_halves.add(half)
+
     def _run(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        if self.expert_blocks is not None:
+            return super()._run(x, topk_weights, topk_ids)  # per chosen expert, through _block_expert
         return self._fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale,
                                self.w2_scale, self.gate_up_proj_bias, self.down_proj_bias, "swigluoai")
+
+    def _block_expert(self, x: Tensor, expert: int) -> Tensor:
+        """Local expert `expert` kept as GGUF blocks over rows x (n, H): its biases and activation as fused_moe's."""
+        w13, w2 = self.expert_blocks[expert]
+        gate_up = self._quant_matmul(x, w13).float() + self.gate_up_proj_bias[expert].float()
+        out = self._quant_matmul(expert_activation(gate_up, "swigluoai").to(x.dtype), w2)
+        return (out.float() + self.down_proj_bias[expert].float()).to(x.dtype)
 
 
 def _gate_then_up(interleaved: Tensor, dim: int) -> Tensor:
@@ -224,6 +248,20 @@ class GptOssForCausalLM(MixtralForCausalLM):
                               config.moe_intermediate_size, True, 0, ops, dtype, device, tp_rank, tp_size,
                               expert_parallel=config.expert_parallel, router_bias=True, experts_class=OaiExperts)
 
+    def _param_target(self, name: str) -> tuple[str, Any]:
+        """MixtralForCausalLM's, plus a GGUF file's split expert biases: `<...>.experts.gate_proj_bias` and
+        `up_proj_bias` are the two halves of gate_up_proj_bias."""
+        for half in ("gate", "up"):
+            if name.endswith(f".experts.{half}_proj_bias"):
+                return name.removesuffix(f"{half}_proj_bias") + "gate_up_proj_bias", half
+        return super()._param_target(name)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """MixtralForCausalLM.load_weights over the checkpoint with MXFP4 experts dequantized (mxfp4_as_float)."""
-        return super().load_weights(mxfp4_as_float(weights, self.model.embed_tokens.weight.dtype))
+        """MixtralForCausalLM.load_weights over the checkpoint with MXFP4 experts dequantized (mxfp4_as_float); a
+        gate_up_proj_bias given in halves (a GGUF file's) counts as loaded once both arrived."""
+        loaded = super().load_weights(mxfp4_as_float(weights, self.model.embed_tokens.weight.dtype))
+        halves = {f"{name}.gate_up_proj_bias" for name, module in self.named_modules()
+                  if isinstance(module, OaiExperts) and module.bias_halves}
+        complete = {f"{name}.gate_up_proj_bias" for name, module in self.named_modules()
+                    if isinstance(module, OaiExperts) and module.bias_halves == {"gate", "up"}}
+        return (loaded - halves) | complete

@@ -280,10 +280,12 @@ def q8_0_round_trip_copy(source: Path, out: Path, keep: tuple[str, ...] = ()) ->
     return round_trip_copy(source, out, lambda name: None if name.endswith(keep) else "Q8_0")
 
 
-def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[str], str | None]) -> Path:
+def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[str], str | None],
+                    transposed: Callable[[str], bool] = lambda name: False) -> Path:
     """A copy of the directory `source` whose matrices are replaced by their quantize_rows-then-gguf-dequantize
     values: in types[part] for a name `...<part>.weight` ({"gate_proj": "Q4_K"}), or in types(name) where that
-    is not None; a stack of matrices (experts stored (E, N, K)) row by row as the matrices would be. Raises
+    is not None; a stack of matrices (experts stored (E, N, K)) row by row as the matrices would be, or, where
+    transposed(name), stored (E, K, N) (gpt-oss's experts: the rows a file holds are its columns). Raises
     ValueError for a matrix whose rows are not whole blocks of its type."""
     import shutil
 
@@ -298,10 +300,13 @@ def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[s
         if qtype is None:
             continue
         kind = gguf.GGMLQuantizationType[qtype]
+        flip = transposed(name)
+        value = value.transpose(-1, -2).contiguous() if flip else value
         if value.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             raise ValueError(f"{name}: rows of {value.shape[-1]} are not whole {qtype} blocks")
         rows = value.float().reshape(-1, value.shape[-1]).numpy()
-        weights[name] = torch.from_numpy(gguf.quants.dequantize(quantize_rows(rows, qtype), kind)).reshape(value.shape)
+        rounded = torch.from_numpy(gguf.quants.dequantize(quantize_rows(rows, qtype), kind)).reshape(value.shape)
+        weights[name] = rounded.transpose(-1, -2).contiguous() if flip else rounded
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

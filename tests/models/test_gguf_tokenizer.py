@@ -25,6 +25,10 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                  r"|\s+(?!\S)|\s+")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# gpt-oss's (o200k) tokenizer.json split: case-aware words with their contractions, digit runs of up to three
+O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # DeepSeek-V3's tokenizer.json splits in turn: digit runs of up to three, CJK ideographs and kana, then words
 DEEPSEEK_V3_PATTERNS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
                         r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
@@ -57,6 +61,9 @@ def _train_bpe(pre: str) -> PreTrainedTokenizerFast:
     elif pre in ("qwen2", "llama-bpe", "chatglm-bpe", "glm4"):  # GLM-4's tiktoken split is Llama 3's
         split = pre_tokenizers.Split(Regex(QWEN2_PATTERN if pre == "qwen2" else LLAMA3_PATTERN), behavior="isolated")
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "gpt-4o":
+        split = pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     elif pre == "deepseek-v3":
         splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in DEEPSEEK_V3_PATTERNS]
         backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
@@ -81,14 +88,17 @@ def _vocab_only_gguf(path: Path, fill) -> Path:
     return path
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3", "chatglm-bpe", "glm4"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3", "chatglm-bpe", "glm4",
+                                 "gpt-4o"])
 def test_bpe_vocabulary_encodes_and_decodes_as_its_tokenizer_json(pre, tmp_path):
     source = _train_bpe(pre)
     source.save_pretrained(str(tmp_path / "src"))
     path = _vocab_only_gguf(tmp_path / "vocab.gguf", lambda w: add_bpe_vocab(w, tmp_path / "src", len(source), pre))
     ours = load_tokenizer(path)
     assert ours.eos_token == source.eos_token and ours.eos_token_id == source.eos_token_id
-    for text in _texts():
+    split, expected_split = ours.backend_tokenizer.pre_tokenizer, source.backend_tokenizer.pre_tokenizer
+    for text in [*_texts(), "HelloWorld ABCdef it's IT'S 12345 x/\n/"]:  # case-aware and contraction splits
+        assert split.pre_tokenize_str(text) == expected_split.pre_tokenize_str(text), text
         expected = source(text)["input_ids"]
         assert ours(text)["input_ids"] == expected, text
         assert ours.decode(expected) == source.decode(expected), text

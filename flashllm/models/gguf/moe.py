@@ -57,6 +57,9 @@ MOE_GRAPHS: dict[str, MoEGraph] = {
     "Qwen3MoeForCausalLM": MoEGraph("num_experts", True, shared_expert=False, bias_field="attention_bias"),
     # llama.cpp's granite graph with experts: softmax top-k renormalized, experts feed_forward_length wide
     "GraniteMoeForCausalLM": MoEGraph("num_local_experts", None, shared_expert=False, bias_field="attention_bias"),
+    # llama.cpp's openai-moe graph: the softmax of the top-k logits (the renormalized top-k of the softmax),
+    # experts feed_forward_length wide
+    "GptOssForCausalLM": MoEGraph("num_local_experts", None, shared_expert=False, bias_field="attention_bias"),
 }
 
 

@@ -37,7 +37,7 @@ _STRING_TYPE = 8
 # Tensor types flashllm loads: floats as they are; the block formats below dequantize exactly with
 # the gguf package (or load as QuantizedWeight where flashllm.quant.gguf_blocks represents them).
 FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")
-QUANT_TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 SUPPORTED_TYPE_NAMES = FLOAT_TYPE_NAMES + QUANT_TYPE_NAMES
 
 

@@ -23,6 +23,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# o200k's split (gpt-oss, GPT-4o): llama.cpp's "gpt-4o" runs the pattern its tokenizer.json carries
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 # DeepSeek-V3's splits, applied in turn (each piece of one split is split by the next): llama.cpp's list for
 # "deepseek-v3" in src/llama-vocab.cpp (digits in runs of up to three, CJK ideographs and kana, then words).
 _DEEPSEEK_V3_SPLITS = (
@@ -54,6 +59,7 @@ BPE_PRE_TOKENIZERS: dict[str, Any] = {
     "chatglm-bpe": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4's tiktoken split is cl100k's, Llama 3's
     "glm4": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4.5's files: llama.cpp runs it as chatglm-bpe
     "deepseek-v3": _split_then_bytes(*_DEEPSEEK_V3_SPLITS),
+    "gpt-4o": _split_then_bytes(_O200K_SPLIT),
 }
 
 
