@@ -21,6 +21,7 @@ from flashllm.bench import (
     gguf_granite,
     gguf_moe,
     gguf_phi3,
+    gguf_seed_oss,
     gguf_smollm3,
 )
 from flashllm.models.gguf.olmo2 import LAYER_NAMES as OLMO2_LAYER_NAMES
@@ -75,6 +76,8 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_exaone4.ARCHITECTURE: ArchSpec("exaone4", permute_qk=False, layer_names=gguf_exaone4.LAYER_NAMES,
                                         check=gguf_exaone4.check, add_hparams=gguf_exaone4.add_hparams),
     gguf_smollm3.ARCHITECTURE: ArchSpec("smollm3", permute_qk=True, check=gguf_smollm3.check),
+    gguf_seed_oss.ARCHITECTURE: ArchSpec("seed_oss", permute_qk=False, layer_names=gguf_seed_oss.LAYER_NAMES,
+                                         check=gguf_seed_oss.check),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),

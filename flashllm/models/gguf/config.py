@@ -24,6 +24,7 @@ from flashllm.models.gguf import (
     granite,
     olmo2,
     phi3,
+    seed_oss,
     smollm3,
 )
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
@@ -100,6 +101,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "exaone4": ArchMap("Exaone4ForCausalLM", "exaone4", permute_qk=False, layer_names=exaone4.LAYER_NAMES,
                        config_fields=exaone4.exaone4_config_fields),
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
+    "seed_oss": ArchMap("SeedOssForCausalLM", "seed_oss", permute_qk=False, layer_names=seed_oss.LAYER_NAMES,
+                        config_fields=seed_oss.seed_oss_config_fields),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,
                           config_fields=granite.granitemoe_config_fields),
