@@ -10,7 +10,7 @@ from torch import Tensor
 # fp16 sum (scale times the codes' sum), which meets the weight's minimum; q8_K per 256 features
 # with an fp32 scale.
 FORMAT_OF_TYPE = {"Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
-                  "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K"}
+                  "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K", "MXFP4": "q8_0"}
 BLOCK = {"q8_0": 32, "q8_1": 32, "q8_K": 256}
 INT8_MAX = 127.0
 

@@ -14,7 +14,7 @@ T = GGMLQuantizationType
 # Q5_0/Q5_1 too: llama.cpp writes them for K-quant files' tensors whose rows are not whole 256-feature
 # super-blocks (every 896-wide row of Qwen2.5-0.5B's Q4_K_M is Q5_0, its Q5_K_M's Q5_1)
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
-                                                              T.Q5_K, T.Q6_K})
+                                                              T.Q5_K, T.Q6_K, T.MXFP4})
 SUPER_BLOCK = 256   # QK_K: the K-quants' super-block of features
 K_SCALE_BYTES = 12  # the K-quants' packed 6-bit sub-block scales and minimums
 
@@ -27,8 +27,13 @@ K_SCALE_BYTES = 12  # the K-quants' packed 6-bit sub-block scales and minimums
 #   Q4_K  w4a16, group 32, fp32 scales d*sc, offsets -dmin*m    W = q * (d*sc) - dmin*m
 #   Q5_K  w8a16 (codes 0..31), group 32, as Q4_K               W = q * (d*sc) - dmin*m
 #   Q6_K  w8a16 (codes -32..31), group 16, fp32 scales d*sc     W = q * (d*sc)
+#   MXFP4 w8a16 (twice the e2m1 values: -12..12), group 32, fp32 scales 2^(e-128)   W = q * 2^(e-128)
 # d*sc and dmin*m are one fp32 product each, as ggml forms them, so every element is ggml's bits.
-GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
+GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16,
+         T.MXFP4: 32}
+# MXFP4's e2m1 code points doubled (ggml's kvalues_mxfp4), by 4-bit code; its e8m0 exponent then halves the scale
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+MXFP4_EXPONENT_BIAS = 128  # 2^(e - 127) for the e2m1 values, 2^(e - 128) for their doubles
 
 
 def _unsupported(ggml_type: object) -> ValueError:
@@ -132,6 +137,10 @@ def _decode(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.nda
         codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(count, SUPER_BLOCK)
         sub = blocks[:, 192:208].view(np.int8).astype(np.float32)
         return codes, _f16(blocks, 208).astype(np.float32)[:, None] * sub, None
+    if ggml_type == T.MXFP4:  # one e8m0 byte, then 16 bytes: element j's code is byte j's low nibble, j + 16's high
+        codes = MXFP4_VALUES[_nibbles_halves(blocks[:, 1:17][:, None, :]).reshape(count, 32)]
+        exponents = blocks[:, 0].astype(np.int32) - MXFP4_EXPONENT_BIAS
+        return codes, np.ldexp(np.float32(1.0), exponents).astype(np.float32)[:, None], None
     raise _unsupported(ggml_type)
 
 

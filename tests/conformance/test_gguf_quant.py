@@ -17,10 +17,14 @@ T = GGMLQuantizationType
 TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
 # byte offsets of each type's fp16 scale fields in a block (d; then dmin or m where the type has one)
 HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
-               T.Q5_K: (0, 2), T.Q6_K: (208,)}
+               T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: ()}
 # extreme fp16 scales: zero, minus zero, the smallest subnormal, a larger subnormal, the smallest
 # normal, ordinary, negative, the largest finite and its negative
 EXTREME_HALVES = np.array([0.0, -0.0, 2.0**-24, 3 * 2.0**-20, 2.0**-14, 1.0, -0.3, 65504.0, -65504.0], np.float16)
+# byte offsets of each type's e8m0 exponent (MXFP4's 2^(e - 127)); extreme ones: 2^-127 (ggml's subnormal half),
+# 2^-126, tiny, one, large, the largest finite
+E8M0_FIELDS = {T.MXFP4: (0,)}
+EXTREME_EXPONENTS = np.array([0, 1, 20, 127, 200, 254], np.uint8)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -38,6 +42,8 @@ def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int
         else:
             halves = (rng.uniform(0.5, 1.5, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]) / k).astype(np.float16)
         raw[:, start:start + 2] = halves.view(np.uint8).reshape(-1, 2)
+    for start in E8M0_FIELDS.get(qtype, ()):  # moderate: 2^-9 .. 2^0 around codes of up to 6
+        raw[:, start] = rng.choice(EXTREME_EXPONENTS, raw.shape[0]) if extreme else rng.integers(118, 128, raw.shape[0])
     return raw.reshape(n, -1)
 
 
@@ -134,7 +140,9 @@ def test_layouts_and_their_bytes() -> None:
         T.Q4_K: ("w4a16", 32, torch.float32, True, 128 + 8 * 8),
         T.Q5_K: ("w8a16", 32, torch.float32, True, 256 + 8 * 8),
         T.Q6_K: ("w8a16", 16, torch.float32, False, 256 + 16 * 4),
+        T.MXFP4: ("w8a16", 32, torch.float32, False, 256 + 8 * 4),
     }
+    assert set(expected) == set(TYPES)
     for qtype, (scheme, group, scale_dtype, has_offsets, nbytes) in expected.items():
         w = weight_from_gguf(_random_blocks(rng, qtype, n, k, False), qtype, (n, k))
         assert (w.scheme, w.group_size, w.scales.dtype, w.offsets is not None) == (scheme, group, scale_dtype,

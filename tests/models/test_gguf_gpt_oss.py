@@ -85,12 +85,12 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, op
 @pytest.mark.parametrize(("file_type", "rounded_as"), [("q8_0", "Q8_0"), ("mxfp4", "MXFP4")])
 def test_quantized_gguf_equals_the_directory_rounded_as_the_file(file_type, rounded_as, source, files, ops,
                                                                  model_registry, paged_driver, tmp_path):
-    """Q8_0: every matrix in blocks (the experts kept as blocks, run with their biases); MXFP4: the expert stacks
-    (dequantized at load), the rest F32. Either gives the directory's logits with those matrices rounded through the
-    file's type, and not the directory's own."""
+    """Q8_0: every matrix in blocks; MXFP4: the expert stacks, the rest F32. The experts stay as the file's blocks
+    (MXFP4's as int8 codes with power-of-two scales, exactly), run with their biases. Either gives the directory's
+    logits with those matrices rounded through the file's type, and not the directory's own."""
     ours = load_float_model(files(file_type), ops, model_registry)
-    if file_type == "q8_0":
-        assert ours.model.layers[0].mlp.experts.expert_blocks is not None
+    w13, _ = ours.model.layers[0].mlp.experts.expert_blocks[0]  # kept as the file's blocks
+    assert w13.gguf_type == rounded_as and w13.scheme == "w8a16"
 
     def type_of(name: str) -> str | None:
         if name.endswith(("router.weight", "_bias", "sinks")) or (file_type == "mxfp4" and not name.endswith(STACKED)):
@@ -105,10 +105,11 @@ def test_quantized_gguf_equals_the_directory_rounded_as_the_file(file_type, roun
     assert (unrounded - logits).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("options", [{}, {"enable_expert_parallel": True}], ids=["tensor", "expert"])
-def test_two_ranks_decode_a_q8_0_file_as_one(options, files, monkeypatch, exact_w8_products):
+@pytest.mark.parametrize(("file_type", "options"), [("q8_0", {}), ("q8_0", {"enable_expert_parallel": True}),
+                                                    ("mxfp4", {})], ids=["q8_0-tensor", "q8_0-expert", "mxfp4-tensor"])
+def test_two_ranks_decode_a_quantized_file_as_one(file_type, options, files, monkeypatch, exact_w8_products):
     monkeypatch.setenv("FLASHLLM_CPU_W8_ACTIVATIONS", "fp32")
-    two_ranks_decode_as_one([PROMPT, [7, 3, 250]], files("q8_0"), **options)
+    two_ranks_decode_as_one([PROMPT, [7, 3, 250]], files(file_type), **options)
 
 
 def test_a_file_without_sinks_or_window_is_refused(files, tmp_path):

@@ -21,7 +21,7 @@ from flashllm.quant.gguf_blocks import SUPPORTED_TYPES, weight_from_gguf  # noqa
 T = GGMLQuantizationType
 TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
 HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
-               T.Q5_K: (0, 2), T.Q6_K: (208,)}
+               T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: ()}
 
 
 def _blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
@@ -31,6 +31,8 @@ def _blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int, k: in
     for start in HALF_FIELDS[qtype]:
         halves = (rng.uniform(0.5, 1.5, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]) / 16).astype(np.float16)
         raw[:, start:start + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if qtype == T.MXFP4:  # its e8m0 exponent: scales 2^-9 .. 2^-5 around codes of up to 6
+        raw[:, 0] = rng.integers(118, 123, raw.shape[0])
     return raw.reshape(n, -1)
 
 
