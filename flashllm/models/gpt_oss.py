@@ -6,7 +6,7 @@ are dequantized at load."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +24,7 @@ from flashllm.models.llama import LlamaAttention
 from flashllm.models.llama_config import parse_llama_config
 from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig, experts_and_top_k, moe_config
 from flashllm.ops.fused_moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, expert_activation
+from flashllm.ops.quant_matmul import QuantizedWeight
 
 # transformers' GptOssConfig defaults (the published models' values)
 GPT_OSS_DEFAULTS: dict[str, Any] = {
@@ -36,7 +37,9 @@ GPT_OSS_ROPE: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast"
                                 "truncate": False, "original_max_position_embeddings": 4096}
 # MXFP4's e2m1 code points, indexed by a 4-bit code (the high bit is the sign)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+DOUBLED_FP4_VALUES = tuple(int(2 * v) for v in FP4_VALUES)  # whole numbers: int8 codes, the scale halved
 MXFP4_SCALE_BIAS = 127  # a block's uint8 scale e stands for 2 ** (e - 127)
+MXFP4_BLOCK = 32  # values sharing one exponent
 _MXFP4 = re.compile(r"^(?P<prefix>.+\.experts\.(?:gate_up_proj|down_proj))_(?P<part>blocks|scales)$")
 
 
@@ -181,6 +184,14 @@ def _gate_then_up(interleaved: Tensor, dim: int) -> Tensor:
     return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
 
 
+def _kernel_quant(ops: Any) -> frozenset[str]:
+    """The weight formats the op table's quant_matmul kernel claims ({"none"} for a table without records)."""
+    try:
+        return ops.kernel("quant_matmul").caps.quant
+    except (AttributeError, KeyError):
+        return frozenset({"none"})
+
+
 def _check_bias(loaded: Tensor, expected: tuple[int, int], what: str) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(f"experts {what} has shape {tuple(loaded.shape)} but the model expects {expected}")
@@ -198,9 +209,22 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tens
     return values.flatten(-2).to(dtype)
 
 
-def mxfp4_as_float(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+def mxfp4_weight(blocks: Tensor, scales: Tensor) -> QuantizedWeight:
+    """One expert projection's MXFP4 blocks (N, G, 16) and exponents (N, G), as stored, as the exact w8a16
+    QuantizedWeight (N, G * 32): twice each e2m1 value as an int8 code, 2 ** (e - 128) an fp32 scale per 32."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3)  # (N, G * 32), element order
+    data = torch.tensor(DOUBLED_FP4_VALUES, dtype=torch.int8, device=blocks.device)[codes.long()]
+    ones = torch.ones(scales.shape, dtype=torch.float32, device=scales.device)
+    return QuantizedWeight("w8a16", data, torch.ldexp(ones, scales.to(torch.int32) - MXFP4_SCALE_BIAS - 1), None,
+                           MXFP4_BLOCK)
+
+
+def mxfp4_as_float(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype,
+                   keep: Callable[[str, Tensor, Tensor], bool] = lambda prefix, blocks, scales: False,
+                   ) -> Iterator[tuple[str, Tensor]]:
     """A checkpoint's tensors with each expert projection's MXFP4 `_blocks` / `_scales` pair (stored (E, N, K/32,
-    16) / (E, N, K/32)) replaced by the float tensor transformers' gpt-oss holds: (E, K, N)."""
+    16) / (E, N, K/32)) replaced by the float tensor transformers' gpt-oss holds: (E, K, N); or, where
+    keep(prefix, blocks, scales) takes the pair (returns True), by nothing."""
     pending: dict[tuple[str, str], Tensor] = {}
     for name, tensor in weights:
         match = _MXFP4.match(name)
@@ -213,7 +237,9 @@ def mxfp4_as_float(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) ->
             pending[(prefix, part)] = tensor
             continue
         blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
-        yield prefix, dequantize_mxfp4(materialize(blocks), materialize(scales), dtype).transpose(1, 2)
+        blocks, scales = materialize(blocks), materialize(scales)
+        if not keep(prefix, blocks, scales):
+            yield prefix, dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
     if pending:
         missing = sorted(f"{prefix}_{'scales' if part == 'blocks' else 'blocks'}" for prefix, part in pending)
         raise ModelLoadError(f"the checkpoint's MXFP4 experts are incomplete: {', '.join(missing)} not found")
@@ -248,6 +274,28 @@ class GptOssForCausalLM(MixtralForCausalLM):
                               config.moe_intermediate_size, True, 0, ops, dtype, device, tp_rank, tp_size,
                               expert_parallel=config.expert_parallel, router_bias=True, experts_class=OaiExperts)
 
+    def _keep_mxfp4(self, prefix: str, blocks: Tensor, scales: Tensor) -> bool:
+        """Take an MXFP4 expert projection (`<layer>.mlp.experts.gate_up_proj` or `down_proj`) as blocks when its
+        layer holds whole experts (one rank, or expert parallel) and the bound quant_matmul runs w8a16; once a
+        layer's two projections arrived, its experts become one (w13, w2) QuantizedWeight pair each
+        (FusedMoE.use_expert_blocks), gate rows then up rows (the checkpoint interleaves them)."""
+        layer, _, proj = prefix.rpartition(".")
+        experts = self.get_submodule(layer)
+        if experts.feature_shards > 1 or "w8a16" not in _kernel_quant(self.ops):
+            return False
+        pending = self._mxfp4_pending.setdefault(layer, {})
+        pending[proj] = (blocks, scales)
+        if len(pending) < 2:
+            return True
+        halves = self._mxfp4_pending.pop(layer)
+        (up_blocks, up_scales), (down_blocks, down_scales) = halves["gate_up_proj"], halves["down_proj"]
+        pairs = []
+        for e in experts.local_experts():
+            w13 = mxfp4_weight(_gate_then_up(up_blocks[e], dim=0), _gate_then_up(up_scales[e], dim=0))
+            pairs.append((w13, mxfp4_weight(down_blocks[e], down_scales[e])))
+        experts.use_expert_blocks(pairs)
+        return True
+
     def _param_target(self, name: str) -> tuple[str, Any]:
         """MixtralForCausalLM's, plus a GGUF file's split expert biases: `<...>.experts.gate_proj_bias` and
         `up_proj_bias` are the two halves of gate_up_proj_bias."""
@@ -257,9 +305,15 @@ class GptOssForCausalLM(MixtralForCausalLM):
         return super()._param_target(name)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """MixtralForCausalLM.load_weights over the checkpoint with MXFP4 experts dequantized (mxfp4_as_float); a
-        gate_up_proj_bias given in halves (a GGUF file's) counts as loaded once both arrived."""
-        loaded = super().load_weights(mxfp4_as_float(weights, self.model.embed_tokens.weight.dtype))
+        """MixtralForCausalLM.load_weights over the checkpoint with MXFP4 experts kept as exact int8 blocks where the
+        layer can hold them (_keep_mxfp4), else dequantized (mxfp4_as_float); a gate_up_proj_bias given in halves (a
+        GGUF file's) counts as loaded once both arrived."""
+        self._mxfp4_pending: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
+        loaded = super().load_weights(mxfp4_as_float(weights, self.model.embed_tokens.weight.dtype, self._keep_mxfp4))
+        if self._mxfp4_pending:
+            layer = next(iter(self._mxfp4_pending))
+            raise ModelLoadError(f"{layer} has one MXFP4 expert projection without the other; gpt-oss checkpoints "
+                                 "store gate_up_proj and down_proj both as MXFP4 or both as float")
         halves = {f"{name}.gate_up_proj_bias" for name, module in self.named_modules()
                   if isinstance(module, OaiExperts) and module.bias_halves}
         complete = {f"{name}.gate_up_proj_bias" for name, module in self.named_modules()

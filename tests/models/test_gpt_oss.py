@@ -18,6 +18,7 @@ from flashllm.models.gpt_oss import GptOssAttention, GptOssForCausalLM, OaiExper
 from flashllm.models.hf_config import ModelLoadError, kernel_request, parse_hf_config
 from flashllm.models.layers.moe import SparseMoeBlock
 from flashllm.models.loader import load_model
+from flashllm.ops.quant_matmul import dequantize
 from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
@@ -95,14 +96,37 @@ def _as_mxfp4(model_dir: Path, seed: int) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory) -> Path:
+    model_dir = build_moe_model(tmp_path_factory.mktemp("mxfp4"), "gpt_oss", seed=4, intermediate_size=64)
+    _as_mxfp4(model_dir, seed=6)  # intermediate 64: the down projection's inputs are whole 32-value blocks
+    return model_dir
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_mxfp4_experts_stay_blocks_and_run_as_transformers_dequantizes_them(mxfp4_dir, backend) -> None:
+    """One rank keeps each expert's MXFP4 projections as exact int8 blocks (twice the e2m1 values, power-of-two
+    scales per 32), gate rows then up; the engine's tokens and logits are transformers' on its dequantized model."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_moe_model(tmp_path, "gpt_oss", seed=4, intermediate_size=64)  # 32-feature blocks
-    _as_mxfp4(model_dir, seed=6)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64)
+    hf_model = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
+    llm = LLM(str(mxfp4_dir), dtype="float32", device="cpu", backend=backend, block_size=16, max_model_len=256,
+              num_kv_blocks=64)
+    experts = llm.engine.parts.model.model.layers[0].mlp.experts
+    assert experts.w13_weight is None and len(experts.expert_blocks) == 4
+    w13, w2 = experts.expert_blocks[1]
+    assert (w13.scheme, w13.group_size, w13.data.dtype, tuple(w13.data.shape)) == ("w8a16", 32, torch.int8, (128, 64))
+    dense = hf_model.model.layers[0].mlp.experts
+    torch.testing.assert_close(dequantize(w13)[:64], dense.gate_up_proj[1].T[0::2], rtol=0, atol=0)
+    torch.testing.assert_close(dequantize(w2), dense.down_proj[1].T, rtol=0, atol=0)
     check_engine_greedy_against(llm, hf_model, [random_tokens(n, VOCAB, seed=n) for n in (5, 70)], 8, ATOL)
+
+
+@pytest.mark.parametrize("options", [{}, {"enable_expert_parallel": True}], ids=["tensor", "expert"])
+def test_two_ranks_of_an_mxfp4_checkpoint_give_one_rank_s_tokens(mxfp4_dir, options) -> None:
+    """Tensor parallel ranks dequantize the experts (blocks are kept for whole experts only); expert parallel ranks
+    keep their whole experts as blocks."""
+    two_ranks_decode_as_one([random_tokens(n, VOCAB, seed=60 + n) for n in (5, 40)], mxfp4_dir, **options)
 
 
 def test_mxfp4_codes_and_exponents_decode_as_the_format_defines() -> None:
