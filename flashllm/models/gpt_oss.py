@@ -22,7 +22,7 @@ from flashllm.models.layers.moe import FusedMoE, SparseMoeBlock
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import LlamaAttention
 from flashllm.models.llama_config import parse_llama_config
-from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig, experts_and_top_k, moe_config
+from flashllm.models.mixtral import MixtralForCausalLM, MoEModelConfig, every_layer_sparse
 from flashllm.ops.fused_moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, expert_activation
 from flashllm.ops.quant_matmul import QuantizedWeight
 
@@ -76,11 +76,8 @@ def parse_gpt_oss_config(raw: dict[str, Any], source: str = "config.json") -> Gp
         raise ModelLoadError(f"{source}: quantization_config quant_method={method!r} is not supported for gpt-oss; "
                              "flashllm loads its float and MXFP4-expert checkpoints (use --quant_type to quantize)")
     base = parse_llama_config(fields, source)
-    num_experts, top_k = experts_and_top_k(raw, "num_local_experts", 128, 4, source)
-    return moe_config(base, GptOssModelConfig, num_experts=num_experts, num_experts_per_tok=top_k,
-                      moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
-                      sparse_layers=(True,) * base.num_hidden_layers, qkv_bias=base.attention_bias,
-                      mxfp4_experts=mxfp4)
+    return every_layer_sparse(base, raw, 128, 4, source, GptOssModelConfig, qkv_bias=base.attention_bias,
+                              mxfp4_experts=mxfp4)
 
 
 class GptOssAttention(LlamaAttention):

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from flashllm.models.granite import MULTIPLIERS, GraniteForCausalLM, GraniteModel, parse_granite_config
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.moe import SparseMoeBlock, expert_param_target, with_fused_experts
-from flashllm.models.mixtral import MoEModelConfig, experts_and_top_k, moe_config
+from flashllm.models.mixtral import MoEModelConfig, every_layer_sparse
 
 # the published checkpoints' expert and router names (transformers 5 writes experts.gate_up_proj / down_proj and
 # router.weight), after block_sparse_moe -> mlp
@@ -42,11 +42,8 @@ def parse_granitemoe_config(raw: dict[str, Any], source: str = "config.json") ->
         raise ModelLoadError(f"{source}: pre-quantized GraniteMoeForCausalLM checkpoints are not supported; load the "
                              "float checkpoint and pass --quant_type")
     granite = parse_granite_config(raw, source)
-    experts, top_k = experts_and_top_k(raw, "num_local_experts", 8, 2, source)
-    return moe_config(granite, GraniteMoeModelConfig, num_experts=experts, num_experts_per_tok=top_k,
-                      moe_intermediate_size=granite.intermediate_size, norm_topk_prob=True,
-                      sparse_layers=(True,) * granite.num_hidden_layers, qkv_bias=granite.attention_bias,
-                      **{name: getattr(granite, name) for name in MULTIPLIERS})
+    return every_layer_sparse(granite, raw, 8, 2, source, GraniteMoeModelConfig, qkv_bias=granite.attention_bias,
+                              **{name: getattr(granite, name) for name in MULTIPLIERS})
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):

@@ -102,15 +102,22 @@ def check_prequantized_experts(config: MoEModelConfig, source: str) -> None:
                                  f"{field}={size}; each group must lie within one expert projection's inputs")
 
 
+def every_layer_sparse(base: LlamaModelConfig, raw: dict[str, Any], default_experts: int, default_top_k: int,
+                       source: str, cls: type[MoEModelConfig] = MoEModelConfig, **fields: Any) -> Any:
+    """`base` as Mixtral's kind of MoE config (or `cls`'s, with its own `fields`): num_local_experts and
+    num_experts_per_tok from config.json (these defaults where absent), every layer sparse with experts
+    intermediate_size wide, the top-k weights renormalized, no shared expert."""
+    num_experts, top_k = experts_and_top_k(raw, "num_local_experts", default_experts, default_top_k, source)
+    return moe_config(base, cls, num_experts=num_experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
+                      sparse_layers=(True,) * base.num_hidden_layers, **fields)
+
+
 def parse_mixtral_config(raw: dict[str, Any], source: str = "config.json") -> MoEModelConfig:
     """Validate a Mixtral config.json: Llama's fields, num_local_experts and num_experts_per_tok (defaults
     8 and 2, as transformers'); every layer is MoE with intermediate_size features per expert, the
     top-k weights always renormalized, no shared expert. Raises ModelLoadError (one line)."""
-    base = parse_llama_config(raw, source)
-    num_experts, top_k = experts_and_top_k(raw, "num_local_experts", 8, 2, source)
-    config = moe_config(base, num_experts=num_experts, num_experts_per_tok=top_k,
-                        moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
-                        sparse_layers=(True,) * base.num_hidden_layers, qkv_bias=False)
+    config = every_layer_sparse(parse_llama_config(raw, source), raw, 8, 2, source, qkv_bias=False)
     check_prequantized_experts(config, source)
     return config
 
