@@ -63,8 +63,9 @@ OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "chat_template": (str, None, "a built-in template name (chatml, llama-2, llama-3) or a .jinja file"),
     "reasoning_parser": (str, None, "answer a thinking model's <think>...</think> as the chat message's "
                          "reasoning_content: deepseek_r1 (the think block opened by the template: DeepSeek-R1, "
-                         "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>); structured "
-                         "output (response_format, guided_*, forced tool calls) then applies after the think block"),
+                         "QwQ) | qwen3 (Qwen3's hybrid models: only a reply starting with <think>) | openai_gptoss "
+                         "(gpt-oss's harmony analysis channel); structured output (response_format, guided_*, forced "
+                         "tool calls) then applies after the think block (refused under openai_gptoss)"),
     "tool_call_parser": (str, "hermes", "how the model writes tool calls: hermes (<tool_call> blocks: Qwen2.5, "
                          "Qwen3, Hermes) | llama3_json (Llama 3.x's JSON reply) | mistral ([TOOL_CALLS] and a JSON "
                          "array)"),

@@ -23,8 +23,10 @@ from flashllm.serving.generation import (
     join_logprobs,
     usage,
 )
+from flashllm.serving.harmony import PARSER as HARMONY_PARSER
+from flashllm.serving.harmony import HarmonySplitter
 from flashllm.serving.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
-from flashllm.serving.reasoning import ReasoningSplitter, split_reasoning
+from flashllm.serving.reasoning import ReasoningSplitter, reasoning_splitter, split_reasoning
 from flashllm.serving.structured import from_request, precompile, tool_call_constraint
 from flashllm.serving.tool_calls import MAX_TOOL_CALLS, check_tool_choice
 from flashllm.serving.tool_parsers import READS_SPECIAL_TOKENS, parse_reply, stream_parser
@@ -276,8 +278,9 @@ def chat_sampling_params(ctx: ServerContext, req: ChatCompletionRequest, max_tok
                          spec: Any, tool_names: Mapping[str, Any] | None) -> SamplingParams:
     """The request's SamplingParams; a reply read for tool calls keeps the special tokens its parser reads."""
     params = req.sampling_params(ctx.defaults, max_tokens, num_logprobs, spec)
-    if tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS:
-        # the parser reads the model's tool-call markers (<|python_tag|>, [TOOL_CALLS]): special tokens
+    reads_special = tool_names is not None and ctx.tool_call_parser in READS_SPECIAL_TOKENS
+    if reads_special or ctx.reasoning_parser == HARMONY_PARSER:
+        # the parser reads the model's markers (<|python_tag|>, [TOOL_CALLS], harmony's <|channel|>): special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
 
@@ -306,6 +309,10 @@ def chat_constraint(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[Any
                        param="tool_choice", code="invalid_structured_output")
     if forced is not None:
         spec, param = forced, "tool_choice"
+    if spec is not None and ctx.reasoning_parser == HARMONY_PARSER:
+        raise APIError(400, f"{param} is not supported under --reasoning-parser {HARMONY_PARSER}: a constraint would "
+                       "have to hold on the harmony reply's final channel only, which flashllm does not do",
+                       param=param, code="invalid_structured_output")
     if spec is not None and ctx.reasoning_parser is not None and not ctx.structured_output_in_reasoning:
         spec = dataclasses.replace(spec, reasoning_parser=ctx.reasoning_parser)
     return spec, param
@@ -338,7 +345,7 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     sent: dict[int, int] = {}
     parsers = {i: stream_parser(ctx.tool_call_parser, tool_names, max_tool_calls(req)) for i in range(req.n)} \
         if tool_names is not None else {}
-    splitters = {i: ReasoningSplitter(ctx.reasoning_parser) for i in range(req.n)} \
+    splitters = {i: reasoning_splitter(ctx.reasoning_parser) for i in range(req.n)} \
         if ctx.reasoning_parser is not None else {}
     num_calls: dict[int, int] = {}
     done: set[int] = set()
@@ -383,7 +390,8 @@ async def _chat_stream(gen: Generation, req: ChatCompletionRequest, tool_names: 
     yield sse("[DONE]")
 
 
-def split_delta(splitter: ReasoningSplitter | None, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
+def split_delta(splitter: ReasoningSplitter | HarmonySplitter | None, text: str,
+                finished: bool) -> tuple[list[dict[str, Any]], str]:
     """(the reasoning_content delta, the content text) of one streamed piece (all content without a splitter);
     a reply's reasoning always comes before its content, so the delta goes first."""
     if splitter is None:

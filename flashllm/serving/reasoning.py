@@ -1,5 +1,5 @@
 """`serve --reasoning-parser`: a thinking model's `<think>...</think>` answered as `reasoning_content` beside
-`content`, as vLLM's and llama.cpp's servers answer it.
+`content`, as vLLM's and llama.cpp's servers answer it (gpt-oss's harmony channels: serving/harmony.py).
 
 Two rules, by the parsers' vLLM names:
 
@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flashllm.sampling_params import REASONING_PARSERS, THINK_END, THINK_START
+from flashllm.sampling_params import REASONING_PARSERS as THINK_PARSERS
+from flashllm.sampling_params import THINK_END, THINK_START
+from flashllm.serving import harmony
+from flashllm.serving.harmony import HarmonySplitter
+
+# --reasoning-parser's choices: the think-block rules, and gpt-oss's harmony channels (serving/harmony.py)
+REASONING_PARSERS = (*THINK_PARSERS, harmony.PARSER)
 
 
 @dataclass
@@ -33,8 +39,8 @@ class ReasoningSplitter:
     _out: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning parser {self.parser!r} is not one of: {', '.join(REASONING_PARSERS)}")
+        if self.parser not in THINK_PARSERS:
+            raise ValueError(f"reasoning parser {self.parser!r} is not one of: {', '.join(THINK_PARSERS)}")
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self._held += text
@@ -108,8 +114,13 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def reasoning_splitter(parser: str) -> ReasoningSplitter | HarmonySplitter:
+    """The incremental splitter of a --reasoning-parser: think blocks, or gpt-oss's harmony messages."""
+    return HarmonySplitter() if parser == harmony.PARSER else ReasoningSplitter(parser)
+
+
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole reply."""
-    splitter = ReasoningSplitter(parser)
+    splitter = reasoning_splitter(parser)
     reasoning, content = splitter.take(text, finished=True)
     return (reasoning if splitter.thought else None), content

@@ -50,7 +50,7 @@ from flashllm.serving.protocol import (
     parse_body,
     validation_error,
 )
-from flashllm.serving.reasoning import ReasoningSplitter
+from flashllm.serving.reasoning import reasoning_splitter
 from flashllm.serving.structured import precompile
 from flashllm.serving.tool_parsers import stream_parser
 
@@ -430,7 +430,7 @@ async def _stream(call: _Call) -> AsyncIterator[bytes]:
     ctx, events = call.ctx, _Events()
     parser = stream_parser(ctx.tool_call_parser, call.tool_names, max_tool_calls(call.chat)) \
         if call.tool_names is not None else None
-    splitter = ReasoningSplitter(ctx.reasoning_parser) if ctx.reasoning_parser is not None else None
+    splitter = reasoning_splitter(ctx.reasoning_parser) if ctx.reasoning_parser is not None else None
     yield events.event("response.created", response=call.response("in_progress", []))
     yield events.event("response.in_progress", response=call.response("in_progress", []))
     final = None
