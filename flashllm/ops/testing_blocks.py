@@ -1,4 +1,5 @@
-"""Random paged-KV block tables for the ops' conformance inputs (ops/testing.py, ops/testing_latent.py)."""
+"""Random paged-KV block tables and seeded tensors for the ops' conformance inputs (ops/testing.py,
+ops/testing_latent.py, ops/testing_experts.py)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,9 @@ def random_block_tables(
         tables[b, :n] = torch.tensor(pool[:n], dtype=torch.int32)
         pool = pool[n:]
     return tables, num_blocks
+
+
+def seeded_randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, std: float = 1.0) -> Tensor:
+    """Normal values of `std` from `gen`, drawn in fp32 on the CPU so a seed gives the same values on every device
+    and dtype, then moved to `device` as `dtype`."""
+    return (torch.randn(shape, generator=gen) * std).to(device=device, dtype=dtype)
