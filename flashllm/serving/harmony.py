@@ -6,26 +6,33 @@ A harmony reply (its prompt ends with `<|start|>assistant`) is a run of messages
 a later one opened again by `<|start|>assistant`. The bodies of `analysis` messages are the reasoning, the bodies
 of every other channel's (`final`, `commentary`) the content; the markers are special tokens, so requests under
 this parser keep them in the text (skip_special_tokens false) and the splitter takes them out. Text before any
-marker (a reply that is not harmony) is content. Tool calls written as harmony messages (`to=functions.NAME`) are
-not parsed: their JSON bodies come back as content.
+marker (a reply that is not harmony) is content. A message to a function tool (`to=functions.NAME` in its header,
+its body the arguments' JSON) becomes a Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block in
+the content, which the default `--tool-call-parser hermes` reads into tool_calls, whole and streamed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+
+from flashllm.serving.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 PARSER = "openai_gptoss"
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 _MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
 _CLOSING = frozenset({"<|end|>", "<|return|>", "<|call|>"})
+# a message to a function tool: `to=functions.NAME` in its role or channel header
+_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_-]{1,64})")
 
 
 def split_harmony(text: str) -> tuple[str, str, bool]:
     """(reasoning, content, whether an analysis message began) of a whole harmony reply (module docstring)."""
     reasoning: list[str] = []
     content: list[str] = []
-    state, channel, thought = "plain", "", False  # plain (no marker yet) | header | body | between
+    state, channel, thought, call = "plain", "", False, False  # plain (no marker yet) | role | header | body | ...
+    role: list[str] = []
     header: list[str] = []
     pos = 0
     for match in [*_MARKER.finditer(text), None]:
@@ -34,20 +41,28 @@ def split_harmony(text: str) -> tuple[str, str, bool]:
             content.append(piece)
         elif state == "body":
             reasoning.append(piece)
-        elif state == "header":
-            header.append(piece)
+        elif state in ("role", "header"):
+            (role if state == "role" else header).append(piece)
         if match is None:
             break
         marker, pos = match.group(), match.end()
-        if marker == "<|channel|>":
+        if marker == "<|start|>":
+            state, role, header = "role", [], []
+        elif marker == "<|channel|>":
             state, header = "header", []
         elif marker == "<|message|>":
             words = "".join(header).split() if state in ("header", "constraint") else []
             channel = words[0] if words else channel
             thought = thought or channel == "analysis"
+            recipient = _RECIPIENT.search("".join(role) + " " + "".join(header))
+            call = recipient is not None and channel != "analysis"
+            if call:  # as a Hermes block, which the tool-call parser reads from the content
+                content.append(f'{TOOL_CALL_OPEN}{{"name": {json.dumps(recipient[1])}, "arguments": ')
             state = "body"
-        elif marker in _CLOSING or marker == "<|start|>":
-            state = "between"
+        elif marker in _CLOSING:
+            if call and state == "body":
+                content.append(f"}}{TOOL_CALL_CLOSE}")
+            state, call, role, header = "between", False, [], []
         elif marker == "<|constrain|>" and state == "header":
             state = "constraint"  # the constraint's type until <|message|>: neither channel nor body
     return "".join(reasoning), "".join(content), thought

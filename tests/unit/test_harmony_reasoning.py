@@ -1,9 +1,10 @@
 """`--reasoning-parser openai_gptoss`: gpt-oss's harmony replies split into reasoning (the analysis channel) and
-content (final, commentary), whole and in any streamed pieces, markers taken out; requests under it keep special
-tokens in their text and refuse structured output."""
+content (final, commentary), whole and in any streamed pieces, markers taken out, messages to function tools read
+as tool calls; requests under it keep special tokens in their text and refuse structured output."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from flashllm.serving.harmony import HarmonySplitter, split_harmony  # noqa: E40
 from flashllm.serving.openai_api import APIError, chat_constraint, chat_sampling_params  # noqa: E402
 from flashllm.serving.protocol import ChatCompletionRequest  # noqa: E402
 from flashllm.serving.reasoning import REASONING_PARSERS, reasoning_splitter, split_reasoning  # noqa: E402
+from flashllm.serving.tool_calls import ToolCallStreamParser, parse_tool_calls  # noqa: E402
 
 REPLY = ("<|channel|>analysis<|message|>User asks 2+2. a < b holds.<|end|><|start|>assistant<|channel|>analysis"
          "<|message|> Check again.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>")
@@ -26,10 +28,37 @@ def test_a_whole_reply_splits_by_channel() -> None:
     assert "openai_gptoss" in REASONING_PARSERS
 
 
-def test_commentary_is_content_and_its_header_is_not() -> None:
-    reply = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
-             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
-    assert split_harmony(reply) == ("Need weather.", '{"city": "Paris"}', True)
+CALL = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>'
+        'Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+        '<|message|>{"city": "Paris"}<|call|>')
+
+
+def test_a_message_to_a_function_is_a_tool_call_and_commentary_is_content() -> None:
+    reasoning, content, thought = split_harmony(CALL)
+    assert (reasoning, thought) == ("Need weather.", True)
+    parsed = parse_tool_calls(content, ["get_weather"])
+    assert parsed.content == "Checking."
+    (call,) = parsed.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    # the template's own form puts the recipient in the role header
+    role_form = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    (call,) = parse_tool_calls(split_harmony(role_form)[1], ["get_weather"]).tool_calls
+    assert json.loads(call.arguments) == {"a": 1}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_streamed_tool_call_is_read_by_the_hermes_stream_parser(seed: int) -> None:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(CALL)), rng.randrange(1, 30)))
+    pieces = [CALL[a:b] for a, b in zip([0, *cuts], [*cuts, len(CALL)], strict=True)]
+    splitter, tools = HarmonySplitter(), ToolCallStreamParser(["get_weather"])
+    events = []
+    for i, piece in enumerate(pieces):
+        events += tools.feed(splitter.take(piece, finished=i == len(pieces) - 1)[1])
+    events += tools.flush()
+    (call,) = [e.tool_call for e in events if e.tool_call is not None]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert "".join(e.content for e in events if e.content is not None).strip() == "Checking."
 
 
 def test_a_reply_without_markers_is_all_content() -> None:
