@@ -3,8 +3,9 @@ moved after each branch.
 
 A layer computes x + post_attention_norm(attn(x)), then + post_feedforward_norm(mlp(.)): no norm before attention
 or the MLP. The attention RMS-normalizes the whole query projection (every head together, one weight of
-num_heads x head_dim) and the whole key projection before RoPE. Those norms span every head, so a tensor-parallel
-rank holding some heads cannot compute them alone: tensor parallelism is refused.
+num_heads x head_dim) and the whole key projection before RoPE. Those norms span every head, so under tensor
+parallelism each rank gathers the ranks' query and key slices, normalizes the whole projections and keeps its own
+heads (the key heads must split evenly over the ranks).
 
 OLMo 3 adds sliding-window layers (`layer_types`; by default three sliding layers, then a full one) with their own
 RoPE: the full layers rotate by `rope_parameters.full_attention` (or the legacy `rope_theta` / `rope_scaling`, YaRN
@@ -45,23 +46,35 @@ class Olmo2Attention(LlamaAttention):
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
-        if tp_size != 1:
-            raise ValueError(f"{config.architecture} normalizes each token's query and key over all heads at once; "
-                             "tensor parallelism (which splits the heads over ranks) is not supported for it: run "
-                             "with --tensor-parallel-size 1")
+        if config.num_key_value_heads % tp_size:
+            raise ValueError(f"{config.architecture} normalizes each token's keys over all key heads at once, so its "
+                             f"{config.num_key_value_heads} key heads must split evenly over the ranks; choose a "
+                             f"--tensor-parallel-size that divides {config.num_key_value_heads}")
         bias = config.attention_bias
         super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias, tp_rank, tp_size)
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps, ops, dtype, device)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps, ops, dtype, device)
+        # the whole projections' widths: every rank normalizes the gathered projections (_normed)
+        self.q_norm = RMSNorm(config.num_attention_heads * self.head_dim, eps, ops, dtype, device)
+        self.k_norm = RMSNorm(config.num_key_value_heads * self.head_dim, eps, ops, dtype, device)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def _normed(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        """This rank's slice (T, w) of a projection, normed over the whole projection: the ranks' slices gathered in
+        rank order (T, tp * w), normed, and this rank's columns kept."""
+        if self.tp_size == 1:
+            return norm(x.contiguous())
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        width = x.shape[-1]
+        return norm(torch.cat(parts, dim=-1)).narrow(-1, self.tp_rank * width, width)
 
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,), hidden (T, hidden) -> (T, hidden)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.contiguous()).view(-1, self.num_heads, self.head_dim)
-        k = self.k_norm(k.contiguous()).view(-1, self.num_kv_heads, self.head_dim)
+        q = self._normed(self.q_norm, q).reshape(-1, self.num_heads, self.head_dim)
+        k = self._normed(self.k_norm, k).reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), kv_cache, attn_metadata))
 

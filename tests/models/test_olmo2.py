@@ -1,4 +1,4 @@
-"""OLMo 2 (norms after each branch, q / k normalized over all heads together): the refusal of tensor parallelism,
+"""OLMo 2 (norms after each branch, q / k normalized over all heads together): tensor parallel ranks as one rank,
 and GGUF `olmo2` files written by flashllm's llama.cpp exporter loading as llama.cpp runs them. The tiny model's
 paged-forward and engine parity with transformers run in test_parity_forward.py and test_engine_parity.py with the
 other presets."""
@@ -22,6 +22,7 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     exports,
     load_float_model,
     rewritten_copy,
+    two_ranks_decode_as_one,
 )
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -69,9 +70,17 @@ def test_an_olmo3_file_with_sliding_windows_is_refused(files, tmp_path) -> None:
         load_hf_config(copy)
 
 
-def test_tensor_parallelism_is_refused_with_the_flag_to_change(source) -> None:
-    with pytest.raises(Exception, match="--tensor-parallel-size 1"):
-        LLM(str(source), device="cpu", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+@pytest.mark.parametrize("preset", ["olmo2", "olmo3"])
+def test_two_tensor_parallel_ranks_give_one_rank_s_tokens(preset, tmp_path) -> None:
+    """Each rank normalizes the gathered whole query and key projections, then keeps its heads."""
+    model_dir = build_tiny_model(tmp_path / preset, preset, seed=2, tokenizer=False)
+    two_ranks_decode_as_one([PROMPT, [7, 3, 250]], model_dir)
+
+
+def test_key_heads_that_do_not_split_over_the_ranks_are_refused_with_the_flag_to_change(tmp_path) -> None:
+    model_dir = build_tiny_model(tmp_path / "odd", "olmo2", seed=2, tokenizer=False, num_key_value_heads=1)
+    with pytest.raises(Exception, match="--tensor-parallel-size that divides 1"):
+        LLM(str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
             block_size=16, num_kv_blocks=16)
 
 
