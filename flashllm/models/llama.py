@@ -70,10 +70,11 @@ class LlamaDecoderLayer(PreNormBlock):
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
-                 tp_rank: int = 0, tp_size: int = 1, mlp: nn.Module | None = None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, mlp: nn.Module | None = None,
+                 attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device,
-                                        qkv_bias, o_bias, tp_rank, tp_size)
+        self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device,
+                                         qkv_bias, o_bias, tp_rank, tp_size)
         # the gated MLP, or the one given (Granite-MoE's sparse block)
         self.mlp = mlp if mlp is not None else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                                                         ops, dtype, device, tp_rank, tp_size)
@@ -119,6 +120,7 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention  # a subclass's own (Hunyuan's)
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -128,7 +130,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = self.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, qkv_bias, o_bias,
-                              tp_rank, tp_size)
+                              tp_rank, tp_size, attention_class=self.attention_class)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)

@@ -59,6 +59,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Seed-OSS: biased q / k / v, an unbiased o; head_dim explicit (Seed-OSS's default is 128, not hidden / heads)
     "seed_oss": ("SeedOssForCausalLM", {"head_dim": 16, "attention_bias": True, "attention_out_bias": False,
                                         **_PHI3_IDS}),
+    # Hunyuan dense: per-head q / k norms after RoPE, a fixed NTK alpha stretching the RoPE base (as the checkpoints
+    # write it: a "dynamic" type with alpha), tied embeddings
+    "hunyuan": ("HunYuanDenseV1ForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
+                                                                  "rope_theta": 10000.0},
+                                              "head_dim": 16, "tie_word_embeddings": True, **_PHI3_IDS}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -95,7 +100,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "GemmaForCausalLM": "gemma",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                "GraniteForCausalLM": "granite",
+                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
