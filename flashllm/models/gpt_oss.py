@@ -168,7 +168,8 @@ class OaiExperts(FusedMoE):
                                self.w2_scale, self.gate_up_proj_bias, self.down_proj_bias, "swigluoai")
 
     def _block_expert(self, x: Tensor, expert: int) -> Tensor:
-        """Local expert `expert` kept as GGUF blocks over rows x (n, H): its biases and activation as fused_moe's."""
+        """Local expert `expert` kept as blocks (a GGUF file's, an MXFP4 checkpoint's) over rows x (n, H): its biases and
+        activation as fused_moe's."""
         w13, w2 = self.expert_blocks[expert]
         gate_up = self._quant_matmul(x, w13).float() + self.gate_up_proj_bias[expert].float()
         out = self._quant_matmul(expert_activation(gate_up, "swigluoai").to(x.dtype), w2)
