@@ -136,7 +136,7 @@ def _non_negative(text: str) -> int:
 
 
 BASELINES = ("none", "transformers", "llama.cpp")
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # gguf_export.FILE_TYPES, kept here so --help imports no numpy
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "mxfp4")  # gguf_export.FILE_TYPES, kept here so --help imports no numpy
 
 
 def _add_serve_parser(modes: Any) -> None:
