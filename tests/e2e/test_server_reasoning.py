@@ -93,7 +93,7 @@ def test_an_unknown_parser_fails_start_up_in_one_line(model_dir: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].endswith("--reasoning-parser must be one of deepseek_r1, qwen3, "
-                                                         "got 'r1'")
+                                                         "openai_gptoss, got 'r1'")
 
 
 def test_an_earlier_reply_s_reasoning_reaches_the_template(model_dir: Path, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashllm.serving.reasoning import REASONING_PARSERS, ReasoningSplitter, split_reasoning
+from flashllm.serving.reasoning import REASONING_PARSERS, ReasoningSplitter, reasoning_splitter, split_reasoning
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [
@@ -31,7 +31,10 @@ def test_an_unknown_parser_is_refused() -> None:
         ReasoningSplitter("r1")
 
 
-PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "\n", "\n\n", "a", "b c", "<th"]),
+# think tags and harmony's markers (openai_gptoss), whole and cut, beside text
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "\n", "\n\n", "a", "b c", "<th",
+                                   "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "analysis", "final", "<|",
+                                   "to=functions.f", "<|call|>"]),
                   max_size=12)
 
 
@@ -41,7 +44,7 @@ def test_any_cut_of_a_reply_streams_the_whole_reply(parser: str, parts: list[str
     """A stream's reasoning and content pieces, joined, are the whole reply's, however the text is cut."""
     text = "".join(parts)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    splitter = ReasoningSplitter(parser)
+    splitter = reasoning_splitter(parser)
     pieces = []
     for lo, hi in zip([0, *cuts], [*cuts, len(text)], strict=True):
         pieces += splitter.feed(text[lo:hi])
