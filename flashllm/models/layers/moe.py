@@ -368,9 +368,9 @@ class SparseMoeBlock(nn.Module):
 
     With a shared expert (Qwen2-MoE) every token also goes through one dense gated MLP, scaled by
     sigmoid(shared_expert_gate(x)), and added. router_bias: the router has a bias (gpt-oss); experts_class: a
-    FusedMoE subclass holding more than the stacked weights (gpt-oss's biased experts). Submodule names follow the checkpoints: gate,
-    experts, shared_expert, shared_expert_gate. With expert_parallel the routed experts are split whole
-    over the ranks (FusedMoE); the router stays replicated and the shared expert tensor parallel.
+    FusedMoE subclass holding more than the stacked weights (gpt-oss's biased experts). Submodule names follow
+    the checkpoints: gate, experts, shared_expert, shared_expert_gate. With expert_parallel the routed experts are
+    split whole over the ranks (FusedMoE); the router stays replicated and the shared expert tensor parallel.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
