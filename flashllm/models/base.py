@@ -58,6 +58,8 @@ class CausalLM(nn.Module, ABC):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # checkpoint tensors with no parameter, skipped on load (e.g. RoPE tables rebuilt from the config)
     skipped_weight_suffixes: ClassVar[tuple[str, ...]] = ()
+    # checkpoint module names -> the model's, applied to every checkpoint name before any other mapping
+    renamed_modules: ClassVar[dict[str, str]] = {}
     # calibrated static int8/fp8 KV cache scales: `<module>.k_scale` / `.v_scale` load into the
     # Attention layer inside `<module>`; optional in a checkpoint
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = ()
@@ -192,8 +194,16 @@ class CausalLM(nn.Module, ABC):
             )
         return {n for n, shards in seen.items() if len(shards) == self._num_shards(n)}
 
+    def renamed(self, name: str) -> str:
+        """A checkpoint tensor name with `renamed_modules` applied."""
+        for old, new in self.renamed_modules.items():
+            name = name.replace(old, new)
+        return name
+
     def _param_target(self, name: str) -> tuple[str, int | None]:
-        """Checkpoint tensor name -> (flashllm parameter name, shard index in its fused parameter)."""
+        """Checkpoint tensor name -> (flashllm parameter name, shard index in its fused parameter), after
+        `renamed_modules`."""
+        name = self.renamed(name)
         for packed, shard_names in self.packed_modules_mapping.items():
             for shard_id, shard in enumerate(shard_names):
                 if f".{shard}." in name:

@@ -83,8 +83,3 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
                     qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> LlamaModel:
         """Llama's stack with HunyuanAttention."""
         return HunyuanModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
-
-    def _param_target(self, name: str) -> tuple[str, Any]:
-        for old, new in self.renamed_modules.items():
-            name = name.replace(old, new)
-        return super()._param_target(name)

@@ -187,7 +187,6 @@ class MixtralForCausalLM(CausalLM):
     # GPTQ / AWQ: attention and dense layers stay packed; experts are dequantized at load (layers/packed_experts.py)
     prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
-    # checkpoint module names -> flashllm's, applied before any other mapping
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
     # each layer's attention block (gpt-oss's adds sinks)
     attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
@@ -301,8 +300,7 @@ class MixtralForCausalLM(CausalLM):
 
     def _param_target(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter, shard): module renames, then expert tensors, then packed projections."""
-        for old, new in self.renamed_modules.items():
-            name = name.replace(old, new)
+        name = self.renamed(name)
         target = expert_param_target(name)
         return target if target is not None else super()._param_target(name)
 
