@@ -13,6 +13,7 @@ REQUEST_FIELDS = frozenset({"kv_dtype", "quant", "head_size", "block_size", "ali
 
 OP_NAMES: tuple[str, ...] = (
     "rms_norm",
+    "layer_norm",
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",

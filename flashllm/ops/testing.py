@@ -35,6 +35,23 @@ def _rms_norm(
     return inputs
 
 
+def _layer_norm(
+    gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
+) -> Inputs:
+    tokens, hidden = {"plain": (7, 256), "residual": (33, 128), "no_bias": (5, 160), "one_token": (1, 96)}[case]
+    # rows off zero mean and unit spread, so a kernel that skips the centering or the variance is caught
+    x = _randn(gen, tokens, hidden, dtype=torch.float32, device=device, std=3.0) + 1.5
+    inputs: Inputs = {
+        "x": x.to(dtype),
+        "weight": _randn(gen, hidden, dtype=dtype, device=device, std=0.5) + 1,
+        "bias": None if case == "no_bias" else _randn(gen, hidden, dtype=dtype, device=device, std=0.5),
+        "eps": 1e-5,
+    }
+    if case == "residual":
+        inputs["residual"] = _randn(gen, tokens, hidden, dtype=dtype, device=device)
+    return inputs
+
+
 def _rotary_embedding(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
@@ -337,6 +354,7 @@ def _gelu(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int,
 
 _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "rms_norm": (_rms_norm, ("plain", "residual", "one_token")),
+    "layer_norm": (_layer_norm, ("plain", "residual", "no_bias", "one_token")),
     "rotary_embedding": (_rotary_embedding, ("neox", "neox_partial", "interleaved", "interleaved_partial")),
     "silu_and_mul": (_silu, ("odd", "one_token")),
     "gelu_and_mul": (_gelu, ("odd", "one_token", "tanh")),

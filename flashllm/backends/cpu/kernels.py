@@ -40,6 +40,17 @@ def rms_norm(
     return out if residual is None else (out, x)
 
 
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm through aten's fused kernel on fp32 rows (weight and bias applied in fp32), result in x.dtype."""
+    if residual is not None:
+        x = x + residual
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    out = out.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up through the native kernel for fp32, else the portable body."""
     fast = native_ops.silu_and_mul(x)
@@ -255,6 +266,7 @@ def register(backend: Backend) -> None:
     """Register the cpu kernels on `backend`."""
     specs = op_specs()
     backend.kernel("rms_norm", Caps(dtypes=FLOATS))(rms_norm)
+    backend.kernel("layer_norm", Caps(dtypes=FLOATS))(layer_norm)
     attention_caps = Caps(dtypes=FLOATS, kv_dtypes=KV_DTYPES, alibi=True, softcap=True, sinks=True)
     backend.kernel("paged_attention", attention_caps)(paged_attention)
     backend.kernel("rotary_embedding", Caps(dtypes=FLOATS))(rotary_embedding)

@@ -6,8 +6,8 @@ make the step's graph depend on data. Shapes depend only on the (bucketed) input
 decode step compiles once per bucket. No torch_xla import: these are torch ops on XLA tensors,
 and they run (slowly, but correctly) on any device, which is how tests/unit checks them on CPU.
 
-rms_norm, rotary_embedding, silu_and_mul, gelu_and_mul, the float quant_matmul and lora_shrink / lora_expand are the op
-reference bodies, which are trace-friendly as written (only static shape checks).
+rms_norm, layer_norm, rotary_embedding, silu_and_mul, gelu_and_mul, the float quant_matmul and lora_shrink /
+lora_expand are the op reference bodies, which are trace-friendly as written (only static shape checks).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from flashllm.registry.backend import Backend, Caps
 
 DTYPES = frozenset({torch.float32, torch.bfloat16})
 # ops whose reference body has no host sync and no data-dependent shape
-TRACEABLE_REFERENCES = ("rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "quant_matmul", "lora_shrink",
-                        "lora_expand")
+TRACEABLE_REFERENCES = ("rms_norm", "layer_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "quant_matmul",
+                        "lora_shrink", "lora_expand")
 
 
 def write_kv_cache(

@@ -1,4 +1,4 @@
-"""RMSNorm layer over ops.rms_norm, with the residual add fused in."""
+"""Norm layers over ops.rms_norm and ops.layer_norm, with the residual add fused in."""
 
 from __future__ import annotations
 
@@ -25,3 +25,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x (T, H) -> normed (T, H); with residual (T, H): (norm(x + residual), x + residual)."""
         return self._rms_norm(x, self.weight, self.eps, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a learned (hidden_size,) scale and, unless `bias` is false (Cohere), a (hidden_size,) shift;
+    see `flashllm.ops.layer_norm` for numerics. Called like RMSNorm, the residual add fused in."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self._layer_norm = ops.layer_norm
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x (T, H) -> normed (T, H); with residual (T, H): (norm(x + residual), x + residual)."""
+        return self._layer_norm(x, self.weight, self.bias, self.eps, residual)
