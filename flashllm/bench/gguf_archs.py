@@ -23,6 +23,7 @@ from flashllm.bench import (
     gguf_phi3,
     gguf_seed_oss,
     gguf_smollm3,
+    gguf_starcoder2,
 )
 from flashllm.models.gguf.olmo2 import LAYER_NAMES as OLMO2_LAYER_NAMES
 
@@ -78,6 +79,8 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_smollm3.ARCHITECTURE: ArchSpec("smollm3", permute_qk=True, check=gguf_smollm3.check),
     gguf_seed_oss.ARCHITECTURE: ArchSpec("seed_oss", permute_qk=False, layer_names=gguf_seed_oss.LAYER_NAMES,
                                          check=gguf_seed_oss.check),
+    gguf_starcoder2.ARCHITECTURE: ArchSpec("starcoder2", permute_qk=False, layer_names=gguf_starcoder2.LAYER_NAMES,
+                                           check=gguf_starcoder2.check, add_hparams=gguf_starcoder2.add_hparams),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),

@@ -23,6 +23,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "SeedOssForCausalLM": "flashllm.models.seed_oss:SeedOssForCausalLM",
     "HunYuanDenseV1ForCausalLM": "flashllm.models.hunyuan:HunYuanDenseV1ForCausalLM",
+    "Starcoder2ForCausalLM": "flashllm.models.starcoder2:Starcoder2ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

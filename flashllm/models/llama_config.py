@@ -69,22 +69,23 @@ class LlamaModelConfig:
                                self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.vocab_size)
 
 
-def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_default: float = 1.0
-                       ) -> LlamaModelConfig:
+def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_default: float = 1.0,
+                       activations: tuple[str, ...] = ("silu",)) -> LlamaModelConfig:
     """Validate a Llama-family config.json dict (already checked for `architectures`) and return its typed view.
 
     rotary_default: the partial_rotary_factor where config.json gives none (GLM-4.5's is 0.5).
+    activations: the hidden_act values the family's MLP implements (the gated MLP's: silu).
     Raises ModelLoadError (one line) on a missing or non-positive required field, a size past the
-    sanity limits, inconsistent head counts, invalid rope settings or an activation other than silu.
+    sanity limits, inconsistent head counts, invalid rope settings or an activation not in `activations`.
     """
     sizes = decoder_sizes(raw, source)
     rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], rotary_default, source)
     rope_theta, rope_scaling = normalize_rope(rope_raw, source)
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
+    hidden_act = raw.get("hidden_act", activations[0])
+    if hidden_act not in activations:
         raise ModelLoadError(
-            f"{source}: hidden_act={hidden_act!r} is not supported; flashllm's gated MLP "
-            "implements 'silu' only"
+            f"{source}: hidden_act={hidden_act!r} is not supported; this family's MLP in flashllm implements "
+            + ", ".join(repr(name) for name in activations)
         )
     check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
     return LlamaModelConfig(

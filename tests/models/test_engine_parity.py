@@ -23,7 +23,7 @@ BLOCK = 16  # small blocks so prompts and decodes cross many block boundaries
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {p: build_tiny_model(tmp_path_factory.mktemp(p), p, seed=3, tokenizer=False)
             for p in ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite",
-                      "ernie4_5", "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan")}
+                      "ernie4_5", "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2")}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def _llm(model_dir: Path, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("preset", ["llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "phi3", "granite",
-                                    "ernie4_5", "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan"])
+                                    "ernie4_5", "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2"])
 def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_models) -> None:
     llm = _llm(model_dirs[preset])
     recorder = LogitRecorder(llm)

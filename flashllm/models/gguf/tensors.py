@@ -49,8 +49,8 @@ def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] | None = None,
     ("blk.3.ffn_up_exps.weight") get moe.stacked_name, which GGUFWeights expands into per-expert names.
     """
     stem, _, suffix = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES and suffix == "weight":
-        return f"{_GLOBAL_NAMES[stem]}.weight"
+    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):  # a LayerNorm's bias (StarCoder 2's output_norm)
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in moe.EXPERT_PROJS and match.group(3) == "weight":
         return moe.stacked_name(int(match.group(1)), match.group(2))

@@ -1,13 +1,15 @@
-"""Gated (SwiGLU) MLP: fused gate_up projection, ops.silu_and_mul, down projection."""
+"""MLPs: the gated (SwiGLU) one (fused gate_up projection, ops.silu_and_mul, down projection) and the plain
+two-projection one of GPT-2-style families (StarCoder 2)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flashllm.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from flashllm.models.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -28,3 +30,31 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (T, hidden) -> (T, hidden)."""
         return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))
+
+
+# config.json hidden_act values of an ungated MLP -> the elementwise activation (transformers' ACT2FN meanings)
+PLAIN_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class PlainMLP(nn.Module):
+    """down_proj(act(up_proj(x))): no gate, `act` one of PLAIN_ACTIVATIONS applied in x.dtype elementwise (so it
+    runs as it is on every device and on each tensor-parallel rank's slice of the intermediate features)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str, ops: Any,
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if activation not in PLAIN_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {sorted(PLAIN_ACTIVATIONS)}")
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, ops, dtype, device, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, ops, dtype, device, tp_rank, tp_size)
+        self.activation = activation
+        self._act = PLAIN_ACTIVATIONS[activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        return self.down_proj(self._act(self.up_proj(x)))
