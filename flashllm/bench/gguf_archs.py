@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from flashllm.bench import (
+    gguf_arcee,
     gguf_chatglm,
     gguf_deepseek,
     gguf_ernie,
@@ -81,6 +82,8 @@ ARCHS: dict[str, ArchSpec] = {
                                          check=gguf_seed_oss.check),
     gguf_starcoder2.ARCHITECTURE: ArchSpec("starcoder2", permute_qk=False, layer_names=gguf_starcoder2.LAYER_NAMES,
                                            check=gguf_starcoder2.check, add_hparams=gguf_starcoder2.add_hparams),
+    gguf_arcee.ARCHITECTURE: ArchSpec("arcee", permute_qk=True, check=gguf_arcee.check, add_hparams=gguf_arcee.add_hparams,
+                                      rope_types=("yarn",)),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", permute_qk=False, transform=gguf_moe.stack_experts),
     "MixtralForCausalLM": ArchSpec("llama", permute_qk=True, transform=gguf_moe.stack_experts),

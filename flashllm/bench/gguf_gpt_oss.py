@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from flashllm.bench.gguf_arcee import add_yarn
+
 ARCHITECTURE = "GptOssForCausalLM"
 # HF module -> GGUF layer part, where gpt-oss's differ from Llama's
 LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"}
@@ -38,16 +40,11 @@ def check(config: Any) -> None:
 
 def add_hparams(writer: Any, config: Any) -> None:
     """The window, expert counts and width, and YaRN's factor and original context, as the converter writes them."""
-    import gguf
-
     writer.add_sliding_window(config.sliding_windows[0])
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    scaling = config.rope_scaling
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(float(scaling["factor"]))
-    writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    add_yarn(writer, config.rope_scaling)
 
 
 def transform(entries: list[Entry], config: Any) -> Iterator[Entry]:

@@ -130,10 +130,18 @@ class LlamaModel(nn.Module):
         self.rotary_emb = self.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, qkv_bias, o_bias,
-                              tp_rank, tp_size, attention_class=self.attention_class)
+                              tp_rank, tp_size, mlp=self.build_mlp(config, ops, dtype, device, tp_rank, tp_size),
+                              attention_class=self.attention_class)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    @staticmethod
+    def build_mlp(config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device, tp_rank: int,
+                  tp_size: int) -> nn.Module | None:
+        """A layer's MLP; None: the gated SwiGLU one. A subclass with another MLP (Arcee's ungated relu²) returns
+        its own (and takes no fused decoder-stack path, see fusions)."""
+        return None
 
     @staticmethod
     def build_rotary(config: LlamaModelConfig, ops: Any, device: torch.device) -> RotaryEmbedding:

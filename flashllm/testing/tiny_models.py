@@ -67,6 +67,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # StarCoder 2: biased LayerNorms, an ungated tanh-GELU MLP and biases on every projection (use_bias), tied
     # embeddings, a sliding window (8) on every layer shorter than most test prompts
     "starcoder2": ("Starcoder2ForCausalLM", {"sliding_window": 8, "norm_epsilon": 1e-5, **_PHI3_IDS}),
+    # Arcee: Llama's decoder with an ungated relu² MLP (no gate_proj), YaRN past an original context of 64
+    "arcee": ("ArceeForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                       "original_max_position_embeddings": 64}, **_PHI3_IDS}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -105,7 +108,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
-                "Starcoder2ForCausalLM": "starcoder2"}
+                "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.

@@ -10,7 +10,8 @@ from flashllm.testing.parity import assert_logits_close, hf_logits, random_token
 from flashllm.testing.tiny_models import build_tiny_model
 
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
-           "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2")
+           "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2", "arcee")
+CHUNKED = tuple(p for p in PRESETS if p not in ("llama", "llama-tied"))  # the plain Llamas add nothing here
 # LongRoPE: a whole prompt in one pass uses the factor set transformers' full forward does; its decodes
 # and chunks across original_max_position_embeddings are checked against transformers' cached generation
 # in tests/models/test_phi3.py
@@ -55,8 +56,7 @@ def test_greedy_decode_steps_match_transformers(preset, loaded_pair, paged_drive
             assert_logits_close(logits, hf_logits(theirs, prompt)[-1:])
 
 
-@pytest.mark.parametrize("preset", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
-                                    "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2"])
+@pytest.mark.parametrize("preset", CHUNKED)
 def test_chunked_prefill_beside_decode_matches_transformers(preset, loaded_pair, paged_driver):
     """A prompt split into chunks (queries after a cached prefix) shares batches with a decode."""
     ours, theirs = loaded_pair(preset)

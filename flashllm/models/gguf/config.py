@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, starcoder2, arcee, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gguf import (
+    arcee,
     chatglm,
     deepseek2,
     ernie,
@@ -104,6 +105,7 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
     "seed_oss": ArchMap("SeedOssForCausalLM", "seed_oss", permute_qk=False, layer_names=seed_oss.LAYER_NAMES,
                         config_fields=seed_oss.seed_oss_config_fields),
+    arcee.ARCH: ArchMap("ArceeForCausalLM", "arcee", permute_qk=True, config_fields=arcee.arcee_config_fields),
     starcoder2.ARCH: ArchMap("Starcoder2ForCausalLM", "starcoder2", permute_qk=False, layer_names=starcoder2.LAYER_NAMES,
                              config_fields=starcoder2.starcoder2_config_fields),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),

@@ -1,5 +1,5 @@
 """MLPs: the gated (SwiGLU) one (fused gate_up projection, ops.silu_and_mul, down projection) and the plain
-two-projection one of GPT-2-style families (StarCoder 2)."""
+two-projection one of GPT-2-style families (StarCoder 2, Arcee)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ PLAIN_ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # Arcee's, Nemotron's
 }
 
 
