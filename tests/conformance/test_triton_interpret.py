@@ -198,6 +198,19 @@ def test_rms_norm_chunked_and_strided_rows() -> None:
 
 
 @interpreted_or_gpu
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_layer_norm_chunked_and_strided_rows(with_bias: bool) -> None:
+    """Rows wider than one chunk merge per-chunk statistics; chunks of different means test the merge."""
+    mod = cuda_kernels.launcher_module("layer_norm")
+    hidden = mod.MAX_BLOCK + 40  # two chunks, the second one partial
+    wide = dev(torch.randn(3, hidden + 8) + torch.linspace(-4.0, 12.0, hidden + 8))
+    x, residual = wide[:, :hidden], dev(torch.randn(3, hidden))  # x rows are strided
+    inputs = {"x": x, "weight": dev(torch.rand(hidden) + 0.5), "bias": dev(torch.randn(hidden)) if with_bias else None,
+              "eps": 1e-5, "residual": residual}
+    check("layer_norm", inputs, torch.float32)
+
+
+@interpreted_or_gpu
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp(-x) = inf: sigmoid 0, right
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_gated_activations_wide_and_strided(dtype: torch.dtype) -> None:
@@ -449,9 +462,9 @@ def test_kernels_compile_for_ampere_and_hopper(monkeypatch: pytest.MonkeyPatch) 
             fn = attend(partition) if op == "paged_attention" and partition else KERNELS[op].fn
             for op_case in quant_cases[arch] if op == "quant_matmul" else (case.get(op),):
                 fn(**make_inputs(op, dtype, case=op_case, block_size=64))
-    every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel", "_gated_kernel",
-             "_stream_kernel", "_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_store_latent_kernel", "_mla_kernel",
-             "_shrink_kernel", "_expand_kernel"}
+    every = {"prefill_kernel", "decode_kernel", "_write_kv_kernel", "_rotary_kernel", "_rms_norm_kernel",
+             "_layer_norm_kernel", "_gated_kernel", "_stream_kernel", "_gemm_kernel", "_gate_up_kernel", "_down_kernel",
+             "_store_latent_kernel", "_mla_kernel", "_shrink_kernel", "_expand_kernel"}
     # sm80's one-row int4 case splits K (its 32-row tiles leave too few programs): the summing pass
     assert {name.removesuffix("@sm80") for name in built if name.endswith("@sm80")} == every | {"_split_sum_kernel"}
     assert {name.removesuffix("@sm90") for name in built if name.endswith("@sm90")} == every | {"merge_kernel"}

@@ -26,6 +26,12 @@ def _norm_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> t
     return inputs, (4 * t * h + h) * dtype.itemsize  # read x, residual, weight; write out, residual
 
 
+def _layer_norm_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
+    inputs, nbytes = _norm_inputs(dtype, device, args)
+    inputs.update(bias=_randn(args.hidden, dtype=dtype, device=device), eps=1e-5)
+    return inputs, nbytes + args.hidden * dtype.itemsize  # and the bias
+
+
 def _gated_inputs(dtype: torch.dtype, device: str, args: argparse.Namespace) -> tuple[Inputs, int]:
     t, i = args.tokens, args.intermediate
     return {"x": _randn(t, 2 * i, dtype=dtype, device=device)}, 3 * t * i * dtype.itemsize
@@ -163,6 +169,7 @@ def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor, context: int
 
 BUILDERS: dict[str, Callable[[torch.dtype, str, argparse.Namespace], tuple[Inputs, int]]] = {
     "rms_norm": _norm_inputs,
+    "layer_norm": _layer_norm_inputs,
     "silu_and_mul": _gated_inputs,
     "gelu_and_mul": _gated_inputs,
     "rotary_embedding": _rotary_inputs,

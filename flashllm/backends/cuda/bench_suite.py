@@ -68,6 +68,8 @@ def _suite_cases() -> list[Case]:
         Case("gelu_and_mul 16384x11008", kernel("gelu_and_mul", "--tokens", "16384", "--intermediate", "11008")),
         Case("rotary 16384 tokens 32/8x128", kernel("rotary_embedding", "--tokens", "16384", *_ATTENTION)),
         Case("write_kv_cache 16384 tokens 8x128", kernel("write_kv_cache", "--tokens", "16384", *_ATTENTION)),
+        # no issue target (StarCoder 2's and Cohere's norm); after the issue's rows, which tests index by position
+        Case("layer_norm + residual 16384x4096", kernel("layer_norm", "--tokens", "16384", "--hidden", "4096")),
     ]
     for seqs, context in ((64, 4096), (8, 16384)):
         cases.append(Case(f"decode attn {seqs} seqs x {context}", kernel(

@@ -28,6 +28,7 @@ QUANT_SCHEMES = frozenset({"none", "w8a16", "w4a16"})
 # op -> module under flashllm.backends.cuda holding its launcher (a function named like the op)
 KERNEL_MODULES: dict[str, str] = {
     "rms_norm": "triton_norm",
+    "layer_norm": "triton_norm",
     "silu_and_mul": "triton_act",
     "gelu_and_mul": "triton_act",
     "rotary_embedding": "triton_rotary",
@@ -42,6 +43,7 @@ KERNEL_MODULES: dict[str, str] = {
 
 CAPS: dict[str, Caps] = {
     "rms_norm": Caps(dtypes=FLOATS),
+    "layer_norm": Caps(dtypes=FLOATS),
     "silu_and_mul": Caps(dtypes=FLOATS),
     "gelu_and_mul": Caps(dtypes=FLOATS),
     # shape-generic: any even rotary dim, any head size, any block size
@@ -75,6 +77,12 @@ def launcher_module(op: str) -> ModuleType:
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Triton RMSNorm, fused residual add (see triton_norm.rms_norm)."""
     return launcher_module("rms_norm").rms_norm(x, weight, eps, residual)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
+               residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Triton LayerNorm, optional bias, fused residual add (see triton_norm.layer_norm)."""
+    return launcher_module("layer_norm").layer_norm(x, weight, bias, eps, residual)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -163,6 +171,7 @@ def latent_attention(q: Tensor, latent: Tensor, kv_cache: Tensor, kv_b_weight: T
 
 WRAPPERS = {
     "rms_norm": rms_norm,
+    "layer_norm": layer_norm,
     "silu_and_mul": silu_and_mul,
     "gelu_and_mul": gelu_and_mul,
     "rotary_embedding": rotary_embedding,
