@@ -42,24 +42,28 @@ def parse_starcoder2_config(raw: dict[str, Any], source: str = "config.json") ->
 
 
 class Starcoder2DecoderLayer(PreNormBlock):
-    """x + attn(layernorm(x)), then + mlp(layernorm(.)); the residual add fused in the norms."""
+    """x + attn(layernorm(x)), then + mlp(layernorm(.)); the residual add fused in the norms. `norm_class` builds
+    the norms, (hidden, eps, ops, dtype, device) -> module (Nemotron's 1 + w LayerNorm)."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
-                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int) -> None:
+                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                 norm_class: type[nn.Module] = LayerNorm) -> None:
         super().__init__()
         bias = config.attention_bias
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias,
                                         tp_rank, tp_size)
         self.mlp = PlainMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, ops,
                             dtype, device, tp_rank, tp_size)
-        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
 
 class Starcoder2Model(nn.Module):
-    """Embedding, StarCoder 2 layers and the final LayerNorm (HF's `model.` prefix)."""
+    """Embedding, StarCoder 2 layers and the final LayerNorm (HF's `model.` prefix); a subclass may set another
+    `norm_class` for every norm."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    norm_class: ClassVar[type[nn.Module]] = LayerNorm
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -67,10 +71,10 @@ class Starcoder2Model(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = LlamaModel.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
-            Starcoder2DecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
+            Starcoder2DecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size, self.norm_class)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:

@@ -70,6 +70,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Arcee: Llama's decoder with an ungated relu² MLP (no gate_proj), YaRN past an original context of 64
     "arcee": ("ArceeForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                        "original_max_position_embeddings": 64}, **_PHI3_IDS}),
+    # Nemotron: 1 + w LayerNorms with biases, an ungated relu² MLP, RoPE over the first half of each head (its
+    # default partial_rotary_factor); untied
+    "nemotron": ("NemotronForCausalLM", {"norm_eps": 1e-5}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -108,7 +111,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
-                "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee"}
+                "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
+                "NemotronForCausalLM": "nemotron"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
