@@ -38,9 +38,12 @@ def _rms_norm(
 def _layer_norm(
     gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int, block_size: int, case: str
 ) -> Inputs:
-    tokens, hidden = {"plain": (7, 256), "residual": (33, 128), "no_bias": (5, 160), "one_token": (1, 96)}[case]
-    # rows off zero mean and unit spread, so a kernel that skips the centering or the variance is caught
-    x = _randn(gen, tokens, hidden, dtype=torch.float32, device=device, std=3.0) + 1.5
+    tokens, hidden = {"plain": (7, 256), "residual": (33, 128), "no_bias": (5, 160), "one_token": (1, 96),
+                      "small_variance": (4, 64)}[case]
+    # rows off zero mean and unit spread, so a kernel that skips the centering or the variance is caught; rows whose
+    # variance (~1e-4) is near eps, so one that drops or misplaces eps is
+    std, shift = (1e-2, 2e-2) if case == "small_variance" else (3.0, 1.5)  # fp32 keeps (x - mean) exact enough
+    x = _randn(gen, tokens, hidden, dtype=torch.float32, device=device, std=std) + shift
     inputs: Inputs = {
         "x": x.to(dtype),
         "weight": _randn(gen, hidden, dtype=dtype, device=device, std=0.5) + 1,
@@ -354,7 +357,7 @@ def _gelu(gen: torch.Generator, dtype: torch.dtype, device: str, head_size: int,
 
 _BUILDERS: dict[str, tuple[Callable[..., Inputs], tuple[str, ...]]] = {
     "rms_norm": (_rms_norm, ("plain", "residual", "one_token")),
-    "layer_norm": (_layer_norm, ("plain", "residual", "no_bias", "one_token")),
+    "layer_norm": (_layer_norm, ("plain", "residual", "no_bias", "one_token", "small_variance")),
     "rotary_embedding": (_rotary_embedding, ("neox", "neox_partial", "interleaved", "interleaved_partial")),
     "silu_and_mul": (_silu, ("odd", "one_token")),
     "gelu_and_mul": (_gelu, ("odd", "one_token", "tanh")),
