@@ -85,6 +85,10 @@ ARCHS: dict[str, ArchSpec] = {
                                            check=gguf_starcoder2.check, add_hparams=gguf_starcoder2.add_hparams),
     gguf_arcee.ARCHITECTURE: ArchSpec("arcee", permute_qk=True, check=gguf_arcee.check, add_hparams=gguf_arcee.add_hparams,
                                       rope_types=("yarn",)),
+    # Hunyuan dense: its query / key norms under llama.cpp's names; the NTK alpha is already in rope_theta
+    "HunYuanDenseV1ForCausalLM": ArchSpec("hunyuan-dense", permute_qk=False,
+                                          layer_names={"self_attn.query_layernorm": "attn_q_norm",
+                                                       "self_attn.key_layernorm": "attn_k_norm"}),
     gguf_nemotron.ARCHITECTURE: ArchSpec("nemotron", permute_qk=False, norm_shift=gguf_nemotron.NORM_SHIFT,
                                          add_hparams=gguf_nemotron.add_hparams),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),

@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, arcee, nemotron, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, starcoder2, arcee, nemotron, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from flashllm.models.gguf import (
     glm4moe,
     gpt_oss,
     granite,
+    hunyuan,
     nemotron,
     olmo2,
     phi3,
@@ -107,6 +108,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "seed_oss": ArchMap("SeedOssForCausalLM", "seed_oss", permute_qk=False, layer_names=seed_oss.LAYER_NAMES,
                         config_fields=seed_oss.seed_oss_config_fields),
     arcee.ARCH: ArchMap("ArceeForCausalLM", "arcee", permute_qk=True, config_fields=arcee.arcee_config_fields),
+    hunyuan.ARCH: ArchMap("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", permute_qk=False,
+                          config_fields=hunyuan.hunyuan_config_fields),
     nemotron.ARCH: ArchMap("NemotronForCausalLM", "nemotron", permute_qk=False, norm_offset=nemotron.NORM_OFFSET,
                            config_fields=nemotron.nemotron_config_fields, partial_rotary=True),
     starcoder2.ARCH: ArchMap("Starcoder2ForCausalLM", "starcoder2", permute_qk=False, layer_names=starcoder2.LAYER_NAMES,
