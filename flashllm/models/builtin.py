@@ -26,6 +26,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Starcoder2ForCausalLM": "flashllm.models.starcoder2:Starcoder2ForCausalLM",
     "ArceeForCausalLM": "flashllm.models.arcee:ArceeForCausalLM",
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
+    "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

@@ -64,8 +64,13 @@ GPT_OSS_PRESET = ("gpt_oss", "GptOssForCausalLM",
                    "head_dim": 16, "sliding_window": 8, "attention_bias": True,
                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
                                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}})
+# OLMoE: OLMo 2's whole-projection q / k norms, top-3 of 8 softmax-scored experts not renormalized, every layer sparse
+OLMOE_PRESET = ("olmoe", "OlmoeForCausalLM",
+                {"intermediate_size": 48, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 3,
+                 "norm_topk_prob": False, "pad_token_id": 0})
 # presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
-OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET}
+OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET,
+                     "olmoe": OLMOE_PRESET}
 # parameters drawn at unit scale: gpt-oss's sink logits (at INIT_STD they would barely take any attention)
 UNIT_SCALE_SUFFIXES = ("self_attn.sinks",)
 

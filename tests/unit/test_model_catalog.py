@@ -19,7 +19,8 @@ from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM"}
+       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM",
+       "OlmoeForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
 # MXFP4 experts (gpt-oss)
 DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
