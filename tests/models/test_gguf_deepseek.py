@@ -247,16 +247,16 @@ def test_llm_runs_a_deepseek_gguf_file_like_its_directory(sources, files):
 
 
 def test_a_vocabulary_flashllm_cannot_build_runs_with_the_source_tokenizer(sources, files, tmp_path):
-    """V2-era files record the deepseek-llm pre-tokenizer, which flashllm does not build: the file is refused at its
-    vocabulary, and with tokenizer= the source directory's (vLLM's advice for GGUF files too) it answers text prompts
-    as the directory does."""
+    """A file recording a pre-tokenizer flashllm does not build (Kimi K2's, here) is refused at its vocabulary, and
+    with tokenizer= the source directory's (vLLM's advice for GGUF files too) it answers text prompts as the directory
+    does."""
     from flashllm import LLM, SamplingParams
 
     path = rewritten_copy(files("v2_lite", "f32"), tmp_path / "v2.gguf",
                           lambda tensors: ((n, np.array(t.data), t.tensor_type) for n, t in tensors.items()),
-                          values={"tokenizer.ggml.pre": "deepseek-llm"})
+                          values={"tokenizer.ggml.pre": "kimi-k2"})
     options = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=32)
-    with pytest.raises(ModelLoadError, match="pre-tokenizer 'deepseek-llm' is not supported"):
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'kimi-k2' is not supported"):
         LLM(str(path), **options)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["The quick brown fox", "hello"]

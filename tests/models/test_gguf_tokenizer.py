@@ -34,6 +34,16 @@ DEEPSEEK_V3_PATTERNS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff
                         r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                         r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# Mistral's tekken split: o200k's case-aware words without contractions, digits one by one
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek-Coder's tokenizer.json splits in turn (newlines, words, punctuation, CJK and Hangul), then single digits
+DEEPSEEK_CODER_PATTERNS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+")
+# names llama.cpp gives one of the splits above -> the oracle it is checked against
+ALIASES = {"command-r": "smollm", "exaone": "smollm", "olmo": "gpt-2", "mpt": "gpt-2", "dbrx": "llama-bpe",
+           "stablelm2": "qwen2", "hunyuan": "qwen2", "hunyuan-dense": "deepseek-v3"}
+
 
 def _texts(count: int = 300) -> list[str]:
     """Corpus lines, their pieces glued oddly, digits, whitespace runs, CJK, emoji, special tokens inside text."""
@@ -54,6 +64,7 @@ def _texts(count: int = 300) -> list[str]:
 
 
 def _train_bpe(pre: str) -> PreTrainedTokenizerFast:
+    pre = ALIASES.get(pre, pre)
     backend = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
     if pre == "smollm":
@@ -67,6 +78,13 @@ def _train_bpe(pre: str) -> PreTrainedTokenizerFast:
     elif pre == "deepseek-v3":
         splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in DEEPSEEK_V3_PATTERNS]
         backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    elif pre == "tekken":
+        split = pre_tokenizers.Split(Regex(TEKKEN_PATTERN), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "deepseek-coder":
+        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in DEEPSEEK_CODER_PATTERNS]
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, digits, byte_level])
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
@@ -89,7 +107,7 @@ def _vocab_only_gguf(path: Path, fill) -> Path:
 
 
 @pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe", "deepseek-v3", "chatglm-bpe", "glm4",
-                                 "gpt-4o"])
+                                 "gpt-4o", "tekken", "deepseek-coder", *ALIASES])
 def test_bpe_vocabulary_encodes_and_decodes_as_its_tokenizer_json(pre, tmp_path):
     source = _train_bpe(pre)
     source.save_pretrained(str(tmp_path / "src"))
@@ -162,5 +180,22 @@ def test_unknown_tokenizer_kinds_and_pre_tokenizers_are_refused(tmp_path):
 
     with pytest.raises(ModelLoadError, match="tokenizer model 'rwkv' is not supported; supported: gpt2, llama"):
         build_gguf_tokenizer(open_gguf(_vocab_only_gguf(tmp_path / "a.gguf", fill("rwkv", "gpt-2"))))
-    with pytest.raises(ModelLoadError, match="pre-tokenizer 'tekken' is not supported; supported: .*qwen2"):
-        build_gguf_tokenizer(open_gguf(_vocab_only_gguf(tmp_path / "b.gguf", fill("gpt2", "tekken"))))
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'kimi-k2' is not supported; supported: .*qwen2"):
+        build_gguf_tokenizer(open_gguf(_vocab_only_gguf(tmp_path / "b.gguf", fill("gpt2", "kimi-k2"))))
+
+
+@pytest.mark.parametrize(("pre", "text", "pieces"), [
+    # newlines alone, words with one leading space, punctuation runs, CJK runs, digit runs (LLM) or single digits
+    # (Coder); LLM's punctuation class spans ASCII ':'..'~', letters included, so it cuts a Latin tail off a Greek word
+    ("deepseek-llm", "Hello, world 123\n中文Ωx!!", ["Hello", ",", " world", " ", "123", "\n", "中文", "Ω", "x", "!!"]),
+    ("deepseek-coder", "Hello, world 123\n中文Ωx!!",
+     ["Hello", ",", " world", " ", "1", "2", "3", "\n", "中文", "Ωx", "!!"]),
+    ("deepseek-llm", "a  \t", ["a", "  \t"]),  # trailing whitespace kept whole
+    ("tekken", "HelloWorld it's 42", ["Hello", "World", " it", "'s", " ", "4", "2"]),
+])
+def test_split_pieces_are_llama_cpp_s(pre, text, pieces, tmp_path):
+    """The pieces each split makes, read off llama.cpp's regex lists (offsets into the text, before byte mapping)."""
+    from flashllm.models.gguf.tokenizer import BPE_PRE_TOKENIZERS
+
+    spans = BPE_PRE_TOKENIZERS[pre]().pre_tokenize_str(text)
+    assert [text[start:end] for _, (start, end) in spans] == pieces

@@ -37,6 +37,33 @@ _DEEPSEEK_V3_SPLITS = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
+# Mistral's tekken split (Mistral NeMo, Small 3): o200k's case-aware words without contractions, single digits
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# the cased letters of DeepSeek-LLM's word split (its tokenizer.json's class, as llama.cpp's "deepseek-llm" lists it)
+_DEEPSEEK_LLM_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-"
+    "\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
+)
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# DeepSeek LLM 7B / 67B and DeepSeek-Coder (v1) split in turn: newlines, words, punctuation runs, trailing space, CJK
+# and Hangul, then digits (LLM: runs; Coder: one by one)
+_DEEPSEEK_LLM_SPLITS = ("[\r\n]", r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
+                        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK_HANGUL,
+                        r"\p{N}+")
+_DEEPSEEK_CODER_SPLITS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")
+
+
 def _byte_level() -> Any:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
@@ -60,7 +87,15 @@ BPE_PRE_TOKENIZERS: dict[str, Any] = {
     "glm4": _split_then_bytes(_LLAMA3_SPLIT),  # GLM-4.5's files: llama.cpp runs it as chatglm-bpe
     "deepseek-v3": _split_then_bytes(*_DEEPSEEK_V3_SPLITS),
     "gpt-4o": _split_then_bytes(_O200K_SPLIT),
+    "tekken": _split_then_bytes(_TEKKEN_SPLIT),
+    "deepseek-llm": _split_then_bytes(*_DEEPSEEK_LLM_SPLITS),
+    "deepseek-coder": _split_then_bytes(*_DEEPSEEK_CODER_SPLITS),
 }
+# names llama.cpp gives the same split as one above
+for _alias, _same in {"command-r": "starcoder", "exaone": "starcoder", "codeshell": "starcoder", "mpt": "gpt-2",
+                      "olmo": "gpt-2", "dbrx": "llama-bpe", "smaug-bpe": "llama-bpe", "stablelm2": "qwen2",
+                      "hunyuan": "qwen2", "hunyuan-dense": "deepseek-v3"}.items():
+    BPE_PRE_TOKENIZERS[_alias] = BPE_PRE_TOKENIZERS[_same]
 
 
 def build_gguf_tokenizer(gf: GGUFFile) -> PreTrainedTokenizerFast:
