@@ -27,6 +27,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "ArceeForCausalLM": "flashllm.models.arcee:ArceeForCausalLM",
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
     "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
+    "CohereForCausalLM": "flashllm.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "flashllm.models.cohere:Cohere2ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

@@ -19,6 +19,7 @@ STEPS = 32
 BLOCK = 16  # small blocks so prompts and decodes cross many block boundaries
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
            "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2", "arcee",
+           "cohere", "cohere2",
            "nemotron")
 
 
@@ -102,7 +103,7 @@ def test_logits_and_greedy_tokens_match_transformers(preset, model_dirs, hf_mode
 
 
 @pytest.mark.parametrize("preset", ["llama", "llama-tied", "qwen2", "qwen3", "gemma3", "phi3", "granite", "ernie4_5",
-                                    "smollm3"])
+                                    "smollm3", "cohere", "cohere2"])
 def test_the_greedy_screen_gives_the_same_tokens(preset, model_dirs, hf_models) -> None:
     """Greedy steps through the device's greedy head (on the cpu backend, the bf16 screen of the
     LM head): transformers' greedy tokens, with prefix-cache hits and prefill chunks on the way."""
