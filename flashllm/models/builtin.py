@@ -12,6 +12,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "GptOssForCausalLM": "flashllm.models.gpt_oss:GptOssForCausalLM",
+    "PhiForCausalLM": "flashllm.models.phi:PhiForCausalLM",  # phi-1, phi-1_5, phi-2
     "Phi3ForCausalLM": "flashllm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
@@ -27,11 +28,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "ArceeForCausalLM": "flashllm.models.arcee:ArceeForCausalLM",
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
     "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
-    "CohereForCausalLM": "flashllm.models.cohere:CohereForCausalLM",
-    "Cohere2ForCausalLM": "flashllm.models.cohere:Cohere2ForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",
+    "CohereForCausalLM": "flashllm.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "flashllm.models.cohere:Cohere2ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen

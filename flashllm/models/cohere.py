@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from flashllm.models.cohere_config import CohereModelConfig, parse_cohere2_config, parse_cohere_config
 from flashllm.models.layers.attention_metadata import AttentionMetadata
+from flashllm.models.layers.block import ParallelBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
 from flashllm.models.layers.linear import QKVParallelLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
@@ -86,11 +87,9 @@ class CohereAttention(LlamaAttention):
             self.k_norm = CohereHeadNorm(self.qkv_proj, "k", eps, ops, dtype, device)
 
 
-class CohereDecoderLayer(nn.Module):
-    """The parallel block: x + attn(norm(x)) + mlp(norm(x)), one LayerNorm without bias. Called as
-    run_decoder_stack's layers, with the residual stream split as (hidden, residual), x = hidden + residual: the
-    input norm adds them, and the layer returns (mlp output, x + attn output), so the next add gives
-    (x + attn) + mlp, transformers' order of the sums."""
+class CohereDecoderLayer(ParallelBlock):
+    """The parallel block (ParallelBlock: (x + attn) + mlp, transformers' order of the sums) with one LayerNorm without
+    bias."""
 
     def __init__(self, config: CohereModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -98,17 +97,6 @@ class CohereDecoderLayer(nn.Module):
         self.self_attn = CohereAttention(config, layer_idx, rotary_emb, ops, dtype, device, tp_rank, tp_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, ops, dtype, device, tp_rank, tp_size)
         self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device, bias=False)
-
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
-                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden (T, H), residual (T, H) or None before the first layer -> (MLP output, residual stream + attention
-        output), each (T, H)."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
-        attended = self.self_attn(positions, normed, kv_cache, attn_metadata)
-        return self.mlp(normed), residual + attended
 
 
 class CohereModel(nn.Module):

@@ -73,14 +73,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Nemotron: 1 + w LayerNorms with biases, an ungated relu² MLP, RoPE over the first half of each head (its
     # default partial_rotary_factor); untied
     "nemotron": ("NemotronForCausalLM", {"norm_eps": 1e-5}),
-    # Command R: the parallel block of bias-free LayerNorms (eps 1e-5 where TINY_BASE's rms_norm_eps is moot),
-    # adjacent-pair RoPE (base 10000, not the default 500000 that barely turns at 512 positions), logits x 0.25,
-    # tied embeddings (CohereConfig's default); use_qk_norm (Command R+) is a build_tiny_model override
-    "cohere": ("CohereForCausalLM", {"logit_scale": 0.25, "layer_norm_eps": 1e-5, "rope_theta": 10000.0, **_PHI3_IDS}),
-    # Command R7B's hybrid attention, pattern 2: sliding layers (window 8) with RoPE alternating with full layers
-    # without any positional embedding; logits x 0.25
-    "cohere2": ("Cohere2ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2,
-                                       "logit_scale": 0.25, **_PHI3_IDS}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -90,6 +82,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # without RoPE), per-head q / k norms, norms after each branch
     "exaone4": ("Exaone4ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
                                        **_PHI3_IDS}),
+    # Command R: the parallel block of bias-free LayerNorms (eps 1e-5 where TINY_BASE's rms_norm_eps is moot),
+    # adjacent-pair RoPE (base 10000, not the default 500000 that barely turns at 512 positions), logits x 0.25,
+    # tied embeddings (CohereConfig's default); use_qk_norm (Command R+) is a build_tiny_model override
+    "cohere": ("CohereForCausalLM", {"logit_scale": 0.25, "layer_norm_eps": 1e-5, "rope_theta": 10000.0, **_PHI3_IDS}),
+    # Command R7B's hybrid attention, pattern 2: sliding layers (window 8) with RoPE alternating with full layers
+    # without any positional embedding; logits x 0.25
+    "cohere2": ("Cohere2ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2,
+                                       "logit_scale": 0.25, **_PHI3_IDS}),
+    # Phi (phi-2's shape): the parallel block (one LayerNorm feeding attention and MLP), biases on every projection
+    # and on the LM head, RoPE over int(16 x 0.4) = 6 features of each head, as phi-2's 0.4 of 80; untied
+    "phi": ("PhiForCausalLM", {"partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5}),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -120,8 +123,9 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
-                "NemotronForCausalLM": "nemotron",
-                "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2"}
+                "PhiForCausalLM": "phi",
+                "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
+                "NemotronForCausalLM": "nemotron"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.

@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, arcee, nemotron, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, starcoder2, arcee, nemotron, phi2, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from flashllm.models.gguf import (
     hunyuan,
     nemotron,
     olmo2,
+    phi2,
     phi3,
     seed_oss,
     smollm3,
@@ -117,6 +118,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,
                           config_fields=granite.granitemoe_config_fields),
+    phi2.ARCH: ArchMap("PhiForCausalLM", "phi", permute_qk=False, layer_names=phi2.LAYER_NAMES,
+                       config_fields=phi2.phi2_config_fields, partial_rotary=True, fused_rows=chatglm.fused_rows),
     "phi3": ArchMap("Phi3ForCausalLM", "phi3", permute_qk=False, config_fields=phi3.phi3_config_fields,
                     partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
     "chatglm": ArchMap("GlmForCausalLM", "glm", permute_qk=False, layer_names=chatglm.LAYER_NAMES,
