@@ -28,6 +28,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "ArceeForCausalLM": "flashllm.models.arcee:ArceeForCausalLM",
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
     "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
+    "StableLmForCausalLM": "flashllm.models.stablelm:StableLmForCausalLM",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

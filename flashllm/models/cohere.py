@@ -24,51 +24,12 @@ from flashllm.models.cohere_config import CohereModelConfig, parse_cohere2_confi
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import ParallelBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
-from flashllm.models.layers.linear import QKVParallelLinear, copy_checked
 from flashllm.models.layers.mlp import GatedMLP
-from flashllm.models.layers.norm import LayerNorm
+from flashllm.models.layers.norm import HeadLayerNorm, LayerNorm
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import HiddenTaps, LlamaAttention, LlamaForCausalLM, LlamaModel, run_decoder_stack
 from flashllm.models.smollm3 import NoPositionEmbedding
 from flashllm.registry.fusions import LM_HEAD, LMHeadFusion
-
-
-class CohereHeadNorm(nn.Module):
-    """Command R+'s q / k norm: each head LayerNormed over head_dim (no bias), then scaled by that head's row of
-    `weight` (heads on this rank, head_dim), as transformers' CohereLayerNorm of shape (num_heads, head_dim).
-
-    The checkpoint holds every head's row; this rank loads the rows of the heads its `qkv_proj` shard `shard`
-    ("q" or "k") holds (a replicated key head's row where key heads are fewer than ranks). The normalization runs
-    in fp32 through ops.layer_norm with a unit scale (exact), the per-head scale multiplies the fp32 result, and
-    the product is cast to the input dtype once, in transformers' order.
-    """
-
-    def __init__(self, qkv_proj: QKVParallelLinear, shard: str, eps: float, ops: Any, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__()
-        head_dim = qkv_proj.head_dim
-        _, start, rows, full_rows = qkv_proj.output_shard(shard)
-        self.first_head, self.total_heads, self.eps = start // head_dim, full_rows // head_dim, eps
-        self._layer_norm = ops.layer_norm
-        self.weight = nn.Parameter(torch.ones(rows // head_dim, head_dim, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.register_buffer("unit", torch.ones(head_dim, dtype=torch.float32, device=device), persistent=False)
-
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        """Copy this rank's heads' rows of the checkpoint's (num_heads, head_dim) scales."""
-        if shard_id is not None:
-            raise ValueError(f"this parameter is not fused; got shard_id={shard_id!r}")
-        expected = (self.total_heads, param.shape[1])
-        if tuple(loaded_weight.shape) != expected:
-            raise ValueError(f"weight has shape {tuple(loaded_weight.shape)} but the model expects {expected} (one "
-                             "row per head); the checkpoint does not match its config.json")
-        copy_checked(param, loaded_weight.narrow(0, self.first_head, param.shape[0]))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (T * H, head_dim), token-major rows of this rank's H heads (as LlamaAttention passes them) -> same."""
-        normed = self._layer_norm(x.float(), self.unit, None, self.eps)  # (T * H, D) fp32
-        return (normed.view(-1, *self.weight.shape) * self.weight.float()).to(x.dtype).view(x.shape)
 
 
 class CohereAttention(LlamaAttention):
@@ -83,8 +44,8 @@ class CohereAttention(LlamaAttention):
             self.rotary_emb = NoPositionEmbedding()
         if config.use_qk_norm:
             eps = config.rms_norm_eps
-            self.q_norm = CohereHeadNorm(self.qkv_proj, "q", eps, ops, dtype, device)
-            self.k_norm = CohereHeadNorm(self.qkv_proj, "k", eps, ops, dtype, device)
+            self.q_norm = HeadLayerNorm(self.qkv_proj, "q", eps, ops, dtype, device)
+            self.k_norm = HeadLayerNorm(self.qkv_proj, "k", eps, ops, dtype, device)
 
 
 class CohereDecoderLayer(ParallelBlock):

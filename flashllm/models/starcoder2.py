@@ -60,7 +60,7 @@ class Starcoder2DecoderLayer(PreNormBlock):
 
 class Starcoder2Model(nn.Module):
     """Embedding, StarCoder 2 layers and the final LayerNorm (HF's `model.` prefix); a subclass may set another
-    `norm_class` for every norm."""
+    `norm_class` for every norm or build its own layers (build_layer)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
     norm_class: ClassVar[type[nn.Module]] = LayerNorm
@@ -70,11 +70,15 @@ class Starcoder2Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = LlamaModel.build_rotary(config, ops, device)
-        self.layers = nn.ModuleList(
-            Starcoder2DecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size, self.norm_class)
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self.build_layer(config, i, ops, dtype, device, tp_rank, tp_size)
+                                    for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    def build_layer(self, config: LlamaModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
+                    device: torch.device, tp_rank: int, tp_size: int) -> nn.Module:
+        """Layer `layer_idx` (a subclass's own: StableLM's); it rotates by the shared `self.rotary_emb`."""
+        return Starcoder2DecoderLayer(config, layer_idx, self.rotary_emb, ops, dtype, device, tp_rank, tp_size,
+                                      self.norm_class)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:

@@ -73,6 +73,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Nemotron: 1 + w LayerNorms with biases, an ungated relu² MLP, RoPE over the first half of each head (its
     # default partial_rotary_factor); untied
     "nemotron": ("NemotronForCausalLM", {"norm_eps": 1e-5}),
+    # StableLM 2: biased LayerNorms, q / k / v biases (use_qkv_bias), RoPE over a quarter of each head (4 of 16
+    # features, its default); untied. use_parallel_residual and qk_layernorm (StableLM 2 12B) are overrides
+    "stablelm": ("StableLmForCausalLM", {"use_qkv_bias": True, "layer_norm_eps": 1e-5, **_PHI3_IDS}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -125,7 +128,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "PhiForCausalLM": "phi",
                 "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
-                "NemotronForCausalLM": "nemotron"}
+                "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.
