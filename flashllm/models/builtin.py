@@ -29,6 +29,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
     "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
     "StableLmForCausalLM": "flashllm.models.stablelm:StableLmForCausalLM",
+    # vision-language checkpoints served text-only
+    "Gemma3ForConditionalGeneration": "flashllm.models.text_only:Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "flashllm.models.text_only:Mistral3ForConditionalGeneration",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

@@ -28,7 +28,7 @@ DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                     "GraniteMoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM",
-                    "StableLmForCausalLM"}
+                    "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"}
 
 
 class _BrokenModelPlugin:

@@ -1,0 +1,46 @@
+"""Tiny random-weight vision-language checkpoints (Gemma 3, Mistral 3) written by transformers, for the text-only tests:
+a tiny language model of the matching preset beside a one-layer vision tower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashllm.testing.tiny_models import PRESETS, TINY_BASE, TINY_INIT_STD
+
+_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "vocab_size": 256}
+# model_type -> (the text preset, the language model's model_type, a one-layer vision tower, top-level fields)
+VLM_PRESETS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "gemma3": ("gemma3", "gemma3_text",
+               {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 28, "patch_size": 14},
+               {"mm_tokens_per_image": 4, "image_token_index": 255, "boi_token_index": 253, "eoi_token_index": 254}),
+    "mistral3": ("llama", "mistral",
+                 {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "head_dim": 16, "image_size": 28, "patch_size": 14},
+                 {"image_token_index": 255, "spatial_merge_size": 1}),
+}
+
+
+def build_tiny_vlm(out_dir: str | Path, model_type: str, *, seed: int = 0, original_format: bool = True,
+                   **text_overrides: Any) -> Path:
+    """Save a tiny `model_type` ("gemma3", "mistral3") vision-language model with random weights (norm scales around
+    1, the rest N(0, TINY_INIT_STD)); original_format=False keeps transformers 5's `model.language_model.` names
+    instead of the Hub's `language_model.model.`. text_overrides replace fields of its text config."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    preset, text_type, vision, top = VLM_PRESETS[model_type]
+    text = {**TINY_BASE, **PRESETS[preset][1], **_IDS, "model_type": text_type, **text_overrides}
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **top)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen) * TINY_INIT_STD
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    model.save_pretrained(out_dir, save_original_format=original_format)
+    return Path(out_dir)
