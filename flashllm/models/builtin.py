@@ -29,6 +29,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
     "OlmoeForCausalLM": "flashllm.models.olmoe:OlmoeForCausalLM",
     "StableLmForCausalLM": "flashllm.models.stablelm:StableLmForCausalLM",
+    "Ministral3ForCausalLM": "flashllm.models.ministral3:Ministral3ForCausalLM",
     # vision-language checkpoints served text-only
     "Gemma3ForConditionalGeneration": "flashllm.models.text_only:Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "flashllm.models.text_only:Mistral3ForConditionalGeneration",

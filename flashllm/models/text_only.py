@@ -1,5 +1,6 @@
 """Vision-language checkpoints served text-only: Gemma 3 (`Gemma3ForConditionalGeneration`: gemma-3-4b / 12b / 27b)
-and Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, Magistral Small, Devstral Small).
+and Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, Magistral Small, Devstral Small, and
+Ministral 3, whose language model is models/ministral3.py's).
 
 Their language model is a family flashllm runs (Gemma 3, Mistral); config.json nests its fields under `text_config`
 (only those that differ from the text config class's defaults, on the Hub) and the checkpoint names its tensors
@@ -14,11 +15,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gemma3 import Gemma3ForCausalLM
 from flashllm.models.hf_config import HFModelConfig
+from flashllm.models.llama import LlamaModel
+from flashllm.models.llama_config import LlamaModelConfig
+from flashllm.models.ministral3 import Ministral3ForCausalLM, Ministral3Model
 from flashllm.models.mistral import MistralForCausalLM
 
 # checkpoint prefixes of the parts a text-only model never runs (both layouts)
@@ -32,23 +37,24 @@ LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model
 INHERITED_FIELDS = ("torch_dtype", "dtype", "quantization_config")
 
 
-def text_config(raw: dict[str, Any], defaults: dict[str, Any], model_types: tuple[str, ...], source: str
-                ) -> dict[str, Any]:
-    """The language model's config.json dict: `text_config` over `defaults` (its config class's, where the text
-    family's parser would read another default or none), the checkpoint-wide fields and `architectures`. Raises
-    ModelLoadError (one line) when there is no text_config or it is another family's (`model_types`)."""
+def text_config(raw: dict[str, Any], defaults: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
+    """The language model's config.json dict: `text_config` over `defaults[its model_type]` (its config class's, where
+    the text family's parser would read another default or none), the checkpoint-wide fields and `architectures`.
+    Raises ModelLoadError (one line) when there is no text_config or it is of a model_type not in `defaults` (whose
+    first key is the default model_type)."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError(f"{source}: {raw['architectures'][0]} has no text_config object; the checkpoint's "
                              "config.json is incomplete")
-    model_type = text.get("model_type", model_types[0])
-    if model_type not in model_types:
+    model_type = text.get("model_type", next(iter(defaults)))
+    if model_type not in defaults:
         raise ModelLoadError(f"{source}: text_config.model_type={model_type!r}; flashllm serves "
-                             f"{raw['architectures'][0]} text-only with a {' / '.join(model_types)} language model")
+                             f"{raw['architectures'][0]} text-only with a {' / '.join(defaults)} language model")
     inherited = {key: raw[key] for key in INHERITED_FIELDS if key in raw and key not in text}
     given = {key: value for key, value in text.items() if value is not None or key == "sliding_window"}
     tied = {"tie_word_embeddings": raw["tie_word_embeddings"]} if raw.get("tie_word_embeddings") is not None else {}
-    return {**defaults, **inherited, **given, **tied, "model_type": model_type, "architectures": raw["architectures"]}
+    return {**defaults[model_type], **inherited, **given, **tied, "model_type": model_type,
+            "architectures": raw["architectures"]}
 
 
 def language_weights(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
@@ -65,16 +71,15 @@ def language_weights(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[st
 
 
 class TextOnly:
-    """Mixin before a text family's class: parse_config reads `text_config` (TEXT_DEFAULTS, TEXT_MODEL_TYPES) and
-    load_weights takes the language model's tensors (module docstring)."""
+    """Mixin before a text family's class: parse_config reads `text_config` (over TEXT_DEFAULTS, keyed by the
+    language model's model_type) and load_weights takes the language model's tensors (module docstring)."""
 
-    TEXT_DEFAULTS: ClassVar[dict[str, Any]] = {}
-    TEXT_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:
         """config.json -> the text family's config of `text_config` (text_config())."""
-        return super().parse_config(text_config(raw, cls.TEXT_DEFAULTS, cls.TEXT_MODEL_TYPES, source), source)
+        return super().parse_config(text_config(raw, cls.TEXT_DEFAULTS, source), source)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The text family's load_weights on the language model's tensors (language_weights())."""
@@ -85,28 +90,39 @@ class Gemma3ForConditionalGeneration(TextOnly, Gemma3ForCausalLM):
     """Gemma 3 4B / 12B / 27B text-only: Gemma 3's decoder of `text_config` (transformers' Gemma3TextConfig sizes
     where the Hub's config.json leaves them out)."""
 
-    TEXT_DEFAULTS: ClassVar[dict[str, Any]] = {
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"gemma3_text": {
         "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
-    }
-    TEXT_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma3_text",)
+    }}
 
 
 class Mistral3ForConditionalGeneration(TextOnly, MistralForCausalLM):
-    """Mistral Small 3.1 / 3.2 text-only: Mistral's decoder of `text_config` (transformers' MistralConfig defaults
-    where config.json leaves a field out, its 4096-token window included)."""
+    """Mistral Small 3.1 / 3.2 and Ministral 3 text-only: Mistral's decoder of `text_config` (transformers'
+    MistralConfig defaults where config.json leaves a field out, its 4096-token window included), or Ministral 3's
+    (`ministral3`: its position-scaled queries, Ministral3Config's defaults)."""
 
-    TEXT_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6},
+        "ministral3": {},  # Ministral3ForCausalLM.parse_config applies Ministral3Config's
     }
-    TEXT_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("mistral",)
     prequantized_methods: ClassVar[tuple[str, ...] | None] = ()  # GPTQ / AWQ of the wrapped layout: not checked yet
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:
-        """TextOnly's, refusing a pre-quantized checkpoint (quantize at load with --quant_type)."""
+        """The language model's config (Mistral's or Ministral 3's parser on text_config()); a pre-quantized
+        checkpoint is refused (quantize at load with --quant_type)."""
         if raw.get("quantization_config") is not None:
             raise ModelLoadError(f"{source}: pre-quantized {raw['architectures'][0]} checkpoints are not supported "
                                  "text-only; use the float checkpoint (--quant_type quantizes it at load)")
-        return super().parse_config(raw, source)
+        text = text_config(raw, cls.TEXT_DEFAULTS, source)
+        family = Ministral3ForCausalLM if text["model_type"] == "ministral3" else MistralForCausalLM
+        return family.parse_config(text, source)
+
+    def build_stack(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                    qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> LlamaModel:
+        """Ministral 3's stack for a ministral3 language model, else Mistral's."""
+        if config.model_type == "ministral3":
+            return Ministral3Model(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+        return super().build_stack(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)

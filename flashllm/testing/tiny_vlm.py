@@ -24,16 +24,24 @@ VLM_PRESETS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def build_tiny_vlm(out_dir: str | Path, model_type: str, *, seed: int = 0, original_format: bool = True,
+# Ministral 3's language model: YaRN x16 past an original context of 16, so its query scaling steps up within tests
+MINISTRAL3_TEXT = {"model_type": "ministral3", "head_dim": 16, "sliding_window": None,
+                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                                       "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}
+
+
+def build_tiny_vlm(out_dir: str | Path, vlm_type: str, *, seed: int = 0, original_format: bool = True,
                    **text_overrides: Any) -> Path:
-    """Save a tiny `model_type` ("gemma3", "mistral3") vision-language model with random weights (norm scales around
+    """Save a tiny `vlm_type` ("gemma3", "mistral3") vision-language model with random weights (norm scales around
     1, the rest N(0, TINY_INIT_STD)); original_format=False keeps transformers 5's `model.language_model.` names
-    instead of the Hub's `language_model.model.`. text_overrides replace fields of its text config."""
+    instead of the Hub's `language_model.model.`. text_overrides replace fields of its text config (MINISTRAL3_TEXT
+    makes a Mistral 3 checkpoint Ministral 3's)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    preset, text_type, vision, top = VLM_PRESETS[model_type]
+    preset, text_type, vision, top = VLM_PRESETS[vlm_type]
     text = {**TINY_BASE, **PRESETS[preset][1], **_IDS, "model_type": text_type, **text_overrides}
-    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **top)
+    config = AutoConfig.for_model(vlm_type, text_config=text, vision_config=vision, **top)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)

@@ -11,14 +11,15 @@ from flashllm.llm import LLM
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import check_engine_greedy_against, random_tokens
-from flashllm.testing.tiny_vlm import build_tiny_vlm
+from flashllm.testing.tiny_vlm import MINISTRAL3_TEXT, build_tiny_vlm
 
 VOCAB = 256
 PROMPTS = [random_tokens(n, VOCAB, seed=n) for n in (3, 40, 70)]
 
 
 @pytest.mark.parametrize("original_format", [True, False], ids=["hub", "transformers5"])
-@pytest.mark.parametrize(("model_type", "overrides"), [("gemma3", {}), ("mistral3", {"sliding_window": 8})])
+@pytest.mark.parametrize(("model_type", "overrides"), [("gemma3", {}), ("mistral3", {"sliding_window": 8}),
+                                                      ("mistral3", MINISTRAL3_TEXT)], ids=["gemma3", "mistral3", "ministral3"])
 def test_the_language_model_matches_transformers_on_text(model_type, overrides, original_format, tmp_path) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -64,6 +65,14 @@ def test_a_hub_text_config_reads_as_transformers_reads_it(raw) -> None:
     assert ours.torch_dtype == (torch.bfloat16 if "torch_dtype" in raw else None)
 
 
+def test_ministral3_queries_scale_past_the_original_context(tmp_path) -> None:
+    """The scaling is 1 within the original context (16) and 1 + beta ln(1 + floor(p / 16)) past it."""
+    model_dir = build_tiny_vlm(tmp_path, "mistral3", seed=4, **MINISTRAL3_TEXT)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64)
+    attn = llm.engine.parts.model.model.layers[0].self_attn
+    assert (attn.beta, attn.original) == (0.5, 16)
+
+
 def test_the_head_is_tied_as_the_top_level_states_else_as_the_text_config_says() -> None:
     """transformers 5 ties by the top-level field (and saves no lm_head then); the Hub's older Mistral 3 files state
     none at the top and keep an untied head, as their text_config says."""
@@ -77,8 +86,8 @@ def test_the_head_is_tied_as_the_top_level_states_else_as_the_text_config_says()
     ({"text_config": None}, "has no text_config object"),
     ({"text_config": {**HUB_GEMMA3["text_config"], "model_type": "llama"}}, "text_config.model_type='llama'"),
     ({**HUB_MISTRAL3, "quantization_config": {"quant_method": "awq", "bits": 4}}, "pre-quantized Mistral3"),
-    ({**HUB_MISTRAL3, "text_config": {**HUB_MISTRAL3["text_config"], "model_type": "ministral3"}},
-     "text_config.model_type='ministral3'"),
+    ({**HUB_MISTRAL3, "text_config": {**HUB_MISTRAL3["text_config"], "model_type": "qwen2"}},
+     "text_config.model_type='qwen2'"),
 ])
 def test_what_it_cannot_serve_is_refused_in_one_line(change, fragment) -> None:
     with pytest.raises(ModelLoadError, match=fragment) as info:
