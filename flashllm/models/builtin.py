@@ -33,6 +33,9 @@ BUILTIN_MODELS: dict[str, str] = {
     # vision-language checkpoints served text-only
     "Gemma3ForConditionalGeneration": "flashllm.models.text_only:Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "flashllm.models.text_only:Mistral3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "flashllm.models.text_only:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "flashllm.models.text_only:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "flashllm.models.text_only:Qwen3VLForConditionalGeneration",
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",

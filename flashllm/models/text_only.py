@@ -25,9 +25,12 @@ from flashllm.models.llama import LlamaModel
 from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.models.ministral3 import Ministral3ForCausalLM, Ministral3Model
 from flashllm.models.mistral import MistralForCausalLM
+from flashllm.models.qwen2 import Qwen2ForCausalLM
+from flashllm.models.qwen3 import Qwen3ForCausalLM
 
-# checkpoint prefixes of the parts a text-only model never runs (both layouts)
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# checkpoint prefixes of the parts a text-only model never runs (every layout)
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "visual.", "model.visual.")
 # the language model's prefixes in either layout -> flashllm's
 LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head."))
@@ -37,12 +40,20 @@ LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model
 INHERITED_FIELDS = ("torch_dtype", "dtype", "quantization_config")
 
 
-def text_config(raw: dict[str, Any], defaults: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
+def text_config(raw: dict[str, Any], defaults: dict[str, dict[str, Any]], source: str, flat_type: str | None = None,
+                tie_either: bool = False) -> dict[str, Any]:
     """The language model's config.json dict: `text_config` over `defaults[its model_type]` (its config class's, where
     the text family's parser would read another default or none), the checkpoint-wide fields and `architectures`.
-    Raises ModelLoadError (one line) when there is no text_config or it is of a model_type not in `defaults` (whose
-    first key is the default model_type)."""
+
+    flat_type: the language model's model_type where config.json may list its fields at the top level instead (the
+    Hub's Qwen2-VL / Qwen2.5-VL files). tie_either: the head is tied where either level says so (transformers'
+    Qwen-VL rule); otherwise the top level's value wins where stated. Multimodal RoPE ("mrope") is plain RoPE on
+    text: every section turns by the same position. Raises ModelLoadError (one line) when there is no text_config or
+    it is of a model_type not in `defaults` (whose first key is the default model_type)."""
     text = raw.get("text_config")
+    if text is None and flat_type is not None:
+        text = {key: value for key, value in raw.items() if key not in ("vision_config", "architectures", "model_type")}
+        text["model_type"] = flat_type
     if not isinstance(text, dict):
         raise ModelLoadError(f"{source}: {raw['architectures'][0]} has no text_config object; the checkpoint's "
                              "config.json is incomplete")
@@ -51,10 +62,26 @@ def text_config(raw: dict[str, Any], defaults: dict[str, dict[str, Any]], source
         raise ModelLoadError(f"{source}: text_config.model_type={model_type!r}; flashllm serves "
                              f"{raw['architectures'][0]} text-only with a {' / '.join(defaults)} language model")
     inherited = {key: raw[key] for key in INHERITED_FIELDS if key in raw and key not in text}
-    given = {key: value for key, value in text.items() if value is not None or key == "sliding_window"}
-    tied = {"tie_word_embeddings": raw["tie_word_embeddings"]} if raw.get("tie_word_embeddings") is not None else {}
+    given = {key: _without_mrope(value) if key in ("rope_scaling", "rope_parameters") else value
+             for key, value in text.items() if value is not None or key == "sliding_window"}
+    top, inner = raw.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if tie_either:
+        tied = {"tie_word_embeddings": bool(top) or bool(inner)}
+    else:
+        tied = {"tie_word_embeddings": top} if top is not None else {}
     return {**defaults[model_type], **inherited, **given, **tied, "model_type": model_type,
             "architectures": raw["architectures"]}
+
+
+def _without_mrope(rope: Any) -> Any:
+    """A rope settings dict with multimodal RoPE's sections dropped ("mrope" read as "default")."""
+    if not isinstance(rope, dict):
+        return rope
+    plain = {key: value for key, value in rope.items() if key not in ("mrope_section", "mrope_interleaved")}
+    for key in ("type", "rope_type"):
+        if plain.get(key) == "mrope":
+            plain[key] = "default"
+    return plain
 
 
 def language_weights(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
@@ -75,11 +102,14 @@ class TextOnly:
     language model's model_type) and load_weights takes the language model's tensors (module docstring)."""
 
     TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {}
+    FLAT_TEXT_TYPE: ClassVar[str | None] = None  # text_config()'s flat_type
+    TIE_EITHER: ClassVar[bool] = False  # text_config()'s tie_either
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:
         """config.json -> the text family's config of `text_config` (text_config())."""
-        return super().parse_config(text_config(raw, cls.TEXT_DEFAULTS, source), source)
+        text = text_config(raw, cls.TEXT_DEFAULTS, source, cls.FLAT_TEXT_TYPE, cls.TIE_EITHER)
+        return super().parse_config(text, source)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The text family's load_weights on the language model's tensors (language_weights())."""
@@ -126,3 +156,41 @@ class Mistral3ForConditionalGeneration(TextOnly, MistralForCausalLM):
         if config.model_type == "ministral3":
             return Ministral3Model(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
         return super().build_stack(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+
+
+_QWEN_VL_TEXT = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                 "rms_norm_eps": 1e-5, "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 80,
+                 "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+class Qwen2VLForConditionalGeneration(TextOnly, Qwen2ForCausalLM):
+    """Qwen2-VL text-only: Qwen2's decoder (transformers' Qwen2VLTextConfig defaults), its fields nested in
+    `text_config` (transformers 5) or listed at the top level (the Hub's files); multimodal RoPE is plain RoPE on text.
+    Checkpoints name the language model `model.` (the Hub's) or `model.language_model.` and the vision tower
+    `visual.` / `model.visual.`."""
+
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"qwen2_vl_text": _QWEN_VL_TEXT}
+    FLAT_TEXT_TYPE: ClassVar[str | None] = "qwen2_vl_text"
+    TIE_EITHER: ClassVar[bool] = True
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (transformers' name)
+    """Qwen2.5-VL text-only (3B, 7B, 32B, 72B): as Qwen2-VL (Qwen2_5_VLTextConfig's defaults are Qwen2-VL's)."""
+
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"qwen2_5_vl_text": _QWEN_VL_TEXT}
+    FLAT_TEXT_TYPE: ClassVar[str | None] = "qwen2_5_vl_text"
+
+
+class Qwen3VLForConditionalGeneration(TextOnly, Qwen3ForCausalLM):
+    """Qwen3-VL text-only (2B-32B dense): Qwen3's decoder (per-head q / k norms) of `text_config` over transformers'
+    Qwen3VLTextConfig defaults; interleaved multimodal RoPE is plain RoPE on text, and the vision features it adds to
+    early layers (deepstack) exist only with an image."""
+
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"qwen3_vl_text": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+    }}
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()

@@ -21,7 +21,27 @@ VLM_PRESETS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                  {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "head_dim": 16, "image_size": 28, "patch_size": 14},
                  {"image_token_index": 255, "spatial_merge_size": 1}),
+    # Qwen-VL: multimodal RoPE sections summing to half the head (16 / 2 = 2 + 3 + 3; Qwen3's 32 / 2 interleaved)
+    "qwen2_vl": ("qwen2", "qwen2_vl_text",
+                 {"depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14},
+                 {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
+                  "vision_end_token_id": 252}),
+    "qwen2_5_vl": ("qwen2", "qwen2_5_vl_text",
+                   {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                    "fullatt_block_indexes": [0], "patch_size": 14, "window_size": 56},
+                   {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
+                    "vision_end_token_id": 252}),
+    "qwen3_vl": ("qwen3", "qwen3_vl_text",
+                 {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                  "patch_size": 16, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                 {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
+                  "vision_end_token_id": 252}),
 }
+# the rope settings each Qwen-VL text config carries
+MROPE = {"qwen2_vl": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+         "qwen2_5_vl": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+         "qwen3_vl": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+                      "rope_theta": 10000.0}}
 
 
 # Ministral 3's language model: YaRN x16 past an original context of 16, so its query scaling steps up within tests
@@ -33,7 +53,7 @@ MINISTRAL3_TEXT = {"model_type": "ministral3", "head_dim": 16, "sliding_window":
 
 def build_tiny_vlm(out_dir: str | Path, vlm_type: str, *, seed: int = 0, original_format: bool = True,
                    **text_overrides: Any) -> Path:
-    """Save a tiny `vlm_type` ("gemma3", "mistral3") vision-language model with random weights (norm scales around
+    """Save a tiny `vlm_type` (a VLM_PRESETS key) vision-language model with random weights (norm scales around
     1, the rest N(0, TINY_INIT_STD)); original_format=False keeps transformers 5's `model.language_model.` names
     instead of the Hub's `language_model.model.`. text_overrides replace fields of its text config (MINISTRAL3_TEXT
     makes a Mistral 3 checkpoint Ministral 3's)."""
@@ -41,6 +61,8 @@ def build_tiny_vlm(out_dir: str | Path, vlm_type: str, *, seed: int = 0, origina
 
     preset, text_type, vision, top = VLM_PRESETS[vlm_type]
     text = {**TINY_BASE, **PRESETS[preset][1], **_IDS, "model_type": text_type, **text_overrides}
+    if vlm_type in MROPE:
+        text.setdefault("rope_parameters", MROPE[vlm_type])
     config = AutoConfig.for_model(vlm_type, text_config=text, vision_config=vision, **top)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

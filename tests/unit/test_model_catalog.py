@@ -28,7 +28,9 @@ DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                     "GraniteMoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM",
-                    "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"}
+                    "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                    "Qwen3VLForConditionalGeneration"}
 
 
 class _BrokenModelPlugin:
