@@ -20,7 +20,7 @@ from flashllm.models.layers.attention import Attention
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
-from flashllm.models.layers.linear import copy_checked
+from flashllm.models.layers.linear import plus_one_weight_loader
 from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.rotary import RotaryEmbedding
 from flashllm.models.llama import HiddenTaps, LlamaAttention, LlamaForCausalLM, run_decoder_stack
@@ -40,15 +40,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self._rms_norm = ops.rms_norm
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32, device=device), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-
-    @staticmethod
-    def weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        """Copy the checkpoint's (hidden,) offsets w as 1 + w in fp32."""
-        if shard_id is not None:
-            raise ValueError(f"this parameter is not fused; got shard_id={shard_id!r}")
-        copy_checked(param, loaded_weight)
-        param.data.add_(1.0)
+        self.weight.weight_loader = plus_one_weight_loader
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x (T, H) -> normed (T, H) in x.dtype; with residual (T, H): (norm(x + residual), x + residual)."""

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
-from flashllm.models.layers.linear import copy_checked
+from flashllm.models.layers.linear import plus_one_weight_loader
 from flashllm.models.layers.mlp import PLAIN_ACTIVATIONS
 from flashllm.models.layers.norm import LayerNorm
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
@@ -29,15 +28,7 @@ class LayerNorm1P(LayerNorm):
 
     def __init__(self, hidden_size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(hidden_size, eps, ops, dtype, device)
-        self.weight.weight_loader = self.weight_loader
-
-    @staticmethod
-    def weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        """Copy the checkpoint's (hidden,) offsets w as 1 + w."""
-        if shard_id is not None:
-            raise ValueError(f"this parameter is not fused; got shard_id={shard_id!r}")
-        copy_checked(param, loaded_weight)
-        param.data.add_(1.0)
+        self.weight.weight_loader = plus_one_weight_loader
 
 
 def parse_nemotron_config(raw: dict[str, Any], source: str = "config.json") -> LlamaModelConfig:

@@ -11,6 +11,18 @@ from flashllm.backends.cuda.launch import LAUNCH_OPTIONS, pow2, unit_stride_last
 MAX_BLOCK = 8192  # wider rows are walked in chunks: a whole 16k-wide fp32 row would spill registers
 
 
+def _row_buffers(op: str, x: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x rows, residual rows (x's without a residual), output rows, new-residual rows (the output without a
+    residual)), each (T, H); the inputs' last dimension must have unit stride."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    res2 = residual.reshape(-1, hidden) if residual is not None else x2
+    unit_stride_last(op, x=x2, residual=res2)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    return x2, res2, out, torch.empty_like(out) if residual is not None else out
+
+
 def _block_and_warps(hidden: int) -> tuple[int, int]:
     """(chunk width, num_warps) of a one-row-per-program norm over rows `hidden` wide."""
     block = min(pow2(hidden), MAX_BLOCK)
@@ -75,12 +87,8 @@ def rms_norm(
             f"rms_norm: x has hidden size {x.shape[-1]} but weight has {weight.shape[-1]}; they must match"
         )
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
-    res2 = residual.reshape(-1, hidden) if residual is not None else x2
+    x2, res2, out, res_out = _row_buffers("rms_norm", x, residual)
     weight = weight.contiguous()
-    unit_stride_last("rms_norm", x=x2, residual=res2)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
     rows = x2.shape[0]
     if rows:
         block, warps = _block_and_warps(hidden)
@@ -155,13 +163,9 @@ def layer_norm(
             + ("" if bias is None else f" and bias {bias.shape[-1]}")
             + "; they must match (check the norm layer's hidden_size)"
         )
-    x2 = x.reshape(-1, hidden)
-    res2 = residual.reshape(-1, hidden) if residual is not None else x2
+    x2, res2, out, res_out = _row_buffers("layer_norm", x, residual)
     weight = weight.contiguous()
     bias_arg = bias.contiguous() if bias is not None else weight  # never read without HAS_BIAS
-    unit_stride_last("layer_norm", x=x2, residual=res2)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
     rows = x2.shape[0]
     if rows:
         block, warps = _block_and_warps(hidden)

@@ -70,6 +70,13 @@ def default_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: Any = 
     copy_checked(param, loaded_weight)
 
 
+def plus_one_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+    """Weight loader of a norm scale stored as its offset w from 1 (Gemma's, Nemotron's): the parameter holds 1 + w,
+    added in the parameter's dtype."""
+    default_weight_loader(param, loaded_weight, shard_id)
+    param.data.add_(1.0)
+
+
 def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, loader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader
