@@ -13,6 +13,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "GptOssForCausalLM": "flashllm.models.gpt_oss:GptOssForCausalLM",
     "PhiForCausalLM": "flashllm.models.phi:PhiForCausalLM",  # phi-1, phi-1_5, phi-2
+    "GPTNeoXForCausalLM": "flashllm.models.gpt_neox:GPTNeoXForCausalLM",  # Pythia, GPT-NeoX-20B, Dolly v2
     "Phi3ForCausalLM": "flashllm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",

@@ -96,6 +96,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Phi (phi-2's shape): the parallel block (one LayerNorm feeding attention and MLP), biases on every projection
     # and on the LM head, RoPE over int(16 x 0.4) = 6 features of each head, as phi-2's 0.4 of 80; untied
     "phi": ("PhiForCausalLM", {"partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5}),
+    # GPT-NeoX (Pythia): the parallel residual with two LayerNorms of the same input, q / k / v fused per head in one
+    # biased query_key_value, RoPE over a quarter of each head (4 of 16 features, rotary_pct's default); as many key /
+    # value heads as query heads (TINY_BASE's 2 would be GQA, which GPT-NeoX has not); untied embed_out
+    "gpt_neox": ("GPTNeoXForCausalLM", {"num_key_value_heads": 4, "layer_norm_eps": 1e-5, "rotary_pct": 0.25}),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -126,7 +130,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
-                "PhiForCausalLM": "phi",
+                "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox",
                 "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                 "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm"}
 
