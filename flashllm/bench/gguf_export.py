@@ -199,7 +199,8 @@ def _plan_tensors(model_dir: Path, config: Any, spec: ArchSpec, file_type: str, 
         name = gguf_tensor_name(hf_name, spec.layer_names)
         if name is None or (name == "output.weight" and config.tie_word_embeddings):
             continue  # llama.cpp reuses token_embd when there is no output tensor
-        kept_float = name.endswith(".bias") or any(p in name for p in gguf_moe.FLOAT_NAME_PARTS)
+        # the converter keeps every `_norm.weight` F32, 2-D ones too (StableLM 2 12B's per-head q / k norm scales)
+        kept_float = name.endswith((".bias", "_norm.weight")) or any(p in name for p in gguf_moe.FLOAT_NAME_PARTS)
         qtype = _tensor_qtype(shape, "f32" if kept_float else file_type, gguf, name)
         nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
         planned.append(_PlannedTensor(name, tuple(shape), qtype, nbytes, source))

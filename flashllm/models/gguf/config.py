@@ -1,6 +1,6 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, arcee, nemotron, phi2, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
-granitemoe, deepseek2, glm4moe, ernie4_5-moe)."""
+baichuan, smollm3, starcoder2, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+granitemoe, deepseek2, glm4moe, ernie4_5-moe, olmoe)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from flashllm.models.errors import ModelLoadError
 from flashllm.models.gguf import (
     arcee,
     chatglm,
+    cohere,
     deepseek2,
     ernie,
     exaone4,
@@ -22,14 +23,17 @@ from flashllm.models.gguf import (
     gemma3,
     glm4moe,
     gpt_oss,
+    gptneox,
     granite,
     hunyuan,
     nemotron,
     olmo2,
+    olmoe,
     phi2,
     phi3,
     seed_oss,
     smollm3,
+    stablelm,
     starcoder2,
 )
 from flashllm.models.gguf.moe import MOE_GRAPHS, has_experts, moe_config_fields
@@ -103,6 +107,7 @@ ARCHITECTURES: dict[str, ArchMap] = {
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma2_config_fields),
     "olmo2": ArchMap("Olmo2ForCausalLM", "olmo2", permute_qk=False, layer_names=olmo2.LAYER_NAMES,
                      config_fields=olmo2.olmo2_config_fields),
+    olmoe.ARCH: ArchMap("OlmoeForCausalLM", "olmoe", permute_qk=False, config_fields=olmoe.olmoe_config_fields),
     "exaone4": ArchMap("Exaone4ForCausalLM", "exaone4", permute_qk=False, layer_names=exaone4.LAYER_NAMES,
                        config_fields=exaone4.exaone4_config_fields),
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
@@ -120,6 +125,14 @@ ARCHITECTURES: dict[str, ArchMap] = {
                           config_fields=granite.granitemoe_config_fields),
     phi2.ARCH: ArchMap("PhiForCausalLM", "phi", permute_qk=False, layer_names=phi2.LAYER_NAMES,
                        config_fields=phi2.phi2_config_fields, partial_rotary=True, fused_rows=chatglm.fused_rows),
+    cohere.COMMAND_R: ArchMap("CohereForCausalLM", "cohere", permute_qk=False,
+                              config_fields=cohere.command_r_config_fields),
+    cohere.COHERE2: ArchMap("Cohere2ForCausalLM", "cohere2", permute_qk=False, config_fields=cohere.cohere2_config_fields),
+    gptneox.ARCH: ArchMap("GPTNeoXForCausalLM", "gpt_neox", permute_qk=False, config_fields=gptneox.gptneox_config_fields,
+                          partial_rotary=True, fused_rows=chatglm.fused_rows),
+    stablelm.ARCH: ArchMap("StableLmForCausalLM", "stablelm", permute_qk=False,
+                           config_fields=stablelm.stablelm_config_fields, partial_rotary=True,
+                           fused_rows=chatglm.fused_rows),
     "phi3": ArchMap("Phi3ForCausalLM", "phi3", permute_qk=False, config_fields=phi3.phi3_config_fields,
                     partial_rotary=True, fused_rows=phi3.fused_rows, config_tensors=phi3.FACTOR_TENSORS),
     "chatglm": ArchMap("GlmForCausalLM", "glm", permute_qk=False, layer_names=chatglm.LAYER_NAMES,

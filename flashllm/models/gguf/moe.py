@@ -60,6 +60,9 @@ MOE_GRAPHS: dict[str, MoEGraph] = {
     # llama.cpp's openai-moe graph: the softmax of the top-k logits (the renormalized top-k of the softmax),
     # experts feed_forward_length wide
     "GptOssForCausalLM": MoEGraph("num_local_experts", None, shared_expert=False, bias_field="attention_bias"),
+    # llama.cpp's olmoe graph: softmax top-k never renormalized (olmoe.py sets norm_topk_prob false), experts
+    # feed_forward_length wide
+    "OlmoeForCausalLM": MoEGraph("num_experts", None, shared_expert=False, bias_field="attention_bias"),
 }
 
 
