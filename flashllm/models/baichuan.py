@@ -23,6 +23,7 @@ from flashllm.models.layers.mlp import GatedMLP
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.prequantized import split_output_features
 from flashllm.models.llama import LlamaForCausalLM, LlamaModel
+from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.ops.alibi_slopes import alibi_slopes
 from flashllm.registry.fusions import DECODER_STACK
 
@@ -30,27 +31,35 @@ W_PACK = re.compile(r"(.*)\.self_attn\.W_pack\.(weight|qweight|qzeros|scales|g_i
 
 
 class BaichuanAlibiAttention(nn.Module):
-    """W_pack (held as qkv_proj) -> paged attention with ALiBi biases -> o_proj; no rotary embedding."""
+    """W_pack (held as qkv_proj) -> paged attention with ALiBi biases -> o_proj; no rotary embedding. `bias`: both
+    projections have one (BLOOM's query_key_value and dense; Baichuan's have none). `scale`: the score scale (None:
+    head_dim ** -0.5; MPT's softmax_scale); `clip_qkv`: q, k and v clamped to [-clip_qkv, clip_qkv] (MPT's)."""
 
-    def __init__(self, config: BaichuanModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1, bias: bool = False, scale: float | None = None,
+                 clip_qkv: float | None = None) -> None:
         super().__init__()
         heads, head_dim = config.num_attention_heads, config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, heads, False, ops, dtype, device,
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, heads, bias, ops, dtype, device,
                                           tp_rank, tp_size)
         self.num_heads = self.num_kv_heads = self.qkv_proj.num_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, False, ops, dtype, device,
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias, ops, dtype, device,
                                         tp_rank, tp_size)
         first = tp_rank * self.num_heads  # this rank's query heads, hence its slopes
         slopes = alibi_slopes(heads)[first : first + self.num_heads].to(device)
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, ops, alibi_slopes=slopes)
+        scale = head_dim**-0.5 if scale is None else scale
+        self.attn = Attention(self.num_heads, head_dim, scale, self.num_kv_heads, ops, alibi_slopes=slopes)
+        self.clip_qkv = clip_qkv
 
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,) (unused: ALiBi biases come from cache positions), hidden (T, hidden) -> (T, hidden)."""
         size = self.num_heads * self.head_dim
-        q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(hidden).split(size, dim=-1))
+        qkv = self.qkv_proj(hidden)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in qkv.split(size, dim=-1))
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -111,7 +120,7 @@ class BaichuanForCausalLM(LlamaForCausalLM):
         self.max_position = config.max_position_embeddings
         self.ops = ops
         if config.alibi:
-            _check_alibi_kernel(ops)
+            check_alibi_kernel(ops)
             self.model = BaichuanAlibiModel(config, ops, dtype, device, tp_rank, tp_size)
         else:
             self.model = LlamaModel(config, ops, dtype, device, False, False, tp_rank, tp_size)
@@ -164,7 +173,7 @@ class BaichuanForCausalLM(LlamaForCausalLM):
         return found
 
 
-def _check_alibi_kernel(ops: Any) -> None:
+def check_alibi_kernel(ops: Any) -> None:
     """Refuse an op table whose paged_attention kernel does not implement ALiBi (it would ignore the slopes)."""
     kernel = ops.kernel("paged_attention") if callable(getattr(ops, "kernel", None)) else None
     if kernel is not None and not kernel.caps.alibi:

@@ -13,7 +13,15 @@ BUILTIN_MODELS: dict[str, str] = {
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "GptOssForCausalLM": "flashllm.models.gpt_oss:GptOssForCausalLM",
     "PhiForCausalLM": "flashllm.models.phi:PhiForCausalLM",  # phi-1, phi-1_5, phi-2
+    "GPTJForCausalLM": "flashllm.models.gptj:GPTJForCausalLM",  # GPT-J-6B, GPT4All-J, Pygmalion-6B
+    "CodeGenForCausalLM": "flashllm.models.gptj:CodeGenForCausalLM",  # Salesforce CodeGen 350M..16B
     "GPTNeoXForCausalLM": "flashllm.models.gpt_neox:GPTNeoXForCausalLM",  # Pythia, GPT-NeoX-20B, Dolly v2
+    "BloomForCausalLM": "flashllm.models.bloom:BloomForCausalLM",  # BLOOM 560m..176B, BLOOMZ
+    "MptForCausalLM": "flashllm.models.mpt:MptForCausalLM",  # transformers' name
+    "MPTForCausalLM": "flashllm.models.mpt:MptForCausalLM",  # MosaicML's mpt-7b / mpt-30b config.json name
+    "FalconForCausalLM": "flashllm.models.falcon:FalconForCausalLM",  # Falcon-7B/40B/180B, Falcon2-11B, Falcon-RW
+    "GPTBigCodeForCausalLM": "flashllm.models.gpt_bigcode:GPTBigCodeForCausalLM",  # StarCoder 1, SantaCoder
+    "GPT2LMHeadModel": "flashllm.models.gpt2:GPT2LMHeadModel",  # gpt2, distilgpt2, gpt2-medium / large / xl
     "Phi3ForCausalLM": "flashllm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",

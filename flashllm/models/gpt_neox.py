@@ -43,7 +43,7 @@ GPT_NEOX_THETA = 10000.0  # its rotary_emb_base default
 # the legacy top-level rope fields transformers moves into rope_parameters
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters", "rotary_pct", "rotary_emb_base", "rope_theta",
                 "partial_rotary_factor")
-_FUSED_QKV = re.compile(r"(.*\.attention)\.query_key_value\.(weight|bias)")
+_FUSED_QKV = re.compile(r"(.*\.(?:self_)?attention)\.query_key_value\.(weight|bias)")  # BLOOM: self_attention
 
 
 def parse_gpt_neox_config(raw: dict[str, Any], source: str = "config.json") -> LlamaModelConfig:
@@ -77,18 +77,23 @@ def parse_gpt_neox_config(raw: dict[str, Any], source: str = "config.json") -> L
 class GPTNeoXParallelLayer(nn.Module):
     """`use_parallel_residual`: x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x)), two norms of the
     same x. Called as run_decoder_stack's layers, the stream split as (hidden, residual), x = hidden + residual (the
-    input norm adds them); the layer returns (mlp + attn, x), so the next add gives transformers' (mlp + attn) + x."""
+    input norm adds them); the layer returns (mlp + attn, x), so the next add gives transformers' (mlp + attn) + x.
+    Falcon's parallel blocks are this one too: its attention `attention_class` (LlamaAttention's signature: Falcon's
+    ALiBi one), its MLP biased where `mlp_bias`, and with `shared_norm` (Falcon-7B, Falcon2-11B) no
+    post_attention_layernorm, input_layernorm feeding the MLP as well."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
-                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int) -> None:
+                 dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                 attention_class: type[LlamaAttention] = LlamaAttention, shared_norm: bool = False) -> None:
         super().__init__()
         bias = config.attention_bias
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias,
-                                        tp_rank, tp_size)
-        self.mlp = PlainMLP(config.hidden_size, config.intermediate_size, True, config.hidden_act, ops, dtype, device,
-                            tp_rank, tp_size)
+        self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias,
+                                         tp_rank, tp_size)
+        self.mlp = PlainMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, ops,
+                            dtype, device, tp_rank, tp_size)
         self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = (None if shared_norm else
+                                         LayerNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device))
 
     def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None, kv_cache: tuple[Tensor, ...],
                 attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -98,7 +103,9 @@ class GPTNeoXParallelLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attended = self.self_attn(positions, normed, kv_cache, attn_metadata)
-        return self.mlp(self.post_attention_layernorm(residual)) + attended, residual
+        if self.post_attention_layernorm is not None:
+            normed = self.post_attention_layernorm(residual)
+        return self.mlp(normed) + attended, residual
 
 
 class GPTNeoXModel(Starcoder2Model):
@@ -147,20 +154,27 @@ class GPTNeoXForCausalLM(Starcoder2ForCausalLM):
         return super().load_weights(split_fused_qkv(weights, self.config))
 
 
-def split_fused_qkv(weights: Iterable[tuple[str, Tensor]], config: LlamaModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """`<layer>.attention.query_key_value.{weight,bias}`, whose rows are (heads, [q | k | v], head_dim) as
-    transformers views them, -> `<layer>.attention.{q,k,v}_proj.{weight,bias}` of (heads x head_dim) rows each, in
-    head order; every other tensor passes through. Raises ModelLoadError naming a fused tensor of another size."""
-    heads, head_dim = config.num_attention_heads, config.head_dim
+def split_fused_qkv(weights: Iterable[tuple[str, Tensor]], config: LlamaModelConfig,
+                    fused: re.Pattern[str] = _FUSED_QKV) -> Iterator[tuple[str, Tensor]]:
+    """`<layer>.attention.query_key_value.{weight,bias}` (BLOOM's `<layer>.self_attention.`), whose rows are (heads,
+    [q | k | v], head_dim) as transformers views them, -> `<layer>.attention.{q,k,v}_proj.{weight,bias}` of (heads x
+    head_dim) rows each, in head order; every other tensor passes through. Raises ModelLoadError naming a fused
+    tensor of another size. With fewer key / value heads than query heads (Falcon) the rows go group by group,
+    (kv_heads, [the group's q heads | k | v], head_dim), of which the above is the one-query-head case."""
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    group = heads // kv_heads
     for name, tensor in weights:
-        match = _FUSED_QKV.fullmatch(name)
+        match = fused.fullmatch(name)  # (prefix, weight or bias); GPTBigCode's are `<layer>.attn.c_attn.*`
         if match is None:
             yield name, tensor
             continue
-        if tensor.shape[0] != 3 * heads * head_dim:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; config.json's "
-                                 f"{heads} heads of {head_dim} need 3 x {heads * head_dim}")
-        per_head = materialize(tensor).reshape(heads, 3, head_dim, *tensor.shape[1:])
+        rest = tuple(tensor.shape[1:])
+        if tensor.shape[0] != (heads + 2 * kv_heads) * head_dim:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; config.json's {heads} "
+                                 f"query and {kv_heads} key / value heads of {head_dim} need "
+                                 f"{(heads + 2 * kv_heads) * head_dim}")
+        per_group = materialize(tensor).reshape(kv_heads, group + 2, head_dim, *rest)
         prefix, kind = match.groups()
-        for index, part in enumerate(("q_proj", "k_proj", "v_proj")):
-            yield f"{prefix}.{part}.{kind}", per_head[:, index].reshape(heads * head_dim, *tensor.shape[1:])
+        yield f"{prefix}.q_proj.{kind}", per_group[:, :group].reshape(heads * head_dim, *rest)
+        yield f"{prefix}.k_proj.{kind}", per_group[:, group].reshape(kv_heads * head_dim, *rest)
+        yield f"{prefix}.v_proj.{kind}", per_group[:, group + 1].reshape(kv_heads * head_dim, *rest)

@@ -99,10 +99,13 @@ class HiddenTaps:
 
 def run_decoder_stack(stack: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                       attn_metadata: AttentionMetadata) -> Tensor:
-    """A pre-norm stack's forward: `stack.embed_tokens`, then each of `stack.layers` (which take and
+    """A pre-norm stack's forward: `stack.embed_tokens` (plus `stack.embed_positions(positions)` where the stack
+    has one), then each of `stack.layers` (which take and
     return the residual stream beside the hidden states), then `stack.norm`; (T,) ids -> (T, hidden).
     With `stack.hidden_taps` set, the tapped layers' input streams are kept there (see HiddenTaps)."""
     hidden = stack.embed_tokens(input_ids)
+    if getattr(stack, "embed_positions", None) is not None:  # learned absolute positions (GPT-2, StarCoder 1)
+        hidden = hidden + stack.embed_positions(positions)
     residual = None
     taps: HiddenTaps | None = getattr(stack, "hidden_taps", None)
     if taps is not None:

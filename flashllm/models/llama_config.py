@@ -70,16 +70,21 @@ class LlamaModelConfig:
 
 
 def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_default: float = 1.0,
-                       activations: tuple[str, ...] = ("silu",)) -> LlamaModelConfig:
+                       activations: tuple[str, ...] = ("silu",), rotary_dim: int | None = None) -> LlamaModelConfig:
     """Validate a Llama-family config.json dict (already checked for `architectures`) and return its typed view.
 
     rotary_default: the partial_rotary_factor where config.json gives none (GLM-4.5's is 0.5).
     activations: the hidden_act values the family's MLP implements (the gated MLP's: silu).
+    rotary_dim: the rotated features as a count, for a family whose config.json gives one (GPT-J's `rotary_dim`,
+    which the caller checks against head_dim), in place of partial_rotary_factor.
     Raises ModelLoadError (one line) on a missing or non-positive required field, a size past the
     sanity limits, inconsistent head counts, invalid rope settings or an activation not in `activations`.
     """
     sizes = decoder_sizes(raw, source)
-    rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], rotary_default, source)
+    if rotary_dim is None:
+        rotary_dim, rope_raw = partial_rotary(raw, sizes["head_dim"], rotary_default, source)
+    else:
+        rope_raw = raw
     rope_theta, rope_scaling = normalize_rope(rope_raw, source)
     hidden_act = raw.get("hidden_act", activations[0])
     if hidden_act not in activations:

@@ -57,11 +57,13 @@ def parse_phi_config(raw: dict[str, Any], source: str = "config.json") -> LlamaM
 
 class PhiAttention(LlamaAttention):
     """LlamaAttention (qkv_proj -> [q / k norms] -> partial RoPE -> paged attention -> o_proj) whose optional q / k
-    norms are LayerNorms with a bias over head_dim (`qk_layernorm`), not RMSNorms."""
+    norms are LayerNorms with a bias over head_dim (`qk_layernorm`), not RMSNorms. Biases on q / k / v and o where
+    config.attention_bias (always for Phi; never for GPT-J, which shares the block)."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, True, True, tp_rank, tp_size)
+        bias = config.attention_bias
+        super().__init__(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias, tp_rank, tp_size)
         if config.raw.get("qk_layernorm"):
             self.q_norm = LayerNorm(self.head_dim, config.rms_norm_eps, ops, dtype, device)
             self.k_norm = LayerNorm(self.head_dim, config.rms_norm_eps, ops, dtype, device)

@@ -43,15 +43,17 @@ def parse_starcoder2_config(raw: dict[str, Any], source: str = "config.json") ->
 
 class Starcoder2DecoderLayer(PreNormBlock):
     """x + attn(layernorm(x)), then + mlp(layernorm(.)); the residual add fused in the norms. `norm_class` builds
-    the norms, (hidden, eps, ops, dtype, device) -> module (Nemotron's 1 + w LayerNorm)."""
+    the norms, (hidden, eps, ops, dtype, device) -> module (Nemotron's 1 + w LayerNorm); `attention_class` the
+    attention, LlamaAttention's signature (Falcon's ALiBi one)."""
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
-                 norm_class: type[nn.Module] = LayerNorm) -> None:
+                 norm_class: type[nn.Module] = LayerNorm,
+                 attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         bias = config.attention_bias
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias,
-                                        tp_rank, tp_size)
+        self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, bias, bias,
+                                         tp_rank, tp_size)
         self.mlp = PlainMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, ops,
                             dtype, device, tp_rank, tp_size)
         self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)

@@ -96,10 +96,38 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Phi (phi-2's shape): the parallel block (one LayerNorm feeding attention and MLP), biases on every projection
     # and on the LM head, RoPE over int(16 x 0.4) = 6 features of each head, as phi-2's 0.4 of 80; untied
     "phi": ("PhiForCausalLM", {"partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5}),
+    # GPT-J: Phi's parallel block (one LayerNorm, ln_1) without attention biases, RoPE turning adjacent pairs of the
+    # first rotary_dim = 6 of each head's 16 features, n_inner unset (4 x n_embd = 256: GPTJConfig ignores TINY_BASE's
+    # intermediate_size and num_key_value_heads), a biased untied lm_head; token ids inside the tiny vocabulary
+    "gptj": ("GPTJForCausalLM", {"rotary_dim": 6, "layer_norm_epsilon": 1e-5, **_PHI3_IDS}),
+    # CodeGen: GPT-J with one qkv_proj laid out for 4 shards of [q | v | k]; 8 heads of 8 so that each shard holds
+    # two heads (with 4 heads the shards would be the heads), RoPE over 4 of each head's 8 features
+    "codegen": ("CodeGenForCausalLM", {"num_attention_heads": 8, "rotary_dim": 4, "layer_norm_epsilon": 1e-5,
+                                       **_PHI3_IDS}),
     # GPT-NeoX (Pythia): the parallel residual with two LayerNorms of the same input, q / k / v fused per head in one
     # biased query_key_value, RoPE over a quarter of each head (4 of 16 features, rotary_pct's default); as many key /
     # value heads as query heads (TINY_BASE's 2 would be GQA, which GPT-NeoX has not); untied embed_out
     "gpt_neox": ("GPTNeoXForCausalLM", {"num_key_value_heads": 4, "layer_norm_eps": 1e-5, "rotary_pct": 0.25}),
+    # GPTBigCode (StarCoder 1): multi-query attention (one key / value head, transformers' default) fused with the
+    # queries in one biased c_attn, learned absolute positions (wpe) and no RoPE, biased LayerNorms and a biased
+    # n_inner-wide tanh-GELU MLP (GPTBigCodeConfig ignores TINY_BASE's intermediate_size), a head tied to wte; token
+    # ids inside the tiny vocabulary (the defaults are GPT-2's 50256)
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", {"n_inner": 96, **_PHI3_IDS}),
+    # GPT-2: GPTBigCode's block with multi-head attention, its projections stored as transposed Conv1D weights and
+    # c_attn's rows [q | k | v]; gelu_new, the 4 x n_embd MLP (GPT2Config ignores TINY_BASE's intermediate_size)
+    "gpt2": ("GPT2LMHeadModel", {**_PHI3_IDS}),
+    # BLOOM: ALiBi over 6 heads (not a power of two: 4 geometric slopes, then 2 from the 8-head sequence), the normed
+    # embedding, q / k / v fused per head in one biased query_key_value, a 4 x hidden tanh-GELU MLP, tied embeddings;
+    # BloomConfig ignores TINY_BASE's intermediate_size / num_key_value_heads / max_position_embeddings
+    "bloom": ("BloomForCausalLM", {"hidden_size": 96, "num_attention_heads": 6, "layer_norm_epsilon": 1e-5}),
+    # MPT: ALiBi over 6 heads (MPT's own slope order, odd ones of 8 first), no biases anywhere (LayerNorms included),
+    # q | k | v fused whole in Wqkv, an exact-GELU 4 x d_model MLP, tied embeddings; softmax_scale and clip_qkv are
+    # build_tiny_model overrides (attn_config)
+    "mpt": ("MptForCausalLM", {"hidden_size": 96, "num_attention_heads": 6, "layer_norm_epsilon": 1e-5}),
+    # Falcon-40B / 180B's new_decoder_architecture: query_key_value fused per key / value group ([2 q | k | v] for
+    # each of 2 groups), ln_attn and ln_mlp feeding a parallel attention + MLP, no biases, a 4 x hidden GELU MLP, tied
+    # embeddings; FalconConfig ignores TINY_BASE's intermediate_size / num_key_value_heads / rms_norm_eps
+    "falcon": ("FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2, "layer_norm_epsilon": 1e-5}),
     # fused qkv_proj / gate_up_proj tensors; a sliding window shorter than most test prompts (Phi-3-mini-4k's
     # is 2047); token ids inside the tiny vocabulary (Phi3Config's defaults are Phi-3's 32000)
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 48, **_PHI3_IDS}),
@@ -130,7 +158,10 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
+                "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",
                 "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox",
+                "GPTBigCodeForCausalLM": "gpt_bigcode", "GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt",
+                "FalconForCausalLM": "falcon",
                 "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                 "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm"}
 
@@ -206,7 +237,7 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * TINY_INIT_STD
-        if "norm" in name:
+        if "norm" in name or ".ln_" in name:  # GPT-2-style LayerNorm names too (ln_1, ln_f)
             noise += 1.0
         param.copy_(noise)
 

@@ -27,7 +27,8 @@ DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
 PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                     "GraniteMoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
-                    "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+                    "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
+                    "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                     "Qwen3VLForConditionalGeneration"}

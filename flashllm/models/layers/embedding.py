@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flashllm.models.layers.linear import copy_checked
+from flashllm.models.layers.linear import copy_checked, default_weight_loader
 from flashllm.ops.quant_matmul import QuantizedWeight
 from flashllm.quant.spec import WeightQuantSpec
 from flashllm.quant.weight_only import quantize_weight
@@ -54,6 +54,21 @@ class VocabEmbedding(nn.Module):
         out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
         torch.distributed.all_reduce(out)
         return out
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute position embeddings (GPT-2's and StarCoder 1's `wpe`): a (max_positions, hidden) table, whole
+    on every tensor-parallel rank (it is small), looked up by each token's position and added to its embedding."""
+
+    def __init__(self, num_positions: int, embedding_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (num_positions, embedding_dim)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """positions (T,) int64, each < num_positions -> (T, hidden) in the weight dtype."""
+        return F.embedding(positions, self.weight)
 
 
 class LMHead(VocabEmbedding):

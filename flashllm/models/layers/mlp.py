@@ -37,6 +37,7 @@ PLAIN_ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),  # the same tanh formula, written out (SantaCoder's)
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),  # Arcee's, Nemotron's
 }
