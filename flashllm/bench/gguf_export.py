@@ -39,7 +39,9 @@ _LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     **gguf_moe.LAYER_NAMES,
 }
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+                 "model.embed_positions": "position_embd",  # learned absolute positions (GPT-2's wpe)
+                 "model.embed_tokens.norm": "token_embd_norm"}  # BLOOM's word_embeddings_layernorm
 
 
 def gguf_tensor_name(hf_name: str, layer_names: Mapping[str, str] | None = None) -> str | None:

@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, starcoder2, gpt2, starcoder, falcon, bloom, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe, olmoe)."""
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ import numpy as np
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gguf import (
     arcee,
+    bloom,
     chatglm,
     cohere,
     deepseek2,
     ernie,
     exaone4,
+    falcon,
     first_generation,
     gemma3,
     glm4moe,
+    gpt2,
     gpt_oss,
     gptneox,
     granite,
@@ -64,6 +67,8 @@ class ArchMap:
     file's key_length / value_length may describe the latent); the generic head-size checks are skipped.
     appended_layers: the file's blocks past the config's num_hidden_layers are next-token-prediction layers the
     graph never runs (config_fields leaves them out of the count); their tensors are skipped.
+    tensor_names: GGUF non-layer tensor -> checkpoint parameter, for the arch's own beyond Llama's token_embd /
+    output_norm / output (GPT-2's and StarCoder's `position_embd.weight`).
     """
 
     architecture: str
@@ -79,6 +84,7 @@ class ArchMap:
     joined: tuple[tuple[tuple[str, ...], str, Callable[[list[Any]], Any]], ...] = ()
     latent_heads: bool = False
     appended_layers: bool = False
+    tensor_names: Mapping[str, str] = field(default_factory=dict)
 
     def skips(self, name: str, config: Any) -> bool:
         """Whether the tensor `name` belongs to an appended layer (appended_layers) and is not loaded."""
@@ -120,6 +126,10 @@ ARCHITECTURES: dict[str, ArchMap] = {
                            config_fields=nemotron.nemotron_config_fields, partial_rotary=True),
     starcoder2.ARCH: ArchMap("Starcoder2ForCausalLM", "starcoder2", permute_qk=False, layer_names=starcoder2.LAYER_NAMES,
                              config_fields=starcoder2.starcoder2_config_fields),
+    gpt2.GPT2: ArchMap("GPT2LMHeadModel", "gpt2", permute_qk=False, config_fields=gpt2.gpt2_config_fields,
+                       fused_rows=chatglm.fused_rows, tensor_names=gpt2.TENSOR_NAMES),
+    gpt2.STARCODER: ArchMap("GPTBigCodeForCausalLM", "gpt_bigcode", permute_qk=False, fused_rows=chatglm.fused_rows,
+                            config_fields=gpt2.starcoder_config_fields, tensor_names=gpt2.TENSOR_NAMES),
     "granite": ArchMap("GraniteForCausalLM", "granite", permute_qk=True, config_fields=granite.granite_config_fields),
     "granitemoe": ArchMap("GraniteMoeForCausalLM", "granitemoe", permute_qk=True,
                           config_fields=granite.granitemoe_config_fields),
@@ -130,6 +140,10 @@ ARCHITECTURES: dict[str, ArchMap] = {
     cohere.COHERE2: ArchMap("Cohere2ForCausalLM", "cohere2", permute_qk=False, config_fields=cohere.cohere2_config_fields),
     gptneox.ARCH: ArchMap("GPTNeoXForCausalLM", "gpt_neox", permute_qk=False, config_fields=gptneox.gptneox_config_fields,
                           partial_rotary=True, fused_rows=chatglm.fused_rows),
+    falcon.ARCH: ArchMap("FalconForCausalLM", "falcon", permute_qk=False, config_fields=falcon.falcon_config_fields,
+                         fused_rows=falcon.fused_rows),
+    bloom.ARCH: ArchMap("BloomForCausalLM", "bloom", permute_qk=False, config_fields=bloom.bloom_config_fields,
+                        fused_rows=chatglm.fused_rows, tensor_names=bloom.TENSOR_NAMES),
     stablelm.ARCH: ArchMap("StableLmForCausalLM", "stablelm", permute_qk=False,
                            config_fields=stablelm.stablelm_config_fields, partial_rotary=True,
                            fused_rows=chatglm.fused_rows),

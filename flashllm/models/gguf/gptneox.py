@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.graph_checks import check_tensors, layer_norm_eps, rotary_factor
 from flashllm.models.gguf.reader import GGUFFile
 
 ARCH = "gptneox"
@@ -29,30 +30,6 @@ _REQUIRED = ("output.weight", "output_norm.bias", "blk.0.attn_norm.bias", "blk.0
 _UNREAD = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight")
 
 
-def layer_norm_eps(gf: GGUFFile, arch: str) -> float:
-    """`<arch>.attention.layer_norm_epsilon`, the LayerNorms' eps llama.cpp's loader requires; ModelLoadError where it
-    is missing or not positive."""
-    eps = gf.get(f"{arch}.attention.layer_norm_epsilon")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise ModelLoadError(f"{gf.name}: {arch}.attention.layer_norm_epsilon is {eps!r}; llama.cpp's {arch} graph "
-                             "needs the LayerNorms' positive eps")
-    return float(eps)
-
-
-def rotary_factor(gf: GGUFFile, arch: str, head_dim: int) -> float:
-    """The fraction of each head `<arch>.rope.dimension_count` rotates (all of it where the file says nothing, as
-    llama.cpp reads it), one that int(head_dim x factor) gives back; ModelLoadError otherwise."""
-    rope = gf.get(f"{arch}.rope.dimension_count", head_dim)
-    if isinstance(rope, bool) or not isinstance(rope, int) or not 0 < rope <= head_dim or rope % 2:
-        raise ModelLoadError(f"{gf.name}: {arch}.rope.dimension_count is {rope!r}; expected an even number of "
-                             f"features in 1..{head_dim} (the head size)")
-    factor = rope / head_dim
-    if int(head_dim * factor) != rope:
-        raise ModelLoadError(f"{gf.name}: rope over {rope} of {head_dim} head features is no rotary fraction "
-                             "flashllm can express")
-    return factor
-
-
 def gptneox_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """The GPTNeoXForCausalLM config.json fields of a `gptneox` file (module docstring): the legacy rotary_pct /
     rotary_emb_base that GPTNeoXConfig reads, since its parser takes no top-level rope_theta."""
@@ -61,14 +38,7 @@ def gptneox_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(parallel, bool):
         raise ModelLoadError(f"{gf.name}: {ARCH}.use_parallel_residual is {parallel!r}; llama.cpp's {ARCH} loader "
                              "requires it (true or false)")
-    missing = [name for name in _REQUIRED if name not in gf.tensors]
-    if missing:
-        raise ModelLoadError(f"{gf.name} lacks {', '.join(missing)}, which llama.cpp's {ARCH} loader requires; "
-                             "the file is not one it runs")
-    unread = [name for name in _UNREAD if name in gf.tensors]
-    if unread:
-        raise ModelLoadError(f"{gf.name} holds {', '.join(unread)}, which llama.cpp's {ARCH} graph never reads; "
-                             "the file is not one it runs")
+    check_tensors(gf, ARCH, _REQUIRED, _UNREAD)
     heads = raw["num_attention_heads"]
     if raw["num_key_value_heads"] != heads:
         raise ModelLoadError(f"{gf.name}: {raw['num_key_value_heads']} key / value heads for {heads} query heads; "

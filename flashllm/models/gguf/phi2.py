@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashllm.models.errors import ModelLoadError
+from flashllm.models.gguf.graph_checks import check_tensors, layer_norm_eps, rotary_factor
 from flashllm.models.gguf.reader import GGUFFile
 
 ARCH = "phi2"
@@ -26,28 +27,11 @@ _UNREAD = ("blk.0.ffn_gate.weight", "blk.0.attn_q_norm.weight", "blk.0.attn_k_no
 
 def phi2_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """The PhiForCausalLM config.json fields of a `phi2` file (module docstring)."""
-    eps = gf.get(f"{ARCH}.attention.layer_norm_epsilon")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise ModelLoadError(f"{gf.name}: {ARCH}.attention.layer_norm_epsilon is {eps!r}; llama.cpp's {ARCH} graph "
-                             "needs the LayerNorms' positive eps")
-    missing = [name for name in _REQUIRED if name not in gf.tensors]
-    if missing:
-        raise ModelLoadError(f"{gf.name} lacks {', '.join(missing)}, which llama.cpp's {ARCH} loader requires; "
-                             "the file is not one it runs")
-    unread = [name for name in _UNREAD if name in gf.tensors]
-    if unread:
-        raise ModelLoadError(f"{gf.name} holds {', '.join(unread)}, which llama.cpp's {ARCH} graph never reads; "
-                             "the file is not one it runs")
+    eps = layer_norm_eps(gf, ARCH)
+    check_tensors(gf, ARCH, _REQUIRED, _UNREAD)
     if not any(f"blk.0.{part}.bias" in gf.tensors for part in ("attn_q", "attn_qkv")):
         raise ModelLoadError(f"{gf.name} has no q / k / v biases; flashllm's Phi (as transformers') always has them")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rope = gf.get(f"{ARCH}.rope.dimension_count", head_dim)
-    if isinstance(rope, bool) or not isinstance(rope, int) or not 0 < rope <= head_dim or rope % 2:
-        raise ModelLoadError(f"{gf.name}: {ARCH}.rope.dimension_count is {rope!r}; expected an even number of "
-                             f"features in 1..{head_dim} (the head size)")
-    partial = rope / head_dim
-    if int(head_dim * partial) != rope:
-        raise ModelLoadError(f"{gf.name}: rope over {rope} of {head_dim} head features is no partial_rotary_factor "
-                             "flashllm's Phi can express")
+    partial = rotary_factor(gf, ARCH, head_dim)
     return {"layer_norm_eps": float(eps), "partial_rotary_factor": partial, "hidden_act": "gelu_new",
             "tie_word_embeddings": False}

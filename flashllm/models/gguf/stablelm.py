@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashllm.models.errors import ModelLoadError
-from flashllm.models.gguf.gptneox import layer_norm_eps, rotary_factor
+from flashllm.models.gguf.graph_checks import check_tensors, layer_norm_eps, rotary_factor
 from flashllm.models.gguf.reader import GGUFFile
 
 ARCH = "stablelm"
@@ -53,14 +53,7 @@ def _layer_options(gf: GGUFFile, layer: int) -> dict[str, bool]:
 def stablelm_config_fields(gf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """The StableLmForCausalLM config.json fields of a `stablelm` file (module docstring)."""
     eps = layer_norm_eps(gf, ARCH)
-    missing = [name for name in _REQUIRED if name not in gf.tensors]
-    if missing:
-        raise ModelLoadError(f"{gf.name} lacks {', '.join(missing)}, which llama.cpp's {ARCH} loader requires; "
-                             "the file is not one it runs")
-    unread = [name for name in _UNREAD if name in gf.tensors]
-    if unread:
-        raise ModelLoadError(f"{gf.name} holds {', '.join(unread)}, which llama.cpp's {ARCH} graph never reads; "
-                             "the file is not one it runs")
+    check_tensors(gf, ARCH, _REQUIRED, _UNREAD)
     options = _layer_options(gf, 0)
     for layer in range(1, raw["num_hidden_layers"]):
         if _layer_options(gf, layer) != options:

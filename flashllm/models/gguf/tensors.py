@@ -34,7 +34,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     **moe.LAYER_NAMES,
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_]+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d{1,6})\.([a-z_0-9]+)\.(weight|bias)")  # Falcon-40B's attn_norm_2
 _SKIPPED = (LLAMA3_ROPE_FREQS,)  # consumed by the config (llama3 rope scaling)
 
 
@@ -158,7 +158,7 @@ class GGUFWeights:
                 plan.append(self._joined(name, match, *joined[match.group(2)]))
             if match and match.group(2) in in_joins:
                 continue  # a later part is planned with the first part of its join
-            hf_name = hf_tensor_name(name, spec.layer_names, spec.layer_params)
+            hf_name = spec.tensor_names.get(name) or hf_tensor_name(name, spec.layer_names, spec.layer_params)
             if hf_name is None:
                 unknown.append(name)
                 continue
