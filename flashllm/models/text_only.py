@@ -1,6 +1,6 @@
 """Vision-language checkpoints served text-only: Gemma 3 (`Gemma3ForConditionalGeneration`: gemma-3-4b / 12b / 27b)
 and Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, Magistral Small, Devstral Small, and
-Ministral 3, whose language model is models/ministral3.py's).
+Ministral 3, whose language model is models/ministral3.py's), and Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE).
 
 Their language model is a family flashllm runs (Gemma 3, Mistral); config.json nests its fields under `text_config`
 (only those that differ from the text config class's defaults, on the Hub) and the checkpoint names its tensors
@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from flashllm.models.checkpoint_tensor import materialize
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gemma3 import Gemma3ForCausalLM
 from flashllm.models.hf_config import HFModelConfig
@@ -26,7 +27,7 @@ from flashllm.models.llama_config import LlamaModelConfig
 from flashllm.models.ministral3 import Ministral3ForCausalLM, Ministral3Model
 from flashllm.models.mistral import MistralForCausalLM
 from flashllm.models.qwen2 import Qwen2ForCausalLM
-from flashllm.models.qwen3 import Qwen3ForCausalLM
+from flashllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 # checkpoint prefixes of the parts a text-only model never runs (every layout)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
@@ -69,8 +70,29 @@ def text_config(raw: dict[str, Any], defaults: dict[str, dict[str, Any]], source
         tied = {"tie_word_embeddings": bool(top) or bool(inner)}
     else:
         tied = {"tie_word_embeddings": top} if top is not None else {}
-    return {**defaults[model_type], **inherited, **given, **tied, "model_type": model_type,
-            "architectures": raw["architectures"]}
+    return {**defaults[model_type], **inherited, **given, **tied, **_multimodal_facts(raw, text),
+            "model_type": model_type, "architectures": raw["architectures"]}
+
+
+def _multimodal_facts(raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """What the text model never reads but a GGUF export of it records (llama.cpp's converter): the multimodal RoPE
+    sections ("mrope_section") and the count of layers the vision tower feeds (Qwen3-VL's "deepstack_layers")."""
+    facts: dict[str, Any] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+            facts["mrope_section"] = list(rope["mrope_section"])
+    deepstack = (raw.get("vision_config") or {}).get("deepstack_visual_indexes")
+    if isinstance(deepstack, list):
+        facts["deepstack_layers"] = len(deepstack)
+    return facts
+
+
+def refuse_prequantized(raw: dict[str, Any], source: str) -> None:
+    """Raise ModelLoadError (one line) for a checkpoint with a quantization_config: its layout is not checked yet."""
+    if raw.get("quantization_config") is not None:
+        raise ModelLoadError(f"{source}: pre-quantized {raw['architectures'][0]} checkpoints are not supported "
+                             "text-only; use the float checkpoint (--quant_type quantizes it at load)")
 
 
 def _without_mrope(rope: Any) -> Any:
@@ -143,9 +165,7 @@ class Mistral3ForConditionalGeneration(TextOnly, MistralForCausalLM):
     def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:
         """The language model's config (Mistral's or Ministral 3's parser on text_config()); a pre-quantized
         checkpoint is refused (quantize at load with --quant_type)."""
-        if raw.get("quantization_config") is not None:
-            raise ModelLoadError(f"{source}: pre-quantized {raw['architectures'][0]} checkpoints are not supported "
-                                 "text-only; use the float checkpoint (--quant_type quantizes it at load)")
+        refuse_prequantized(raw, source)
         text = text_config(raw, cls.TEXT_DEFAULTS, source)
         family = Ministral3ForCausalLM if text["model_type"] == "ministral3" else MistralForCausalLM
         return family.parse_config(text, source)
@@ -194,3 +214,45 @@ class Qwen3VLForConditionalGeneration(TextOnly, Qwen3ForCausalLM):
         "rms_norm_eps": 1e-6,
     }}
     prequantized_methods: ClassVar[tuple[str, ...] | None] = ()
+
+
+class Qwen3VLMoeForConditionalGeneration(TextOnly, Qwen3MoeForCausalLM):
+    """Qwen3-VL-30B-A3B / 235B-A22B (Instruct, Thinking) text-only: Qwen3-MoE's decoder of `text_config` over
+    transformers' Qwen3VLMoeTextConfig defaults, whose router always renormalizes the top-k weights and whose
+    attention never slides. The experts come fused per layer: `mlp.experts.gate_up_proj` and `down_proj`, transposed
+    on the Hub ((E, hidden, 2 x moe_intermediate), (E, moe_intermediate, hidden)) and as flashllm stacks them in what
+    transformers 5 saves unconverted ((E, 2 x moe_intermediate, hidden), (E, hidden, moe_intermediate))."""
+
+    TEXT_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"qwen3_vl_moe_text": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+    }}  # tie_word_embeddings: Qwen3VLMoeConfig's (False), by which transformers 5 ties, where neither level states it
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ()
+
+    @classmethod
+    def parse_config(cls, raw: dict[str, Any], source: str) -> HFModelConfig:
+        """Qwen3-MoE's parser on text_config(), top-k renormalized and no sliding window whatever the file says (as
+        transformers' Qwen3-VL-MoE computes); a pre-quantized checkpoint is refused."""
+        refuse_prequantized(raw, source)
+        text = text_config(raw, cls.TEXT_DEFAULTS, source)
+        fixed = {"norm_topk_prob": True, "sliding_window": None, "use_sliding_window": False}
+        text = {key: value for key, value in text.items() if key != "layer_types"}
+        text.setdefault("num_experts", text.get("num_local_experts", 60))  # transformers 5 saves the latter
+        return Qwen3MoeForCausalLM.parse_config({**text, **fixed}, source)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """TextOnly's load_weights with the Hub's transposed fused experts turned to flashllm's stacking."""
+        return super().load_weights(self._experts_stacked(weights))
+
+    def _experts_stacked(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Each fused expert tensor as (E, out, in): transposed where its shape is not that already, as transformers
+        decides (a tensor whose two last sizes are equal reads as already stacked)."""
+        hidden, inter = self.config.hidden_size, self.config.moe_intermediate_size
+        stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+        for name, tensor in weights:
+            expected = stacked.get(name.rpartition(".")[2]) if ".mlp.experts." in name else None
+            if expected is not None and tuple(tensor.shape[1:]) != expected:
+                tensor = materialize(tensor).transpose(1, 2)  # read whole: each rank's slice is strided
+            yield name, tensor

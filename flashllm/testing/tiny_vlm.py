@@ -1,4 +1,4 @@
-"""Tiny random-weight vision-language checkpoints (Gemma 3, Mistral 3) written by transformers, for the text-only tests:
+"""Tiny random-weight vision-language checkpoints (Gemma 3, Mistral 3, Qwen-VL) written by transformers, for the text-only tests:
 a tiny language model of the matching preset beside a one-layer vision tower."""
 
 from __future__ import annotations
@@ -36,12 +36,23 @@ VLM_PRESETS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                   "patch_size": 16, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
                  {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
                   "vision_end_token_id": 252}),
+    # Qwen3-VL-MoE: Qwen3-VL's vision tower; its language model gets MOE_TEXT's experts
+    "qwen3_vl_moe": ("qwen3", "qwen3_vl_moe_text",
+                     {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                      "patch_size": 16, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                     {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
+                      "vision_end_token_id": 252}),
 }
+# the MoE fields of a MoE language model: top-2 of 8 experts, layer 1 dense; 2 x 48 and 48 differ from hidden (64),
+# so the Hub's transposed fused experts cannot pass for transformers 5's
+MOE_TEXT = {"qwen3_vl_moe": {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 48, "mlp_only_layers": [1]}}
 # the rope settings each Qwen-VL text config carries
 MROPE = {"qwen2_vl": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
          "qwen2_5_vl": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
          "qwen3_vl": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True,
                       "rope_theta": 10000.0}}
+MROPE["qwen3_vl_moe"] = MROPE["qwen3_vl"]
 
 
 # Ministral 3's language model: YaRN x16 past an original context of 16, so its query scaling steps up within tests
@@ -52,15 +63,17 @@ MINISTRAL3_TEXT = {"model_type": "ministral3", "head_dim": 16, "sliding_window":
 
 
 def build_tiny_vlm(out_dir: str | Path, vlm_type: str, *, seed: int = 0, original_format: bool = True,
-                   **text_overrides: Any) -> Path:
+                   hub_experts: bool = False, **text_overrides: Any) -> Path:
     """Save a tiny `vlm_type` (a VLM_PRESETS key) vision-language model with random weights (norm scales around
     1, the rest N(0, TINY_INIT_STD)); original_format=False keeps transformers 5's `model.language_model.` names
     instead of the Hub's `language_model.model.`. text_overrides replace fields of its text config (MINISTRAL3_TEXT
-    makes a Mistral 3 checkpoint Ministral 3's)."""
+    makes a Mistral 3 checkpoint Ministral 3's). hub_experts: fused MoE experts written transposed, as the Hub's
+    Qwen3-VL-MoE files hold them (transformers 5 saves them as it computes with them)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     preset, text_type, vision, top = VLM_PRESETS[vlm_type]
-    text = {**TINY_BASE, **PRESETS[preset][1], **_IDS, "model_type": text_type, **text_overrides}
+    text = {**TINY_BASE, **PRESETS[preset][1], **MOE_TEXT.get(vlm_type, {}), **_IDS, "model_type": text_type,
+            **text_overrides}
     if vlm_type in MROPE:
         text.setdefault("rope_parameters", MROPE[vlm_type])
     config = AutoConfig.for_model(vlm_type, text_config=text, vision_config=vision, **top)
@@ -73,4 +86,16 @@ def build_tiny_vlm(out_dir: str | Path, vlm_type: str, *, seed: int = 0, origina
             noise = torch.randn(param.shape, generator=gen) * TINY_INIT_STD
             param.copy_(noise + 1.0 if "norm" in name else noise)
     model.save_pretrained(out_dir, save_original_format=original_format)
+    if hub_experts:
+        _transpose_fused_experts(Path(out_dir) / "model.safetensors")
     return Path(out_dir)
+
+
+def _transpose_fused_experts(path: Path) -> None:
+    """Rewrite `path` with each `mlp.experts.gate_up_proj` / `down_proj` (E, out, in) as the Hub's (E, in, out)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    save_file({name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in tensors.items()},
+              path, metadata={"format": "pt"})

@@ -1,5 +1,5 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, gpt2, starcoder, falcon, bloom, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+baichuan, smollm3, starcoder2, gpt2, starcoder, falcon, bloom, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, qwen2vl, qwen3vl, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
 granitemoe, deepseek2, glm4moe, ernie4_5-moe, olmoe)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from flashllm.models.gguf import (
     olmoe,
     phi2,
     phi3,
+    qwen_vl,
     seed_oss,
     smollm3,
     stablelm,
@@ -103,6 +104,9 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "baichuan": ArchMap("BaichuanForCausalLM", "baichuan", permute_qk=True,
                         config_fields=first_generation.baichuan_config_fields),
     "qwen3": ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False),
+    # Qwen-VL language models, run text-only with their multimodal RoPE read as plain RoPE (qwen_vl.py)
+    qwen_vl.QWEN2VL: ArchMap("Qwen2ForCausalLM", "qwen2", permute_qk=False, config_fields=qwen_vl.qwen2vl_config_fields),
+    qwen_vl.QWEN3VL: ArchMap("Qwen3ForCausalLM", "qwen3", permute_qk=False, config_fields=qwen_vl.qwen3vl_config_fields),
     "qwen2moe": ArchMap("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
     "qwen3moe": ArchMap("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
     "gemma3": ArchMap("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
