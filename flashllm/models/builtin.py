@@ -33,6 +33,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "SmolLM3ForCausalLM": "flashllm.models.smollm3:SmolLM3ForCausalLM",
     "SeedOssForCausalLM": "flashllm.models.seed_oss:SeedOssForCausalLM",
     "HunYuanDenseV1ForCausalLM": "flashllm.models.hunyuan:HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "flashllm.models.hunyuan_moe:HunYuanMoEV1ForCausalLM",  # Hunyuan-A13B
     "Starcoder2ForCausalLM": "flashllm.models.starcoder2:Starcoder2ForCausalLM",
     "ArceeForCausalLM": "flashllm.models.arcee:ArceeForCausalLM",
     "NemotronForCausalLM": "flashllm.models.nemotron:NemotronForCausalLM",
@@ -45,7 +46,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "flashllm.models.text_only:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "flashllm.models.text_only:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "flashllm.models.text_only:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "flashllm.models.text_only:Qwen3VLMoeForConditionalGeneration",
+    "OlmoForCausalLM": "flashllm.models.olmo:OlmoForCausalLM",  # OLMo-1B/7B-hf, OLMo-7B-0424/0724-hf
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
+    "HeliumForCausalLM": "flashllm.models.helium:HeliumForCausalLM",  # kyutai/helium-1-2b
+    "ApertusForCausalLM": "flashllm.models.apertus:ApertusForCausalLM",  # swiss-ai/Apertus-8B / 70B
     "Olmo3ForCausalLM": "flashllm.models.olmo2:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "flashllm.models.exaone4:Exaone4ForCausalLM",
     "CohereForCausalLM": "flashllm.models.cohere:CohereForCausalLM",
@@ -58,6 +63,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "GlmForCausalLM": "flashllm.models.chatglm:GlmForCausalLM",
     "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
     "Glm4MoeForCausalLM": "flashllm.models.glm4_moe:Glm4MoeForCausalLM",  # GLM-4.5 / 4.6
+    "Dots1ForCausalLM": "flashllm.models.dots1:Dots1ForCausalLM",  # rednote-hilab dots.llm1
     "Ernie4_5ForCausalLM": "flashllm.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "flashllm.models.ernie4_5:Ernie4_5_MoeForCausalLM",
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",

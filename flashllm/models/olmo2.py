@@ -36,8 +36,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # indexed by "is sliding"
 
 
 def refuse_prequantized(raw: dict[str, Any], source: str) -> None:
+    """Raise ModelLoadError (one line, naming config.json's architecture) for a checkpoint with a quantization_config,
+    for the families that load float checkpoints only (OLMo 2 / 3 and the others calling this)."""
     if raw.get("quantization_config") is not None:
-        raise ModelLoadError(f"{source}: OLMo loads float checkpoints only (quantize them at load with --quant_type); "
+        names = raw.get("architectures")
+        name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else "this architecture"
+        raise ModelLoadError(f"{source}: {name} loads float checkpoints only (quantize them at load with --quant_type); "
                              "drop quantization_config or use a float checkpoint")
 
 

@@ -64,6 +64,20 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "hunyuan": ("HunYuanDenseV1ForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
                                                                   "rope_theta": 10000.0},
                                               "head_dim": 16, "tie_word_embeddings": True, **_PHI3_IDS}),
+    # Hunyuan MoE (A13B's shape): the dense Hunyuan's attention, biased on all four projections; top-2 of 4 softmax
+    # experts renormalized beside an ungated shared MLP, all intermediate_size (48) wide; per-layer lists as A13B's
+    "hunyuan_moe": ("HunYuanMoEV1ForCausalLM", {
+        "rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0},
+        "head_dim": 16, "intermediate_size": 48, "num_experts": 4, "moe_topk": [2, 2], "attention_bias": True,
+        **_PHI3_IDS}),
+    # dots.llm1: Qwen3's per-head q / k norms (head_dim 24 explicit) over DeepSeek-V3's routing: sigmoid scores,
+    # top-3 of 8 within the best of 2 groups, renormalized and x 1.5, one shared expert; layer 0 dense
+    # (first_k_dense_replace), layer 1 sliding (window 8)
+    "dots1": ("Dots1ForCausalLM", {
+        "num_hidden_layers": 3, "head_dim": 24, "moe_intermediate_size": 48, "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"], **_PHI3_IDS}),
     # StarCoder 2: biased LayerNorms, an ungated tanh-GELU MLP and biases on every projection (use_bias), tied
     # embeddings, a sliding window (8) on every layer shorter than most test prompts
     "starcoder2": ("Starcoder2ForCausalLM", {"sliding_window": 8, "norm_epsilon": 1e-5, **_PHI3_IDS}),
@@ -76,6 +90,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # StableLM 2: biased LayerNorms, q / k / v biases (use_qkv_bias), RoPE over a quarter of each head (4 of 16
     # features, its default); untied. use_parallel_residual and qk_layernorm (StableLM 2 12B) are overrides
     "stablelm": ("StableLmForCausalLM", {"use_qkv_bias": True, "layer_norm_eps": 1e-5, **_PHI3_IDS}),
+    # OLMo (first generation): LayerNorms without scale or shift, q / k / v clamped at 0.5 (OLMo-7B-0424's
+    # clip_qkv of 8 never binds in a tiny model; 0.5 clips part of the projections), untied
+    "olmo": ("OlmoForCausalLM", {"clip_qkv": 0.5, **_PHI3_IDS}),
+    # Helium: RoPE over adjacent feature pairs, biased q / k / v (attention_bias) under an unbiased o_proj, MLP
+    # biases; head_dim 16 explicit (HeliumConfig's default is 128), 4 x 16 = hidden_size as its o_proj needs
+    "helium": ("HeliumForCausalLM", {"head_dim": 16, "attention_bias": True, "mlp_bias": True, **_PHI3_IDS}),
+    # Apertus: per-head q / k RMSNorms, the ungated xIELU MLP (its alpha_p / alpha_n redrawn per layer), llama3
+    # RoPE over an original context of 64 so head_dim 16's frequencies fall in all three bands, as the llama3 preset
+    "apertus": ("ApertusForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
     # OLMo 2: norms after each branch, q / k RMS-normed over all heads together (untied, as OLMo-2-7B)
     "olmo2": ("Olmo2ForCausalLM", {**_PHI3_IDS}),
     # OLMo 3: three sliding layers (window 8) then a full one whose RoPE is linearly scaled, the sliding ones' not
@@ -153,9 +178,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2", "GemmaForCausalLM": "gemma",
-                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
+                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "OlmoForCausalLM": "olmo", "HeliumForCausalLM": "helium", "ApertusForCausalLM": "apertus",
+                "Olmo2ForCausalLM": "olmo2",
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "GraniteForCausalLM": "granite",
+                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "GraniteForCausalLM": "granite",
                 "Ernie4_5ForCausalLM": "ernie4_5",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",

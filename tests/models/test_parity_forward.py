@@ -10,7 +10,7 @@ from flashllm.testing.parity import assert_logits_close, hf_logits, random_token
 from flashllm.testing.tiny_models import build_tiny_model
 
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
-           "smollm3", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "starcoder2", "arcee",
+           "smollm3", "olmo", "helium", "apertus", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "hunyuan_moe", "dots1", "starcoder2", "arcee",
            "cohere", "cohere2",
            "nemotron", "phi", "stablelm", "gpt_neox", "bloom", "mpt", "gptj", "codegen", "falcon", "gpt_bigcode", "gpt2")
 CHUNKED = tuple(p for p in PRESETS if p not in ("llama", "llama-tied"))  # the plain Llamas add nothing here

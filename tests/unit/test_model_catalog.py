@@ -20,18 +20,19 @@ from flashllm.registry.precision import PRECISIONS
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
        "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM",
-       "OlmoeForCausalLM"}
+       "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
 # MXFP4 experts (gpt-oss)
 DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
+PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
+                    "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM",
                     "GraniteMoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
                     "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen3VLForConditionalGeneration"}
+                    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
 
 
 class _BrokenModelPlugin:

@@ -45,17 +45,20 @@ PLAIN_ACTIVATIONS = {
 
 class PlainMLP(nn.Module):
     """down_proj(act(up_proj(x))): no gate, `act` one of PLAIN_ACTIVATIONS applied in x.dtype elementwise (so it
-    runs as it is on every device and on each tensor-parallel rank's slice of the intermediate features)."""
+    runs as it is on every device and on each tensor-parallel rank's slice of the intermediate features), or an
+    elementwise module with learned scalars (Apertus' xIELU), held as `act_fn` as checkpoints name it."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str, ops: Any,
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str | nn.Module, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        if activation not in PLAIN_ACTIVATIONS:
+        learned = isinstance(activation, nn.Module)
+        if not learned and activation not in PLAIN_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(PLAIN_ACTIVATIONS)}")
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, ops, dtype, device, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, ops, dtype, device, tp_rank, tp_size)
-        self.activation = activation
-        self._act = PLAIN_ACTIVATIONS[activation]
+        self.act_fn = activation if learned else None
+        self.activation = type(activation).__name__ if learned else activation
+        self._act = activation.forward if learned else PLAIN_ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, hidden) -> (T, hidden)."""

@@ -29,15 +29,19 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """LayerNorm with a learned (hidden_size,) scale and, unless `bias` is false (Cohere), a (hidden_size,) shift;
-    see `flashllm.ops.layer_norm` for numerics. Called like RMSNorm, the residual add fused in."""
+    see `flashllm.ops.layer_norm` for numerics. Called like RMSNorm, the residual add fused in. Without `weight`
+    (OLMo's non-parametric norms) the scale is a fixed unit buffer, exact in the op, that no checkpoint holds."""
 
     def __init__(self, hidden_size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device,
-                 bias: bool = True) -> None:
+                 bias: bool = True, weight: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self._layer_norm = ops.layer_norm
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        if not weight:
+            self.register_buffer("weight", torch.ones(hidden_size, dtype=dtype, device=device), persistent=False)
+        else:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+            self.weight.weight_loader = default_weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
