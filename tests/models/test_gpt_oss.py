@@ -107,9 +107,11 @@ def mxfp4_dir(tmp_path_factory) -> Path:
 def test_mxfp4_experts_stay_blocks_and_run_as_transformers_dequantizes_them(mxfp4_dir, backend) -> None:
     """One rank keeps each expert's MXFP4 projections as exact int8 blocks (twice the e2m1 values, power-of-two
     scales per 32), gate rows then up; the engine's tokens and logits are transformers' on its dequantized model."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    hf_model = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32).eval()
+    # dequantize=True: transformers >= 5.25 otherwise fetches its MXFP4 kernels from the Hub
+    hf_model = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32,
+                                                    quantization_config=Mxfp4Config(dequantize=True)).eval()
     llm = LLM(str(mxfp4_dir), dtype="float32", device="cpu", backend=backend, block_size=16, max_model_len=256,
               num_kv_blocks=64)
     experts = llm.engine.parts.model.model.layers[0].mlp.experts
