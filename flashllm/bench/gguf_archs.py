@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 
 from flashllm.bench import (
+    gguf_apertus,
     gguf_arcee,
     gguf_bloom,
     gguf_chatglm,
     gguf_cohere,
     gguf_deepseek,
+    gguf_dots1,
     gguf_ernie,
     gguf_exaone4,
     gguf_falcon,
@@ -25,8 +27,10 @@ from flashllm.bench import (
     gguf_gpt_oss,
     gguf_gptneox,
     gguf_granite,
+    gguf_hunyuan_moe,
     gguf_moe,
     gguf_nemotron,
+    gguf_olmo,
     gguf_olmoe,
     gguf_phi2,
     gguf_phi3,
@@ -58,6 +62,8 @@ class ArchSpec:
     generic ones.
     feed_forward_length: (config) -> the `feed_forward_length` the converter writes, where it is not the config's
     intermediate_size (QWen's twice the projections' width).
+    checkpoint_hparams: (GGUFWriter, model directory, config) -> None, metadata the converter takes from checkpoint
+    tensors (Apertus' per-layer xIELU scalars); raises ValueError for a checkpoint lacking them.
     """
 
     gguf_arch: str
@@ -71,6 +77,7 @@ class ArchSpec:
     transform: Callable[[list[Any], Any], Iterator[Any]] | None = None
     latent_heads: bool = False
     feed_forward_length: Callable[[Any], int] | None = None
+    checkpoint_hparams: Callable[[Any, Any, Any], None] | None = None
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -89,6 +96,7 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_qwen_vl.QWEN3VL_ARCHITECTURE: ArchSpec("qwen3vl", permute_qk=False, check=gguf_qwen_vl.check_qwen3vl,
                                                 add_hparams=gguf_qwen_vl.add_hparams,
                                                 transform=gguf_qwen_vl.language_model),
+    gguf_olmo.ARCHITECTURE: ArchSpec("olmo", permute_qk=True, check=gguf_olmo.check, add_hparams=gguf_olmo.add_hparams),
     "Olmo2ForCausalLM": ArchSpec("olmo2", permute_qk=False,
                                  layer_names={module: part for part, module in OLMO2_LAYER_NAMES.items()}),
     gguf_exaone4.ARCHITECTURE: ArchSpec("exaone4", permute_qk=False, layer_names=gguf_exaone4.LAYER_NAMES,
@@ -98,12 +106,18 @@ ARCHS: dict[str, ArchSpec] = {
                                          check=gguf_seed_oss.check),
     gguf_starcoder2.ARCHITECTURE: ArchSpec("starcoder2", permute_qk=False, layer_names=gguf_starcoder2.LAYER_NAMES,
                                            check=gguf_starcoder2.check, add_hparams=gguf_starcoder2.add_hparams),
+    gguf_apertus.ARCHITECTURE: ArchSpec("apertus", permute_qk=False, layer_names=gguf_apertus.LAYER_NAMES,
+                                        check=gguf_apertus.check, transform=gguf_apertus.transform,
+                                        checkpoint_hparams=gguf_apertus.checkpoint_hparams),
     gguf_arcee.ARCHITECTURE: ArchSpec("arcee", permute_qk=True, check=gguf_arcee.check, add_hparams=gguf_arcee.add_hparams,
                                       rope_types=("yarn",)),
     # Hunyuan dense: its query / key norms under llama.cpp's names; the NTK alpha is already in rope_theta
     "HunYuanDenseV1ForCausalLM": ArchSpec("hunyuan-dense", permute_qk=False,
                                           layer_names={"self_attn.query_layernorm": "attn_q_norm",
                                                        "self_attn.key_layernorm": "attn_k_norm"}),
+    gguf_hunyuan_moe.ARCHITECTURE: ArchSpec("hunyuan-moe", permute_qk=False, layer_names=gguf_hunyuan_moe.LAYER_NAMES,
+                                            check=gguf_hunyuan_moe.check, add_hparams=gguf_hunyuan_moe.add_hparams,
+                                            transform=gguf_moe.stack_experts),
     gguf_nemotron.ARCHITECTURE: ArchSpec("nemotron", permute_qk=False, norm_shift=gguf_nemotron.NORM_SHIFT,
                                          add_hparams=gguf_nemotron.add_hparams),
     "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", permute_qk=False, transform=gguf_moe.stack_experts),
@@ -161,6 +175,9 @@ ARCHS: dict[str, ArchSpec] = {
     gguf_gpt_oss.ARCHITECTURE: ArchSpec("gpt-oss", permute_qk=False, layer_names=gguf_gpt_oss.LAYER_NAMES,
                                         check=gguf_gpt_oss.check, add_hparams=gguf_gpt_oss.add_hparams,
                                         rope_types=("yarn",), transform=gguf_gpt_oss.transform),
+    gguf_dots1.ARCHITECTURE: ArchSpec("dots1", permute_qk=False, layer_names=gguf_dots1.LAYER_NAMES,
+                                      check=gguf_dots1.check, add_hparams=gguf_dots1.add_hparams,
+                                      transform=gguf_dots1.transform),
     gguf_glm4moe.ARCHITECTURE: ArchSpec("glm4moe", permute_qk=False, layer_names=gguf_glm4moe.LAYER_NAMES,
                                         check=gguf_glm4moe.check, add_hparams=gguf_glm4moe.add_hparams,
                                         transform=gguf_glm4moe.transform),

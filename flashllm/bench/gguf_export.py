@@ -131,6 +131,11 @@ def export_gguf(model_dir: Path, out_path: Path, file_type: str = "f32") -> Path
     tensors = _plan_tensors(model_dir, config, spec, file_type, gguf)
     writer = gguf.GGUFWriter(None, spec.gguf_arch)
     _add_hparams(writer, config, spec, file_type, gguf)
+    if spec.checkpoint_hparams is not None:
+        try:
+            spec.checkpoint_hparams(writer, model_dir, config)
+        except ValueError as exc:
+            raise GGUFExportError(str(exc)) from exc
     _add_vocab(writer, model_dir, config, gguf)
     for t in tensors:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)

@@ -13,6 +13,8 @@ every published checkpoint's)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any, ClassVar
 
 import torch
@@ -123,3 +125,15 @@ class ApertusForCausalLM(LlamaForCausalLM):
                     qkv_bias: bool, o_bias: bool, tp_rank: int, tp_size: int) -> ApertusModel:
         """Llama's stack with xIELU MLPs."""
         return ApertusModel(config, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """LlamaForCausalLM.load_weights, first taking each layer's xIELU scalars from config fields `xielu_alpha_p`,
+        `xielu_alpha_n`, `xielu_beta` and `xielu_eps` (one value per layer) where the config has them: a GGUF file
+        keeps them as metadata, not tensors (models/gguf/apertus.py). Checkpoint tensors of the same names follow,
+        and win."""
+        return super().load_weights(chain(self._config_scalars(), weights))
+
+    def _config_scalars(self) -> Iterator[tuple[str, Tensor]]:
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            for layer, value in enumerate(self.config.raw.get(f"xielu_{name}") or ()):
+                yield f"model.layers.{layer}.mlp.act_fn.{name}", torch.tensor(float(value))

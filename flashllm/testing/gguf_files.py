@@ -314,9 +314,9 @@ def round_trip_copy(source: Path, out: Path, types: dict[str, str] | Callable[[s
 def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], Any],
                    values: dict[str, Any] | None = None, dropped: tuple[str, ...] = ()) -> Path:
     """A copy of the GGUF file `path`: its metadata as is, except keys in `values` (their new values, same types; a
-    key the file lacks is added, typed as write_gguf's metadata) and keys ending in `dropped` (left out); its tensors
-    as tensors(name -> the reader's tensor) yields them, (name, numpy data, GGML type or None for a float array's own)
-    in order."""
+    key the file lacks, or one also in `dropped`, is added, typed as write_gguf's metadata) and keys ending in
+    `dropped` (left out); its tensors as tensors(name -> the reader's tensor) yields them, (name, numpy data, GGML
+    type or None for a float array's own) in order."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -328,7 +328,7 @@ def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], An
         writer.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0],
                              sub_type=field.types[-1] if array else None)
     for key, value in (values or {}).items():
-        if key not in reader.fields:
+        if key not in reader.fields or key.endswith(dropped):  # dropped and given: retyped as write_gguf's metadata
             _add_value(writer, key, value)
     for name, data, kind in tensors({t.name: t for t in reader.tensors}):
         writer.add_tensor(name, data, raw_dtype=kind)
@@ -337,6 +337,19 @@ def rewritten_copy(path: Path, out: Path, tensors: Callable[[dict[str, Any]], An
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def edited_copy(path: Path, out: Path, *, left_out: tuple[str, ...] = (), extra: Any = (),
+                values: dict[str, Any] | None = None, dropped: tuple[str, ...] = ()) -> Path:
+    """A copy of the GGUF file `path` (rewritten_copy) without the tensors whose names end in `left_out`, with the
+    (name, numpy data, GGML type or None) tensors of `extra` appended, metadata `values` and `dropped` as there."""
+    def tensors(stored: dict[str, Any]) -> Any:
+        for name, tensor in stored.items():
+            if not name.endswith(left_out):
+                yield name, np.array(tensor.data), tensor.tensor_type
+        yield from extra
+
+    return rewritten_copy(path, out, tensors, values=values, dropped=dropped)
 
 
 def retyped_copy(path: Path, out: Path, types: dict[str, str]) -> Path:

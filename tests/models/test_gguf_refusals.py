@@ -118,7 +118,7 @@ def _corpus(valid: bytes, tmp: Path) -> dict[str, tuple[bytes, str]]:
                                                            1 << 32), "claims 18446744073709551616 elements"),
         "rows not whole blocks": (_patch(valid, q["dims"], "Q", 48), "not a multiple of its 32-value blocks"),
         "unsupported architecture": (_rewrite(tmp, "rwkv6"), "architecture 'rwkv6' is not supported; supported: "
-                                                              "arcee, baichuan, bloom, chatglm, cohere2, command-r, deepseek2, .*, llama, "),
+                                                              "apertus, arcee, baichuan, bloom, chatglm, cohere2, command-r, deepseek2, .*, llama, "),
         "vocabulary larger than the embedding": (_rewrite(tmp, tokens=20), "20 tokens but the embedding only 16"),
         "vocab_size disagrees with the embedding": (_rewrite(tmp, extra=lambda w: w.add_vocab_size(99)),
                                                     "vocab_size metadata 99 differs"),

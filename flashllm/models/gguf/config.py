@@ -1,6 +1,6 @@
 """GGUF architecture metadata -> the config.json dict flashllm's architectures parse (llama, qwen, qwen2, qwen3,
-baichuan, smollm3, starcoder2, gpt2, starcoder, falcon, bloom, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo2, qwen2vl, qwen3vl, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
-granitemoe, deepseek2, glm4moe, ernie4_5-moe, olmoe)."""
+apertus, baichuan, smollm3, starcoder2, gpt2, starcoder, falcon, bloom, arcee, nemotron, phi2, command-r, cohere2, gptneox, stablelm, hunyuan-dense, olmo, olmo2, qwen2vl, qwen3vl, exaone4, gemma, gemma2, gemma3, granite, phi3, chatglm, glm4, ernie4_5 and the mixture-of-experts Mixtral, qwen2moe, qwen3moe,
+granitemoe, deepseek2, glm4moe, dots1, hunyuan-moe, ernie4_5-moe, olmoe)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import numpy as np
 
 from flashllm.models.errors import ModelLoadError
 from flashllm.models.gguf import (
+    apertus,
     arcee,
     bloom,
     chatglm,
     cohere,
     deepseek2,
+    dots1,
     ernie,
     exaone4,
     falcon,
@@ -29,7 +31,9 @@ from flashllm.models.gguf import (
     gptneox,
     granite,
     hunyuan,
+    hunyuan_moe,
     nemotron,
+    olmo,
     olmo2,
     olmoe,
     phi2,
@@ -115,6 +119,7 @@ ARCHITECTURES: dict[str, ArchMap] = {
                      config_fields=gemma3.gemma_config_fields),
     "gemma2": ArchMap("Gemma2ForCausalLM", "gemma2", permute_qk=False, norm_offset=gemma3.NORM_OFFSET,
                       layer_names=gemma3.LAYER_NAMES, config_fields=gemma3.gemma2_config_fields),
+    olmo.ARCH: ArchMap("OlmoForCausalLM", "olmo", permute_qk=True, config_fields=olmo.olmo_config_fields),
     "olmo2": ArchMap("Olmo2ForCausalLM", "olmo2", permute_qk=False, layer_names=olmo2.LAYER_NAMES,
                      config_fields=olmo2.olmo2_config_fields),
     olmoe.ARCH: ArchMap("OlmoeForCausalLM", "olmoe", permute_qk=False, config_fields=olmoe.olmoe_config_fields),
@@ -123,9 +128,13 @@ ARCHITECTURES: dict[str, ArchMap] = {
     "smollm3": ArchMap("SmolLM3ForCausalLM", "smollm3", permute_qk=True, config_fields=smollm3.smollm3_config_fields),
     "seed_oss": ArchMap("SeedOssForCausalLM", "seed_oss", permute_qk=False, layer_names=seed_oss.LAYER_NAMES,
                         config_fields=seed_oss.seed_oss_config_fields),
+    apertus.ARCH: ArchMap("ApertusForCausalLM", "apertus", permute_qk=False,
+                          config_fields=apertus.apertus_config_fields),
     arcee.ARCH: ArchMap("ArceeForCausalLM", "arcee", permute_qk=True, config_fields=arcee.arcee_config_fields),
     hunyuan.ARCH: ArchMap("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", permute_qk=False,
                           config_fields=hunyuan.hunyuan_config_fields),
+    hunyuan_moe.ARCH: ArchMap("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe", permute_qk=False,
+                              layer_names=hunyuan_moe.LAYER_NAMES, config_fields=hunyuan_moe.hunyuan_moe_config_fields),
     nemotron.ARCH: ArchMap("NemotronForCausalLM", "nemotron", permute_qk=False, norm_offset=nemotron.NORM_OFFSET,
                            config_fields=nemotron.nemotron_config_fields, partial_rotary=True),
     starcoder2.ARCH: ArchMap("Starcoder2ForCausalLM", "starcoder2", permute_qk=False, layer_names=starcoder2.LAYER_NAMES,
@@ -167,6 +176,8 @@ ARCHITECTURES: dict[str, ArchMap] = {
                             layer_params=ernie.MOE_LAYER_PARAMS),
     gpt_oss.ARCH: ArchMap("GptOssForCausalLM", "gpt_oss", permute_qk=False, layer_names=gpt_oss.LAYER_NAMES,
                           config_fields=gpt_oss.gpt_oss_config_fields, layer_params=gpt_oss.LAYER_PARAMS),
+    dots1.ARCH: ArchMap("Dots1ForCausalLM", "dots1", permute_qk=False, layer_names=dots1.LAYER_NAMES,
+                        config_fields=dots1.dots1_config_fields, layer_params=dots1.LAYER_PARAMS),
     "glm4moe": ArchMap("Glm4MoeForCausalLM", "glm4_moe", permute_qk=False, layer_names=glm4moe.LAYER_NAMES,
                        config_fields=glm4moe.glm4moe_config_fields, partial_rotary=True,
                        layer_params=glm4moe.LAYER_PARAMS, appended_layers=True),
