@@ -9,6 +9,7 @@ from flashllm.registry.hookspecs import hookimpl
 
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "flashllm.models.llama:LlamaForCausalLM",
+    "MinistralForCausalLM": "flashllm.models.mistral:MinistralForCausalLM",
     "MistralForCausalLM": "flashllm.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "flashllm.models.mixtral:MixtralForCausalLM",
     "GptOssForCausalLM": "flashllm.models.gpt_oss:GptOssForCausalLM",
@@ -22,6 +23,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "FalconForCausalLM": "flashllm.models.falcon:FalconForCausalLM",  # Falcon-7B/40B/180B, Falcon2-11B, Falcon-RW
     "GPTBigCodeForCausalLM": "flashllm.models.gpt_bigcode:GPTBigCodeForCausalLM",  # StarCoder 1, SantaCoder
     "GPT2LMHeadModel": "flashllm.models.gpt2:GPT2LMHeadModel",  # gpt2, distilgpt2, gpt2-medium / large / xl
+    "OPTForCausalLM": "flashllm.models.opt:OPTForCausalLM",  # facebook/opt-125m..66b, OPT-IML
+    "GPTNeoForCausalLM": "flashllm.models.gpt_neo:GPTNeoForCausalLM",  # EleutherAI gpt-neo-125M / 1.3B / 2.7B
+    "XGLMForCausalLM": "flashllm.models.xglm:XGLMForCausalLM",  # facebook/xglm-564M..7.5B
     "Phi3ForCausalLM": "flashllm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "flashllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
@@ -47,6 +51,15 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "flashllm.models.text_only:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "flashllm.models.text_only:Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration": "flashllm.models.text_only:Qwen3VLMoeForConditionalGeneration",
+    "LlavaForConditionalGeneration": "flashllm.models.text_only_more:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "flashllm.models.text_only_more:LlavaNextForConditionalGeneration",
+    "Glm4vForConditionalGeneration": "flashllm.models.text_only_more:Glm4vForConditionalGeneration",  # GLM-4.1V
+    "Glm4vMoeForConditionalGeneration": "flashllm.models.text_only_more:Glm4vMoeForConditionalGeneration",  # 4.5V
+    "InternVLForConditionalGeneration": "flashllm.models.text_only_more:InternVLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "flashllm.models.text_only_more:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "flashllm.models.text_only_more:SmolVLMForConditionalGeneration",
+    "AyaVisionForConditionalGeneration": "flashllm.models.text_only_more:AyaVisionForConditionalGeneration",
+    "Cohere2VisionForConditionalGeneration": "flashllm.models.text_only_more:Cohere2VisionForConditionalGeneration",
     "OlmoForCausalLM": "flashllm.models.olmo:OlmoForCausalLM",  # OLMo-1B/7B-hf, OLMo-7B-0424/0724-hf
     "Olmo2ForCausalLM": "flashllm.models.olmo2:Olmo2ForCausalLM",
     "HeliumForCausalLM": "flashllm.models.helium:HeliumForCausalLM",  # kyutai/helium-1-2b
@@ -57,6 +70,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "Cohere2ForCausalLM": "flashllm.models.cohere:Cohere2ForCausalLM",
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
+    "PersimmonForCausalLM": "flashllm.models.persimmon:PersimmonForCausalLM",
+    "GraniteMoeSharedForCausalLM": "flashllm.models.granite_moe:GraniteMoeSharedForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
     "ChatGLMForConditionalGeneration": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
@@ -64,6 +79,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
     "Glm4MoeForCausalLM": "flashllm.models.glm4_moe:Glm4MoeForCausalLM",  # GLM-4.5 / 4.6
     "Dots1ForCausalLM": "flashllm.models.dots1:Dots1ForCausalLM",  # rednote-hilab dots.llm1
+    "PhimoeForCausalLM": "flashllm.models.phimoe:PhimoeForCausalLM",  # transformers' name
+    "PhiMoEForCausalLM": "flashllm.models.phimoe:PhimoeForCausalLM",  # Phi-3.5-MoE-instruct's config.json
+    "DbrxForCausalLM": "flashllm.models.dbrx:DbrxForCausalLM",  # databricks/dbrx-base, dbrx-instruct
+    "Llama4ForCausalLM": "flashllm.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "flashllm.models.llama4:Llama4ForConditionalGeneration",  # Scout / Maverick
     "Ernie4_5ForCausalLM": "flashllm.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "flashllm.models.ernie4_5:Ernie4_5_MoeForCausalLM",
     "BaichuanForCausalLM": "flashllm.models.baichuan:BaichuanForCausalLM",

@@ -40,9 +40,9 @@ GPT_BIGCODE_DEFAULTS: dict[str, Any] = {
 GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
               "n_positions": "max_position_embeddings"}
 # what the view handed to parse_llama_config must not inherit from config.json: sizes it derives, rope and windows
-_NOT_READ = ("num_key_value_heads", "head_dim", "intermediate_size", "rope_scaling", "rope_parameters", "rope_theta",
-             "partial_rotary_factor", "sliding_window", "use_sliding_window", "layer_types", "attention_bias",
-             "mlp_bias", "rms_norm_eps", "hidden_act")
+UNREAD_LLAMA_FIELDS = ("num_key_value_heads", "head_dim", "intermediate_size", "rope_scaling", "rope_parameters",
+                       "rope_theta", "partial_rotary_factor", "sliding_window", "use_sliding_window", "layer_types",
+                       "attention_bias", "mlp_bias", "rms_norm_eps", "hidden_act")
 FUSED_C_ATTN = re.compile(r"(.*\.attn)\.c_attn\.(weight|bias)")  # each layer's fused q / k / v: (prefix, weight or bias)
 
 
@@ -63,7 +63,7 @@ def gpt2_style_fields(raw: dict[str, Any], defaults: dict[str, Any], family: str
     if flag(fields, "add_cross_attention", source):
         raise ModelLoadError(f"{source}: add_cross_attention=true is an encoder-decoder's cross-attention; flashllm "
                              f"runs {family} as a decoder only (set it false)")
-    view = {key: value for key, value in fields.items() if key not in _NOT_READ}
+    view = {key: value for key, value in fields.items() if key not in UNREAD_LLAMA_FIELDS}
     hidden, inner = fields["n_embd"], fields["n_inner"]
     view |= {alias: fields[name] for name, alias in GPT2_NAMES.items()}
     view |= {"intermediate_size": 4 * hidden if inner is None and isinstance(hidden, int) else inner,

@@ -22,7 +22,14 @@ from flashllm.models.layers.moe import FusedMoE, RouterLinear, SparseMoeBlock, e
 from flashllm.models.layers.norm import RMSNorm
 from flashllm.models.layers.packed_experts import dequantized_experts
 from flashllm.models.layers.rotary import RotaryEmbedding
-from flashllm.models.llama import HiddenTaps, LlamaAttention, head_norms, plain_head_norms, run_decoder_stack
+from flashllm.models.llama import (
+    HiddenTaps,
+    LlamaAttention,
+    LlamaModel,
+    head_norms,
+    plain_head_norms,
+    run_decoder_stack,
+)
 from flashllm.models.llama_config import LlamaModelConfig, parse_llama_config
 from flashllm.registry.fusions import (
     DECODER_STACK,
@@ -128,13 +135,14 @@ class MoEDecoderLayer(PreNormBlock):
 
     def __init__(self, config: MoEModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, mlp: nn.Module,
                  ops: Any, dtype: torch.dtype, device: torch.device, qkv_bias: bool, o_bias: bool,
-                 tp_rank: int = 0, tp_size: int = 1, attention_class: type[LlamaAttention] = LlamaAttention) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, attention_class: type[LlamaAttention] = LlamaAttention,
+                 norm_class: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, qkv_bias, o_bias,
                                          tp_rank, tp_size)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
 
 
@@ -143,24 +151,25 @@ MakeMLP = Callable[[MoEModelConfig, int], nn.Module]
 
 
 class MoEModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix); layer i's MLP from make_mlp."""
+    """Embedding, decoder layers and final norm (HF's `model.` prefix); layer i's MLP from make_mlp. A subclass may
+    set another `norm_class` for every norm (PhiMoE's LayerNorm) and build its own rotary table (build_rotary)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
+    build_rotary = staticmethod(LlamaModel.build_rotary)
 
     def __init__(self, config: MoEModelConfig, make_mlp: MakeMLP, ops: Any, dtype: torch.dtype, device: torch.device,
                  qkv_bias: bool, o_bias: bool, tp_rank: int = 0, tp_size: int = 1,
                  attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, ops, device,
-                                          is_neox=not config.rope_interleaved)
+        self.rotary_emb = self.build_rotary(config, ops, device)
         self.layers = nn.ModuleList(
             MoEDecoderLayer(config, i, self.rotary_emb, make_mlp(config, i), ops, dtype, device, qkv_bias, o_bias,
-                            tp_rank, tp_size, attention_class)
+                            tp_rank, tp_size, attention_class, self.norm_class)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -190,6 +199,8 @@ class MixtralForCausalLM(CausalLM):
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
     # each layer's attention block (gpt-oss's adds sinks)
     attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # the decoder stack (PhiMoE's LayerNorm / LongRoPE one)
+    stack_class: ClassVar[type[MoEModel]] = MoEModel
 
     def __init__(self, config: MoEModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -200,8 +211,8 @@ class MixtralForCausalLM(CausalLM):
         def layer_mlp(cfg: MoEModelConfig, layer_idx: int) -> nn.Module:
             return self.make_mlp(cfg, layer_idx, ops, dtype, device, tp_rank, tp_size)
 
-        self.model = MoEModel(config, layer_mlp, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size,
-                              self.attention_class)
+        self.model = self.stack_class(config, layer_mlp, ops, dtype, device, qkv_bias, o_bias, tp_rank, tp_size,
+                                      self.attention_class)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -181,15 +181,18 @@ class MptForCausalLM(BloomForCausalLM):
         return split_wqkv(transformer_prefixed(weights), self.config.num_attention_heads * self.config.head_dim)
 
 
-def split_wqkv(weights: Iterable[tuple[str, Tensor]], size: int) -> Iterator[tuple[str, Tensor]]:
-    """`<block>.attn.Wqkv.weight` (rows: all q, then all k, then all v, `size` each) -> `<block>.attn.{q,k,v}_proj
-    .weight` (unread views); every other tensor passes through. Raises ModelLoadError naming a Wqkv of another size."""
+def split_wqkv(weights: Iterable[tuple[str, Tensor]], size: int,
+               kv_size: int | None = None) -> Iterator[tuple[str, Tensor]]:
+    """`<block>.attn.Wqkv.weight` (rows: all q, then all k, then all v, `size` each; k and v `kv_size` each where
+    given: DBRX's grouped keys) -> `<block>.attn.{q,k,v}_proj.weight` (unread views); every other tensor passes
+    through. Raises ModelLoadError naming a Wqkv of another size."""
+    sizes = (size, size, size) if kv_size is None else (size, kv_size, kv_size)
     for name, tensor in weights:
         match = _WQKV.fullmatch(name)
         if match is None:
             yield name, tensor
             continue
         prefix, kind = match.groups()
-        for part, rows in zip(("q_proj", "k_proj", "v_proj"), split_output_features(name, tensor, (size,) * 3, None),
+        for part, rows in zip(("q_proj", "k_proj", "v_proj"), split_output_features(name, tensor, sizes, None),
                               strict=True):
             yield f"{prefix}.attn.{part}.{kind}", rows

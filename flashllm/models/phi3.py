@@ -106,18 +106,27 @@ def _sliding_windows(raw: dict[str, Any], config: LlamaModelConfig, source: str)
     return (window,) * config.num_hidden_layers
 
 
+def longrope_rows(config: LlamaModelConfig, long: bool, num_positions: int) -> Tensor:
+    """(num_positions, rotary_dim) fp32 [cos | sin] of one LongRoPE factor set (long or short), times its attention
+    factor: longrope_inv_freq's, or the set's own where rope_scaling holds "mscales" (short, long) (PhiMoE's
+    short_mscale / long_mscale, models/phimoe.py)."""
+    scaling = config.rope_scaling or {}
+    inv_freq, factor = longrope_inv_freq(config.rotary_dim, config.rope_theta, scaling,
+                                         config.max_position_embeddings, long)
+    mscales = scaling.get("mscales")
+    return cos_sin_rows(inv_freq, factor if mscales is None else mscales[long], num_positions)
+
+
 class LongRopeRotaryEmbedding(RotaryEmbedding):
     """LongRoPE's two tables in one cos_sin_cache: rows [0, O) the short set's positions 0..O-1, rows
     [O, O + max_position) the long set's positions 0..max_position-1 (O = original_max_position_embeddings).
     forward() takes rows (table_rows maps positions to them); both tables carry the attention factor."""
 
     def __init__(self, config: LlamaModelConfig, ops: Any, device: torch.device) -> None:
-        scaling, dim, theta = config.rope_scaling or {}, config.rotary_dim, config.rope_theta
-        original = int(scaling["original_max_position_embeddings"])
+        original = int((config.rope_scaling or {})["original_max_position_embeddings"])
         max_position = config.max_position_embeddings
-        tables = [cos_sin_rows(*longrope_inv_freq(dim, theta, scaling, max_position, long=False), original),
-                  cos_sin_rows(*longrope_inv_freq(dim, theta, scaling, max_position, long=True), max_position)]
-        super().__init__(config.head_dim, dim, max_position, theta, None, ops, device,
+        tables = [longrope_rows(config, False, original), longrope_rows(config, True, max_position)]
+        super().__init__(config.head_dim, config.rotary_dim, max_position, config.rope_theta, None, ops, device,
                          cos_sin_cache=torch.cat(tables))
         self.original = original
 
@@ -152,10 +161,8 @@ class ShortRopeStack(LlamaModel):
     def build_rotary(config: LlamaModelConfig, ops: Any, device: torch.device) -> RotaryEmbedding:
         """The short set's table over every position."""
         max_position = config.max_position_embeddings
-        inv_freq, factor = longrope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling or {},
-                                             max_position, long=False)
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_position, config.rope_theta, None, ops,
-                               device, cos_sin_cache=cos_sin_rows(inv_freq, factor, max_position))
+                               device, cos_sin_cache=longrope_rows(config, False, max_position))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -41,7 +41,7 @@ def parse_qwen2_moe_config(raw: dict[str, Any], source: str = "config.json") -> 
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=positive_int(raw, "moe_intermediate_size", 1408, MAX_INTERMEDIATE_SIZE, source),
-        shared_expert_intermediate_size=_non_negative(raw, "shared_expert_intermediate_size", 5632, source),
+        shared_expert_intermediate_size=non_negative_size(raw, "shared_expert_intermediate_size", 5632, source),
         norm_topk_prob=flag(raw, "norm_topk_prob", source),
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(base.num_hidden_layers)),
         qkv_bias=flag(raw, "qkv_bias", source) if "qkv_bias" in raw else True,
@@ -60,7 +60,8 @@ def _mlp_only_layers(raw: dict[str, Any], num_layers: int, source: str) -> froze
     return frozenset(value)
 
 
-def _non_negative(raw: dict[str, Any], key: str, default: int, source: str) -> int:
+def non_negative_size(raw: dict[str, Any], key: str, default: int, source: str) -> int:
+    """`raw[key]` as a feature count, 0 (none) or positive up to MAX_INTERMEDIATE_SIZE; `default` when absent."""
     value = raw.get(key, default)
     if value == 0 and not isinstance(value, bool):
         return 0

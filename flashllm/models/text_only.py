@@ -31,10 +31,11 @@ from flashllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 # checkpoint prefixes of the parts a text-only model never runs (every layout)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                   "visual.", "model.visual.")
+                   "visual.", "model.visual.", "vision_model.", "model.vision_model.", "image_newline",
+                   "model.image_newline", "model.connector.")  # LLaVA-NeXT's row separator, Idefics3's connector
 # the language model's prefixes in either layout -> flashllm's
 LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                     ("language_model.lm_head.", "lm_head."))
+                     ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))  # last: Idefics3
 # top-level config.json fields that describe the checkpoint rather than one tower: the text model inherits them.
 # tie_word_embeddings too where the top level states it (transformers 5 ties the head by the top level's and saves no
 # lm_head then); where it does not (the Hub's older files), the text config's says, as the saved tensors agree
@@ -244,15 +245,18 @@ class Qwen3VLMoeForConditionalGeneration(TextOnly, Qwen3MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """TextOnly's load_weights with the Hub's transposed fused experts turned to flashllm's stacking."""
-        return super().load_weights(self._experts_stacked(weights))
+        return super().load_weights(stacked_experts(weights, self.config.hidden_size,
+                                                    self.config.moe_intermediate_size))
 
-    def _experts_stacked(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """Each fused expert tensor as (E, out, in): transposed where its shape is not that already, as transformers
-        decides (a tensor whose two last sizes are equal reads as already stacked)."""
-        hidden, inter = self.config.hidden_size, self.config.moe_intermediate_size
-        stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
-        for name, tensor in weights:
-            expected = stacked.get(name.rpartition(".")[2]) if ".mlp.experts." in name else None
-            if expected is not None and tuple(tensor.shape[1:]) != expected:
-                tensor = materialize(tensor).transpose(1, 2)  # read whole: each rank's slice is strided
-            yield name, tensor
+
+def stacked_experts(weights: Iterable[tuple[str, Tensor]], hidden: int, inter: int,
+                    marker: str = ".mlp.experts.") -> Iterator[tuple[str, Tensor]]:
+    """Each fused expert tensor (`gate_up_proj` / `down_proj` of a module whose name holds `marker`) as (E, out, in):
+    transposed where its shape is not that already, as transformers decides (a tensor whose two last sizes are equal
+    reads as already stacked). hidden, inter: the model's and each expert's intermediate features."""
+    stacked = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+    for name, tensor in weights:
+        expected = stacked.get(name.rpartition(".")[2]) if marker in name else None
+        if expected is not None and tuple(tensor.shape[1:]) != expected:
+            tensor = materialize(tensor).transpose(1, 2)  # read whole: each rank's slice is strided
+        yield name, tensor

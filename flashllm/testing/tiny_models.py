@@ -78,6 +78,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
         "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 8,
         "layer_types": ["full_attention", "sliding_attention", "full_attention"], **_PHI3_IDS}),
+    # Llama 4: layer 3 NoPE (interval 4) with a query temperature that steps every 16 positions (x 0.5), the RoPE
+    # layers (adjacent pairs, llama3-scaled past 64) L2-normed after RoPE; layers 1 and 3 MoE (step 2): top-1 of 4
+    # sigmoid-scored experts (48 wide, unequal to hidden so the fused layout shows) and a shared one, dense 96 wide;
+    # 64-token chunks on the RoPE layers, so the tests' longer prompts cross chunk boundaries
+    "llama4": ("Llama4ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 48, "intermediate_size_mlp": 96,
+        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
+        "floor_scale": 16, "attn_scale": 0.5,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **_PHI3_IDS}),
     # StarCoder 2: biased LayerNorms, an ungated tanh-GELU MLP and biases on every projection (use_bias), tied
     # embeddings, a sliding window (8) on every layer shorter than most test prompts
     "starcoder2": ("Starcoder2ForCausalLM", {"sliding_window": 8, "norm_epsilon": 1e-5, **_PHI3_IDS}),
@@ -141,6 +151,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-2: GPTBigCode's block with multi-head attention, its projections stored as transposed Conv1D weights and
     # c_attn's rows [q | k | v]; gelu_new, the 4 x n_embd MLP (GPT2Config ignores TINY_BASE's intermediate_size)
     "gpt2": ("GPT2LMHeadModel", {**_PHI3_IDS}),
+    # OPT (opt-125m's pre-norm block): learned positions read at position + 2, separate biased q / k / v / out_proj,
+    # a biased ffn_dim-wide ReLU MLP (OPTConfig ignores TINY_BASE's intermediate_size), a head tied to the embeddings
+    "opt": ("OPTForCausalLM", {"ffn_dim": 96}),
+    # GPT-Neo: GPT-2's block with separate unbiased q / k / v and unscaled scores; a global then a local layer
+    # (window 8, shorter than most test prompts), gelu_new, TINY_BASE's intermediate_size, a head tied to wte
+    "gpt_neo": ("GPTNeoForCausalLM", {"attention_types": [[["global", "local"], 1]], "window_size": 8, **_PHI3_IDS}),
+    # XGLM: OPT's pre-norm block with sinusoidal positions (offset 2) and embeddings x sqrt(d_model); ffn_dim wide GELU
+    "xglm": ("XGLMForCausalLM", {"ffn_dim": 96}),
     # BLOOM: ALiBi over 6 heads (not a power of two: 4 geometric slopes, then 2 from the 8-head sequence), the normed
     # embedding, q / k / v fused per head in one biased query_key_value, a 4 x hidden tanh-GELU MLP, tied embeddings;
     # BloomConfig ignores TINY_BASE's intermediate_size / num_key_value_heads / max_position_embeddings
@@ -164,6 +182,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                          "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]},
         **_PHI3_IDS,
     }),
+    # Persimmon: q / k / v fused per head with biases, biased LayerNorms on every query and key head, RoPE over half
+    # of each head (base 25000, persimmon-8b's), a biased relu2 MLP; PersimmonConfig ignores num_key_value_heads
+    "persimmon": ("PersimmonForCausalLM", {"rope_theta": 25000.0, "intermediate_size": 96}),
+    # Ministral: a window of 8 on layers 0 and 2 only (layer_types), full attention on layer 1; head_dim explicit
+    # (transformers' Ministral cannot run without one) and not hidden / heads
+    "ministral": ("MinistralForCausalLM", {
+        "num_hidden_layers": 3, "sliding_window": 8, "head_dim": 32,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    }),
     # every multiplier far from 1 and from what Llama would use: embeddings x 12, branch outputs x 0.22, a score
     # scale 1 / head_dim (Granite's 1 / 128 at head_dim 16) where Llama's would be 0.25, logits / 8
     "granite": ("GraniteForCausalLM", {
@@ -182,12 +209,13 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Olmo2ForCausalLM": "olmo2",
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
-                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "GraniteForCausalLM": "granite",
+                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
+                "MinistralForCausalLM": "ministral", "PersimmonForCausalLM": "persimmon",
                 "Ernie4_5ForCausalLM": "ernie4_5",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",
                 "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox",
-                "GPTBigCodeForCausalLM": "gpt_bigcode", "GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt",
+                "GPTBigCodeForCausalLM": "gpt_bigcode", "GPT2LMHeadModel": "gpt2", "OPTForCausalLM": "opt", "GPTNeoForCausalLM": "gpt_neo", "XGLMForCausalLM": "xglm", "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt",
                 "FalconForCausalLM": "falcon",
                 "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                 "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm"}

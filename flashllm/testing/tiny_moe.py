@@ -57,6 +57,9 @@ GRANITE_MOE_PRESET = ("granitemoe", "GraniteMoeForCausalLM",
                       {"intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
                        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
                        "logits_scaling": 8.0, "tie_word_embeddings": True})
+# Granite-MoE-Shared: the Granite-MoE preset with a shared MLP 80 wide beside its experts
+GRANITE_MOE_SHARED_PRESET = ("granitemoeshared", "GraniteMoeSharedForCausalLM",
+                             {**GRANITE_MOE_PRESET[2], "shared_intermediate_size": 80})
 # gpt-oss: top-2 of 4 biased experts (the clamped SwiGLU), per-head sinks, even layers sliding (window 8), YaRN x8
 # past an original context of 64 (truncate false, as published), biased attention projections
 GPT_OSS_PRESET = ("gpt_oss", "GptOssForCausalLM",
@@ -68,9 +71,27 @@ GPT_OSS_PRESET = ("gpt_oss", "GptOssForCausalLM",
 OLMOE_PRESET = ("olmoe", "OlmoeForCausalLM",
                 {"intermediate_size": 48, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 3,
                  "norm_topk_prob": False, "pad_token_id": 0})
+# PhiMoE: LayerNorms, biased attention and LM head, SparseMixer's two picks of 4 experts in a wide band (0.1, so
+# several experts share the softmax), LongRoPE past an original context of 256 with distinct mscales
+PHIMOE_PRESET = ("phimoe", "PhimoeForCausalLM",
+                 {"intermediate_size": 48, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                  "attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.1,
+                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                      "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.0, 9.0],
+                                      "short_mscale": 1.2, "long_mscale": 1.35, "original_max_position_embeddings": 256}})
+# DBRX: bias-free LayerNorms, one Wqkv clamped to 0.8 over 2 KV heads, top-2 of 4 experts (E * I rows per tensor)
+# divided by their 1-norm; the RoPE base given twice alike (transformers 5.25 rotates by the top-level one, flashllm
+# by attn_config's, which the published checkpoints set)
+DBRX_PRESET = ("dbrx", "DbrxForCausalLM",
+               {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,  # DbrxConfig's own names
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+                "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.8, "rope_theta": 500000.0},
+                "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}})
 # presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
 OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET,
-                     "olmoe": OLMOE_PRESET}
+                     "olmoe": OLMOE_PRESET, "granitemoeshared": GRANITE_MOE_SHARED_PRESET,
+                     "phimoe": PHIMOE_PRESET, "dbrx": DBRX_PRESET}
 # parameters drawn at unit scale: gpt-oss's sink logits (at INIT_STD they would barely take any attention)
 UNIT_SCALE_SUFFIXES = ("self_attn.sinks",)
 
@@ -90,7 +111,8 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen) * INIT_STD
-            param.copy_(noise + 1.0 if "norm" in name else noise / INIT_STD if name.endswith(UNIT_SCALE_SUFFIXES)
+            # a norm's own scale (not every parameter under DBRX's norm_attn_norm block)
+            param.copy_(noise + 1.0 if "norm" in name.split(".")[-2] else noise / INIT_STD if name.endswith(UNIT_SCALE_SUFFIXES)
                         else noise)
         for name, tensor in sorted([*model.named_buffers(), *model.named_parameters()]):
             if name.endswith("e_score_correction_bias"):  # chooses experts (zeros would leave that untested)

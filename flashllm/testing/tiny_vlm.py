@@ -1,4 +1,4 @@
-"""Tiny random-weight vision-language checkpoints (Gemma 3, Mistral 3, Qwen-VL) written by transformers, for the text-only tests:
+"""Tiny random-weight vision-language checkpoints (each VLM_PRESETS family) written by transformers, for the text-only tests:
 a tiny language model of the matching preset beside a one-layer vision tower."""
 
 from __future__ import annotations
@@ -42,7 +42,35 @@ VLM_PRESETS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                       "patch_size": 16, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
                      {"image_token_id": 255, "video_token_id": 254, "vision_start_token_id": 253,
                       "vision_end_token_id": 252}),
+    # Llama 4 (Scout / Maverick): the llama4 text preset (MoE included) beside a one-layer vision model
+    "llama4": ("llama4", "llama4_text",
+               {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+                "projector_output_dim": 32},
+               {"image_token_index": 255, "boi_token_index": 253, "eoi_token_index": 254}),
 }
+# LLaVA / LLaVA-NeXT: a CLIP vision tower; the language model Llama's unless text_overrides name another model_type
+_CLIP = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32}
+VLM_PRESETS["llava"] = ("llama", "llama", _CLIP, {"image_token_index": 255})
+VLM_PRESETS["llava_next"] = ("llama", "llama", _CLIP, {"image_token_index": 255, "image_grid_pinpoints": [[28, 28]]})
+# GLM-4.1V / GLM-4.5V: a one-block vision tower; RoPE over half of each 16-wide head, 4 frequencies in 3 sections
+_GLM4V_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                 "patch_size": 14, "image_size": 28, "spatial_merge_size": 2}
+_GLM4V_IDS = {"image_token_id": 255, "video_token_id": 254, "image_start_token_id": 253, "image_end_token_id": 252,
+              "video_start_token_id": 251, "video_end_token_id": 250}
+VLM_PRESETS["glm4v"] = ("llama", "glm4v_text", _GLM4V_VISION, _GLM4V_IDS)
+VLM_PRESETS["glm4v_moe"] = ("llama", "glm4v_moe_text", _GLM4V_VISION, _GLM4V_IDS)
+# InternVL (Qwen2 text unless overridden), Idefics3 / SmolVLM (Llama), Aya Vision / Command A Vision (Cohere 2)
+_VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "image_size": 28, "patch_size": 14}
+VLM_PRESETS["internvl"] = ("llama", "qwen2", _VIT, {"image_token_id": 255})
+VLM_PRESETS["idefics3"] = ("llama", "llama", _VIT, {"image_token_id": 255, "scale_factor": 2})
+VLM_PRESETS["smolvlm"] = ("llama", "llama", _VIT, {"image_token_id": 255, "scale_factor": 2})
+VLM_PRESETS["aya_vision"] = ("cohere2", "cohere2", {**_VIT, "model_type": "siglip_vision_model"},
+                             {"image_token_index": 255, "downsample_factor": 2})
+VLM_PRESETS["cohere2_vision"] = ("cohere2", "cohere2", {**_VIT, "model_type": "siglip_vision_model"},
+                                 {"image_token_id": 255, "downsample_factor": 2})
 # the MoE fields of a MoE language model: top-2 of 8 experts, layer 1 dense; 2 x 48 and 48 differ from hidden (64),
 # so the Hub's transposed fused experts cannot pass for transformers 5's
 MOE_TEXT = {"qwen3_vl_moe": {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
@@ -53,6 +81,13 @@ MROPE = {"qwen2_vl": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_
          "qwen3_vl": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True,
                       "rope_theta": 10000.0}}
 MROPE["qwen3_vl_moe"] = MROPE["qwen3_vl"]
+MROPE["glm4v"] = MROPE["glm4v_moe"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}
+# GLM-4.5V's experts: DeepSeek-V3's routing (top-3 of 8 within the best of 2 groups, scaled by 1.5), one shared
+# expert, layer 0 dense
+MOE_TEXT["glm4v_moe"] = {"num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 3,
+                         "moe_intermediate_size": 48, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                         "topk_group": 1, "routed_scaling_factor": 1.5}
 
 
 # Ministral 3's language model: YaRN x16 past an original context of 16, so its query scaling steps up within tests
@@ -99,3 +134,24 @@ def _transpose_fused_experts(path: Path) -> None:
     fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
     save_file({name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in tensors.items()},
               path, metadata={"format": "pt"})
+
+
+def check_text_only_against_transformers(model_dir: Path, prompts: list[list[int]], steps: int = 8) -> None:
+    """Serve `model_dir` (a tiny vision-language checkpoint) text-only on the CPU in float32 and check it against
+    transformers' vision-language class: no vision or projector parameter is built, the LM head is tied as
+    transformers ties it, and the greedy tokens and logits match (check_engine_greedy_against)."""
+    from transformers import AutoModelForImageTextToText
+
+    from flashllm.llm import LLM
+    from flashllm.testing.parity import check_engine_greedy_against
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=16, max_model_len=256, num_kv_blocks=64)
+    ours = llm.engine.parts.model
+    assert not any("vision" in name or "projector" in name for name, _ in ours.named_parameters())
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if hasattr(ours, "transformer"):  # GLM-4's decoder keeps ChatGLM's names
+        head, embedding = ours.transformer.output_layer, ours.transformer.embedding.word_embeddings
+    else:
+        head, embedding = ours.lm_head, ours.model.embed_tokens
+    assert (head.weight is embedding.weight) == hf.config.tie_word_embeddings  # the top level's
+    check_engine_greedy_against(llm, hf, prompts, steps)

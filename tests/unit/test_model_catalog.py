@@ -19,20 +19,29 @@ from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM",
-       "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM"}
+       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GptOssForCausalLM",
+       "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM",
+       "Glm4vMoeForConditionalGeneration",
+       "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+       "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
 # MXFP4 experts (gpt-oss)
 DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = {"ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
+PREQUANT_REFUSED = {"PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM", "ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
                     "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM",
-                    "GraniteMoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
+                    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
-                    "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel",
+                    "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "XGLMForCausalLM",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
+                    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                    "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+                    "InternVLForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                    "SmolVLMForConditionalGeneration", "AyaVisionForConditionalGeneration",
+                    "Cohere2VisionForConditionalGeneration",
+                    "Llama4ForCausalLM", "Llama4ForConditionalGeneration"}
 
 
 class _BrokenModelPlugin:

@@ -367,7 +367,8 @@ class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer: route each token to its top-k experts, sum their outputs by weight.
 
     With a shared expert (Qwen2-MoE) every token also goes through one dense gated MLP, scaled by
-    sigmoid(shared_expert_gate(x)), and added. router_bias: the router has a bias (gpt-oss); experts_class: a
+    sigmoid(shared_expert_gate(x)), and added (unscaled where shared_expert_gated is False: Granite-MoE-Shared's
+    shared_mlp). router_bias: the router has a bias (gpt-oss); experts_class: a
     FusedMoE subclass holding more than the stacked weights (gpt-oss's biased experts). Submodule names follow
     the checkpoints: gate, experts, shared_expert, shared_expert_gate. With expert_parallel the routed experts are
     split whole over the ranks (FusedMoE); the router stays replicated and the shared expert tensor parallel.
@@ -376,7 +377,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_intermediate_size: int, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False, router_bias: bool = False,
-                 experts_class: type[FusedMoE] = FusedMoE) -> None:
+                 experts_class: type[FusedMoE] = FusedMoE, shared_expert_gated: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
@@ -389,7 +390,8 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, False, ops, dtype, device,
                                           tp_rank, tp_size)
-            self.shared_expert_gate = RouterLinear(hidden_size, 1, False, ops, dtype, device, tp_rank, tp_size)
+            if shared_expert_gated:
+                self.shared_expert_gate = RouterLinear(hidden_size, 1, False, ops, dtype, device, tp_rank, tp_size)
 
     def unstreamed_bytes(self) -> int:
         """Expert weight bytes one decode token does not read on this rank: E - k of the E experts
@@ -402,6 +404,8 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
 
