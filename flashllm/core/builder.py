@@ -104,6 +104,12 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
                                   place_params=runner_cls.place_empty_weights, moe_quant=moe_quant,
                                   expert_parallel=config.parallel.enable_expert_parallel)
     model.set_matrix_absorption(config.model.mla_use_matrix_absorption)
+    check_block = getattr(model, "check_kv_block_size", None)  # a plugin's model may not derive from CausalLM
+    if check_block is not None:
+        try:
+            check_block(config.cache.block_size)
+        except ValueError as exc:
+            raise EngineConfigError(f"block_size {config.cache.block_size}: {exc}") from None
     lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None

@@ -145,6 +145,12 @@ class CausalLM(nn.Module, ABC):
         every other model has nothing to choose and ignores it."""
         return None
 
+    def check_kv_block_size(self, block_size: int) -> None:
+        """Raises ValueError (one line) where this model cannot attend over KV blocks of block_size tokens (Llama 4's
+        chunked attention needs whole blocks per chunk); the engine calls it before the cache is sized. Every other
+        model runs any block size."""
+        return None
+
     def fusions(self) -> Mapping[str, Any]:
         """The fused fast paths this model offers backends: fusion name -> record (flashllm.registry.fusions).
 

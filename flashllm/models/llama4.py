@@ -9,7 +9,7 @@ the other layers are dense gated MLPs of `intermediate_size_mlp`.
 Chunked local attention (`attention_chunk_size`: the layers layer_types calls chunked_attention, by default the RoPE
 layers, see only keys in the query's own aligned chunk of positions) runs over the plain paged_attention op
 (layers/chunked_attention.py), so every backend runs it; the KV block size must divide the chunk size (8192 in
-Scout and Maverick).
+Scout and Maverick; the engine refuses another block size at build).
 """
 
 from __future__ import annotations
@@ -255,6 +255,12 @@ class Llama4ForCausalLM(MixtralForCausalLM):
         view = ChunkLocalView(config.attention_chunk_size) if any(config.chunked_layers) else None
         for layer, chunked in zip(self.model.layers, config.chunked_layers, strict=True):
             layer.self_attn.chunk_view = view if chunked else None
+
+    def check_kv_block_size(self, block_size: int) -> None:
+        """Chunked layers need the block size to divide attention_chunk_size (each chunk starts a block)."""
+        if any(self.config.chunked_layers) and self.config.attention_chunk_size % block_size:
+            raise ValueError(f"Llama 4's chunked attention needs the KV block size to divide attention_chunk_size="
+                             f"{self.config.attention_chunk_size}; choose a block_size that divides it")
 
     @classmethod
     def parse_config(cls, raw: dict[str, Any], source: str) -> Llama4ModelConfig:

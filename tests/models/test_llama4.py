@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashllm.core.runner_select import EngineConfigError
 from flashllm.llm import LLM
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.models.layers.mlp import GatedMLP
@@ -157,3 +158,12 @@ def test_two_ranks_give_one_rank_s_tokens(options, tmp_path) -> None:
     the 90-token prompt crosses a chunk boundary."""
     model_dir = build_tiny_model(tmp_path, "llama4", seed=2, tokenizer=False)
     two_ranks_decode_as_one([random_tokens(90, VOCAB, seed=9), [7, 3, 250]], model_dir, **options)
+
+
+def test_a_block_size_that_does_not_divide_the_chunk_is_refused_before_anything_runs(tmp_path) -> None:
+    """Blocks of 48 tokens cannot hold whole 64-token chunks: the engine refuses at build, in one line."""
+    model_dir = build_tiny_model(tmp_path, "llama4", seed=2, tokenizer=False)
+    with pytest.raises(EngineConfigError, match=r"^block_size 48: .*divide attention_chunk_size=64; choose"):
+        LLM(str(model_dir), dtype="float32", device="cpu", block_size=48, max_model_len=256, num_kv_blocks=64)
+    unchunked = build_tiny_model(tmp_path / "unchunked", "llama4", seed=2, tokenizer=False, attention_chunk_size=None)
+    LLM(str(unchunked), dtype="float32", device="cpu", block_size=48, max_model_len=256, num_kv_blocks=64)

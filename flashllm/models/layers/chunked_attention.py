@@ -20,10 +20,10 @@ def chunk_local_metadata(md: AttentionMetadata, chunk_size: int, block_size: int
 
     A decode batch (max_seqlen_q == 1) keeps one piece per sequence and reads nothing on the host (a device graph
     can hold it); a batch with longer queries is cut on the host. Raises ValueError when block_size does not divide
-    chunk_size (a chunk would start inside a block: choose a --block-size that divides attention_chunk_size)."""
+    chunk_size (a chunk would start inside a block: choose a block_size that divides attention_chunk_size)."""
     if chunk_size % block_size:
         raise ValueError(f"chunked attention needs the KV block size to divide attention_chunk_size={chunk_size}, "
-                         f"got block size {block_size}; choose a --block-size that divides it")
+                         f"got block size {block_size}; choose a block_size that divides it")
     if md.max_seqlen_q <= 1:
         starts = (md.seq_lens - 1).clamp(min=0) // chunk_size * chunk_size  # (B,) each query's chunk start
         rows = torch.arange(md.seq_lens.shape[0], device=md.seq_lens.device)
