@@ -42,14 +42,6 @@ def transform(entries: list[gguf_deepseek.Entry], config: Any) -> Iterator[gguf_
 
 
 def add_hparams(writer: Any, config: Any) -> None:
-    """dots1's MoE keys (gguf_export writes the generic ones)."""
-    import gguf
-
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_expert_count(config.n_routed_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_weights_norm(config.norm_topk_prob)
+    """dots1's MoE keys, the converter's glm4moe ones (leading dense layers, expert counts and sizes, sigmoid gating,
+    weights scale and norm); gguf_export writes the generic ones."""
+    gguf_glm4moe.add_hparams(writer, config)

@@ -233,6 +233,39 @@ def exports(root: Path, sources: Any) -> Any:
     return get
 
 
+def export_of(root: Path, name: str, source: Path) -> Callable[[str], Path]:
+    """file_type -> the one directory `source` exported once as "f32" or "q8_0" under `root` (`exports` of
+    {name: source})."""
+    get = exports(root, {name: source})
+    return lambda file_type: get(name, file_type)
+
+
+def moe_source(root: Path, preset: str, seed: int, **changes: Any) -> Path:
+    """tiny_moe's `preset` built in `root` with `changes` beside a trained 300-token tokenizer (the exporter writes
+    the vocabulary) that sets its vocab_size."""
+    from flashllm.testing.tiny_moe import build_moe_model
+    from flashllm.testing.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(root, vocab_size=300)
+    return build_moe_model(root, preset, seed=seed, vocab_size=len(tokenizer), **changes)
+
+
+def check_config_fields(path: Path, source: Path, fields: tuple[str, ...], approx: tuple[str, ...] = ("rms_norm_eps",),
+                        rel: float | None = None) -> tuple[Any, Any]:
+    """load_hf_config of the GGUF file `path` equals that of its source directory in `fields`, and is
+    pytest.approx(..., rel=rel) of it in `approx` (float32 metadata); returns both configs (the file's first)."""
+    import pytest
+
+    from flashllm.models.hf_config import load_hf_config
+
+    ours, expected = load_hf_config(path), load_hf_config(source)
+    for field in fields:
+        assert getattr(ours, field) == getattr(expected, field), field
+    for field in approx:
+        assert getattr(ours, field) == pytest.approx(getattr(expected, field), rel=rel), field
+    return ours, expected
+
+
 def load_float_model(path: str | Path, ops: Any, registry: Any, **kwargs: Any) -> torch.nn.Module:
     """The model of a directory or GGUF file, fp32 on the CPU (flashllm's loader)."""
     from flashllm.models.loader import load_model
@@ -412,6 +445,19 @@ def check_q8_0_logits(ours: torch.nn.Module, source: Path, ops: Any, registry: A
     torch.testing.assert_close(ours_logits, prompt_logits(rounded, driver_cls, prompt), rtol=0, atol=1e-5)
     unquantized = prompt_logits(load_float_model(source, ops, registry), driver_cls, prompt)
     assert (unquantized - ours_logits).abs().max() > 1e-4, "the Q8_0 rounding did not change the logits"
+
+
+def check_q8_0_file(path: Path, source: Path, ops: Any, registry: Any, driver_cls: Any, prompt: list[int],
+                    scratch: Path, types: dict[str, str], keep: tuple[str, ...] = ()) -> torch.nn.Module:
+    """The Q8_0 GGUF file `path` stores the tensors named in `types` in those types ({"blk.1.attn_q.weight": "Q8_0"})
+    and its model passes check_q8_0_logits against `source` (matrices ending in `keep` not rounded); returns it."""
+    import gguf
+
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {name: stored[name] for name in types} == types
+    ours = load_float_model(path, ops, registry)
+    check_q8_0_logits(ours, source, ops, registry, driver_cls, prompt, scratch, keep)
+    return ours
 
 
 def two_ranks_decode_as_one(prompts: list[list[int]], path: Path, **options: Any) -> None:

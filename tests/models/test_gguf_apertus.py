@@ -21,8 +21,9 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    check_q8_0_logits,
+    check_q8_0_file,
     edited_copy,
     exports,
     load_float_model,
@@ -77,11 +78,7 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(sources, files) -> Non
 
 @pytest.mark.parametrize("kind", ["llama3", "plain"])
 def test_config_is_the_directory_s(kind, sources, files) -> None:
-    ours, expected = load_hf_config(files(kind, "f32")), load_hf_config(sources[kind])
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rope_scaling == pytest.approx(expected.rope_scaling)
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    check_config_fields(files(kind, "f32"), sources[kind], CONFIG_FIELDS, approx=("rope_scaling", "rms_norm_eps"))
 
 
 @pytest.mark.parametrize("kind", ["llama3", "plain"])
@@ -92,10 +89,8 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(kind, sources, fi
 
 def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(sources, files, ops, model_registry, paged_driver,
                                                              tmp_path) -> None:
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(files("llama3", "q8_0")).tensors}
-    assert types["blk.1.attn_q.weight"] == types["blk.1.ffn_up.weight"] == "Q8_0"
-    ours = load_float_model(files("llama3", "q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, sources["llama3"], ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded")
+    check_q8_0_file(files("llama3", "q8_0"), sources["llama3"], ops, model_registry, paged_driver, PROMPT,
+                    tmp_path / "rounded", {"blk.1.attn_q.weight": "Q8_0", "blk.1.ffn_up.weight": "Q8_0"})
 
 
 def test_one_value_stands_for_every_layer(files, ops, model_registry, paged_driver, tmp_path) -> None:

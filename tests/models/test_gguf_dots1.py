@@ -21,11 +21,11 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    check_q8_0_logits,
+    check_q8_0_file,
     edited_copy,
-    exports,
-    load_float_model,
+    export_of,
     patched_metadata,
 )
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
@@ -49,8 +49,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"dots1": source})
-    return lambda file_type: get("dots1", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "dots1", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files) -> None:
@@ -77,10 +76,7 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files) -> None
 
 
 def test_config_is_the_directory_s(source, files) -> None:
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    check_config_fields(files("f32"), source, CONFIG_FIELDS)
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
@@ -89,12 +85,9 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, op
 
 def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops, model_registry, paged_driver,
                                                              tmp_path):
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(files("q8_0")).tensors}
-    assert types["blk.1.ffn_down_exps.weight"] == types["blk.1.attn_q.weight"] == "Q8_0"
-    assert types["blk.1.ffn_gate_inp.weight"] == "F32"
-    ours = load_float_model(files("q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded",
-                      keep=("mlp.gate.weight",))
+    types = {"blk.1.ffn_down_exps.weight": "Q8_0", "blk.1.attn_q.weight": "Q8_0", "blk.1.ffn_gate_inp.weight": "F32"}
+    check_q8_0_file(files("q8_0"), source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded", types,
+                    keep=("mlp.gate.weight",))
 
 
 @pytest.mark.parametrize("overrides,fragment", [

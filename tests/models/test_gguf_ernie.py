@@ -20,17 +20,18 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
     check_q8_0_logits,
     exports,
     load_float_model,
+    moe_source,
     patched_metadata,
     rewritten_copy,
     two_ranks_decode_as_one,
 )
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
-from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
 ARCHS = {"dense": "ernie4_5", "moe": "ernie4_5-moe"}
@@ -44,9 +45,7 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "n_shared_experts", "moe_int
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     dense = build_tiny_model(tmp_path_factory.mktemp("dense"), "ernie4_5", seed=3, use_bias=False)
-    out = tmp_path_factory.mktemp("moe")
-    tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
-    moe = build_moe_model(out, "ernie4_5_moe", seed=3, vocab_size=len(tokenizer), moe_intermediate_size=64)
+    moe = moe_source(tmp_path_factory.mktemp("moe"), "ernie4_5_moe", seed=3, moe_intermediate_size=64)
     return {"dense": dense, "moe": moe}
 
 
@@ -79,10 +78,7 @@ def test_the_files_hold_what_llama_cpp_s_converter_writes(sources, files):
 
 @pytest.mark.parametrize("kind", list(ARCHS))
 def test_config_is_the_directory_s(kind, sources, files):
-    ours, expected = load_hf_config(files(kind, "f32")), load_hf_config(sources[kind])
-    for field in CONFIG_FIELDS + (MOE_FIELDS if kind == "moe" else ()):
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    check_config_fields(files(kind, "f32"), sources[kind], CONFIG_FIELDS + (MOE_FIELDS if kind == "moe" else ()))
 
 
 @pytest.mark.parametrize("kind", list(ARCHS))

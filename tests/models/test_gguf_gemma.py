@@ -13,8 +13,13 @@ gguf = pytest.importorskip("gguf")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from flashllm.models.hf_config import load_hf_config  # noqa: E402
-from flashllm.testing.gguf_files import check_f32_file, check_q8_0_logits, exports, load_float_model  # noqa: E402
+from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
+    check_f32_file,
+    check_q8_0_logits,
+    export_of,
+    load_float_model,
+)
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
@@ -27,8 +32,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"gemma": source})
-    return lambda file_type: get("gemma", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "gemma", source)
 
 
 def test_the_file_holds_gemma_s_norms_as_one_plus_w(source, files):
@@ -38,9 +42,8 @@ def test_the_file_holds_gemma_s_norms_as_one_plus_w(source, files):
     weights = load_file(str(source / "model.safetensors"))
     np.testing.assert_allclose(stored["blk.1.ffn_norm.weight"],
                                weights["model.layers.1.post_attention_layernorm.weight"].numpy() + 1, rtol=1e-6)
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in ("architecture", "head_dim", "query_pre_attn_scalar", "sliding_windows", "tie_word_embeddings"):
-        assert getattr(ours, field) == getattr(expected, field), field
+    check_config_fields(files("f32"), source, ("architecture", "head_dim", "query_pre_attn_scalar", "sliding_windows",
+                                               "tie_word_embeddings"), approx=())
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):

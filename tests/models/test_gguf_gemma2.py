@@ -17,9 +17,10 @@ from safetensors.torch import load_file  # noqa: E402
 from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
     check_q8_0_logits,
-    exports,
+    export_of,
     load_float_model,
     rewritten_copy,
 )
@@ -39,8 +40,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"gemma2": source})
-    return lambda file_type: get("gemma2", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "gemma2", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -56,9 +56,7 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
 
 
 def test_config_is_the_directory_s(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
+    check_config_fields(files("f32"), source, CONFIG_FIELDS, approx=())
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):

@@ -21,8 +21,9 @@ from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.gguf.gemma3 import attention_scalar, gemma3_config_fields  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_q8_0_logits,
-    exports,
+    export_of,
     greedy_tokens,
     load_float_model,
     prompt_logits,
@@ -45,8 +46,7 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
     """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    get = exports(tmp_path_factory.mktemp("gguf"), {"gemma3": source})
-    return lambda file_type: get("gemma3", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "gemma3", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -65,13 +65,11 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
 
 
 def test_config_follows_llama_cpp_s_gemma3_rules(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
+    fields = ("architecture", "sliding_windows", "query_pre_attn_scalar", "local_rope_theta", "local_rope_scaling",
+              "rope_theta", "rope_scaling", "head_dim", "final_logit_softcapping", "gelu_approximate",
+              "tie_word_embeddings", "num_key_value_heads", "qk_norm")
+    ours, _ = check_config_fields(files("f32"), source, fields, rel=1e-7)  # GGUF stores rms_norm_eps as float32
     assert tuple(w is not None for w in ours.sliding_windows) == SLIDING
-    for field in ("architecture", "sliding_windows", "query_pre_attn_scalar", "local_rope_theta", "local_rope_scaling",
-                  "rope_theta", "rope_scaling", "head_dim", "final_logit_softcapping", "gelu_approximate",
-                  "tie_word_embeddings", "num_key_value_heads", "qk_norm"):
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-7)  # GGUF stores it as float32
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):

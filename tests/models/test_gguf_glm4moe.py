@@ -22,10 +22,12 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    check_q8_0_logits,
-    exports,
+    check_q8_0_file,
+    export_of,
     load_float_model,
+    moe_source,
     patched_metadata,
     prompt_logits,
     rewritten_copy,
@@ -33,7 +35,6 @@ from flashllm.testing.gguf_files import (  # noqa: E402
     with_nextn_layer,
 )
 from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
-from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
 # one expert group (llama.cpp's glm4moe graph routes without groups); experts 64 wide: whole Q8_0 blocks
@@ -48,16 +49,13 @@ CONFIG_FIELDS = ("architecture", "head_dim", "rotary_dim", "qk_norm", "qkv_bias"
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("glm4_moe")
-    tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
-    return build_moe_model(out, "glm4_moe", seed=3, vocab_size=len(tokenizer), **CHANGES)
+    return moe_source(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe", seed=3, **CHANGES)
 
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
     """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    get = exports(tmp_path_factory.mktemp("gguf"), {"glm4_moe": source})
-    return lambda file_type: get("glm4_moe", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "glm4_moe", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -84,10 +82,7 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
 
 
 def test_config_is_the_directory_s(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    check_config_fields(files("f32"), source, CONFIG_FIELDS)
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
@@ -96,12 +91,10 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, op
 
 def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops, model_registry, paged_driver,
                                                              tmp_path):
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(files("q8_0")).tensors}
-    assert types["blk.1.ffn_down_exps.weight"] == types["blk.1.attn_q.weight"] == "Q8_0"
-    assert types["blk.1.ffn_gate_inp.weight"] == "F32"  # routers stay float, as the converter keeps them
-    ours = load_float_model(files("q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded",
-                      keep=("mlp.gate.weight",))
+    types = {"blk.1.ffn_down_exps.weight": "Q8_0", "blk.1.attn_q.weight": "Q8_0",
+             "blk.1.ffn_gate_inp.weight": "F32"}  # routers stay float, as the converter keeps them
+    check_q8_0_file(files("q8_0"), source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded", types,
+                    keep=("mlp.gate.weight",))
 
 
 def test_the_appended_next_token_prediction_layer_is_skipped(files, ops, model_registry, paged_driver, tmp_path):

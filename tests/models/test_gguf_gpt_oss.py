@@ -19,16 +19,17 @@ from safetensors.torch import load_file  # noqa: E402
 from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E402
 from flashllm.models.hf_config import ModelLoadError, load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    exports,
+    export_of,
     load_float_model,
+    moe_source,
     prompt_logits,
     rewritten_copy,
     round_trip_copy,
     two_ranks_decode_as_one,
 )
 from flashllm.testing.tiny_moe import GPT_OSS_PRESET, build_moe_model  # noqa: E402
-from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
 CONFIG_FIELDS = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "sliding_windows",
@@ -41,17 +42,13 @@ STACKED = ("experts.gate_up_proj", "experts.down_proj")  # stored (E, K, N): a f
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gpt_oss")
-    tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
     # experts 64 wide: their down rows are whole 32-value blocks, so every stack is quantized in the files
-    return build_moe_model(out, "gpt_oss", seed=3, vocab_size=len(tokenizer), rope_parameters=ROPE,
-                           intermediate_size=64)
+    return moe_source(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=3, rope_parameters=ROPE, intermediate_size=64)
 
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"gpt_oss": source})
-    return lambda file_type: get("gpt_oss", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "gpt_oss", source)
 
 
 def test_the_file_holds_the_converter_s_tensors(source, files):
@@ -72,9 +69,7 @@ def test_the_file_holds_the_converter_s_tensors(source, files):
 
 
 def test_config_is_the_directory_s(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
+    ours, _ = check_config_fields(files("f32"), source, CONFIG_FIELDS, approx=())
     assert ours.rope_scaling["rope_type"] == "yarn" and ours.rope_scaling.get("truncate", True) is True
 
 

@@ -20,8 +20,9 @@ from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.gguf.granite import granite_config_fields  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_q8_0_logits,
-    exports,
+    export_of,
     greedy_tokens,
     load_float_model,
     patched_metadata,
@@ -43,8 +44,7 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
     """"f32" | "q8_0" -> the exported GGUF file, written once."""
-    get = exports(tmp_path_factory.mktemp("gguf"), {"granite": source})
-    return lambda file_type: get("granite", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "granite", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
@@ -62,13 +62,11 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files):
 
 
 def test_config_carries_the_four_multipliers(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
+    exact = ("head_dim", "rotary_dim", "num_key_value_heads", "tie_word_embeddings", "attention_bias", "mlp_bias",
+             "rope_theta")
+    multipliers = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    ours, _ = check_config_fields(files("f32"), source, exact, approx=multipliers, rel=1e-7)  # float32 in GGUF
     assert ours.architecture == "GraniteForCausalLM"
-    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-        assert getattr(ours, field) == pytest.approx(getattr(expected, field), rel=1e-7), field  # float32 in GGUF
-    for field in ("head_dim", "rotary_dim", "num_key_value_heads", "tie_word_embeddings", "attention_bias",
-                  "mlp_bias", "rope_theta"):
-        assert getattr(ours, field) == getattr(expected, field), field
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):

@@ -14,16 +14,15 @@ gguf = pytest.importorskip("gguf")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
     check_q8_0_logits,
-    exports,
+    export_of,
     load_float_model,
+    moe_source,
     two_ranks_decode_as_one,
 )
-from flashllm.testing.tiny_moe import build_moe_model  # noqa: E402
-from flashllm.testing.tokenizer import train_tokenizer  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 200, 77, 12, 1, 202, 64, 33, 7, 210, 150, 9, 60]
 CONFIG_FIELDS = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
@@ -33,15 +32,12 @@ CONFIG_FIELDS = ("architecture", "num_experts", "num_experts_per_tok", "moe_inte
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("granitemoe")
-    tokenizer = train_tokenizer(out, vocab_size=300)  # the exporter writes the vocabulary
-    return build_moe_model(out, "granitemoe", seed=3, vocab_size=len(tokenizer))
+    return moe_source(tmp_path_factory.mktemp("granitemoe"), "granitemoe", seed=3)
 
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"granitemoe": source})
-    return lambda file_type: get("granitemoe", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "granitemoe", source)
 
 
 def test_the_file_holds_the_converter_s_split_experts_and_scales(source, files):
@@ -57,9 +53,7 @@ def test_the_file_holds_the_converter_s_split_experts_and_scales(source, files):
 
 
 def test_config_is_the_directory_s(source, files):
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == pytest.approx(getattr(expected, field)), field
+    check_config_fields(files("f32"), source, (), approx=CONFIG_FIELDS)
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):

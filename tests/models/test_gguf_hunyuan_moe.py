@@ -20,11 +20,11 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    check_q8_0_logits,
+    check_q8_0_file,
     edited_copy,
-    exports,
-    load_float_model,
+    export_of,
 )
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -44,8 +44,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def files(source, tmp_path_factory):
-    get = exports(tmp_path_factory.mktemp("gguf"), {"hunyuan_moe": source})
-    return lambda file_type: get("hunyuan_moe", file_type)
+    return export_of(tmp_path_factory.mktemp("gguf"), "hunyuan_moe", source)
 
 
 def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files) -> None:
@@ -71,11 +70,8 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(source, files) -> None
 
 
 def test_config_is_the_directory_s(source, files) -> None:
-    ours, expected = load_hf_config(files("f32")), load_hf_config(source)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(expected, field), field
-    assert ours.rope_theta == pytest.approx(expected.rope_theta, rel=1e-6)
-    assert ours.rms_norm_eps == pytest.approx(expected.rms_norm_eps)
+    # rel=1e-6 is also pytest.approx's default, which rms_norm_eps was held to
+    check_config_fields(files("f32"), source, CONFIG_FIELDS, approx=("rope_theta", "rms_norm_eps"), rel=1e-6)
 
 
 def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, ops, model_registry, paged_driver):
@@ -84,12 +80,10 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(source, files, op
 
 def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(source, files, ops, model_registry, paged_driver,
                                                              tmp_path):
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(files("q8_0")).tensors}
-    assert types["blk.1.ffn_down_exps.weight"] == types["blk.1.ffn_up_shexp.weight"] == "Q8_0"
-    assert types["blk.1.ffn_gate_inp.weight"] == "F32"
-    ours = load_float_model(files("q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded",
-                      keep=("mlp.gate.wg.weight",))
+    types = {"blk.1.ffn_down_exps.weight": "Q8_0", "blk.1.ffn_up_shexp.weight": "Q8_0",
+             "blk.1.ffn_gate_inp.weight": "F32"}
+    check_q8_0_file(files("q8_0"), source, ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded", types,
+                    keep=("mlp.gate.wg.weight",))
 
 
 @pytest.mark.parametrize("overrides,fragment", [

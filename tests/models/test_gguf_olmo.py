@@ -19,12 +19,12 @@ from flashllm.bench.gguf_export import GGUFExportError, export_gguf  # noqa: E40
 from flashllm.models.errors import ModelLoadError  # noqa: E402
 from flashllm.models.hf_config import load_hf_config  # noqa: E402
 from flashllm.testing.gguf_files import (  # noqa: E402
+    check_config_fields,
     check_f32_file,
-    check_q8_0_logits,
+    check_q8_0_file,
     edited_copy,
     exports,
     interleave_rope_rows,
-    load_float_model,
 )
 from flashllm.testing.tiny_models import build_tiny_model  # noqa: E402
 
@@ -72,9 +72,7 @@ def test_the_file_holds_what_llama_cpp_s_converter_writes(sources, files) -> Non
 
 @pytest.mark.parametrize("kind", ["clipped", "tied"])
 def test_config_is_the_directory_s(kind, sources, files) -> None:
-    ours, expected = load_hf_config(files(kind, "f32")), load_hf_config(sources[kind])
-    for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == pytest.approx(getattr(expected, field)), field
+    check_config_fields(files(kind, "f32"), sources[kind], (), approx=CONFIG_FIELDS)
 
 
 @pytest.mark.parametrize("kind", ["clipped", "tied"])
@@ -85,10 +83,8 @@ def test_f32_gguf_equals_its_source_directory_and_transformers(kind, sources, fi
 
 def test_q8_0_gguf_equals_the_directory_rounded_through_q8_0(sources, files, ops, model_registry, paged_driver,
                                                              tmp_path) -> None:
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(files("clipped", "q8_0")).tensors}
-    assert types["blk.1.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "Q8_0"
-    ours = load_float_model(files("clipped", "q8_0"), ops, model_registry)
-    check_q8_0_logits(ours, sources["clipped"], ops, model_registry, paged_driver, PROMPT, tmp_path / "rounded")
+    check_q8_0_file(files("clipped", "q8_0"), sources["clipped"], ops, model_registry, paged_driver, PROMPT,
+                    tmp_path / "rounded", {"blk.1.attn_q.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
 
 
 def test_a_clamp_of_zero_is_no_clamp(files, tmp_path) -> None:
