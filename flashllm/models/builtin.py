@@ -79,6 +79,10 @@ BUILTIN_MODELS: dict[str, str] = {
     "Glm4ForCausalLM": "flashllm.models.chatglm:Glm4ForCausalLM",
     "Glm4MoeForCausalLM": "flashllm.models.glm4_moe:Glm4MoeForCausalLM",  # GLM-4.5 / 4.6
     "Dots1ForCausalLM": "flashllm.models.dots1:Dots1ForCausalLM",  # rednote-hilab dots.llm1
+    "AfmoeForCausalLM": "flashllm.models.afmoe:AfmoeForCausalLM",  # Arcee Trinity Nano / Mini / Large
+    "SolarOpenForCausalLM": "flashllm.models.solar_open:SolarOpenForCausalLM",  # upstage Solar-Open-100B
+    "MiniMaxM2ForCausalLM": "flashllm.models.minimax_m2:MiniMaxM2ForCausalLM",  # MiniMaxAI MiniMax-M2 / M2.1
+    "ExaoneMoeForCausalLM": "flashllm.models.exaone_moe:ExaoneMoeForCausalLM",  # LG AI K-EXAONE
     "PhimoeForCausalLM": "flashllm.models.phimoe:PhimoeForCausalLM",  # transformers' name
     "PhiMoEForCausalLM": "flashllm.models.phimoe:PhimoeForCausalLM",  # Phi-3.5-MoE-instruct's config.json
     "DbrxForCausalLM": "flashllm.models.dbrx:DbrxForCausalLM",  # databricks/dbrx-base, dbrx-instruct
@@ -91,6 +95,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "flashllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "flashllm.models.deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "flashllm.models.deepseek:DeepseekV3ForCausalLM",  # GLM-4.7-Flash: V3's MLA and MoE
+    "MiniCPM3ForCausalLM": "flashllm.models.minicpm3:MiniCPM3ForCausalLM",  # openbmb/MiniCPM3-4B: MLA, scaled
+    "FlexOlmoForCausalLM": "flashllm.models.flex_olmo:FlexOlmoForCausalLM",  # OLMo 2 norms around OLMoE's MoE
+    "CwmForCausalLM": "flashllm.models.cwm:CwmForCausalLM",  # Meta's Code World Model: Llama + sliding layers
 }
 
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
-from flashllm.models.checkpoint_tensor import materialize
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
 from flashllm.models.deepseek_moe import DeepseekMoE, decode_stack_moe, without_mtp_layers
-from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.block import PreNormBlock
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding
@@ -34,8 +32,6 @@ from flashllm.registry.fusions import (
     RMSNormWeights,
     RotaryTable,
 )
-
-_SCALE_INV = ".weight_scale_inv"
 
 
 class LatentUpProjection(ColumnParallelLinear):
@@ -126,19 +122,26 @@ class DeepseekModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
+    layer_class: ClassVar[type[DeepseekDecoderLayer]] = DeepseekDecoderLayer  # a subclass's own (MiniCPM3's)
 
     def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
+        self.embed_tokens = self.build_embedding(config, dtype, device, tp_rank, tp_size)
         rope = config.qk_rope_head_dim
         self.rotary_emb = RotaryEmbedding(rope, rope, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling, ops, device, is_neox=not config.rope_interleaved)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
+            self.layer_class(config, i, self.rotary_emb, ops, dtype, device, tp_rank, tp_size)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+
+    @staticmethod
+    def build_embedding(config: DeepseekModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int,
+                        tp_size: int) -> VocabEmbedding:
+        """The token embedding (a subclass's scaled one: MiniCPM3's)."""
+        return VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -164,12 +167,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")  # kv_b_proj and routers stay float
     prequantized_methods: ClassVar[tuple[str, ...] | None] = ("fp8",)  # block FP8, dequantized at load
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
+    stack_class: ClassVar[type[DeepseekModel]] = DeepseekModel  # a subclass's own (MiniCPM3's)
 
     def __init__(self, config: DeepseekModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(config, ops, dtype, device, tp_rank, tp_size)
         self.ops = ops
-        self.model = DeepseekModel(config, ops, dtype, device, tp_rank, tp_size)
+        self.model = self.stack_class(config, ops, dtype, device, tp_rank, tp_size)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, ops, dtype, device, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -235,11 +239,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         return found
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """CausalLM.load_weights after skipping MTP layers and dequantizing block-FP8 weights; each FusedMoE's
-        stacked parameters count as loaded once every expert's projections arrived."""
+        """CausalLM.load_weights after skipping MTP layers (block-FP8 weights arrive dequantized: models/loader.py);
+        each FusedMoE's stacked parameters count as loaded once every expert's projections arrived."""
         stream = without_mtp_layers(weights, self.config.num_hidden_layers)
-        if self.config.fp8_block is not None:
-            stream = dequantize_block_fp8(stream, self.config.fp8_block)
         return with_fused_experts(self, super().load_weights(stream))
 
     def _param_target(self, name: str) -> tuple[str, Any]:
@@ -282,41 +284,3 @@ def _layer_weights(layer: DeepseekDecoderLayer, config: DeepseekModelConfig) -> 
                                    mla=mla)
     moe = decode_stack_moe(mlp)
     return DecoderLayerWeights(*norms, None, o_proj, None, None, None, moe, mla)
-
-
-def dequantize_block_fp8(weights: Iterable[tuple[str, Tensor]], block: tuple[int, int]
-                         ) -> Iterator[tuple[str, Tensor]]:
-    """Pair each float8_e4m3fn `X.weight` with its `X.weight_scale_inv` (ceil(N/rows), ceil(K/cols)) fp32 and
-    yield `X.weight` = code * scale of its block, in fp32; everything else passes through.
-
-    Raises ModelLoadError for a weight without its scale (or the reverse) or a scale of the wrong shape.
-    """
-    pending: dict[str, Tensor] = {}
-    for name, tensor in weights:
-        if name.endswith(_SCALE_INV):
-            key, other = name[: -len(_SCALE_INV)] + ".weight", name
-        elif tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
-            key, other = name, name[: -len(".weight")] + _SCALE_INV
-        else:
-            yield name, tensor
-            continue
-        if other not in pending and key not in pending:
-            pending[name] = tensor
-            continue
-        partner = pending.pop(other if name == key else key)
-        codes, scales = (tensor, partner) if name == key else (partner, tensor)
-        yield key, _dequantize(key, materialize(codes), materialize(scales).float(), block)
-    if pending:
-        raise ModelLoadError(f"block-FP8 checkpoint: {len(pending)} tensor(s) without their pair "
-                             f"(weight / weight_scale_inv), e.g. {sorted(pending)[0]!r}; the checkpoint is incomplete")
-
-
-def _dequantize(name: str, codes: Tensor, scales: Tensor, block: tuple[int, int]) -> Tensor:
-    rows, cols = codes.shape
-    expected = (-(-rows // block[0]), -(-cols // block[1]))
-    if codes.dtype != torch.float8_e4m3fn or tuple(scales.shape) != expected:
-        raise ModelLoadError(f"block-FP8 tensor {name!r}: {codes.dtype} {tuple(codes.shape)} with scales "
-                             f"{tuple(scales.shape)}; expected float8_e4m3fn codes and {expected} scales "
-                             f"(one per {block[0]}x{block[1]} block)")
-    full = scales.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return codes.float() * full

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from flashllm.models.block_fp8 import block_fp8_size
 from flashllm.models.decoder_fields import checkpoint_fields
 from flashllm.models.hf_config import (
     MAX_HEAD_DIM,
@@ -53,7 +54,6 @@ _LITE_SIZES = {"q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256, "
 # topk_method values each architecture's transformers router implements
 _TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",), GLM4_MOE: ("noaux_tc",),
                  GLM4_MOE_LITE: ("noaux_tc",)}
-BLOCK_FP8 = "fp8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +183,7 @@ def parse_deepseek_config(raw: dict[str, Any], source: str = "config.json") -> D
         rope_interleaved=architecture == V2 or raw.get("rope_interleave", True) is not False,
         attention_bias=flag(raw, "attention_bias", source),
         softmax_scale=qk**-0.5 * _mscale_squared(rope_scaling),
-        fp8_block=_fp8_block(raw.get("quantization_config"), source),
+        fp8_block=block_fp8_size(raw.get("quantization_config"), source, f"{V2} / {V3}"),
         raw=raw, **sizes, **routing, **checkpoint_fields(raw, source),
     )
 
@@ -299,17 +299,3 @@ def _mscale_squared(rope_scaling: dict[str, Any] | None) -> float:
         return 1.0
     mscale = 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0
     return mscale * mscale
-
-
-def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
-    """A block-FP8 quantization_config (DeepSeek-V3's) -> its weight_block_size; None without one."""
-    if qc is None:
-        return None
-    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
-    if (not isinstance(qc, dict) or qc.get("quant_method") != BLOCK_FP8 or qc.get("fmt", "e4m3") != "e4m3"
-            or not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 4096 for b in block)):
-        raise ModelLoadError(f"{source}: quantization_config={qc!r} is not supported; {V2} / {V3} load float "
-                             "checkpoints or block-FP8 ones (quant_method 'fp8', fmt 'e4m3', weight_block_size "
-                             "[rows, cols])")
-    return block[0], block[1]

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from flashllm.models.base import CausalLM
-from flashllm.models.deepseek import DeepseekDecoderLayer, dequantize_block_fp8
+from flashllm.models.block_fp8 import dequantize_block_fp8
+from flashllm.models.deepseek import DeepseekDecoderLayer
 from flashllm.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
 from flashllm.models.layers.attention_metadata import AttentionMetadata
 from flashllm.models.layers.embedding import LMHead, VocabEmbedding, Vocabulary, target_vocabulary

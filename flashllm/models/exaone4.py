@@ -29,16 +29,22 @@ def parse_exaone4_config(raw: dict[str, Any], source: str = "config.json") -> Sm
     """Validate an Exaone4ForCausalLM config.json (module docstring): Llama's fields with per-head q / k norms, the
     sliding layers, and which layers rotate (SmolLM3ModelConfig.rope_layers). ModelLoadError (one line) otherwise."""
     refuse_prequantized(raw, source)
+    view, rope_layers = hybrid_layers(raw, source)
+    base = dataclasses.replace(parse_llama_config(view, source), qk_norm=True)
+    return SmolLM3ModelConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaModelConfig)},
+                              rope_layers=rope_layers)
+
+
+def hybrid_layers(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], tuple[bool, ...]]:
+    """(config.json with `layer_types` and `use_sliding_window` filled in for parse_llama_config, per layer whether it
+    rotates): EXAONE's sliding layers and NoPE global layers (module docstring); EXAONE MoE reads them alike."""
     layers = positive_int(raw, "num_hidden_layers", None, MAX_NUM_LAYERS, source)
     window = raw.get("sliding_window")
     types = raw.get("layer_types") or _layer_types(raw.get("sliding_window_pattern", 4), window, layers, source)
     if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
         raise ModelLoadError(f"{source}: layer_types must list {layers} entries, each one of {LAYER_TYPES}")
     view = {**raw, "layer_types": types, "use_sliding_window": window is not None}
-    base = dataclasses.replace(parse_llama_config(view, source), qk_norm=True)
-    rope_layers = tuple(window is None or t == "sliding_attention" for t in types)
-    return SmolLM3ModelConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaModelConfig)},
-                              rope_layers=rope_layers)
+    return view, tuple(window is None or t == "sliding_attention" for t in types)
 
 
 def _layer_types(pattern: Any, window: Any, layers: int, source: str) -> list[str]:

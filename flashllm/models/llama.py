@@ -57,12 +57,18 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """positions (T,), hidden (T, hidden) -> (T, hidden)."""
+        return self.o_proj(self.attend_heads(positions, hidden, kv_cache, attn_metadata))
+
+    def attend_heads(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                     attn_metadata: AttentionMetadata) -> Tensor:
+        """positions (T,), hidden (T, hidden) -> this rank's heads' outputs (T, heads x head_dim), before o_proj
+        (where AFMoE gates them)."""
         q, k, v = split_heads(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.attn(q, k, v, kv_cache, attn_metadata)
 
 
 class LlamaDecoderLayer(PreNormBlock):
@@ -175,7 +181,7 @@ class LlamaForCausalLM(CausalLM):
     # calibrated static int8/fp8 KV cache scales; optional, they live on each layer's Attention
     kv_scale_suffixes: ClassVar[tuple[str, ...]] = (".self_attn.k_scale", ".self_attn.v_scale")
     weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")
-    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")  # llama_config parses either
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq", "fp8")  # llama_config parses each
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from flashllm.models.block_fp8 import block_fp8_size, is_block_fp8
 from flashllm.models.decoder_fields import checkpoint_fields, decoder_sizes
 from flashllm.models.hf_config import (
     CheckpointQuant,
@@ -33,6 +34,8 @@ class LlamaModelConfig:
     `qk_norm`: each query and key head is RMS-normed over head_dim (its own (head_dim,) scales,
     `self_attn.q_norm` / `self_attn.k_norm`) before the rotary embedding, as in Qwen3.
     `rope_interleaved`: RoPE turns adjacent feature pairs (2i, 2i + 1) (GPT-J style, ERNIE 4.5), not halves.
+    `fp8_block`: the (rows, cols) of one scale of a block-FP8 checkpoint (models/block_fp8.py), dequantized as it
+    loads (None: not block FP8).
     """
 
     architecture: str
@@ -61,6 +64,7 @@ class LlamaModelConfig:
     quantization: CheckpointQuant | None = None
     qk_norm: bool = False
     rope_interleaved: bool = False
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def num_parameters(self) -> int:
@@ -93,6 +97,8 @@ def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_
             + ", ".join(repr(name) for name in activations)
         )
     check_rope(rotary_dim, rope_theta, rope_scaling, sizes["max_position_embeddings"], source)
+    qc = raw.get("quantization_config")
+    fp8_block = block_fp8_size(qc, source, config_architecture(raw, source)) if is_block_fp8(qc) else None
     return LlamaModelConfig(
         architecture=config_architecture(raw, source),
         model_type=str(raw.get("model_type", "")),
@@ -105,7 +111,8 @@ def parse_llama_config(raw: dict[str, Any], source: str = "config.json", rotary_
         hidden_act=hidden_act,
         sliding_windows=_sliding_windows(raw, sizes["num_hidden_layers"], source),
         raw=raw,
-        quantization=parse_quantization_config(raw.get("quantization_config"), _linear_inputs(sizes), source),
+        quantization=None if fp8_block else parse_quantization_config(qc, _linear_inputs(sizes), source),
+        fp8_block=fp8_block,
         **sizes,
         **checkpoint_fields(raw, source),
     )

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from flashllm.lora.merge import checkpoint_headers, merge_lora
 from flashllm.lora.peft import LoRAAdapter, LoRAError, load_adapter
 from flashllm.models.base import CausalLM
+from flashllm.models.block_fp8 import dequantize_block_fp8
 from flashllm.models.checkpoint_tensor import CheckpointTensor
 from flashllm.models.gguf.config import gguf_arch
 from flashllm.models.gguf.reader import is_gguf_path, open_gguf
@@ -105,6 +106,10 @@ def load_model(
     seen: set[str] = set()
     tensors = (gguf_weights.tensors(model, seen, progress) if gguf_weights
                else _iter_tensors(files, progress, seen, _base_model_prefix(files, model)))
+    read = tensors
+    fp8_block = getattr(config, "fp8_block", None)
+    if fp8_block is not None and gguf_weights is None:  # block-FP8 weights arrive as code x block scale
+        tensors = dequantize_block_fp8(tensors, fp8_block)
     if adapter is not None:
         tensors = merge_lora(tensors, adapter)
     try:
@@ -113,6 +118,7 @@ def load_model(
         # A refused tensor leaves the generator suspended: close it now so the progress bar ends
         # and the file is unmapped before the error is reported, not at interpreter exit.
         tensors.close()
+        read.close()
     _check_complete(model, loaded, seen)
     if config.quantization is not None and moe_quant is None:
         # GPTQ / AWQ experts arrive dequantized (layers/packed_experts.py): they keep the checkpoint's values

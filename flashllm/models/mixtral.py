@@ -194,7 +194,7 @@ class MixtralForCausalLM(CausalLM):
     required_ops: ClassVar[tuple[str, ...]] = ("fused_moe",)
     weight_only_quant: ClassVar[tuple[str, ...] | None] = ("w8a16", "w4a16")  # experts too (layers/moe.py)
     # GPTQ / AWQ: attention and dense layers stay packed; experts are dequantized at load (layers/packed_experts.py)
-    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq")
+    prequantized_methods: ClassVar[tuple[str, ...] | None] = ("gptq", "awq", "fp8")
     tokenizer_files: ClassVar[tuple[str, ...] | None] = ("tokenizer.json",)
     renamed_modules: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
     # each layer's attention block (gpt-oss's adds sinks)

@@ -15,6 +15,7 @@ unscaled), as transformers' Olmo3Config reads them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -89,11 +90,11 @@ class Olmo2DecoderLayer(nn.Module):
 
     def __init__(self, config: LlamaModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, ops: Any,
                  dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
-                 attention_class: type[nn.Module]) -> None:
+                 attention_class: type[nn.Module], mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention_class(config, layer_idx, rotary_emb, ops, dtype, device, tp_rank, tp_size)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, dtype, device,
-                            tp_rank, tp_size)
+        self.mlp = mlp if mlp is not None else GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                                                        ops, dtype, device, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
@@ -106,13 +107,14 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2Model(nn.Module):
-    """Llama's embedding, rotary table and final norm around OLMo 2's post-norm layers (HF's `model.` prefix)."""
+    """Llama's embedding, rotary table and final norm around OLMo 2's post-norm layers (HF's `model.` prefix); layer
+    i's MLP from make_mlp(config, i) where given (FlexOlmo's MoE), else gated."""
 
     hidden_taps: HiddenTaps | None = None  # run_decoder_stack keeps tapped layers' inputs here
     attention_class: ClassVar[type[nn.Module]] = Olmo2Attention  # (config, layer_idx, rotary, ops, ...) -> module
 
     def __init__(self, config: LlamaModelConfig, ops: Any, dtype: torch.dtype, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, make_mlp: Callable[[Any, int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp_rank, tp_size)
         self.rotary_emb = LlamaModel.build_rotary(config, ops, device)
@@ -121,7 +123,8 @@ class Olmo2Model(nn.Module):
             config.head_dim, config.rotary_dim, config.max_position_embeddings, local[0], local[1], ops, device)
         self.layers = nn.ModuleList(
             Olmo2DecoderLayer(config, i, self.rotary_emb if window is None or local is None else self.rotary_emb_local,
-                              ops, dtype, device, tp_rank, tp_size, self.attention_class)
+                              ops, dtype, device, tp_rank, tp_size, self.attention_class,
+                              None if make_mlp is None else make_mlp(config, i))
             for i, window in enumerate(config.sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)

@@ -23,14 +23,15 @@ from flashllm.models.qwen2_moe import Qwen2MoeForCausalLM
 OLMOE_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
 
 
-def parse_olmoe_config(raw: dict[str, Any], source: str = "config.json") -> MoEModelConfig:
-    """config.json -> MoEModelConfig (module docstring); num_experts and num_experts_per_tok default to 64 and 8.
-    Raises ModelLoadError (one line)."""
+def parse_olmoe_config(raw: dict[str, Any], source: str = "config.json", defaults: dict[str, Any] = OLMOE_DEFAULTS,
+                       experts: tuple[int, int] = (64, 8)) -> MoEModelConfig:
+    """config.json -> MoEModelConfig (module docstring); num_experts and num_experts_per_tok default to `experts`,
+    the other fields to `defaults` over Llama's (FlexOlmo passes its own). Raises ModelLoadError (one line)."""
     if raw.get("clip_qkv") is not None:
         raise ModelLoadError(f"{source}: clip_qkv={raw['clip_qkv']!r} is not supported (flashllm does not clamp q, k "
                              "and v); no published OLMoE sets it")
-    base: LlamaModelConfig = parse_llama_config({**OLMOE_DEFAULTS, **raw}, source)
-    num_experts, top_k = experts_and_top_k(raw, "num_experts", 64, 8, source)
+    base: LlamaModelConfig = parse_llama_config({**defaults, **raw}, source)
+    num_experts, top_k = experts_and_top_k(raw, "num_experts", *experts, source)
     config = moe_config(base, num_experts=num_experts, num_experts_per_tok=top_k,
                         moe_intermediate_size=base.intermediate_size, shared_expert_intermediate_size=0,
                         norm_topk_prob=flag(raw, "norm_topk_prob", source),

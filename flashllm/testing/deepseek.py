@@ -14,7 +14,7 @@ INIT_STD = 0.1  # routing logits of order one: experts are chosen decisively, an
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
          "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
 # what DeepSeek-V3 keeps in bf16 beside its e4m3 linear weights: embeddings, head, norms, routers
-_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "mlp.gate.weight")
+_KEPT_FLOAT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", ".gate.weight")  # .gate: routers
 BASE: dict[str, Any] = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 96,
@@ -115,6 +115,27 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
             scales[i, j] = scale
             codes[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = part / scale
     return codes.to(torch.float8_e4m3fn), scales
+
+
+def block_fp8_values(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """code * scale of its block in fp32, written independently of the loader (a Kronecker product, cropped)."""
+    rows, cols = codes.shape
+    return codes.float() * torch.kron(scales, torch.ones(block))[:rows, :cols]
+
+
+def write_dequantized_copy(fp8_dir: Path, out_dir: Path) -> Path:
+    """The float checkpoint a block-FP8 one (write_block_fp8_copy) stands for: each e4m3 weight as block_fp8_values,
+    the scales dropped, config.json without its quantization_config (what transformers then runs)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((fp8_dir / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    stored = load_file(fp8_dir / "model.safetensors")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({name: block_fp8_values(t, stored[name + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
+               for name, t in stored.items() if not name.endswith("_scale_inv")}, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
 
 
 def deepseek_tensor_shapes(config: Any) -> Iterator[tuple[str, tuple[int, ...], bool]]:

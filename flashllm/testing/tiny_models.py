@@ -78,6 +78,32 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
         "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 8,
         "layer_types": ["full_attention", "sliding_attention", "full_attention"], **_PHI3_IDS}),
+    # MiniMax-M2: whole-projection q / k norms, RoPE over 8 of 16 features (the legacy rotary_dim); top-3 of 8
+    # sigmoid-scored experts (48 wide) chosen with the correction bias and renormalized, every layer sparse
+    "minimax_m2": ("MiniMaxM2ForCausalLM", {
+        "head_dim": 16, "rotary_dim": 8, "intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 3,
+        **_PHI3_IDS}),
+    # EXAONE MoE: per-head q / k norms; layers 0-2 sliding (window 8, RoPE), layer 3 global without RoPE
+    # (sliding_window_pattern 4); layer 0 dense (first_k_dense_replace), then top-3 of 8 sigmoid-scored experts
+    # (48 wide) within the best of 2 groups, renormalized and x 1.5, beside one shared expert
+    "exaone_moe": ("ExaoneMoeForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_experts": 8, "num_experts_per_tok": 3, "num_shared_experts": 1, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 1.5, "sliding_window": 8, "sliding_window_pattern": 4, **_PHI3_IDS}),
+    # AFMoE (Arcee Trinity): layers 0 and 2 sliding (window 8) with RoPE, 1 and 3 full without; gated attention
+    # output, per-head q / k norms, sandwich norms, muP-scaled embeddings; layer 0 dense, then top-3 of 8
+    # sigmoid-scored experts chosen with expert_bias, renormalized and x 2.5, beside two shared experts
+    "afmoe": ("AfmoeForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 3, "num_shared_experts": 2, "num_dense_layers": 1,
+        "route_scale": 2.5, "global_attn_every_n_layers": 2, "sliding_window": 8, "mup_enabled": True,
+        **_PHI3_IDS}),
+    # Solar Open: biased q / k / v (o unbiased), no q / k norms; every layer sparse: GLM-4.5's routing (sigmoid, the
+    # correction bias, top-3 of 8 within the best 2 of 4 groups, renormalized and x 2.0) beside two shared experts
+    "solar_open": ("SolarOpenForCausalLM", {
+        "head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 3,
+        "n_shared_experts": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0, "attention_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **_PHI3_IDS}),
     # Llama 4: layer 3 NoPE (interval 4) with a query temperature that steps every 16 positions (x 0.5), the RoPE
     # layers (adjacent pairs, llama3-scaled past 64) L2-normed after RoPE; layers 1 and 3 MoE (step 2): top-1 of 4
     # sigmoid-scored experts (48 wide, unequal to hidden so the fused layout shows) and a shared one, dense 96 wide;
@@ -201,6 +227,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim explicit (ERNIE's default is 128, not hidden / heads)
     "ernie4_5": ("Ernie4_5ForCausalLM", {"use_bias": True, "head_dim": 16, "tie_word_embeddings": True,
                                          "rope_theta": 10000.0}),
+    # MiniCPM3: DeepSeek's MLA (q through a rank-32 bottleneck, a 16 + 8 latent, half-split RoPE) with MiniCPM's
+    # scalings far from 1: embeddings x 12, branches x 1.4 / sqrt(2), hidden / (64 / 16) before the tied head
+    "minicpm3": ("MiniCPM3ForCausalLM", {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                         "dim_model_base": 16, "rope_theta": 10000.0}),
+    # CWM: layer_types by its default pattern (full, then sliding, sliding; window 8), llama3 RoPE over an original
+    # context of 64 (as the apertus preset), head_dim explicit (CwmConfig's default is 128)
+    "cwm": ("CwmForCausalLM", {"num_hidden_layers": 3, "sliding_window": 8, "head_dim": 16, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -209,9 +245,9 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Olmo2ForCausalLM": "olmo2",
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
-                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
+                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "AfmoeForCausalLM": "afmoe", "SolarOpenForCausalLM": "solar_open", "MiniMaxM2ForCausalLM": "minimax_m2", "ExaoneMoeForCausalLM": "exaone_moe", "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
                 "MinistralForCausalLM": "ministral", "PersimmonForCausalLM": "persimmon",
-                "Ernie4_5ForCausalLM": "ernie4_5",
+                "Ernie4_5ForCausalLM": "ernie4_5", "MiniCPM3ForCausalLM": "minicpm3", "CwmForCausalLM": "cwm",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",
                 "PhiForCausalLM": "phi", "GPTNeoXForCausalLM": "gpt_neox",

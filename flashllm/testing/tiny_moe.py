@@ -71,6 +71,8 @@ GPT_OSS_PRESET = ("gpt_oss", "GptOssForCausalLM",
 OLMOE_PRESET = ("olmoe", "OlmoeForCausalLM",
                 {"intermediate_size": 48, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 3,
                  "norm_topk_prob": False, "pad_token_id": 0})
+# FlexOlmo: OLMoE's experts (top-3 of 8, not renormalized) under OLMo 2's post-norms, no input norm
+FLEX_OLMO_PRESET = ("flex_olmo", "FlexOlmoForCausalLM", {**OLMOE_PRESET[2], "rope_theta": 10000.0})
 # PhiMoE: LayerNorms, biased attention and LM head, SparseMixer's two picks of 4 experts in a wide band (0.1, so
 # several experts share the softmax), LongRoPE past an original context of 256 with distinct mscales
 PHIMOE_PRESET = ("phimoe", "PhimoeForCausalLM",
@@ -90,7 +92,7 @@ DBRX_PRESET = ("dbrx", "DbrxForCausalLM",
                 "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}})
 # presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
 OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET,
-                     "olmoe": OLMOE_PRESET, "granitemoeshared": GRANITE_MOE_SHARED_PRESET,
+                     "olmoe": OLMOE_PRESET, "flex_olmo": FLEX_OLMO_PRESET, "granitemoeshared": GRANITE_MOE_SHARED_PRESET,
                      "phimoe": PHIMOE_PRESET, "dbrx": DBRX_PRESET}
 # parameters drawn at unit scale: gpt-oss's sink logits (at INIT_STD they would barely take any attention)
 UNIT_SCALE_SUFFIXES = ("self_attn.sinks",)

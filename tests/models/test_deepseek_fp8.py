@@ -11,18 +11,17 @@ from safetensors.torch import load_file, save_file
 
 from flashllm.models.hf_config import ModelLoadError
 from flashllm.models.loader import load_model
-from flashllm.testing.deepseek import build_deepseek_model, write_block_fp8_copy
+from flashllm.testing.deepseek import (
+    block_fp8_values,
+    build_deepseek_model,
+    write_block_fp8_copy,
+    write_dequantized_copy,
+)
 
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
     return build_deepseek_model(tmp_path_factory.mktemp("v3"), "v3", seed=11)
-
-
-def expected_weight(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """code * scale of its block, written independently of the loader (a Kronecker product, cropped)."""
-    rows, cols = codes.shape
-    return codes.float() * torch.kron(scales, torch.ones(block))[:rows, :cols]
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 24)], ids=["128x128", "16x24-ragged"])
@@ -36,11 +35,11 @@ def test_block_fp8_weights_load_as_code_times_block_scale(block, float_dir, tmp_
     assert config.fp8_block == block
     params = dict(model.named_parameters())
     for key in (name, "model.layers.1.self_attn.kv_b_proj.weight", "model.layers.2.mlp.shared_experts.down_proj.weight"):
-        want = expected_weight(stored[key], stored[key + "_scale_inv"], block)
+        want = block_fp8_values(stored[key], stored[key + "_scale_inv"], block)
         torch.testing.assert_close(params[key], want, atol=0, rtol=0)
     experts = model.model.layers[1].mlp.experts.w2_weight[3]
     key = "model.layers.1.mlp.experts.3.down_proj.weight"
-    torch.testing.assert_close(experts, expected_weight(stored[key], stored[key + "_scale_inv"], block), atol=0, rtol=0)
+    torch.testing.assert_close(experts, block_fp8_values(stored[key], stored[key + "_scale_inv"], block), atol=0, rtol=0)
 
 
 def test_a_block_fp8_model_gives_transformers_logits_on_the_dequantized_weights(float_dir, tmp_path, model_registry,
@@ -49,13 +48,8 @@ def test_a_block_fp8_model_gives_transformers_logits_on_the_dequantized_weights(
 
     block = (16, 24)
     fp8_dir = write_block_fp8_copy(float_dir, tmp_path / "fp8", block)
-    stored = load_file(fp8_dir / "model.safetensors")
-    dequantized = {n: expected_weight(t, stored[n + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
-                   for n, t in stored.items() if not n.endswith("_scale_inv")}
-    (tmp_path / "float").mkdir()
-    save_file(dequantized, tmp_path / "float" / "model.safetensors")
-    (tmp_path / "float" / "config.json").write_text((float_dir / "config.json").read_text())
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(write_dequantized_copy(fp8_dir, tmp_path / "float"),
+                                                  dtype=torch.float32).eval()
     ours, _ = load_model(fp8_dir, ops, torch.float32, "cpu", model_registry, progress=False)
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     driver = paged_driver(ours, block_size=16, num_blocks=8, seed=2)

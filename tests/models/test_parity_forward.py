@@ -10,9 +10,9 @@ from flashllm.testing.parity import assert_logits_close, hf_logits, random_token
 from flashllm.testing.tiny_models import build_tiny_model
 
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
-           "smollm3", "olmo", "helium", "apertus", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "hunyuan_moe", "dots1", "llama4", "starcoder2", "arcee",
+           "smollm3", "olmo", "helium", "apertus", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "hunyuan_moe", "dots1", "minimax_m2", "exaone_moe", "afmoe", "solar_open", "llama4", "starcoder2", "arcee",
            "cohere", "cohere2",
-           "ministral", "persimmon",
+           "ministral", "persimmon", "minicpm3", "cwm",
            "nemotron", "phi", "stablelm", "gpt_neox", "bloom", "mpt", "gptj", "codegen", "falcon", "gpt_bigcode", "gpt2", "opt", "gpt_neo", "xglm")
 CHUNKED = tuple(p for p in PRESETS if p not in ("llama", "llama-tied"))  # the plain Llamas add nothing here
 # LongRoPE: a whole prompt in one pass uses the factor set transformers' full forward does; its decodes

@@ -20,18 +20,19 @@ from flashllm.registry.precision import PRECISIONS
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
        "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GptOssForCausalLM",
-       "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM",
+       "OlmoeForCausalLM", "FlexOlmoForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "AfmoeForCausalLM", "SolarOpenForCausalLM",
        "Glm4vMoeForConditionalGeneration",
        "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
-       "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM"}
+       "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM",
+       "MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
 # MXFP4 experts (gpt-oss)
 DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
-PREQUANT_REFUSED = {"PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM", "ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
-                    "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM",
+PREQUANT_REFUSED = {"ExaoneMoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM", "ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
+                    "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM", "AfmoeForCausalLM",
                     "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
-                    "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
+                    "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "MiniCPM3ForCausalLM", "FlexOlmoForCausalLM", "CwmForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
                     "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "XGLMForCausalLM",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -87,7 +88,7 @@ def test_committed_page_has_a_models_row_per_architecture() -> None:
     # columns: architecture | family | class | needs | weight-only | pre-quantized | tokenizer
     assert "fused_moe (" in table["MixtralForCausalLM"][3] and "reference" in table["MixtralForCausalLM"][3]
     assert table["ChatGLMModel"][5] == "refused"
-    assert table["Qwen2MoeForCausalLM"][5] == table["LlamaForCausalLM"][5] == "GPTQ, AWQ"
+    assert table["Qwen2MoeForCausalLM"][5] == table["LlamaForCausalLM"][5] == "GPTQ, AWQ, FP8"
     assert table["QWenLMHeadModel"][6] == "qwen.tiktoken"
 
 
@@ -114,7 +115,7 @@ def test_devices_lists_every_architecture_in_text_and_json(capsys) -> None:
     models = {m["architecture"]: m for m in json.loads(capsys.readouterr().out)["models"]}
     assert set(models) >= set(BUILTIN_MODELS)
     assert "reference" in models["Qwen2MoeForCausalLM"]["required_ops"]["fused_moe"]
-    assert models["LlamaForCausalLM"]["prequantized"] == ["gptq", "awq"]
+    assert models["LlamaForCausalLM"]["prequantized"] == ["gptq", "awq", "fp8"]
     assert models["BaiChuanForCausalLM"]["prequantized"] == models["QWenLMHeadModel"]["prequantized"] == ["gptq", "awq"]
     assert models["ChatGLMModel"]["prequantized"] == []
     assert main(["devices"]) == 0
