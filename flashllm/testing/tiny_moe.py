@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,3 +133,34 @@ def build_glm4_moe_mtp_model(out_dir: Path, seed: int = 0, predictable: float | 
     layers = MOE_PRESETS["glm4_moe"][2]["num_hidden_layers"]
     build_moe_model(out_dir, "glm4_moe", seed, num_hidden_layers=layers + 1)
     return with_mtp_layer(out_dir, layers, seed, predictable, std=INIT_STD)
+
+
+def moe_reference(out_dir: Path, preset: str, seed: int) -> tuple[Any, Path]:
+    """(transformers' own model of the tiny MoE checkpoint build_moe_model writes to out_dir, fp32 and in eval
+    mode; that directory): the reference a family's parity tests compare against."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_moe_model(out_dir, preset, seed=seed)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), model_dir
+
+
+def check_paged_parity(reference: tuple[Any, Path], ops: Any, registry: Any, paged_driver: Any, vocab: int,
+                       lengths: tuple[int, ...] | None, atol: float) -> None:
+    """flashllm's model of reference's directory (fp32, CPU) over the paged cache against transformers': varlen
+    prefill of prompts of `lengths` then decode (check_varlen_prefill_and_decode), or with lengths None a chunked
+    prefill beside a decode (check_chunked_prefill_beside_a_decode)."""
+    from flashllm.models.loader import load_model
+    from flashllm.testing.parity import (
+        check_chunked_prefill_beside_a_decode,
+        check_varlen_prefill_and_decode,
+        random_tokens,
+    )
+
+    hf_model, model_dir = reference
+    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", registry, progress=False)
+    if lengths is None:
+        check_chunked_prefill_beside_a_decode(paged_driver(ours, block_size=16, num_blocks=32, seed=5), hf_model,
+                                              vocab, atol)
+    else:
+        check_varlen_prefill_and_decode(paged_driver(ours, block_size=16, num_blocks=64, seed=3), hf_model,
+                                        [random_tokens(n, vocab, seed=100 + n) for n in lengths], atol)

@@ -24,13 +24,11 @@ from flashllm.sampling_params import SamplingParams
 from flashllm.testing.fused_decode import record_fused_steps
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
-    check_chunked_prefill_beside_a_decode,
     check_engine_greedy_against,
-    check_varlen_prefill_and_decode,
     random_tokens,
 )
 from flashllm.testing.tiny_models import build_tiny_model
-from flashllm.testing.tiny_moe import ERNIE_MOE_PRESET, MOE_BASE, build_moe_model
+from flashllm.testing.tiny_moe import ERNIE_MOE_PRESET, MOE_BASE, build_moe_model, check_paged_parity, moe_reference
 
 MODEL_TYPE, ARCHITECTURE, FIELDS = ERNIE_MOE_PRESET
 VOCAB = MOE_BASE["vocab_size"]
@@ -41,10 +39,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """(transformers Ernie4_5_MoeForCausalLM, its directory)."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = build_moe_model(tmp_path_factory.mktemp("ernie_moe"), "ernie4_5_moe", seed=9)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), model_dir
+    return moe_reference(tmp_path_factory.mktemp("ernie_moe"), "ernie4_5_moe", seed=9)
 
 
 def _raw(**changes) -> dict:
@@ -123,18 +118,11 @@ def test_the_moe_layers_are_what_the_config_asks_for(moe, ops, model_registry) -
 
 
 def test_moe_varlen_prefill_and_decode_match_transformers(moe, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = moe
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
-    check_varlen_prefill_and_decode(driver, hf_model, [random_tokens(n, VOCAB, seed=100 + n) for n in PROMPT_LENGTHS],
-                                    ATOL)
+    check_paged_parity(moe, ops, model_registry, paged_driver, VOCAB, PROMPT_LENGTHS, ATOL)
 
 
 def test_moe_chunked_prefill_beside_a_decode_matches_transformers(moe, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = moe
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    check_chunked_prefill_beside_a_decode(paged_driver(ours, block_size=16, num_blocks=32, seed=5), hf_model, VOCAB,
-                                          ATOL)
+    check_paged_parity(moe, ops, model_registry, paged_driver, VOCAB, None, ATOL)
 
 
 def _llm(model_dir: Path, **kw) -> LLM:

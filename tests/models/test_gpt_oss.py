@@ -23,12 +23,10 @@ from flashllm.registry.fusions import DECODER_STACK
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
-    check_chunked_prefill_beside_a_decode,
     check_engine_greedy_against,
-    check_varlen_prefill_and_decode,
     random_tokens,
 )
-from flashllm.testing.tiny_moe import GPT_OSS_PRESET, MOE_BASE, build_moe_model
+from flashllm.testing.tiny_moe import GPT_OSS_PRESET, MOE_BASE, build_moe_model, check_paged_parity, moe_reference
 
 VOCAB = MOE_BASE["vocab_size"]
 PROMPT_LENGTHS = (1, 7, 63, 65, 130)
@@ -38,10 +36,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """(transformers GptOssForCausalLM, its directory)."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = build_moe_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=3)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), model_dir
+    return moe_reference(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=3)
 
 
 def test_the_model_has_sinks_biased_experts_and_alternating_windows(gpt_oss, ops, model_registry) -> None:
@@ -58,18 +53,11 @@ def test_the_model_has_sinks_biased_experts_and_alternating_windows(gpt_oss, ops
 
 
 def test_varlen_prefill_and_decode_match_transformers(gpt_oss, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = gpt_oss
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
-    check_varlen_prefill_and_decode(driver, hf_model, [random_tokens(n, VOCAB, seed=100 + n) for n in PROMPT_LENGTHS],
-                                    ATOL)
+    check_paged_parity(gpt_oss, ops, model_registry, paged_driver, VOCAB, PROMPT_LENGTHS, ATOL)
 
 
 def test_chunked_prefill_beside_a_decode_matches_transformers(gpt_oss, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = gpt_oss
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    check_chunked_prefill_beside_a_decode(paged_driver(ours, block_size=16, num_blocks=32, seed=5), hf_model, VOCAB,
-                                          ATOL)
+    check_paged_parity(gpt_oss, ops, model_registry, paged_driver, VOCAB, None, ATOL)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -17,12 +17,10 @@ from flashllm.registry.fusions import DECODER_STACK, LM_HEAD
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
 from flashllm.testing.parity import (
-    check_chunked_prefill_beside_a_decode,
     check_engine_greedy_against,
-    check_varlen_prefill_and_decode,
     random_tokens,
 )
-from flashllm.testing.tiny_moe import GRANITE_MOE_PRESET, MOE_BASE, build_moe_model
+from flashllm.testing.tiny_moe import GRANITE_MOE_PRESET, MOE_BASE, build_moe_model, check_paged_parity, moe_reference
 
 VOCAB = MOE_BASE["vocab_size"]
 PROMPT_LENGTHS = (1, 7, 63, 65, 130)
@@ -32,10 +30,7 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
     """(transformers GraniteMoeForCausalLM, its directory)."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = build_moe_model(tmp_path_factory.mktemp("granitemoe"), "granitemoe", seed=5)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), model_dir
+    return moe_reference(tmp_path_factory.mktemp("granitemoe"), "granitemoe", seed=5)
 
 
 def test_the_model_is_granite_s_stack_with_sparse_mlps(granite, ops, model_registry) -> None:
@@ -50,18 +45,11 @@ def test_the_model_is_granite_s_stack_with_sparse_mlps(granite, ops, model_regis
 
 
 def test_varlen_prefill_and_decode_match_transformers(granite, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = granite
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    driver = paged_driver(ours, block_size=16, num_blocks=64, seed=3)
-    check_varlen_prefill_and_decode(driver, hf_model, [random_tokens(n, VOCAB, seed=100 + n) for n in PROMPT_LENGTHS],
-                                    ATOL)
+    check_paged_parity(granite, ops, model_registry, paged_driver, VOCAB, PROMPT_LENGTHS, ATOL)
 
 
 def test_chunked_prefill_beside_a_decode_matches_transformers(granite, ops, model_registry, paged_driver) -> None:
-    hf_model, model_dir = granite
-    ours, _ = load_model(model_dir, ops, torch.float32, "cpu", model_registry, progress=False)
-    check_chunked_prefill_beside_a_decode(paged_driver(ours, block_size=16, num_blocks=32, seed=5), hf_model, VOCAB,
-                                          ATOL)
+    check_paged_parity(granite, ops, model_registry, paged_driver, VOCAB, None, ATOL)
 
 
 def test_engine_greedy_tokens_and_logits_match_transformers(granite) -> None:
