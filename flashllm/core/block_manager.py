@@ -50,16 +50,25 @@ class BlockManager:
     back (so the least recently freed cached block is evicted first, and evicting drops its hash);
     a freed block without a hash joins the front, since reusing it loses nothing. `num_free_blocks`
     counts both kinds: a cached free block is still reusable by a prefix hit until evicted.
+
+    With num_state_slots > 0 (a model whose layers keep per-sequence recurrent state) each sequence also holds one
+    state slot from allocate_prompt until free; such a state sums up the whole prefix, so it is never shared:
+    prefix caching must be off and fork refuses.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"BlockManager needs num_blocks >= 1 and block_size >= 1, got num_blocks="
                 f"{num_blocks}, block_size={block_size}; check CacheConfig"
             )
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("recurrent state slots need prefix caching off: a cached block holds no state")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_state_slots = num_state_slots
+        self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -142,7 +151,7 @@ class BlockManager:
         # Hit blocks sitting in the free queue stop being free once the sequence references them.
         num_free_after_hits = self.num_free_blocks - sum(1 for b in hit_ids if b in self._free)
         num_needed = self._num_blocks_for(num_hit_tokens + num_new_tokens) - len(hit_ids)
-        return num_needed <= num_free_after_hits
+        return num_needed <= num_free_after_hits and (not self.num_state_slots or bool(self._free_slots))
 
     def allocate_prompt(self, seq: Sequence) -> None:
         """Attach the longest cached prefix to a WAITING sequence that holds no blocks.
@@ -162,6 +171,11 @@ class BlockManager:
             self._take_ref(block_id)
         self._num_queried_blocks += num_eligible
         self._num_hit_blocks += len(hit_ids)
+        if self.num_state_slots:
+            if not self._free_slots:
+                raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a recurrent-state slot but all "
+                                        f"{self.num_state_slots} are held (check can_allocate first)")
+            seq.state_slot = self._free_slots.pop()
         seq.block_table = hit_ids
         seq.block_hashes = hashes
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit_ids) * self.block_size
@@ -309,6 +323,9 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if seq.state_slot >= 0:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Give child (no blocks yet) parent's KV: share fully computed blocks, copy the partial one.
@@ -318,6 +335,8 @@ class BlockManager:
         """
         if child.block_table:
             raise ValueError(f"fork target sequence {child.seq_id} already holds blocks; free it")
+        if self.num_state_slots:
+            raise ValueError("a model with recurrent state cannot fork a sequence: its state is not copied")
         num_full = parent.num_computed_tokens // self.block_size
         has_partial = parent.num_computed_tokens % self.block_size != 0
         if has_partial and not self._free:

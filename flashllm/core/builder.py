@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from flashllm.config import EngineConfig
-from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner
+from flashllm.core.model_runner import KV_SCALE_TYPES, ModelRunner, state_cache_specs
 from flashllm.core.parallel import RankContext
 from flashllm.core.runner_select import EngineConfigError, model_runner_class
 from flashllm.core.scheduler import check_scheduler_config
@@ -60,6 +60,8 @@ class EngineParts:
     # the speculative proposer's weights (core/spec/build.py load_drafter), loaded before the KV cache was
     # sized so its own cache shares the budget; None without one
     drafter: Any = None
+    # recurrent-state slots (one per seat, max_num_seqs) of a model whose layers keep per-sequence state; 0: none
+    num_state_slots: int = 0
 
 
 def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None,
@@ -110,6 +112,7 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
             check_block(config.cache.block_size)
         except ValueError as exc:
             raise EngineConfigError(f"block_size {config.cache.block_size}: {exc}") from None
+    num_state_slots = _state_slots(config, model)
     lora = _lora_manager(config, model, model_dir, ops, dtype, selection.device) if config.lora.enable_lora else None
     runner_cls.prepare_model(model, selection.adapter)  # what it keeps beside the weights is counted below
     tokenizer = _tokenizer(Path(config.model.tokenizer or model_dir)) if rank.rank == 0 else None
@@ -122,10 +125,10 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
         drafter = load_drafter(Target(config, selection, ops, model, hf_config, tokenizer, model_dir), rank.rank)
     # the draft's cache is on the driver only; agree_min gives every rank the driver's smaller block count
     draft_per_block = drafter.kv_bytes_per_block if drafter is not None else 0
-    num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype, draft_per_block))
+    num_blocks = rank.agree_min(_num_kv_blocks(config, model, selection, kv_dtype, draft_per_block, num_state_slots))
     try:
         runner = runner_cls(model, selection.device, num_blocks, config.cache.block_size, kv_dtype,
-                            config.cache.cachekv_int8_type, adapter=selection.adapter)
+                            config.cache.cachekv_int8_type, adapter=selection.adapter, num_state_slots=num_state_slots)
     except ValueError as exc:  # static KV scales the checkpoint lacks
         raise EngineConfigError(str(exc)) from None
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s%s", num_blocks,
@@ -143,7 +146,24 @@ def build_engine_parts(config: EngineConfig, plugins: FlashPlugins | None = None
 
         eos = eos_token_ids(tokenizer, generation_config)
     return EngineParts(config, selection, ops, model, hf_config, tokenizer, generation_config, eos, runner,
-                       num_blocks, model_dir, drafter)
+                       num_blocks, model_dir, drafter, num_state_slots)
+
+
+def _state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
+    """Recurrent-state slots for a model whose layers keep per-sequence state: one per seat (max_num_seqs); 0 for
+    every other model. Such a state is not paged by position, so prefix caching is turned off for it and
+    speculative decoding (which would roll a state back) is refused."""
+    if not state_cache_specs(model):
+        return 0
+    name = type(model).__name__
+    if config.speculative.enabled:
+        raise EngineConfigError(f"{name} keeps a recurrent state per sequence, which speculative decoding cannot "
+                                "roll back yet; drop --speculate_method / --speculative-model")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching is off: %s keeps a recurrent state per sequence, which cached KV blocks do not "
+                    "hold", name)
+        config.cache.enable_prefix_caching = False
+    return config.scheduler.max_num_seqs
 
 
 # --moe_quant_type values: the experts' own weight-only scheme
@@ -189,6 +209,8 @@ def _no_graphs_reason(config: EngineConfig, selection: DeviceSelection, ops: OpT
         return "multi-LoRA (each step's adapter slots are chosen on the host)"
     if selection.adapter.new_graph(selection.device) is None:
         return f"the {selection.backend.name} backend's device has no graphs"
+    if model is not None and state_cache_specs(model):  # the captured decode inputs hold no state slots
+        return "the model keeps a recurrent state per sequence (its slots are not graph inputs)"
     if getattr(model, "reads_prompt_lens", False):  # the captured decode inputs hold no prompt lengths
         return "the model reads each sequence's prompt length (QWen's dynamic NTK, Phi-3's LongRoPE tables)"
     syncing = next((m for m in (model.modules() if model is not None else ()) if getattr(m, "syncs_with_host", False)),
@@ -272,28 +294,32 @@ def _set_max_model_len(config: EngineConfig, hf_config: HFModelConfig) -> None:
 
 def _num_kv_blocks(
     config: EngineConfig, model: torch.nn.Module, selection: DeviceSelection, kv_dtype: torch.dtype,
-    draft_per_block: int = 0,
+    draft_per_block: int = 0, num_state_slots: int = 0,
 ) -> int:
     """Blocks from --num-kv-blocks, else --kv-cache-memory, else a share of the device's free memory.
 
     draft_per_block: bytes a speculative drafter's own cache takes per block (it has as many blocks as the
-    target's), so a memory budget covers both caches."""
+    target's), so a memory budget covers both caches. A memory budget also covers the num_state_slots recurrent
+    states; a model with no attention layer (nothing per block) gets a block table for every seat and position."""
     block_size = config.cache.block_size
     per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype, config.cache.cachekv_int8_type)
     per_block += draft_per_block
+    state_bytes = num_state_slots * ModelRunner.state_bytes_per_slot(model)
     blocks_per_seq = math.ceil(config.model.max_model_len / block_size)
+    wanted = blocks_per_seq * config.scheduler.max_num_seqs
     num_blocks: int | None = None
     if config.cache.num_kv_blocks is not None:
         num_blocks = config.cache.num_kv_blocks
+    elif per_block == 0:
+        num_blocks = wanted
     elif config.cache.kv_cache_memory is not None:
-        num_blocks = config.cache.kv_cache_memory // per_block
+        num_blocks = max(config.cache.kv_cache_memory - state_bytes, 0) // per_block
     elif selection.profile.accelerator and (budget := _profiled_kv_budget(config, model, selection, kv_dtype)):
-        num_blocks = min(budget // per_block, MAX_PROFILED_BLOCKS)
+        num_blocks = min(max(budget - state_bytes, 0) // per_block, MAX_PROFILED_BLOCKS)
     sized = ""
     if num_blocks is None:
         free, _ = selection.adapter.memory_info(selection.device)
-        wanted = blocks_per_seq * config.scheduler.max_num_seqs
-        num_blocks = min(wanted, int(free * CPU_KV_MEMORY_FRACTION) // per_block)
+        num_blocks = min(wanted, max(int(free * CPU_KV_MEMORY_FRACTION) - state_bytes, 0) // per_block)
         sized = (f", sized as {CPU_KV_MEMORY_FRACTION:.0%} of the {free / 2**30:.2f} GiB of memory available now "
                  f"at {per_block} bytes a block")
     if num_blocks < blocks_per_seq:

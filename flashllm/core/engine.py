@@ -41,7 +41,8 @@ class Engine:
         self.config = config
         self.tokenizer = self.parts.tokenizer
         self.block_manager = BlockManager(self.parts.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching and not self.parts.num_state_slots,
+                                          self.parts.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = self.executor.runner  # the driver rank's
         self.speculator: Speculator | None = make_speculator(config, self.parts.drafter, self.parts.runner,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -67,6 +68,7 @@ class _FlatBatch:
     pooling: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)  # per q_lens entry, for models that read them
+    state_slots: list[int] = field(default_factory=list)  # per q_lens entry: Sequence.state_slot
 
 
 def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
@@ -87,6 +89,7 @@ def _pad_to_buckets(flat: _FlatBatch, buckets: ShapeBuckets) -> None:
     flat.q_lens.extend([0] * (padded_seqs - num_seqs))
     flat.seq_lens.extend([0] * (padded_seqs - num_seqs))
     flat.prompt_lens.extend([0] * (padded_seqs - num_seqs))
+    flat.state_slots.extend([-1] * (padded_seqs - num_seqs))
     flat.block_tables.extend([] for _ in range(padded_seqs - num_seqs))
     flat.sampling_rows.extend([0] * (padded_seqs - len(flat.sampling_rows)))
 
@@ -107,6 +110,8 @@ class ModelRunner:
     block_size, Hk) with cachekv_int8_type "dynamic", or the layer's calibrated () / (Hk,)
     scales (the model's kv_cache_scales(), loaded from the checkpoint) with "static".
     cachekv_int8_type does not apply to float caches.
+    A model with recurrent layers (CausalLM.state_cache_shapes) gets `num_state_slots` slots of each state
+    tensor after the attention caches (allocate_kv_caches) and each sequence's slot in attn_metadata.state_slots.
     `adapter` (the selected device's DeviceAdapter; a do-nothing one by default) may ask for
     shape buckets, and its end_step() runs after every forward pass.
 
@@ -123,12 +128,13 @@ class ModelRunner:
 
     def __init__(
         self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-        cachekv_int8_type: str = "dynamic", adapter: DeviceAdapter | None = None,
+        cachekv_int8_type: str = "dynamic", adapter: DeviceAdapter | None = None, num_state_slots: int = 0,
     ) -> None:
         if cachekv_int8_type not in KV_SCALE_TYPES:
             raise ValueError(f"cachekv_int8_type {cachekv_int8_type!r} is not one of {KV_SCALE_TYPES}")
         self.model = model
         self._reads_prompt_lens = bool(getattr(model, "reads_prompt_lens", False))  # AttentionMetadata.prompt_lens
+        self._keeps_state = bool(state_cache_specs(model))  # AttentionMetadata.state_slots
         self.device = device
         # the adapter's hooks: shape buckets (static-shape devices) and the end of each step
         self.adapter = adapter if adapter is not None else DeviceAdapter(device.type)
@@ -144,7 +150,7 @@ class ModelRunner:
         # drafts from the target's hidden states (core/spec/mtp.py); set, it keeps steps off device graphs
         self.hidden_sink: Callable[[ModelInput, torch.Tensor], None] | None = None
         self.kv_caches = allocate_kv_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type,
-                                            zeros=self.kv_zeros)
+                                            zeros=self.kv_zeros, num_state_slots=num_state_slots)
 
     @classmethod
     def place_empty_weights(cls, model: torch.nn.Module) -> None:
@@ -174,6 +180,11 @@ class ModelRunner:
         if _is_quantized(kv_dtype) and cachekv_int8_type == "dynamic":
             per_slot += num_kv_heads * torch.float32.itemsize
         return _caches_per_layer(model) * num_layers * block_size * per_slot
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module) -> int:
+        """Bytes of recurrent state, over all layers, that one sequence's slot takes (0 for a model without)."""
+        return sum(math.prod(shape) * dtype.itemsize for layer in state_cache_specs(model) for shape, dtype in layer)
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value, (B, V) -> (B,) int64; first on ties, NaN largest
@@ -243,6 +254,7 @@ class ModelRunner:
             max_seqlen_q=max(flat.q_lens),
             max_seqlen_k=max(flat.seq_lens),
             prompt_lens=self._tensor(flat.prompt_lens, torch.int32) if self._reads_prompt_lens else None,
+            state_slots=self._tensor(flat.state_slots, torch.int64) if self._keeps_state else None,
         )
         return ModelInput(
             input_ids=self._tensor(flat.input_ids, torch.int64),
@@ -277,6 +289,8 @@ class ModelRunner:
             flat.seq_ids.append(seq.seq_id)
             flat.seq_lens.append(end)
             flat.prompt_lens.append(seq.num_prompt_tokens)
+            if self._keeps_state:
+                flat.state_slots.append(seq.state_slot)
             flat.block_tables.append(table)
             if item.produces_token:
                 flat.sampling_rows.append(len(flat.input_ids) - 1)
@@ -405,10 +419,26 @@ class ModelRunner:
 
 def allocate_kv_caches(
     model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-    cachekv_int8_type: str = "dynamic", zeros: Callable[..., torch.Tensor] | None = None,
+    cachekv_int8_type: str = "dynamic", zeros: Callable[..., torch.Tensor] | None = None, num_state_slots: int = 0,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """One (k_cache, v_cache[, k_scale, v_scale]) tuple per layer, laid out as ModelRunner describes;
-    `zeros(shape, dtype, device)` makes each zeroed cache (default torch.zeros; not the scales)."""
+    """One (k_cache, v_cache[, k_scale, v_scale]) tuple per attention layer, laid out as ModelRunner describes,
+    then one tuple of zeroed (num_state_slots, *shape) state tensors per recurrent layer of a model that has them;
+    `zeros(shape, dtype, device)` makes each zeroed KV cache (default torch.zeros; not the scales or states)."""
+    states = [tuple(torch.zeros((num_state_slots, *shape), dtype=dtype, device=device) for shape, dtype in layer)
+              for layer in state_cache_specs(model)]
+    return _attention_caches(model, device, num_blocks, block_size, kv_dtype, cachekv_int8_type, zeros) + states
+
+
+def state_cache_specs(model: torch.nn.Module) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+    """The model's recurrent-state (shape, dtype) per layer (CausalLM.state_cache_shapes); [] for one without."""
+    shapes = getattr(model, "state_cache_shapes", None)  # a plugin's model may not derive from CausalLM
+    return shapes() if shapes is not None else []
+
+
+def _attention_caches(
+    model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    cachekv_int8_type: str, zeros: Callable[..., torch.Tensor] | None,
+) -> list[tuple[torch.Tensor, ...]]:
     num_layers, num_kv_heads, head_dim = model.kv_cache_shape()
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     make = zeros if zeros is not None else torch.zeros

@@ -49,7 +49,7 @@ IDLE_WAIT = timedelta(days=365)
 # command, tokens, sequences, block-table width, logits rows, num_logits + 1, max q, max k, LoRA slot rows
 # (0 or tokens), bytes of LoRA slot loads, prompt-length rows (0 or sequences: AttentionMetadata.prompt_lens),
 # prompt-logprob LM-head blocks (ModelInput.prompt_logit_blocks: two ids each)
-_HEADER = 12
+_HEADER = 13
 MAX_LOAD_BYTES = 1 << 20  # a step's slot loads: at most 256 adapters' names and paths
 _STEP, _STOP, _PING = 1, 0, 2
 
@@ -191,15 +191,17 @@ class StepChannel:
                              f"{MAX_LOAD_BYTES}; use shorter adapter names or paths")
         extra = () if lora_slots is None else (lora_slots,)
         prompt_lens = () if md.prompt_lens is None else (md.prompt_lens,)
+        state_slots = () if md.state_slots is None else (md.state_slots,)
         blocks = torch.tensor(inputs.prompt_logit_blocks or [], dtype=torch.int64).reshape(-1)
         header = torch.tensor([_STEP, inputs.input_ids.numel(), md.seq_lens.numel(), tables.shape[1],
                                inputs.logits_indices.numel(), -1 if inputs.num_logits is None else inputs.num_logits,
                                md.max_seqlen_q, md.max_seqlen_k, 0 if lora_slots is None else lora_slots.numel(),
                                len(loads), 0 if md.prompt_lens is None else md.prompt_lens.numel(),
-                               blocks.numel() // 2], dtype=torch.int64)
+                               blocks.numel() // 2, 0 if md.state_slots is None else md.state_slots.numel()],
+                              dtype=torch.int64)
         payload = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
             inputs.input_ids, inputs.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, tables,
-            inputs.logits_indices, *extra, *prompt_lens, blocks)])
+            inputs.logits_indices, *extra, *prompt_lens, blocks, *state_slots)])
         group = control_group()
         dist.broadcast(header, src=0, group=group)
         dist.broadcast(payload, src=0, group=group)
@@ -240,14 +242,16 @@ class StepChannel:
         while int((header := _next_header(group))[0]) == _PING:
             dist.barrier(group=group)  # the driver's ping waits here too
         (command, tokens, seqs, width, rows, num_logits, max_q, max_k, lora_rows, load_bytes, prompt_rows,
-         num_blocks) = header.tolist()
+         num_blocks, state_rows) = header.tolist()
         if command == _STOP:
             dist.barrier(group=group)  # the driver's send_stop waits here too
             return None
-        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows, prompt_rows, 2 * num_blocks]
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, rows, lora_rows, prompt_rows, 2 * num_blocks,
+                 state_rows]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, src=0, group=group)
-        ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots, prompt_lens, blocks = payload.split(sizes)
+        (ids, positions, slots, cu, seq_lens, tables, logits_rows, lora_slots, prompt_lens, blocks,
+         state_slots) = payload.split(sizes)
         if load_bytes:
             loads = torch.empty(load_bytes, dtype=torch.uint8)
             dist.broadcast(loads, src=0, group=group)
@@ -264,7 +268,8 @@ class StepChannel:
             slot_mapping=on_device(slots, torch.int64), cu_seqlens_q=on_device(cu, torch.int32),
             seq_lens=on_device(seq_lens, torch.int32), block_tables=on_device(tables.view(seqs, width), torch.int32),
             max_seqlen_q=max_q, max_seqlen_k=max_k,
-            prompt_lens=on_device(prompt_lens, torch.int32) if prompt_rows else None)
+            prompt_lens=on_device(prompt_lens, torch.int32) if prompt_rows else None,
+            state_slots=on_device(state_slots, torch.int64) if state_rows else None)
         return ModelInput(input_ids=on_device(ids, torch.int64), positions=on_device(positions, torch.int64),
                           attn_metadata=metadata, logits_indices=on_device(logits_rows, torch.int64),
                           num_logits=None if num_logits < 0 else num_logits,

@@ -62,6 +62,9 @@ class Sequence:
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0
         self.block_table: list[int] = []
+        # the slot of the model's recurrent-state caches this sequence holds while it has KV blocks (-1: none; only
+        # models with per-sequence state, CausalLM.state_cache_shapes, get one: BlockManager(num_state_slots))
+        self.state_slot: int = -1
         # Chained content hashes of the leading full blocks that are computed and in block_table;
         # owned by the BlockManager (they depend only on token_ids, so they never go stale).
         self.block_hashes: list[bytes] = []

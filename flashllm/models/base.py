@@ -18,7 +18,8 @@ its checkpoints' config.json, by flashllm (models/builtin.py) or by a plugin thr
    models/layers take them and shard themselves.
 3. `load_weights(named tensors)` copies checkpoint tensors, named as in the checkpoint, into the
    parameters; `packed_modules_mapping` names the checkpoint projections fused into one parameter.
-4. The runner sizes the paged KV cache from `kv_cache_shape()`, then calls
+4. The runner sizes the paged KV cache from `kv_cache_shape()` (and, for a model whose layers keep a
+   per-sequence recurrent state, one state slot per running sequence from `state_cache_shapes()`), then calls
    `forward(input_ids, positions, kv_caches, attn_metadata)` on flat token batches and
    `compute_logits(hidden)` on the rows it samples from.
 5. `fusions()` declares the fused fast paths the model offers (records from
@@ -127,6 +128,15 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim): the runner allocates one paged cache per layer."""
+
+    def state_cache_shapes(self) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+        """Per recurrent layer (Mamba, short convolution, linear attention), in layer order: the (shape, dtype)
+        of each state tensor one sequence keeps on this rank, whatever its length. The runner allocates each as
+        (num_state_slots, *shape) and passes them after the attention layers' caches: forward's kv_caches holds
+        kv_cache_shape()[0] attention tuples, then one tuple per entry here; attn_metadata.state_slots says
+        which slot is whose. Such a model is run without prefix caching, speculative decoding or device
+        graphs (a state is not paged by position). The default: no recurrent layers."""
+        return []
 
     def kv_cache_scales(self) -> list[tuple[Tensor | None, Tensor | None]]:
         """Each attention layer's calibrated (k_scale, v_scale) from the checkpoint, in layer order

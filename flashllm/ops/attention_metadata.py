@@ -24,6 +24,11 @@ class AttentionMetadata:
                    (the runner fills it for models with `reads_prompt_lens`, e.g. QWen's dynamic NTK,
                    whose RoPE base a sequence's prompt length picks); readers then take seq_lens, which
                    is right for a whole prompt in one pass.
+    state_slots:   (B,) int64, each sequence's slot in the recurrent-state caches of a model that keeps
+                   per-sequence state (CausalLM.state_cache_shapes: Mamba / short-conv layers), -1 for a
+                   padding sequence; None for a model without such state, or a pass whose sequences all start
+                   from a zero state and keep none (the memory profile's). A sequence whose context before
+                   this pass is empty (seq_lens - q_len == 0) starts from a zero state whatever its slot holds.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +38,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     prompt_lens: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
