@@ -79,14 +79,15 @@ def window_hidden(parts: EngineParts, token_ids: list[int], chunk_tokens: int | 
     attending to the cache the earlier chunks wrote: the kernels a decode batch of that many tokens
     takes (on the cpu backend, chunks of up to native.MAX_TOKENS run its native decode products).
     The window is one sequence whose blocks are 0..n-1 of the runner's cache, so slot p holds
-    position p; whatever an earlier window wrote there is overwritten before attention reads it.
+    position p; whatever an earlier window wrote there is overwritten before attention reads it (and a
+    recurrent model's state slot 0 starts from zeros at the window's first chunk).
     """
     runner = parts.runner
     num_tokens = len(token_ids)
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     num_blocks = math.ceil(num_tokens / runner.block_size)
-    capacity = runner.kv_caches[0][0].shape[0]
+    capacity = parts.num_blocks
     if num_blocks > capacity:
         raise ValueError(f"a window of {num_tokens} tokens needs {num_blocks} KV blocks but the cache holds "
                          f"{capacity}; build the parts with load_scoring_parts(config, max_length >= {num_tokens})")
@@ -104,6 +105,8 @@ def window_hidden(parts: EngineParts, token_ids: list[int], chunk_tokens: int | 
             max_seqlen_q=end - start,
             max_seqlen_k=end,
             prompt_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),  # the window is one prompt
+            # a recurrent model carries the window's state from chunk to chunk in its first slot
+            state_slots=torch.zeros(1, dtype=torch.int64, device=device) if parts.num_state_slots else None,
         )
         input_ids = torch.tensor(token_ids[start:end], dtype=torch.int64, device=device)
         positions = torch.arange(start, end, dtype=torch.int64, device=device)

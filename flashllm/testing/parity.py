@@ -105,14 +105,15 @@ def check_chunked_prefill_beside_a_decode(driver: Any, hf_model: torch.nn.Module
 
 
 def check_engine_greedy_against(llm: Any, hf_model: torch.nn.Module, prompts: list[list[int]], steps: int,
-                                atol: float = 1e-4) -> None:
+                                atol: float = 1e-4, greedy: Any = hf_greedy) -> None:
     """The engine's `steps` greedy tokens after each prompt equal transformers' (full forwards, no cache), and every
-    logits row it scored on the way is within `atol` of transformers'."""
+    logits row it scored on the way is within `atol` of transformers'. `greedy(hf_model, prompt, steps)` gives
+    transformers' (tokens, logits): hf_greedy, or a cache of it where several tests share prompts."""
     from flashllm.sampling_params import SamplingParams
 
     rows = record_logits(llm)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logits = hf_greedy(hf_model, prompt, steps)
+        tokens, logits = greedy(hf_model, prompt, steps)
         assert output.outputs[0].token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert_rows_match(rows, prompt, tokens, logits, steps, atol=atol)

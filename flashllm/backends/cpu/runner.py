@@ -110,8 +110,9 @@ class CpuRunner(ModelRunner):
         return self.kv_pages.resident_bytes()
 
     def _fast(self) -> bool:
-        """Whether the fused paths may run: no device graphs or shape buckets in the way."""
-        return self.graphs is None and self.shape_buckets is None
+        """Whether the fused paths may run: no device graphs or shape buckets in the way, and no recurrent
+        state the fused decoder stack would not carry (a hybrid model may inherit a decoder's fusions)."""
+        return self.graphs is None and self.shape_buckets is None and not self._keeps_state
 
     def _burst(self) -> Any:
         if self._greedy_burst is _UNBUILT:

@@ -15,11 +15,13 @@ and Gated DeltaNet's input convolutions all run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from flashllm.models.layers.linear import copy_checked
 from flashllm.ops.attention_metadata import AttentionMetadata
 
 
@@ -101,6 +103,52 @@ def store_sequence_state(state: Tensor | None, spans: StateSpans, i: int, value:
     """Sequence i's final state into its slot (nothing when the pass keeps none)."""
     if state is not None and spans.slots is not None:
         state[spans.slots[i]] = value.to(state.dtype)
+
+
+def split_caches(kv_caches: list[tuple[Tensor, ...]], num_attention: int, num_recurrent: int,
+                 attn_metadata: AttentionMetadata) -> tuple[list[tuple[Tensor, ...]], list[tuple[Tensor | None, ...]]]:
+    """forward's kv_caches -> (the attention layers' caches, the recurrent layers' state tuples). A pass that keeps
+    no state (attn_metadata.state_slots None) may bring the attention caches alone; its recurrent layers then get
+    (None, None) and start every sequence from zeros. Raises ValueError on any other count."""
+    if len(kv_caches) == num_attention and attn_metadata.state_slots is None:
+        return list(kv_caches), [(None, None)] * num_recurrent
+    if len(kv_caches) != num_attention + num_recurrent:
+        raise ValueError(f"got {len(kv_caches)} caches for {num_attention} attention and {num_recurrent} recurrent "
+                         "layers; pass the attention layers' (k_cache, v_cache) and then one state tuple per "
+                         "recurrent layer (see kv_cache_shape() and state_cache_shapes())")
+    return list(kv_caches[:num_attention]), list(kv_caches[num_attention:])
+
+
+def sharded_rows_loader(full_sizes: tuple[int, ...], tp_rank: int, tp_size: int) -> Any:
+    """A weight loader for a parameter whose rows are the segments `full_sizes` one after another (a convolution's
+    [x | B | C] channels; one segment for per-channel or per-head vectors): this rank takes its 1/tp_size of each."""
+
+    def load(param: Tensor, loaded: Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not fused; got shard_id={shard_id!r}")
+        if loaded.shape[0] != sum(full_sizes) or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match ({sum(full_sizes)}, "
+                             f"{', '.join(map(str, param.shape[1:]))}); the checkpoint does not match its config.json")
+        offset = start = 0
+        for size in full_sizes:
+            part = size // tp_size
+            copy_checked(param.narrow(0, offset, part), loaded.narrow(0, start + tp_rank * part, part))
+            offset, start = offset + part, start + size
+
+    return load
+
+
+def sharded_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, loader: Any) -> nn.Parameter:
+    """A zeroed parameter of this rank's shape that `loader` fills from the checkpoint tensor."""
+    param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+def channel_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tp_rank: int,
+                  tp_size: int) -> nn.Parameter:
+    """A parameter whose first dimension is channels split evenly over the ranks: this rank's rows of it."""
+    return sharded_param(shape, dtype, device, sharded_rows_loader((shape[0] * tp_size,), tp_rank, tp_size))
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor | None, spans: StateSpans,
