@@ -31,6 +31,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "flashllm.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "flashllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "flashllm.models.qwen3:Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "flashllm.models.qwen3_next:Qwen3NextForCausalLM",
     "Gemma3ForCausalLM": "flashllm.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "flashllm.models.gemma3:Gemma2ForCausalLM",
     "GemmaForCausalLM": "flashllm.models.gemma3:GemmaForCausalLM",
@@ -71,6 +72,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "GraniteForCausalLM": "flashllm.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "flashllm.models.granite_moe:GraniteMoeForCausalLM",
     "PersimmonForCausalLM": "flashllm.models.persimmon:PersimmonForCausalLM",
+    "Lfm2ForCausalLM": "flashllm.models.lfm2:Lfm2ForCausalLM",  # LiquidAI/LFM2-*
+    "Lfm2MoeForCausalLM": "flashllm.models.lfm2_moe:Lfm2MoeForCausalLM",  # LiquidAI/LFM2-8B-A1B
+    "Mamba2ForCausalLM": "flashllm.models.mamba2:Mamba2ForCausalLM",  # state-spaces/mamba2-*, Mamba-Codestral
+    "BambaForCausalLM": "flashllm.models.bamba:BambaForCausalLM",  # ibm-ai-platform/Bamba-9B (v1, v2)
+    "GraniteMoeHybridForCausalLM": "flashllm.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",  # Granite 4.0-H
     "GraniteMoeSharedForCausalLM": "flashllm.models.granite_moe:GraniteMoeSharedForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",
@@ -98,6 +104,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "MiniCPM3ForCausalLM": "flashllm.models.minicpm3:MiniCPM3ForCausalLM",  # openbmb/MiniCPM3-4B: MLA, scaled
     "FlexOlmoForCausalLM": "flashllm.models.flex_olmo:FlexOlmoForCausalLM",  # OLMo 2 norms around OLMoE's MoE
     "CwmForCausalLM": "flashllm.models.cwm:CwmForCausalLM",  # Meta's Code World Model: Llama + sliding layers
+    "MambaForCausalLM": "flashllm.models.mamba:MambaForCausalLM",  # selective state spaces, no attention
+    "FalconMambaForCausalLM": "flashllm.models.mamba:FalconMambaForCausalLM",  # Mamba + RMS-normed dt, B, C
+    "JambaForCausalLM": "flashllm.models.jamba:JambaForCausalLM",  # Mamba + attention layers, MoE MLPs
 }
 
 

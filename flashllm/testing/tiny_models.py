@@ -211,6 +211,26 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Persimmon: q / k / v fused per head with biases, biased LayerNorms on every query and key head, RoPE over half
     # of each head (base 25000, persimmon-8b's), a biased relu2 MLP; PersimmonConfig ignores num_key_value_heads
     "persimmon": ("PersimmonForCausalLM", {"rope_theta": 25000.0, "intermediate_size": 96}),
+    # LFM2: short-convolution layers (width 3, biased here; the published ones are not) around one attention layer with
+    # q / k norms; the feed-forward's width derived as Lfm2MLP does (2/3 of 128, rounded up to 32: 96); tied embeddings
+    "lfm2": ("Lfm2ForCausalLM", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+                                 "block_multiple_of": 32, "conv_bias": True, **_PHI3_IDS}),
+    # Mamba-2: 8 heads of 16 over 2 groups of B / C (d_state 16), a width-4 conv, prefill blocks of 16 tokens so
+    # longer prompts cross blocks; no attention layer, every layer keeps a conv and an SSM state per sequence
+    "mamba2": ("Mamba2ForCausalLM", {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16,
+                                     "chunk_size": 16, "expand": 2, "bos_token_id": 1, "eos_token_id": 2}),
+    # Bamba: Mamba-2 layers 0 and 2 (8 heads of 16, 2 groups, d_state 16, blocks of 16) around attention layer 1
+    # (4 query heads over 2 KV heads, RoPE over half of each head)
+    "bamba": ("BambaForCausalLM", {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                                   "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    # Granite 4.0-H: Mamba-2 layers 0 and 2 around a NoPE attention layer 1, top-2 of 4 experts 32 wide beside a
+    # shared MLP 48 wide in every layer, Granite's four multipliers far from 1 (as the granite preset's)
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", {
+        "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 8,
+        "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+        "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0625, "logits_scaling": 8.0}),
     # Ministral: a window of 8 on layers 0 and 2 only (layer_types), full attention on layer 1; head_dim explicit
     # (transformers' Ministral cannot run without one) and not hidden / heads
     "ministral": ("MinistralForCausalLM", {
@@ -237,6 +257,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "cwm": ("CwmForCausalLM", {"num_hidden_layers": 3, "sliding_window": 8, "head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}}),
+    # Mamba: 2 blocks of the selective-scan mixer (128 channels, d_state 8, conv width 4, dt rank auto = 4), no
+    # attention; FalconMamba: the same with RMS-normed dt / B / C, biased in_proj / out_proj, an unbiased conv
+    "mamba": ("MambaForCausalLM", {"state_size": 8}),
+    "falcon_mamba": ("FalconMambaForCausalLM", {"state_size": 8, "use_bias": True, "use_conv_bias": False,
+                                                "time_step_rank": 6, "mixer_rms_eps": 1e-5}),
+    # Jamba: layer 1 attention (period 3, offset 1), layers 0, 2 and 3 Mamba (128 channels, d_state 8, dt rank 4,
+    # learned dt / B / C norms); layers 1 and 3 MoE (period 2, offset 1: top-2 of 4 experts 96 wide, not
+    # renormalized), 0 and 2 dense; so attention + MoE, Mamba + MoE and Mamba + dense blocks all occur
+    "jamba": ("JambaForCausalLM", {"num_hidden_layers": 4, "intermediate_size": 96, "attn_layer_period": 3,
+                                   "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+                                   "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8,
+                                   "max_position_embeddings": 512, **_PHI3_IDS}),
 }
 # transformers' model_type of each preset's architecture
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -246,7 +278,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Olmo3ForCausalLM": "olmo3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "AfmoeForCausalLM": "afmoe", "SolarOpenForCausalLM": "solar_open", "MiniMaxM2ForCausalLM": "minimax_m2", "ExaoneMoeForCausalLM": "exaone_moe", "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
-                "MinistralForCausalLM": "ministral", "PersimmonForCausalLM": "persimmon",
+                "MinistralForCausalLM": "ministral", "PersimmonForCausalLM": "persimmon", "Lfm2ForCausalLM": "lfm2", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
+                "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                 "Ernie4_5ForCausalLM": "ernie4_5", "MiniCPM3ForCausalLM": "minicpm3", "CwmForCausalLM": "cwm",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",
@@ -254,7 +287,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "GPTBigCodeForCausalLM": "gpt_bigcode", "GPT2LMHeadModel": "gpt2", "OPTForCausalLM": "opt", "GPTNeoForCausalLM": "gpt_neo", "XGLMForCausalLM": "xglm", "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt",
                 "FalconForCausalLM": "falcon",
                 "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
-                "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm"}
+                "NemotronForCausalLM": "nemotron", "StableLmForCausalLM": "stablelm",
+                "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba", "JambaForCausalLM": "jamba"}
 
 # A weight scale large enough that attention is far from uniform (scores of order 1) and logits
 # are of order 1, so parity tests notice position or masking mistakes.

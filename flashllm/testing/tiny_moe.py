@@ -91,10 +91,27 @@ DBRX_PRESET = ("dbrx", "DbrxForCausalLM",
                 "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
                 "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.8, "rope_theta": 500000.0},
                 "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}})
+# Qwen3-Next: Gated DeltaNet layers (2 key heads of 16, each serving 2 value heads of 24, convolution 4 wide) with
+# gated full attention at layer 1 (RoPE over half of each head); top-2 of 8 renormalized beside a gated shared
+# expert, layer 2 dense (mlp_only_layers)
+QWEN3_NEXT_PRESET = ("qwen3_next", "Qwen3NextForCausalLM",
+                     {"intermediate_size": 96, "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64, "mlp_only_layers": [2],
+                      "head_dim": 16, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                      "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                      "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4})
+# LFM2-MoE: LFM2's short-convolution layers (width 3) around one attention layer; layer 0 dense, then top-3 of 8
+# sigmoid-scored experts chosen with a random expert_bias, renormalized and x 1.5
+LFM2_MOE_PRESET = ("lfm2_moe", "Lfm2MoeForCausalLM",
+                   {"intermediate_size": 96, "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv",
+                                                                                     "conv"],
+                    "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+                    "routed_scaling_factor": 1.5})
 # presets kept apart from MOE_PRESETS, whose models test_moe.py checks for a fused decode step
 OTHER_MOE_PRESETS = {"ernie4_5_moe": ERNIE_MOE_PRESET, "granitemoe": GRANITE_MOE_PRESET, "gpt_oss": GPT_OSS_PRESET,
                      "olmoe": OLMOE_PRESET, "flex_olmo": FLEX_OLMO_PRESET, "granitemoeshared": GRANITE_MOE_SHARED_PRESET,
-                     "phimoe": PHIMOE_PRESET, "dbrx": DBRX_PRESET}
+                     "phimoe": PHIMOE_PRESET, "dbrx": DBRX_PRESET, "lfm2_moe": LFM2_MOE_PRESET, "qwen3_next": QWEN3_NEXT_PRESET}
 # parameters drawn at unit scale: gpt-oss's sink logits (at INIT_STD they would barely take any attention)
 UNIT_SCALE_SUFFIXES = ("self_attn.sinks",)
 
@@ -118,7 +135,7 @@ def build_moe_model(out_dir: Path, preset: str, seed: int = 0, original_format: 
             param.copy_(noise + 1.0 if "norm" in name.split(".")[-2] else noise / INIT_STD if name.endswith(UNIT_SCALE_SUFFIXES)
                         else noise)
         for name, tensor in sorted([*model.named_buffers(), *model.named_parameters()]):
-            if name.endswith("e_score_correction_bias"):  # chooses experts (zeros would leave that untested)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # chooses experts (zeros: untested)
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * INIT_STD * (0.3 if "moe_statics" in name else 1))
     model.save_pretrained(out_dir, save_original_format=original_format)
     return out_dir

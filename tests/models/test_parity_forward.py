@@ -18,7 +18,9 @@ CHUNKED = tuple(p for p in PRESETS if p not in ("llama", "llama-tied"))  # the p
 # LongRoPE: a whole prompt in one pass uses the factor set transformers' full forward does; its decodes
 # and chunks across original_max_position_embeddings are checked against transformers' cached generation
 # in tests/models/test_phi3.py
-PREFILL_PRESETS = (*PRESETS, "phi3-longrope")
+# recurrent models: prefill only here (this driver keeps no state); their decodes and chunks are in their own files
+PREFILL_PRESETS = (*PRESETS, "phi3-longrope", "mamba2", "bamba", "granitemoehybrid", "lfm2", "mamba", "falcon_mamba",
+                   "jamba")
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
 
 

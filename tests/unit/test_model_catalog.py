@@ -19,19 +19,20 @@ from flashllm.registry.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GptOssForCausalLM",
+       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM", "GptOssForCausalLM",
        "OlmoeForCausalLM", "FlexOlmoForCausalLM", "Qwen3VLMoeForConditionalGeneration", "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "AfmoeForCausalLM", "SolarOpenForCausalLM",
        "Glm4vMoeForConditionalGeneration",
        "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
        "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM",
-       "MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM"}
+       "MiniMaxM2ForCausalLM", "ExaoneMoeForCausalLM", "JambaForCausalLM", "Qwen3NextForCausalLM",
+       "Lfm2MoeForCausalLM"}
 # pre-quantized formats a model reads without a packed-weight layer, dequantized at load: block FP8 (DeepSeek),
 # MXFP4 experts (gpt-oss)
 DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
 PREQUANT_REFUSED = {"ExaoneMoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM", "ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
                     "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM", "AfmoeForCausalLM",
-                    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
+                    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "MiniCPM3ForCausalLM", "FlexOlmoForCausalLM", "CwmForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
                     "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "XGLMForCausalLM",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
