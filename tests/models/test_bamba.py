@@ -1,7 +1,8 @@
 """Bamba (transformers' BambaForCausalLM): config.json read as BambaConfig reads it, and the engine's greedy tokens and
 logits equal to transformers' with Mamba-2 layers' states carried across prefill chunks and recomputed after
 preemption beside paged attention layers, and on two tensor-parallel ranks. The tiny preset's whole-prompt paged
-forward and engine parity also run in test_parity_forward.py and test_engine_parity.py."""
+forward and engine parity also run in test_parity_forward.py and test_engine_parity.py; the states through chunks,
+reused slots and preemption in test_mamba2_family_states.py."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ import torch
 from flashllm.models.bamba import BambaForCausalLM
 from flashllm.models.hf_config import ModelLoadError, parse_hf_config
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
-from flashllm.testing.hybrid_checks import check_paged_states, reference_pair
+from flashllm.testing.hybrid_checks import reference_pair
 from flashllm.testing.parity import check_engine_greedy_against, random_tokens
 from flashllm.testing.state_slots import (
-    check_fresh_sequences_in_reused_slots,
-    check_preemption_recomputes_states,
-    check_states_across_prefill_chunks,
     recurrent_llm,
 )
 
@@ -85,22 +83,6 @@ def test_attention_caches_come_before_the_mamba_layers_states(ops) -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return reference_pair(tmp_path_factory.mktemp("bamba"), "bamba", seed=4)
-
-
-def test_paged_prefill_decode_and_chunks_match_transformers(loaded_pair, paged_driver) -> None:
-    check_paged_states(*loaded_pair("bamba"), paged_driver, 256)
-
-
-def test_prompts_prefilled_eight_tokens_a_step_carry_their_states_across_chunks(tiny) -> None:
-    check_states_across_prefill_chunks(*tiny, 256)
-
-
-def test_fresh_sequences_in_reused_slots_start_from_zero_states(tiny) -> None:
-    check_fresh_sequences_in_reused_slots(*tiny, 256)
-
-
-def test_forced_preemption_recomputes_the_states_from_scratch(tiny) -> None:
-    check_preemption_recomputes_states(*tiny, 256)
 
 
 def test_variant_attending_first_and_last_with_biases_matches_transformers(tmp_path) -> None:

@@ -2,7 +2,8 @@
 to the token-by-token recurrence, and the engine's greedy tokens and logits equal to transformers' with each
 sequence's conv and SSM states carried across prefill chunks, concurrent requests, preemption (recomputed from
 scratch) and one-token prompts, and on two tensor-parallel ranks. The tiny preset's whole-prompt paged forward and
-engine parity also run in test_parity_forward.py and test_engine_parity.py."""
+engine parity also run in test_parity_forward.py and test_engine_parity.py; the states through chunks, reused slots and
+preemption in test_mamba2_family_states.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,9 @@ from flashllm.models.layers.mamba2 import ssd_sequence, ssd_step
 from flashllm.models.mamba2 import Mamba2ForCausalLM
 from flashllm.sampling_params import SamplingParams
 from flashllm.testing.gguf_files import two_ranks_decode_as_one
-from flashllm.testing.hybrid_checks import check_paged_states, reference_pair
+from flashllm.testing.hybrid_checks import reference_pair
 from flashllm.testing.parity import check_engine_greedy_against, random_tokens
 from flashllm.testing.state_slots import (
-    check_fresh_sequences_in_reused_slots,
-    check_preemption_recomputes_states,
-    check_states_across_prefill_chunks,
     recurrent_llm,
 )
 
@@ -97,22 +95,6 @@ def test_blockwise_scan_equals_the_token_by_token_recurrence() -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return reference_pair(tmp_path_factory.mktemp("mamba2"), "mamba2", seed=4)
-
-
-def test_paged_prefill_decode_and_chunks_match_transformers(loaded_pair, paged_driver) -> None:
-    check_paged_states(*loaded_pair("mamba2"), paged_driver, 256)
-
-
-def test_prompts_prefilled_eight_tokens_a_step_carry_their_states_across_chunks(tiny) -> None:
-    check_states_across_prefill_chunks(*tiny, 256)
-
-
-def test_fresh_sequences_in_reused_slots_start_from_zero_states(tiny) -> None:
-    check_fresh_sequences_in_reused_slots(*tiny, 256)
-
-
-def test_forced_preemption_recomputes_the_states_from_scratch(tiny) -> None:
-    check_preemption_recomputes_states(*tiny, 256)
 
 
 def test_variant_with_biases_limits_and_tied_head_matches_transformers(tmp_path) -> None:
