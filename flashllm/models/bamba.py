@@ -137,17 +137,22 @@ class HybridModel(nn.Module):
         return hidden
 
     def layer_caches(self, kv_caches: list[tuple[Tensor, ...]], spans: StateSpans) -> list[tuple[Any, ...]]:
-        """Each layer's kv_cache argument, in layer order, from the runner's [attention caches..., states...]."""
+        """Each layer's kv_cache argument, in layer order, from the runner's [attention caches..., states...]; None
+        for a layer whose `keeps_state` is false (neither attention nor recurrent: an MLP-only layer)."""
         attention = [layer for layer in self.layers if layer.is_attention]
         caches, states = iter(kv_caches[:len(attention)]), iter(kv_caches[len(attention):])
-        return [next(caches) if layer.is_attention else (next(states, None), spans) for layer in self.layers]
+        return [next(caches) if layer.is_attention else (next(states, None), spans)
+                if getattr(layer, "keeps_state", True) else None for layer in self.layers]
 
 
 class HybridCausalLM:
     """forward, kv_cache_shape and state_cache_shapes of a CausalLM whose `model` is a HybridModel (mixed in before
-    the Llama-family class that loads its weights)."""
+    the Llama-family class that loads its weights). Each layer holds its attention as `attention_module` and its
+    Mamba mixer as `mamba_module` (names of the layer's submodules)."""
 
     model: HybridModel
+    attention_module: ClassVar[str] = "self_attn"
+    mamba_module: ClassVar[str] = "mamba"
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -156,7 +161,7 @@ class HybridCausalLM:
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(attention layers, KV heads on this rank, head_dim); (0, 1, head_dim) with none."""
-        attention = [layer.self_attn for layer in self.model.layers if layer.is_attention]
+        attention = [getattr(layer, self.attention_module) for layer in self.model.layers if layer.is_attention]
         if not attention:
             return 0, 1, self.config.head_dim
         return len(attention), attention[0].num_kv_heads, attention[0].head_dim
@@ -164,7 +169,8 @@ class HybridCausalLM:
     def state_cache_shapes(self) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
         """Per Mamba layer, in layer order: (conv state in the model dtype, SSM state float32) on this rank."""
         dtype = self.model.norm.weight.dtype
-        return [layer.mamba.state_shapes(dtype) for layer in self.model.layers if not layer.is_attention]
+        return [getattr(layer, self.mamba_module).state_shapes(dtype) for layer in self.model.layers
+                if not layer.is_attention and getattr(layer, "keeps_state", True)]
 
 
 class BambaForCausalLM(HybridCausalLM, LlamaForCausalLM):

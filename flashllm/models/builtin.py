@@ -77,6 +77,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Mamba2ForCausalLM": "flashllm.models.mamba2:Mamba2ForCausalLM",  # state-spaces/mamba2-*, Mamba-Codestral
     "BambaForCausalLM": "flashllm.models.bamba:BambaForCausalLM",  # ibm-ai-platform/Bamba-9B (v1, v2)
     "GraniteMoeHybridForCausalLM": "flashllm.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",  # Granite 4.0-H
+    "NemotronHForCausalLM": "flashllm.models.nemotron_h:NemotronHForCausalLM",  # Nemotron-H, Nemotron Nano 2
     "GraniteMoeSharedForCausalLM": "flashllm.models.granite_moe:GraniteMoeSharedForCausalLM",
     "QWenLMHeadModel": "flashllm.models.qwen:QWenLMHeadModel",  # first-generation Qwen
     "ChatGLMModel": "flashllm.models.chatglm:ChatGLMForConditionalGeneration",

@@ -64,14 +64,15 @@ def time_step_limit(raw: dict[str, Any], key: str, source: str) -> tuple[float, 
 
 def mixer_sizes(raw: dict[str, Any], names: dict[str, str], hidden: int, eps: float, source: str) -> Mamba2Sizes:
     """The mixer's sizes from config.json's fields, under the family's names (`names`: Mamba2Sizes field or
-    `expand` -> config key), validated: heads x head_dim = expand x hidden_size, n_groups dividing the heads."""
+    `expand` -> config key), validated: heads x head_dim = expand x hidden_size (where `names` has an `expand`),
+    n_groups dividing the heads."""
     def num(key: str, maximum: int) -> int:
         return positive_int(raw, names[key], None, maximum, source)
 
     heads, head_dim, groups = num("num_heads", MAX_NUM_HEADS * 64), num("head_dim", MAX_HEAD_DIM), num("n_groups",
                                                                                                        MAX_NUM_HEADS)
-    expand = num("expand", 64)
-    if heads * head_dim != expand * hidden:
+    expand = num("expand", 64) if "expand" in names else None  # without one, the width is heads x head_dim
+    if expand is not None and heads * head_dim != expand * hidden:
         raise ModelLoadError(f"{source}: {names['num_heads']}={heads} x {names['head_dim']}={head_dim} must equal "
                              f"{names['expand']}={expand} x hidden_size={hidden}, the mixer's inner width")
     if heads % groups:

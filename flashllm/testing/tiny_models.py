@@ -231,6 +231,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
         "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.0625, "logits_scaling": 8.0}),
+    # Nemotron-H: one mixer per layer, Mamba-2 (8 heads of 16, 2 groups, d_state 16, blocks of 16), NoPE attention
+    # (4 query heads of 16 over 2 KV heads) and relu2 MLPs, in the pattern M-*M-
+    "nemotron_h": ("NemotronHForCausalLM", {
+        "hybrid_override_pattern": "M-*M-", "num_hidden_layers": 5, "head_dim": 16, "mamba_num_heads": 8,
+        "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16}),
     # Ministral: a window of 8 on layers 0 and 2 only (layer_types), full attention on layer 1; head_dim explicit
     # (transformers' Ministral cannot run without one) and not hidden / heads
     "ministral": ("MinistralForCausalLM", {
@@ -279,7 +284,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe", "Dots1ForCausalLM": "dots1", "AfmoeForCausalLM": "afmoe", "SolarOpenForCausalLM": "solar_open", "MiniMaxM2ForCausalLM": "minimax_m2", "ExaoneMoeForCausalLM": "exaone_moe", "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
                 "MinistralForCausalLM": "ministral", "PersimmonForCausalLM": "persimmon", "Lfm2ForCausalLM": "lfm2", "Mamba2ForCausalLM": "mamba2", "BambaForCausalLM": "bamba",
-                "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+                "GraniteMoeHybridForCausalLM": "granitemoehybrid", "NemotronHForCausalLM": "nemotron_h",
                 "Ernie4_5ForCausalLM": "ernie4_5", "MiniCPM3ForCausalLM": "minicpm3", "CwmForCausalLM": "cwm",
                 "Starcoder2ForCausalLM": "starcoder2", "ArceeForCausalLM": "arcee",
                 "GPTJForCausalLM": "gptj", "CodeGenForCausalLM": "codegen",

@@ -20,7 +20,7 @@ BLOCK = 16  # small blocks so prompts and decodes cross many block boundaries
 PRESETS = ("llama", "llama3", "llama-tied", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "ernie4_5",
            "smollm3", "olmo", "helium", "apertus", "olmo2", "olmo3", "gemma", "exaone4", "seed_oss", "hunyuan", "hunyuan_moe", "dots1", "minimax_m2", "exaone_moe", "afmoe", "solar_open", "llama4", "starcoder2", "arcee",
            "cohere", "cohere2",
-           "ministral", "persimmon", "minicpm3", "cwm", "mamba2", "bamba", "granitemoehybrid",
+           "ministral", "persimmon", "minicpm3", "cwm", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
            "nemotron", "phi", "stablelm", "gpt_neox", "bloom", "mpt", "gptj", "codegen", "falcon", "gpt_bigcode", "gpt2", "opt", "gpt_neo", "xglm", "lfm2")
 
 

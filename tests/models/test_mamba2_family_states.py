@@ -14,7 +14,7 @@ from flashllm.testing.state_slots import (
     check_states_across_prefill_chunks,
 )
 
-PRESETS = ("mamba2", "bamba", "granitemoehybrid")
+PRESETS = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h")
 VOCAB = 256  # the presets' vocabulary
 
 

@@ -19,7 +19,7 @@ CHUNKED = tuple(p for p in PRESETS if p not in ("llama", "llama-tied"))  # the p
 # and chunks across original_max_position_embeddings are checked against transformers' cached generation
 # in tests/models/test_phi3.py
 # recurrent models: prefill only here (this driver keeps no state); their decodes and chunks are in their own files
-PREFILL_PRESETS = (*PRESETS, "phi3-longrope", "mamba2", "bamba", "granitemoehybrid", "lfm2", "mamba", "falcon_mamba",
+PREFILL_PRESETS = (*PRESETS, "phi3-longrope", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "lfm2", "mamba", "falcon_mamba",
                    "jamba")
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200)
 

@@ -32,7 +32,7 @@ DEQUANTIZED_AT_LOAD = {"fp8", "mxfp4"}
 # architectures whose config parser refuses a quantization_config (grep their parse_config refusals)
 PREQUANT_REFUSED = {"ExaoneMoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM", "DbrxForCausalLM", "ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM", "Glm4ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM", "OlmoForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
                     "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", "HunYuanMoEV1ForCausalLM", "AfmoeForCausalLM",
-                    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
+                    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "PersimmonForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
                     "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "MiniCPM3ForCausalLM", "FlexOlmoForCausalLM", "CwmForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM",
                     "FalconForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "XGLMForCausalLM",
                     "StableLmForCausalLM", "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
